@@ -1,0 +1,7 @@
+"""QuantMLA: low-bit dual-path KV caching for Multi-Head Latent Attention models.
+
+MLA caches two things per token and layer: the content latent ``c`` (``kv_lora_rank`` wide) and the
+shared RoPE key ``k_R`` (``qk_rope_head_dim`` wide). QuantMLA quantizes the two paths separately.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""The ``quantmla`` command. Each subcommand lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules are imported lazily so `--help` stays fast.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "spec": ("quantmla.model.command", "Show the MLA spec of a checkpoint or config"),
+    "bytes": ("quantmla.cache.command", "Bytes per token per layer of cache formats"),
+    "train-reference": ("quantmla.training.command", "Train a small MLA reference model on real text"),
+    "analyze": ("quantmla.analysis.command", "Measure the dual-path error model per layer"),
+    "calibrate": ("quantmla.calibration.command", "Learn and fuse path-specific transforms"),
+    "eval": ("quantmla.evaluation.command", "Perplexity and retrieval under a quantized cache"),
+    "bench-kernel": ("quantmla.kernels.command", "Benchmark the low-bit MLA decode kernel (GPU)"),
+    "serve-bench": ("quantmla.serving.command", "Whole-job throughput under cache pressure (GPU)"),
+    "demo": ("quantmla.demo", "The main job: calibrate, evaluate and report on the shipped model"),
+}
+
+
+class CLIError(Exception):
+    """An error with a message meant for the user (no traceback)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quantmla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:  # a subcommand not built yet
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"quantmla {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except CLIError as e:
+        print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        if getattr(e, "user_facing", False):
+            print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
