@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from quantmla.errors import QuantMLAError
+
 # name -> (module, one-line help). Modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec": ("quantmla.model.command", "Show the MLA spec of a checkpoint or config"),
@@ -51,14 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except CLIError as e:
+    except (CLIError, QuantMLAError, FileNotFoundError) as e:
         print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
-        if getattr(e, "user_facing", False):
-            print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,17 @@
+"""User-facing errors: each names the problem and the fix."""
+
+
+class QuantMLAError(ValueError):
+    """Bad input or configuration, with a message a user can act on."""
+
+
+class NotMLAError(QuantMLAError):
+    """The checkpoint or model has no Multi-Head Latent Attention layers."""
+
+
+class UnsupportedFormatError(QuantMLAError):
+    """Bits, group size or another cache-format field that is not supported."""
+
+
+class NonFiniteError(QuantMLAError):
+    """NaN or Inf in activations that were to be quantized."""
