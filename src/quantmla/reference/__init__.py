@@ -1,1 +1,5 @@
-"""reference"""
+"""Reference implementations in fp32/fp64 (oracles for the kernels)."""
+
+from quantmla.reference.absorbed import absorbed_attention
+
+__all__ = ["absorbed_attention"]

@@ -1,0 +1,111 @@
+"""The quantized MLA cache layout — defined once, used by the Cache subclass's accounting, the
+paged GPU pool and the kernels.
+
+Per token and layer the cache holds a *record*:
+
+    content codes  d_c·b_c/8 bytes     (planar-packed, see quant.packing)
+    RoPE codes     d_r·b_r/8 bytes
+    content meta   G_c × fields × 2 bytes   (fp16/bf16 scale[, zero] per group)
+    RoPE meta      G_r × fields × 2 bytes
+
+A *page* stores ``page_size`` tokens as four sections, one per field above, each a contiguous
+``[page_size, field_bytes]`` array starting at a 16-byte aligned offset; the page size in bytes
+is rounded up to 16. A 16-bit path stores raw bf16 values as its "codes" and no metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quantmla.quant.format import BF16, PathFormat
+
+ALIGN = 16
+DEFAULT_PAGE_SIZE = 64
+SECTIONS = ("content_codes", "rope_codes", "content_meta", "rope_meta")
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """The two paths' formats: content latent and RoPE key."""
+
+    content: PathFormat = BF16
+    rope: PathFormat = BF16
+
+    def describe(self) -> str:
+        return f"content {self.content.describe()} + RoPE {self.rope.describe()}"
+
+    def to_dict(self) -> dict:
+        return {"content": self.content.to_dict(), "rope": self.rope.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheFormat":
+        return cls(PathFormat.from_dict(d["content"]), PathFormat.from_dict(d["rope"]))
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Bytes of one token's record in one layer: latent rank d_c, RoPE dim d_r."""
+
+    d_c: int
+    d_r: int
+    fmt: CacheFormat
+
+    def __post_init__(self):
+        self.fmt.content.check_dim(self.d_c, "content path")
+        self.fmt.rope.check_dim(self.d_r, "RoPE path")
+
+    @property
+    def field_bytes(self) -> dict[str, int]:
+        c, r = self.fmt.content, self.fmt.rope
+        return {
+            "content_codes": c.code_bytes(self.d_c),
+            "rope_codes": r.code_bytes(self.d_r),
+            "content_meta": c.meta_bytes(self.d_c),
+            "rope_meta": r.meta_bytes(self.d_r),
+        }
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(self.field_bytes.values())
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte offsets of the four sections inside one page of `page_size` tokens."""
+
+    token: TokenLayout
+    page_size: int = DEFAULT_PAGE_SIZE
+    offsets: dict[str, int] = field(init=False, compare=False)
+    page_bytes: int = field(init=False, compare=False)
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        off, offsets = 0, {}
+        for name in SECTIONS:
+            offsets[name] = off
+            off = align_up(off + self.page_size * self.token.field_bytes[name])
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "page_bytes", align_up(off))
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocated_bytes(self, seq_lens: list[int] | int, layers: int = 1, block_table_entry_bytes: int = 4) -> int:
+        """Bytes a paged cache allocates for these sequences: pages plus block tables and lengths."""
+        lens = [seq_lens] if isinstance(seq_lens, int) else list(seq_lens)
+        pages = [self.pages_for(n) for n in lens]
+        data = sum(pages) * self.page_bytes * layers
+        tables = sum(pages) * block_table_entry_bytes + 4 * len(lens)
+        return data + tables
+
+
+def compression(d_c: int, d_r: int, fmt: CacheFormat, tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> float:
+    """BF16 allocated bytes over `fmt`'s allocated bytes, one sequence of `tokens` tokens."""
+    ref = PageLayout(TokenLayout(d_c, d_r, CacheFormat()), page_size).allocated_bytes(tokens)
+    got = PageLayout(TokenLayout(d_c, d_r, fmt), page_size).allocated_bytes(tokens)
+    return ref / got

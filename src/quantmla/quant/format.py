@@ -1,0 +1,111 @@
+"""What one cache path stores per token: bits, channel group size, mode, metadata dtype.
+
+A ``PathFormat`` is the single description of a path's quantized record. Byte counts here are the
+ones the cache layout, the Cache subclass, the page pool and the kernels all use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from quantmla.errors import UnsupportedFormatError
+
+MODES = ("affine", "symmetric", "fp8")
+INT_BITS = (2, 3, 4, 8)
+META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PathFormat:
+    """Per-token channel-group quantization of one path (content latent or RoPE key).
+
+    bits:       2, 3, 4 or 8 (integer codes), 8 with mode "fp8" (e4m3), or 16 (stored unquantized).
+    group_size: channels sharing one scale (and zero point, for "affine").
+    mode:       "affine" (x ≈ code·scale + zero), "symmetric" (x ≈ (code − 2^(b−1))·scale), "fp8".
+    meta_dtype: dtype of the stored scale / zero point ("float16" or "bfloat16").
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    mode: str = "affine"
+    meta_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.bits == 16:
+            return
+        if self.mode not in MODES:
+            raise UnsupportedFormatError(f"unknown quantization mode {self.mode!r}; use one of {MODES}")
+        if self.mode == "fp8" and self.bits != 8:
+            raise UnsupportedFormatError(f"fp8 (e4m3) stores 8 bits per value, got bits={self.bits}; set bits=8")
+        if self.mode != "fp8" and self.bits not in INT_BITS:
+            raise UnsupportedFormatError(
+                f"unsupported bit width {self.bits}; integer codes take bits in {INT_BITS} (or 16 for no quantization)"
+            )
+        if self.group_size < 1 or self.group_size & (self.group_size - 1):
+            raise UnsupportedFormatError(f"group_size must be a power of two >= 1, got {self.group_size}")
+        if self.meta_dtype not in META_DTYPES:
+            raise UnsupportedFormatError(f"meta_dtype must be one of {tuple(META_DTYPES)}, got {self.meta_dtype!r}")
+
+    # -- derived sizes (per token, for a path of `dim` channels) -----------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 16
+
+    @property
+    def meta_fields(self) -> int:
+        """Stored metadata values per group: scale and zero (affine) or scale alone."""
+        if not self.quantized:
+            return 0
+        return 2 if self.mode == "affine" else 1
+
+    @property
+    def torch_meta_dtype(self) -> torch.dtype:
+        return META_DTYPES[self.meta_dtype]
+
+    def check_dim(self, dim: int, path: str = "path") -> None:
+        """Raise a clear error if this format cannot store `dim` channels."""
+        if not self.quantized:
+            return
+        if dim % self.group_size:
+            raise UnsupportedFormatError(
+                f"{path}: group_size {self.group_size} does not divide its {dim} channels; "
+                f"pick a group size that divides {dim}"
+            )
+        if (dim * self.bits) % 8:
+            raise UnsupportedFormatError(f"{path}: {dim} channels at {self.bits} bits do not fill whole bytes")
+        if self.bits == 3 and dim % 8:
+            raise UnsupportedFormatError(f"{path}: 3-bit packing needs a multiple of 8 channels, got {dim}")
+
+    def groups(self, dim: int) -> int:
+        return dim // self.group_size if self.quantized else 0
+
+    def code_bytes(self, dim: int) -> int:
+        """Bytes of codes per token (16-bit: the raw bf16 values)."""
+        return dim * 2 if not self.quantized else dim * self.bits // 8
+
+    def meta_bytes(self, dim: int) -> int:
+        return self.groups(dim) * self.meta_fields * 2
+
+    def bytes_per_token(self, dim: int) -> int:
+        return self.code_bytes(dim) + self.meta_bytes(dim)
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "BF16"
+        name = "FP8" if self.mode == "fp8" else f"INT{self.bits}"
+        return f"{name}/g{self.group_size}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PathFormat":
+        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype"}
+        if unknown:
+            raise UnsupportedFormatError(f"unknown path-format fields {sorted(unknown)}")
+        return cls(**d)
+
+
+BF16 = PathFormat(bits=16)

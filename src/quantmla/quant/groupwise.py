@@ -1,0 +1,124 @@
+"""Per-token channel-group quantizers (affine, symmetric, FP8 e4m3) and their fake-quant.
+
+Shapes: inputs are ``[..., D]`` with channels last; groups are ``D / group_size`` contiguous
+channel blocks of one token. Codes are packed with :mod:`quantmla.quant.packing`; metadata is
+``[..., G, fields]`` in the format's meta dtype (fields = (scale, zero) for affine, (scale,) else).
+Codes are computed against the *stored* (rounded) scale and zero, so dequantization here, in the
+cache and in the kernels agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from quantmla.errors import NonFiniteError
+from quantmla.quant.format import PathFormat
+from quantmla.quant.packing import pack, unpack
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class Quantized(NamedTuple):
+    """A quantized path: packed codes uint8 [..., code_bytes], metadata [..., G, fields]."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+
+
+def check_finite(x: torch.Tensor, what: str = "activations") -> None:
+    if not torch.isfinite(x).all():
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        raise NonFiniteError(
+            f"{what} contain {n_nan} NaN and {n_inf} Inf values and cannot be quantized; "
+            "check the model's dtype (fp16 overflow?) and its inputs"
+        )
+
+
+def _grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    D = x.shape[-1]
+    fmt.check_dim(D)
+    return x.float().reshape(*x.shape[:-1], D // fmt.group_size, fmt.group_size)
+
+
+def _scales(xg: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored scale (and zero) per group, rounded to the meta dtype, as fp32 [..., G, 1]."""
+    mdt = fmt.torch_meta_dtype
+    if fmt.mode == "affine":
+        lo = xg.amin(-1, keepdim=True)
+        hi = xg.amax(-1, keepdim=True)
+        zero = lo.to(mdt).float()
+        scale = ((hi - zero) / (2**fmt.bits - 1)).to(mdt).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
+        return scale, zero
+    amax = xg.abs().amax(-1, keepdim=True)
+    top = FP8_MAX if fmt.mode == "fp8" else 2 ** (fmt.bits - 1) - 1
+    scale = (amax / top).to(mdt).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, None
+
+
+def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
+    """x: [..., D] float -> packed codes and metadata. Raises NonFiniteError on NaN/Inf."""
+    if not fmt.quantized:
+        raise ValueError("a 16-bit format stores values unquantized; nothing to quantize")
+    check_finite(x)
+    xg = _grouped(x, fmt)
+    scale, zero = _scales(xg, fmt)
+    mdt = fmt.torch_meta_dtype
+    if fmt.mode == "fp8":
+        y = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        codes = y.view(torch.uint8).reshape(*x.shape)
+        return Quantized(codes, scale.to(mdt))
+    qmax = 2**fmt.bits - 1
+    if fmt.mode == "affine":
+        q = torch.round((xg - zero) / scale).clamp(0, qmax)
+        meta = torch.cat([scale, zero], dim=-1).to(mdt)
+    else:
+        mid = 2 ** (fmt.bits - 1)
+        q = (torch.round(xg / scale) + mid).clamp(0, qmax)
+        meta = scale.to(mdt)
+    codes = pack(q.to(torch.uint8).reshape(*x.shape), fmt.bits)
+    return Quantized(codes, meta)
+
+
+def dequantize(q: Quantized, fmt: PathFormat, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize`: -> [..., dim] in `dtype` (computed in fp32)."""
+    meta = q.meta.float()
+    lead = q.codes.shape[:-1]
+    scale = meta[..., 0:1]
+    if fmt.mode == "fp8":
+        vals = q.codes.view(torch.float8_e4m3fn).float().reshape(*lead, -1, fmt.group_size)
+        return (vals * scale).reshape(*lead, dim).to(dtype)
+    codes = unpack(q.codes, fmt.bits, dim).float().reshape(*lead, -1, fmt.group_size)
+    if fmt.mode == "affine":
+        out = codes * scale + meta[..., 1:2]
+    else:
+        out = (codes - 2 ** (fmt.bits - 1)) * scale
+    return out.reshape(*lead, dim).to(dtype)
+
+
+def quantize_dequantize(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """Round trip through the stored format, same dtype and shape as x (identity for 16 bits)."""
+    if not fmt.quantized:
+        return x
+    return dequantize(quantize(x, fmt), fmt, x.shape[-1], x.dtype)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt):
+        return quantize_dequantize(x, fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fake_quant(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """Quantize-dequantize with a straight-through gradient (identity backward)."""
+    if not fmt.quantized:
+        return x
+    return _FakeQuantSTE.apply(x, fmt)
