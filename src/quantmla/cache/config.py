@@ -1,0 +1,80 @@
+"""The cache quantization config: default formats, per-layer overrides, full-precision window.
+
+It is what ``quantmla calibrate`` writes into config.json as ``quantization_config`` and what
+loading reads back to set up the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quantmla.cache.layout import CacheFormat
+from quantmla.errors import QuantMLAError
+from quantmla.quant.format import PathFormat
+
+QUANT_METHOD = "quantmla"
+
+
+@dataclass(frozen=True)
+class QuantCacheConfig:
+    """content / rope: default path formats; layer_overrides: cache slot -> CacheFormat;
+    fp_window: the most recent tokens kept unquantized (0: every read is quantized);
+    method: how the checkpoint was prepared ("rtn", "hadamard", "quantmla", ...)."""
+
+    content: PathFormat = field(default_factory=lambda: PathFormat(4, 64))
+    rope: PathFormat = field(default_factory=lambda: PathFormat(4, 32))
+    layer_overrides: dict[int, CacheFormat] = field(default_factory=dict)
+    fp_window: int = 0
+    method: str = "rtn"
+
+    def __post_init__(self):
+        if self.fp_window < 0:
+            raise QuantMLAError(f"fp_window must be >= 0, got {self.fp_window}")
+
+    @classmethod
+    def of_bits(cls, content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32, **kw):
+        """Affine integer formats (16 bits: unquantized)."""
+        return cls(content=PathFormat(content_bits, content_group), rope=PathFormat(rope_bits, rope_group), **kw)
+
+    def format_for(self, layer: int) -> CacheFormat:
+        return self.layer_overrides.get(layer, CacheFormat(self.content, self.rope))
+
+    def describe(self) -> str:
+        s = CacheFormat(self.content, self.rope).describe()
+        if self.layer_overrides:
+            s += f" ({len(self.layer_overrides)} layer overrides)"
+        if self.fp_window:
+            s += f", last {self.fp_window} tokens unquantized"
+        return s
+
+    def to_dict(self) -> dict:
+        return {
+            "quant_method": QUANT_METHOD,
+            "content": self.content.to_dict(),
+            "rope": self.rope.to_dict(),
+            "layer_overrides": {str(k): v.to_dict() for k, v in self.layer_overrides.items()},
+            "fp_window": self.fp_window,
+            "method": self.method,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantCacheConfig":
+        if d.get("quant_method") != QUANT_METHOD:
+            raise QuantMLAError(
+                f"quantization_config has quant_method={d.get('quant_method')!r}, not {QUANT_METHOD!r}: "
+                "this checkpoint was not prepared by quantmla calibrate"
+            )
+        return cls(
+            content=PathFormat.from_dict(d["content"]),
+            rope=PathFormat.from_dict(d["rope"]),
+            layer_overrides={int(k): CacheFormat.from_dict(v) for k, v in d.get("layer_overrides", {}).items()},
+            fp_window=int(d.get("fp_window", 0)),
+            method=d.get("method", "rtn"),
+        )
+
+    @classmethod
+    def from_model_config(cls, config) -> "QuantCacheConfig | None":
+        qc = getattr(config, "quantization_config", None)
+        if qc is None:
+            return None
+        return cls.from_dict(qc if isinstance(qc, dict) else qc.to_dict())

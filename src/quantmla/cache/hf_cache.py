@@ -1,0 +1,219 @@
+"""``QuantMLACache``: a transformers ``Cache`` that stores MLA's two paths quantized.
+
+Every latent-caching MLA family calls ``past_key_values.update(latent, k_rope, layer_idx)`` with
+latent [B, 1, T, d_c] and k_rope [B, 1, T, d_r]. Each MLA layer here quantizes the new tokens
+(per its ``CacheFormat``), stores packed codes and group metadata, and returns the *dequantized*
+history including the new tokens — so every attention read, prefill included, sees the quantized
+cache, as a token-by-token decode would. Non-MLA layers (e.g. kimi_linear's linear attention) get
+transformers' own layer classes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.layout import CacheFormat, TokenLayout
+from quantmla.errors import QuantMLAError
+from quantmla.model.spec import MLASpec, load_spec
+from quantmla.quant.format import PathFormat
+from quantmla.quant.groupwise import Quantized, check_finite, dequantize, quantize
+
+
+class _PathStore:
+    """The stored tokens of one path of one layer: packed codes + metadata, or raw values (16-bit)."""
+
+    def __init__(self, fmt: PathFormat, dim: int):
+        self.fmt, self.dim = fmt, dim
+        self.codes: torch.Tensor | None = None  # [B, T, code_bytes] uint8, or raw [B, T, dim]
+        self.meta: torch.Tensor | None = None  # [B, T, G, fields]
+
+    def append(self, x: torch.Tensor) -> None:
+        """x: [B, T, dim]."""
+        if self.fmt.quantized:
+            q = quantize(x, self.fmt)
+            codes, meta = q.codes, q.meta
+        else:
+            codes, meta = x, None
+        self.codes = codes if self.codes is None else torch.cat([self.codes, codes], dim=1)
+        if meta is not None:
+            self.meta = meta if self.meta is None else torch.cat([self.meta, meta], dim=1)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.codes is None:
+            return None
+        if not self.fmt.quantized:
+            return self.codes.to(dtype)
+        return dequantize(Quantized(self.codes, self.meta), self.fmt, self.dim, dtype)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.meta) if t is not None)
+
+    def index_batch(self, fn) -> None:
+        self.codes = None if self.codes is None else fn(self.codes)
+        self.meta = None if self.meta is None else fn(self.meta)
+
+    def crop(self, keep: int) -> None:
+        if self.codes is not None:
+            self.codes = self.codes[:, :keep]
+            self.meta = None if self.meta is None else self.meta[:, :keep]
+
+
+class QuantMLALayer(CacheLayerMixin):
+    """One MLA layer's cache: quantized history plus an optional full-precision recent window."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None):
+        super().__init__()
+        self.layout = TokenLayout(d_c, d_r, fmt)  # validates group sizes against the dims
+        self.fmt, self.d_c, self.d_r, self.fp_window, self.layer_idx = fmt, d_c, d_r, fp_window, layer_idx
+        self.content = _PathStore(fmt.content, d_c)
+        self.rope = _PathStore(fmt.rope, d_r)
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None  # raw recent (latent, k_rope) [B, W, ·]
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _check(self, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        if latent.dim() != 4 or latent.shape[1] != 1 or latent.shape[-1] != self.d_c or k_rope.shape[-1] != self.d_r:
+            raise QuantMLAError(
+                f"cache layer {self.layer_idx} was set up for latent [B, 1, T, {self.d_c}] and RoPE key [B, 1, T, {self.d_r}] "
+                f"but got {tuple(latent.shape)} and {tuple(k_rope.shape)}: the quantization config does not match this model "
+                "(build the cache from the model it is used with)"
+            )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states = latent [B, 1, T, d_c], value_states = k_rope [B, 1, T, d_r] (MLA's update call)."""
+        latent, k_rope = key_states, value_states
+        self._check(latent, k_rope)
+        if not self.is_initialized:
+            self.lazy_initialization(latent, k_rope)
+        check_finite(latent, f"content latents of layer {self.layer_idx}")
+        check_finite(k_rope, f"RoPE keys of layer {self.layer_idx}")
+        self.cumulative_length += latent.shape[2]
+        new_c, new_r = latent[:, 0], k_rope[:, 0]  # [B, T, ·]
+        if self.window is not None:
+            new_c = torch.cat([self.window[0], new_c], dim=1)
+            new_r = torch.cat([self.window[1], new_r], dim=1)
+        n_quant = max(0, new_c.shape[1] - self.fp_window)
+        if n_quant:
+            self.content.append(new_c[:, :n_quant])
+            self.rope.append(new_r[:, :n_quant])
+        self.window = (new_c[:, n_quant:], new_r[:, n_quant:]) if self.fp_window else None
+        return self._read(latent.dtype)
+
+    def _read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        parts_c = [p for p in (self.content.read(dtype), None if self.window is None else self.window[0].to(dtype)) if p is not None]
+        parts_r = [p for p in (self.rope.read(dtype), None if self.window is None else self.window[1].to(dtype)) if p is not None]
+        c = torch.cat(parts_c, dim=1) if len(parts_c) > 1 else parts_c[0]
+        r = torch.cat(parts_r, dim=1) if len(parts_r) > 1 else parts_r[0]
+        return c.unsqueeze(1), r.unsqueeze(1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        w = 0 if self.window is None else sum(t.numel() * t.element_size() for t in self.window)
+        return self.content.nbytes() + self.rope.nbytes() + w
+
+    def _apply_batch(self, fn) -> None:
+        self.content.index_batch(fn)
+        self.rope.index_batch(fn)
+        if self.window is not None:
+            self.window = (fn(self.window[0]), fn(self.window[1]))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `tokens_to_remove` tokens (a negative count, as transformers passes, or positive)."""
+        n = abs(int(tokens_to_remove))
+        if n == 0:
+            return
+        keep = max(0, self.cumulative_length - n)
+        if self.window is not None:
+            w = self.window[0].shape[1]
+            drop_w = min(n, w)
+            self.window = (self.window[0][:, : w - drop_w], self.window[1][:, : w - drop_w])
+        self.content.crop(min(self.content.length, keep))
+        self.rope.crop(min(self.rope.length, keep))
+        self.cumulative_length = keep
+
+    def reset(self) -> None:
+        self.__init__(self.fmt, self.d_c, self.d_r, self.fp_window, self.layer_idx)
+
+    def offload(self):  # packed storage is small; keep it where it is
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class QuantMLACache(Cache):
+    """A transformers Cache holding MLA's content latent and RoPE key quantized per layer.
+
+    >>> cache = QuantMLACache(model, QuantCacheConfig.of_bits(4, 4))
+    >>> model.generate(**inputs, past_key_values=cache)
+
+    `model_or_config`: a model, a config or a checkpoint path (for the spec). `quant`: a
+    QuantCacheConfig; by default the model config's ``quantization_config`` if it has one.
+    """
+
+    def __init__(self, model_or_config, quant: QuantCacheConfig | None = None):
+        spec: MLASpec = load_spec(model_or_config)
+        spec.require_latent_cache()
+        config = getattr(model_or_config, "config", model_or_config)
+        if quant is None:
+            quant = QuantCacheConfig.from_model_config(config) if hasattr(config, "to_dict") else None
+            if quant is None:
+                raise QuantMLAError(
+                    "no cache quantization given and the model config has no quantization_config; "
+                    "pass QuantCacheConfig(...) or load a checkpoint written by `quantmla calibrate`"
+                )
+        self.spec, self.quant = spec, quant
+        for layer in quant.layer_overrides:
+            if layer not in spec.mla_layers:
+                raise QuantMLAError(f"layer override for cache slot {layer}, but the model's MLA slots are {list(spec.mla_layers)}")
+        layers: list = []
+        layer_types, layer_kwargs = ([], {})
+        if hasattr(config, "get_text_config"):
+            layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        for i in range(spec.num_cache_layers):
+            if i in spec.mla_layers:
+                layers.append(QuantMLALayer(quant.format_for(i), spec.d_c, spec.d_r, quant.fp_window, layer_idx=i))
+            else:
+                kind = layer_types[i] if i < len(layer_types) else "full_attention"
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**layer_kwargs))
+        super().__init__(layers=layers)
+
+    def mla_layers(self) -> list[QuantMLALayer]:
+        return [l for l in self.layers if isinstance(l, QuantMLALayer)]
+
+    def nbytes(self) -> int:
+        """Bytes the MLA layers actually store (codes, metadata, full-precision window)."""
+        return sum(l.nbytes() for l in self.mla_layers())
+
+    def bytes_per_token(self) -> int:
+        """Per-token bytes of the stored format summed over MLA layers (the layout's arithmetic)."""
+        return sum(l.layout.bytes_per_token for l in self.mla_layers())

@@ -1,0 +1,94 @@
+"""The MLA view of one transformers attention module: its dual-path pieces as tensors.
+
+Shapes: hidden [B, S, hidden]; per-head queries [B, H, S, ·]; latent [B, S, d_c];
+RoPE key [B, S, d_r]. Everything here reads the module's own weights, so a view stays valid
+after transforms are fused into them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from quantmla.model.spec import MLASpec
+
+
+class MLAView:
+    def __init__(self, module: torch.nn.Module, spec: MLASpec):
+        self.m, self.spec = module, spec
+        self._modeling = sys.modules[type(module).__module__]
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _kv_b(self) -> torch.Tensor:
+        s = self.spec
+        return self.m.kv_b_proj.weight.view(s.num_heads, s.d_n + s.d_v, s.d_c)
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        """[H, d_n, d_c]: k^C_i = latent · w_uk[i]ᵀ."""
+        return self._kv_b()[:, : self.spec.d_n]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, d_v, d_c]: v_i = latent · w_uv[i]ᵀ."""
+        return self._kv_b()[:, self.spec.d_n :]
+
+    @property
+    def q_out_proj(self) -> torch.nn.Linear:
+        """The linear whose outputs are the per-head queries (q_proj or q_b_proj)."""
+        return self.m.q_proj if getattr(self.m, "q_lora_rank", None) is None and hasattr(self.m, "q_proj") else self.m.q_b_proj
+
+    # -- activations -----------------------------------------------------------------------------
+    def project_query(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q_nope [B, H, S, d_n], q_rope before rotation [B, H, S, d_r])."""
+        s, m = self.spec, self.m
+        B, S, _ = hidden.shape
+        if self.q_out_proj is m.q_b_proj:
+            q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden)))
+        else:
+            q = m.q_proj(hidden)
+        q = q.view(B, S, s.num_heads, s.d_n + s.d_r).transpose(1, 2) * s.query_scale
+        return q[..., : s.d_n], q[..., s.d_n :]
+
+    def project_kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (latent [B, S, d_c] as cached, RoPE key before rotation [B, S, d_r])."""
+        s, m = self.spec, self.m
+        ckv = m.kv_a_proj_with_mqa(hidden)
+        latent = m.kv_a_layernorm(ckv[..., : s.d_c]) * s.latent_scale
+        return latent, ckv[..., s.d_c :]
+
+    def rotate(self, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the family's own RoPE. q_rope [B, H, S, d_r], k_rope [B, S, d_r] -> same shapes."""
+        B, S, _ = k_rope.shape
+        k4 = k_rope.view(B, 1, S, self.spec.d_r)
+        fam, mod = self.spec.family, self._modeling
+        if self.spec.rope_weight_layout == "none":
+            q, k = q_rope, k4
+        elif fam == "deepseek_v2":
+            q, k = mod.apply_rotary_emb(q_rope, k4, position_embeddings.to(q_rope.device))
+        elif self.spec.rope_weight_layout == "interleaved":
+            q, k = mod.apply_rotary_pos_emb_interleave(q_rope, k4, *position_embeddings)
+        else:
+            q, k = mod.apply_rotary_pos_emb(q_rope, k4, *position_embeddings)
+        return q, k.view(B, S, self.spec.d_r)
+
+    def parts(self, hidden: torch.Tensor, position_embeddings) -> dict[str, torch.Tensor]:
+        """The four dual-path tensors of a forward: q_nope, q_rope (rotated), latent, k_rope (rotated)."""
+        q_nope, q_rope = self.project_query(hidden)
+        latent, k_rope = self.project_kv(hidden)
+        q_rope, k_rope = self.rotate(q_rope, k_rope, position_embeddings)
+        return {"q_nope": q_nope, "q_rope": q_rope, "latent": latent, "k_rope": k_rope}
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """Absorbed query q̃_i = q_i^C · W_UK^(i): [B, H, S, d_n] -> [B, H, S, d_c]."""
+        return torch.einsum("bhsn,hnc->bhsc", q_nope, self.w_uk.to(q_nope.dtype))
+
+    def values(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Per-head values from latent-space outputs: [B, S, H, d_c] -> [B, S, H, d_v]."""
+        return torch.einsum("bshc,hvc->bshv", o_latent, self.w_uv.to(o_latent.dtype))
+
+    def output(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention-block output from latent-space outputs: [B, S, H, d_c] -> [B, S, hidden]."""
+        v = self.values(o_latent)
+        return self.m.o_proj(v.reshape(*v.shape[:2], -1).to(self.m.o_proj.weight.dtype))
