@@ -28,7 +28,10 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quantmla", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="quantmla",
+        description="QuantMLA: low-bit dual-path KV caching for Multi-Head Latent Attention models.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)

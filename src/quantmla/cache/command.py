@@ -1,0 +1,63 @@
+"""`quantmla bytes`: bytes per token per layer of cache formats, and paged compression."""
+
+from __future__ import annotations
+
+import json
+
+from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat, PageLayout, TokenLayout, compression
+from quantmla.quant.format import BF16, PathFormat
+
+TOKENS = (4096, 32768, 131072)
+
+
+def standard_formats(groups=(32, 64, 128), rope_group: int = 64) -> list[tuple[str, CacheFormat]]:
+    rows = [("BF16", CacheFormat(BF16, BF16))]
+    for g in groups:
+        rg = min(g, rope_group)
+        rows += [
+            (f"INT8/INT8 g{g}", CacheFormat(PathFormat(8, g), PathFormat(8, rg))),
+            (f"INT4/INT4 g{g}", CacheFormat(PathFormat(4, g), PathFormat(4, rg))),
+            (f"INT2/INT4 g{g}", CacheFormat(PathFormat(2, g), PathFormat(4, rg))),
+        ]
+    return rows
+
+
+def table(d_c: int, d_r: int, page_size: int = DEFAULT_PAGE_SIZE, rope_group: int = 64) -> list[dict]:
+    out = []
+    for name, fmt in standard_formats(rope_group=rope_group):
+        t = TokenLayout(d_c, d_r, fmt)
+        row = {"format": name, "describe": fmt.describe(), **t.field_bytes, "bytes_per_token": t.bytes_per_token,
+               "page_bytes": PageLayout(t, page_size).page_bytes}
+        row.update({f"compression_{n // 1024}K": round(compression(d_c, d_r, fmt, n, page_size), 3) for n in TOKENS})
+        out.append(row)
+    return out
+
+
+def add_arguments(p):
+    p.add_argument("--d-c", type=int, default=512, help="latent rank kv_lora_rank (default 512)")
+    p.add_argument("--d-r", type=int, default=64, help="RoPE key dim qk_rope_head_dim (default 64)")
+    p.add_argument("--rope-group", type=int, default=64, help="RoPE group size cap (default 64)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per page (default 64)")
+    p.add_argument("--model", help="read d_c and d_r from this checkpoint directory instead")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args) -> int:
+    d_c, d_r = args.d_c, args.d_r
+    if args.model:
+        from quantmla.model.spec import load_spec
+
+        s = load_spec(args.model)
+        d_c, d_r = s.d_c, s.d_r
+    rows = table(d_c, d_r, args.page_size, args.rope_group)
+    if args.json:
+        print(json.dumps({"d_c": d_c, "d_r": d_r, "page_size": args.page_size, "rows": rows}, indent=1))
+        return 0
+    print(f"per token per layer, d_c={d_c}, d_r={d_r}; fp16 scale+zero per group; pages of {args.page_size} tokens")
+    hdr = f"{'format':<16}{'codes c':>8}{'codes R':>8}{'meta c':>7}{'meta R':>7}{'bytes':>7}" + "".join(
+        f"{'x@' + str(n // 1024) + 'K':>9}" for n in TOKENS)
+    print(hdr)
+    for r in rows:
+        print(f"{r['format']:<16}{r['content_codes']:>8}{r['rope_codes']:>8}{r['content_meta']:>7}{r['rope_meta']:>7}"
+              f"{r['bytes_per_token']:>7}" + "".join(f"{r[f'compression_{n // 1024}K']:>9.3f}" for n in TOKENS))
+    return 0

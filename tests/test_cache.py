@@ -1,0 +1,159 @@
+"""QuantMLACache: a transformers Cache whose every read goes through the quantized format."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
+from quantmla.cache.layout import CacheFormat, TokenLayout
+from quantmla.errors import NonFiniteError, QuantMLAError
+from quantmla.model.tiny import FAMILIES, tiny_model
+from quantmla.quant import BF16, PathFormat, quantize_dequantize
+
+BF16_CFG = QuantCacheConfig.of_bits(16, 16)
+CONFIGS = {
+    "int8": QuantCacheConfig.of_bits(8, 8, 32, 16),
+    "int4": QuantCacheConfig.of_bits(4, 4, 32, 16),
+    "int2_int4": QuantCacheConfig.of_bits(2, 4, 32, 16),
+}
+
+
+def _ids(b=2, t=10, seed=0):
+    return torch.randint(3, 128, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return tiny_model(request.param)
+
+
+def test_16bit_logits_equal_dynamic_cache(model):
+    ids = _ids()
+    with torch.no_grad():
+        ref_cache, q_cache = DynamicCache(config=model.config), QuantMLACache(model, BF16_CFG)
+        a = model(ids, past_key_values=ref_cache, use_cache=True).logits
+        b = model(ids, past_key_values=q_cache, use_cache=True).logits
+        assert torch.equal(a, b)
+        nxt = a[:, -1:].argmax(-1)
+        a2 = model(nxt, past_key_values=ref_cache, use_cache=True).logits
+        b2 = model(nxt, past_key_values=q_cache, use_cache=True).logits
+        assert torch.equal(a2, b2)
+
+
+def test_16bit_greedy_generate_equals_dynamic_cache(model):
+    ids = _ids(seed=1)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    got = model.generate(ids, past_key_values=QuantMLACache(model, BF16_CFG), **kw)
+    assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_low_bit_generate_greedy_and_sampled(model, name):
+    ids = _ids(seed=2)
+    cfg = CONFIGS[name]
+    for sample in (False, True):
+        torch.manual_seed(0)
+        cache = QuantMLACache(model, cfg)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=5,
+                             do_sample=sample, top_k=20, pad_token_id=0)
+        assert out.shape == (2, 15)
+        n_mla = len(model_spec_layers(cache))
+        # 14 tokens cached (the last generated token is never fed back)
+        assert cache.nbytes() == 2 * 14 * cache.bytes_per_token() and n_mla >= 1
+
+
+def model_spec_layers(cache):
+    return cache.mla_layers()
+
+
+def test_low_bit_logits_match_fake_quant_reference():
+    """A forward through the cache equals a forward where c and k_R are replaced by their round trip."""
+    model = tiny_model("deepseek_v3")
+    cfg = CONFIGS["int4"]
+    ids = _ids()
+    with torch.no_grad():
+        got = model(ids, past_key_values=QuantMLACache(model, cfg), use_cache=True).logits
+
+        class FakeQuantDynamic(DynamicCache):
+            def update(self, latent, k_rope, layer_idx, *a, **k):
+                return super().update(quantize_dequantize(latent, cfg.content), quantize_dequantize(k_rope, cfg.rope), layer_idx)
+
+        ref = model(ids, past_key_values=FakeQuantDynamic(config=model.config), use_cache=True).logits
+        full = model(ids).logits
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, full)
+
+
+def test_layer_stores_packed_bytes_of_the_layout():
+    fmt = CacheFormat(PathFormat(2, 16), PathFormat(4, 8))
+    layer = QuantMLALayer(fmt, 32, 16, layer_idx=0)
+    c, r = torch.randn(3, 1, 7, 32), torch.randn(3, 1, 7, 16)
+    out_c, out_r = layer.update(c, r)
+    assert out_c.shape == c.shape and out_r.shape == r.shape
+    torch.testing.assert_close(out_c, quantize_dequantize(c, fmt.content))
+    assert layer.nbytes() == 3 * 7 * TokenLayout(32, 16, fmt).bytes_per_token
+    assert layer.content.codes.dtype == torch.uint8 and layer.content.codes.shape == (3, 7, 8)
+
+
+def test_full_precision_window():
+    fmt = CacheFormat(PathFormat(2, 16), PathFormat(4, 8))
+    layer = QuantMLALayer(fmt, 32, 16, fp_window=4, layer_idx=0)
+    c, r = torch.randn(1, 1, 10, 32), torch.randn(1, 1, 10, 16)
+    out_c, out_r = layer.update(c[:, :, :6], r[:, :, :6])
+    out_c, out_r = layer.update(c[:, :, 6:], r[:, :, 6:])
+    assert torch.equal(out_c[:, :, 6:], c[:, :, 6:]) and torch.equal(out_r[:, :, 6:], r[:, :, 6:])
+    torch.testing.assert_close(out_c[:, :, :6], quantize_dequantize(c[:, :, :6], fmt.content))
+    assert layer.get_seq_length() == 10 and layer.content.length == 6
+
+
+def test_crop_and_batch_ops():
+    layer = QuantMLALayer(CacheFormat(PathFormat(4, 16), BF16), 32, 16, fp_window=2, layer_idx=0)
+    c, r = torch.randn(3, 1, 9, 32), torch.randn(3, 1, 9, 16)
+    full_c, _ = layer.update(c, r)
+    layer.crop(-3)
+    assert layer.get_seq_length() == 6
+    c2, _ = layer._read(torch.float32)
+    torch.testing.assert_close(c2[:, 0], full_c[:, 0, :6])
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    c3, _ = layer._read(torch.float32)
+    torch.testing.assert_close(c3[:, 0], full_c[[2, 0], 0, :6])
+
+
+def test_mismatched_model_is_a_clear_error():
+    small = tiny_model("deepseek_v3")
+    other = tiny_model("deepseek_v3", kv_lora_rank=64)
+    cache = QuantMLACache(small, CONFIGS["int4"])
+    with pytest.raises(QuantMLAError, match="does not match this model"):
+        other(_ids(), past_key_values=cache, use_cache=True)
+
+
+def test_nan_activations_are_a_clear_error():
+    model = tiny_model("minicpm3")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="layer 0"):
+        model(_ids(), past_key_values=QuantMLACache(model, CONFIGS["int4"]), use_cache=True)
+
+
+def test_missing_config_and_bad_overrides_are_clear_errors():
+    model = tiny_model("deepseek_v2")
+    with pytest.raises(QuantMLAError, match="no quantization_config"):
+        QuantMLACache(model)
+    with pytest.raises(QuantMLAError, match="MLA slots"):
+        QuantMLACache(model, QuantCacheConfig(layer_overrides={7: CacheFormat()}))
+    with pytest.raises(QuantMLAError, match="group_size 64 does not divide"):
+        QuantMLACache(model, QuantCacheConfig.of_bits(4, 4, 64, 16))
+
+
+def test_config_round_trip_and_per_layer_override():
+    cfg = QuantCacheConfig(content=PathFormat(2, 16), rope=PathFormat(4, 8),
+                           layer_overrides={1: CacheFormat(PathFormat(8, 32), PathFormat(8, 16))}, fp_window=3)
+    assert QuantCacheConfig.from_dict(cfg.to_dict()) == cfg
+    model = tiny_model("deepseek_v3")
+    model.config.quantization_config = cfg.to_dict()
+    cache = QuantMLACache(model)  # picks the config up from the model
+    assert cache.layers[1].fmt.content.bits == 8 and cache.layers[0].fmt.content.bits == 2
+    with pytest.raises(QuantMLAError, match="quant_method"):
+        QuantCacheConfig.from_dict({"quant_method": "gptq"})

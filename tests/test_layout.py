@@ -1,0 +1,54 @@
+"""The cache layout: byte arithmetic (DESIGN.md §5), page alignment, compression."""
+
+import pytest
+
+from quantmla.cache.command import table
+from quantmla.cache.layout import ALIGN, CacheFormat, PageLayout, TokenLayout, compression
+from quantmla.errors import UnsupportedFormatError
+from quantmla.quant import BF16, PathFormat
+
+
+def test_design_example_308_bytes():
+    t = TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64)))
+    assert t.field_bytes == {"content_codes": 256, "rope_codes": 32, "content_meta": 16, "rope_meta": 4}
+    assert t.bytes_per_token == 308
+    assert TokenLayout(512, 64, CacheFormat(BF16, BF16)).bytes_per_token == 1152
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_bytes_per_token_table(g):
+    rows = {r["format"]: r for r in table(512, 64)}
+    assert rows["BF16"]["bytes_per_token"] == 1152
+    rg = min(g, 64)
+    meta_c, meta_r = 512 // g * 4, 64 // rg * 4
+    assert rows[f"INT8/INT8 g{g}"]["bytes_per_token"] == 512 + 64 + meta_c + 64 // rg * 4
+    assert rows[f"INT4/INT4 g{g}"]["bytes_per_token"] == 256 + 32 + meta_c + meta_r
+    assert rows[f"INT2/INT4 g{g}"]["bytes_per_token"] == 128 + 32 + meta_c + meta_r
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 100])
+def test_page_sections_are_aligned_and_disjoint(page_size):
+    t = TokenLayout(512, 64, CacheFormat(PathFormat(2, 64), PathFormat(4, 32)))
+    p = PageLayout(t, page_size)
+    ends = []
+    for name, off in p.offsets.items():
+        assert off % ALIGN == 0
+        ends.append((off, off + page_size * t.field_bytes[name]))
+    ends.sort()
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    assert p.page_bytes % ALIGN == 0 and p.page_bytes >= ends[-1][1]
+
+
+def test_compression_counts_pages_and_tables():
+    fmt = CacheFormat(PathFormat(4, 128), PathFormat(4, 64))
+    assert compression(512, 64, fmt, 131072) >= 3.59
+    assert compression(512, 64, CacheFormat(PathFormat(2, 128), PathFormat(4, 64)), 131072) >= 5.5
+    # a 1-token sequence still allocates a whole page of each
+    p = PageLayout(TokenLayout(512, 64, fmt))
+    assert p.allocated_bytes(1) == p.page_bytes + 4 + 4
+    assert p.allocated_bytes([65, 64], layers=2) == 3 * p.page_bytes * 2 + 3 * 4 + 2 * 4
+
+
+def test_layout_rejects_formats_that_do_not_fit():
+    with pytest.raises(UnsupportedFormatError, match="RoPE path"):
+        TokenLayout(512, 64, CacheFormat(PathFormat(4, 64), PathFormat(4, 128)))

@@ -1,0 +1,130 @@
+"""Quantizers and packing: round trips, error bounds, clear errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantmla.errors import NonFiniteError, UnsupportedFormatError
+from quantmla.quant import PathFormat, dequantize, fake_quant, pack, quantize, quantize_dequantize, unpack
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+@SETTINGS
+@given(bits=st.sampled_from([2, 3, 4, 8]), rows=st.integers(1, 5), width=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_pack_unpack_round_trip(bits, rows, width, seed):
+    dim = width * 8
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (rows, 3, dim), generator=g, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (rows, 3, dim * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, bits, dim), codes)
+
+
+def test_planar_packing_layout():
+    """Byte j holds codes j + k·P in bits [k·b, (k+1)·b) — the layout the kernels unpack."""
+    codes = torch.arange(16, dtype=torch.uint8) % 4  # 2-bit, P = 4
+    packed = pack(codes[None], 2)[0]
+    for j in range(4):
+        expect = sum(int(codes[j + k * 4]) << (2 * k) for k in range(4))
+        assert int(packed[j]) == expect
+    c4 = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], dtype=torch.uint8)
+    assert pack(c4, 4)[0].tolist() == [1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4, 4 | 8 << 4]
+
+
+@SETTINGS
+@given(
+    bits=st.sampled_from([2, 3, 4, 8]),
+    group=st.sampled_from([8, 16, 32, 64]),
+    mode=st.sampled_from(["affine", "symmetric"]),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_int_quantization_error_bound(bits, group, mode, scale, seed):
+    fmt = PathFormat(bits, group, mode)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 2, 128, generator=g) * scale
+    y = quantize_dequantize(x, fmt)
+    xg, yg = x.reshape(4, 2, -1, group), y.reshape(4, 2, -1, group)
+    if mode == "affine":
+        step = (xg.amax(-1) - xg.amin(-1)) / (2**bits - 1)
+    else:
+        step = xg.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    # half a step, plus the fp16 rounding of the stored scale/zero (relative 2^-11 of the group range)
+    bound = step / 2 + xg.abs().amax(-1) * 2**-9 * (2**bits)
+    assert ((xg - yg).abs().amax(-1) <= bound + 1e-6).all()
+
+
+def test_constant_and_zero_groups_are_exact():
+    x = torch.zeros(2, 64)
+    x[0, :32] = 3.25
+    x[1, 32:] = -1.5
+    for fmt in [PathFormat(4, 32), PathFormat(2, 32), PathFormat(3, 32)]:  # affine: zero point = the value
+        assert torch.equal(quantize_dequantize(x, fmt), x), fmt
+    for fmt in [PathFormat(8, 32, "symmetric"), PathFormat(4, 32, "symmetric"), PathFormat(8, 32, "fp8")]:
+        y = quantize_dequantize(x, fmt)
+        assert torch.equal(y[0, 32:], x[0, 32:]) and torch.equal(y[1, :32], x[1, :32]), fmt  # all-zero groups
+        torch.testing.assert_close(y, x, rtol=2e-3, atol=0), fmt
+
+
+def test_fp8_matches_torch_e4m3():
+    x = torch.randn(3, 64) * 10
+    fmt = PathFormat(8, 64, "fp8")
+    y = quantize_dequantize(x, fmt)
+    s = (x.abs().amax(-1, keepdim=True) / 448).half().float()
+    ref = (x / s).to(torch.float8_e4m3fn).float() * s
+    torch.testing.assert_close(y, ref)
+
+
+def test_codes_use_the_stored_scale():
+    """Dequantizing the stored codes with the stored fp16 metadata reproduces quantize_dequantize."""
+    x = torch.randn(5, 64) * 7
+    fmt = PathFormat(4, 16)
+    q = quantize(x, fmt)
+    assert q.meta.dtype == torch.float16 and q.meta.shape == (5, 4, 2)
+    codes = unpack(q.codes, 4, 64).float().reshape(5, 4, 16)
+    manual = (codes * q.meta[..., :1].float() + q.meta[..., 1:].float()).reshape(5, 64)
+    assert torch.equal(manual, dequantize(q, fmt, 64))
+
+
+def test_bf16_meta_dtype():
+    x = torch.randn(2, 64)
+    y = quantize_dequantize(x, PathFormat(4, 32, meta_dtype="bfloat16"))
+    assert (y - x).abs().max() < 1.0
+
+
+def test_fake_quant_straight_through():
+    x = torch.randn(2, 64, requires_grad=True)
+    y = fake_quant(x, PathFormat(2, 32))
+    assert not torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_a_clear_error(bad):
+    x = torch.randn(2, 64)
+    x[1, 5] = bad
+    with pytest.raises(NonFiniteError, match="NaN"):
+        quantize(x, PathFormat(4, 32))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(bits=5), "unsupported bit width"),
+        (dict(bits=4, group_size=48), "power of two"),
+        (dict(bits=4, mode="nf4"), "unknown quantization mode"),
+        (dict(bits=4, mode="fp8"), "fp8"),
+        (dict(bits=4, meta_dtype="float32"), "meta_dtype"),
+    ],
+)
+def test_bad_formats_are_clear_errors(kw, match):
+    with pytest.raises(UnsupportedFormatError, match=match):
+        PathFormat(**kw)
+
+
+def test_group_must_divide_dim():
+    with pytest.raises(UnsupportedFormatError, match="does not divide"):
+        quantize(torch.randn(2, 48), PathFormat(4, 32))

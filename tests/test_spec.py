@@ -1,0 +1,89 @@
+"""The MLA spec of every family; clear errors for non-MLA checkpoints."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+
+from quantmla.errors import NotMLAError
+from quantmla.model.spec import ExpandedCacheFamilyError, load_spec
+from quantmla.model.tiny import FAMILIES, tiny_config, tiny_model
+
+EXPECTED_LAYOUTS = {
+    "deepseek_v2": ("interleaved", "interleaved"),
+    "deepseek_v3": ("interleaved", "rotate_half"),
+    "deepseek_v3_rotate_half": ("rotate_half", "rotate_half"),
+    "minicpm3": ("rotate_half", "rotate_half"),
+    "glm4_moe_lite": ("interleaved", "rotate_half"),
+    "longcat_flash": ("interleaved", "rotate_half"),
+    "kimi_linear": ("none", "none"),
+    "youtu": ("interleaved", "rotate_half"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_of_tiny_models(family):
+    spec = load_spec(tiny_model(family))
+    assert (spec.d_c, spec.d_r, spec.d_n, spec.d_v, spec.num_heads) == (32, 16, 16, 16, 4)
+    assert (spec.rope_weight_layout, spec.rope_cache_layout) == EXPECTED_LAYOUTS[family]
+    assert spec.caches_latent
+    if family == "kimi_linear":
+        assert spec.mla_layers == (1,) and spec.num_cache_layers == 3  # only the full-attention layer is MLA
+    else:
+        assert spec.mla_layers == (0, 1)
+    assert (spec.latent_scale != 1.0) == (family == "longcat_flash")
+    a, b = spec.pair_index()
+    assert sorted(torch.cat([a, b]).tolist()) == list(range(16))
+
+
+def test_yarn_mscale_enters_softmax_scale():
+    spec = load_spec(tiny_model("deepseek_v3"))
+    plain = load_spec(tiny_model("deepseek_v3_rotate_half"))
+    assert spec.softmax_scale > plain.softmax_scale == pytest.approx(32**-0.5)
+
+
+@pytest.mark.parametrize(
+    "family, kw",
+    [
+        ("deepseek_v2", {}),
+        ("deepseek_v3", {}),
+        ("minicpm3", {}),
+        ("glm4_moe_lite", {}),
+        ("longcat_flash", {}),
+        ("kimi_linear", {}),
+        ("mistral4", {}),
+        ("youtu", {}),
+        ("deepseek_v32", {}),
+    ],
+)
+def test_spec_of_full_size_configs_without_weights(family, kw):
+    spec = load_spec(AutoConfig.for_model(family, **kw))  # built on the meta device: no memory
+    assert spec.d_c in (256, 512) and spec.d_r in (32, 64)
+    if family == "deepseek_v32":
+        assert not spec.caches_latent
+        with pytest.raises(ExpandedCacheFamilyError, match="expanded per-head keys"):
+            spec.require_latent_cache()
+
+
+def test_checkpoint_directory(tmp_path):
+    tiny_model("deepseek_v3").save_pretrained(tmp_path / "ckpt")
+    assert load_spec(tmp_path / "ckpt").family == "deepseek_v3"
+
+
+def test_non_mla_checkpoint_is_a_clear_error(tmp_path):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(NotMLAError, match="not a Multi-Head Latent Attention model.*kv_lora_rank"):
+        load_spec(tmp_path)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_spec(tmp_path / "nope")
+
+
+def test_unknown_model_type_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
+    with pytest.raises(NotMLAError, match="not_a_model"):
+        load_spec(tmp_path)
