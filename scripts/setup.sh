@@ -11,6 +11,6 @@ if [ -f "$stamp" ]; then exit 0; fi
 python -m pip install -q --upgrade pip
 # torch first, pinned exactly, so nothing later pulls a multi-GB CUDA build
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -c constraints.txt -e ".[test,kernels]"
+python -m pip install -q -c constraints.txt -e ".[test,kernels,eval]"
 rm -f .venv/.quantmla-setup-*
 touch "$stamp"

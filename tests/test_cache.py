@@ -157,3 +157,21 @@ def test_config_round_trip_and_per_layer_override():
     assert cache.layers[1].fmt.content.bits == 8 and cache.layers[0].fmt.content.bits == 2
     with pytest.raises(QuantMLAError, match="quant_method"):
         QuantCacheConfig.from_dict({"quant_method": "gptq"})
+
+
+def test_quantization_config_survives_save_and_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("glm4_moe_lite")
+    cfg = QuantCacheConfig.of_bits(2, 4, 32, 16, method="quantmla")
+    cfg.attach(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert QuantCacheConfig.from_model_config(loaded.config) == cfg
+    cache = QuantMLACache(loaded)  # formats come from the checkpoint
+    assert cache.layers[0].fmt.content.bits == 2
+    ids = _ids()
+    with torch.no_grad():
+        a = model(ids, past_key_values=QuantMLACache(model, cfg), use_cache=True).logits
+        b = loaded(ids, past_key_values=cache, use_cache=True).logits
+    assert torch.equal(a, b)

@@ -5,3 +5,13 @@ shared RoPE key ``k_R`` (``qk_rope_head_dim`` wide). QuantMLA quantizes the two 
 """
 
 __version__ = "0.1.0"
+
+
+def _register_with_transformers() -> None:
+    try:
+        import quantmla.hf_integration  # noqa: F401
+    except ImportError:  # transformers missing or too old: the rest still imports
+        pass
+
+
+_register_with_transformers()

@@ -78,3 +78,35 @@ class QuantCacheConfig:
         if qc is None:
             return None
         return cls.from_dict(qc if isinstance(qc, dict) else qc.to_dict())
+
+    def attach(self, model) -> None:
+        """Record these formats in ``model.config`` (written to config.json by save_pretrained,
+        read back by from_pretrained once quantmla is imported)."""
+        import quantmla.hf_integration  # noqa: F401  (registers quant_method "quantmla")
+
+        model.config.quantization_config = self.to_dict()
+
+
+def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> QuantCacheConfig:
+    """The cache config to serve `model_config` with.
+
+    A checkpoint written by ``quantmla calibrate`` carries the formats its transforms were fitted
+    for; asking for different formats is an error (the transforms would not match). A plain
+    checkpoint takes whatever is requested (round-to-nearest on the untransformed weights).
+    """
+    stored = QuantCacheConfig.from_model_config(model_config)
+    if requested is None:
+        if stored is None:
+            raise QuantMLAError(
+                "no cache formats requested and the checkpoint has no quantization_config; "
+                "give content/rope bits, or use a checkpoint written by `quantmla calibrate`"
+            )
+        return stored
+    if stored is not None and (stored.content, stored.rope, stored.layer_overrides) != (
+        requested.content, requested.rope, requested.layer_overrides
+    ):
+        raise QuantMLAError(
+            f"this checkpoint was calibrated ({stored.method}) for {stored.describe()}, but the cache requested is "
+            f"{requested.describe()}; use the checkpoint's own formats (omit the bits) or calibrate again for these"
+        )
+    return requested
