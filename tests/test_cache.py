@@ -166,7 +166,7 @@ def test_quantization_config_survives_save_and_from_pretrained(tmp_path):
     cfg = QuantCacheConfig.of_bits(2, 4, 32, 16, method="quantmla")
     cfg.attach(model)
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     assert QuantCacheConfig.from_model_config(loaded.config) == cfg
     cache = QuantMLACache(loaded)  # formats come from the checkpoint
     assert cache.layers[0].fmt.content.bits == 2
