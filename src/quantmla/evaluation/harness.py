@@ -1,0 +1,438 @@
+"""The accuracy harness: any (model directory, cache config, method) -> one table row.
+
+A *config* is the cache format (what is stored per token); a *method* is how the model and the cache
+are prepared for it:
+
+    bf16              the reference: the cache stored in bf16 (2 bytes a value), no quantization
+    rtn               round to nearest, no transform
+    hadamard          Hadamard rotation of the content path (calibration API, method="hadamard")
+    quantmla          learned transforms of both paths (calibration API, method="quantmla")
+    quantmla-content  ablation: QuantMLA's transform on the content path only (paths=("content",))
+    quantmla-rope     ablation: QuantMLA's transform on the RoPE path only (paths=("rope",))
+    kivi              no transform; the RoPE key per channel over blocks of tokens (cache.kivi)
+
+Every figure is measured with every attention read going through the quantized cache, prefill
+included (EVAL_MODE); KIVI's unfinished block (< block tokens) is read at full precision, as KIVI
+specifies, and its row says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
+from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
+from quantmla.cache.layout import CacheFormat, TokenLayout
+from quantmla.errors import NotMLAError, QuantMLAError
+from quantmla.model.spec import MLASpec, load_spec
+from quantmla.quant.format import BF16, PathFormat
+
+EVAL_MODE = "every read quantized incl. prefill"
+RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+
+METHODS = {
+    "bf16": "BF16 reference: the cache stored in bf16, no quantization",
+    "rtn": "round to nearest, no transform",
+    "hadamard": "Hadamard rotation of the content path (QuaRot point)",
+    "quantmla": "QuantMLA: learned content + RoPE transforms",
+    "quantmla-content": "ablation: QuantMLA transform on the content path only",
+    "quantmla-rope": "ablation: QuantMLA transform on the RoPE path only",
+    "kivi": "KIVI-style per-channel RoPE keys (blocks of tokens), no transform",
+}
+CALIBRATED = {"hadamard": ("hadamard", ("content",)), "quantmla": ("quantmla", ("content", "rope")),
+              "quantmla-content": ("quantmla", ("content",)), "quantmla-rope": ("quantmla", ("rope",))}
+
+
+# -- cache configurations ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A named cache format. `content` / `rope` per-token formats (BF16 = unquantized)."""
+
+    name: str
+    content: PathFormat = BF16
+    rope: PathFormat = BF16
+
+    @property
+    def quantized(self) -> bool:
+        return self.content.quantized or self.rope.quantized
+
+    def quant(self, method: str = "rtn") -> QuantCacheConfig:
+        return QuantCacheConfig(content=self.content, rope=self.rope, method=method)
+
+    def describe(self) -> str:
+        return CacheFormat(self.content, self.rope).describe()
+
+
+def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
+    c = BF16 if content_bits == 16 else PathFormat(content_bits, content_group)
+    r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
+    name = f"{'BF16' if content_bits == 16 else f'INT{content_bits}'}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}"
+    return CacheConfig(name, c, r)
+
+
+def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
+    """"BF16", "FP8", or "<C>/<R>" with C, R in INT2, INT3, INT4, INT8, BF16 (content / RoPE)."""
+    up = name.upper()
+    if up == "BF16":
+        return CacheConfig("BF16")
+    if up == "FP8":
+        return CacheConfig("FP8", PathFormat(8, content_group, "fp8"), PathFormat(8, rope_group, "fp8"))
+    parts = up.split("/")
+    bits = []
+    for p in parts:
+        if p == "BF16":
+            bits.append(16)
+        elif p.startswith("INT") and p[3:].isdigit():
+            bits.append(int(p[3:]))
+        else:
+            bits = []
+            break
+    if len(parts) != 2 or len(bits) != 2:
+        raise QuantMLAError(f"unknown cache config {name!r}: use BF16, FP8, or CONTENT/ROPE like INT4/INT4, INT2/INT4, BF16/INT4")
+    return int_config(bits[0], bits[1], content_group, rope_group)
+
+
+class _BF16Layer(QuantMLALayer):
+    """An unquantized MLA cache layer that stores (and so reads back) its inputs rounded to bf16."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states.to(torch.bfloat16).to(key_states.dtype),
+                              value_states.to(torch.bfloat16).to(value_states.dtype), *args, **kwargs)
+
+
+def bf16_cache(model) -> QuantMLACache:
+    """The BF16 reference cache: (c, k_R) stored as bf16, whatever the compute dtype."""
+    cache = QuantMLACache(model, QuantCacheConfig(content=BF16, rope=BF16, method="bf16"))
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, QuantMLALayer):
+            cache.layers[i] = _BF16Layer(layer.fmt, layer.d_c, layer.d_r, 0, layer.layer_idx)
+    return cache
+
+
+# -- rows ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One table row to compute: a cache config under a method (kivi_block: KIVI's token block)."""
+
+    config: CacheConfig
+    method: str
+    kivi_block: int = 32
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantMLAError(f"unknown method {self.method!r}; use one of {sorted(METHODS)}")
+        if self.method == "bf16" and self.config.quantized:
+            raise QuantMLAError(f"method bf16 is the unquantized reference; it cannot run config {self.config.name}")
+        if self.method != "bf16" and not self.config.quantized:
+            raise QuantMLAError(f"config {self.config.name} quantizes nothing; use method bf16")
+        if self.method == "kivi" and not (self.config.rope.quantized and self.config.rope.mode != "fp8"):
+            raise QuantMLAError("the KIVI baseline needs an integer RoPE format (e.g. INT4/INT4)")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.config.name, self.method)
+
+    def kivi_format(self) -> KIVIFormat:
+        return KIVIFormat(self.config.content, self.config.rope.bits, self.kivi_block, self.config.rope.mode,
+                          self.config.rope.meta_dtype)
+
+    def bytes_per_token(self, spec: MLASpec) -> float:
+        """Per token per MLA layer: codes + scales + zero points (KIVI: block metadata amortized)."""
+        if self.method == "kivi":
+            return KIVILayout(spec.d_c, spec.d_r, self.kivi_format()).bytes_per_token
+        return TokenLayout(spec.d_c, spec.d_r, CacheFormat(self.config.content, self.config.rope)).bytes_per_token
+
+    def cache_factory(self, quant: QuantCacheConfig | None = None) -> Callable | None:
+        """model -> a fresh transformers Cache."""
+        if self.method == "bf16":
+            return bf16_cache
+        if self.method == "kivi":
+            fmt = self.kivi_format()
+            return lambda model: KIVICache(model, fmt)
+        q = quant or self.config.quant(self.method)
+        return lambda model: QuantMLACache(model, q)
+
+    def describe(self) -> str:
+        if self.method == "kivi":
+            return self.kivi_format().describe()
+        return self.config.describe()
+
+
+def default_rows(content_group: int = 64, rope_group: int = 32, quick: bool = False) -> list[RowSpec]:
+    """The accuracy table's grid: BF16, FP8, content-only / RoPE-only INT4 (RTN), and for INT4/INT4 and
+    INT2/INT4 every baseline, QuantMLA and its ablations. quick: a CI-sized subset."""
+    cfg = lambda n: named_config(n, content_group, rope_group)  # noqa: E731
+    rows = [RowSpec(cfg("BF16"), "bf16"), RowSpec(cfg("FP8"), "rtn")]
+    if quick:
+        return rows + [RowSpec(cfg("INT4/INT4"), m) for m in ("rtn", "kivi", "hadamard", "quantmla")]
+    rows += [RowSpec(cfg("INT4/BF16"), "rtn"), RowSpec(cfg("BF16/INT4"), "rtn")]
+    for name in ("INT4/INT4", "INT2/INT4"):
+        rows += [RowSpec(cfg(name), m, kivi_block=rope_group)
+                 for m in ("rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla")]
+    return rows
+
+
+# -- models and data -----------------------------------------------------------------------------------
+
+
+def check_model_dir(path: str) -> MLASpec:
+    """The spec of a checkpoint directory, or a clear error (missing path, no config, not MLA)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (train one with `quantmla train-reference` "
+                                "or pass a checkpoint directory)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is a file; pass the checkpoint directory that holds config.json")
+    spec = load_spec(path)  # FileNotFoundError without config.json, NotMLAError for non-MLA models
+    spec.require_latent_cache()
+    return spec
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a checkpoint directory, fp32 on CPU, eval mode."""
+    check_model_dir(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise QuantMLAError(f"{path}: no usable tokenizer ({e}); the checkpoint directory must hold its tokenizer files") from None
+    return model, tok
+
+
+@dataclass
+class EvalData:
+    """Held-out material of one model: perplexity chunks [N, L] and retrieval samples per length,
+    plus calibration ids [N, L] drawn from *training* text (never from the held-out split)."""
+
+    ppl: torch.Tensor | list
+    retrieval: dict[int, list[dict]] = field(default_factory=dict)
+    calib_ids: torch.Tensor | None = None
+    seq_len: int = 512
+    source: str = ""
+
+
+def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None, seed: str = "quantmla-calib") -> list[str]:
+    """Calibration text: Python standard-library sources (training material of the reference
+    models), never from a held-out package, never a held-out document; deterministic order."""
+    import hashlib
+    import sysconfig
+
+    from quantmla.evaluation import datasets as DS
+    from quantmla.training import data as TD
+
+    held: set[str] = set()
+    held_docs: set[str] = set()
+    root = DS.heldout_root(heldout_root)
+    man = root / "manifest.json"
+    if man.exists():
+        held = set(json.loads(man.read_text()).get("heldout_packages", []))
+    if (root / "code.jsonl").exists():
+        held_docs = {TD.content_hash(t) for t in DS.load_texts("code", root)}
+    files = [f for f in TD.discover([("stdlib", sysconfig.get_paths()["stdlib"])])
+             if f.kind == "code" and f"{f.group}/{f.package}" not in held and not f.package.startswith("test")]
+    files.sort(key=lambda f: hashlib.sha256(f"{seed}:{f.name}".encode()).hexdigest())
+    out, total = [], 0
+    for f in files:
+        t = TD.read_text(f)
+        if t is None or TD.content_hash(t) in held_docs:
+            continue
+        out.append(t)
+        total += len(t.encode())
+        if total >= max_bytes:
+            break
+    if not out:
+        raise QuantMLAError("no calibration text found (the Python standard library sources are missing)")
+    return out
+
+
+def load_eval_data(tokenizer, *, heldout_root: str | None = None, seq_len: int = 512, ppl_chunks: int | None = None,
+                   retrieval_n: int | None = None, lengths: Iterable[int] = RETRIEVAL_LENGTHS, kind: str = "code",
+                   calib_n: int = 16, calib_len: int | None = None) -> EvalData:
+    """The shipped held-out sets (:mod:`quantmla.evaluation.datasets`): `kind` ("code" or "prose")
+    documents cut into `ppl_chunks` chunks of `seq_len` tokens, `retrieval_n` retrieval samples per
+    length, and `calib_n` calibration rows of `calib_len` tokens from training text."""
+    from quantmla.evaluation import datasets as DS
+    from quantmla.evaluation.perplexity import token_chunks
+
+    root = DS.heldout_root(heldout_root)
+    if not (root / f"{kind}.jsonl").exists():
+        raise FileNotFoundError(f"no held-out set at {root / f'{kind}.jsonl'}; the reference models ship it under "
+                                "models/heldout (set QUANTMLA_MODELS or --heldout)")
+    ppl = token_chunks(tokenizer, DS.load_texts(kind, root), seq_len, max_chunks=ppl_chunks)
+    retr = {}
+    for L in lengths:
+        if (root / f"retrieval_{L}.jsonl.xz").exists():
+            retr[int(L)] = DS.load_retrieval(L, root, limit=retrieval_n)
+    calib = None
+    if calib_n:
+        cl = calib_len or seq_len
+        calib = token_chunks(tokenizer, calibration_texts(heldout_root=str(root)), cl, max_chunks=calib_n)
+        if calib.shape[0] < calib_n or calib.shape[1] != cl:
+            raise QuantMLAError(f"calibration text gave only {tuple(calib.shape)} token rows, wanted {calib_n} x {cl}")
+    return EvalData(ppl=ppl, retrieval=retr, calib_ids=calib, seq_len=seq_len, source=str(root))
+
+
+# -- evaluation --------------------------------------------------------------------------------------
+
+
+def _ppl_fn():
+    from quantmla.evaluation.perplexity import bits_per_byte
+
+    return bits_per_byte
+
+
+def _retrieval_fn():
+    from quantmla.evaluation.retrieval import retrieval_accuracy
+
+    return retrieval_accuracy
+
+
+def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, calibrate_fn=None,
+            calib_kwargs: dict | None = None) -> tuple[QuantCacheConfig | None, dict | None]:
+    """Prepare `model` in place for `row` (calibrate when the method needs it).
+    Returns (the QuantCacheConfig the cache uses, the calibration report or None)."""
+    if row.method not in CALIBRATED:
+        return (row.config.quant(row.method) if row.method not in ("bf16", "kivi") else None), None
+    if calib_ids is None:
+        raise QuantMLAError(f"method {row.method} needs calibration data (calib_ids)")
+    if calibrate_fn is None:
+        try:
+            from quantmla.calibration import calibrate as calibrate_fn
+        except ImportError as e:
+            raise QuantMLAError(f"method {row.method} needs quantmla.calibration.calibrate, which is not available: {e}") from None
+    algo, paths = CALIBRATED[row.method]
+    quant = row.config.quant(row.method)
+    report = calibrate_fn(model, calib_ids, quant, method=algo, paths=paths, seed=seed, **(calib_kwargs or {}))
+    qc = QuantCacheConfig.from_model_config(model.config) or quant
+    # the cache must use the evaluated format even if calibration wrote layer overrides
+    return qc, report
+
+
+def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpec | None = None, seed: int = 0,
+                 ppl_fn=None, retrieval_fn=None, calibrate_fn=None, calib_kwargs: dict | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict:
+    """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy."""
+    spec = spec or load_spec(model)
+    ppl_fn = ppl_fn or _ppl_fn()
+    retrieval_fn = retrieval_fn or _retrieval_fn()
+    m = copy.deepcopy(model) if row.method in CALIBRATED else model
+    t0 = time.time()
+    quant, report = prepare(m, row, data.calib_ids, seed, calibrate_fn, calib_kwargs)
+    t_cal = time.time() - t0
+    factory = row.cache_factory(quant)
+    if progress:
+        progress(f"{row.config.name} {row.method}: perplexity")
+    t1 = time.time()
+    ppl = ppl_fn(m, tokenizer, data.ppl, seq_len=data.seq_len, cache_factory=factory)
+    retr = {}
+    for L, samples in sorted(data.retrieval.items()):
+        if progress:
+            progress(f"{row.config.name} {row.method}: retrieval {L}")
+        r = retrieval_fn(m, tokenizer, samples, cache_factory=factory)
+        retr[str(L)] = {"accuracy": r["accuracy"], "n": r["n"], "correct": r.get("correct")}
+    row_out = {
+        "config": row.config.name,
+        "method": row.method,
+        "format": row.describe(),
+        "bits_per_byte": ppl["bits_per_byte"],
+        "perplexity_tokens": ppl.get("tokens"),
+        "retrieval": retr,
+        "bytes_per_token": row.bytes_per_token(spec),
+        "bf16_bytes_per_token": spec.bytes_per_token_bf16(),
+        "eval_mode": EVAL_MODE,
+        "calibration_s": round(t_cal, 1) if row.method in CALIBRATED else None,
+        "eval_s": round(time.time() - t1, 1),
+    }
+    if row.method == "kivi":
+        lay = KIVILayout(spec.d_c, spec.d_r, row.kivi_format())
+        row_out["eval_mode"] = EVAL_MODE + f"; KIVI residual (<{row.kivi_block} newest RoPE keys) full precision"
+        row_out["bytes_per_token_at"] = {str(n): lay.bytes_per_token_at(n) for n in (data.seq_len, *RETRIEVAL_LENGTHS)}
+    if report is not None:
+        row_out["calibration"] = _summarize_report(report)
+    return row_out
+
+
+def _summarize_report(report) -> dict:
+    """A small JSON-able digest of whatever the calibration API returned."""
+    if report is None:
+        return {}
+    if hasattr(report, "to_dict"):
+        report = report.to_dict()
+    elif hasattr(report, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        report = asdict(report)
+    if not isinstance(report, dict):
+        return {"report": str(report)[:500]}
+    out = {}
+    for k, v in report.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+    return out
+
+
+def relative(rows: list[dict]) -> list[dict]:
+    """Adds, per model, bpb_increase_pct against the model's BF16 row and retrieval deltas (points)."""
+    base: dict[str, dict] = {r["model"]: r for r in rows if r["method"] == "bf16"}
+    for r in rows:
+        b = base.get(r["model"])
+        if b is None:
+            continue
+        r["bpb_increase_pct"] = 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
+        r["retrieval_delta_points"] = {
+            L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"]) for L, v in r["retrieval"].items() if L in b["retrieval"]
+        }
+        r["compression_vs_bf16"] = r["bf16_bytes_per_token"] / r["bytes_per_token"]
+    return rows
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Issue 4's goals per model, each with the figures it was judged on (None: not measured)."""
+    out = []
+    models = sorted({r["model"] for r in rows})
+    for mname in models:
+        R = {(r["config"], r["method"]): r for r in rows if r["model"] == mname}
+        b = R.get(("BF16", "bf16"))
+        q44 = R.get(("INT4/INT4", "quantmla"))
+        g = {"model": mname}
+        if b and q44:
+            dret = [q44["retrieval_delta_points"][L] for L in q44["retrieval"]]
+            g["int4_int4_within_1pct"] = {
+                "bpb_increase_pct": q44["bpb_increase_pct"], "retrieval_delta_points_min": min(dret) if dret else None,
+                "met": q44["bpb_increase_pct"] <= 1.0 and (not dret or min(dret) >= -2.0)}
+        for cfg in ("INT2/INT4", "INT4/INT4"):
+            q = R.get((cfg, "quantmla"))
+            base_rows = [r for (c, m), r in R.items() if c == cfg and m in ("rtn", "hadamard", "kivi")]
+            if b and q and base_rows:
+                best = min(base_rows, key=lambda r: r["bpb_increase_pct"])
+                g[f"{cfg.replace('/', '_').lower()}_half_of_best_baseline"] = {
+                    "quantmla_pct": q["bpb_increase_pct"], "best_baseline": best["method"],
+                    "best_baseline_pct": best["bpb_increase_pct"],
+                    "met": q["bpb_increase_pct"] <= 0.5 * max(best["bpb_increase_pct"], 0.0)
+                    and q["bpb_increase_pct"] <= 10.0}
+        out.append(g)
+    return out
+
+
+def finite(x):
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
