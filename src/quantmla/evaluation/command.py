@@ -32,6 +32,7 @@ def add_arguments(p):
     p.add_argument("--retrieval-n", type=int, default=None, help="retrieval samples per length")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="retrieval lengths (tokens)")
     p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --seq-len tokens, training text)")
+    p.add_argument("--calib-steps", type=int, default=None, help="optimizer steps per layer of the learned transforms")
     p.add_argument("--content-group", type=int, default=64)
     p.add_argument("--rope-group", type=int, default=32)
     p.add_argument("--kivi-block", type=int, default=None, help="KIVI token block (default: the RoPE group size, equal bytes)")
@@ -100,6 +101,12 @@ def run(args) -> int:
                 "retrieval_lengths": list(preset["lengths"]), "calib_rows": preset["calib_n"],
                 "content_group": args.content_group, "rope_group": args.rope_group, "seed": args.seed,
                 "quick": bool(args.quick)}
+    calib_kwargs = {"progress": False}
+    if args.calib_steps is not None:
+        calib_kwargs["steps"] = args.calib_steps
+    elif args.quick:
+        calib_kwargs["steps"] = 20
+    settings["calib_steps"] = calib_kwargs.get("steps", "default")
     done = set()
     if args.resume and os.path.exists(os.path.join(out, "accuracy.json")):
         import json
@@ -124,7 +131,8 @@ def run(args) -> int:
              + ", ".join(f"{L}:{len(s)}" for L, s in data.retrieval.items()))
         for r in todo:
             t0 = time.time()
-            row = evaluate_row(model, tok, r, data, spec=specs[mdir], seed=args.seed, progress=_log)
+            row = evaluate_row(model, tok, r, data, spec=specs[mdir], seed=args.seed, progress=_log,
+                               calib_kwargs=calib_kwargs)
             row["model"] = name
             row["data"] = _data_key(settings)
             new_rows.append(row)
@@ -142,4 +150,4 @@ def run(args) -> int:
 
 def _data_key(settings: dict) -> dict:
     return {k: settings[k] for k in ("seq_len", "ppl_chunks", "retrieval_n", "retrieval_lengths", "calib_rows",
-                                     "content_group", "rope_group", "seed")}
+                                     "calib_steps", "content_group", "rope_group", "seed")}

@@ -301,6 +301,18 @@ def _retrieval_fn():
     return retrieval_accuracy
 
 
+def calibration_api():
+    """The calibration entry point ``calibrate(model, calib_ids, quant, *, method, paths, seed, ...)``."""
+    try:
+        from quantmla.calibration import calibrate
+    except ImportError:
+        try:
+            from quantmla.calibration.api import calibrate
+        except ImportError as e:
+            raise QuantMLAError(f"calibrated methods need quantmla.calibration's calibrate, which is not available: {e}") from None
+    return calibrate
+
+
 def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, calibrate_fn=None,
             calib_kwargs: dict | None = None) -> tuple[QuantCacheConfig | None, dict | None]:
     """Prepare `model` in place for `row` (calibrate when the method needs it).
@@ -310,15 +322,22 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
     if calib_ids is None:
         raise QuantMLAError(f"method {row.method} needs calibration data (calib_ids)")
     if calibrate_fn is None:
-        try:
-            from quantmla.calibration import calibrate as calibrate_fn
-        except ImportError as e:
-            raise QuantMLAError(f"method {row.method} needs quantmla.calibration.calibrate, which is not available: {e}") from None
+        calibrate_fn = calibration_api()
     algo, paths = CALIBRATED[row.method]
     quant = row.config.quant(row.method)
-    report = calibrate_fn(model, calib_ids, quant, method=algo, paths=paths, seed=seed, **(calib_kwargs or {}))
+    kw = dict(calib_kwargs or {})
+    try:  # pass only the options this calibration API takes
+        import inspect
+
+        params = inspect.signature(calibrate_fn).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            kw = {k: v for k, v in kw.items() if k in params}
+    except (TypeError, ValueError):
+        pass
+    report = calibrate_fn(model, calib_ids, quant, method=algo, paths=paths, seed=seed, **kw)
     qc = QuantCacheConfig.from_model_config(model.config) or quant
-    # the cache must use the evaluated format even if calibration wrote layer overrides
+    if (qc.content, qc.rope) != (quant.content, quant.rope):
+        raise QuantMLAError(f"calibration recorded {qc.describe()} but row {row.config.name} evaluates {quant.describe()}")
     return qc, report
 
 
@@ -367,7 +386,8 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
 
 
 def _summarize_report(report) -> dict:
-    """A small JSON-able digest of whatever the calibration API returned."""
+    """A small JSON-able digest of what the calibration API returned: its scalar fields, its timings
+    and, per layer, the held-out joint output error before (RTN) and after, and what was chosen."""
     if report is None:
         return {}
     if hasattr(report, "to_dict"):
@@ -378,10 +398,17 @@ def _summarize_report(report) -> dict:
         report = asdict(report)
     if not isinstance(report, dict):
         return {"report": str(report)[:500]}
-    out = {}
-    for k, v in report.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
+    out = {k: v for k, v in report.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    if isinstance(report.get("seconds"), dict):
+        out["seconds"] = {k: round(float(v), 1) for k, v in report["seconds"].items()}
+    layers = []
+    for L in report.get("layers", []) or []:
+        if isinstance(L, dict):
+            j = L.get("joint") or {}
+            layers.append({"slot": L.get("slot"), "joint_before": j.get("before"), "joint_after": j.get("after"),
+                           "content": (L.get("content") or {}).get("chosen"), "rope": (L.get("rope") or {}).get("chosen")})
+    if layers:
+        out["layers"] = layers
     return out
 
 

@@ -60,9 +60,14 @@ def markdown(rows: list[dict], settings: dict | None = None, lengths=RETRIEVAL_L
     if any(m != EVAL_MODE for m in modes):
         out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision, "
                    "as KIVI does.")
-    if settings:
-        s = ", ".join(f"{k} {v}" for k, v in settings.items() if not isinstance(v, (dict, list)))
-        out += ["", f"Settings: {s}."]
+    datas = {json.dumps(r["data"], sort_keys=True) for r in rows if r.get("data")}
+    if len(datas) == 1:
+        d = json.loads(datas.pop())
+        out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in d.items()) + "."]
+    elif len(datas) > 1:
+        out += ["", "Rows were computed with different data settings (see each row's `data` in accuracy.json)."]
+    elif settings:
+        out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items() if not isinstance(v, (dict, list))) + "."]
     out += ["", "Bits per byte (bpb) of held-out text (lower is better; Δ vs the model's BF16 row); retrieval: "
             "exact greedy answer of a key lookup buried in code, at each total length. "
             "Bytes/token: per token per MLA layer, codes + scales + zero points (KIVI: per-channel block metadata "

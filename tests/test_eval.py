@@ -1,0 +1,290 @@
+"""KIVI-style cache, the accuracy harness, the table writer and `quantmla eval`."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.hf_cache import QuantMLACache
+from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout, _ChannelBlockStore
+from quantmla.cache.layout import CacheFormat, TokenLayout
+from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.evaluation import table
+from quantmla.evaluation.harness import (
+    CALIBRATED,
+    EvalData,
+    RowSpec,
+    bf16_cache,
+    default_rows,
+    evaluate_row,
+    named_config,
+)
+from quantmla.model.tiny import tiny_model
+from quantmla.quant.format import PathFormat
+from quantmla.quant.groupwise import quantize_dequantize
+
+# -- KIVI ------------------------------------------------------------------------------------------
+
+
+def test_kivi_store_round_trip_any_chunking():
+    torch.manual_seed(0)
+    fmt = KIVIFormat(PathFormat(4, 16), rope_bits=4, block=8)
+    x = torch.randn(2, 37, 16)
+    one = _ChannelBlockStore(fmt, 16)
+    one.append(x)
+    pieces = _ChannelBlockStore(fmt, 16)
+    for a, b in ((0, 5), (5, 6), (6, 19), (19, 37)):  # prefill then mixed chunks, one single token
+        pieces.append(x[:, a:b])
+    assert one.length == pieces.length == 37 and one.quantized_length == 32
+    torch.testing.assert_close(one.read(torch.float32), pieces.read(torch.float32), rtol=0, atol=0)
+    y = one.read(torch.float32)
+    assert torch.equal(y[:, 32:], x[:, 32:])  # the residual (unfinished block) is exact
+    # each channel of each block is quantized on its own: reference = per-token quantization of the transpose
+    blocks = x[:, :32].reshape(2, 4, 8, 16).transpose(2, 3)
+    ref = quantize_dequantize(blocks, PathFormat(4, 8)).transpose(2, 3).reshape(2, 32, 16)
+    torch.testing.assert_close(y[:, :32], ref, rtol=0, atol=0)
+
+
+def test_kivi_isolates_outlier_channels():
+    """Per-channel grouping: a large channel does not inflate the error of the others, unlike per-token groups."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 64, 16)
+    x[..., 3] = 40 + 0.5 * torch.randn(64)  # an outlier channel (a slowly rotating RoPE pair looks like this)
+    kivi = _ChannelBlockStore(KIVIFormat(PathFormat(4, 16), 4, 16), 16)
+    kivi.append(x)
+    e_kivi = (kivi.read(torch.float32) - x)[..., [c for c in range(16) if c != 3]].pow(2).mean()
+    e_tok = (quantize_dequantize(x, PathFormat(4, 16)) - x)[..., [c for c in range(16) if c != 3]].pow(2).mean()
+    assert e_kivi < e_tok / 10
+
+
+def test_kivi_bytes_per_token():
+    d_c, d_r = 32, 16
+    fmt = KIVIFormat(PathFormat(4, 16), rope_bits=4, block=8)
+    lay = KIVILayout(d_c, d_r, fmt)
+    # content 16 codes + 2 groups x (scale, zero) x 2 B; RoPE 8 codes + 16 channels x 2 fields x 2 B / 8 tokens
+    assert lay.bytes_per_token == (16 + 8) + (8 + 16 * 4 / 8)
+    # with block = the per-token RoPE group size, the metadata costs what per-token groups cost
+    same = TokenLayout(d_c, d_r, CacheFormat(PathFormat(4, 16), PathFormat(4, 8))).bytes_per_token
+    assert lay.bytes_per_token == same
+    # the residual is counted at BF16
+    n = 21
+    want = (16 + 8) + (16 * (8 + 8) + 5 * 2 * d_r) / n
+    assert abs(lay.bytes_per_token_at(n) - want) < 1e-12
+    assert lay.bytes_per_token_at(1600) < lay.bytes_per_token_at(15)
+    # actual stored bytes agree with the layout (codes + metadata + residual at 2 B a value)
+    model = tiny_model("deepseek_v3")
+    cache = KIVICache(model, fmt)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, n)), past_key_values=cache, use_cache=True)
+    n_layers = len(cache.mla_layers())
+    assert cache.nbytes() == pytest.approx(n * lay.bytes_per_token_at(n) * n_layers)
+    assert cache.bytes_per_token() == lay.bytes_per_token * n_layers
+    with pytest.raises(UnsupportedFormatError):
+        KIVIFormat(PathFormat(4, 16), rope_bits=4, block=12)  # blocks are powers of two
+    with pytest.raises(UnsupportedFormatError):
+        KIVIFormat(PathFormat(4, 16), rope_bits=8, rope_mode="fp8")
+
+
+def test_kivi_cache_in_a_model_decode_and_crop():
+    torch.manual_seed(2)
+    model = tiny_model("minicpm3")
+    fmt = KIVIFormat(PathFormat(4, 16), rope_bits=4, block=8)
+    ids = torch.randint(3, 128, (2, 19))
+    with torch.no_grad():
+        cache = KIVICache(model, fmt)
+        out = model(ids[:, :16], past_key_values=cache, use_cache=True)
+        for t in range(16, 19):  # token-by-token decode
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        # decode logits stay close to an unquantized run
+        ref = model(ids).logits[:, -1]
+        assert (out.logits[:, -1] - ref).abs().max() < 0.05 * ref.abs().max()
+        layer = cache.mla_layers()[0]
+        assert cache.get_seq_length() == 19 and layer.rope.quantized_length == 16 and layer.rope.length == 19
+        c, r = layer._read(torch.float32)
+        assert c.shape[2] == r.shape[2] == 19
+        cache.crop(-6)  # into the second quantized block: its kept tokens go back to the residual
+        assert cache.get_seq_length() == 13 and layer.rope.quantized_length == 8 and layer.rope.length == 13
+        out = model(ids[:, 13:14], past_key_values=cache, use_cache=True)
+        assert torch.isfinite(out.logits).all() and cache.get_seq_length() == 14
+
+
+# -- the harness -----------------------------------------------------------------------------------
+
+
+def test_named_configs_and_rows():
+    c = named_config("INT2/INT4", 16, 8)
+    assert (c.content.bits, c.content.group_size, c.rope.bits, c.rope.group_size) == (2, 16, 4, 8)
+    assert named_config("fp8").content.mode == "fp8" and not named_config("BF16").quantized
+    assert named_config("BF16/INT4").content.bits == 16
+    for bad in ("INT5/INT4", "INT4", "foo"):
+        with pytest.raises(QuantMLAError):
+            named_config(bad)
+    with pytest.raises(QuantMLAError, match="unknown method"):
+        RowSpec(c, "gptq")
+    with pytest.raises(QuantMLAError, match="reference"):
+        RowSpec(c, "bf16")
+    with pytest.raises(QuantMLAError, match="integer RoPE"):
+        RowSpec(named_config("FP8"), "kivi")
+    rows = default_rows()
+    keys = {r.key for r in rows}
+    assert ("BF16", "bf16") in keys and ("FP8", "rtn") in keys
+    for cfg in ("INT4/INT4", "INT2/INT4"):
+        assert {m for c_, m in keys if c_ == cfg} == {"rtn", "kivi", "hadamard", "quantmla", "quantmla-content", "quantmla-rope"}
+    assert len(default_rows(quick=True)) < len(rows)
+
+
+def test_bf16_cache_rounds_to_bf16():
+    model = tiny_model("deepseek_v2")
+    cache = bf16_cache(model)
+    lat, kr = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 16)
+    c, r = cache.layers[0].update(lat, kr)
+    assert torch.equal(c, lat.bfloat16().float()) and torch.equal(r, kr.bfloat16().float())
+
+
+def test_evaluate_row_wires_caches_and_calibration():
+    """Each method gets its cache and preparation; calibrated methods work on a copy of the model."""
+    model = tiny_model("deepseek_v3")
+    data = EvalData(ppl=torch.randint(3, 128, (2, 16)), retrieval={1024: [{}], 2048: [{}, {}]},
+                    calib_ids=torch.randint(3, 128, (4, 16)), seq_len=16)
+    seen = {}
+
+    def ppl_fn(m, tok, chunks, *, seq_len, cache_factory):
+        seen["cache"] = cache_factory(m)
+        seen["model"] = m
+        return {"bits_per_byte": 1.5, "tokens": 30}
+
+    def retr_fn(m, tok, samples, *, cache_factory):
+        return {"accuracy": 1.0, "n": len(samples), "correct": len(samples)}
+
+    def calib_fn(m, ids, quant, *, method, paths, seed):
+        seen["calib"] = (method, tuple(paths), quant.content.bits, quant.rope.bits)
+        m.config.quantization_config = quant.to_dict()
+        return {"method": method, "seconds": {"total": 0.1}}
+
+    for method in ("bf16", "rtn", "kivi", "hadamard", "quantmla", "quantmla-content", "quantmla-rope"):
+        seen.clear()
+        cfg = named_config("BF16" if method == "bf16" else "INT2/INT4", 16, 8)
+        row = evaluate_row(model, None, RowSpec(cfg, method, kivi_block=8), data,
+                           ppl_fn=ppl_fn, retrieval_fn=retr_fn, calibrate_fn=calib_fn)
+        cache = seen["cache"]
+        assert isinstance(cache, KIVICache if method == "kivi" else QuantMLACache)
+        if method not in ("bf16", "kivi"):
+            assert cache.quant.content.bits == 2 and cache.quant.rope.bits == 4
+        assert row["retrieval"]["2048"] == {"accuracy": 1.0, "n": 2, "correct": 2}
+        assert row["bytes_per_token"] == RowSpec(cfg, method, 8).bytes_per_token(cache.spec) > 0
+        if method in CALIBRATED:
+            assert seen["calib"] == (*CALIBRATED[method][0:1], CALIBRATED[method][1], 2, 4)
+            assert seen["model"] is not model  # the shared model is never modified
+            assert row["calibration"]["seconds"] == {"total": 0.1}
+        else:
+            assert "calib" not in seen and seen["model"] is model
+    assert getattr(model.config, "quantization_config", None) is None
+    with pytest.raises(QuantMLAError, match="calibration data"):
+        evaluate_row(model, None, RowSpec(named_config("INT4/INT4", 16, 8), "quantmla"),
+                     EvalData(ppl=data.ppl, seq_len=16), ppl_fn=ppl_fn, retrieval_fn=retr_fn, calibrate_fn=calib_fn)
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+def _row(model, config, method, bpb, acc, nbytes):
+    return {"model": model, "config": config, "method": method, "format": config, "bits_per_byte": bpb,
+            "retrieval": {"1024": {"accuracy": acc, "n": 10}}, "bytes_per_token": nbytes,
+            "bf16_bytes_per_token": 96, "eval_mode": "every read quantized incl. prefill"}
+
+
+def test_table_writer(tmp_path):
+    rows = [_row("m", "INT4/INT4", "rtn", 2.2, 0.5, 40), _row("m", "BF16", "bf16", 2.0, 0.8, 96),
+            _row("m", "INT4/INT4", "quantmla", 2.01, 0.8, 40), _row("m", "INT2/INT4", "rtn", 2.5, 0.2, 32),
+            _row("m", "INT2/INT4", "quantmla", 2.1, 0.7, 32)]
+    jpath, mpath = table.write(rows, str(tmp_path))
+    doc = json.loads(Path(jpath).read_text())
+    md = Path(mpath).read_text()
+    lines = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| config")]
+    assert lines[0].startswith("| BF16 | bf16 | 96 |")  # BF16 first, then by decreasing bytes
+    assert [l.split(" | ")[2] for l in lines] == ["96", "40", "40", "32", "32"]
+    by = {(r["config"], r["method"]): r for r in doc["rows"]}
+    assert by[("INT4/INT4", "rtn")]["bpb_increase_pct"] == pytest.approx(10.0)
+    assert by[("INT2/INT4", "quantmla")]["retrieval_delta_points"]["1024"] == pytest.approx(-10.0)
+    assert "+10.00%" in md and "80.0 (n=10)" in md
+    g = doc["goals"][0]
+    assert g["int4_int4_within_1pct"]["met"] is True  # +0.5 %, retrieval unchanged
+    h = g["int2_int4_half_of_best_baseline"]  # +5 % against the best baseline's +25 %, and within +10 %
+    assert h["met"] is True and h["quantmla_pct"] == pytest.approx(5.0) and h["best_baseline_pct"] == pytest.approx(25.0)
+    assert g["int4_int4_half_of_best_baseline"]["met"] is True  # +0.5 % against +10 %
+    # merging replaces rows with the same key and keeps the others
+    table.write([_row("m", "INT4/INT4", "rtn", 2.1, 0.6, 40), _row("n", "BF16", "bf16", 3.0, 0.1, 96)], str(tmp_path))
+    doc = json.loads(Path(jpath).read_text())
+    assert len(doc["rows"]) == 6
+    assert {(r["model"], r["config"], r["method"]): r for r in doc["rows"]}[("m", "INT4/INT4", "rtn")]["bits_per_byte"] == 2.1
+    bad = _row("m", "INT4/INT4", "rtn", 2.1, 0.6, 40)
+    del bad["bytes_per_token"]
+    with pytest.raises(QuantMLAError, match="bytes_per_token"):
+        table.write([bad], str(tmp_path))
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from quantmla.evaluation.datasets import write_jsonl
+    from quantmla.training.tasks import make_eval_samples
+    from quantmla.training.tokenizer import train_tokenizer, wrap
+
+    root = tmp_path_factory.mktemp("ckpt")
+    std = Path(sysconfig.get_paths()["stdlib"])
+    docs = [(std / n).read_text() for n in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py")]
+    tok = wrap(train_tokenizer(docs, 300))
+    model = tiny_model("deepseek_v3_rotate_half", vocab_size=300, max_position_embeddings=2048)
+    model.save_pretrained(root / "tiny")
+    tok.save_pretrained(root / "tiny")
+    write_jsonl(root / "heldout" / "code.jsonl", [{"text": d} for d in docs[2:]])
+    write_jsonl(root / "heldout" / "retrieval_1024.jsonl.xz", make_eval_samples(tok, docs, 1024, 2))
+    return root
+
+
+def test_eval_command_end_to_end(checkpoint, tmp_path):
+    from quantmla.cli import main
+
+    out = tmp_path / "res"
+    rc = main(["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "BF16", "INT4/INT4",
+               "--method", "bf16", "rtn", "kivi", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "2",
+               "--lengths", "1024", "--content-group", "16", "--rope-group", "8", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "accuracy.json").read_text())
+    assert {(r["config"], r["method"]) for r in doc["rows"]} == {("BF16", "bf16"), ("INT4/INT4", "rtn"), ("INT4/INT4", "kivi")}
+    for r in doc["rows"]:
+        assert r["model"] == "tiny" and r["retrieval"]["1024"]["n"] == 2 and r["bits_per_byte"] > 0
+        assert r["eval_mode"].startswith("every read quantized incl. prefill")
+    bf16 = next(r for r in doc["rows"] if r["method"] == "bf16")
+    assert bf16["bytes_per_token"] == (32 + 16) * 2
+    md = (out / "accuracy.md").read_text()
+    assert "| INT4/INT4 | kivi † | 40 |" in md and "| BF16 | bf16 | 96 |" in md
+    # --resume skips rows already there with the same settings
+    rc = main(["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "BF16",
+               "--method", "bf16", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "2", "--lengths", "1024",
+               "--content-group", "16", "--rope-group", "8", "--out", str(out), "--resume"])
+    assert rc == 0 and json.loads((out / "accuracy.json").read_text())["rows"] == doc["rows"]
+
+
+def test_eval_command_errors(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantmla.cli import main
+
+    assert main(["eval", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", str(tmp_path / "empty"), "--out", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
+    assert main(["eval", str(llama), "--out", str(tmp_path)]) == 2
+    assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
+    assert main(["eval", str(llama), "--config", "INT5/INT4", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "accuracy.json").exists()
