@@ -97,18 +97,21 @@ class RopeTransform:
             raise QuantMLAError(f"RoPE transform has {self.num_pairs} pairs but the RoPE dim is {d_r}")
 
 
-def apply_pairs(x: torch.Tensor, z: torch.Tensor, layout: str) -> torch.Tensor:
-    """Multiply each pair of x [..., d_r] (in `layout`) by z [d_r/2] (complex, or a (re, im) tuple
-    of real tensors for autograd): returns the transformed x, same dtype (differentiable in z)."""
+def apply_pairs(x: torch.Tensor, z, layout: str) -> torch.Tensor:
+    """Multiply each pair of x [..., d_r] (in `layout`) by z [..., d_r/2] (complex, or a (re, im)
+    tuple of real tensors for autograd; leading dims broadcast): differentiable in x and z."""
     d_r = x.shape[-1]
-    ra, im = pair_channels(d_r, layout)
+    pair_channels(d_r, layout)  # validates
     zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
     zr, zi = zr.to(x.dtype), zi.to(x.dtype)
-    xa, xb = x[..., ra], x[..., im]
-    out = torch.empty_like(x)
-    out[..., ra] = xa * zr - xb * zi
-    out[..., im] = xa * zi + xb * zr
-    return out
+    if layout == "interleaved":
+        xa, xb = x[..., 0::2], x[..., 1::2]
+    else:
+        xa, xb = x[..., : d_r // 2], x[..., d_r // 2 :]
+    oa, ob = xa * zr - xb * zi, xa * zi + xb * zr  # broadcasts x against z's leading dims
+    if layout == "interleaved":
+        return torch.stack([oa, ob], dim=-1).flatten(-2)
+    return torch.cat([oa, ob], dim=-1)
 
 
 @torch.no_grad()
