@@ -25,6 +25,7 @@ def add_arguments(p):
     p.add_argument("--content-group", type=int, default=64)
     p.add_argument("--rope-group", type=int, default=32)
     p.add_argument("--layers", type=int, nargs="+", default=None, help="MLA cache slots to analyze (default: all)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -38,15 +39,16 @@ def summary_markdown(result: dict, name: str) -> str:
            "quantized alone on full-precision activations; float64.", "",
            "Distortion = ‖Δo‖/‖o‖ of the attention block's output after o_proj (mean over layers). "
            "Amplification = (distortion per unit relative RoPE-key error) / (distortion per unit relative latent error), "
-           "geometric mean over layers.", "",
-           "| bits | content only | RoPE only | both | RoPE/content distortion | RoPE amplification | layers RoPE worse | "
-           "content matching share | first-order rel. err (max) |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "geometric mean over layers; 'of which in logits' is the same ratio for the RMS logit error.", "",
+           "| bits | content only | RoPE only | both | RoPE/content distortion | RoPE amplification | of which in logits | "
+           "layers RoPE worse | content matching share | first-order rel. err (max) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for b in map(str, s["bits"]):
         mean = lambda p: sum(x["runs"][p][b]["distortion"] for x in L) / len(L)  # noqa: E731
         r = result["summary"]["by_bits"][b]
         out.append(f"| {b} | {mean('content'):.4g} | {mean('rope'):.4g} | {mean('both'):.4g} | "
                    f"{r['distortion_ratio_gmean']:.3g} | {r['rope_amplification_gmean']:.3g} | "
+                   f"{r['rope_logit_amplification_gmean']:.3g} | "
                    f"{r['layers_rope_worse']}/{len(L)} | {r['content_matching_share_mean']:.3g} | "
                    f"{r['first_order_rel_err_max']:.2g} |")
     b = "4" if "4" in map(str, s["bits"]) else str(s["bits"][0])
@@ -79,7 +81,7 @@ def run(args) -> int:
     from quantmla.evaluation.perplexity import token_chunks
 
     path = resolve_model(args.model)
-    model, tok = load_model(path)
+    model, tok = load_model(path, device=args.device)
     name = os.path.basename(os.path.normpath(path))
     root = DS.heldout_root(args.heldout)
     if not (root / f"{args.kind}.jsonl").exists():
@@ -88,7 +90,7 @@ def run(args) -> int:
     if ids.shape[0] < args.num_seqs or ids.shape[1] != args.seq_len:
         raise QuantMLAError(f"held-out text gave {tuple(ids.shape)} tokens, wanted {args.num_seqs} x {args.seq_len}")
     t0 = time.time()
-    result = analyze_model(model, ids, bits=args.bits, content_group=args.content_group, rope_group=args.rope_group,
+    result = analyze_model(model, ids.to(args.device), bits=args.bits, content_group=args.content_group, rope_group=args.rope_group,
                            layers=args.layers, progress=lambda m: print(f"[analyze] {m}", file=sys.stderr, flush=True))
     result["model"] = name
     result["settings"]["heldout"] = f"{args.kind} ({root.name})"

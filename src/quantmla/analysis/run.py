@@ -36,6 +36,11 @@ DEFINITIONS = {
     "sensitivity": "distortion / relative cache error of the quantized path",
     "rope_amplification": "sensitivity(RoPE-only) / sensitivity(content-only) at equal bits: >1 means a unit of "
                           "relative RoPE-key error distorts the attention output more than a unit of relative latent error",
+    "logit_sensitivity": "RMS logit error (scale·Δ(q·k), causal entries) / relative cache error of the quantized path",
+    "rope_logit_amplification": "logit_sensitivity(RoPE-only) / logit_sensitivity(content-only): the part of the "
+                                "amplification already present in the logits (the rest comes from softmax and aggregation)",
+    "rope_matching_amplification": "(matching error per unit relative error, RoPE-only) / (the same, content-only): "
+                                   "how much more a unit of RoPE-key error perturbs the attention pattern's effect",
     "distortion_ratio": "distortion(RoPE-only) / distortion(content-only) at equal bits (group sizes as configured)",
     "pair rms": "per RoPE frequency pair j: sqrt(E[(x_a²+x_b²)/2]) of k_R and of q^R (pairs from spec.pair_index())",
     "pair_logit_err_rms": "per pair j: RMS over all (head, query, key) of scale·q_j^R·e_j (RoPE-only quantization)",
@@ -97,12 +102,16 @@ def analyze_layer(batches: list[LayerTensors], pair_index, bits: Iterable[int], 
                 err = ((s["e_c"] + s["e_r"]) / (s["c"] + s["r"])) ** 0.5
             m["cache_rel_err"] = err
             m["sensitivity"] = m["distortion"] / err if err else float("nan")
+            m["logit_sensitivity"] = m["logit_err_rms"] / err if err else float("nan")
             runs[path][str(b)] = m
-    amp, ratio = {}, {}
+    amp, ratio, logit_amp, match_amp = {}, {}, {}, {}
     if "content" in runs and "rope" in runs:
         for b in runs["content"]:
             c, r = runs["content"][b], runs["rope"][b]
             amp[b] = r["sensitivity"] / c["sensitivity"] if c["sensitivity"] else float("nan")
+            logit_amp[b] = r["logit_sensitivity"] / c["logit_sensitivity"] if c["logit_sensitivity"] else float("nan")
+            cm = c["matching"] / c["cache_rel_err"] if c["cache_rel_err"] else 0.0
+            match_amp[b] = (r["matching"] / r["cache_rel_err"]) / cm if cm else float("nan")
             ratio[b] = r["distortion"] / c["distortion"] if c["distortion"] else float("nan")
     # per-pair energies over all batches (combine mean squares)
     n = sum(t.k_rope.shape[0] * t.k_rope.shape[1] for t in batches)
@@ -122,7 +131,7 @@ def analyze_layer(batches: list[LayerTensors], pair_index, bits: Iterable[int], 
     s_c = s_r = 0.0
     for t in batches:
         S = t.q_lat.shape[2]
-        mask = torch.ones(S, S, dtype=torch.bool).tril()
+        mask = torch.ones(S, S, dtype=torch.bool, device=t.q_lat.device).tril()
         lc = torch.einsum("bhsc,btc->bhst", t.q_lat, t.latent) * t.scale
         lr = torch.einsum("bhsr,btr->bhst", t.q_rope, t.k_rope) * t.scale
         s_c += float((lc.masked_fill(~mask, 0) ** 2).sum())
@@ -130,6 +139,8 @@ def analyze_layer(batches: list[LayerTensors], pair_index, bits: Iterable[int], 
     return {
         "runs": runs,
         "rope_amplification": amp,
+        "rope_logit_amplification": logit_amp,
+        "rope_matching_amplification": match_amp,
         "distortion_ratio": ratio,
         "pairs": {
             "k_rope_rms": k2.sqrt().tolist(),
@@ -195,6 +206,8 @@ def summarize(per_layer: list[dict], bits) -> dict:
         c_runs = [L["runs"]["content"][b] for L in per_layer]
         row["content_matching_share_mean"] = sum(r["matching_share"] for r in c_runs) / len(c_runs)
         row["rope_amplification_gmean"] = _gmean([L["rope_amplification"][b] for L in per_layer])
+        row["rope_matching_amplification_gmean"] = _gmean([L["rope_matching_amplification"][b] for L in per_layer])
+        row["rope_logit_amplification_gmean"] = _gmean([L["rope_logit_amplification"][b] for L in per_layer])
         row["distortion_ratio_gmean"] = _gmean([L["distortion_ratio"][b] for L in per_layer])
         row["layers_rope_worse"] = sum(1 for L in per_layer if L["distortion_ratio"][b] > 1)
         row["first_order_rel_err_max"] = max(L["runs"][p][b]["first_order_rel_err"] for L in per_layer for p in PATHS)

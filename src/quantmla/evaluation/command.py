@@ -37,6 +37,7 @@ def add_arguments(p):
     p.add_argument("--rope-group", type=int, default=32)
     p.add_argument("--kivi-block", type=int, default=None, help="KIVI token block (default: the RoPE group size, equal bytes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--resume", action="store_true", help="skip rows already in the output with the same data settings")
     p.add_argument("--no-merge", action="store_true", help="overwrite the output instead of merging rows into it")
 
@@ -100,7 +101,7 @@ def run(args) -> int:
     settings = {"seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
                 "retrieval_lengths": list(preset["lengths"]), "calib_rows": preset["calib_n"],
                 "content_group": args.content_group, "rope_group": args.rope_group, "seed": args.seed,
-                "quick": bool(args.quick)}
+                "quick": bool(args.quick), "device": args.device}
     calib_kwargs = {"progress": False}
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
@@ -122,7 +123,7 @@ def run(args) -> int:
         if not todo:
             _log(f"{name}: all rows done")
             continue
-        model, tok = load_model(mdir)
+        model, tok = load_model(mdir, device=args.device)
         need_calib = any(r.method in ("hadamard", "quantmla", "quantmla-content", "quantmla-rope") for r in todo)
         data = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
                               retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],

@@ -200,12 +200,12 @@ def check_model_dir(path: str) -> MLASpec:
     return spec
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a checkpoint directory, fp32 on CPU, eval mode."""
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) from a checkpoint directory, fp32 compute, eval mode."""
     check_model_dir(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
