@@ -55,7 +55,6 @@ import torch
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
-from quantmla.model.capture import capture_attention_inputs
 from quantmla.model.spec import MLASpec, is_mla_attention, mla_modules, spec_from_model
 
 STATE_DIR = ".quantmla_stream"
@@ -654,64 +653,252 @@ class ActivationBuffer:
 # ================================================================================================
 # fitting: the per-layer entry point
 # ================================================================================================
-# A fit function takes one MLA attention module (full-precision weights), the spec, the captured
-# inputs of that module (capture_attention_inputs' records: a list of {"hidden": [B, S, hidden],
-# "position_embeddings": ...}, one per batch), the cache formats, and returns a LayerTransform.
+class LayerFitter:
+    """Per-layer fitting in the three steps streaming needs:
+
+    ``begin(slot, module)``  -> capture state, before the layer's forward;
+    ``observe(state, hidden, position_embeddings, start)`` for every calibration batch (called
+        from a pre-hook on the MLA module; `start` is the batch's first sequence index);
+    ``end(state)``           -> the captured data: CPU tensors, picklable (it is what a
+        distributed run sends to the rank that fits the layer);
+    ``fit(slot, data, module)`` -> (LayerTransform, json-able info), given the module's
+        full-precision weights. Must be deterministic for (slot, data): seeds derive from
+        ``seed`` and ``slot`` only, never from global RNG state left by other layers.
+    """
+
+    def __init__(self, spec: MLASpec, shape: tuple[int, int], quant: QuantCacheConfig, method: str, seed: int,
+                 fit_kwargs: dict | None = None):
+        self.spec, self.shape, self.quant, self.method, self.seed = spec, tuple(shape), quant, method, int(seed)
+        self.fit_kwargs = dict(fit_kwargs or {})
+
+    def begin(self, slot: int, module: torch.nn.Module) -> Any:
+        raise NotImplementedError
+
+    def observe(self, state: Any, hidden: torch.Tensor, position_embeddings, start: int) -> None:
+        raise NotImplementedError
+
+    def end(self, state: Any) -> Any:
+        return state
+
+    def fit(self, slot: int, data: Any, module: torch.nn.Module) -> tuple[Any, dict]:
+        raise NotImplementedError
+
+    def report_header(self) -> dict:
+        return {"method": self.method, "seed": self.seed, "quant": dataclasses.replace(self.quant, method=self.method).to_dict(),
+                "tokens": self.shape[0] * self.shape[1]}
+
+
+# A fit function: (module, spec, records, quant, *, method, seed, **kw) -> LayerTransform, where
+# records are capture_attention_inputs' records of that module ({"hidden": [B, S, hidden] (the
+# module's input), "position_embeddings": ...}, one per batch).
 FitFn = Callable[..., Any]
 
 
+class RecordsFitter(LayerFitter):
+    """Keeps the attention inputs themselves (CPU) and calls a :data:`FitFn` on them."""
+
+    def __init__(self, fit_fn: FitFn, *a, **kw):
+        super().__init__(*a, **kw)
+        self.fit_fn = fit_fn
+
+    def begin(self, slot, module):
+        return []
+
+    def observe(self, state, hidden, position_embeddings, start):
+        pe = position_embeddings
+        if isinstance(pe, tuple):
+            pe = tuple(p.detach().cpu() for p in pe)
+        elif torch.is_tensor(pe):
+            pe = pe.detach().cpu()
+        state.append({"hidden": hidden.detach().cpu(), "position_embeddings": pe})
+
+    def fit(self, slot, data, module):
+        seed = self.seed + slot
+        torch.manual_seed(seed)
+        lt = self.fit_fn(module, self.spec, data, self.quant, method=self.method, seed=seed, **self.fit_kwargs)
+        return lt, (lt.summary() if hasattr(lt, "summary") else {})
+
+
 def standin_fit(module, spec: MLASpec, records: list[dict], quant: QuantCacheConfig, *, method: str, seed: int, **_):
-    """Stand-in fits with no learning, used where the function-aligned fit is not wanted (tests
-    of the streaming machinery) — "rtn": identity; "hadamard": the Hadamard point of the content
-    path; "random": a seeded random content + RoPE transform (exercises seeds and fusion)."""
+    """A fit with no learning, for tests of the streaming machinery: "random" draws a seeded
+    random content + RoPE transform, perturbed by the data (so wrong inputs give a different
+    transform); "identity" returns no transform."""
     from quantmla.transforms import ContentTransform, LayerTransform, RopeTransform, random_orthogonal
 
-    if method in ("rtn", "fp8", "bf16", "kivi"):
+    if method == "identity":
         return LayerTransform(None, None)
-    if method == "hadamard":
-        return LayerTransform(ContentTransform.hadamard_point(module.kv_a_layernorm.weight.detach()), None)
-    if method == "random":
-        g = torch.Generator().manual_seed(int(seed))
-        # a data-dependent term, so wrong inputs give a different transform
-        h = torch.cat([r["hidden"].reshape(-1, r["hidden"].shape[-1]).float() for r in records])
-        gamma = torch.exp(torch.randn(spec.d_c, generator=g, dtype=torch.float64) * 0.3) * (1 + float(h.pow(2).mean()) * 1e-3)
-        z = torch.polar(torch.exp(torch.randn(spec.num_pairs, generator=g, dtype=torch.float64) * 0.3),
-                        torch.rand(spec.num_pairs, generator=g, dtype=torch.float64) * 6.28 - 3.14)
-        return LayerTransform(ContentTransform(random_orthogonal(spec.d_c, g), gamma), RopeTransform(z))
-    raise QuantMLAError(f"the stand-in fit knows rtn, hadamard and random, not {method!r}")
+    if method != "random":
+        raise QuantMLAError(f"the stand-in fit knows 'random' and 'identity', not {method!r}")
+    g = torch.Generator().manual_seed(int(seed))
+    h = torch.cat([r["hidden"].reshape(-1, r["hidden"].shape[-1]).double() for r in records])
+    gamma = torch.exp(torch.randn(spec.d_c, generator=g, dtype=torch.float64) * 0.3) * (1 + float(h.pow(2).mean()) * 1e-3)
+    z = torch.polar(torch.exp(torch.randn(spec.num_pairs, generator=g, dtype=torch.float64) * 0.3),
+                    torch.rand(spec.num_pairs, generator=g, dtype=torch.float64) * 6.28 - 3.14)
+    return LayerTransform(ContentTransform(random_orthogonal(spec.d_c, g), gamma), RopeTransform(z))
 
 
-def project_fit(method: str) -> FitFn | None:
-    """The project's per-layer fit (quantmla.calibration), adapted to :data:`FitFn`; None if this
-    build has none for `method`."""
-    return None
+class ProjectFitter(LayerFitter):
+    """Adapter over :func:`quantmla.calibration.calibrate`'s per-layer work, reproducing it for one
+    layer at a time: the same sequence split (generator seeded `seed`), the same sampled query and
+    key positions, the same capture (``capture._record`` on each batch), the same per-slot fit
+    (generator ``seed·1000003 + slot``) and the same choice of transforms. ``calibrate`` keeps that
+    work inline in its loop; this adapter mirrors it (tests check both give identical weights).
+
+    fit_kwargs: calibrate's keyword arguments (paths, steps, rope_steps, lr, queries_per_seq,
+    rope_keys_per_seq, rope_weighting, rope_searches, heldout_fraction, max_capture_bytes).
+    ``batch_size`` is the streamer's (capture batches and fit minibatches, as in calibrate)."""
+
+    DEFAULTS = dict(paths=("content", "rope"), steps=200, rope_steps=None, lr=2e-3, batch_size=4, queries_per_seq=64,
+                    rope_keys_per_seq=128, rope_weighting="attention", rope_searches=None, heldout_fraction=0.25,
+                    max_capture_bytes=2 << 30)
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        from quantmla.calibration import api
+        from quantmla.calibration import capture as cap
+        from quantmla.calibration.rope import SEARCHES
+
+        unknown = sorted(set(self.fit_kwargs) - set(self.DEFAULTS) - {"progress", "verbose"})
+        if unknown:
+            raise QuantMLAError(f"unknown calibration options for streaming: {unknown}")
+        o = {**self.DEFAULTS, **{k: v for k, v in self.fit_kwargs.items() if k in self.DEFAULTS}}
+        o["paths"] = tuple(o["paths"])
+        o["rope_steps"] = o["steps"] if o["rope_steps"] is None else o["rope_steps"]
+        o["rope_searches"] = tuple(o["rope_searches"] or SEARCHES)
+        if self.method not in api.METHODS:
+            raise QuantMLAError(f"unknown calibration method {self.method!r}; use one of {api.METHODS}")
+        bad = [p for p in o["paths"] if p not in api.PATHS]
+        if bad or not o["paths"]:
+            raise QuantMLAError(f"paths must be a non-empty subset of {api.PATHS}, got {o['paths']}")
+        if o["rope_weighting"] not in cap.WEIGHTINGS:
+            raise QuantMLAError(f"rope_weighting must be one of {cap.WEIGHTINGS}, got {o['rope_weighting']!r}")
+        self.o = o
+        self.spec.require_latent_cache()
+        for slot in self.spec.mla_layers:
+            f = self.quant.format_for(slot)
+            f.content.check_dim(self.spec.d_c, f"content path of layer {slot}")
+            f.rope.check_dim(self.spec.d_r, f"RoPE path of layer {slot}")
+        N, L = self.shape
+        if L < 2:
+            raise QuantMLAError(f"calibration sequences need at least 2 tokens, got length {L}")
+        g = torch.Generator().manual_seed(self.seed)
+        self.fit_seqs, self.held_seqs = api.split_sequences(N, o["heldout_fraction"], g)
+        g = torch.Generator().manual_seed(self.seed)  # capture_calibration_data's own generator
+        s_q, k_r = min(o["queries_per_seq"], L), min(o["rope_keys_per_seq"], L)
+        self.q_pos = torch.stack([cap._sample_positions(L, s_q, g) for _ in range(N)])
+        self.key_pos, self.key_w = cap._sample_keys(L, k_r, g)
+        per_layer = cap._layer_bytes(self.spec, N, L, s_q, k_r)
+        if per_layer > o["max_capture_bytes"]:
+            raise QuantMLAError(
+                f"one layer's calibration data needs {per_layer / 2**20:.0f} MiB, over the "
+                f"{o['max_capture_bytes'] / 2**20:.0f} MiB budget (max_capture_bytes): use fewer or shorter calibration "
+                "sequences, fewer queries_per_seq or rope_keys_per_seq, or raise the budget"
+            )
+        self.capture_bytes = per_layer
+
+    def begin(self, slot, module):
+        from quantmla.calibration.capture import LayerData, out_projection
+        from quantmla.model.view import MLAView
+
+        view = MLAView(module, self.spec)
+        data = LayerData(slot=slot, scale=self.spec.softmax_scale,
+                         gamma=module.kv_a_layernorm.weight.detach().float().cpu().clone(),
+                         out_proj=out_projection(view), rope_layout=self.spec.rope_cache_layout)
+        return {"data": data, "view": view}
+
+    @torch.no_grad()
+    def observe(self, state, hidden, position_embeddings, start):
+        from quantmla.calibration.capture import _record
+
+        B = hidden.shape[0]
+        dev = hidden.device
+        _record(state["data"], state["view"], hidden, position_embeddings, self.q_pos[start : start + B].to(dev),
+                self.key_pos.to(dev), self.key_w, start)
+
+    def end(self, state):
+        state["data"].finalize()
+        return state["data"]
+
+    def fit(self, slot, d, module):
+        import dataclasses as dc
+
+        from quantmla.calibration.api import LayerReport
+        from quantmla.calibration.content import content_fn, fit_content
+        from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant
+        from quantmla.calibration.rope import fit_rope
+        from quantmla.transforms.content import ContentTransform
+        from quantmla.transforms.fuse import LayerTransform
+
+        o, method, seed = self.o, self.method, self.seed
+        fit_seqs, held_seqs = self.fit_seqs, self.held_seqs
+        fmt = self.quant.format_for(slot)
+        lg = torch.Generator().manual_seed(seed * 1000003 + slot)
+        rep = LayerReport(slot=slot)
+        ct = rt = None
+        if "content" in o["paths"]:
+            cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=o["steps"], lr=o["lr"],
+                             batch_size=o["batch_size"], generator=lg, pbar=None)
+            rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
+                           "candidates": cf.heldout, "train_curve": cf.curve}
+            ct = None if cf.chosen == "rtn" else cf.transform
+        if "rope" in o["paths"]:
+            if method == "quantmla":
+                rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=o["rope_weighting"], searches=o["rope_searches"],
+                              steps=o["rope_steps"], pbar=None)
+                rt = None if rf.chosen == "rtn" else rf.transform
+                rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
+                            "candidates": rf.heldout, "fit": rf.fit, "weighting": o["rope_weighting"]}
+            else:
+                held_m = torch.isin(d.key_seq, held_seqs)
+                v = float(RopeQK(d.keys[held_m], d.A[o["rope_weighting"]][held_m], fmt.rope, d.rope_layout)())
+                rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": o["rope_weighting"]}
+        held = OutputDistortion(d, held_seqs)
+        gamma = d.gamma.double()
+        c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
+        c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
+        z = None if rt is None else rt.z
+        rep.joint = {
+            "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
+            "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
+        }
+        lt = LayerTransform(ct, rt)
+        rep.transform = lt.summary()
+        return lt, json.loads(json.dumps(dc.asdict(rep), default=float))
+
+    def report_header(self) -> dict:
+        h = super().report_header()
+        h.update(paths=list(self.o["paths"]), fit_sequences=len(self.fit_seqs), heldout_sequences=len(self.held_seqs),
+                 rope_weighting=self.o["rope_weighting"])
+        return h
 
 
-def resolve_fit(fit_fn: FitFn | None, method: str) -> FitFn:
-    """`fit_fn` if given; else the project's per-layer fit (quantmla.calibration), adapted; else
-    the stand-in for methods that need no learning."""
-    if fit_fn is not None:
+STANDIN_METHODS = ("random", "identity")
+
+
+def make_fitter(spec: MLASpec, shape, quant: QuantCacheConfig, method: str, seed: int, fit_kwargs: dict | None,
+                fit_fn: FitFn | LayerFitter | type | None = None) -> LayerFitter:
+    """The fitter for `method`: a given FitFn / LayerFitter; else the project's function-aligned
+    calibration (methods of quantmla.calibration.METHODS) through :class:`ProjectFitter`; else the
+    stand-in fits (``random``, ``identity``)."""
+    if isinstance(fit_fn, LayerFitter):
         return fit_fn
-    found = project_fit(method)
-    if found is not None:
-        return found
-    if method in ("rtn", "hadamard", "random", "fp8", "bf16", "kivi"):
-        return standin_fit
-    raise QuantMLAError(
-        f"method {method!r} needs the function-aligned per-layer fit of quantmla.calibration, which this build lacks"
-    )
+    if isinstance(fit_fn, type) and issubclass(fit_fn, LayerFitter):
+        return fit_fn(spec, shape, quant, method, seed, fit_kwargs)
+    if fit_fn is not None:
+        return RecordsFitter(fit_fn, spec, shape, quant, method, seed, fit_kwargs)
+    if method in STANDIN_METHODS:
+        return RecordsFitter(standin_fit, spec, shape, quant, method, seed, fit_kwargs)
+    return ProjectFitter(spec, shape, quant, method, seed, fit_kwargs)
 
 
 def fuse_layer(layer: torch.nn.Module, spec: MLASpec, transforms: dict) -> None:
-    """Fuse {slot: LayerTransform} into the MLA modules inside `layer` (or an attention module)."""
+    """Fuse {slot: LayerTransform} into the MLA modules inside `layer` (a decoder layer or an
+    attention module); identity transforms are skipped, as calibrate does."""
     from quantmla.transforms import fuse_transforms
 
-    fuse_transforms(layer, transforms, spec)
-
-
-def _call_fit(fit: FitFn, module, spec, records, quant, method, seed, fit_kwargs):
-    torch.manual_seed(int(seed))
-    return fit(module, spec, records, quant, method=method, seed=int(seed), **(fit_kwargs or {}))
+    todo = {k: v for k, v in transforms.items() if getattr(v, "content", None) is not None or getattr(v, "rope", None) is not None}
+    if todo:
+        fuse_transforms(layer, todo, spec)
 
 
 # ================================================================================================
@@ -892,20 +1079,15 @@ class Streamer:
         self.batch_size = max(1, int(batch_size))
         self.device = torch.device(device)
         self.activations, self.checkpoint_every = activations, int(checkpoint_every)
-        self.fit = resolve_fit(fit_fn, method)
         self.fit_kwargs = dict(fit_kwargs or {})
+        if fit_fn is None and method not in STANDIN_METHODS:
+            self.fit_kwargs.setdefault("batch_size", self.batch_size)  # calibrate's one batch_size
         self.checksum = checksum
-        if dtype is None:
-            tc = _text_config(self.ckpt.config)
-            dtype = getattr(tc, "dtype", None) or getattr(tc, "torch_dtype", None) or torch.float32
-            if isinstance(dtype, str):
-                dtype = getattr(torch, dtype)
-            if dtype in _FP8:
-                dtype = torch.bfloat16
-        self.dtype = dtype
+        self.dtype = dtype = dtype or torch.float32
         self.meter = WeightMeter()
         self.skel = Skeleton(self.ckpt, dtype, self.device, attn_implementation, self.meter)
         self.spec = self.skel.spec
+        self.fitter = make_fitter(self.spec, tuple(self.calib_ids.shape), quant, method, self.seed, self.fit_kwargs, fit_fn)
         # decoder layers of the model class (longcat_flash: num_layers, each with two MLA blocks)
         self.L = self.ckpt.num_layers = len(self.skel.base.layers)
         self.state = RunState(output)
@@ -920,6 +1102,7 @@ class Streamer:
             "batch_size": self.batch_size,
             "attn_implementation": attn_implementation or getattr(self.skel.config, "_attn_implementation", None),
             "fit_kwargs": json.loads(json.dumps(self.fit_kwargs, default=str)),
+            "fitter": type(self.fitter).__name__ + (f"({getattr(fit_fn, '__name__', type(fit_fn).__name__)})" if fit_fn else ""),
         }
         if prepare:
             self.state.prepare(self.manifest, overwrite)
@@ -1011,41 +1194,43 @@ class Streamer:
 
     @torch.no_grad()
     def forward_layer(self, i: int, layer: torch.nn.Module, h_in: ActivationBuffer, h_out: ActivationBuffer | None,
-                      capture: bool) -> dict[int, list[dict]]:
-        """Run all calibration batches through layer i (original weights). Returns the captured
-        inputs of its MLA modules (slot -> records, one per batch) when `capture`."""
+                      capture: bool) -> dict[int, Any]:
+        """Run all calibration batches through layer i (its original weights), writing its outputs
+        into `h_out`. With `capture`, the fitter observes what each MLA module of the layer sees;
+        returns slot -> captured data (the fitter's ``end``)."""
         N, S = self.calib_ids.shape
-        records: dict[int, list[dict]] = {}
-        ctx = capture_attention_inputs(layer) if capture else contextlib.nullcontext({})
-        with ctx as rec:
+        mods = self.skel.mla_submodules(layer) if capture else {}
+        states = {slot: self.fitter.begin(slot, m) for slot, (_, m) in mods.items()}
+        cur = {"start": 0}
+
+        def hook(slot):
+            def pre(module, args, kwargs):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                self.fitter.observe(states[slot], hidden, kwargs.get("position_embeddings"), cur["start"])
+
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(slot), with_kwargs=True) for slot, (_, m) in mods.items()]
+        try:
             for s in range(0, N, self.batch_size):
+                cur["start"] = s
                 x = h_in.t[s : s + self.batch_size].to(self.device, self.dtype)
                 kw = self.skel.layer_kwargs(x.shape[0], S, i)
                 y = layer(x, **kw)
                 y = y[0] if isinstance(y, tuple) else y
                 if h_out is not None:
                     h_out.t[s : s + self.batch_size] = y.to(h_out.t.device, h_out.dtype)
-                for slot_recs in rec.values():  # keep captured inputs off the device unless asked
-                    r = slot_recs[-1]
-                    if self.activations != "device":
-                        r["hidden"] = r["hidden"].to("cpu")
-                        pe = r.get("position_embeddings")
-                        if isinstance(pe, tuple):
-                            r["position_embeddings"] = tuple(p.to("cpu") for p in pe)
-                        elif torch.is_tensor(pe):
-                            r["position_embeddings"] = pe.to("cpu")
-            records = dict(rec)
-        return records
+        finally:
+            for h in handles:
+                h.remove()
+        return {slot: self.fitter.end(st) for slot, st in states.items()}
 
-    def fit_modules(self, mods: dict[int, tuple[str, torch.nn.Module]], records: dict[int, list[dict]], layer_prefix: str,
+    def fit_modules(self, mods: dict[int, tuple[str, torch.nn.Module]], captured: dict[int, Any], layer_prefix: str,
                     fuse_target: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
         """Fit and fuse every MLA module of one layer; -> (full-name tensors of the fused modules, info)."""
         transforms, info = {}, {}
         for slot, (_, m) in mods.items():
-            lt = _call_fit(self.fit, m, self.spec, records[slot], self.quant, self.method, self.seed + slot, self.fit_kwargs)
-            transforms[slot] = lt
-            if hasattr(lt, "summary"):
-                info[str(slot)] = lt.summary()
+            transforms[slot], info[str(slot)] = self.fitter.fit(slot, captured[slot], m)
         fuse_layer(fuse_target, self.spec, transforms)
         fused = {}
         for slot, (rel, m) in mods.items():
@@ -1081,6 +1266,12 @@ class Streamer:
                 shutil.copyfile(src, dst + ".tmp")
                 os.replace(dst + ".tmp", dst)
         self.state.drop_act_checkpoints(keep=-1)
+        layers = []
+        for i in range(self.L):
+            for slot, inf in sorted(self.state.read_marker(_layer_unit(i)).get("fit", {}).items(), key=lambda kv: int(kv[0])):
+                layers.append(inf if isinstance(inf, dict) and "slot" in inf else {"slot": int(slot), "transform": inf})
+        report = {**self.fitter.report_header(), "layers": layers, "streamed": True}
+        atomic_write_json(os.path.join(self.state.output, "calibration_report.json"), report)
         atomic_write_json(os.path.join(self.state.dir, "complete.json"), {"units": units, "total_size": total})
 
     def stats(self, i: int, slots, nbytes: int, **kw) -> LayerStats:
@@ -1109,9 +1300,9 @@ def calibrate_streamed(
     calib_ids: torch.Tensor,
     quant: QuantCacheConfig | None = None,
     *,
-    method: str = "rtn",
+    method: str = "quantmla",
     seed: int = 0,
-    batch_size: int = 1,
+    batch_size: int = 4,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     activations: str = "memory",
@@ -1127,14 +1318,18 @@ def calibrate_streamed(
     """Calibrate the checkpoint at `source` layer by layer into `output`; resumes a killed run.
 
     calib_ids: [N, S] token ids (equal lengths, no padding). quant: the cache formats the
-    transforms are fitted for. method/seed/fit_kwargs go to the per-layer fit (seed + cache slot
-    per layer). dtype: compute dtype (default: the checkpoint's). device: where layers run.
+    transforms are fitted for. method / seed / fit_kwargs: as for :func:`quantmla.calibration.calibrate`
+    (fit_kwargs takes its keyword options: paths, steps, lr, queries_per_seq, ...); the result equals
+    calibrate's on the same model, ids and seed. batch_size: sequences per forward (calibrate's
+    batch_size, also its fit minibatch). fit_fn: a custom :class:`LayerFitter` (instance or class) or
+    :data:`FitFn`. dtype: compute dtype (default float32, as ``quantmla calibrate``); weights are
+    written in the checkpoint's own dtypes. device: where layers run.
     activations: where the [N, S, hidden] hidden states live — "memory" (CPU RAM), "device", or
     "disk" (file-backed, for calibration sets larger than RAM). checkpoint_every: save the hidden
     states entering every k-th layer for resuming (0: never; a resumed run then recomputes the
     full-precision forward from the embeddings, which gives the same result).
     Returns a :class:`StreamReport` with per-layer time and memory."""
-    quant = quant or QuantCacheConfig(method=method)
+    quant = quant or QuantCacheConfig()
     st = Streamer(source, output, calib_ids, quant, method=method, seed=seed, batch_size=batch_size, dtype=dtype,
                   device=device, activations=activations, checkpoint_every=checkpoint_every, fit_fn=fit_fn,
                   fit_kwargs=fit_kwargs, attn_implementation=attn_implementation, checksum=checksum, overwrite=overwrite)
@@ -1165,17 +1360,17 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
         fit_here = i in needset and owner(i) == rank
         capture = i in needset and bool(mods)
         h_next = st.new_buffer(i + 1) if i < last else None
-        records = st.forward_layer(i, layer, h, h_next, capture)
+        captured = st.forward_layer(i, layer, h, h_next, capture)
         t2 = time.perf_counter()
         fit_s = write_s = 0.0
         if i in needset and not fit_here:
-            send(i, records)
+            send(i, captured)
         if fit_here:
-            fused, info = st.fit_modules(mods, records, st.ckpt.layer_key(i), layer) if mods else ({}, {})
+            fused, info = st.fit_modules(mods, captured, st.ckpt.layer_key(i), layer) if mods else ({}, {})
             t3 = time.perf_counter()
             st.write_layer(i, fused, {"fit": info, "slots": list(mods), "rank": rank})
             fit_s, write_s = t3 - t2, time.perf_counter() - t3
-        del records
+        del captured
         st.skel.release(layer, nbytes)
         stats = st.stats(i, mods, nbytes, load_s=t1 - t0, forward_s=t2 - t1, fit_s=fit_s, write_s=write_s,
                          activation_bytes=h.nbytes * (2 if h_next is not None else 1), rank=rank, fitted=fit_here)
