@@ -49,6 +49,8 @@ class AttnMeta:
     seq_lens: torch.Tensor | None = None  # [num_decode] int32 (after this step's write)
     chunks: list[Chunk] = field(default_factory=list)
     max_seq_len: int = 0  # upper bound of seq_lens (a static bound under CUDA graphs)
+    plan: object | None = None  # a backend's fixed-shape decode schedule (CUDA graphs), else None
+    backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
 
 
 # -- the layout's records, in plain torch ---------------------------------------------------------
@@ -163,6 +165,15 @@ class AttentionBackend:
 
     def read(self, slot: int, block_table: torch.Tensor, seq_len: int):
         return read_records(self.pools[slot], self.layouts[slot], block_table, seq_len)
+
+    def static_plan(self, b: int, max_len: int):
+        """A fixed-shape decode schedule for a CUDA-graph bucket of b rows (none needed here)."""
+        return _NoPlan()
+
+
+class _NoPlan:
+    def update(self, lens) -> None:
+        pass
 
 
 class TorchPagedBackend(AttentionBackend):

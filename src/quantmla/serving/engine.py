@@ -52,7 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     watermark: float = 0.01
     backend: str = "auto"
-    cuda_graphs: bool = True
+    cuda_graphs: bool | str = True  # "emulate": run the graph steps' padded static path uncaptured (CPU tests)
     max_model_len: int | None = None
     keep_logits: bool = False
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -91,7 +91,7 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype) 
             if name == "triton":
                 raise QuantMLAError(f"the Triton attention backend is not available: {e}") from None
             return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
-        ok, why = triton_available(device, formats)
+        ok, why = triton_available(device, spec, formats, page_size)
         if ok:
             return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype)
         if name == "triton":
@@ -142,8 +142,9 @@ class Engine:
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: _DecodeGraphs | None = None
-        self.use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.backend.graph_safe
-                           and not config.keep_logits)
+        self.emulate_graphs = config.cuda_graphs == "emulate"
+        self.use_graphs = not config.keep_logits and (
+            self.emulate_graphs or (bool(config.cuda_graphs) and self.device.type == "cuda" and self.backend.graph_safe))
         self.stats = JobStats()
 
     # -- construction helpers --------------------------------------------------------------------
@@ -366,18 +367,20 @@ class _DecodeGraphs:
         cap = engine._graph_max()
         self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
         B, W, dev = cap, engine.max_pages_per_seq, engine.device
-        self.host = torch.zeros(4, B, dtype=torch.int64).pin_memory()
-        self.host_bt = torch.zeros(B, W, dtype=torch.int32).pin_memory()
+        pin = dev.type == "cuda"
+        self.host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
+        self.host_bt = torch.zeros(B, W, dtype=torch.int32, pin_memory=pin)
         self.buf = torch.zeros(4, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens
         self.buf[3].fill_(1)
         self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.mempool = None
 
-    def _step(self, b: int) -> torch.Tensor:
+    def _step(self, b: int, plan) -> torch.Tensor:
         e = self.e
         meta = AttnMeta(slot_mapping=self.buf[2, :b], num_decode=b, block_tables=self.bt[:b],
-                        seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size)
+                        seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
+                        plan=plan)
         logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
         return logits.argmax(-1)
 
@@ -387,17 +390,23 @@ class _DecodeGraphs:
         self.buf.zero_()  # null rows: token 0 at position 0, written to the null page
         self.buf[3].fill_(1)
         self.bt.zero_()
+        e = self.e
+        plan = e.backend.static_plan(b, e.max_pages_per_seq * e.config.page_size)
+        plan.update(np.ones(b, dtype=np.int64))
+        if e.emulate_graphs:
+            self.graphs[b] = (None, None, plan)
+            return self.graphs[b]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self._step(b)
+                self._step(b, plan)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.mempool):
-            out = self._step(b)
+            out = self._step(b, plan)
         self.mempool = g.pool()
-        self.graphs[b] = (g, out)
+        self.graphs[b] = (g, out, plan)
         return self.graphs[b]
 
     def run(self, items) -> list[int]:
@@ -417,8 +426,12 @@ class _DecodeGraphs:
             h[2, j] = seq.pages[p // ps] * ps + p % ps
             h[3, j] = p + 1
             bt[j, : len(seq.pages)] = seq.pages
-        g, out = self.get(B)
+        g, out, plan = self.get(B)
+        plan.update(h[3, :B])
         self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
         self.bt[:B].copy_(self.host_bt[:B], non_blocking=True)
-        g.replay()
+        if g is None:  # emulated: the same padded static step, run eagerly
+            out = self._step(B, plan)
+        else:
+            g.replay()
         return out[:b].tolist()

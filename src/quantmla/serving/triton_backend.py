@@ -1,0 +1,139 @@
+"""The Triton attention backend: the kernel engineer's kernels (``quantmla.kernels``) over the pools.
+
+- write: ``append_to_pages`` (quantize, pack, write at slots), bit-exact with the torch writer;
+- decode rows: one ``mla_decode_with_kvcache`` call over all single-query rows of the step;
+- prefill chunks: the chunk's pages are dequantized (the layout's torch reader) and attended with
+  torch SDPA in the absorbed form — the decode kernel takes at most 16 queries per sequence, and a
+  long chunk read that way would re-read its context once per 16 queries.
+
+Under CUDA graphs the decode split schedule must have a fixed shape: :class:`StaticDecodePlan` keeps,
+per batch-size bucket, the split structure of a max-length batch and rewrites its work-unit rows
+(sequence, token start, token end, splits) for the real lengths before each replay; units past a
+sequence's end are empty and the combine kernel gives them zero weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.errors import UnsupportedFormatError
+from quantmla.serving.backends import AttentionBackend, AttnMeta, dense_attention, sdpa_attention
+
+
+def _kernels():
+    from quantmla.kernels import api
+
+    return api
+
+
+def triton_available(device: torch.device, spec, formats: dict[int, CacheFormat], page_size: int) -> tuple[bool, str]:
+    """Whether the kernels can serve these formats on this device, and why not."""
+    try:
+        api = _kernels()
+    except ImportError as e:
+        return False, f"the kernels cannot be imported ({e})"
+    if torch.device(device).type != "cuda" and not api.interpreting():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    try:
+        for f in formats.values():
+            api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
+    except UnsupportedFormatError as e:
+        return False, str(e)
+    return True, ""
+
+
+class StaticDecodePlan:
+    """Fixed-shape decode schedules (one per page layout kind) for a CUDA-graph bucket of b rows."""
+
+    def __init__(self, backend: "TritonPagedBackend", b: int, max_len: int):
+        api = _kernels()
+        self.b, self.max_len = b, max_len
+        H, dev = backend.spec.num_heads, backend.device
+        self.md: dict[tuple, object] = {}
+        self.split: dict[tuple, tuple[int, int]] = {}  # kind -> (splits per sequence, tokens per split)
+        self.host: dict[tuple, torch.Tensor] = {}
+        for kind, layout in backend.kinds.items():
+            proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout)
+            u = proto.units.cpu()
+            S = proto.max_splits
+            if proto.num_units != b * S:
+                raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
+            span = int(u[0, 2] - u[0, 1]) if S > 1 else max_len
+            self.md[kind], self.split[kind] = proto, (S, max(span, 1))
+            self.host[kind] = torch.zeros(b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
+
+    def update(self, lens: np.ndarray) -> None:
+        """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place."""
+        for kind, md in self.md.items():
+            S, span = self.split[kind]
+            h = self.host[kind].numpy().reshape(self.b, S, 4)
+            i = np.arange(S)[None, :]
+            n = lens[:, None].astype(np.int64)
+            h[:, :, 0] = np.arange(self.b)[:, None]
+            h[:, :, 1] = np.minimum(n, i * span)
+            h[:, :, 2] = np.minimum(n, (i + 1) * span)
+            h[:, :, 3] = S
+            md.units.copy_(self.host[kind], non_blocking=True)
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, spec, formats, num_pages, page_size, device, dtype):
+        api = _kernels()
+        for slot, f in formats.items():
+            api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
+        super().__init__(spec, formats, num_pages, page_size, device, dtype)
+        # decode schedules differ by layout (block sizes); one per distinct layout
+        self.kinds: dict[tuple, PageLayout] = {}
+        self.kind_of: dict[int, tuple] = {}
+        for slot, lay in self.layouts.items():
+            k = (lay.token.fmt.content, lay.token.fmt.rope)
+            self.kinds.setdefault(k, lay)
+            self.kind_of[slot] = k
+        self.graph_safe = self.device.type == "cuda"
+
+    def write(self, slot, latent, k_rope, slot_mapping):
+        _kernels().append_to_pages(self.pools[slot], self.layouts[slot], slot_mapping, latent, k_rope)
+
+    def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
+        return StaticDecodePlan(self, b, max_len)
+
+    def _metadata(self, slot: int, meta: AttnMeta):
+        kind = self.kind_of[slot]
+        if meta.plan is not None:
+            return meta.plan.md[kind]
+        cache = meta.backend_state.setdefault("md", {})
+        if kind not in cache:
+            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, self.spec.num_heads, 1, self.kinds[kind])
+        return cache[kind]
+
+    def attend(self, slot, q_lat, q_rope, meta):
+        api = _kernels()
+        N, H, d_c = q_lat.shape
+        scale = self.spec.softmax_scale
+        pool, layout = self.pools[slot], self.layouts[slot]
+        out = torch.empty((N, H, d_c), dtype=q_lat.dtype, device=q_lat.device)
+        nd = meta.num_decode
+        if nd:
+            api.mla_decode_with_kvcache(
+                q_lat[:nd].unsqueeze(1), q_rope[:nd].unsqueeze(1), pool, meta.block_tables, meta.seq_lens, layout, scale,
+                metadata=self._metadata(slot, meta), out=out[:nd].unsqueeze(1))
+        for c in meta.chunks:
+            lat, kr = self.read(slot, c.block_table, c.seq_len)
+            ql, qr = q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n]
+            if q_lat.is_cuda:
+                o = sdpa_attention(ql, qr, lat, kr, scale)
+            else:
+                o = dense_attention(ql, qr, lat, kr, scale)
+            out[c.start: c.start + c.n] = o.to(out.dtype)
+        return out
+
+
+__all__ = ["TritonPagedBackend", "StaticDecodePlan", "triton_available", "UnsupportedFormatError"]
