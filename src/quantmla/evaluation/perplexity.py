@@ -1,0 +1,130 @@
+"""Held-out bits per byte of a causal LM, with every attention read going through a cache.
+
+``bits_per_byte(model, tokenizer, texts_or_token_chunks, seq_len=..., cache_factory=...)``
+
+- ``texts_or_token_chunks``: a list of strings (documents) or of token-id sequences
+  (lists / 1-D tensors), or a 2-D ``LongTensor [n_chunks, L]``.
+  Strings are tokenized without special tokens and joined with the EOS token between
+  documents into one stream, which is cut into consecutive chunks of ``seq_len`` tokens.
+  Token sequences are used as given (each one a chunk; longer ones are cut into
+  ``seq_len`` pieces).
+- Each chunk is one forward of ``[batch, seq_len]`` tokens with
+  ``past_key_values=cache_factory(model)`` (a fresh cache per forward; ``None`` lets
+  transformers make a plain ``DynamicCache``) and ``use_cache=True``: the prefill's
+  attention reads the keys/values *after* they went through ``cache.update``.
+- Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
+  token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
+  counts its exact UTF-8 bytes (:func:`quantmla.training.tokenizer.token_byte_lengths`);
+  special tokens (document separators) are neither predicted nor counted.
+
+Returns a dict: ``bits_per_byte``, ``bits_per_token``, ``bytes_per_token``, ``tokens``
+(predicted), ``bytes``, ``chunks``, ``seq_len``, ``nll_bits`` (total).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from quantmla.training.tokenizer import token_byte_lengths
+
+_BYTE_LENGTHS: dict[int, torch.Tensor] = {}
+
+
+def _byte_lengths(tokenizer) -> torch.Tensor:
+    key = id(tokenizer)
+    if key not in _BYTE_LENGTHS:
+        _BYTE_LENGTHS[key] = torch.from_numpy(token_byte_lengths(tokenizer))
+    return _BYTE_LENGTHS[key]
+
+
+def token_chunks(tokenizer, texts: Sequence[str], seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
+    """``LongTensor [n, seq_len]``: the documents' token stream (EOS between documents) cut
+    into consecutive chunks; a last partial chunk is dropped unless it is the only one."""
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for i, t in enumerate(texts):
+        if i and eos is not None:
+            stream.append(eos)
+        stream.extend(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"])
+        if max_chunks is not None and len(stream) >= max_chunks * seq_len:
+            break
+    n = len(stream) // seq_len
+    if n == 0:
+        return torch.tensor([stream], dtype=torch.long)
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def _as_chunks(tokenizer, data, seq_len: int, max_chunks: int | None) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        rows = [data] if data.dim() == 1 else list(data)
+    elif len(data) and isinstance(data[0], str):
+        rows = list(token_chunks(tokenizer, data, seq_len, max_chunks))
+    else:
+        rows = [torch.as_tensor(x, dtype=torch.long) for x in data]
+    out = []
+    for r in rows:
+        out += [r[i : i + seq_len] for i in range(0, len(r), seq_len) if len(r[i : i + seq_len]) > 1]
+    return out[:max_chunks] if max_chunks is not None else out
+
+
+@torch.no_grad()
+def bits_per_byte(
+    model,
+    tokenizer,
+    texts_or_token_chunks,
+    *,
+    seq_len: int,
+    cache_factory: Callable | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int = 1,
+    max_chunks: int | None = None,
+) -> dict:
+    """Bits per UTF-8 byte of held-out text (see the module docstring for the exact rules)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    blen = _byte_lengths(tokenizer).to(device)
+    specials = torch.zeros_like(blen, dtype=torch.bool)
+    for i in getattr(tokenizer, "all_special_ids", []) or []:
+        if i < len(specials):
+            specials[i] = True
+    chunks = _as_chunks(tokenizer, texts_or_token_chunks, seq_len, max_chunks)
+    was_training = model.training
+    model.eval()
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    n_tok = torch.zeros((), dtype=torch.long, device=device)
+    n_bytes = torch.zeros((), dtype=torch.long, device=device)
+    # group chunks of equal length into batches
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for c in chunks:
+        by_len.setdefault(len(c), []).append(c)
+    for L, group in sorted(by_len.items()):
+        for i in range(0, len(group), batch_size):
+            ids = torch.stack(group[i : i + batch_size]).to(device)
+            cache = cache_factory(model) if cache_factory is not None else None
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, :-1].float()
+            target = ids[:, 1:]
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            keep = ~specials[target]
+            nll -= (lp.double() * keep).sum()
+            n_tok += keep.sum()
+            n_bytes += (blen[target] * keep).sum()
+            del out, logits, lp
+    if was_training:
+        model.train()
+    nll_bits = float(nll) / math.log(2)
+    tokens, nbytes = int(n_tok), int(n_bytes)
+    return {
+        "bits_per_byte": nll_bits / max(nbytes, 1),
+        "bits_per_token": nll_bits / max(tokens, 1),
+        "bytes_per_token": nbytes / max(tokens, 1),
+        "tokens": tokens,
+        "bytes": nbytes,
+        "chunks": len(chunks),
+        "seq_len": seq_len,
+        "nll_bits": nll_bits,
+    }

@@ -1,0 +1,76 @@
+"""Long-range retrieval accuracy, with every attention read going through a cache.
+
+``retrieval_accuracy(model, tokenizer, samples, cache_factory=...)``
+
+A sample is a dict with ``prompt`` and ``answer`` strings (see
+:mod:`quantmla.training.tasks` for the format), or with ``prompt_ids`` / ``answer_ids``.
+Both strings are tokenized without special tokens and concatenated. One teacher-forced
+forward over ``prompt + answer`` (``[1, n_tokens]``, ``past_key_values=cache_factory(model)``,
+a fresh cache per sample, ``use_cache=True``); the sample is correct when, at every answer
+position, the answer token is the argmax of the logits — exactly what greedy decoding of
+the answer would produce. (The prefill attends through the cache: keys/values are read
+back from ``cache.update``.)
+
+Returns a dict: ``accuracy`` (fraction correct), ``correct``, ``n``, ``per_sample``
+(list of bools), ``answer_logprob`` (mean log-probability of the answer tokens, nats),
+``min_margin`` per sample (smallest logit gap between the answer token and the best other
+token over the answer positions; negative when wrong), ``mean_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def _ids(tokenizer, sample: dict) -> tuple[list[int], list[int]]:
+    if "prompt_ids" in sample:
+        return list(sample["prompt_ids"]), list(sample["answer_ids"])
+    p = tokenizer(sample["prompt"], add_special_tokens=False, verbose=False)["input_ids"]
+    a = tokenizer(sample["answer"], add_special_tokens=False, verbose=False)["input_ids"]
+    return p, a
+
+
+@torch.no_grad()
+def retrieval_accuracy(
+    model,
+    tokenizer,
+    samples: Sequence[dict],
+    *,
+    cache_factory: Callable | None = None,
+    device: str | torch.device | None = None,
+) -> dict:
+    """Fraction of samples whose every answer token is the model's argmax (greedy-exact)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    per_sample, margins, logprobs, lengths = [], [], [], []
+    for s in samples:
+        p, a = _ids(tokenizer, s)
+        ids = torch.tensor([p + a], dtype=torch.long, device=device)
+        cache = cache_factory(model) if cache_factory is not None else None
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        # logits at position t predict token t+1: answer tokens sit at len(p)..len(p)+len(a)-1
+        logits = out.logits[0, len(p) - 1 : len(p) + len(a) - 1].float()
+        target = torch.tensor(a, device=device)
+        tgt_logit = logits.gather(-1, target[:, None]).squeeze(-1)
+        other = logits.scatter(-1, target[:, None], float("-inf")).max(-1).values
+        margin = float((tgt_logit - other).min())
+        per_sample.append(margin > 0)
+        margins.append(margin)
+        logprobs.append(float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).mean()))
+        lengths.append(len(p) + len(a))
+        del out
+    if was_training:
+        model.train()
+    n = len(per_sample)
+    return {
+        "accuracy": sum(per_sample) / max(n, 1),
+        "correct": sum(per_sample),
+        "n": n,
+        "per_sample": per_sample,
+        "min_margin": margins,
+        "answer_logprob": sum(logprobs) / max(n, 1),
+        "mean_tokens": sum(lengths) / max(n, 1),
+    }
