@@ -748,23 +748,31 @@ class ProjectFitter(LayerFitter):
     rope_keys_per_seq, rope_weighting, rope_searches, heldout_fraction, max_capture_bytes).
     ``batch_size`` is the streamer's (capture batches and fit minibatches, as in calibrate)."""
 
-    DEFAULTS = dict(paths=("content", "rope"), steps=200, rope_steps=None, lr=2e-3, batch_size=4, queries_per_seq=64,
-                    rope_keys_per_seq=128, rope_weighting="attention", rope_searches=None, heldout_fraction=0.25,
-                    max_capture_bytes=2 << 30)
+    OPTIONS = ("paths", "steps", "rope_steps", "lr", "batch_size", "queries_per_seq", "rope_keys_per_seq",
+               "rope_weighting", "rope_searches", "heldout_fraction", "max_capture_bytes")
+
+    @staticmethod
+    def defaults() -> dict:
+        """calibrate's own defaults, read from its signature (so the two cannot drift apart)."""
+        import inspect
+
+        from quantmla.calibration import api
+
+        params = inspect.signature(api.calibrate).parameters
+        return {k: params[k].default for k in ProjectFitter.OPTIONS}
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         from quantmla.calibration import api
         from quantmla.calibration import capture as cap
-        from quantmla.calibration.rope import SEARCHES
 
-        unknown = sorted(set(self.fit_kwargs) - set(self.DEFAULTS) - {"progress", "verbose"})
+        unknown = sorted(set(self.fit_kwargs) - set(self.OPTIONS) - {"progress", "verbose"})
         if unknown:
             raise QuantMLAError(f"unknown calibration options for streaming: {unknown}")
-        o = {**self.DEFAULTS, **{k: v for k, v in self.fit_kwargs.items() if k in self.DEFAULTS}}
+        o = {**self.defaults(), **{k: v for k, v in self.fit_kwargs.items() if k in self.OPTIONS}}
         o["paths"] = tuple(o["paths"])
         o["rope_steps"] = o["steps"] if o["rope_steps"] is None else o["rope_steps"]
-        o["rope_searches"] = tuple(o["rope_searches"] or SEARCHES)
+        o["rope_searches"] = tuple(o["rope_searches"])
         if self.method not in api.METHODS:
             raise QuantMLAError(f"unknown calibration method {self.method!r}; use one of {api.METHODS}")
         bad = [p for p in o["paths"] if p not in api.PATHS]
@@ -920,6 +928,7 @@ class LayerStats:
     device_peak_bytes: int = 0
     rank: int = 0
     fitted: bool = True
+    wait_s: float = 0.0  # distributed: time a fitting rank waited for this layer's data
 
 
 @dataclass
@@ -936,14 +945,16 @@ class StreamReport:
     peak_rss_bytes: int = 0
     start_rss_bytes: int = 0
     seconds: float = 0.0
+    per_rank: list = field(default_factory=list)  # distributed runs: memory per rank
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         gb = 1 << 30
+        fitted = sum(1 for s in self.layers if s.fitted)
         return (
-            f"{len(self.layers)} layers calibrated ({len(self.skipped)} already done), {self.tokens} tokens, "
+            f"{fitted} layers fitted, {len(self.layers)} layer steps ({len(self.skipped)} done before), {self.tokens} tokens, "
             f"{self.seconds:.1f} s; model {self.model_bytes / gb:.3f} GiB, largest layer {self.max_layer_bytes / gb:.3f} GiB, "
             f"peak live weights {self.peak_live_weight_bytes / gb:.3f} GiB, peak RSS growth "
             f"{(self.peak_rss_bytes - self.start_rss_bytes) / gb:.3f} GiB"
@@ -1163,6 +1174,8 @@ class Streamer:
         if self.fault is not None:
             fault = lambda ev, k: self.fault(ev, i)  # noqa: E731
         write_safetensors_streamed(os.path.join(self.state.output, file), self._source_entries(names, fused), fault)
+        if self.fault is not None:
+            self.fault("shard_renamed", i)
         return self.state.mark_done(_layer_unit(i), file, self.checksum, info)
 
     def done_layers(self) -> set[int]:
@@ -1374,8 +1387,7 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
         st.skel.release(layer, nbytes)
         stats = st.stats(i, mods, nbytes, load_s=t1 - t0, forward_s=t2 - t1, fit_s=fit_s, write_s=write_s,
                          activation_bytes=h.nbytes * (2 if h_next is not None else 1), rank=rank, fitted=fit_here)
-        if i in needset and fit_here:
-            st.report.layers.append(stats)
+        st.report.layers.append(stats)
         if progress is not None and i in needset:
             progress(stats)
         if h_next is not None:
@@ -1390,8 +1402,18 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
             del old
 
 
-def _kill_self() -> None:  # for fault-injection tests: die like an OOM kill, no cleanup
-    os.kill(os.getpid(), signal.SIGKILL)
+@dataclass(frozen=True)
+class KillAt:
+    """Fault injection for tests: SIGKILL this process (no cleanup, like the OOM killer) at
+    `event` of layer `layer` — "tensor_written" (mid-shard: a partial temporary file is left),
+    "shard_renamed" (shard in place, marker not yet written)."""
+
+    layer: int
+    event: str = "tensor_written"
+
+    def __call__(self, event: str, layer: int) -> None:
+        if event == self.event and layer == self.layer:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ================================================================================================

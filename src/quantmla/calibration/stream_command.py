@@ -1,0 +1,180 @@
+"""``quantmla calibrate --stream``: layer-streamed (and multi-process) calibration from the CLI.
+
+Wiring into ``quantmla calibrate`` (calibration/command.py)::
+
+    def add_arguments(p):
+        ...
+        from quantmla.calibration.stream_command import add_stream_arguments
+        add_stream_arguments(p)
+
+    def run(args):
+        if getattr(args, "stream", False):
+            from quantmla.calibration.stream_command import run_streamed
+            return run_streamed(args)
+        ...
+
+Standalone (also under torchrun, one process per GPU)::
+
+    python -m quantmla.calibration.stream_command MODEL --out OUT [calibrate's options] [--nproc 2]
+    torchrun --nproc-per-node 8 -m quantmla.calibration.stream_command MODEL --out OUT --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+
+def add_stream_arguments(p) -> None:
+    """The streaming options added to ``quantmla calibrate``."""
+    if "--stream" in getattr(p, "_option_string_actions", {}):  # already wired into calibrate
+        return
+    g = p.add_argument_group("streaming: models that do not fit in memory (docs/scaling.md)")
+    g.add_argument("--stream", action="store_true",
+                   help="calibrate layer by layer from the sharded safetensors checkpoint, never holding the whole model; "
+                        "resumes a killed run in the same --out")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="with --stream: processes on this host (gloo on CPU, NCCL with --device cuda); torchrun works too")
+    g.add_argument("--activations", default="memory", choices=("memory", "device", "disk"),
+                   help="with --stream: where the calibration hidden states live (disk: file-backed, beyond RAM)")
+    g.add_argument("--checkpoint-every", type=int, default=1,
+                   help="with --stream: save the hidden states every k layers for resuming (0: never)")
+    g.add_argument("--overwrite", action="store_true", help="with --stream: discard an earlier run's state in --out")
+    g.add_argument("--checksum", action="store_true", help="with --stream: sha256 of every shard in its done-marker")
+    g.add_argument("--stream-report", default=None, help="with --stream: write per-layer time and memory (JSON) here")
+
+
+def add_arguments(p) -> None:
+    from quantmla.calibration.command import add_arguments as calibrate_arguments
+
+    calibrate_arguments(p)
+    add_stream_arguments(p)
+    p.set_defaults(stream=True)
+
+
+def _quant(args):
+    from quantmla.cache.config import QuantCacheConfig
+
+    return QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
+
+
+def _ids(args):
+    from transformers import AutoTokenizer
+
+    from quantmla.calibration.data import load_calibration_ids
+    from quantmla.errors import QuantMLAError
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, TypeError) as e:
+        raise QuantMLAError(f"{args.model}: no usable tokenizer ({e}); calibration text is tokenized with the checkpoint's own") from None
+    return load_calibration_ids(tok, args.calib, args.seq_len, args.calib_seqs)
+
+
+def _options(args) -> dict:
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    return dict(method=args.method, seed=args.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,
+                checksum=args.checksum, overwrite=args.overwrite,
+                fit_kwargs={"paths": paths, "steps": args.steps, "rope_weighting": args.rope_weighting})
+
+
+def _printer(quiet: bool):
+    if quiet:
+        return None
+
+    def show(s) -> None:
+        gb = 1 << 30
+        print(f"layer {s.layer:3d} (rank {s.rank}): load {s.load_s:6.1f}s  forward {s.forward_s:6.1f}s  fit {s.fit_s:7.1f}s  "
+              f"write {s.write_s:5.1f}s  weights {s.weight_bytes / gb:7.3f} GiB  RSS {s.rss_bytes / gb:6.2f} GiB",
+              flush=True)
+
+    return show
+
+
+def _distributed_entry(model, out, ids, quant, device, opts, quiet):
+    from quantmla.calibration.distributed import calibrate_streamed_distributed
+
+    return calibrate_streamed_distributed(model, out, ids, quant, device=device, progress=_printer(quiet), **opts)
+
+
+def run_streamed(args) -> int:
+    import torch
+
+    from quantmla.calibration.distributed import calibrate_streamed_distributed, launch_local, rank_summary
+    from quantmla.calibration.stream import calibrate_streamed
+    from quantmla.errors import QuantMLAError
+    from quantmla.model.spec import load_spec
+
+    t0 = time.perf_counter()
+    if getattr(args, "dtype", "auto") not in ("auto", None):
+        raise QuantMLAError("--stream writes every tensor in the checkpoint's own dtype (calibration runs in fp32); drop --dtype")
+    spec = load_spec(args.model)
+    spec.require_latent_cache()
+    quant = _quant(args)
+    ids = _ids(args)
+    opts = _options(args)
+    quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = str(args.device).startswith("cuda")
+    if world_env > 1:  # torchrun
+        import torch.distributed as dist
+
+        backend = "nccl" if cuda else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=4))
+        try:
+            device = f"cuda:{local}" if cuda else "cpu"
+            report = calibrate_streamed_distributed(args.model, args.out, ids, quant, device=device,
+                                                    progress=_printer(quiet), **opts)
+            is_main = dist.get_rank() == 0
+        finally:
+            dist.destroy_process_group()
+        if not is_main:
+            return 0
+    elif args.nproc > 1:
+        backend = "nccl" if cuda else "gloo"
+        if cuda and torch.cuda.device_count() < args.nproc:
+            raise QuantMLAError(f"--nproc {args.nproc} with --device cuda needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+        report = launch_local(_distributed_entry, args.nproc, args.model, args.out, ids, quant, None, opts, quiet,
+                              backend=backend, threads=max(1, (os.cpu_count() or 1) // args.nproc))
+    else:
+        report = calibrate_streamed(args.model, args.out, ids, quant, device=args.device, progress=_printer(quiet), **opts)
+    if args.stream_report:
+        with open(args.stream_report, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    if getattr(args, "json", False):
+        d = report.to_dict()
+        d["seconds_wall"] = time.perf_counter() - t0
+        json.dump(d, sys.stdout, indent=1)
+        print()
+    else:
+        print(rank_summary(report))
+        print(f"wrote {args.out} (quantization_config {quant.describe()}, method {args.method}) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+run = run_streamed
+
+
+def main(argv: list[str] | None = None) -> int:
+    from quantmla.errors import QuantMLAError
+
+    p = argparse.ArgumentParser(prog="python -m quantmla.calibration.stream_command",
+                                description="Layer-streamed calibration of an MLA checkpoint (see docs/scaling.md)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_streamed(args)
+    except (QuantMLAError, FileNotFoundError) as e:
+        print(f"quantmla calibrate --stream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
