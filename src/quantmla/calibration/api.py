@@ -1,0 +1,208 @@
+"""``calibrate``: learn path-specific transforms per MLA layer, fuse them, record the cache config.
+
+Layers are calibrated independently from one capture of full-precision activations (the
+transforms keep the FP function, so every layer sees FP inputs either way). The calibration
+sequences are split by sequence into a fit part and a held-out part; every reported "before" /
+"after" figure is measured on the held-out part.
+
+Methods: ``rtn`` (no transform), ``hadamard`` (the QuaRot point on the content path, RoPE
+untouched), ``quantmla`` (learned content transform, searched RoPE pair scalars, each kept only
+where it beats its alternatives on held-out data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.calibration.capture import WEIGHTINGS, capture_calibration_data
+from quantmla.calibration.content import content_fn, fit_content
+from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant
+from quantmla.calibration.rope import SEARCHES, fit_rope
+from quantmla.errors import QuantMLAError
+from quantmla.model.spec import load_spec
+from quantmla.transforms.content import ContentTransform
+from quantmla.transforms.fuse import LayerTransform, fuse_transforms
+from quantmla.transforms.rope import RopeTransform
+
+METHODS = ("quantmla", "hadamard", "rtn")
+PATHS = ("content", "rope")
+
+
+@dataclass
+class LayerReport:
+    slot: int
+    content: dict = field(default_factory=dict)  # before/after/chosen/candidates (held-out relative output error)
+    rope: dict = field(default_factory=dict)  # before/after/chosen/candidates (held-out positional QK error)
+    joint: dict = field(default_factory=dict)  # both paths quantized: held-out relative output error
+    transform: dict = field(default_factory=dict)
+
+
+@dataclass
+class CalibrationReport:
+    method: str
+    paths: tuple[str, ...]
+    seed: int
+    quant: dict
+    tokens: int
+    fit_sequences: int
+    heldout_sequences: int
+    rope_weighting: str
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["paths"] = list(self.paths)
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self) -> str:
+        rows = [f"calibration: method={self.method} paths={','.join(self.paths)} seed={self.seed} "
+                f"tokens={self.tokens} (fit {self.fit_sequences} / held-out {self.heldout_sequences} sequences)",
+                "held-out objectives, before (RTN) -> after:",
+                f"{'slot':>4}  {'content out-err':>24} {'chosen':>9}  {'RoPE QK-err':>24} {'chosen':>14}  {'joint out-err':>22}"]
+        for l in self.layers:
+            c = f"{l.content['before']:.4g} -> {l.content['after']:.4g}" if l.content else "-"
+            r = f"{l.rope['before']:.4g} -> {l.rope['after']:.4g}" if l.rope else "-"
+            rows.append(f"{l.slot:>4}  {c:>24} {l.content.get('chosen', '-'):>9}  {r:>24} {l.rope.get('chosen', '-'):>14}  "
+                        f"{l.joint['before']:.4g} -> {l.joint['after']:.4g}")
+        rows.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if n < 2:
+        raise QuantMLAError(f"calibration needs at least 2 sequences (one is held out to select transforms), got {n}")
+    n_held = min(n - 1, max(1, round(n * heldout_fraction)))
+    perm = torch.randperm(n, generator=generator)
+    return perm[n_held:].sort().values, perm[:n_held].sort().values
+
+
+def calibrate(
+    model: torch.nn.Module,
+    calib_ids: torch.Tensor,
+    quant: QuantCacheConfig,
+    *,
+    method: str = "quantmla",
+    paths: tuple[str, ...] = PATHS,
+    seed: int = 0,
+    steps: int = 200,
+    rope_steps: int | None = None,
+    lr: float = 1e-2,
+    batch_size: int = 4,
+    queries_per_seq: int = 64,
+    rope_keys_per_seq: int = 128,
+    rope_weighting: str = "attention",
+    rope_searches: tuple[str, ...] = SEARCHES,
+    heldout_fraction: float = 0.25,
+    max_capture_bytes: int = 2 << 30,
+    progress: bool = True,
+    verbose: bool | None = None,
+) -> CalibrationReport:
+    """Calibrate `model` in place for the cache format `quant` and fuse the transforms.
+
+    calib_ids: LongTensor [N, L] (N >= 2; a quarter of the sequences is held out). Sets
+    ``model.config.quantization_config = quant.to_dict()`` with ``method`` recorded. Returns the
+    per-layer held-out objectives before (RTN) and after. Deterministic for a given seed.
+    """
+    if method not in METHODS:
+        raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
+    paths = tuple(paths)
+    bad = [p for p in paths if p not in PATHS]
+    if bad or not paths:
+        raise QuantMLAError(f"paths must be a non-empty subset of {PATHS}, got {paths}")
+    if rope_weighting not in WEIGHTINGS:
+        raise QuantMLAError(f"rope_weighting must be one of {WEIGHTINGS}, got {rope_weighting!r}")
+    if not isinstance(quant, QuantCacheConfig):
+        raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
+    spec = load_spec(model)
+    spec.require_latent_cache()
+    for slot in spec.mla_layers:
+        f = quant.format_for(slot)
+        f.content.check_dim(spec.d_c, f"content path of layer {slot}")
+        f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
+    verbose = progress if verbose is None else verbose
+    rope_steps = steps if rope_steps is None else rope_steps
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    calib_ids = torch.as_tensor(calib_ids)
+    fit_seqs, held_seqs = split_sequences(calib_ids.shape[0], heldout_fraction, g)
+
+    was_training = model.training
+    model.eval()
+    data = capture_calibration_data(model, spec, calib_ids, queries_per_seq=queries_per_seq,
+                                    rope_keys_per_seq=rope_keys_per_seq, batch_size=batch_size,
+                                    max_bytes=max_capture_bytes, seed=seed, progress=progress)
+    t_capture = time.perf_counter() - t0
+
+    from tqdm.auto import tqdm
+
+    learn_content = method == "quantmla" and "content" in paths
+    total = len(data) * ((steps if learn_content else 0) + (1 if method == "quantmla" and "rope" in paths else 0))
+    pbar = tqdm(total=total, desc="calibrating", disable=not progress or total == 0, leave=False)
+    transforms: dict[int, LayerTransform] = {}
+    reports: list[LayerReport] = []
+    try:
+        for slot, d in data.items():
+            fmt = quant.format_for(slot)
+            lg = torch.Generator().manual_seed(seed * 1000003 + slot)
+            rep = LayerReport(slot=slot)
+            ct: ContentTransform | None = None
+            rt: RopeTransform | None = None
+            if "content" in paths:
+                cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=steps, lr=lr,
+                                 batch_size=batch_size, generator=lg, pbar=pbar)
+                rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
+                               "candidates": cf.heldout, "train_curve": cf.curve}
+                ct = None if cf.chosen == "rtn" else cf.transform
+            if "rope" in paths:
+                if method == "quantmla":
+                    rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=rope_searches,
+                                  steps=rope_steps, pbar=pbar)
+                    rt = None if rf.chosen == "rtn" else rf.transform
+                    rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
+                                "candidates": rf.heldout, "fit": rf.fit, "weighting": rope_weighting}
+                else:
+                    held_m = torch.isin(d.key_seq, held_seqs)
+                    v = float(RopeQK(d.keys[held_m], d.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
+                    rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": rope_weighting}
+            # both paths quantized, held-out output error: RTN vs the chosen transforms
+            held = OutputDistortion(d, held_seqs)
+            gamma = d.gamma.double()
+            c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
+            c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
+            z = None if rt is None else rt.z
+            rep.joint = {
+                "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
+                "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
+            }
+            rep.transform = LayerTransform(ct, rt).summary()
+            transforms[slot] = LayerTransform(ct, rt)
+            reports.append(rep)
+    finally:
+        pbar.close()
+    t_fit = time.perf_counter() - t0 - t_capture
+
+    fuse_transforms(model, {k: v for k, v in transforms.items() if v.content is not None or v.rope is not None}, spec)
+    dataclasses.replace(quant, method=method).attach(model)  # model.config.quantization_config
+    model.train(was_training)
+    report = CalibrationReport(
+        method=method, paths=paths, seed=seed, quant=model.config.quantization_config, tokens=int(calib_ids.numel()),
+        fit_sequences=len(fit_seqs), heldout_sequences=len(held_seqs), rope_weighting=rope_weighting, layers=reports,
+        seconds={"capture": t_capture, "fit": t_fit, "total": time.perf_counter() - t0},
+    )
+    if verbose:
+        print(report.table())
+    return report

@@ -1,0 +1,93 @@
+"""Quantized checkpoints: calibrated weights (transforms fused) + the cache formats in config.json.
+
+``save_quantized(model, tokenizer, out_dir)`` writes safetensors through ``save_pretrained`` with
+``quantization_config`` (the :class:`QuantCacheConfig` the transforms were fitted for) in
+config.json, plus ``calibration_report.json`` when a report is given. ``load_quantized(path)``
+reads it back; ``QuantMLACache(model)`` then takes its formats from the model config. Asking for
+formats other than the checkpoint's raises :class:`QuantMLAError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
+from quantmla.errors import NotMLAError, QuantMLAError
+
+REPORT_FILE = "calibration_report.json"
+
+
+def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dtype: torch.dtype | None = None) -> Path:
+    """Write a calibrated model (and its tokenizer, if given) to `out_dir`; returns the path.
+
+    The model config must carry the quantization_config that :func:`calibrate` set. `dtype`
+    casts the saved weights (default: as they are)."""
+    import quantmla.hf_integration  # noqa: F401  (quant_method "quantmla" known to transformers)
+
+    qc = QuantCacheConfig.from_model_config(model.config)
+    if qc is None:
+        raise QuantMLAError("the model has no quantization_config: run calibrate(model, ...) before save_quantized")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise QuantMLAError(f"output path {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    src_dtype = next(model.parameters()).dtype
+    if dtype is not None and dtype != src_dtype:
+        model.to(dtype)
+    try:
+        model.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        if dtype is not None and dtype != src_dtype:
+            model.to(src_dtype)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if report is not None:
+        d = report.to_dict() if hasattr(report, "to_dict") else dict(report)
+        (out / REPORT_FILE).write_text(json.dumps(d, indent=1))
+    return out
+
+
+def load_quantized(path: str | os.PathLike, quant: QuantCacheConfig | None = None, *,
+                   dtype: torch.dtype | None = None, device: str | torch.device | None = None, **from_pretrained_kwargs):
+    """-> (model, tokenizer or None, QuantCacheConfig) of a checkpoint written by save_quantized.
+
+    `quant`: the cache formats you intend to use; they must equal the checkpoint's (the transforms
+    were fitted for those), else QuantMLAError. Without it the checkpoint's own formats are used.
+    Extra keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
+    import quantmla.hf_integration  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {p}")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p} has no config.json: not a checkpoint directory")
+    config = AutoConfig.from_pretrained(str(p))
+    if QuantCacheConfig.from_model_config(config) is None:
+        raise QuantMLAError(f"{p} has no quantization_config in config.json: it was not written by `quantmla calibrate` "
+                            "(load it with from_pretrained and pass a QuantCacheConfig to QuantMLACache instead)")
+    qc = resolve_cache_config(config, quant)
+    kw = dict(from_pretrained_kwargs)
+    if dtype is not None:
+        kw["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(str(p), **kw).eval()
+    if device is not None:
+        model.to(device)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, TypeError):
+        tok = None
+    from quantmla.model.spec import mla_modules
+
+    if not mla_modules(model):
+        raise NotMLAError(f"{p} holds no MLA attention layers")
+    return model, tok, qc
+
+
+def check_cache_config(model, quant: QuantCacheConfig) -> QuantCacheConfig:
+    """`quant` if it matches the calibrated model's quantization_config (or the model has none)."""
+    return resolve_cache_config(model.config, quant)

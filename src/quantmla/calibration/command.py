@@ -1,0 +1,76 @@
+"""`quantmla calibrate MODEL ...`: learn and fuse path-specific transforms, write a quantized checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def add_arguments(p):
+    p.add_argument("model", help="MLA checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--content-bits", type=int, default=4, help="content latent bits (2, 3, 4, 8; 16 = unquantized)")
+    p.add_argument("--rope-bits", type=int, default=4, help="RoPE key bits (2, 3, 4, 8; 16 = unquantized)")
+    p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
+    p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
+    p.add_argument("--calib", default="default",
+                   help="calibration text: a text file, a .jsonl of {\"text\": ...}, or 'default' (training-split "
+                        "Python sources, never the held-out evaluation packages)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--method", default="quantmla", choices=("quantmla", "hadamard", "rtn"))
+    p.add_argument("--paths", default="content,rope", help="paths to transform: content,rope | content | rope")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200, help="Adam steps per layer (content; also the RoPE Adam search)")
+    p.add_argument("--calib-seqs", type=int, default=16, help="calibration rows (a quarter is held out)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration row")
+    p.add_argument("--rope-weighting", default="attention", choices=("attention", "uniform"),
+                   help="weighting of the positional QK objective (see docs/calibration.md)")
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="dtype of the saved weights (auto: the checkpoint's own); calibration always runs in fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print the calibration report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.calibration.api import calibrate
+    from quantmla.calibration.checkpoint import save_quantized
+    from quantmla.calibration.data import load_calibration_ids
+    from quantmla.errors import QuantMLAError
+    from quantmla.model.spec import load_spec
+
+    t0 = time.perf_counter()
+    spec = load_spec(args.model)  # FileNotFoundError / NotMLAError before any weights are read
+    spec.require_latent_cache()
+    quant = QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, TypeError) as e:
+        raise QuantMLAError(f"{args.model}: no usable tokenizer ({e}); calibration text is tokenized with the checkpoint's own") from None
+    ids = load_calibration_ids(tok, args.calib, args.seq_len, args.calib_seqs)
+    saved_dtype = DTYPES[args.dtype]
+    if saved_dtype is None:
+        saved_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None) or "float32"
+        saved_dtype = str(saved_dtype).replace("torch.", "")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().to(args.device)
+    progress = not args.no_progress and not args.json
+    report = calibrate(model, ids, quant, method=args.method, paths=paths, seed=args.seed, steps=args.steps,
+                       rope_weighting=args.rope_weighting, progress=progress, verbose=not args.json)
+    out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
+    if args.json:
+        d = report.to_dict()
+        d["out"] = str(out)
+        d["seconds"]["wall"] = time.perf_counter() - t0
+        json.dump(d, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"wrote {out} ({saved_dtype} weights, quantization_config {quant.describe()}, method {args.method}) "
+              f"in {time.perf_counter() - t0:.1f}s")
+    return 0

@@ -1,0 +1,73 @@
+"""Calibration text -> token rows [N, L].
+
+Sources: a text file (one document), a ``.jsonl`` file (one document per line: a JSON string or
+an object with a ``"text"`` field), or ``"default"``: Python standard-library sources that the
+reference models were trained on and that never come from the held-out evaluation packages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from quantmla.errors import QuantMLAError
+
+
+def read_documents(source: str | Path) -> list[str]:
+    p = Path(source)
+    if not p.exists():
+        raise FileNotFoundError(f"calibration file {p} does not exist (give a text or .jsonl file, or 'default')")
+    if p.is_dir():
+        raise QuantMLAError(f"calibration source {p} is a directory; give a text or .jsonl file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if p.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise QuantMLAError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be a JSON string or {{\"text\": ...}}") from None
+            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+                docs.append(obj["text"])
+            elif isinstance(obj, str):
+                docs.append(obj)
+            else:
+                raise QuantMLAError(f"{p}:{i}: expected a JSON string or an object with a \"text\" string field")
+        return docs
+    return [text]
+
+
+def default_documents(max_bytes: int = 400_000) -> list[str]:
+    from quantmla.evaluation.harness import calibration_texts
+
+    return calibration_texts(max_bytes=max_bytes)
+
+
+def token_rows(tokenizer, docs: list[str], seq_len: int, max_rows: int | None = None) -> torch.Tensor:
+    """Documents joined with EOS into one token stream, cut into rows of seq_len tokens."""
+    if seq_len < 2:
+        raise QuantMLAError(f"calibration sequence length must be >= 2, got {seq_len}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for i, d in enumerate(docs):
+        if i and eos is not None:
+            stream.append(eos)
+        stream.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
+        if max_rows is not None and len(stream) >= max_rows * seq_len:
+            break
+    n = len(stream) // seq_len
+    if max_rows is not None:
+        n = min(n, max_rows)
+    if n < 2:
+        raise QuantMLAError(f"calibration text gives {len(stream)} tokens, fewer than 2 rows of {seq_len}: "
+                            "give more text or a shorter --seq-len")
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def load_calibration_ids(tokenizer, source: str, seq_len: int, rows: int) -> torch.Tensor:
+    docs = default_documents() if source == "default" else read_documents(source)
+    return token_rows(tokenizer, docs, seq_len, rows)

@@ -1,0 +1,51 @@
+"""A fake quantizer for calibration: forward equal to the cache's round trip, useful gradients.
+
+:func:`quantmla.quant.fake_quant` passes gradients straight through the whole round trip, so a
+transform learned with it never sees that widening a group's range coarsens every channel of the
+group. Here only the rounding steps are straight-through; the group scale and zero point stay
+functions of the group's min / max (or abs-max), as in LSQ-style quantization-aware training.
+Affine and symmetric integer formats; FP8 and 16-bit fall back to the plain STE.
+The forward equals :func:`quantmla.quant.quantize_dequantize` bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.quant import PathFormat, fake_quant
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.round(x) - x).detach()
+
+
+def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x + (x.to(dtype).float() - x).detach()
+
+
+def fake_quant_lsq(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """x [..., D] -> quantize-dequantize(x) in fp32, differentiable through the group scale/zero."""
+    if not fmt.quantized or fmt.mode == "fp8":
+        return fake_quant(x.float(), fmt)
+    D = x.shape[-1]
+    fmt.check_dim(D)
+    xg = x.float().reshape(*x.shape[:-1], D // fmt.group_size, fmt.group_size)
+    mdt = fmt.torch_meta_dtype
+    qmax = 2**fmt.bits - 1
+    if fmt.mode == "affine":
+        lo = xg.amin(-1, keepdim=True)
+        hi = xg.amax(-1, keepdim=True)
+        zero = _cast_ste(lo, mdt)
+        scale = _cast_ste((hi - zero) / qmax, mdt)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = _round_ste((xg - zero) / scale).clamp(0, qmax)
+        out = q * scale + zero
+    else:
+        amax = xg.abs().amax(-1, keepdim=True)
+        top = 2 ** (fmt.bits - 1) - 1
+        scale = _cast_ste(amax / top, mdt)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        mid = 2 ** (fmt.bits - 1)
+        q = (_round_ste(xg / scale) + mid).clamp(0, qmax)
+        out = (q - mid) * scale
+    return out.reshape(x.shape)

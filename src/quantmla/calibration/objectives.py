@@ -1,0 +1,122 @@
+"""Function-aligned objectives on captured full-precision activations (one layer at a time).
+
+Content path — attention-output reconstruction. With cached latent ``c`` quantized in the
+transformed basis, ``ĉ = Q_b(c·T)·T⁻¹`` is what the fused model effectively attends with (the
+transformed query and W_UV absorb T), so
+
+    D_content = Σ ‖Attn(q, ĉ, k_R) − Attn(q, c, k_R)‖² / Σ ‖Attn(q, c, k_R)‖²
+
+over sampled queries, where Attn is the attention block's output *after* o_proj:
+``Σ_h softmax(s_h)·ĉ·W_UV^(h)·W_O^(h)``. After o_proj because that is what the residual stream
+(and every later layer) receives: it weights each head's error by how much o_proj passes on and lets
+errors of different heads cancel or add as they really do; before o_proj every head's value error
+would count equally, including directions o_proj suppresses. It costs one [d_c → hidden] product
+per head. Matching (scores) and aggregation (values) errors are both in it, coupled as in the model.
+
+RoPE path — positional QK reconstruction, as a quadratic form per kept key u (see capture.py):
+
+    D_rope = Σ_u e(u)ᵀ A(u) e(u) / Σ_u k_R(u)ᵀ A(u) k_R(u),   e(u) = Q_b(k_R(u)·M)·M⁻¹ − k_R(u)
+
+i.e. the mean squared RoPE logit error relative to the mean squared RoPE logit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.calibration.capture import LayerData
+from quantmla.calibration.fakequant import fake_quant_lsq
+from quantmla.quant import PathFormat
+from quantmla.transforms.rope import apply_pairs
+
+
+def attention_output(data: LayerData, seqs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                     before_o_proj: bool = False) -> torch.Tensor:
+    """Attention-block output of the sampled queries of sequences `seqs`, attending over
+    latent [b, L, d_c] and k_rope [b, L, d_r]: [b, S_q, hidden] (or [b, S_q, H, d_c] latent-space
+    head outputs when before_o_proj)."""
+    q_lat, q_r, pos = data.q_latent[seqs], data.q_rope[seqs], data.q_pos[seqs]
+    L = latent.shape[1]
+    s = torch.einsum("bqhc,blc->bhql", q_lat, latent) + torch.einsum("bqhr,blr->bhql", q_r, k_rope)
+    s = s * data.scale
+    masked = torch.arange(L)[None, None, :] > pos[:, :, None]
+    s = s.masked_fill(masked[:, None], float("-inf"))
+    p = torch.softmax(s, -1)
+    o = torch.einsum("bhql,blc->bqhc", p, latent)
+    if before_o_proj:
+        return o
+    return torch.einsum("bqhc,hcd->bqd", o, data.out_proj)
+
+
+def content_dequant(latent: torch.Tensor, t: torch.Tensor | None, t_inv: torch.Tensor | None, fmt: PathFormat) -> torch.Tensor:
+    """ĉ = Q_b(c·T)·T⁻¹ (T None: plain round trip), differentiable in T through the LSQ fake quantizer."""
+    if t is None:
+        return fake_quant_lsq(latent, fmt)
+    return fake_quant_lsq(latent @ t, fmt) @ t_inv
+
+
+def rope_dequant(k_rope: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None,
+                 fmt: PathFormat, layout: str) -> torch.Tensor:
+    """k̂_R = Q_b(k_R·M)·M⁻¹ with M the per-pair scalars z = (re, im) or complex (None: identity)."""
+    if z is None:
+        return fake_quant_lsq(k_rope, fmt)
+    zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
+    zr, zi = zr.float(), zi.float()
+    n2 = zr * zr + zi * zi
+    return apply_pairs(fake_quant_lsq(apply_pairs(k_rope, (zr, zi), layout), fmt), (zr / n2, -zi / n2), layout)
+
+
+class OutputDistortion:
+    """Relative attention-output error on a set of sequences, with cached references."""
+
+    def __init__(self, data: LayerData, seqs: torch.Tensor, chunk: int = 4, before_o_proj: bool = False):
+        self.data, self.seqs, self.chunk, self.before = data, seqs, chunk, before_o_proj
+        with torch.no_grad():
+            self.ref = [self._out(c, data.latent[c], data.k_rope[c]) for c in self.chunks()]
+        self.energy = sum(float(r.pow(2).sum()) for r in self.ref)
+
+    def chunks(self):
+        return [self.seqs[i : i + self.chunk] for i in range(0, len(self.seqs), self.chunk)]
+
+    def _out(self, seqs, latent, k_rope):
+        return attention_output(self.data, seqs, latent, k_rope, self.before)
+
+    @torch.no_grad()
+    def __call__(self, content_fn=None, rope_fn=None) -> float:
+        """content_fn(latent) -> ĉ, rope_fn(k_rope) -> k̂_R (None: full precision)."""
+        err = 0.0
+        for c, ref in zip(self.chunks(), self.ref):
+            lat, kr = self.data.latent[c], self.data.k_rope[c]
+            lat = content_fn(lat) if content_fn else lat
+            kr = rope_fn(kr) if rope_fn else kr
+            err += float((self._out(c, lat, kr) - ref).pow(2).sum())
+        return err / max(self.energy, 1e-30)
+
+
+class RopeQK:
+    """The positional QK reconstruction objective on a set of kept keys (one weighting)."""
+
+    def __init__(self, keys: torch.Tensor, A: torch.Tensor, fmt: PathFormat, layout: str):
+        self.keys, self.A, self.fmt, self.layout = keys, A, fmt, layout
+        self.energy = float(torch.einsum("kd,kde,ke->", keys, A, keys).clamp_min(1e-30))
+
+    def error(self, e: torch.Tensor) -> torch.Tensor:
+        """e [..., K, d_r] -> Σ_u eᵀAe / energy, over the leading dims."""
+        ea = torch.einsum("...kd,kde->...ke", e, self.A)
+        return (ea * e).sum(dim=(-1, -2)) / self.energy
+
+    def __call__(self, z=None) -> torch.Tensor:
+        k_hat = rope_dequant(self.keys, z, self.fmt, self.layout)
+        return self.error(k_hat - self.keys)
+
+    @torch.no_grad()
+    def batch(self, zr: torch.Tensor, zi: torch.Tensor) -> torch.Tensor:
+        """Objective of G candidates at once: zr, zi [G, P] -> [G]."""
+        out = []
+        for g in range(0, zr.shape[0], 16):
+            r, i = zr[g : g + 16, None, :], zi[g : g + 16, None, :]
+            n2 = r * r + i * i
+            k = self.keys.unsqueeze(0)
+            kh = apply_pairs(fake_quant_lsq(apply_pairs(k, (r, i), self.layout), self.fmt), (r / n2, -i / n2), self.layout)
+            out.append(self.error(kh - k))
+        return torch.cat(out)
