@@ -89,6 +89,49 @@ def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator)
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
+def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method: str, paths: tuple[str, ...],
+              seed: int, steps: int, rope_steps: int, lr: float, batch_size: int, rope_weighting: str,
+              rope_searches: tuple[str, ...], pbar=None) -> tuple[LayerTransform, LayerReport]:
+    """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
+    the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
+    This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too)."""
+    slot = d.slot
+    lg = torch.Generator().manual_seed(seed * 1000003 + slot)
+    rep = LayerReport(slot=slot)
+    ct: ContentTransform | None = None
+    rt: RopeTransform | None = None
+    if "content" in paths:
+        cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=steps, lr=lr,
+                         batch_size=batch_size, generator=lg, pbar=pbar)
+        rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
+                       "candidates": cf.heldout, "train_curve": cf.curve}
+        ct = None if cf.chosen == "rtn" else cf.transform
+    if "rope" in paths:
+        if method == "quantmla":
+            rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=rope_searches,
+                          steps=rope_steps, pbar=pbar)
+            rt = None if rf.chosen == "rtn" else rf.transform
+            rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
+                        "candidates": rf.heldout, "fit": rf.fit, "weighting": rope_weighting}
+        else:
+            held_m = torch.isin(d.key_seq, held_seqs)
+            v = float(RopeQK(d.keys[held_m], d.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
+            rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": rope_weighting}
+    # both paths quantized, held-out output error: RTN vs the chosen transforms
+    held = OutputDistortion(d, held_seqs)
+    gamma = d.gamma.double()
+    c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
+    c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
+    z = None if rt is None else rt.z
+    rep.joint = {
+        "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
+        "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
+    }
+    lt = LayerTransform(ct, rt)
+    rep.transform = lt.summary()
+    return lt, rep
+
+
 def calibrate(
     model: torch.nn.Module,
     calib_ids: torch.Tensor,
@@ -156,40 +199,10 @@ def calibrate(
     reports: list[LayerReport] = []
     try:
         for slot, d in data.items():
-            fmt = quant.format_for(slot)
-            lg = torch.Generator().manual_seed(seed * 1000003 + slot)
-            rep = LayerReport(slot=slot)
-            ct: ContentTransform | None = None
-            rt: RopeTransform | None = None
-            if "content" in paths:
-                cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=steps, lr=lr,
-                                 batch_size=batch_size, generator=lg, pbar=pbar)
-                rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
-                               "candidates": cf.heldout, "train_curve": cf.curve}
-                ct = None if cf.chosen == "rtn" else cf.transform
-            if "rope" in paths:
-                if method == "quantmla":
-                    rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=rope_searches,
-                                  steps=rope_steps, pbar=pbar)
-                    rt = None if rf.chosen == "rtn" else rf.transform
-                    rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
-                                "candidates": rf.heldout, "fit": rf.fit, "weighting": rope_weighting}
-                else:
-                    held_m = torch.isin(d.key_seq, held_seqs)
-                    v = float(RopeQK(d.keys[held_m], d.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
-                    rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": rope_weighting}
-            # both paths quantized, held-out output error: RTN vs the chosen transforms
-            held = OutputDistortion(d, held_seqs)
-            gamma = d.gamma.double()
-            c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
-            c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
-            z = None if rt is None else rt.z
-            rep.joint = {
-                "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
-                "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
-            }
-            rep.transform = LayerTransform(ct, rt).summary()
-            transforms[slot] = LayerTransform(ct, rt)
+            transforms[slot], rep = fit_layer(
+                d, quant.format_for(slot), fit_seqs, held_seqs, method=method, paths=paths, seed=seed, steps=steps,
+                rope_steps=rope_steps, lr=lr, batch_size=batch_size, rope_weighting=rope_weighting,
+                rope_searches=rope_searches, pbar=pbar)
             reports.append(rep)
     finally:
         pbar.close()
