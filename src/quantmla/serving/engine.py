@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,6 +143,7 @@ class Engine:
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: _DecodeGraphs | None = None
+        self.graph_error: str | None = None
         self.emulate_graphs = config.cuda_graphs == "emulate"
         self.use_graphs = not config.keep_logits and (
             self.emulate_graphs or (bool(config.cuda_graphs) and self.device.type == "cuda" and self.backend.graph_safe))
@@ -225,11 +227,12 @@ class Engine:
         pre = [k for k, it in enumerate(items) if it.n > 1]
         if self.use_graphs and not pre and len(dec) <= self._graph_max():
             toks = self._graphs_run([items[k] for k in dec])
-            self.stats.graph_steps += 1
-            out: list[int | None] = [None] * len(items)
-            for j, k in enumerate(dec):
-                out[k] = toks[j] if items[k].sample else None
-            return out, None
+            if toks is not None:
+                self.stats.graph_steps += 1
+                out: list[int | None] = [None] * len(items)
+                for j, k in enumerate(dec):
+                    out[k] = toks[j] if items[k].sample else None
+                return out, None
         self.stats.eager_steps += 1
         order = dec + pre
         ids, pos, slots = [], [], []
@@ -288,8 +291,10 @@ class Engine:
             return
         if self._graphs is None:
             self._graphs = _DecodeGraphs(self)
-        for b in sorted(self._graphs.buckets, reverse=True):
-            self._graphs.get(b)
+        with torch.inference_mode():
+            for b in sorted(self._graphs.buckets, reverse=True):
+                if self._graphs.get(b) is None:
+                    break
 
     def _graphs_run(self, items) -> list[int]:
         if self._graphs is None:
@@ -402,9 +407,16 @@ class _DecodeGraphs:
             for _ in range(2):
                 self._step(b, plan)
         torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.mempool):
-            out = self._step(b, plan)
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                out = self._step(b, plan)
+        except Exception as err:  # a capture that fails leaves the engine on eager decode steps
+            torch.cuda.synchronize()
+            e.use_graphs = False
+            e.graph_error = f"CUDA graph capture of a {b}-row decode step failed: {type(err).__name__}: {err}"
+            warnings.warn(e.graph_error)
+            return None
         self.mempool = g.pool()
         self.graphs[b] = (g, out, plan)
         return self.graphs[b]
@@ -426,7 +438,10 @@ class _DecodeGraphs:
             h[2, j] = seq.pages[p // ps] * ps + p % ps
             h[3, j] = p + 1
             bt[j, : len(seq.pages)] = seq.pages
-        g, out, plan = self.get(B)
+        got = self.get(B)
+        if got is None:
+            return None
+        g, out, plan = got
         plan.update(h[3, :B])
         self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
         self.bt[:B].copy_(self.host_bt[:B], non_blocking=True)

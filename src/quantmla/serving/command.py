@@ -1,0 +1,108 @@
+"""`quantmla serve-bench`: whole-job throughput under cache pressure, BF16 vs low-bit caches (GPU).
+
+Runs one fixed job (N requests, long prompts, hundreds of output tokens, EOS ignored) under several
+KV byte budgets for each cache method on a model with DeepSeek-V2-Lite attention geometry (random
+weights), prints a table and saves JSON. ``--check`` first verifies greedy agreement of the engine
+with transformers generate() on QuantMLACache (tiny models, and checkpoints under models/).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from quantmla.serving.bench import PRESETS, BenchSettings, format_table, run_bench, save
+
+
+def add_arguments(p):
+    d = BenchSettings()
+    p.add_argument("--preset", choices=sorted(PRESETS), default=d.preset, help="model geometry (default v2-lite)")
+    p.add_argument("--model", dest="model_path", default=None, help="serve this checkpoint directory instead of random weights")
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(d.prompt_min, d.prompt_max), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(d.output_min, d.output_max), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
+    p.add_argument("--methods", nargs="+", default=list(d.methods), help="bf16, int4/int4, int2/int4, ...")
+    p.add_argument("--content-group", type=int, default=d.content_group)
+    p.add_argument("--rope-group", type=int, default=d.rope_group)
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--watermark", type=float, default=d.watermark)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--backend", default=d.backend, choices=("auto", "torch", "triton"))
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--max-seconds", type=float, default=0.0, help="start no new run after this many seconds")
+    p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
+    p.add_argument("--check-only", action="store_true", help="run only the agreement check")
+    p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
+    p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path")
+
+
+def run_check(device: str, tie_tol: float, log=print) -> dict:
+    import torch
+
+    from quantmla.model.tiny import tiny_model
+    from quantmla.serving.bench import method_config
+    from quantmla.serving.check import engine_agreement, local_reference_models
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    models = [("tiny:deepseek_v3", lambda: tiny_model("deepseek_v3")), ("tiny:deepseek_v2", lambda: tiny_model("deepseek_v2"))]
+    for path in local_reference_models():
+        def load(path=path):
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        models.append((path, load))
+    for name, load in models:
+        t0 = time.perf_counter()
+        model = load().to(device).eval()
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 33, 90, 150, 1)]
+        for m in ("bf16", "int4/int4", "int2/int4"):
+            q = method_config(m, 32 if model.config.kv_lora_rank < 64 else 64, 16 if model.config.qk_rope_head_dim < 32 else 32)
+            # a pool of 24 pages of 16 tokens forces preemptions on the way
+            rep, st = engine_agreement(model, q, prompts, 24, tie_tol, num_pages=24, graph_buckets=(1, 2, 4, 8))
+            row = {"model": name, "method": m, "format": q.describe(), **rep.to_dict(), "preemptions": st["sched_preemptions"],
+                   "backend": st["backend"], "cuda_graphs": st["cuda_graphs"], "graph_steps": st["graph_steps"]}
+            rows.append(row)
+            log(f"check {name} {m}: exact {rep.exact}/{rep.requests}, ties {rep.ties}, mismatches {rep.mismatches}, "
+                f"preemptions {row['preemptions']}, backend {row['backend']}, graph steps {row['graph_steps']}")
+        del model
+        log(f"  ({time.perf_counter() - t0:.1f}s)")
+    return {"rows": rows, "ok": all(r["ok"] for r in rows), "tie_tol": tie_tol}
+
+
+def run(args) -> int:
+    s = BenchSettings(
+        preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
+        prompt_max=args.prompt_len[1], output_min=args.output_len[0], output_max=args.output_len[1], seed=args.seed,
+        budgets_gib=tuple(args.budgets_gib), methods=tuple(args.methods), content_group=args.content_group,
+        rope_group=args.rope_group, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
+        backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
+    )
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    check = None
+    if args.check or args.check_only:
+        check = run_check(args.device, args.tie_tol, log)
+        if args.check_only:
+            save({"correctness": check, "command": " ".join(sys.argv)}, args.out)
+            print(json.dumps({"ok": check["ok"]}))
+            return 0 if check["ok"] else 1
+    def partial(res):
+        save({**res, "correctness": check, "partial": True}, args.out)
+
+    result = run_bench(s, log, on_run=partial)
+    if check is not None:
+        result["correctness"] = check
+    save(result, args.out)
+    log(f"saved {args.out}")
+    log(format_table(result))
+    log("summary: " + json.dumps(result["summary"]))
+    return 0 if (check is None or check["ok"]) else 1
