@@ -316,14 +316,15 @@ class Engine:
             eos = self.eos if r.params.eos_token_id is None else (
                 set(r.params.eos_token_id) if isinstance(r.params.eos_token_id, (list, tuple)) else {r.params.eos_token_id})
             seqs.append(Sequence(r, i, eos))
+        width = self.max_pages_per_seq * cfg.page_size
         for s in seqs:
-            if s.prompt_len + s.req.params.max_new_tokens - 1 > self.max_pages_per_seq * cfg.page_size and s.prompt_len:
-                # longer than the block-table width the engine was built with
+            need = s.prompt_len + s.req.params.max_new_tokens - 1
+            if width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
-                    f"request {s.req.request_id!r} needs {s.prompt_len + s.req.params.max_new_tokens} tokens but the engine "
-                    f"was built for at most {self.max_pages_per_seq * cfg.page_size} (EngineConfig.max_model_len)"))
+                    f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
+                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"))
             else:
-                sched.add(s)
+                sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))
         t0 = time.perf_counter()
         with torch.inference_mode():

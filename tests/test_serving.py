@@ -1,0 +1,245 @@
+"""The serving engine: scheduling invariants, greedy agreement with transformers generate() on
+QuantMLACache (torch backend and the Triton kernels under TRITON_INTERPRET=1), preemption by
+recompute, requests that can never fit, and the serve-bench command at toy size."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.errors import QuantMLAError
+from quantmla.model.tiny import tiny_model
+from quantmla.serving.check import compare, engine_agreement, local_reference_models
+from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
+from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
+
+INT4 = QuantCacheConfig.of_bits(4, 4, 32, 16)
+INT2 = QuantCacheConfig.of_bits(2, 4, 32, 16)
+
+
+def _prompts(n_list, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in n_list]
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return tiny_model("deepseek_v3")
+
+
+# -- the scheduler alone, with a fake deterministic model -----------------------------------------------------------
+def _fake_next(tokens):
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % 97 + 3
+
+
+def _drive(sched: Scheduler, seqs, check_invariants=True):
+    for s in seqs:
+        sched.add(s)
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert plan.items, "empty step with unfinished requests"
+        assert plan.num_tokens <= sched.max_tokens and len(plan.items) <= sched.max_num_seqs
+        if check_invariants:
+            owned = [p for s in sched.running for p in s.pages]
+            assert len(owned) == len(set(owned)), "a page is owned twice"
+            assert len(owned) + sched.alloc.free == sched.num_pages
+            for it in plan.items:
+                assert len(it.seq.pages) * sched.page_size >= it.start + it.n  # room for this step's writes
+        sampled = [_fake_next(it.seq.tokens) if it.sample else None for it in plan.items]
+        sched.commit(plan, sampled)
+    assert sched.alloc.free == sched.num_pages  # every page came back
+
+
+def test_scheduler_preemption_loses_and_duplicates_nothing():
+    lens = [(40, 30), (90, 20), (10, 60), (64, 64), (33, 1), (120, 8), (5, 40)]
+
+    def run(num_pages, max_tokens, max_seqs):
+        sched = Scheduler(num_pages, 16, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, watermark=0.0)
+        seqs = [Sequence(Request(f"r{i}", list(range(3, 3 + p)), SamplingParams(max_new_tokens=o, ignore_eos=True)), i, set())
+                for i, (p, o) in enumerate(lens)]
+        _drive(sched, seqs)
+        return sched, [s.output() for s in seqs]
+
+    roomy, ref = run(200, 512, 64)
+    assert roomy.stats.preemptions == 0
+    tight, got = run(12, 48, 8)  # 192 tokens of cache for sequences of up to 128 tokens
+    assert tight.stats.preemptions > 0 and tight.stats.recomputed_tokens > 0
+    assert [o.request_id for o in got] == [f"r{i}" for i in range(len(lens))]
+    for a, b, (p, o) in zip(got, ref, lens):
+        assert a.ok and a.finish_reason == "length" and len(a.output_ids) == o
+        assert a.output_ids == b.output_ids  # recompute reproduces the same continuation, nothing lost or repeated
+    assert sum(s.preemptions for s in tight.finished) == tight.stats.preemptions
+    assert len(tight.finished) == len(lens)
+
+
+def test_scheduler_admits_by_free_pages_and_fails_what_never_fits():
+    sched = Scheduler(10, 16, max_num_seqs=8, max_num_batched_tokens=1000, watermark=0.0)
+    big = Sequence(Request("big", [5] * 150, SamplingParams(max_new_tokens=20)), 0, set())  # 169 tokens > 160
+    a = Sequence(Request("a", [5] * 70, SamplingParams(max_new_tokens=5)), 1, set())  # 5 pages
+    b = Sequence(Request("b", [5] * 70, SamplingParams(max_new_tokens=5)), 2, set())  # 5 pages
+    c = Sequence(Request("c", [5] * 20, SamplingParams(max_new_tokens=5)), 3, set())
+    for s in (big, a, b, c):
+        sched.add(s)
+    assert big.finish_reason == "error" and "can never fit" in big.error and "10 pages" in big.error
+    plan = sched.schedule()
+    assert [it.seq.req.request_id for it in plan.items] == ["a", "b"]  # c waits: no free page left for it
+    assert sched.alloc.free == 0 and c in sched.waiting
+
+
+# -- the engine against transformers generate() -----------------------------------------------------------------------
+def test_engine_from_pretrained_matches_generate(tmp_path):
+    """A checkpoint saved with save_pretrained: BF16 token for token, low bits equal to the fake-quant path."""
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path / "ckpt")
+    prompts = _prompts((5, 23, 61, 1))
+    for quant in (BF16_CONFIG, INT4, INT2):
+        cfg = EngineConfig(quant=quant, num_pages=64, page_size=16, max_num_batched_tokens=24, backend="torch", keep_logits=True)
+        eng = Engine.from_pretrained(str(tmp_path / "ckpt"), cfg, dtype=torch.float32, device="cpu")
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        rep = compare(eng.model, quant, prompts, [o.output_ids for o in outs], 12, tie_tol=1e-4)
+        eng.close()
+        assert rep.exact == len(prompts), rep.details  # fp32 model: no tie is close enough to flip here
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "minicpm3", "longcat_flash"])
+def test_engine_matches_generate_other_families(family):
+    model = tiny_model(family)
+    prompts = _prompts((9, 30))
+    rep, st = engine_agreement(model, INT4, prompts, 8, tie_tol=1e-4, backend="torch", max_num_batched_tokens=16)
+    assert rep.exact == len(prompts), rep.details
+
+
+def test_engine_triton_kernels_interpreted(v3):
+    """The Triton append/decode kernels (TRITON_INTERPRET=1) behind the engine, graph-step path emulated."""
+    prompts = _prompts((6, 21, 2), seed=3)
+    for quant in (BF16_CONFIG, INT4, INT2):
+        rep, st = engine_agreement(v3, quant, prompts, 6, tie_tol=2e-2, backend="triton", cuda_graphs="emulate",
+                                   num_pages=12, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
+        assert st["backend"] == "triton" and st["graph_steps"] > 0
+        assert rep.ok, rep.details
+        # the kernels run q and p in bf16: exact agreement here, ties (if any) within bf16 rounding
+        assert rep.exact + rep.ties == len(prompts)
+
+
+def test_preemption_by_recompute_keeps_outputs(v3):
+    prompts = _prompts((40, 3, 25, 50, 12), seed=5)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    roomy = Engine(v3, EngineConfig(quant=INT4, num_pages=100, page_size=16, backend="torch"))
+    ref = roomy.generate(prompts, params)
+    roomy.close()
+    tight = Engine(v3, EngineConfig(quant=INT4, num_pages=7, page_size=16, max_num_batched_tokens=20, backend="torch",
+                                    cuda_graphs="emulate", graph_buckets=(1, 2, 4)))
+    got = tight.generate([Request(f"q{i}", p, params) for i, p in enumerate(prompts)])
+    tight.close()
+    st = tight.stats.scheduler
+    assert st.preemptions > 0 and tight.stats.graph_steps > 0
+    assert [o.request_id for o in got] == [f"q{i}" for i in range(len(prompts))]
+    assert all(o.ok and len(o.output_ids) == 16 for o in got)
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    assert st.output_tokens == 16 * len(prompts)  # no token sampled twice
+
+
+def test_request_that_never_fits_fails_clearly_others_complete(v3):
+    prompts = _prompts((10, 200, 7), seed=2)
+    eng = Engine(v3, EngineConfig(num_pages=8, page_size=16, backend="torch"))  # 128 tokens in all
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.close()
+    assert outs[1].finish_reason == "error" and "can never fit" in outs[1].error and outs[1].output_ids == []
+    assert outs[0].ok and outs[2].ok and len(outs[0].output_ids) == len(outs[2].output_ids) == 5
+    assert eng.stats.failed == 1 and eng.stats.completed == 2
+
+
+def test_engine_stops_at_eos_and_restores_the_model(v3):
+    prompts = _prompts((8,), seed=9)
+    eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch"))
+    free = eng.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))[0].output_ids
+    eos = free[3]
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=10, eos_token_id=eos))[0]
+    assert out.finish_reason == "eos" and out.output_ids == free[: free.index(eos) + 1]
+    eng.close()
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        a = v3(ids).logits
+    assert torch.isfinite(a).all()  # the model's own attention is back (no engine context needed)
+
+
+def test_engine_refuses_hybrid_models_and_bad_budgets():
+    with pytest.raises(QuantMLAError, match="not MLA"):
+        Engine(tiny_model("kimi_linear"), EngineConfig(num_pages=4))
+    with pytest.raises(QuantMLAError, match="holds no page"):
+        Engine(tiny_model("deepseek_v3"), EngineConfig(kv_budget_bytes=100))
+    with pytest.raises(QuantMLAError, match="KV budget"):
+        Engine(tiny_model("deepseek_v3"), EngineConfig())
+
+
+def test_records_match_the_paged_reference():
+    """The engine's torch writer/reader produce and read the same bytes as cache.paged."""
+    paged = pytest.importorskip("quantmla.cache.paged")
+    from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+    from quantmla.serving.backends import read_records, write_records
+
+    torch.manual_seed(0)
+    for fmt in (CacheFormat(), CacheFormat(INT4.content, INT4.rope), CacheFormat(INT2.content, INT2.rope)):
+        lay = PageLayout(TokenLayout(32, 16, fmt), 16)
+        a = torch.zeros(6, lay.page_bytes, dtype=torch.uint8)
+        b = a.clone()
+        slots = torch.tensor([17, 18, 40, 3, 95, 64])
+        lat, kr = torch.randn(6, 32), torch.randn(6, 16)
+        write_records(a, lay, lat, kr, slots)
+        paged.write_tokens(b, lay, slots, lat, kr)
+        assert torch.equal(a, b)
+        bt = torch.tensor([1, 2], dtype=torch.int32)
+        c, r = read_records(a, lay, bt, 20)
+        c2, r2 = paged.read_tokens(b, lay, torch.arange(16, 36))
+        torch.testing.assert_close(c, c2)
+        torch.testing.assert_close(r, r2)
+
+
+@pytest.mark.parametrize("path", local_reference_models() or [None])
+def test_reference_model_matches_generate(path):
+    if path is None:
+        pytest.skip("no reference model under models/ yet")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = _prompts((40, 7), vocab=model.config.vocab_size, seed=11)
+    d_c, d_r = model.config.kv_lora_rank, model.config.qk_rope_head_dim
+    for quant in (BF16_CONFIG, QuantCacheConfig.of_bits(4, 4, min(64, d_c), min(32, d_r))):
+        rep, st = engine_agreement(model, quant, prompts, 10, tie_tol=1e-4, backend="torch", max_num_batched_tokens=32)
+        if quant is BF16_CONFIG:
+            assert rep.exact == len(prompts), rep.details
+        else:
+            assert rep.ok, rep.details
+
+
+def test_serve_bench_command_at_toy_size(tmp_path):
+    from quantmla.cli import main
+
+    out = tmp_path / "serving.json"
+    rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",
+               "--prompt-len", "20", "50", "--output-len", "4", "8", "--budgets-gib", "0.00002", "0.0001",
+               "--page-size", "16", "--content-group", "32", "--rope-group", "16", "--backend", "torch", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)
+    assert len(res["runs"]) == 6
+    for r in res["runs"]:
+        assert r["all_complete_and_unique"] and r["completed"] == 5
+        for k in ("requests", "output_tokens", "wall_s", "tokens_per_s", "peak_batch", "preemptions", "ratio_to_bf16"):
+            assert k in r
+    bf16 = [r for r in res["runs"] if r["method"] == "bf16"]
+    assert all(r["ratio_to_bf16"] == 1.0 for r in bf16)
+    assert bf16[0]["preemptions"] > 0  # the smaller budget is pressured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_gpu_with_graphs_matches_generate():
+    model = tiny_model("deepseek_v3").cuda()
+    prompts = _prompts((7, 33, 90, 1), seed=4)
+    for quant in (BF16_CONFIG, INT4, INT2):
+        rep, st = engine_agreement(model, quant, prompts, 20, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
+        assert st["backend"] == "triton" and st["cuda_graphs"] and st["graph_steps"] > 0
+        assert rep.ok, rep.details
