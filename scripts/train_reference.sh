@@ -9,7 +9,7 @@
 #
 # Env: PYTHON (default python3), WORK (scratch, default /tmp/quantmla-train), OUT_DIR
 # (default models), RESULTS (default bench/results/training_h200.json), TIME_BUDGET
-# (training seconds per model, default 390).
+# (training seconds per model, default 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,5 +19,5 @@ exec "$PY" -m quantmla.cli train-reference --stage all \
   --work "${WORK:-/tmp/quantmla-train}" \
   --out "${OUT_DIR:-models}" \
   --results "${RESULTS:-bench/results/training_h200.json}" \
-  --time-budget "${TIME_BUDGET:-390}" \
+  --time-budget "${TIME_BUDGET:-400}" \
   "$@"

@@ -4,7 +4,8 @@ Layout (written by ``quantmla train-reference`` on the GPU machine)::
 
     models/heldout/code.jsonl                 {"text": ..., "source": "site/<pkg>/<path>"} per line
     models/heldout/prose.jsonl                docstrings / docs / package descriptions
-    models/heldout/retrieval_<N>.jsonl.xz     retrieval samples of about N tokens
+    models/heldout/retrieval_<N>.jsonl.xz     retrieval samples of about N tokens (4 keys)
+    models/heldout/passkey_<N>.jsonl.xz       the same with a single key line
     models/heldout/manifest.json              how they were selected (packages, hashes)
     models/<model-name>/                      from_pretrained directories with card.json
 
@@ -70,9 +71,12 @@ def load_texts(kind: str = "code", root: str | Path | None = None, limit: int | 
     return [r["text"] for r in rows[:limit]]
 
 
-def load_retrieval(length: int = 4096, root: str | Path | None = None, limit: int | None = None) -> list[dict]:
-    """Retrieval samples (``prompt``, ``answer``, ...) of about ``length`` tokens."""
-    rows = _read_jsonl(heldout_root(root) / f"retrieval_{length}.jsonl.xz")
+def load_retrieval(length: int = 4096, root: str | Path | None = None, limit: int | None = None,
+                   kind: str = "retrieval") -> list[dict]:
+    """Retrieval samples (``prompt``, ``answer``, ...) of about ``length`` tokens.
+
+    ``kind="retrieval"``: 4 key lines (one asked for, 3 distractors); ``"passkey"``: one."""
+    rows = _read_jsonl(heldout_root(root) / f"{kind}_{length}.jsonl.xz")
     return rows[:limit]
 
 

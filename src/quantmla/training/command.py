@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-data", action="store_true", help="keep an existing prepared --work")
     g = p.add_argument_group("data")
     g.add_argument("--vocab-size", type=int, default=3072)
-    g.add_argument("--max-train-bytes", type=float, default=200e6)
+    g.add_argument("--max-train-bytes", type=float, default=400e6)
     g.add_argument("--tokenizer-bytes", type=float, default=24e6)
     g.add_argument("--heldout-fraction", type=float, default=0.06)
     g.add_argument("--n-retrieval", type=int, default=100)
@@ -45,16 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packages", default=None, help="restrict the corpus to these top-level packages (tests)")
     g.add_argument("--stdlib-only", action="store_true", help="corpus from the standard library only")
     g = p.add_argument_group("training")
-    g.add_argument("--time-budget", type=float, default=390.0, help="seconds of training per model")
+    g.add_argument("--time-budget", type=float, default=400.0, help="seconds of training per model")
     g.add_argument("--max-steps", type=int, default=100_000)
-    g.add_argument("--batch-tokens", type=int, default=65536)
+    g.add_argument("--batch-tokens", type=int, default=32768)
     g.add_argument("--short-len", type=int, default=1024)
     g.add_argument("--long-len", type=int, default=4096)
     g.add_argument("--short-frac", type=float, default=0.3)
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup-steps", type=int, default=150)
-    g.add_argument("--p-retrieval", type=float, default=0.4)
-    g.add_argument("--answer-weight", type=float, default=2.0)
+    g.add_argument("--warmup-steps", type=int, default=250)
+    g.add_argument("--p-retrieval", type=float, default=0.5)
+    g.add_argument("--answer-weight", type=float, default=3.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--log-every", type=int, default=50)
     g.add_argument("--eval-seq-len", type=int, default=2048)
@@ -136,13 +136,14 @@ def _child_argv(args, family: str) -> list[str]:
 def table(cards: list[dict]) -> str:
     lengths = list(cards[0]["eval"]["retrieval"]) if cards else []
     head = f"{'model':26s} {'params':>8s} {'MiB':>5s} {'tokens':>8s} {'train s':>7s} {'bpb code':>8s} {'prose':>6s} "
-    rows = [head + " ".join(f"{'r@' + k:>6s}" for k in lengths)]
+    rows = [head + " ".join(f"{'r@' + k:>6s}" for k in lengths) + " " + " ".join(f"{'pk@' + k:>7s}" for k in lengths)]
     for c in cards:
         e, r = c["eval"], c["eval"]["retrieval"]
         rows.append(
             f"{c['name']:26s} {c['params'] / 1e6:7.2f}M {c['safetensors_bytes'] / 2**20:5.2f} "
             f"{c['training']['tokens'] / 1e6:7.1f}M {c['training']['wall_time_s']:7.0f} {e['bpb_code']:8.3f} "
-            f"{e['bpb_prose']:6.3f} " + " ".join(f"{r[k]['accuracy']:6.2f}" for k in lengths)
+            f"{e['bpb_prose']:6.3f} " + " ".join(f"{r[k]['accuracy']:6.2f}" for k in lengths) + " "
+            + " ".join(f"{e['passkey'][k]['accuracy']:7.2f}" for k in lengths)
         )
     return "\n".join(rows)
 

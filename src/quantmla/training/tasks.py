@@ -125,13 +125,14 @@ def make_eval_sample(rng: random.Random, tokenizer, pool: list[str], n_tokens: i
     raise RuntimeError("could not build a retrieval sample: the code pool is too small")
 
 
-def make_eval_samples(tokenizer, pool: list[str], n_tokens: int, n: int, seed: int = 0, n_keys: int = 4) -> list[dict]:
-    """``n`` deterministic samples (``seed`` and ``n_tokens`` fix them)."""
-    rng = random.Random(f"retrieval:{seed}:{n_tokens}")
+def make_eval_samples(tokenizer, pool: list[str], n_tokens: int, n: int, seed: int = 0, n_keys: int = 4,
+                      tag: str = "retrieval") -> list[dict]:
+    """``n`` deterministic samples (``tag``, ``seed`` and ``n_tokens`` fix them)."""
+    rng = random.Random(f"{tag}:{seed}:{n_tokens}")
     out = []
     for i in range(n):
         s = make_eval_sample(rng, tokenizer, pool, n_tokens, n_keys)
-        s["id"] = f"r{n_tokens}-{i:04d}"
+        s["id"] = f"{tag[0]}{n_tokens}-{i:04d}"
         out.append(s)
     return out
 
