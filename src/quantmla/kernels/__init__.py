@@ -1,1 +1,29 @@
-"""kernels"""
+"""Low-bit MLA decode kernels (Triton) over the paged quantized cache.
+
+Public API (see ``api``): ``get_mla_metadata``, ``mla_decode_with_kvcache``, ``append_to_pages``.
+Triton is imported only when a kernel runs on CUDA tensors or under ``TRITON_INTERPRET=1``.
+"""
+
+from quantmla.kernels.api import (
+    DecodeConfig,
+    MLAMetadata,
+    append_to_pages,
+    check_layout_supported,
+    decode_bytes,
+    decode_flops,
+    default_config,
+    get_mla_metadata,
+    mla_decode_with_kvcache,
+)
+
+__all__ = [
+    "DecodeConfig",
+    "MLAMetadata",
+    "append_to_pages",
+    "check_layout_supported",
+    "decode_bytes",
+    "decode_flops",
+    "default_config",
+    "get_mla_metadata",
+    "mla_decode_with_kvcache",
+]

@@ -1,0 +1,297 @@
+"""The paged cache pool and a pure-torch reference writer/reader of the page layout.
+
+The byte layout itself lives in :mod:`quantmla.cache.layout` (``PageLayout``); this module only
+*uses* it. A pool holds one ``uint8`` tensor ``[layers, num_pages, page_bytes]``; a page stores
+``page_size`` consecutive tokens of one sequence in one layer, as the four sections of the layout.
+Sequences own lists of pages (a free list hands them out); a *block table* ``[B, max_pages]`` int32
+maps a sequence's page index ``pos // page_size`` to the physical page, and a *slot* is
+``page * page_size + pos % page_size``.
+
+The reference writer (``write_tokens``) quantizes with :func:`quantmla.quant.quantize` and stores
+the packed codes and metadata bytes exactly where the layout says; the Triton append kernel must
+produce the same bytes. The reference reader (``read_tokens``, ``gather_sequences``) dequantizes
+them back; tests and the CPU fallback of the decode API use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.errors import QuantMLAError
+from quantmla.quant.format import PathFormat
+from quantmla.quant.groupwise import Quantized, dequantize, quantize
+
+__all__ = [
+    "OutOfPagesError",
+    "PagePool",
+    "slots_for",
+    "encode_tokens",
+    "decode_fields",
+    "write_tokens",
+    "read_fields",
+    "read_tokens",
+    "gather_sequences",
+    "compression_report",
+]
+
+
+class OutOfPagesError(QuantMLAError):
+    """The page pool has no free page left for a sequence that grows."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The pool: allocation, free list, block tables, allocated bytes
+# --------------------------------------------------------------------------------------------------
+class PagePool:
+    """A pool of ``num_pages`` pages per layer for the cache layout ``layout``.
+
+    ``data`` is ``uint8 [layers, num_pages, page_bytes]``; ``layer(i)`` is the ``[num_pages,
+    page_bytes]`` view the kernels take. Sequences are keyed by any hashable id.
+    """
+
+    def __init__(self, layout: PageLayout, num_pages: int, layers: int = 1, device: str | torch.device = "cpu"):
+        if num_pages < 1 or layers < 1:
+            raise QuantMLAError(f"a page pool needs at least one page and one layer, got {num_pages} pages, {layers} layers")
+        self.layout = layout
+        self.data = torch.zeros((layers, num_pages, layout.page_bytes), dtype=torch.uint8, device=device)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+
+    # -- sizes ----------------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def layers(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def layer(self, i: int = 0) -> torch.Tensor:
+        return self.data[i]
+
+    # -- sequences ------------------------------------------------------------------------------------
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._pages
+
+    @property
+    def sequences(self) -> list[Hashable]:
+        return list(self._pages)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lens[seq_id]
+
+    def pages_of(self, seq_id: Hashable) -> list[int]:
+        return list(self._pages[seq_id])
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Make sure `seq_id` has pages for `num_tokens` tokens in total (its length is unchanged)."""
+        pages = self._pages.setdefault(seq_id, [])
+        self._lens.setdefault(seq_id, 0)
+        need = self.layout.pages_for(num_tokens) - len(pages)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"sequence {seq_id!r} needs {need} more pages for {num_tokens} tokens but only "
+                f"{len(self._free)} of {self.num_pages} are free; free finished sequences or make a larger pool"
+            )
+        for _ in range(max(need, 0)):
+            pages.append(self._free.pop())
+
+    def append_slots(self, seq_id: Hashable, n: int) -> torch.Tensor:
+        """Grow `seq_id` by `n` tokens (allocating pages) and return their slots, int64 [n]."""
+        start = self._lens.get(seq_id, 0)
+        self.reserve(seq_id, start + n)
+        self._lens[seq_id] = start + n
+        pages = torch.tensor(self._pages[seq_id], dtype=torch.int64)
+        pos = torch.arange(start, start + n, dtype=torch.int64)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return the pages of `seq_id` to the free list (the bytes are left as they are)."""
+        pages = self._pages.pop(seq_id)
+        self._lens.pop(seq_id, None)
+        self._free.extend(reversed(pages))
+
+    def block_table(self, seq_ids: Sequence[Hashable], width: int | None = None, device=None) -> torch.Tensor:
+        """int32 [B, width] physical pages of each sequence; unused entries are 0 (never read)."""
+        rows = [self._pages[s] for s in seq_ids]
+        width = max([len(r) for r in rows] + [1]) if width is None else width
+        bt = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if len(r) > width:
+                raise QuantMLAError(f"sequence {seq_ids[i]!r} has {len(r)} pages, more than the table width {width}")
+            bt[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        return bt.to(device or self.data.device)
+
+    def seq_lens(self, seq_ids: Sequence[Hashable], device=None) -> torch.Tensor:
+        return torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=device or self.data.device)
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def allocated_bytes(self, block_table_entry_bytes: int = 4) -> int:
+        """Bytes the live sequences hold: their pages in every layer, block-table entries and lengths.
+
+        Equals ``layout.allocated_bytes([lengths...], layers)`` (the one definition in layout.py)
+        when every sequence holds exactly the pages its length needs.
+        """
+        pages = sum(len(p) for p in self._pages.values())
+        return pages * self.layout.page_bytes * self.layers + pages * block_table_entry_bytes + 4 * len(self._pages)
+
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool tensor (allocated up front on the device)."""
+        return self.data.numel()
+
+
+def slots_for(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slots (int64) of tokens at `positions` of the block-table rows `seq_idx`."""
+    seq_idx = seq_idx.to(block_table.device, torch.int64)
+    positions = positions.to(block_table.device, torch.int64)
+    pages = block_table.long()[seq_idx, positions // page_size]
+    return pages * page_size + positions % page_size
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference writer / reader (pure torch)
+# --------------------------------------------------------------------------------------------------
+def _encode_path(x: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (codes bytes uint8 [T, code_bytes], meta bytes uint8 [T, meta_bytes])."""
+    T = x.shape[0]
+    if not fmt.quantized:
+        raw = x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(T, -1)
+        return raw, torch.empty((T, 0), dtype=torch.uint8, device=x.device)
+    q = quantize(x, fmt)
+    meta = q.meta.to(fmt.torch_meta_dtype).contiguous().view(torch.uint8).reshape(T, -1)
+    return q.codes.reshape(T, -1), meta
+
+
+def _decode_path(codes: torch.Tensor, meta: torch.Tensor, fmt: PathFormat, dim: int) -> torch.Tensor:
+    T = codes.shape[0]
+    if not fmt.quantized:
+        return codes.contiguous().view(torch.bfloat16).reshape(T, dim).float()
+    m = meta.contiguous().view(fmt.torch_meta_dtype).reshape(T, fmt.groups(dim), fmt.meta_fields)
+    return dequantize(Quantized(codes, m), fmt, dim)
+
+
+def encode_tokens(layout: PageLayout | TokenLayout, latent: torch.Tensor, k_rope: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The record bytes of tokens: section name -> uint8 [T, field_bytes]."""
+    tok = layout.token if isinstance(layout, PageLayout) else layout
+    fmt: CacheFormat = tok.fmt
+    cc, cm = _encode_path(latent.reshape(-1, tok.d_c), fmt.content)
+    rc, rm = _encode_path(k_rope.reshape(-1, tok.d_r), fmt.rope)
+    return {"content_codes": cc, "rope_codes": rc, "content_meta": cm, "rope_meta": rm}
+
+
+def decode_fields(layout: PageLayout | TokenLayout, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`encode_tokens`: -> latent [T, d_c], k_rope [T, d_r] in fp32 (dequantized)."""
+    tok = layout.token if isinstance(layout, PageLayout) else layout
+    c = _decode_path(fields["content_codes"], fields["content_meta"], tok.fmt.content, tok.d_c)
+    r = _decode_path(fields["rope_codes"], fields["rope_meta"], tok.fmt.rope, tok.d_r)
+    return c, r
+
+
+def _byte_index(layout: PageLayout, section: str, slots: torch.Tensor) -> torch.Tensor:
+    """Flat byte offsets [T, field_bytes] of `section` of the tokens at `slots` in a [num_pages, page_bytes] pool."""
+    fb = layout.token.field_bytes[section]
+    slots = slots.to(torch.int64)
+    page, off = slots // layout.page_size, slots % layout.page_size
+    base = page * layout.page_bytes + layout.offsets[section] + off * fb
+    return base[:, None] + torch.arange(fb, device=slots.device, dtype=torch.int64)[None, :]
+
+
+def _check_pages(pages: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != layout.page_bytes:
+        raise QuantMLAError(
+            f"expected one layer's pages as uint8 [num_pages, {layout.page_bytes}], got {pages.dtype} {tuple(pages.shape)}"
+        )
+    if not pages.is_contiguous():
+        raise QuantMLAError("the page tensor must be contiguous")
+    return pages.view(-1)
+
+
+def write_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+    """Quantize tokens and store their records at `slots` (int [T]; negative slots are skipped).
+
+    pages: uint8 [num_pages, page_bytes] (one layer); latent [T, d_c], k_rope [T, d_r] (any float dtype).
+    """
+    flat = _check_pages(pages, layout)
+    slots = slots.reshape(-1).to(pages.device, torch.int64)
+    keep = slots >= 0
+    latent = latent.reshape(-1, layout.token.d_c).to(pages.device)[keep]
+    k_rope = k_rope.reshape(-1, layout.token.d_r).to(pages.device)[keep]
+    slots = slots[keep]
+    if slots.numel() == 0:
+        return
+    for name, data in encode_tokens(layout, latent, k_rope).items():
+        if data.shape[1]:
+            flat[_byte_index(layout, name, slots)] = data
+
+
+def read_fields(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The raw record bytes of tokens at `slots`: section -> uint8 [T, field_bytes]."""
+    flat = _check_pages(pages, layout)
+    slots = slots.reshape(-1).to(pages.device, torch.int64)
+    return {name: flat[_byte_index(layout, name, slots)] for name in layout.token.field_bytes}
+
+
+def read_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized latent [T, d_c] and k_rope [T, d_r] (fp32) of the tokens at `slots`."""
+    return decode_fields(layout, read_fields(pages, layout, slots))
+
+
+def gather_sequences(
+    pages: torch.Tensor, layout: PageLayout, block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized latent [B, T, d_c] and k_rope [B, T, d_r] (fp32) of whole sequences; zeros past each length."""
+    lens = [int(n) for n in seq_lens.tolist()]
+    B = len(lens)
+    T = max(lens + [1]) if max_len is None else max_len
+    dev = pages.device
+    pos = torch.arange(T, device=dev, dtype=torch.int64)
+    valid = pos[None, :] < torch.tensor(lens, device=dev)[:, None]  # [B, T]
+    b_idx = torch.arange(B, device=dev)[:, None].expand(B, T)
+    bt = block_table.to(dev).long()
+    page_idx = torch.where(valid, pos[None, :] // layout.page_size, torch.zeros_like(pos)[None, :])
+    slots = bt[b_idx, page_idx] * layout.page_size + pos[None, :] % layout.page_size
+    c = torch.zeros(B, T, layout.token.d_c, device=dev)
+    r = torch.zeros(B, T, layout.token.d_r, device=dev)
+    if valid.any():
+        cv, rv = read_tokens(pages, layout, slots[valid])
+        c[valid], r[valid] = cv, rv
+    return c, r
+
+
+def compression_report(
+    d_c: int, d_r: int, fmt: CacheFormat, tokens: Sequence[int] = (4096, 32768, 131072), page_size: int = 64
+) -> list[dict]:
+    """Allocated bytes (pages + block tables, layout.allocated_bytes) of one sequence vs BF16."""
+    ref = PageLayout(TokenLayout(d_c, d_r, CacheFormat()), page_size)
+    got = PageLayout(TokenLayout(d_c, d_r, fmt), page_size)
+    rows = []
+    for n in tokens:
+        a, b = ref.allocated_bytes(n), got.allocated_bytes(n)
+        rows.append(
+            {
+                "format": fmt.describe(),
+                "tokens": n,
+                "bytes_per_token": got.token.bytes_per_token,
+                "page_bytes": got.page_bytes,
+                "allocated_bytes": b,
+                "bf16_allocated_bytes": a,
+                "compression": a / b,
+            }
+        )
+    return rows

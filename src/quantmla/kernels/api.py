@@ -1,0 +1,472 @@
+"""The kernel API: a FlashMLA-like surface over the packed paged cache.
+
+    md = get_mla_metadata(seq_lens, num_heads, q_len, layout)              # once per decode step
+    out, lse = mla_decode_with_kvcache(q_latent, q_rope, kv_pages, block_table, seq_lens,
+                                       layout, softmax_scale, metadata=md)  # every layer
+    append_to_pages(kv_pages, layout, slots, latent, k_rope)               # prefill chunk or decode step
+
+``kv_pages`` is one layer of a ``PagePool`` (uint8 ``[num_pages, page_bytes]``, layout from
+``cache.layout.PageLayout``), ``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``.
+``q_latent`` ``[B, S_q, H, d_c]`` is the absorbed query (``q^C · W_UK``ᵀ), ``q_rope`` ``[B, S_q, H,
+d_r]``; ``out`` ``[B, S_q, H, d_c]`` is the latent-space output (the caller applies ``W_UV``) and
+``lse`` ``[B, S_q, H]`` the natural-log log-sum-exp, with the causal multi-query semantics of
+``reference.absorbed.absorbed_attention`` (query i of S_q sees tokens ``t < L − S_q + i + 1``).
+
+CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU tensors
+take the pure-torch reference path (same results up to bf16 rounding). Formats the kernels cannot
+run raise :class:`UnsupportedFormatError` before anything is launched.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from quantmla.cache.layout import PageLayout
+from quantmla.cache.paged import gather_sequences, write_tokens
+from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.quant.format import PathFormat
+from quantmla.reference.absorbed import absorbed_attention
+
+__all__ = [
+    "DecodeConfig",
+    "MLAMetadata",
+    "get_mla_metadata",
+    "mla_decode_with_kvcache",
+    "append_to_pages",
+    "check_layout_supported",
+    "default_config",
+    "decode_flops",
+    "decode_bytes",
+]
+
+KERNEL_BITS = (2, 4, 8)
+MAX_Q_LEN = 16
+MAX_D_C = 512
+MAX_D_R = 128
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or interpreting()
+
+
+# --------------------------------------------------------------------------------------------------
+# What the kernels support (checked before any launch)
+# --------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _path_args(fmt: PathFormat, dim: int, path: str) -> tuple[int, int, bool, bool]:
+    """(bits, group size, affine, bf16 metadata) of a path, or UnsupportedFormatError."""
+    if not fmt.quantized:
+        return 16, dim, True, False
+    if fmt.mode == "fp8":
+        raise UnsupportedFormatError(
+            f"{path}: the Triton kernels do not run FP8 (e4m3) caches; use INT2/INT4/INT8 or BF16 "
+            "(FP8 stays available through the torch reference path, quantmla.cache.paged)"
+        )
+    if fmt.bits not in KERNEL_BITS:
+        raise UnsupportedFormatError(
+            f"{path}: the Triton kernels take {KERNEL_BITS}-bit codes or BF16, not {fmt.bits}-bit "
+            "(3-bit packing is a CPU/accuracy format)"
+        )
+    if fmt.mode not in ("affine", "symmetric"):
+        raise UnsupportedFormatError(f"{path}: unknown mode {fmt.mode!r}")
+    fmt.check_dim(dim, path)
+    return fmt.bits, fmt.group_size, fmt.mode == "affine", fmt.meta_dtype == "bfloat16"
+
+
+def check_layout_supported(layout: PageLayout) -> None:
+    """Raise UnsupportedFormatError unless the decode and append kernels can run `layout`."""
+    if not isinstance(layout, PageLayout):
+        raise QuantMLAError(f"expected a cache.layout.PageLayout, got {type(layout).__name__}")
+    tok = layout.token
+    if not (_pow2(tok.d_c) and 16 <= tok.d_c <= MAX_D_C):
+        raise UnsupportedFormatError(f"the kernels need a power-of-two latent rank d_c in [16, {MAX_D_C}], got {tok.d_c}")
+    if not (_pow2(tok.d_r) and 16 <= tok.d_r <= MAX_D_R):
+        raise UnsupportedFormatError(f"the kernels need a power-of-two RoPE dim d_r in [16, {MAX_D_R}], got {tok.d_r}")
+    _path_args(tok.fmt.content, tok.d_c, "content path")
+    _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
+    if layout.page_bytes % 16:
+        raise UnsupportedFormatError("page size in bytes must be a multiple of 16")  # layout guarantees it
+
+
+def _layout_constexprs(layout: PageLayout) -> dict:
+    tok = layout.token
+    cb, cg, ca, cbf = _path_args(tok.fmt.content, tok.d_c, "content path")
+    rb, rg, ra, rbf = _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
+    o = layout.offsets
+    return dict(
+        D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        C_BITS=cb, C_GS=cg, C_AFFINE=ca, R_BITS=rb, R_GS=rg, R_AFFINE=ra,
+    ), (cbf, rbf)
+
+
+def _views(pages: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 pages plus the 16-bit views the content and RoPE sections are read through."""
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != layout.page_bytes:
+        raise QuantMLAError(
+            f"kv_pages must be one layer's uint8 [num_pages, {layout.page_bytes}] pages, got {pages.dtype} {tuple(pages.shape)}"
+        )
+    if not pages.is_contiguous():
+        raise QuantMLAError("kv_pages must be contiguous (one layer of PagePool.data)")
+
+    def view(fmt: PathFormat) -> torch.Tensor:
+        return pages.view(torch.bfloat16 if not fmt.quantized else fmt.torch_meta_dtype)
+
+    return pages, view(layout.token.fmt.content), view(layout.token.fmt.rope)
+
+
+# --------------------------------------------------------------------------------------------------
+# Scheduling: work units (sequence, token range) and launch configs
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the decode kernel. block_m: query rows (heads × query tokens) per program;
+    block_n: tokens per tile; ctas_per_sm: programs the scheduler aims to keep per SM (it splits
+    long sequences until there are about that many); min_chunk: fewest tokens a split covers;
+    kernel: "fused" (generated per format, codes exact in bf16, scales folded into scores and
+    probabilities; BF16 caches too) or "generic" (decode.py: tiles rebuilt to bf16 values);
+    unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
+    deq: the generic kernel's tile rebuild (0: shifts + one reshape; 1: per-channel indexing)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    ctas_per_sm: int = 2
+    min_chunk: int = 256
+    kernel: str = "fused"
+    unpack: str = "asm"
+    deq: int = 0
+
+    def describe(self) -> str:
+        k = f"fused/{self.unpack}" if self.kernel == "fused" else f"generic/d{self.deq}"
+        return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
+
+
+def default_config(rows: int, layout: PageLayout | None = None, device: torch.device | str | None = None) -> DecodeConfig:
+    """A config for `rows` = heads × query tokens per sequence."""
+    bm = 16 if rows <= 16 else 32
+    if interpreting() or (device is not None and torch.device(device).type != "cuda"):
+        return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
+    if bm == 16:  # memory-bound: one head block, long tiles, 8 warps
+        return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
+    # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
+    quant = layout is not None and layout.token.fmt.content.quantized
+    return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=2 if quant else 3, ctas_per_sm=1)
+
+
+@dataclass
+class MLAMetadata:
+    """The split-KV schedule of one decode step (reuse it for every layer).
+
+    units: int32 [U, 4] rows (sequence, token start, token end, splits of that sequence);
+    seq_info: int32 [B, 2] rows (first unit, splits)."""
+
+    units: torch.Tensor
+    seq_info: torch.Tensor
+    num_units: int
+    max_splits: int
+    num_heads: int
+    q_len: int
+    config: DecodeConfig
+    seq_lens: list[int]
+    chunk_tokens: int
+    workspace: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.num_heads * self.q_len
+
+    @property
+    def head_blocks(self) -> int:
+        return -(-self.rows // self.config.block_m)
+
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def get_mla_metadata(
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    q_len: int = 1,
+    layout: PageLayout | None = None,
+    *,
+    config: DecodeConfig | None = None,
+    num_sms: int | None = None,
+    chunk_tokens: int | None = None,
+) -> MLAMetadata:
+    """Split every sequence into work units so that about ``num_sms × ctas_per_sm`` programs run.
+
+    Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
+    """
+    if num_heads < 1:
+        raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise UnsupportedFormatError(f"the decode kernel takes 1 to {MAX_Q_LEN} query tokens per sequence, got {q_len}")
+    device = seq_lens.device
+    lens = [int(x) for x in seq_lens.reshape(-1).tolist()]
+    if any(n < 0 for n in lens):
+        raise QuantMLAError("sequence lengths must be >= 0")
+    rows = num_heads * q_len
+    cfg = config or default_config(rows, layout, device)
+    bn = cfg.block_n
+    hb = -(-rows // cfg.block_m)
+    tiles = [-(-n // bn) for n in lens]
+    if chunk_tokens is None:
+        target_units = max(1, (num_sms or _num_sms(device)) * cfg.ctas_per_sm // hb)
+        chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
+    else:
+        chunk_tiles = max(1, -(-chunk_tokens // bn))
+    units: list[tuple[int, int, int, int]] = []
+    info: list[tuple[int, int]] = []
+    for b, (n, nt) in enumerate(zip(lens, tiles)):
+        splits = max(1, -(-nt // chunk_tiles))
+        per = -(-nt // splits) if nt else 0  # tiles per split, balanced
+        splits = max(1, -(-nt // per)) if per else 1
+        info.append((len(units), splits))
+        for i in range(splits):
+            units.append((b, min(n, i * per * bn), min(n, (i + 1) * per * bn), splits))
+    return MLAMetadata(
+        units=torch.tensor(units, dtype=torch.int32, device=device).reshape(-1, 4),
+        seq_info=torch.tensor(info, dtype=torch.int32, device=device).reshape(-1, 2),
+        num_units=len(units),
+        max_splits=max(s for _, s in info) if info else 1,
+        num_heads=num_heads,
+        q_len=q_len,
+        config=cfg,
+        seq_lens=lens,
+        chunk_tokens=chunk_tiles * bn,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------------
+_FALLBACK: dict = {}
+
+
+def _is_compile_error(e: Exception) -> bool:
+    name = type(e).__name__
+    return name in ("CompilationError", "OutOfResources", "CompileTimeAssertionFailure") or "PassManager" in str(e) or (
+        isinstance(e, RuntimeError) and ("MLIR" in str(e) or "LLVM" in str(e) or "ptxas" in str(e))
+    )
+
+
+def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
+    """Launch the configured kernel; on a compile failure fall back (fused -> generic -> deq 1 ->
+    one stage) with a warning. Returns the variant that ran."""
+    from quantmla.kernels import codegen
+    from quantmla.kernels.decode import _mla_decode_kernel
+
+    consts, _ = _layout_constexprs(layout)
+    tries = []
+    if cfg.kernel == "fused" and codegen.supported(layout):
+        tries.append(("fused", 0, cfg.num_stages))
+        if cfg.unpack == "asm":
+            tries.append(("fused-tl", 0, cfg.num_stages))
+    tries += [("generic", cfg.deq, cfg.num_stages), ("generic", 1, cfg.num_stages), ("generic", 1, 1)]
+    key = (layout, cfg)
+    first = _FALLBACK.get(key, 0)
+    last = None
+    for i, (kind, deq, stages) in enumerate(tries[first:], start=first):
+        try:
+            opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=stages)
+            if kind.startswith("fused"):
+                unpack = "tl" if kind == "fused-tl" else cfg.unpack
+                codegen.fused_kernel(layout, unpack)[grid](*args, **opts)
+            else:
+                _mla_decode_kernel[grid](*args, **consts, DEQ=deq, **opts)
+            if i != first:
+                _FALLBACK[key] = i
+                warnings.warn(f"decode kernel {tries[first]} for {cfg.describe()} failed to compile ({last}); ran {tries[i]}")
+            return f"{kind}/d{deq}/s{stages}" if kind == "generic" else (kind if kind == "fused-tl" else f"fused/{cfg.unpack}")
+        except Exception as e:  # compile-time failures only (nothing has been launched)
+            if not _is_compile_error(e) or interpreting():
+                raise
+            last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    raise QuantMLAError(f"the decode kernel did not compile for {cfg.describe()}: {last}")
+
+
+def mla_decode_with_kvcache(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: PageLayout,
+    softmax_scale: float,
+    *,
+    metadata: MLAMetadata | None = None,
+    causal: bool = True,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA decode over the paged cache -> (out [B, S_q, H, d_c], lse [B, S_q, H] fp32).
+
+    3-D queries [B, H, d] are taken as S_q = 1 and give [B, H, d_c] / [B, H]."""
+    check_layout_supported(layout)
+    squeeze = q_latent.dim() == 3
+    if squeeze:
+        q_latent, q_rope = q_latent.unsqueeze(1), q_rope.unsqueeze(1)
+    if q_latent.dim() != 4 or q_rope.dim() != 4:
+        raise QuantMLAError("q_latent / q_rope must be [B, S_q, H, d_c] / [B, S_q, H, d_r] (or 3-D with S_q = 1)")
+    B, SQ, H, DC = q_latent.shape
+    tok = layout.token
+    if DC != tok.d_c or tuple(q_rope.shape) != (B, SQ, H, tok.d_r):
+        raise QuantMLAError(
+            f"query shapes {tuple(q_latent.shape)} / {tuple(q_rope.shape)} do not match the layout "
+            f"(d_c={tok.d_c}, d_r={tok.d_r})"
+        )
+    if not 1 <= SQ <= MAX_Q_LEN:
+        raise UnsupportedFormatError(f"the decode kernel takes 1 to {MAX_Q_LEN} query tokens per sequence, got {SQ}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.reshape(-1).shape[0] != B:
+        raise QuantMLAError(f"block_table must be [B={B}, max_pages] and seq_lens [B={B}]")
+    pages, pc16, pr16 = _views(kv_pages, layout)
+    out_dtype = q_latent.dtype if q_latent.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+    if not _use_triton(kv_pages):  # CPU: the torch reference of the same computation
+        lat, kr = gather_sequences(pages, layout, block_table, seq_lens.reshape(-1))
+        o, l = absorbed_attention(
+            q_latent.float(), q_rope.float(), lat, kr, softmax_scale, seq_lens.reshape(-1).to(lat.device), causal, torch.float32
+        )
+        o = o.to(out_dtype)
+        if out is not None:
+            out.copy_(o.reshape(out.shape))
+            o = out
+        if lse is not None:
+            lse.copy_(l.reshape(lse.shape))
+            l = lse
+        return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
+
+    device = kv_pages.device
+    if metadata is None:
+        metadata = get_mla_metadata(seq_lens, H, SQ, layout, config=config)
+    elif metadata.num_heads != H or metadata.q_len != SQ or len(metadata.seq_lens) != B:
+        raise QuantMLAError(
+            f"metadata was made for {metadata.num_heads} heads × {metadata.q_len} query tokens and "
+            f"{len(metadata.seq_lens)} sequences, not {H} × {SQ} and {B}"
+        )
+    need = max(metadata.seq_lens + [0])
+    if need > block_table.shape[1] * layout.page_size:
+        raise QuantMLAError(f"a sequence of {need} tokens needs more than the {block_table.shape[1]} pages of its block-table row")
+    cfg = metadata.config
+    qc = q_latent.to(torch.bfloat16).contiguous()
+    qr = q_rope.to(torch.bfloat16).contiguous()
+    bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else block_table.to(torch.int32).contiguous()
+    sl = seq_lens.reshape(-1)
+    sl = sl if sl.dtype == torch.int32 else sl.to(torch.int32)
+    R = H * SQ
+    if out is None:
+        out = torch.empty((B, SQ, H, DC), dtype=out_dtype, device=device)
+    if lse is None:
+        lse = torch.empty((B, SQ, H), dtype=torch.float32, device=device)
+    if metadata.max_splits > 1:
+        key = (R, DC, str(device))
+        ws = metadata.workspace.get(key)
+        if ws is None:
+            ws = (
+                torch.empty((metadata.num_units, R, DC), dtype=torch.float32, device=device),
+                torch.empty((metadata.num_units, R), dtype=torch.float32, device=device),
+            )
+            metadata.workspace[key] = ws
+        po, plse = ws
+    else:
+        po = plse = lse  # never written
+    grid = (metadata.head_blocks, metadata.num_units)
+    args = (
+        qc, qr, pages, pc16, pr16, bt, sl, metadata.units, out, lse, po, plse,
+        bt.stride(0), H, SQ, R, 1 if causal else 0, float(softmax_scale) * LOG2E,
+    )
+    metadata.workspace["variant"] = _launch_decode(grid, args, layout, cfg)
+    if metadata.max_splits > 1:
+        from quantmla.kernels.decode import _mla_combine_kernel
+
+        block_r = 16 if DC >= 256 else 32
+        _mla_combine_kernel[(B, -(-R // block_r))](po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, num_warps=4)
+    return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+# --------------------------------------------------------------------------------------------------
+# Append (quantize, pack, write)
+# --------------------------------------------------------------------------------------------------
+def append_to_pages(
+    kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+) -> None:
+    """Quantize tokens and write them at `slots` (int [T]; negative slots are skipped).
+
+    latent [..., d_c] and k_rope [..., d_r] flatten to T tokens (bf16, fp16 or fp32). Bit-exact with
+    ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync)."""
+    check_layout_supported(layout)
+    tok = layout.token
+    xc = latent.reshape(-1, tok.d_c)
+    xr = k_rope.reshape(-1, tok.d_r)
+    slots = slots.reshape(-1)
+    T = xc.shape[0]
+    if xr.shape[0] != T or slots.shape[0] != T:
+        raise QuantMLAError(f"latent has {T} tokens, k_rope {xr.shape[0]}, slots {slots.shape[0]}")
+    pages, pc16, pr16 = _views(kv_pages, layout)
+    if not _use_triton(kv_pages):
+        write_tokens(pages, layout, slots, xc, xr)
+        return
+    if T == 0:
+        return
+    from quantmla.kernels.append import _append_kernel
+
+    consts, (cbf, rbf) = _layout_constexprs(layout)
+    if xc.stride(-1) != 1:
+        xc = xc.contiguous()
+    if xr.stride(-1) != 1:
+        xr = xr.contiguous()
+    slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
+    block_t = 16
+    _append_kernel[(-(-T // block_t),)](
+        xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t, num_warps=4
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Work counts (benchmarks)
+# --------------------------------------------------------------------------------------------------
+def _visible(lens: list[int], q_len: int, causal: bool = True) -> int:
+    """Σ over sequences and query tokens of visible cached tokens."""
+    tot = 0
+    for n in lens:
+        for i in range(q_len):
+            tot += max(0, n - (q_len - 1 - i)) if causal else n
+    return tot
+
+
+def decode_flops(lens: list[int], num_heads: int, q_len: int, d_c: int, d_r: int, causal: bool = True) -> int:
+    """2·(d_c + d_r) for the scores plus 2·d_c for p·c, per head, query token and visible token."""
+    return 2 * (2 * d_c + d_r) * num_heads * _visible(lens, q_len, causal)
+
+
+def decode_bytes(lens: list[int], layout: PageLayout, num_heads: int, q_len: int) -> int:
+    """Bytes the decode must read: each cached token's record once, the queries and block tables."""
+    tok = layout.token
+    cache = sum(lens) * tok.bytes_per_token
+    q = len(lens) * q_len * num_heads * (tok.d_c + tok.d_r) * 2
+    tables = sum(layout.pages_for(n) for n in lens) * 4 + 4 * len(lens)
+    return cache + q + tables

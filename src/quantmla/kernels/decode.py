@@ -1,0 +1,217 @@
+"""Triton kernels: absorbed-MLA decode over the packed paged cache, split-KV, and the combine step.
+
+One program handles one *work unit* (a sequence and a range of its tokens, from the scheduler in
+``api.get_mla_metadata``) for one block of query rows. Rows are ``r = i·H + h`` over the ``S_q``
+query tokens ``i`` and heads ``h`` of the sequence, so a block holds all heads of a query token (or
+several query tokens of a few heads): every cache tile is read once per row block and shared by all
+its heads, since MLA's absorbed keys and values are one latent shared by every head.
+
+Per tile of ``BLOCK_N`` tokens the program gathers the tokens' pages through the block table, reads
+the packed codes and group metadata of both paths (layout.PageLayout sections) and rebuilds the tile
+in bf16 registers (``code·scale + zero`` per channel group; the BF16 format loads raw values), then
+
+    s = scale · (q_latent · cᵀ + q_rope · k_Rᵀ)        (tensor cores, fp32 accumulate)
+    online softmax over the tiles (exp2), acc += p · c   (latent-space output, no W_UV)
+
+A unit that covers a whole sequence writes the normalised output and the log-sum-exp directly;
+otherwise it writes an fp32 partial (output, lse) that ``_mla_combine_kernel`` merges.
+
+Two ways to rebuild a quantized tile (constexpr ``DEQ``):
+  0: one wide byte load per token, planes split by shifts into a [N, planes, groups, width] tensor,
+     metadata broadcast per group, one reshape to [N, D];
+  1: a reshape-free fallback that indexes bytes and metadata per channel (more load instructions).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, spelled out (the CPU interpreter's cast truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _path_tile(
+    P8, P16, page8, page16, tok, tmask,
+    OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr,
+):
+    """The [BLOCK_N, D] bf16 tile of one path for tokens at (page, tok); masked tokens read as 0."""
+    if BITS == 16:
+        base = page16 + OFF_CODES // 2 + tok * D
+        x = tl.load(P16 + base[:, None] + tl.arange(0, D)[None, :], mask=tmask[:, None], other=0.0)
+        out = x.to(tl.bfloat16)
+    else:
+        NB: tl.constexpr = D * BITS // 8  # bytes of codes per token (planar: plane k = bits [k·b, (k+1)·b))
+        K: tl.constexpr = 8 // BITS  # planes
+        F: tl.constexpr = 2 if AFFINE else 1  # meta fields per group
+        G: tl.constexpr = D // GS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        MID: tl.constexpr = 1 << (BITS - 1)
+        cbase = page8 + OFF_CODES + tok * NB  # [N] byte offset of the token's codes
+        mbase = page16 + OFF_META // 2 + tok * (G * F)  # [N] 16-bit offset of its metadata
+        if DEQ == 0:
+            W: tl.constexpr = GS if GS < NB else NB  # channels of a plane in one group
+            R: tl.constexpr = NB // W  # groups per plane
+            ridx = tl.arange(0, R)
+            widx = tl.arange(0, W)
+            boff = ridx[:, None] * W + widx[None, :]  # [R, W] byte index
+            by = tl.load(P8 + cbase[:, None, None] + boff[None, :, :], mask=tmask[:, None, None], other=0)
+            kidx = tl.arange(0, K)
+            if K == 1:
+                codes = by[:, None, :, :]
+            else:
+                sh = (kidx * BITS).to(tl.uint8)
+                codes = (by[:, None, :, :] >> sh[None, :, None, None]) & MASK  # [N, K, R, W]
+            grp = (kidx[:, None] * NB + ridx[None, :] * W) // GS  # [K, R] group of each (plane, chunk)
+            mptr = P16 + mbase[:, None, None] + (grp * F)[None, :, :]
+            s = tl.load(mptr, mask=tmask[:, None, None], other=0.0).to(tl.float32)
+            cf = codes.to(tl.float32)
+            if AFFINE:
+                z = tl.load(mptr + 1, mask=tmask[:, None, None], other=0.0).to(tl.float32)
+                v = cf * s[:, :, :, None] + z[:, :, :, None]
+            else:
+                v = (cf - MID) * s[:, :, :, None]
+            v = tl.reshape(v, [BLOCK_N, D])
+            if RNE:
+                out = _bf16_rne(v)
+            else:
+                out = v.to(tl.bfloat16)
+        else:
+            ch = tl.arange(0, D)
+            byte = ch % NB
+            shift = ((ch // NB) * BITS).to(tl.uint8)
+            by = tl.load(P8 + cbase[:, None] + byte[None, :], mask=tmask[:, None], other=0)
+            cf = ((by >> shift[None, :]) & MASK).to(tl.float32)
+            mptr = P16 + mbase[:, None] + ((ch // GS) * F)[None, :]
+            s = tl.load(mptr, mask=tmask[:, None], other=0.0).to(tl.float32)
+            if AFFINE:
+                z = tl.load(mptr + 1, mask=tmask[:, None], other=0.0).to(tl.float32)
+                v = cf * s + z
+            else:
+                v = (cf - MID) * s
+            if RNE:
+                out = _bf16_rne(v)
+            else:
+                out = v.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _mla_decode_kernel(
+    QC, QR, P8, PC16, PR16, BT, SEQLENS, UNITS, OUT, LSE, PO, PLSE,
+    stride_bt, H, SQ, R, CAUSAL, qk_scale,
+    D_C: tl.constexpr, D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr,
+    OFF_CC: tl.constexpr, OFF_RC: tl.constexpr, OFF_CM: tl.constexpr, OFF_RM: tl.constexpr,
+    C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr,
+    R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    u = tl.program_id(1)
+    b = tl.load(UNITS + u * 4)
+    start = tl.load(UNITS + u * 4 + 1)
+    end = tl.load(UNITS + u * 4 + 2)
+    nsplit = tl.load(UNITS + u * 4 + 3)
+    L = tl.load(SEQLENS + b)
+
+    rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < R
+    # query i = r // H sees tokens t < L − (S_q − 1 − i) (causal) or t < L
+    limit = L - CAUSAL * (SQ - 1 - rows // H)
+    qrow = b.to(tl.int64) * R + rows
+    dc = tl.arange(0, D_C)
+    dr = tl.arange(0, D_R)
+    q_c = tl.load(QC + qrow[:, None] * D_C + dc[None, :], mask=rmask[:, None], other=0.0)
+    q_r = tl.load(QR + qrow[:, None] * D_R + dr[None, :], mask=rmask[:, None], other=0.0)
+    if DOT_F32:  # the CPU interpreter multiplies bf16 operands wrongly: give it fp32 (same values)
+        q_c = q_c.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_C], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(bt_row + t // PS, mask=tmask, other=0).to(tl.int64)
+        tok = t % PS
+        page8 = page * PAGE_BYTES
+        page16 = page * (PAGE_BYTES // 2)
+        c = _path_tile(P8, PC16, page8, page16, tok, tmask, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, BLOCK_N, DEQ, DOT_F32)
+        kr = _path_tile(P8, PR16, page8, page16, tok, tmask, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, BLOCK_N, DEQ, DOT_F32)
+        if DOT_F32:
+            c = c.to(tl.float32)
+            kr = kr.to(tl.float32)
+        s = tl.dot(q_c, tl.trans(c))
+        s = tl.dot(q_r, tl.trans(kr), s)
+        s = s * qk_scale
+        vis = (t[None, :] < limit[:, None]) & tmask[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = _bf16_rne(p).to(tl.float32)
+        else:
+            pv = p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(pv, c)
+        m_i = m_new
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if nsplit == 1:
+        tl.store(OUT + qrow[:, None] * D_C + dc[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
+        tl.store(LSE + qrow, lse, mask=rmask)
+    else:
+        prow = u.to(tl.int64) * R + rows
+        tl.store(PO + prow[:, None] * D_C + dc[None, :], o, mask=rmask[:, None])
+        tl.store(PLSE + prow, lse, mask=rmask)
+
+
+@triton.jit
+def _mla_combine_kernel(PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Merge the split partials of sequences with more than one unit (others were written directly)."""
+    b = tl.program_id(0)
+    rb = tl.program_id(1)
+    first = tl.load(SEQINFO + b * 2)
+    n = tl.load(SEQINFO + b * 2 + 1)
+    if n > 1:
+        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        dc = tl.arange(0, D_C)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in range(0, n):
+            lse_i = tl.load(PLSE + (first + i).to(tl.int64) * R + rows, mask=rmask, other=float("-inf"))
+            m = tl.maximum(m, lse_i)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D_C], tl.float32)
+        for i in range(0, n):
+            prow = (first + i).to(tl.int64) * R + rows
+            lse_i = tl.load(PLSE + prow, mask=rmask, other=float("-inf"))
+            w = tl.exp(lse_i - m_safe)
+            den += w
+            o_i = tl.load(PO + prow[:, None] * D_C + dc[None, :], mask=rmask[:, None], other=0.0)
+            acc += w[:, None] * o_i
+        has = den > 0.0
+        d_safe = tl.where(has, den, 1.0)
+        o = acc / d_safe[:, None]
+        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+        qrow = b.to(tl.int64) * R + rows
+        tl.store(OUT + qrow[:, None] * D_C + dc[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
+        tl.store(LSE + qrow, lse, mask=rmask)

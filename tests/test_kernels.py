@@ -1,0 +1,232 @@
+"""Triton kernels under TRITON_INTERPRET=1 (CPU, small shapes): append bit-exactness, decode vs the
+fp64 reference on fresh random inputs with NaN-poisoned outputs, odd lengths, page boundaries, empty
+and length-1 sequences, split-KV + combine, multi-token queries, and clear errors for what the kernels
+cannot run. The same checks at full shapes run on the GPU in test_kernels_gpu.py."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
+from quantmla.cache.paged import PagePool, gather_sequences, write_tokens  # noqa: E402
+from quantmla.errors import UnsupportedFormatError  # noqa: E402
+from quantmla.kernels import (  # noqa: E402
+    DecodeConfig,
+    append_to_pages,
+    check_layout_supported,
+    get_mla_metadata,
+    mla_decode_with_kvcache,
+)
+from quantmla.kernels import api  # noqa: E402
+from quantmla.quant import BF16, PathFormat  # noqa: E402
+from quantmla.reference.absorbed import absorbed_attention  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+D_C, D_R, PAGE = 64, 32, 16
+
+FORMATS = {
+    "bf16": CacheFormat(BF16, BF16),
+    "int4/int4": CacheFormat(PathFormat(4, 32), PathFormat(4, 16)),
+    "int2/int4": CacheFormat(PathFormat(2, 32), PathFormat(4, 32)),
+    "int4/int8": CacheFormat(PathFormat(4, 16), PathFormat(8, 32)),
+    "int2/int8-sym-bf16meta": CacheFormat(PathFormat(2, 16, "symmetric", "bfloat16"), PathFormat(8, 16, "symmetric")),
+    "int8/int2": CacheFormat(PathFormat(8, 64), PathFormat(2, 16)),  # RoPE chunks < 16: generic kernel
+}
+
+
+def make_cache(fmt, lens, seed=0, scale=1.0):
+    """A poisoned pool holding random sequences of `lens`, written through the append kernel."""
+    g = torch.Generator().manual_seed(seed)
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    pool = PagePool(lay, sum(lay.pages_for(n) for n in lens) + 3, device=DEV)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))  # NaN-ish garbage
+    pool.append_slots("pad", 5)  # a foreign sequence first, so pages are not in order
+    for i, n in enumerate(lens):
+        slots = pool.append_slots(i, n)
+        x = (torch.randn(n, D_C, generator=g) * 2 + 0.3).to(DEV)
+        r = (torch.randn(n, D_R, generator=g) * 3 * scale).to(DEV)
+        append_to_pages(pool.layer(0), lay, slots.to(DEV), x, r)
+    ids = list(range(len(lens)))
+    return lay, pool, pool.block_table(ids), pool.seq_lens(ids)
+
+
+def reference(lay, pool, bt, sl, qc, qr, scale):
+    c, k = gather_sequences(pool.layer(0), lay, bt, sl)
+    return absorbed_attention(qc.double(), qr.double(), c.double(), k.double(), scale, sl)
+
+
+def run_decode(lay, pool, bt, sl, H, SQ, scale=0.125, seed=1, **md_kw):
+    g = torch.Generator().manual_seed(seed)
+    B = bt.shape[0]
+    qc = torch.randn(B, SQ, H, D_C, generator=g).to(DEV, torch.bfloat16)
+    qr = torch.randn(B, SQ, H, D_R, generator=g).to(DEV, torch.bfloat16)
+    out = torch.full((B, SQ, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((B, SQ, H), float("nan"), device=DEV)
+    md = get_mla_metadata(sl, H, SQ, lay, **md_kw)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, scale, metadata=md, out=out, lse=lse)
+    ro, rl = reference(lay, pool, bt, sl, qc, qr, scale)
+    return o, l, ro, rl, md
+
+
+def check(o, l, ro, rl, tol=2e-2):
+    assert not torch.isnan(o).any(), "unwritten (NaN-poisoned) output elements"
+    assert not torch.isnan(l).any(), "unwritten (NaN-poisoned) lse elements"
+    empty = torch.isinf(rl)
+    assert torch.equal(torch.isinf(l).cpu(), empty.cpu()), "rows that see no token must give lse = -inf"
+    assert torch.all(o.float()[empty] == 0)
+    rel = (o.double() - ro).norm() / ro.norm().clamp_min(1e-30)
+    assert rel < tol, f"relative error {rel:.3g}"
+    assert (l.double() - rl)[~empty].abs().max().item() < tol
+
+
+# -- append ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_append_is_bit_exact_with_the_reference_writer(name):
+    fmt = FORMATS[name]
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+    pool = PagePool(lay, 6, device=DEV)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
+    ref = pool.data.clone()
+    slots = torch.randperm(6 * PAGE, generator=g)[:41]  # scattered, crossing pages
+    slots[7] = -1  # padding token: skipped
+    x = torch.randn(41, D_C, generator=g) * 4
+    x[3, :16] = 1.5  # a constant group (scale 0 -> 1)
+    r = torch.randn(41, D_R, generator=g) * 10
+    xb = x.to(torch.bfloat16)  # the kernel reads any float dtype
+    append_to_pages(pool.layer(0), lay, slots.to(DEV), xb.to(DEV), r.to(DEV))
+    write_tokens(ref[0], lay, slots.to(DEV), xb.float().to(DEV), r.to(DEV))
+    assert torch.equal(pool.data, ref)
+
+
+# -- decode ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_decode_matches_reference_varlen_with_splits(name):
+    # empty, length-1, odd, page boundaries (16, 17, 32), longer than one split
+    lens = [0, 1, 15, 16, 17, 32, 77]
+    lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=3)
+    o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=4, SQ=1, chunk_tokens=32)
+    assert md.max_splits > 1  # the combine kernel ran
+    check(o, l, ro, rl)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8"])
+@pytest.mark.parametrize("SQ", [2, 4])
+def test_decode_multi_token_queries(name, SQ):
+    lens = [1, 3, 18, 40]  # sequences shorter than S_q leave early queries with nothing to see
+    lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=SQ)
+    o, l, ro, rl, _ = run_decode(lay, pool, bt, sl, H=3, SQ=SQ, seed=SQ + 10)
+    check(o, l, ro, rl)
+
+
+@pytest.mark.parametrize("H", [16, 32])
+def test_decode_head_counts(H):
+    lens = [5, 33]
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], lens, seed=H)
+    o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=H, SQ=1, chunk_tokens=16)
+    assert md.head_blocks == -(-H // md.config.block_m)
+    check(o, l, ro, rl)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DecodeConfig(block_m=16, block_n=16, num_stages=1, kernel="generic", deq=0),
+        DecodeConfig(block_m=16, block_n=32, num_stages=1, kernel="generic", deq=1),
+        DecodeConfig(block_m=32, block_n=16, num_stages=1, kernel="fused", unpack="tl"),
+    ],
+    ids=lambda c: c.describe(),
+)
+def test_decode_kernel_variants(cfg):
+    lens = [2, 19, 48]
+    lay, pool, bt, sl = make_cache(FORMATS["int2/int4"], lens, seed=7)
+    o, l, ro, rl, _ = run_decode(lay, pool, bt, sl, H=2, SQ=2, config=cfg, chunk_tokens=32)
+    check(o, l, ro, rl)
+
+
+def test_large_rope_values_keep_precision():
+    """Large RoPE keys (the case the project is about) must not lose precision in the score math."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int8"], [50], seed=11, scale=30.0)
+    o, l, ro, rl, _ = run_decode(lay, pool, bt, sl, H=2, SQ=1, scale=0.05)
+    check(o, l, ro, rl)
+
+
+def test_non_causal_and_three_dim_queries():
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [9, 20], seed=5)
+    g = torch.Generator().manual_seed(0)
+    qc = torch.randn(2, 3, D_C, generator=g).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 3, D_R, generator=g).to(DEV, torch.bfloat16)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.2, causal=False)
+    assert o.shape == (2, 3, D_C) and l.shape == (2, 3)
+    c, k = gather_sequences(pool.layer(0), lay, bt, sl)
+    ro, rl = absorbed_attention(qc[:, None].double(), qr[:, None].double(), c.double(), k.double(), 0.2, sl, causal=False)
+    check(o[:, None], l[:, None], ro, rl)
+
+
+def test_cpu_fallback_matches_kernel(monkeypatch):
+    lay, pool, bt, sl = make_cache(FORMATS["int2/int4"], [7, 30], seed=9)
+    o, l, ro, rl, _ = run_decode(lay, pool, bt, sl, H=2, SQ=2)
+    monkeypatch.setattr(api, "interpreting", lambda: False)
+    if DEV == "cuda":
+        pytest.skip("the torch fallback is for CPU tensors")
+    g = torch.Generator().manual_seed(1)
+    qc = torch.randn(2, 2, 2, D_C, generator=g).to(torch.bfloat16)
+    qr = torch.randn(2, 2, 2, D_R, generator=g).to(torch.bfloat16)
+    fo, fl = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125)
+    torch.testing.assert_close(fo.float(), o.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fl, l, atol=1e-3, rtol=1e-3)
+
+
+# -- schedule and errors -----------------------------------------------------------------------------
+def test_metadata_covers_every_token_once():
+    lens = [0, 1, 100, 1000, 64]
+    md = get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, None, num_sms=8, config=DecodeConfig(block_n=16, min_chunk=16))
+    units = md.units.tolist()
+    for b, n in enumerate(lens):
+        mine = [u for u in units if u[0] == b]
+        first, splits = md.seq_info[b].tolist()
+        assert len(mine) == splits and units[first][0] == b
+        assert all(u[3] == splits for u in mine)
+        cover = sorted((u[1], u[2]) for u in mine)
+        assert cover[0][0] == 0 and cover[-1][1] == n
+        assert all(a[1] == b_[0] for a, b_ in zip(cover, cover[1:]))
+    assert md.max_splits > 1
+
+
+@pytest.mark.parametrize(
+    "fmt, match",
+    [
+        (CacheFormat(PathFormat(3, 32), PathFormat(4, 16)), "3-bit"),
+        (CacheFormat(PathFormat(4, 32), PathFormat(8, 16, "fp8")), "FP8"),
+    ],
+)
+def test_unsupported_formats_raise_before_launch(fmt, match):
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    pool = PagePool(lay, 2, device=DEV)
+    before = pool.data.clone()
+    with pytest.raises(UnsupportedFormatError, match=match):
+        check_layout_supported(lay)
+    with pytest.raises(UnsupportedFormatError, match=match):
+        append_to_pages(pool.layer(0), lay, torch.tensor([0], device=DEV), torch.zeros(1, D_C, device=DEV), torch.zeros(1, D_R, device=DEV))
+    q = torch.zeros(1, 1, 2, D_C, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedFormatError, match=match):
+        mla_decode_with_kvcache(q, q[..., :D_R], pool.layer(0), pool.block_table([]) if False else torch.zeros(1, 1, dtype=torch.int32, device=DEV), torch.ones(1, dtype=torch.int32, device=DEV), lay, 0.1)
+    assert torch.equal(pool.data, before)
+
+
+def test_unsupported_shapes_raise():
+    with pytest.raises(UnsupportedFormatError, match="d_c"):
+        check_layout_supported(PageLayout(TokenLayout(96, 32, CacheFormat()), PAGE))
+    with pytest.raises(UnsupportedFormatError, match="d_r"):
+        check_layout_supported(PageLayout(TokenLayout(64, 8, CacheFormat()), PAGE))
+    with pytest.raises(UnsupportedFormatError, match="query tokens"):
+        get_mla_metadata(torch.tensor([3]), 4, 17)
