@@ -63,6 +63,7 @@ class BenchSettings:
     dtype: str = "bfloat16"
     max_seconds: float = 0.0  # stop starting new runs after this many seconds (0: no limit)
     warmup: bool = True
+    graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
 
 
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
@@ -191,6 +192,11 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
             "backend": e.backend.name, "cuda_graphs": e.use_graphs, "graph_error": e.graph_error,
             "setup_s": round(time.perf_counter() - t0, 2),
         }
+    if s.graph_benefit and engines:
+        try:
+            result["cuda_graph_benefit"] = graph_benefit(engines, vocab, log)
+        except Exception as err:
+            result.setdefault("errors", []).append({"stage": "graph_benefit", "error": f"{type(err).__name__}: {err}"})
     for b in budgets:
         for m in s.methods:
             if m not in engines:
@@ -223,6 +229,8 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                 "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
                 "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
                 "peak_pages_used": st.scheduler.peak_pages_used,
+                "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
+                "mixed_s": round(st.mixed_s, 3),
             }
             if bad:
                 run["incomplete_requests"] = bad[:20]
@@ -241,6 +249,34 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
     result["summary"] = summarize(result)
     result["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return result
+
+
+def graph_benefit(engines: dict, vocab: int, log=print, sizes=(8, 64), prompt: int = 64, new: int = 24) -> list[dict]:
+    """Mean decode-step seconds with CUDA graphs and eagerly, per method and batch size (a decode-heavy job)."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for m, e in engines.items():
+        if not e.use_graphs:
+            continue
+        e.set_budget(num_pages=e.pool_pages)
+        plen = max(1, min(prompt, e.max_pages_per_seq * e.config.page_size - new))
+        for b in sizes:
+            reqs = [Request(i, rng.integers(3, vocab, plen).tolist(), SamplingParams(max_new_tokens=new, ignore_eos=True))
+                    for i in range(b)]
+            row = {"method": m, "batch": b}
+            for mode in (True, False):
+                e.use_graphs = mode
+                e.generate(reqs)
+                st = e.stats
+                steps = st.graph_steps if mode else st.eager_decode_steps
+                secs = st.graph_decode_s if mode else st.eager_decode_s
+                row["graph_step_ms" if mode else "eager_step_ms"] = round(1e3 * secs / max(steps, 1), 3)
+            e.use_graphs = True
+            row["speedup"] = round(row["eager_step_ms"] / max(row["graph_step_ms"], 1e-9), 2)
+            rows.append(row)
+            log(f"  decode step {m} batch {b}: graph {row['graph_step_ms']:.2f} ms, eager {row['eager_step_ms']:.2f} ms "
+                f"({row['speedup']:.1f}x)")
+    return rows
 
 
 def summarize(result: dict) -> dict:

@@ -69,6 +69,10 @@ class JobStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     graph_steps: int = 0
     eager_steps: int = 0
+    graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
+    eager_decode_steps: int = 0  # pure decode steps run eagerly
+    eager_decode_s: float = 0.0
+    mixed_s: float = 0.0  # steps with prefill chunks
 
     @property
     def tokens_per_s(self) -> float:
@@ -332,7 +336,17 @@ class Engine:
                 plan = sched.schedule()
                 if not plan.items:
                     raise RuntimeError("scheduler produced an empty step with unfinished requests")  # invariant
-                sampled, logits = self._execute(plan)
+                t1 = time.perf_counter()
+                g0 = self.stats.graph_steps
+                sampled, logits = self._execute(plan)  # returns after the sampled tokens reached the host
+                dt = time.perf_counter() - t1
+                if self.stats.graph_steps > g0:
+                    self.stats.graph_decode_s += dt
+                elif all(it.n == 1 for it in plan.items):
+                    self.stats.eager_decode_steps += 1
+                    self.stats.eager_decode_s += dt
+                else:
+                    self.stats.mixed_s += dt
                 sched.commit(plan, sampled, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
