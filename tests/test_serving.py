@@ -243,3 +243,23 @@ def test_engine_on_gpu_with_graphs_matches_generate():
         rep, st = engine_agreement(model, quant, prompts, 20, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
         assert st["backend"] == "triton" and st["cuda_graphs"] and st["graph_steps"] > 0
         assert rep.ok, rep.details
+
+
+def test_engines_share_a_model(v3):
+    """Several engines (one per cache format) on one model, as serve-bench runs them; closing restores it."""
+    prompts = _prompts((12, 30), seed=21)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = {}
+    for name, q in (("bf16", BF16_CONFIG), ("int2", INT2)):
+        with Engine(v3, EngineConfig(quant=q, num_pages=20, page_size=16, backend="torch")) as e:
+            alone[name] = [o.output_ids for o in e.generate(prompts, params)]
+    a = Engine(v3, EngineConfig(quant=BF16_CONFIG, num_pages=20, page_size=16, backend="torch"))
+    b = Engine(v3, EngineConfig(quant=INT2, num_pages=20, page_size=16, backend="torch"))
+    assert [o.output_ids for o in a.generate(prompts, params)] == alone["bf16"]
+    assert [o.output_ids for o in b.generate(prompts, params)] == alone["int2"]
+    a.close()
+    assert [o.output_ids for o in b.generate(prompts, params)] == alone["int2"]
+    b.close()
+    assert all("forward" not in m.__dict__ for m in v3.modules())
+    with pytest.raises(QuantMLAError, match="closed"):
+        b.generate(prompts, params)

@@ -86,7 +86,8 @@ def engine_agreement(model, quant: QuantCacheConfig, prompts: list[list[int]], m
     kw = {"page_size": 16, "max_num_batched_tokens": 64, "num_pages": 256, **engine_kw}
     with Engine(model, EngineConfig(quant=quant, **kw)) as eng:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-        stats = eng.stats.to_dict() | {"backend": eng.backend.name, "cuda_graphs": eng.use_graphs}
+        stats = eng.stats.to_dict() | {"backend": eng.backend.name, "cuda_graphs": eng.use_graphs,
+                                       "graph_error": eng.graph_error}
     rep = compare(model, quant, prompts, [o.output_ids for o in outs], max_new_tokens, tie_tol)
     return rep, stats
 

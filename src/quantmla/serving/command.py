@@ -42,7 +42,7 @@ def add_arguments(p):
     p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path")
 
 
-def run_check(device: str, tie_tol: float, log=print) -> dict:
+def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",)) -> dict:
     import torch
 
     from quantmla.model.tiny import tiny_model
@@ -51,7 +51,7 @@ def run_check(device: str, tie_tol: float, log=print) -> dict:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
-    models = [("tiny:deepseek_v3", lambda: tiny_model("deepseek_v3")), ("tiny:deepseek_v2", lambda: tiny_model("deepseek_v2"))]
+    models = [(f"tiny:{f}", lambda f=f: tiny_model(f)) for f in families]
     for path in local_reference_models():
         def load(path=path):
             from transformers import AutoModelForCausalLM
@@ -67,9 +67,15 @@ def run_check(device: str, tie_tol: float, log=print) -> dict:
         for m in ("bf16", "int4/int4", "int2/int4"):
             q = method_config(m, 32 if model.config.kv_lora_rank < 64 else 64, 16 if model.config.qk_rope_head_dim < 32 else 32)
             # a pool of 24 pages of 16 tokens forces preemptions on the way
-            rep, st = engine_agreement(model, q, prompts, 24, tie_tol, num_pages=24, graph_buckets=(1, 2, 4, 8))
+            try:
+                rep, st = engine_agreement(model, q, prompts, 24, tie_tol, num_pages=24, graph_buckets=(1, 2, 4, 8))
+            except Exception as err:
+                rows.append({"model": name, "method": m, "ok": False, "error": f"{type(err).__name__}: {err}"})
+                log(f"check {name} {m}: FAILED {type(err).__name__}: {err}")
+                continue
             row = {"model": name, "method": m, "format": q.describe(), **rep.to_dict(), "preemptions": st["sched_preemptions"],
-                   "backend": st["backend"], "cuda_graphs": st["cuda_graphs"], "graph_steps": st["graph_steps"]}
+                   "backend": st["backend"], "cuda_graphs": st["cuda_graphs"], "graph_steps": st["graph_steps"],
+                   "graph_error": st.get("graph_error")}
             rows.append(row)
             log(f"check {name} {m}: exact {rep.exact}/{rep.requests}, ties {rep.ties}, mismatches {rep.mismatches}, "
                 f"preemptions {row['preemptions']}, backend {row['backend']}, graph steps {row['graph_steps']}")

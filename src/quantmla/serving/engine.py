@@ -141,7 +141,7 @@ class Engine:
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype)
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
-        self._patched: dict[int, tuple[torch.nn.Module, object]] = {}
+        self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
         self._patch()
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
@@ -194,16 +194,21 @@ class Engine:
     # -- attention patch -------------------------------------------------------------------------
     def _patch(self) -> None:
         for slot, module in mla_modules(self.model).items():
-            view = MLAView(module, self.spec)
-            orig = module.forward
-            module.forward = types.MethodType(_paged_forward(self, slot, view, orig), module)
-            self._patched[slot] = (module, orig)
+            reg = module.__dict__.get("_quantmla_serving")
+            if reg is None:  # first engine on this module: install the dispatching forward
+                reg = {"orig": module.forward, "engines": {}}
+                module.__dict__["_quantmla_serving"] = reg
+                module.forward = types.MethodType(_dispatch_forward, module)
+            reg["engines"][id(self)] = (self, slot, MLAView(module, self.spec))
+            self._patched[slot] = (module, reg)
 
     def close(self) -> None:
-        """Give the model its own attention forwards back (the engine is unusable afterwards)."""
-        for module, _ in self._patched.values():
-            if "forward" in module.__dict__:
-                del module.forward
+        """Unregister from the model; the last engine gives the modules their own forwards back."""
+        for module, reg in self._patched.values():
+            reg["engines"].pop(id(self), None)
+            if not reg["engines"]:
+                module.__dict__.pop("forward", None)
+                module.__dict__.pop("_quantmla_serving", None)
         self._patched.clear()
         self._graphs = None
 
@@ -215,12 +220,14 @@ class Engine:
 
     # -- one model step --------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, keep) -> torch.Tensor:
-        self._ctx = meta
+        if not self._patched:
+            raise QuantMLAError("this engine was closed")
+        self._ctx, _ACTIVE[0] = meta, self
         try:
             out = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=self._mask, use_cache=False,
                              logits_to_keep=keep)
         finally:
-            self._ctx = None
+            self._ctx, _ACTIVE[0] = None, None
         return out.logits[0]
 
     def _execute(self, plan: StepPlan) -> tuple[list[int | None], list | None]:
@@ -360,23 +367,27 @@ class Engine:
         return outs
 
 
-def _paged_forward(engine: Engine, slot: int, view: MLAView, orig):
-    backend, spec = engine.backend, engine.spec
+def _dispatch_forward(module, *args, **kwargs):
+    """An MLA module's forward while engines are attached: inside a step of one of them, attention on
+    that engine's paged cache; otherwise the module's own forward."""
+    reg = module.__dict__["_quantmla_serving"]
+    eng = _ACTIVE[0]
+    entry = None if eng is None else reg["engines"].get(id(eng))
+    if entry is None:
+        return reg["orig"](*args, **kwargs)
+    engine, slot, view = entry
+    meta = engine._ctx
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+    p = view.parts(hidden, pe)  # hidden [1, N, h]
+    q_lat = view.absorb(p["q_nope"])[0].transpose(0, 1)  # [N, H, d_c]
+    q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
+    engine.backend.write(slot, p["latent"][0], p["k_rope"][0], meta.slot_mapping)
+    o = engine.backend.attend(slot, q_lat, q_rope, meta)  # [N, H, d_c]
+    return view.output(o[None].to(hidden.dtype)), None
 
-    def forward(self, *args, **kwargs):
-        meta = engine._ctx
-        if meta is None:  # not inside an engine step: the module's own forward
-            return orig(*args, **kwargs)
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-        p = view.parts(hidden, pe)  # hidden [1, N, h]
-        q_lat = view.absorb(p["q_nope"])[0].transpose(0, 1)  # [N, H, d_c]
-        q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
-        backend.write(slot, p["latent"][0], p["k_rope"][0], meta.slot_mapping)
-        o = backend.attend(slot, q_lat, q_rope, meta)  # [N, H, d_c]
-        return view.output(o[None].to(hidden.dtype)), None
 
-    return forward
+_ACTIVE: list = [None]  # the engine whose step is running (one at a time)
 
 
 class _DecodeGraphs:
