@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.calibration.stream import LayerStats, StreamReport, Streamer, _stream_layers
+from quantmla.calibration.stream import LayerStats, StreamReport, Streamer, _stream_layers, nbytes_of, reset_peak_rss
 from quantmla.errors import QuantMLAError
 
 
@@ -144,6 +144,8 @@ def calibrate_streamed_distributed(
             msg = box[0]
             if msg["layer"] != i:
                 raise QuantMLAError(f"rank {rank} expected layer {i}, received layer {msg['layer']}")
+            cap_bytes = nbytes_of(msg["captured"])
+            reset_peak_rss()
             t0 = time.perf_counter()
             mods, nbytes = st.skel.materialize_attention(i)
             t1 = time.perf_counter()
@@ -156,15 +158,16 @@ def calibrate_streamed_distributed(
                 m.to_empty(device="meta")
             st.meter.sub(nbytes)
             stats = st.stats(i, mods, nbytes, load_s=t1 - t0, forward_s=0.0, fit_s=t2 - t1, write_s=t3 - t2, rank=rank,
-                             wait_s=t0 - t_wait)
+                             wait_s=t0 - t_wait, captured_bytes=cap_bytes)
             st.report.layers.append(stats)
             if progress is not None:
                 progress(stats)
 
     # every layer written: rank 0 collects the stats and finalizes
     gathered = [None] * world if rank == 0 else None
+    peak_rss = max([st.close_report().peak_rss_bytes] + [s.peak_rss_bytes for s in st.report.layers])
     dist.gather_object(
-        {"layers": st.report.layers, "peak_live": st.meter.peak, "peak_rss": st.close_report().peak_rss_bytes,
+        {"layers": st.report.layers, "peak_live": st.meter.peak, "peak_rss": peak_rss,
          "start_rss": st.report.start_rss_bytes},
         gathered, dst=0,
     )
@@ -230,6 +233,31 @@ def launch_local(fn: Callable, world_size: int, *args, backend: str = "gloo", th
         return torch.load(result_file, weights_only=False) if os.path.exists(result_file) else None
 
 
+def _call_to_file(fn: Callable, args: tuple, kwargs: dict, result_file: str, threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    out = fn(*args, **kwargs)
+    torch.save(out, result_file + ".tmp")
+    os.replace(result_file + ".tmp", result_file)
+
+
+def spawn_call(fn: Callable, *args, threads: int | None = None, **kwargs) -> tuple[int, Any]:
+    """Run ``fn(*args, **kwargs)`` in a fresh spawned process (clean memory accounting, or a run
+    that may be killed); -> (exit code, result or None)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="quantmla-call-") as tmp:
+        result_file = os.path.join(tmp, "result.pt")
+        p = ctx.Process(target=_call_to_file, args=(fn, args, kwargs, result_file, threads))
+        p.start()
+        p.join()
+        out = torch.load(result_file, weights_only=False) if os.path.exists(result_file) else None
+        return p.exitcode, out
+
+
 def rank_summary(report: StreamReport) -> str:
     per = getattr(report, "per_rank", None) or []
     gb = 1 << 30
@@ -240,4 +268,4 @@ def rank_summary(report: StreamReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["assign_layers", "calibrate_streamed_distributed", "launch_local", "free_port", "rank_summary"]
+__all__ = ["assign_layers", "calibrate_streamed_distributed", "launch_local", "free_port", "rank_summary", "spawn_call"]

@@ -227,6 +227,25 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc malloc_trim), so a layer's memory does not
+    linger as allocator slack when the next, differently shaped layer is loaded."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 class WeightMeter:
     """Bytes of checkpoint weights this process holds materialized right now, and the peak.
 
@@ -249,6 +268,24 @@ class WeightMeter:
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def nbytes_of(obj, _seen=None) -> int:
+    """Bytes of the tensors reachable from `obj` (dicts, lists, tuples, dataclasses), each once."""
+    seen = set() if _seen is None else _seen
+    if torch.is_tensor(obj):
+        key = (obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes()) if obj.device.type != "meta" else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes() if obj.device.type != "meta" else 0
+    if isinstance(obj, dict):
+        return sum(nbytes_of(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes_of(v, seen) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(nbytes_of(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    return 0
 
 
 # ================================================================================================
@@ -487,21 +524,30 @@ class Skeleton:
 
     def _merge_experts(self, pre: str, proj: str, num: int) -> torch.Tensor:
         """Per-expert checkpoint tensors (``experts.{e}.gate_proj.weight`` ...) -> the fused
-        parameter of transformers' expert module (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
-        def stack(p):
-            names = [f"{pre}.{e}.{p}.weight" for e in range(num)]
-            absent = [n for n in names if n not in self.ckpt.weight_map]
-            if absent:
-                raise QuantMLAError(f"{self.ckpt.path}: expert tensors missing, e.g. {absent[:2]}")
-            return torch.stack([self.ckpt.read(n) for n in names])
-
-        if proj == "gate_up_proj":
-            return torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
-        return stack("down_proj")
+        parameter of transformers' expert module (gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+        filled in place (peak: the fused tensor plus one expert's)."""
+        parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        names = [[f"{pre}.{e}.{p}.weight" for p in parts] for e in range(num)]
+        absent = [n for row in names for n in row if n not in self.ckpt.weight_map]
+        if absent:
+            raise QuantMLAError(f"{self.ckpt.path}: expert tensors missing, e.g. {absent[:2]}")
+        out = None
+        for e, row in enumerate(names):
+            off = 0
+            for n in row:
+                t = self.ckpt.read(n)
+                if out is None:
+                    rows = t.shape[0] * len(parts)
+                    out = torch.empty((num, rows, *t.shape[1:]), dtype=t.dtype)
+                out[e, off : off + t.shape[0]] = t
+                off += t.shape[0]
+                del t
+        return out
 
     def release(self, module: torch.nn.Module, nbytes: int) -> None:
         module.to_empty(device="meta")
         self.meter.sub(nbytes)
+        trim_heap()
 
     # -- layer inputs ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -929,6 +975,7 @@ class LayerStats:
     rank: int = 0
     fitted: bool = True
     wait_s: float = 0.0  # distributed: time a fitting rank waited for this layer's data
+    captured_bytes: int = 0  # what the fit works from (the fitter's captured data)
 
 
 @dataclass
@@ -1298,7 +1345,7 @@ class Streamer:
     def close_report(self) -> StreamReport:
         r = self.report
         r.peak_live_weight_bytes = self.meter.peak
-        r.peak_rss_bytes = peak_rss_bytes()
+        r.peak_rss_bytes = max(r.peak_rss_bytes, peak_rss_bytes())
         r.seconds = time.perf_counter() - self.t0
         return r
 
@@ -1343,6 +1390,7 @@ def calibrate_streamed(
     full-precision forward from the embeddings, which gives the same result).
     Returns a :class:`StreamReport` with per-layer time and memory."""
     quant = quant or QuantCacheConfig()
+    reset_peak_rss()  # peak RSS in the report is measured from here
     st = Streamer(source, output, calib_ids, quant, method=method, seed=seed, batch_size=batch_size, dtype=dtype,
                   device=device, activations=activations, checkpoint_every=checkpoint_every, fit_fn=fit_fn,
                   fit_kwargs=fit_kwargs, attn_implementation=attn_implementation, checksum=checksum, overwrite=overwrite)
@@ -1366,6 +1414,7 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
     k, h = st.start(first)
     needset = set(need)
     for i in range(k, last + 1):
+        reset_peak_rss()  # peak_rss_bytes of each layer's stats: that layer's own peak
         t0 = time.perf_counter()
         layer, nbytes = st.load_layer(i)
         t1 = time.perf_counter()
@@ -1374,6 +1423,7 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
         capture = i in needset and bool(mods)
         h_next = st.new_buffer(i + 1) if i < last else None
         captured = st.forward_layer(i, layer, h, h_next, capture)
+        cap_bytes = nbytes_of(captured)
         t2 = time.perf_counter()
         fit_s = write_s = 0.0
         if i in needset and not fit_here:
@@ -1386,8 +1436,10 @@ def _stream_layers(st: Streamer, need: list[int], owner: Callable[[int], int], r
         del captured
         st.skel.release(layer, nbytes)
         stats = st.stats(i, mods, nbytes, load_s=t1 - t0, forward_s=t2 - t1, fit_s=fit_s, write_s=write_s,
-                         activation_bytes=h.nbytes * (2 if h_next is not None else 1), rank=rank, fitted=fit_here)
+                         activation_bytes=h.nbytes * (2 if h_next is not None else 1), rank=rank, fitted=fit_here,
+                         captured_bytes=cap_bytes)
         st.report.layers.append(stats)
+        st.report.peak_rss_bytes = max(st.report.peak_rss_bytes, stats.peak_rss_bytes)
         if progress is not None and i in needset:
             progress(stats)
         if h_next is not None:

@@ -1,0 +1,339 @@
+"""Layer-streamed, multi-process and resumable calibration (calibration/stream.py, distributed.py)."""
+
+from __future__ import annotations
+
+import filecmp
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.calibration import calibrate
+from quantmla.calibration.distributed import assign_layers, calibrate_streamed_distributed, launch_local, spawn_call
+from quantmla.calibration.stream import (
+    STATE_DIR, KillAt, RunState, ShardedCheckpoint, Streamer, calibrate_streamed, read_safetensors_header,
+    write_random_checkpoint,
+)
+from quantmla.errors import QuantMLAError
+from quantmla.model.tiny import FAMILIES, tiny_config
+
+QUANT = QuantCacheConfig.of_bits(2, 4, 32, 16)
+# the real function-aligned fit, kept short: a few Adam steps, closed-form + grid RoPE search
+FAST = {"steps": 3, "rope_searches": ("closed", "grid")}
+FASTER = {"steps": 2, "rope_searches": ("closed",)}
+
+
+def _ids(n=6, length=24, seed=0, vocab=128):
+    return torch.randint(3, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _same_tensors(a: dict, b: dict) -> list[str]:
+    assert sorted(a) == sorted(b)
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture(scope="module")
+def ds3(tmp_path_factory):
+    """A sharded random deepseek_v3 checkpoint (YaRN, interleaved RoPE weights, MoE), 4 layers."""
+    root = tmp_path_factory.mktemp("ds3")
+    write_random_checkpoint(tiny_config("deepseek_v3", num_hidden_layers=4), str(root / "src"), seed=1)
+    return root / "src"
+
+
+# ------------------------------------------------------------------------------------------------
+# streamed == in memory
+# ------------------------------------------------------------------------------------------------
+def test_streamed_equals_in_memory_calibrate(ds3, tmp_path):
+    ids = _ids()
+    model = _load(ds3)
+    rep_mem = calibrate(model, ids, QUANT, method="quantmla", seed=5, progress=False, verbose=False, **FAST)
+    rep = calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="quantmla", seed=5, fit_kwargs=FAST,
+                             attn_implementation="eager")
+    assert {lr.content["chosen"] for lr in rep_mem.layers} - {"rtn"}, "the fit should pick a transform somewhere"
+    streamed = _load(tmp_path / "out")
+    assert _same_tensors(model.state_dict(), streamed.state_dict()) == []
+    assert streamed.config.quantization_config.to_dict() == model.config.quantization_config
+    report = json.loads((tmp_path / "out" / "calibration_report.json").read_text())
+    assert [lr["slot"] for lr in report["layers"]] == [0, 1, 2, 3]
+    assert report["layers"][1]["content"] == json.loads(json.dumps(rep_mem.layers[1].content))
+    assert len(rep.layers) == 4 and all(s.fitted for s in rep.layers)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {os.path.basename(f) for f in glob.glob(str(tmp_path / "out" / "model-*.safetensors"))}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "longcat_flash", "kimi_linear", "minicpm3"])
+def test_streamed_equals_in_memory_across_families(family, tmp_path):
+    """Layouts that differ: no q LoRA + complex RoPE (v2), two MLA blocks per layer (longcat),
+    mixed linear/MLA layers (kimi), scaled embeddings (minicpm3)."""
+    write_random_checkpoint(tiny_config(family), str(tmp_path / "src"), seed=2)
+    ids = _ids(n=4, length=16)
+    model = _load(tmp_path / "src")
+    calibrate(model, ids, QUANT, method="quantmla", seed=1, progress=False, verbose=False, **FAST)
+    calibrate_streamed(tmp_path / "src", tmp_path / "out", ids, QUANT, method="quantmla", seed=1, fit_kwargs=FAST,
+                       attn_implementation="eager")
+    assert _same_tensors(model.state_dict(), _load(tmp_path / "out").state_dict()) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stream_forward_reproduces_the_model_layer_by_layer(family, tmp_path):
+    write_random_checkpoint(tiny_config(family), str(tmp_path / "src"), seed=3)
+    ids = _ids(n=3, length=16)
+    model = _load(tmp_path / "src")
+    outs = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    st = Streamer(tmp_path / "src", tmp_path / "out", ids, QUANT, method="identity", seed=0, batch_size=3, dtype=None,
+                  device="cpu", activations="memory", checkpoint_every=0, fit_fn=None, fit_kwargs=None,
+                  attn_implementation="eager", checksum=False, overwrite=False)
+    _, h = st.start(0)
+    for i in range(st.L):
+        layer, n = st.load_layer(i)
+        nxt = st.new_buffer(i + 1)
+        st.forward_layer(i, layer, h, nxt, capture=False)
+        st.skel.release(layer, n)
+        h = nxt
+        assert torch.equal(h.t, outs[i]), f"layer {i}"
+    assert st.meter.live == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# a model larger than the memory the run may use
+# ------------------------------------------------------------------------------------------------
+def _big_config(layers=20):
+    # ~13 MB of fp32 weights per layer (16 experts), ~260 MB in all
+    return tiny_config("deepseek_v3", num_hidden_layers=layers, hidden_size=256, intermediate_size=512,
+                       moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=2, num_attention_heads=4,
+                       kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                       vocab_size=512)
+
+
+def test_layer_streamed_calibration_under_a_memory_cap(tmp_path):
+    info = write_random_checkpoint(_big_config(), str(tmp_path / "src"), seed=0)
+    ckpt = ShardedCheckpoint(tmp_path / "src")
+    assert len({ckpt.weight_map[n] for n in ckpt.weight_map}) == 21  # one shard per layer + the rest
+    ids = _ids(n=4, length=64, vocab=512)
+    # a fresh process, so its peak RSS is this run's alone
+    code, rep = spawn_call(calibrate_streamed, str(tmp_path / "src"), str(tmp_path / "out"), ids, QUANT,
+                           method="hadamard", seed=0, activations="disk")
+    assert code == 0, code
+    model_bytes, layer_bytes = info["bytes"], info["max_layer_bytes"]
+    assert model_bytes > 18 * layer_bytes
+    embed = 512 * 256 * 4
+    # the loader never holds more than one decoder layer (or the embedding table) at a time
+    assert rep.peak_live_weight_bytes <= max(layer_bytes, embed) * 1.01
+    assert all(s.live_weight_peak_bytes <= layer_bytes * 1.01 for s in rep.layers)
+    # and the process grows by a few layers' worth (the layer, its reads, activations, allocator
+    # slack), far below the model's size
+    growth = rep.peak_rss_bytes - rep.start_rss_bytes
+    assert 0 < growth < min(0.4 * model_bytes, 4 * layer_bytes + (32 << 20)), (growth / 2**20, model_bytes / 2**20)
+    out = ShardedCheckpoint(tmp_path / "out")
+    assert sorted(out.weight_map) == sorted(ckpt.weight_map)
+    # hadamard fused into every layer's latent path; everything else copied bit for bit
+    src, dst = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
+    changed = sorted({k.split(".self_attn.")[1] for k in _same_tensors(src, dst)})
+    assert changed == ["kv_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight"]
+
+
+def test_disk_activations_and_device_batching_give_the_same_result(ds3, tmp_path):
+    ids = _ids()
+    kw = dict(method="quantmla", seed=2, fit_kwargs=FAST, attn_implementation="eager")
+    calibrate_streamed(ds3, tmp_path / "mem", ids, QUANT, activations="memory", **kw)
+    calibrate_streamed(ds3, tmp_path / "disk", ids, QUANT, activations="disk", **kw)
+    assert _same_tensors(_tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")) == []
+    assert not glob.glob(str(tmp_path / "disk" / STATE_DIR / "activations" / "*.bin"))  # cleaned up
+
+
+# ------------------------------------------------------------------------------------------------
+# several processes
+# ------------------------------------------------------------------------------------------------
+def test_assign_layers_round_robin():
+    assert assign_layers([0, 1, 2, 3, 4], 2) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
+    assert assign_layers([0, 1, 2, 3], 3, streamer_fits=False) == {0: 1, 1: 2, 2: 1, 3: 2}
+    assert assign_layers([3, 5], 1, streamer_fits=False) == {3: 0, 5: 0}
+
+
+def test_two_process_gloo_run_equals_one_process_run(ds3, tmp_path):
+    ids = _ids()
+    kw = dict(method="quantmla", seed=7, fit_kwargs=FAST, attn_implementation="eager")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-identity needs the same thread count in every process
+    try:
+        calibrate_streamed(ds3, tmp_path / "one", ids, QUANT, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    rep = launch_local(calibrate_streamed_distributed, 2, str(ds3), str(tmp_path / "two"), ids, QUANT, threads=1, **kw)
+    assert {(s.layer, s.rank) for s in rep.layers if s.fitted} == {(0, 0), (1, 1), (2, 0), (3, 1)}
+    assert len(rep.per_rank) == 2
+    for f in sorted(glob.glob(str(tmp_path / "one" / "model-*.safetensors"))):
+        assert filecmp.cmp(f, str(tmp_path / "two" / os.path.basename(f)), shallow=False), f
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((tmp_path / "one" / f).read_text()) == json.loads((tmp_path / "two" / f).read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# killed and resumed
+# ------------------------------------------------------------------------------------------------
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(ds3, tmp_path):
+    ids = _ids()
+    kw = dict(method="quantmla", seed=4, fit_kwargs=FASTER, attn_implementation="eager")
+    calibrate_streamed(ds3, tmp_path / "ref", ids, QUANT, **kw)
+    ref = _tensors(tmp_path / "ref")
+
+    out = tmp_path / "out"
+    # killed (SIGKILL) in the middle of writing layer 2's shard
+    code, _ = spawn_call(calibrate_streamed, str(ds3), str(out), ids, QUANT, _fault=KillAt(2, "tensor_written"), **kw)
+    assert code == -9
+    state = RunState(str(out))
+    assert [state.is_done(f"layer-{i:05d}") for i in range(4)] == [True, True, False, False]
+    assert glob.glob(str(out / "model-layer-00002.safetensors.tmp.*"))  # the half-written file
+    assert not (out / "model-layer-00002.safetensors").exists()
+    assert not (out / "model.safetensors.index.json").exists()
+
+    rep = calibrate_streamed(ds3, out, ids, QUANT, **kw)
+    assert rep.skipped == [0, 1] and rep.resumed_from == 2  # restarted from the saved layer-2 inputs
+    assert [s.layer for s in rep.layers] == [2, 3]
+    assert _same_tensors(ref, _tensors(out)) == []
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "ref" / "config.json").read_text())
+
+
+def test_a_shard_is_trusted_only_with_its_marker(ds3, tmp_path):
+    ids = _ids()
+    kw = dict(method="quantmla", seed=4, fit_kwargs=FASTER, attn_implementation="eager", checkpoint_every=0)
+    calibrate_streamed(ds3, tmp_path / "ref", ids, QUANT, **kw)
+    ref = _tensors(tmp_path / "ref")
+    out = tmp_path / "out"
+    # killed after layer 1's shard was renamed into place but before its marker was written
+    code, _ = spawn_call(calibrate_streamed, str(ds3), str(out), ids, QUANT, _fault=KillAt(1, "shard_renamed"), **kw)
+    assert code == -9
+    assert (out / "model-layer-00001.safetensors").exists()
+    state = RunState(str(out))
+    assert state.is_done("layer-00000") and not state.is_done("layer-00001")
+    # a marked shard damaged afterwards is not trusted either
+    with open(out / "model-layer-00000.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(out / "model-layer-00000.safetensors") - 8)
+    assert not state.is_done("layer-00000")
+    rep = calibrate_streamed(ds3, out, ids, QUANT, **kw)
+    assert rep.skipped == [] and rep.resumed_from is None  # no activation checkpoints: from the embeddings
+    assert _same_tensors(ref, _tensors(out)) == []
+
+
+def test_resume_refuses_different_settings_and_foreign_directories(ds3, tmp_path):
+    ids = _ids()
+    code, _ = spawn_call(calibrate_streamed, str(ds3), str(tmp_path / "out"), ids, QUANT, method="hadamard",
+                         _fault=KillAt(1))
+    assert code == -9
+    with pytest.raises(QuantMLAError, match="different"):
+        calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="hadamard", seed=1)
+    with pytest.raises(QuantMLAError, match="different"):
+        calibrate_streamed(ds3, tmp_path / "out", _ids(seed=9), QUANT, method="hadamard")
+    rep = calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="hadamard", seed=1, overwrite=True)
+    assert rep.skipped == []
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(QuantMLAError, match="not written by a streamed calibration"):
+        calibrate_streamed(ds3, foreign, ids, QUANT, method="hadamard")
+
+
+def test_user_errors(ds3, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        calibrate_streamed(tmp_path / "nothing", tmp_path / "o", _ids(), QUANT)
+    (tmp_path / "bin").mkdir()
+    tiny_config("deepseek_v3").save_pretrained(tmp_path / "bin")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        calibrate_streamed(tmp_path / "bin", tmp_path / "o", _ids(), QUANT)
+    with pytest.raises(QuantMLAError, match=r"\[sequences, tokens\]"):
+        calibrate_streamed(ds3, tmp_path / "o", torch.arange(10), QUANT)
+    with pytest.raises(QuantMLAError, match="activations"):
+        calibrate_streamed(ds3, tmp_path / "o", _ids(), QUANT, activations="gpu")
+    with pytest.raises(QuantMLAError, match="unknown calibration method"):
+        calibrate_streamed(ds3, tmp_path / "o", _ids(), QUANT, method="nope")
+
+
+# ------------------------------------------------------------------------------------------------
+# block-FP8 sources (official DeepSeek-V3 / Kimi-K2 releases)
+# ------------------------------------------------------------------------------------------------
+def test_block_fp8_source_is_dequantized_on_read(ds3, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "fp8"
+    src.mkdir()
+    cfg = json.loads((ds3 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [32, 32]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    weight_map, deq = {}, {}
+    for f in sorted(glob.glob(str(ds3 / "model-*.safetensors"))):
+        sd = load_file(f)
+        out = {}
+        for k, w in sd.items():
+            if ".layers." in k and w.dim() == 2 and "norm" not in k and "gate.weight" not in k:
+                m, n = w.shape
+                pad = torch.zeros(-(-m // 32) * 32, -(-n // 32) * 32)
+                pad[:m, :n] = w.abs()
+                blocks = pad.reshape(pad.shape[0] // 32, 32, pad.shape[1] // 32, 32).amax(dim=(1, 3)).clamp_min(1e-8) / 448
+                s = blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)[:m, :n]
+                w8 = (w / s).to(torch.float8_e4m3fn)
+                out[k], out[k + "_scale_inv"] = w8, blocks
+                deq[k] = w8.float() * s
+            else:
+                out[k] = w
+        save_file(out, str(src / os.path.basename(f)))
+        weight_map.update({k: os.path.basename(f) for k in out})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    calibrate_streamed(src, tmp_path / "out", _ids(), QUANT, method="rtn", attn_implementation="eager")
+    got = _tensors(tmp_path / "out")
+    assert not any(k.endswith("_scale_inv") for k in got)
+    for k, w in deq.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], w.to(torch.bfloat16)), k
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "quantmla"
+
+
+# ------------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------------
+def test_stream_command_matches_quantmla_calibrate(tmp_path, capsys):
+    from quantmla.calibration.checkpoint import load_quantized
+    from quantmla.calibration.stream_command import main as stream_main
+    from quantmla.cli import main
+    from quantmla.model.tiny import tiny_model
+    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+
+    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
+    tok = train_tokenizer([text], vocab_size=300)
+    tiny_model("deepseek_v3", vocab_size=300).save_pretrained(tmp_path / "model")
+    save_tokenizer(tok, tmp_path / "model")
+    (tmp_path / "calib.txt").write_text(text)
+    common = ["--content-bits", "2", "--rope-bits", "4", "--content-group", "32", "--rope-group", "16",
+              "--calib", str(tmp_path / "calib.txt"), "--steps", "3", "--calib-seqs", "4", "--seq-len", "32"]
+    assert main(["calibrate", str(tmp_path / "model"), "--out", str(tmp_path / "mem"), *common, "--json"]) == 0
+    capsys.readouterr()
+    assert stream_main([str(tmp_path / "model"), "--out", str(tmp_path / "str"), *common, "--json",
+                        "--stream-report", str(tmp_path / "stream.json")]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["layers"]) == 2 and json.loads((tmp_path / "stream.json").read_text())["tokens"] == 128
+    m_mem, _, _ = load_quantized(tmp_path / "mem")
+    m_str, tok2, qc = load_quantized(tmp_path / "str")
+    assert tok2 is not None and (qc.content.bits, qc.rope.bits, qc.method) == (2, 4, "quantmla")
+    assert _same_tensors(m_mem.state_dict(), m_str.state_dict()) == []
+    assert stream_main([str(tmp_path / "model"), "--out", str(tmp_path / "x"), *common, "--dtype", "bfloat16"]) == 2
