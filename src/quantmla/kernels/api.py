@@ -361,6 +361,10 @@ def mla_decode_with_kvcache(
         return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
 
     device = kv_pages.device
+    if B == 0:
+        o = out if out is not None else torch.empty((0, SQ, H, DC), dtype=out_dtype, device=device)
+        l = lse if lse is not None else torch.empty((0, SQ, H), dtype=torch.float32, device=device)
+        return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
     if metadata is None:
         metadata = get_mla_metadata(seq_lens, H, SQ, layout, config=config)
     elif metadata.num_heads != H or metadata.q_len != SQ or len(metadata.seq_lens) != B:

@@ -76,7 +76,7 @@ def _write_path(
                 tl.store(mptr + 1, zero.to(tl.float16), mask=ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_xc", "stride_xr"])
 def _append_kernel(
     XC, XR, SLOTS, P8, PC16, PR16, T, stride_xc, stride_xr,
     D_C: tl.constexpr, D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr,

@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def _store_out(OUT, PO, LSE, PLSE, qrow, prow, rmask, o, D: tl.constexpr, CH0: t
         tl.store(PO + prow[:, None] * D + CH0 + ch[None, :], o, mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])
 def mla_decode_fused(
     QC, QR, P8, PC16, PR16, BT, SEQLENS, UNITS, OUT, LSE, PO, PLSE,
     stride_bt, H, SQ, R, CAUSAL, qk_scale,
@@ -346,8 +346,19 @@ def _cache_dir() -> Path:
     return p
 
 
+_BY_LAYOUT: dict = {}
+
+
 def fused_kernel(layout: PageLayout, unpack: str = "asm"):
     """The generated ``mla_decode_fused`` Triton kernel for `layout` (written and imported once)."""
+    key = (layout, layout.page_bytes, tuple(layout.offsets.items()), unpack)
+    fn = _BY_LAYOUT.get(key)
+    if fn is None:
+        fn = _BY_LAYOUT[key] = _load(layout, unpack)
+    return fn
+
+
+def _load(layout: PageLayout, unpack: str):
     src = kernel_source(layout, unpack)
     h = hashlib.sha1(src.encode()).hexdigest()[:16]
     if h in _MODULES:

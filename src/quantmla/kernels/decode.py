@@ -106,7 +106,7 @@ def _path_tile(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])
 def _mla_decode_kernel(
     QC, QR, P8, PC16, PR16, BT, SEQLENS, UNITS, OUT, LSE, PO, PLSE,
     stride_bt, H, SQ, R, CAUSAL, qk_scale,
@@ -183,7 +183,7 @@ def _mla_decode_kernel(
         tl.store(PLSE + prow, lse, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr):
     """Merge the split partials of sequences with more than one unit (others were written directly)."""
     b = tl.program_id(0)

@@ -1,0 +1,477 @@
+"""``quantmla bench-kernel``: the decode kernels on the GPU against the copy bandwidth, our BF16 kernel
+and (optionally) an external BF16 MLA decode kernel, over batch × context shapes and head counts.
+
+Every timed call is a CUDA-graph replay of one decode step (decode + combine kernels, schedule and
+buffers prepared outside), timed with ``triton.testing.do_bench`` medians, which flushes the L2
+between repetitions. Before timing, each (method, heads, config) is checked against the torch
+reference on a small random batch; a config that fails is dropped and reported.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.paged import compression_report, gather_sequences
+from quantmla.kernels import api
+from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
+from quantmla.quant.format import BF16, PathFormat
+from quantmla.reference.absorbed import absorbed_attention
+
+D_C, D_R, PAGE = 512, 64, 64
+METHODS: dict[str, CacheFormat] = {
+    "bf16": CacheFormat(BF16, BF16),
+    "int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
+    "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
+    "int4/int8": CacheFormat(PathFormat(4, 128), PathFormat(8, 64)),
+    "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
+}
+DEFAULT_SHAPES = "1x131072,4x65536,16x32768,32x16384,128x8192"
+
+
+def candidates(method: str, rows: int) -> list[DecodeConfig]:
+    """Configs the sweep tries (the first is the API default)."""
+    quant = method != "bf16"
+    if rows <= 16:
+        c = [
+            DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1),
+            DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2),
+        ]
+        if quant:
+            c += [
+                DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2),
+                DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1),
+            ]
+        else:
+            c += [DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2)]
+        return c
+    c = [DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=2 if quant else 3, ctas_per_sm=1)]
+    c += [DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1)]
+    c += [DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)]
+    return c
+
+
+# --------------------------------------------------------------------------------------------------
+class Cache:
+    """One layer's paged cache of B sequences of `lens`, pages in random order, written by the append kernel."""
+
+    def __init__(self, layout: PageLayout, lens: list[int], seed: int, device=None, data=None):
+        device = device or DEV
+        self.layout, self.lens = layout, lens
+        pages_per = [layout.pages_for(n) for n in lens]
+        n_pages = sum(pages_per)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.pages = torch.empty((n_pages, layout.page_bytes), dtype=torch.uint8, device=device)
+        perm = torch.randperm(n_pages, generator=g, device=device).to(torch.int32)
+        width = max(pages_per + [1])
+        self.block_table = torch.zeros((len(lens), width), dtype=torch.int32, device=device)
+        off = 0
+        for b, p in enumerate(pages_per):
+            self.block_table[b, :p] = perm[off : off + p]
+            off += p
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            pos = torch.arange(n, device=device)
+            slots = self.block_table[b].long()[pos // PAGE] * PAGE + pos % PAGE
+            if data is not None:
+                x, r = data(b, n)
+            else:
+                x = torch.randn(n, layout.token.d_c, generator=g, device=device, dtype=torch.bfloat16)
+                r = torch.randn(n, layout.token.d_r, generator=g, device=device, dtype=torch.bfloat16) * 2
+            api.append_to_pages(self.pages, layout, slots, x, r)
+
+
+DEV = "cuda"
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int, rep: int, graph: bool = True) -> tuple[float, bool]:
+    """do_bench median of fn (replayed as a CUDA graph when it can be captured)."""
+    import triton.testing
+
+    fn()
+    _sync()
+    if DEV != "cuda":  # smoke runs on CPU (interpreter): wall clock, no meaning beyond "it runs"
+        ts = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[len(ts) // 2], False
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            _sync()
+            return float(triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")), True
+        except Exception as e:  # noqa: BLE001 - fall back to eager timing
+            print(f"  (graph capture failed: {type(e).__name__}: {e}; timing eagerly)", flush=True)
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")), False
+
+
+def check_config(method: str, fmt: CacheFormat, H: int, q_len: int, cfg: DecodeConfig | None, seed: int = 0) -> dict:
+    """Run on a small odd-length batch with NaN-poisoned outputs; compare with the fp32 torch reference."""
+    layout = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    lens = [1, 63, 64, 65, 777, 3001] if DEV == "cuda" else [1, 64, 65, 130]
+    c = Cache(layout, lens, seed=seed)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    B = len(lens)
+    qc = torch.randn(B, q_len, H, D_C, generator=g, device=DEV).to(torch.bfloat16)
+    qr = torch.randn(B, q_len, H, D_R, generator=g, device=DEV).to(torch.bfloat16)
+    out = torch.full((B, q_len, H, D_C), float("nan"), device=DEV, dtype=torch.bfloat16)
+    lse = torch.full((B, q_len, H), float("nan"), device=DEV)
+    md = api.get_mla_metadata(c.seq_lens, H, q_len, layout, config=cfg, chunk_tokens=256)
+    scale = 1 / math.sqrt(192)
+    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, layout, scale, metadata=md, out=out, lse=lse)
+    lat, kr = gather_sequences(c.pages, layout, c.block_table, c.seq_lens)
+    ro, rl = absorbed_attention(qc.float(), qr.float(), lat, kr, scale, c.seq_lens, compute_dtype=torch.float32)
+    nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    fin = torch.isfinite(rl)
+    rel = float((out.float() - ro).norm() / ro.norm())
+    lse_err = float((lse - rl)[fin].abs().max()) if fin.any() else 0.0
+    ok = (not nan) and rel < 2e-2 and lse_err < 2e-2 and bool(torch.equal(torch.isinf(lse), ~fin))
+    return {"ok": ok, "rel_err": rel, "lse_err": lse_err, "nan": nan, "variant": md.workspace.get("variant")}
+
+
+# --------------------------------------------------------------------------------------------------
+def load_peer(path: str):
+    """An external BF16 MLA decode kernel file: vLLM / SGLang ``decode_attention_fwd`` (paged,
+    q [B, H, 576], k [pages, page, 1, 576]) or any file defining ``quantmla_peer_decode(q_latent,
+    q_rope, kv [pages, page, 576] bf16, block_table, seq_lens, scale) -> out``. Returns a callable
+    (q_latent [B,H,dc], q_rope, kv, block_table, seq_lens, scale) -> run() closure factory."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"peer kernel file {path} not found")
+    if "vllm.platforms" not in sys.modules:  # the vLLM copy imports its platform probe
+        import types
+
+        plat = types.ModuleType("vllm.platforms")
+        plat.current_platform = types.SimpleNamespace(is_rocm=lambda: False, is_cuda=lambda: True)
+        sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+        sys.modules["vllm.platforms"] = plat
+    spec = importlib.util.spec_from_file_location("quantmla_peer_kernel", p)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if hasattr(mod, "quantmla_peer_decode"):
+        def make(qc, qr, kv, bt, sl, scale):
+            return lambda: mod.quantmla_peer_decode(qc, qr, kv, bt, sl, scale)
+        return make, "quantmla_peer_decode"
+    if hasattr(mod, "decode_attention_fwd"):
+        def make(qc, qr, kv, bt, sl, scale, num_kv_splits=None):
+            B, H, dc = qc.shape
+            q = torch.cat([qc, qr], dim=-1).contiguous()  # [B, H, 576]
+            k = kv.unsqueeze(2)  # [pages, page, 1, 576]
+            v = k[..., :dc]
+            o = torch.empty(B, H, dc, dtype=qc.dtype, device=qc.device)
+            n = num_kv_splits or max(1, min(64, (2 * api._num_sms(torch.device(qc.device))) // max(1, B)))
+            logits = torch.empty(B, H, n, dc + 1, dtype=torch.float32, device=qc.device)
+            page = kv.shape[1]
+            return lambda: mod.decode_attention_fwd(q, k, v, o, bt, sl, logits, n, scale, page)
+        return make, "decode_attention_fwd"
+    raise api.QuantMLAError(f"{path} defines neither quantmla_peer_decode nor decode_attention_fwd")
+
+
+def peer_kv(cache: Cache) -> torch.Tensor:
+    """The same (dequantized BF16) tokens in the token-interleaved [pages, page, d_c + d_r] layout peers take."""
+    lat, kr = gather_sequences(cache.pages, cache.layout, cache.block_table, cache.seq_lens)
+    n_pages = cache.pages.shape[0]
+    kv = torch.zeros(n_pages, PAGE, D_C + D_R, dtype=torch.bfloat16, device=DEV)
+    for b, n in enumerate(cache.lens):
+        pos = torch.arange(n, device=DEV)
+        pg = cache.block_table[b].long()[pos // PAGE]
+        kv[pg, pos % PAGE] = torch.cat([lat[b, :n], kr[b, :n]], -1).to(torch.bfloat16)
+    return kv
+
+
+# --------------------------------------------------------------------------------------------------
+def run_bench(args) -> dict:
+    import triton
+
+    global DEV
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    if DEV != "cuda" and not (getattr(args, "smoke", False) and api.interpreting()):
+        raise api.QuantMLAError("bench-kernel needs a CUDA GPU (the kernels are timed on the device)")
+    t_start = time.time()
+    dev = torch.cuda.get_device_properties(0) if DEV == "cuda" else None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise api.QuantMLAError(f"unknown method {m!r}; choose from {sorted(METHODS)}")
+    methods = ["bf16"] + [m for m in methods if m != "bf16"]  # the baseline first
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s.strip()]
+    heads = args.heads
+    res: dict = {
+        "device": dev.name if dev else "cpu (smoke, TRITON_INTERPRET=1)",
+        "sms": dev.multi_processor_count if dev else 0,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "quantmla bench-kernel " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench-kernel"] else sys.argv[1:]),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "d_c": D_C, "d_r": D_R, "page_size": PAGE, "q_len": args.q_len,
+        "timing": "triton.testing.do_bench median over CUDA-graph replays of one decode step (L2 flushed between reps)",
+        "formats": {m: METHODS[m].describe() for m in methods},
+    }
+    log = print
+
+    # -- ceilings: copy bandwidth (bytes read + written) and a bf16 matmul -----------------------------
+    n = 1 << 31 if DEV == "cuda" else 1 << 24
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src), 25, 200, graph=False)
+    copy = 2 * n / (ms * 1e-3) / 1e9
+    del src, dst
+    k = 8192 if DEV == "cuda" else 256
+    a = torch.randn(k, k, device=DEV, dtype=torch.bfloat16)
+    ms, _ = time_ms(lambda: a @ a, 25, 100, graph=False)
+    mm = 2 * k**3 / (ms * 1e-3) / 1e12
+    del a
+    res["copy_GBps"], res["matmul_bf16_TFLOPs"] = copy, mm
+    log(f"device {res['device']} ({res['sms']} SMs); copy {copy:.0f} GB/s; bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+
+    # -- compression (allocated bytes) ---------------------------------------------------------------
+    res["compression"] = [r for m in methods for r in compression_report(D_C, D_R, METHODS[m], (4096, 32768, 131072), PAGE)]
+
+    # -- correctness gate (compiles every candidate; in parallel processes on the GPU) + config sweep
+    chosen: dict[tuple, DecodeConfig] = {}
+    res["checks"], res["sweep"] = [], []
+    sb, sl_ = (int(v) for v in args.sweep_shape.lower().split("x"))
+    jobs = []
+    for H in heads:
+        for m in methods:
+            cands = candidates(m, H * args.q_len)
+            for cfg in cands if not args.no_sweep else cands[:1]:
+                jobs.append((m, H, args.q_len, asdict(cfg)))
+    t0 = time.time()
+    results = _run_checks(jobs, parallel=DEV == "cuda" and not getattr(args, "serial", False))
+    log(f"checked {len(jobs)} (method, heads, config) candidates in {time.time() - t0:.0f} s", flush=True)
+    for (m, H, _, cd), chk in zip(jobs, results):
+        cfg = DecodeConfig(**cd)
+        chk.update(method=m, heads=H, config=cfg.describe())
+        res["checks"].append(chk)
+        log(f"check {m:10s} H={H:3d} {cfg.describe():40s} ok={chk['ok']} rel={chk.get('rel_err', float('nan')):.2e} "
+            f"{chk.get('variant') or chk.get('error', '')}", flush=True)
+    for H in heads:
+        for m in methods:
+            layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
+            ok_cands = [DecodeConfig(**cd) for (mm, hh, _, cd), chk in zip(jobs, results) if mm == m and hh == H and chk["ok"]]
+            if not ok_cands:
+                log(f"!! no config of {m} at {H} heads passed the check; skipped", flush=True)
+                continue
+            if len(ok_cands) == 1:
+                chosen[(m, H)] = ok_cands[0]
+                continue
+            cache = Cache(layout, [sl_] * sb, seed=7)
+            q = _queries(sb, args.q_len, H)
+            best = None
+            for cfg in ok_cands:
+                t, _ = _time_decode(cache, q, cfg, args)
+                res["sweep"].append({"method": m, "heads": H, "batch": sb, "context": sl_, "config": cfg.describe(), "ms": t * 1e3})
+                log(f"sweep {m:10s} H={H:3d} {sb}x{sl_} {cfg.describe():40s} {t * 1e6:9.1f} us", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            chosen[(m, H)] = best[1]
+            del cache
+            _empty_cache()
+    res["chosen"] = {f"{m}@{H}": asdict(c) for (m, H), c in chosen.items()}
+
+    # -- peer ----------------------------------------------------------------------------------------
+    peer = None
+    if args.peer:
+        peer = load_peer(args.peer)
+        res["peer"] = {"file": os.path.basename(args.peer), "entry": peer[1]}
+
+    # -- the table -----------------------------------------------------------------------------------
+    rows_out = []
+    bf16_layout = PageLayout(TokenLayout(D_C, D_R, METHODS["bf16"]), PAGE)
+    for B, L in shapes:
+        lens = [L] * B
+        caches = {}
+        for m in methods:
+            layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
+            caches[m] = Cache(layout, lens, seed=B * 7 + L)
+        for H in heads:
+            q = _queries(B, args.q_len, H)
+            flops = decode_flops(lens, H, args.q_len, D_C, D_R)
+            bf16_bytes = decode_bytes(lens, bf16_layout, H, args.q_len)
+            t_bf16 = None
+            for m in methods:
+                if (m, H) not in chosen:
+                    continue
+                cfg = chosen[(m, H)]
+                t, graph = _time_decode(caches[m], q, cfg, args)
+                nbytes = decode_bytes(lens, caches[m].layout, H, args.q_len)
+                if m == "bf16":
+                    t_bf16 = t
+                row = _row(H, B, L, m, t, nbytes, bf16_bytes, flops, copy, t_bf16, cfg, graph)
+                rows_out.append(row)
+                _print_row(row)
+            if peer is not None:
+                try:
+                    kv = peer_kv(caches["bf16"])
+                    fn = peer[0](q[0][:, 0], q[1][:, 0], kv, caches["bf16"].block_table, caches["bf16"].seq_lens, 1 / math.sqrt(192))
+                    t, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
+                    t = t * 1e-3
+                    row = _row(H, B, L, "peer-bf16", t, bf16_bytes, bf16_bytes, flops, copy, t_bf16, None, graph)
+                    rows_out.append(row)
+                    _print_row(row)
+                    del kv
+                except Exception as e:  # noqa: BLE001
+                    log(f"peer failed at H={H} {B}x{L}: {type(e).__name__}: {e}", flush=True)
+        del caches
+        _empty_cache()
+    res["rows"] = rows_out
+    res["append"] = _bench_append(methods, args)
+    res["goals"] = goals(res)
+    res["wall_s"] = time.time() - t_start
+    return res
+
+
+def _check_job(job) -> dict:
+    m, H, q_len, cd = job
+    try:
+        return check_config(m, METHODS[m], H, q_len, DecodeConfig(**cd))
+    except Exception as e:  # noqa: BLE001
+        return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def _run_checks(jobs: list, parallel: bool) -> list[dict]:
+    """Check (and so compile) every candidate; on the GPU in spawned processes, which fills Triton's
+    on-disk cache in parallel for the timing process."""
+    if not parallel or len(jobs) < 2:
+        return [_check_job(j) for j in jobs]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 12))
+    try:
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+            return list(ex.map(_check_job, jobs))
+    except Exception as e:  # noqa: BLE001 - e.g. a broken pool: do them here
+        print(f"(parallel checks failed: {type(e).__name__}: {e}; checking serially)", flush=True)
+        return [_check_job(j) for j in jobs]
+
+
+def _empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _queries(B, q_len, H):
+    g = torch.Generator(device=DEV).manual_seed(B * 1000 + H)
+    qc = torch.randn(B, q_len, H, D_C, generator=g, device=DEV).to(torch.bfloat16)
+    qr = torch.randn(B, q_len, H, D_R, generator=g, device=DEV).to(torch.bfloat16)
+    return qc, qr
+
+
+def _time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]:
+    qc, qr = q
+    B, SQ, H, _ = qc.shape
+    md = api.get_mla_metadata(cache.seq_lens, H, SQ, cache.layout, config=cfg)
+    out = torch.empty(B, SQ, H, D_C, device=DEV, dtype=torch.bfloat16)
+    lse = torch.empty(B, SQ, H, device=DEV)
+    scale = 1 / math.sqrt(192)
+
+    def fn():
+        api.mla_decode_with_kvcache(qc, qr, cache.pages, cache.block_table, cache.seq_lens, cache.layout, scale,
+                                    metadata=md, out=out, lse=lse)
+
+    ms, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
+    return ms * 1e-3, graph
+
+
+def _row(H, B, L, method, t, nbytes, bf16_bytes, flops, copy, t_bf16, cfg, graph) -> dict:
+    gbps = nbytes / t / 1e9
+    return {
+        "heads": H, "batch": B, "context": L, "method": method,
+        "ms": t * 1e3,
+        "bytes_read": nbytes,
+        "GBps": gbps,
+        "frac_copy": gbps / copy,
+        "bf16_equiv_GBps": bf16_bytes / t / 1e9,
+        "TFLOPs": flops / t / 1e12,
+        "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None,
+        "config": cfg.describe() if cfg else None,
+        "cuda_graph": graph,
+    }
+
+
+def _print_row(r):
+    sp = f"{r['speedup_vs_bf16']:.2f}x" if r["speedup_vs_bf16"] else "   -"
+    print(
+        f"H={r['heads']:3d} {r['batch']:4d}x{r['context']:<7d} {r['method']:18s} {r['ms'] * 1e3:9.1f} us "
+        f"{r['GBps']:7.0f} GB/s ({r['frac_copy']:.2f} copy) bf16-eq {r['bf16_equiv_GBps']:7.0f} GB/s "
+        f"{r['TFLOPs']:6.1f} TFLOP/s {sp}",
+        flush=True,
+    )
+
+
+def _bench_append(methods, args) -> list[dict]:
+    """Quantize-and-append throughput: one decode step of 128 tokens and an 8192-token prefill chunk."""
+    out = []
+    for m in methods:
+        layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
+        for T in (128, 8192) if DEV == "cuda" else (128,):
+            pages = torch.zeros(layout.pages_for(T) + 1, layout.page_bytes, dtype=torch.uint8, device=DEV)
+            slots = torch.randperm(T, device=DEV)
+            x = torch.randn(T, D_C, device=DEV, dtype=torch.bfloat16)
+            r = torch.randn(T, D_R, device=DEV, dtype=torch.bfloat16)
+            t, graph = time_ms(lambda: api.append_to_pages(pages, layout, slots, x, r), args.warmup_ms, args.rep_ms)
+            moved = T * ((D_C + D_R) * 2 + layout.token.bytes_per_token)
+            out.append({"method": m, "tokens": T, "ms": t, "GBps": moved / (t * 1e-3) / 1e9, "cuda_graph": graph})
+            print(f"append {m:10s} {T:5d} tokens {t * 1e3:8.1f} us {out[-1]['GBps']:6.0f} GB/s", flush=True)
+    return out
+
+
+def goals(res: dict) -> dict:
+    rows = res.get("rows", [])
+
+    def sel(H, m, min_ctx=0):
+        return [r for r in rows if r["heads"] == H and r["method"] == m and r["context"] >= min_ctx]
+
+    def mn(rs, k):
+        v = [r[k] for r in rs if r.get(k) is not None]
+        return min(v) if v else None
+
+    comp = {(r["format"], r["tokens"]): r["compression"] for r in res.get("compression", [])}
+    g = {
+        "int4_frac_copy_16h_ctx16k_min (>=0.75)": mn(sel(16, "int4/int4", 16384), "frac_copy"),
+        "int4_speedup_16h_ctx16k_min (>=3.0)": mn(sel(16, "int4/int4", 16384), "speedup_vs_bf16"),
+        "int2_speedup_16h_ctx16k_min (>=4.5)": mn(sel(16, "int2/int4", 16384), "speedup_vs_bf16"),
+        "bf16_frac_copy_16h_min (>=0.85)": mn(sel(16, "bf16"), "frac_copy"),
+        "int4_TFLOPs_128h_min (>=250)": mn(sel(128, "int4/int4"), "TFLOPs"),
+        "bf16_TFLOPs_128h_min": mn(sel(128, "bf16"), "TFLOPs"),
+        "int4_speedup_128h_min (>=1.0)": mn(sel(128, "int4/int4"), "speedup_vs_bf16"),
+        "compression_int4_128k (>=3.59)": comp.get((METHODS["int4/int4"].describe(), 131072)),
+        "compression_int2_128k (>=5.5)": comp.get((METHODS["int2/int4"].describe(), 131072)),
+    }
+    return g
+
+
+def save(res: dict, path: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(res, indent=1, default=str))

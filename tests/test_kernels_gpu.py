@@ -1,0 +1,144 @@
+"""Full-shape kernel checks on the GPU (d_c 512, d_r 64, pages of 64 tokens): append bit-exact with the
+torch writer; decode vs the fp32 torch reference at 16/32/64/128 heads, 1-4 query tokens, variable
+lengths (empty, 1, page boundaries, odd, long), NaN-poisoned outputs, fresh random inputs per case.
+Skipped without CUDA. Run: TRITON_INTERPRET=0 PYTHONPATH=src pytest -v tests/test_kernels_gpu.py"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
+from quantmla.cache.paged import gather_sequences, write_tokens  # noqa: E402
+from quantmla.errors import UnsupportedFormatError  # noqa: E402
+from quantmla.quant import BF16, PathFormat  # noqa: E402
+
+D_C, D_R, PAGE = 512, 64, 64
+FORMATS = {
+    "bf16": CacheFormat(BF16, BF16),
+    "int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
+    "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
+    "int4/int8": CacheFormat(PathFormat(4, 128), PathFormat(8, 64)),
+    "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
+    "int2/int8-sym-bf16": CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric")),
+}
+LENS = [0, 1, 63, 64, 65, 1023, 4097, 9999]
+
+
+def _api():
+    from quantmla.kernels import api
+
+    return api
+
+
+def make_cache(fmt, lens, seed):
+    api = _api()
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_pages = sum(lay.pages_for(n) for n in lens) + 7
+    pages = torch.randint(0, 256, (n_pages, lay.page_bytes), generator=g, device="cuda", dtype=torch.uint8)  # garbage
+    perm = torch.randperm(n_pages, generator=g, device="cuda").to(torch.int32)
+    width = max(lay.pages_for(n) for n in lens + [1])
+    bt = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(lens):
+        p = lay.pages_for(n)
+        bt[b, :p] = perm[off : off + p]
+        off += p
+        if n:
+            pos = torch.arange(n, device="cuda")
+            slots = bt[b].long()[pos // PAGE] * PAGE + pos % PAGE
+            x = torch.randn(n, D_C, generator=g, device="cuda") * 1.5 + 0.2
+            r = torch.randn(n, D_R, generator=g, device="cuda") * 4
+            api.append_to_pages(pages, lay, slots, x.to(torch.bfloat16), r.to(torch.bfloat16))
+    return lay, pages, bt, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def check_decode(lay, pages, bt, sl, H, SQ, seed, config=None, chunk_tokens=None, tol=2e-2):
+    api = _api()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B = bt.shape[0]
+    qc = torch.randn(B, SQ, H, D_C, generator=g, device="cuda").to(torch.bfloat16)
+    qr = torch.randn(B, SQ, H, D_R, generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.full((B, SQ, H, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, SQ, H), float("nan"), device="cuda")
+    scale = 1 / math.sqrt(192)
+    md = api.get_mla_metadata(sl, H, SQ, lay, config=config, chunk_tokens=chunk_tokens)
+    api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, scale, metadata=md, out=out, lse=lse)
+    lat, kr = gather_sequences(pages, lay, bt, sl)
+    ro, rl = __import__("quantmla.reference.absorbed", fromlist=["x"]).absorbed_attention(
+        qc.float(), qr.float(), lat, kr, scale, sl, compute_dtype=torch.float32
+    )
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten output (NaN poison survived)"
+    empty = torch.isinf(rl)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert torch.all(out.float()[empty] == 0)
+    rel = ((out.float() - ro).norm() / ro.norm()).item()
+    lerr = (lse - rl)[~empty].abs().max().item()
+    print(f"{md.config.describe()} variant={md.workspace.get('variant')} units={md.num_units} rel={rel:.2e} lse_err={lerr:.2e}")
+    assert rel < tol and lerr < tol, (rel, lerr)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_append_bit_exact_full_shape(name):
+    api = _api()
+    fmt = FORMATS[name]
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    g = torch.Generator(device="cuda").manual_seed(len(name))
+    pages = torch.randint(0, 256, (100, lay.page_bytes), generator=g, device="cuda", dtype=torch.uint8)
+    ref = pages.clone()
+    T = 5000
+    slots = torch.randperm(100 * PAGE, generator=g, device="cuda")[:T]
+    slots[::97] = -1
+    x = (torch.randn(T, D_C, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    x[5, :128] = 0.75  # constant group
+    r = (torch.randn(T, D_R, generator=g, device="cuda") * 20).to(torch.bfloat16)
+    api.append_to_pages(pages, lay, slots, x, r)
+    write_tokens(ref, lay, slots, x.float(), r.float())
+    assert torch.equal(pages, ref), f"{(pages != ref).sum().item()} bytes differ"
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8"])
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+@pytest.mark.parametrize("SQ", [1, 2, 4])
+def test_decode_full_shape(name, H, SQ):
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=H * 10 + SQ)
+    check_decode(lay, pages, bt, sl, H, SQ, seed=H + SQ)
+
+
+@pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
+def test_decode_other_formats(name):
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=5)
+    check_decode(lay, pages, bt, sl, 16, 1, seed=6)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=7)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_many_splits_and_one_split(H):
+    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [20000, 3, 511], seed=H)
+    check_decode(lay, pages, bt, sl, H, 1, seed=1, chunk_tokens=64)  # ~300 splits, combine kernel
+    check_decode(lay, pages, bt, sl, H, 1, seed=2, chunk_tokens=1 << 20)  # no split: direct write
+
+
+@pytest.mark.parametrize("variant", ["generic-d0", "generic-d1", "fused-tl"])
+def test_decode_kernel_variants(variant):
+    api = _api()
+    if variant == "fused-tl":
+        cfg = api.DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, kernel="fused", unpack="tl")
+    else:
+        cfg = api.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, kernel="generic", deq=int(variant[-1]))
+    lay, pages, bt, sl = make_cache(FORMATS["int2/int4"], LENS, seed=3)
+    check_decode(lay, pages, bt, sl, 16, 2, seed=4, config=cfg)
+
+
+def test_unsupported_formats_raise_before_launch():
+    api = _api()
+    for fmt in (CacheFormat(PathFormat(3, 64), BF16), CacheFormat(BF16, PathFormat(8, 64, "fp8"))):
+        lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+        with pytest.raises(UnsupportedFormatError):
+            api.check_layout_supported(lay)
