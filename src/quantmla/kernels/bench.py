@@ -52,6 +52,9 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
             c += [
                 DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2),
                 DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1),
+                # fallbacks, also measured: Triton-op unpacking, and the generic dequantizing kernel
+                DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1, unpack="tl"),
+                DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2, kernel="generic"),
             ]
         else:
             c += [DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2)]
@@ -59,6 +62,11 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     c = [DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=2 if quant else 3, ctas_per_sm=1)]
     c += [DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1)]
     c += [DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)]
+    if quant:
+        c += [
+            DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, unpack="tl"),
+            DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, kernel="generic"),
+        ]
     return c
 
 
