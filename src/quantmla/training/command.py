@@ -85,7 +85,7 @@ def _prepare(args) -> dict:
         workers=min(16, os.cpu_count() or 1),
     )
     if args.size == "tiny":
-        opts.heldout_code_bytes, opts.heldout_prose_bytes, opts.retrieval_pool_bytes = 30_000, 20_000, 60_000
+        opts.heldout_code_bytes, opts.heldout_prose_bytes, opts.retrieval_pool_bytes = 6_000, 4_000, 60_000
     roots = None
     if args.stdlib_only:
         roots = [r for r in D.default_roots() if r[0] == "stdlib"]
