@@ -849,6 +849,7 @@ class ProjectFitter(LayerFitter):
                 "sequences, fewer queries_per_seq or rope_keys_per_seq, or raise the budget"
             )
         self.capture_bytes = per_layer
+        self.capture_seconds: dict[int, float] = {}  # slot -> time spent capturing (inside the forward)
 
     def begin(self, slot, module):
         from quantmla.calibration.capture import LayerData, out_projection
@@ -858,19 +859,22 @@ class ProjectFitter(LayerFitter):
         data = LayerData(slot=slot, scale=self.spec.softmax_scale,
                          gamma=module.kv_a_layernorm.weight.detach().float().cpu().clone(),
                          out_proj=out_projection(view), rope_layout=self.spec.rope_cache_layout)
-        return {"data": data, "view": view}
+        return {"data": data, "view": view, "seconds": 0.0}
 
     @torch.no_grad()
     def observe(self, state, hidden, position_embeddings, start):
         from quantmla.calibration.capture import _record
 
+        t0 = time.perf_counter()
         B = hidden.shape[0]
         dev = hidden.device
         _record(state["data"], state["view"], hidden, position_embeddings, self.q_pos[start : start + B].to(dev),
                 self.key_pos.to(dev), self.key_w, start)
+        state["seconds"] += time.perf_counter() - t0
 
     def end(self, state):
         state["data"].finalize()
+        self.capture_seconds[state["data"].slot] = state["seconds"]
         return state["data"]
 
     def fit(self, slot, d, module):
@@ -885,6 +889,8 @@ class ProjectFitter(LayerFitter):
 
         o, method, seed = self.o, self.method, self.seed
         fit_seqs, held_seqs = self.fit_seqs, self.held_seqs
+        secs = {"capture": self.capture_seconds.pop(slot, None)}
+        t = time.perf_counter()
         fmt = self.quant.format_for(slot)
         lg = torch.Generator().manual_seed(seed * 1000003 + slot)
         rep = LayerReport(slot=slot)
@@ -895,6 +901,7 @@ class ProjectFitter(LayerFitter):
             rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
                            "candidates": cf.heldout, "train_curve": cf.curve}
             ct = None if cf.chosen == "rtn" else cf.transform
+        secs["content"], t = time.perf_counter() - t, time.perf_counter()
         if "rope" in o["paths"]:
             if method == "quantmla":
                 rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=o["rope_weighting"], searches=o["rope_searches"],
@@ -906,6 +913,7 @@ class ProjectFitter(LayerFitter):
                 held_m = torch.isin(d.key_seq, held_seqs)
                 v = float(RopeQK(d.keys[held_m], d.A[o["rope_weighting"]][held_m], fmt.rope, d.rope_layout)())
                 rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": o["rope_weighting"]}
+        secs["rope"], t = time.perf_counter() - t, time.perf_counter()
         held = OutputDistortion(d, held_seqs)
         gamma = d.gamma.double()
         c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
@@ -917,7 +925,10 @@ class ProjectFitter(LayerFitter):
         }
         lt = LayerTransform(ct, rt)
         rep.transform = lt.summary()
-        return lt, json.loads(json.dumps(dc.asdict(rep), default=float))
+        secs["joint"] = time.perf_counter() - t
+        info = json.loads(json.dumps(dc.asdict(rep), default=float))
+        info["seconds"] = secs
+        return lt, info
 
     def report_header(self) -> dict:
         h = super().report_header()
