@@ -230,3 +230,14 @@ def test_unsupported_shapes_raise():
         check_layout_supported(PageLayout(TokenLayout(64, 8, CacheFormat()), PAGE))
     with pytest.raises(UnsupportedFormatError, match="query tokens"):
         get_mla_metadata(torch.tensor([3]), 4, 17)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int8-sym-bf16meta"])
+def test_decode_transposed_orientation(name):
+    """The tokens-as-M ("swap AB") kernel: same results."""
+    lens = [0, 1, 17, 40]
+    lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=13)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_stages=1, orient="tokens")
+    o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=3, SQ=2, config=cfg, chunk_tokens=16)
+    assert "tokens" in md.workspace["variant"]
+    check(o, l, ro, rl)

@@ -125,6 +125,15 @@ def test_decode_many_splits_and_one_split(H):
     check_decode(lay, pages, bt, sl, H, 1, seed=2, chunk_tokens=1 << 20)  # no split: direct write
 
 
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])
+@pytest.mark.parametrize("SQ", [1, 3])
+def test_decode_transposed_orientation(name, SQ):
+    api = _api()
+    cfg = api.DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, orient="tokens")
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=11 + SQ)
+    check_decode(lay, pages, bt, sl, 16 // SQ if SQ == 1 else 5, SQ, seed=SQ, config=cfg)
+
+
 @pytest.mark.parametrize("variant", ["generic-d0", "generic-d1", "fused-tl"])
 def test_decode_kernel_variants(variant):
     api = _api()

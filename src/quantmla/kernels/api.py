@@ -138,6 +138,8 @@ class DecodeConfig:
     kernel: "fused" (generated per format, codes exact in bf16, scales folded into scores and
     probabilities; BF16 caches too) or "generic" (decode.py: tiles rebuilt to bf16 values);
     unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
+    orient: "heads" (rows are the MMA M dimension) or "tokens" (the transposed problem: tokens and
+    channels are M, so 16 heads still fill Hopper's 64-row wgmma);
     deq: the generic kernel's tile rebuild (0: shifts + one reshape; 1: per-channel indexing)."""
 
     block_m: int = 16
@@ -148,10 +150,11 @@ class DecodeConfig:
     min_chunk: int = 256
     kernel: str = "fused"
     unpack: str = "asm"
+    orient: str = "heads"
     deq: int = 0
 
     def describe(self) -> str:
-        k = f"fused/{self.unpack}" if self.kernel == "fused" else f"generic/d{self.deq}"
+        k = f"fused/{self.unpack}/{self.orient[0]}" if self.kernel == "fused" else f"generic/d{self.deq}"
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
 
@@ -160,11 +163,13 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     bm = 16 if rows <= 16 else 32
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
-    if bm == 16:  # memory-bound: one head block, long tiles, 8 warps
-        return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, ctas_per_sm=1)
-    # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
     quant = layout is not None and layout.token.fmt.content.quantized
-    return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=2 if quant else 3, ctas_per_sm=1)
+    if bm == 16:  # memory-bound: one head block; the fastest configs of the first H200 run
+        if quant:
+            return DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1)
+        return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2)
+    # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
+    return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
 
 
 @dataclass
@@ -294,13 +299,13 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
             opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=stages)
             if kind.startswith("fused"):
                 unpack = "tl" if kind == "fused-tl" else cfg.unpack
-                codegen.fused_kernel(layout, unpack)[grid](*args, **opts)
+                codegen.fused_kernel(layout, unpack, cfg.orient)[grid](*args, **opts)
             else:
                 _mla_decode_kernel[grid](*args, **consts, DEQ=deq, **opts)
             if i != first:
                 _FALLBACK[key] = i
                 warnings.warn(f"decode kernel {tries[first]} for {cfg.describe()} failed to compile ({last}); ran {tries[i]}")
-            return f"{kind}/d{deq}/s{stages}" if kind == "generic" else (kind if kind == "fused-tl" else f"fused/{cfg.unpack}")
+            return f"{kind}/d{deq}/s{stages}" if kind == "generic" else f"{kind}/{cfg.unpack if kind == 'fused' else 'tl'}/{cfg.orient}"
         except Exception as e:  # compile-time failures only (nothing has been launched)
             if not _is_compile_error(e) or interpreting():
                 raise
@@ -407,8 +412,11 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
-        block_r = 16 if DC >= 256 else 32
-        _mla_combine_kernel[(B, -(-R // block_r))](po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, num_warps=4)
+        block_r = 16
+        block_d = min(DC, 64)
+        _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
+            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3
+        )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 

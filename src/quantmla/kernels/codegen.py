@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
 
 
 @dataclass(frozen=True)
@@ -86,26 +86,52 @@ def _plane_asm(bits: int, plane: int) -> str:
 
 
 def _path_source(
-    name: str, fmt: PathFormat, dim: int, off_codes: int, off_meta: int, content: bool, unpack: str = "asm"
+    name: str, fmt: PathFormat, dim: int, off_codes: int, off_meta: int, content: bool, unpack: str = "asm",
+    orient: str = "heads",
 ) -> dict[str, list[str]]:
-    """Code fragments of one path ("c" content, "r" rope): prologue, tile, scores, pv, epilogue."""
+    """Code fragments of one path ("c" content, "r" rope): prologue, tile, scores, pv, epilogue.
+
+    orient "heads": scores are [rows, tokens] (rows = the MMA M dimension); "tokens": the transposed
+    problem, scores [tokens, rows] and outputs [channels, rows], so a tile of 64+ tokens (and 64+
+    channels for the output) fills the M dimension of Hopper's wgmma even with 16 heads."""
     P = name  # variable prefix
+    T = orient == "tokens"
+    TV = "[:, None]" if T else "[None, :]"  # a per-token vector broadcast over the score tile
+    RV = "[None, :]" if T else "[:, None]"  # a per-row vector broadcast
+    AX = 0 if T else 1  # the token axis of the score tile
+
+    def qload(ch0: str, w: int) -> str:
+        if T:
+            return f"tl.load({Q} + qrow[None, :] * {dim} + ({ch0} + tl.arange(0, {w}))[:, None], mask=rmask[None, :], other=0.0)"
+        return f"tl.load({Q} + qrow[:, None] * {dim} + ({ch0} + tl.arange(0, {w}))[None, :], mask=rmask[:, None], other=0.0)"
+
+    def sdot(q: str, x: str, acc: str | None = None) -> str:
+        a = f", {acc}" if acc else ""
+        return f"tl.dot({x}, {q}{a})" if T else f"tl.dot({q}, tl.trans({x}){a})"
+
+    def pvdot(pb: str, x: str) -> str:
+        return f"tl.dot(tl.trans({x}), {pb})" if T else f"tl.dot({pb}, {x})"
+
+    def accshape(w: int) -> str:
+        return f"[{w}, BLOCK_M]" if T else f"[BLOCK_M, {w}]"
+
+    store = "_store_out_t" if T else "_store_out"
     Q = "QC" if content else "QR"
     V16 = "PC16" if content else "PR16"
     chunks = chunks_of(fmt, dim)
     pro, tile, score, pv, epi, init = [], [], [], [], [], []
     if not fmt.quantized:
-        pro.append(f"q{P}0 = tl.load({Q} + qrow[:, None] * {dim} + tl.arange(0, {dim})[None, :], mask=rmask[:, None], other=0.0)")
+        pro.append(f"q{P}0 = {qload('0', dim)}")
         pro.append(f"if DOT_F32:\n        q{P}0 = q{P}0.to(tl.float32)")
         tile.append(f"x{P}0 = tl.load({V16} + (page16 + {off_codes // 2} + tok * {dim})[:, None] + tl.arange(0, {dim})[None, :], mask=tmask[:, None], other=0.0)")
         tile.append(f"if DOT_F32:\n            x{P}0 = x{P}0.to(tl.float32)")
-        score.append(f"s = tl.dot(q{P}0, tl.trans(x{P}0), s)")
+        score.append(f"s = {sdot(f'q{P}0', f'x{P}0', 's')}")
         if content:
-            init.append(f"acc{P}0 = tl.zeros([BLOCK_M, {dim}], tl.float32)")
+            init.append(f"acc{P}0 = tl.zeros({accshape(dim)}, tl.float32)")
             pv.append("if DOT_F32:\n            pb = _bf16_rne(p).to(tl.float32)\n        else:\n            pb = p.to(tl.bfloat16)")
-            pv.append(f"acc{P}0 = acc{P}0 * alpha[:, None] + tl.dot(pb, x{P}0)")
-            epi.append(f"o{P}0 = acc{P}0 / l_safe[:, None]")
-            epi.append(f"_store_out(OUT, PO, LSE, PLSE, qrow, prow, rmask, o{P}0, {dim}, 0, tl.arange(0, {dim}), nsplit)")
+            pv.append(f"acc{P}0 = acc{P}0 * alpha{RV} + {pvdot('pb', f'x{P}0')}")
+            epi.append(f"o{P}0 = acc{P}0 / l_safe{RV}")
+            epi.append(f"{store}(OUT, PO, LSE, PLSE, qrow, prow, rmask, o{P}0, {dim}, 0, tl.arange(0, {dim}), nsplit)")
         return dict(pro=pro, init=init, tile=tile, score=score, pv=pv, epi=epi)
 
     bits, gs = fmt.bits, fmt.group_size
@@ -116,11 +142,9 @@ def _path_source(
     off = 0 if bits == 8 else 128  # the magic offset carried by the bf16 codes
     groups = sorted({c.group for c in chunks})
     for c in chunks:
-        pro.append(
-            f"q{P}{c.idx} = tl.load({Q} + qrow[:, None] * {dim} + ({c.ch0} + tl.arange(0, {c.width}))[None, :], mask=rmask[:, None], other=0.0)"
-        )
+        pro.append(f"q{P}{c.idx} = {qload(str(c.ch0), c.width)}")
     for g in groups:
-        terms = " + ".join(f"tl.sum(q{P}{c.idx}.to(tl.float32), 1)" for c in chunks if c.group == g)
+        terms = " + ".join(f"tl.sum(q{P}{c.idx}.to(tl.float32), {AX})" for c in chunks if c.group == g)
         pro.append(f"qs{P}{g} = {terms}")
     for c in chunks:
         pro.append(f"if DOT_F32:\n        q{P}{c.idx} = q{P}{c.idx}.to(tl.float32)")
@@ -169,32 +193,32 @@ def _path_source(
     # scores: Σ_g s_g · (q_g · (codes + off)) + Σ q_g · (z_g − off · s_g)
     for g in groups:
         cs = [c for c in chunks if c.group == g]
-        expr = f"tl.dot(q{P}{cs[0].idx}, tl.trans(x{P}{cs[0].idx}))"
+        expr = sdot(f"q{P}{cs[0].idx}", f"x{P}{cs[0].idx}")
         for c in cs[1:]:
-            expr = f"tl.dot(q{P}{c.idx}, tl.trans(x{P}{c.idx}), {expr})"
-        score.append(f"s += {expr} * scf{P}{g}[None, :]")
+            expr = sdot(f"q{P}{c.idx}", f"x{P}{c.idx}", expr)
+        score.append(f"s += {expr} * scf{P}{g}{TV}")
         zterm = f"zc{P}{g}" if off == 0 else f"(zc{P}{g} - {float(off)} * scf{P}{g})"
-        score.append(f"s += qs{P}{g}[:, None] * {zterm}[None, :]")
+        score.append(f"s += qs{P}{g}{RV} * {zterm}{TV}")
     if content:
         for c in chunks:
-            init.append(f"acc{P}{c.idx} = tl.zeros([BLOCK_M, {c.width}], tl.float32)")
+            init.append(f"acc{P}{c.idx} = tl.zeros({accshape(c.width)}, tl.float32)")
         for g in groups:
             init.append(f"zacc{P}{g} = tl.zeros([BLOCK_M], tl.float32)")
         for g in groups:
-            pv.append(f"pt = p * scf{P}{g}[None, :]")
+            pv.append(f"pt = p * scf{P}{g}{TV}")
             pv.append(
                 f"if DOT_F32:\n            pb{g} = _bf16_rne(pt).to(tl.float32)\n            pbf = pb{g}\n"
                 f"        else:\n            pb{g} = pt.to(tl.bfloat16)\n            pbf = pb{g}.to(tl.float32)"
             )
-            corr = f"p * zc{P}{g}[None, :]" if off == 0 else f"p * zc{P}{g}[None, :] - {float(off)} * pbf"
-            pv.append(f"zacc{P}{g} = zacc{P}{g} * alpha + tl.sum({corr}, 1)")
+            corr = f"p * zc{P}{g}{TV}" if off == 0 else f"p * zc{P}{g}{TV} - {float(off)} * pbf"
+            pv.append(f"zacc{P}{g} = zacc{P}{g} * alpha + tl.sum({corr}, {AX})")
             for c in chunks:
                 if c.group == g:
-                    pv.append(f"acc{P}{c.idx} = acc{P}{c.idx} * alpha[:, None] + tl.dot(pb{g}, x{P}{c.idx})")
+                    pv.append(f"acc{P}{c.idx} = acc{P}{c.idx} * alpha{RV} + {pvdot(f'pb{g}', f'x{P}{c.idx}')}")
         for c in chunks:
-            epi.append(f"o{P}{c.idx} = (acc{P}{c.idx} + zacc{P}{c.group}[:, None]) / l_safe[:, None]")
+            epi.append(f"o{P}{c.idx} = (acc{P}{c.idx} + zacc{P}{c.group}{RV}) / l_safe{RV}")
             epi.append(
-                f"_store_out(OUT, PO, LSE, PLSE, qrow, prow, rmask, o{P}{c.idx}, {dim}, {c.ch0}, tl.arange(0, {c.width}), nsplit)"
+                f"{store}(OUT, PO, LSE, PLSE, qrow, prow, rmask, o{P}{c.idx}, {dim}, {c.ch0}, tl.arange(0, {c.width}), nsplit)"
             )
     return dict(
         pro=pro, init=init, tile=tile, score=score, pv=pv, epi=epi,
@@ -203,18 +227,24 @@ def _path_source(
 
 
 UNPACK_MODES = ("asm", "tl")
+ORIENTS = ("heads", "tokens")
 
 
-def kernel_source(layout: PageLayout, unpack: str = "asm") -> str:
+def kernel_source(layout: PageLayout, unpack: str = "asm", orient: str = "heads") -> str:
     """Source of the fused kernel. unpack: "asm" (codes -> bf16 in inline PTX, done once in the
     load layout: prmt + lop3, two codes per instruction) or "tl" (plain Triton ops, which the
     compiler may redo in each dot-operand layout)."""
-    if unpack not in UNPACK_MODES:
-        raise ValueError(f"unpack must be one of {UNPACK_MODES}")
+    if unpack not in UNPACK_MODES or orient not in ORIENTS:
+        raise ValueError(f"unpack must be one of {UNPACK_MODES}, orient one of {ORIENTS}")
     tok = layout.token
     o = layout.offsets
-    cp = _path_source("c", tok.fmt.content, tok.d_c, o["content_codes"], o["content_meta"], True, unpack)
-    rp = _path_source("r", tok.fmt.rope, tok.d_r, o["rope_codes"], o["rope_meta"], False, unpack)
+    cp = _path_source("c", tok.fmt.content, tok.d_c, o["content_codes"], o["content_meta"], True, unpack, orient)
+    rp = _path_source("r", tok.fmt.rope, tok.d_r, o["rope_codes"], o["rope_meta"], False, unpack, orient)
+    T = orient == "tokens"
+    s_shape = "[BLOCK_N, BLOCK_M]" if T else "[BLOCK_M, BLOCK_N]"
+    vis = "(t[:, None] < limit[None, :]) & tmask[:, None]" if T else "(t[None, :] < limit[:, None]) & tmask[None, :]"
+    AX = 0 if T else 1
+    RV = "[None, :]" if T else "[:, None]"
 
     def block(lines: list[str], indent: str) -> str:
         return "\n".join(indent + ln for ln in lines)
@@ -236,7 +266,7 @@ def kernel_source(layout: PageLayout, unpack: str = "asm") -> str:
         meta_next_block = ["pass"]
 
     ps, pb = layout.page_size, layout.page_bytes
-    return f'''# Generated by quantmla.kernels.codegen (v{GENERATOR_VERSION}, unpack={unpack}) for {tok.fmt.describe()}, d_c={tok.d_c}, d_r={tok.d_r},
+    return f'''# Generated by quantmla.kernels.codegen (v{GENERATOR_VERSION}, unpack={unpack}, orient={orient}) for {tok.fmt.describe()}, d_c={tok.d_c}, d_r={tok.d_r},
 # page {ps} tokens / {pb} bytes, offsets {dict(o)}. Do not edit.
 import triton
 import triton.language as tl
@@ -272,6 +302,15 @@ def _store_out(OUT, PO, LSE, PLSE, qrow, prow, rmask, o, D: tl.constexpr, CH0: t
         tl.store(OUT + qrow[:, None] * D + CH0 + ch[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
     else:
         tl.store(PO + prow[:, None] * D + CH0 + ch[None, :], o, mask=rmask[:, None])
+
+
+@triton.jit
+def _store_out_t(OUT, PO, LSE, PLSE, qrow, prow, rmask, o, D: tl.constexpr, CH0: tl.constexpr, ch, nsplit):
+    """o: [channels, rows] (transposed orientation)."""
+    if nsplit == 1:
+        tl.store(OUT + qrow[None, :] * D + CH0 + ch[:, None], o.to(OUT.dtype.element_ty), mask=rmask[None, :])
+    else:
+        tl.store(PO + prow[None, :] * D + CH0 + ch[:, None], o, mask=rmask[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])
@@ -314,17 +353,17 @@ def mla_decode_fused(
 {block(meta_next_block, "        ")}
 {block(cp["tile"], "        ")}
 {block(rp["tile"], "        ")}
-        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        s = tl.zeros({s_shape}, tl.float32)
 {block(cp["score"], "        ")}
 {block(rp["score"], "        ")}
         s = s * qk_scale
-        vis = (t[None, :] < limit[:, None]) & tmask[None, :]
+        vis = {vis}
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, {AX}))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p = tl.exp2(s - m_safe{RV})
+        l_i = l_i * alpha + tl.sum(p, {AX})
 {block(cp["pv"], "        ")}
         m_i = m_new
 {block(meta_rotate, "        ")}
@@ -349,17 +388,17 @@ def _cache_dir() -> Path:
 _BY_LAYOUT: dict = {}
 
 
-def fused_kernel(layout: PageLayout, unpack: str = "asm"):
+def fused_kernel(layout: PageLayout, unpack: str = "asm", orient: str = "heads"):
     """The generated ``mla_decode_fused`` Triton kernel for `layout` (written and imported once)."""
-    key = (layout, layout.page_bytes, tuple(layout.offsets.items()), unpack)
+    key = (layout, layout.page_bytes, tuple(layout.offsets.items()), unpack, orient)
     fn = _BY_LAYOUT.get(key)
     if fn is None:
-        fn = _BY_LAYOUT[key] = _load(layout, unpack)
+        fn = _BY_LAYOUT[key] = _load(layout, unpack, orient)
     return fn
 
 
-def _load(layout: PageLayout, unpack: str):
-    src = kernel_source(layout, unpack)
+def _load(layout: PageLayout, unpack: str, orient: str):
+    src = kernel_source(layout, unpack, orient)
     h = hashlib.sha1(src.encode()).hexdigest()[:16]
     if h in _MODULES:
         return _MODULES[h].mla_decode_fused

@@ -184,23 +184,27 @@ def _mla_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["R"])
-def _mla_combine_kernel(PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Merge the split partials of sequences with more than one unit (others were written directly)."""
+def _mla_combine_kernel(
+    PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Merge the split partials of sequences with more than one unit (others were written directly).
+    Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
+    db = tl.program_id(2)
     first = tl.load(SEQINFO + b * 2)
     n = tl.load(SEQINFO + b * 2 + 1)
     if n > 1:
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
-        dc = tl.arange(0, D_C)
+        dc = db * BLOCK_D + tl.arange(0, BLOCK_D)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for i in range(0, n):
             lse_i = tl.load(PLSE + (first + i).to(tl.int64) * R + rows, mask=rmask, other=float("-inf"))
             m = tl.maximum(m, lse_i)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         den = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D_C], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         for i in range(0, n):
             prow = (first + i).to(tl.int64) * R + rows
             lse_i = tl.load(PLSE + prow, mask=rmask, other=float("-inf"))
@@ -211,7 +215,8 @@ def _mla_combine_kernel(PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK
         has = den > 0.0
         d_safe = tl.where(has, den, 1.0)
         o = acc / d_safe[:, None]
-        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
         qrow = b.to(tl.int64) * R + rows
         tl.store(OUT + qrow[:, None] * D_C + dc[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
-        tl.store(LSE + qrow, lse, mask=rmask)
+        if db == 0:
+            lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+            tl.store(LSE + qrow, lse, mask=rmask)
