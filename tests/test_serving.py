@@ -263,3 +263,15 @@ def test_engines_share_a_model(v3):
     assert all("forward" not in m.__dict__ for m in v3.modules())
     with pytest.raises(QuantMLAError, match="closed"):
         b.generate(prompts, params)
+
+
+def test_chunk_attention_equals_the_oracle():
+    """The GPU prefill path (plain matmuls, query blocks) against the absorbed-attention oracle."""
+    from quantmla.serving.backends import chunk_attention, dense_attention
+
+    torch.manual_seed(0)
+    for n, T in ((33, 33), (37, 90), (1, 5), (120, 130)):
+        q, qr = torch.randn(n, 8, 128), torch.randn(n, 8, 32)
+        lat, kr = torch.randn(T, 128), torch.randn(T, 32)
+        torch.testing.assert_close(chunk_attention(q, qr, lat, kr, 0.1, max_scores=3000), dense_attention(q, qr, lat, kr, 0.1),
+                                   rtol=1e-5, atol=1e-5)

@@ -118,23 +118,26 @@ def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=N
     return o[0].float()
 
 
-def sdpa_attention(q_lat, q_rope, latent, k_rope, scale: float, block: int = 1024) -> torch.Tensor:
-    """As :func:`dense_attention`, through torch SDPA in the queries' dtype (GPU prefill)."""
+def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int = 1 << 26) -> torch.Tensor:
+    """As :func:`dense_attention`, with plain matmuls in the queries' dtype and an fp32 softmax, in query
+    blocks of at most `max_scores` scores (GPU prefill chunks). Deliberately not SDPA: its fused
+    kernels are not needed here and one of them gave wrong rows for 160/128-wide heads on the H200."""
     n, H, d_c = q_lat.shape
     T = latent.shape[0]
     dt = q_lat.dtype
-    k = torch.cat([latent, k_rope], -1).to(dt)[None, None]  # [1, 1, T, d_c + d_r]
-    v = latent.to(dt)[None, None]
+    kc, kr = latent.to(dt), k_rope.to(dt)
     out = torch.empty(n, H, d_c, device=q_lat.device, dtype=torch.float32)
     t = torch.arange(T, device=q_lat.device)
+    block = max(1, min(n, max_scores // max(1, H * T)))
     for s in range(0, n, block):
         e = min(n, s + block)
-        q = torch.cat([q_lat[s:e], q_rope[s:e].to(dt)], -1).transpose(0, 1)[None]  # [1, H, b, D]
-        qpos = torch.arange(T - n + s, T - n + e, device=q_lat.device)
-        mask = t[None, :] <= qpos[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k.expand(1, H, T, -1), v.expand(1, H, T, -1), attn_mask=mask, scale=scale)
-        out[s:e] = o[0].transpose(0, 1).float()
+        ql = q_lat[s:e].reshape(-1, d_c)  # [(b·H), d_c], rows (query, head)
+        qr = q_rope[s:e].to(dt).reshape(-1, kr.shape[-1])
+        sc = (ql @ kc.T + qr @ kr.T).float().mul_(scale)  # [(b·H), T]
+        qpos = torch.arange(T - n + s, T - n + e, device=q_lat.device).repeat_interleave(H)
+        sc.masked_fill_(t[None, :] > qpos[:, None], float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        out[s:e] = (p.to(dt) @ kc).float().view(e - s, H, d_c)
     return out
 
 

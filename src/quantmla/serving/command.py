@@ -39,10 +39,14 @@ def add_arguments(p):
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
+    p.add_argument("--check-families", nargs="*", default=["deepseek_v2"], help="tiny random models to check (none: skip)")
+    p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
+    p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
     p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path")
 
 
-def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",)) -> dict:
+def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",), refs=None,
+              methods=("bf16", "int4/int4", "int2/int4")) -> dict:
     import torch
 
     from quantmla.model.tiny import tiny_model
@@ -52,7 +56,7 @@ def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",))
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     models = [(f"tiny:{f}", lambda f=f: tiny_model(f)) for f in families]
-    for path in local_reference_models():
+    for path in (local_reference_models() if refs is None else refs):
         def load(path=path):
             from transformers import AutoModelForCausalLM
 
@@ -64,7 +68,7 @@ def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",))
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 33, 90, 150, 1)]
-        for m in ("bf16", "int4/int4", "int2/int4"):
+        for m in methods:
             q = method_config(m, 32 if model.config.kv_lora_rank < 64 else 64, 16 if model.config.qk_rope_head_dim < 32 else 32)
             # a pool of 24 pages of 16 tokens forces preemptions on the way
             try:
@@ -96,7 +100,7 @@ def run(args) -> int:
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     check = None
     if args.check or args.check_only:
-        check = run_check(args.device, args.tie_tol, log)
+        check = run_check(args.device, args.tie_tol, log, args.check_families, args.check_refs, args.check_methods)
         if args.check_only:
             save({"correctness": check, "command": " ".join(sys.argv)}, args.out)
             print(json.dumps({"ok": check["ok"]}))

@@ -3,7 +3,7 @@
 - write: ``append_to_pages`` (quantize, pack, write at slots), bit-exact with the torch writer;
 - decode rows: one ``mla_decode_with_kvcache`` call over all single-query rows of the step;
 - prefill chunks: the chunk's pages are dequantized (the layout's torch reader) and attended with
-  torch SDPA in the absorbed form — the decode kernel takes at most 16 queries per sequence, and a
+  plain matmuls in the absorbed form — the decode kernel takes at most 16 queries per sequence, and a
   long chunk read that way would re-read its context once per 16 queries.
 
 Under CUDA graphs the decode split schedule must have a fixed shape: :class:`StaticDecodePlan` keeps,
@@ -19,7 +19,7 @@ import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.errors import UnsupportedFormatError
-from quantmla.serving.backends import AttentionBackend, AttnMeta, dense_attention, sdpa_attention
+from quantmla.serving.backends import AttentionBackend, AttnMeta, chunk_attention, dense_attention
 
 
 def _kernels():
@@ -129,7 +129,7 @@ class TritonPagedBackend(AttentionBackend):
             lat, kr = self.read(slot, c.block_table, c.seq_len)
             ql, qr = q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n]
             if q_lat.is_cuda:
-                o = sdpa_attention(ql, qr, lat, kr, scale)
+                o = chunk_attention(ql, qr, lat, kr, scale)
             else:
                 o = dense_attention(ql, qr, lat, kr, scale)
             out[c.start: c.start + c.n] = o.to(out.dtype)
