@@ -79,18 +79,22 @@ def plot_split(result: dict, out_dir: str, title: str = "") -> str:
         cm = [L["runs"]["content"][k]["matching"] ** 2 for L in layers]
         ca = [L["runs"]["content"][k]["aggregation"] ** 2 for L in layers]
         rm = [L["runs"]["rope"][k]["matching"] ** 2 for L in layers]
-        ax.bar([i - 0.2 for i in x], ca, 0.4, color="tab:cyan", label="content: aggregation")
-        ax.bar([i - 0.2 for i in x], cm, 0.4, bottom=ca, color="tab:blue", label="content: matching")
-        ax.bar([i + 0.2 for i in x], rm, 0.4, color="tab:red", label="RoPE: matching (only term)")
+        ax.bar([i - 0.27 for i in x], ca, 0.27, color="tab:cyan", label="content-only: aggregation")
+        ax.bar(x, cm, 0.27, color="tab:blue", label="content-only: matching")
+        ax.bar([i + 0.27 for i in x], rm, 0.27, color="tab:red", label="RoPE-only: matching (only term)")
         ax.set_yscale("log")
         ax.set_xticks(x, [str(L["layer"]) for L in layers], fontsize=7)
         ax.set_xlabel("layer")
         ax.set_ylabel("‖term‖² / ‖o‖²")
         ax.set_title(f"INT{k}: exact error split", fontsize=9)
-        ax.legend(fontsize=6)
+    h, lab = axes[0][0].get_legend_handles_labels()
+    fig.legend(h, lab, loc="lower center", ncol=3, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    return _save(fig, os.path.join(out_dir, "split.png"))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(os.path.join(out_dir, "split.png"), dpi=DPI)
+    _plt().close(fig)
+    return os.path.join(out_dir, "split.png")
 
 
 def plot_pairs(result: dict, out_dir: str, title: str = "") -> str:

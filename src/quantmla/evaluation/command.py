@@ -68,7 +68,7 @@ def rows_for(args):
     for c in configs:
         cfg = named_config(c, args.content_group, args.rope_group)
         for m in methods:
-            if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and cfg.rope.mode == "fp8"):
+            if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
                 continue  # bf16 pairs only with the BF16 config; KIVI needs integer RoPE codes
             rows.append(RowSpec(cfg, m, block))
     if not rows:
@@ -136,6 +136,7 @@ def run(args) -> int:
                                calib_kwargs=calib_kwargs)
             row["model"] = name
             row["data"] = _data_key(settings)
+            row["device"] = _device_name(args.device)
             new_rows.append(row)
             _log(f"{name} {r.config.name} {r.method}: bpb {row['bits_per_byte']:.4f} retrieval "
                  + " ".join(f"{L}:{v['accuracy']:.2f}" for L, v in row["retrieval"].items())
@@ -147,6 +148,14 @@ def run(args) -> int:
         jpath, mpath = os.path.join(out, "accuracy.json"), os.path.join(out, "accuracy.md")
     print(f"wrote {jpath} and {mpath}")
     return 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
 
 
 def _data_key(settings: dict) -> dict:

@@ -61,11 +61,16 @@ def markdown(rows: list[dict], settings: dict | None = None, lengths=RETRIEVAL_L
         out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision, "
                    "as KIVI does.")
     datas = {json.dumps(r["data"], sort_keys=True) for r in rows if r.get("data")}
+    data_keys = set(datas)
+    mixed = len(datas) > 1 or len({r.get("device") for r in rows}) > 1
     if len(datas) == 1:
         d = json.loads(datas.pop())
         out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in d.items()) + "."]
     elif len(datas) > 1:
-        out += ["", "Rows were computed with different data settings (see each row's `data` in accuracy.json)."]
+        out += ["", "Rows were computed with different data settings: the `run` column names each row's "
+                "(retrieval samples per length are in each cell; full settings in each row's `data` in accuracy.json)."]
+        for i, d in enumerate(sorted(datas)):
+            out.append(f"- settings {chr(65 + i)}: " + ", ".join(f"{k} {v}" for k, v in json.loads(d).items()))
     elif settings:
         out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items() if not isinstance(v, (dict, list))) + "."]
     out += ["", "Bits per byte (bpb) of held-out text (lower is better; Δ vs the model's BF16 row); retrieval: "
@@ -77,6 +82,8 @@ def markdown(rows: list[dict], settings: dict | None = None, lengths=RETRIEVAL_L
         out += ["", f"## {model}", ""]
         head = ["config", "method", "B/token", "bpb", "Δ bpb"] + [f"retr. {L // 1024}K" if L % 1024 == 0 else f"retr. {L}"
                                                                  for L in lengths]
+        if mixed:
+            head.append("run")
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
         for r in R:
@@ -86,6 +93,9 @@ def markdown(rows: list[dict], settings: dict | None = None, lengths=RETRIEVAL_L
             for L in lengths:
                 v = r["retrieval"].get(str(L))
                 cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} (n={v['n']})")
+            if mixed:
+                tag = chr(65 + sorted(data_keys).index(json.dumps(r["data"], sort_keys=True))) if r.get("data") else "?"
+                cells.append(f"{tag}, {r.get('device', '?')}")
             out.append("| " + " | ".join(cells) + " |")
     G = goals(rows)
     if any(len(g) > 1 for g in G):
