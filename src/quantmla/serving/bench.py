@@ -43,13 +43,13 @@ PRESETS = {
 class BenchSettings:
     preset: str = "v2-lite"
     model_path: str | None = None  # serve this checkpoint instead of a random model
-    requests: int = 96
+    requests: int = 64
     prompt_min: int = 1024
     prompt_max: int = 2048
     output_min: int = 256
     output_max: int = 384
     seed: int = 0
-    budgets_gib: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    budgets_gib: tuple[float, ...] = (0.25, 0.5, 1.0, 3.0)
     methods: tuple[str, ...] = ("bf16", "int4/int4", "int2/int4")
     content_group: int = 64
     rope_group: int = 32
