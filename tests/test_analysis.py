@@ -220,6 +220,10 @@ def test_analyze_command_writes_json_and_plots(tmp_path):
     for png in ("distortion", "split", "pairs", "first_order"):
         p = out / f"{png}.png"
         assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size < 200_000
+    from quantmla.analysis.overview import write_overview
+
+    md = Path(write_overview(str(tmp_path))).read_text()
+    assert md.count("| [m](out/summary.md) |") == 2  # one line per bit width
 
 
 def test_analyze_command_errors(tmp_path, capsys):

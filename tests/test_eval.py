@@ -157,7 +157,7 @@ def test_evaluate_row_wires_caches_and_calibration():
         return {"bits_per_byte": 1.5, "tokens": 30}
 
     def retr_fn(m, tok, samples, *, cache_factory):
-        return {"accuracy": 1.0, "n": len(samples), "correct": len(samples)}
+        return {"accuracy": 1.0, "n": len(samples), "correct": len(samples), "per_sample": [True] * len(samples)}
 
     def calib_fn(m, ids, quant, *, method, paths, seed):
         seen["calib"] = (method, tuple(paths), quant.content.bits, quant.rope.bits)
@@ -173,7 +173,7 @@ def test_evaluate_row_wires_caches_and_calibration():
         assert isinstance(cache, KIVICache if method == "kivi" else QuantMLACache)
         if method not in ("bf16", "kivi"):
             assert cache.quant.content.bits == 2 and cache.quant.rope.bits == 4
-        assert row["retrieval"]["2048"] == {"accuracy": 1.0, "n": 2, "correct": 2}
+        assert row["retrieval"]["2048"] == {"accuracy": 1.0, "n": 2, "correct": 2, "per_sample": [True, True]}
         assert row["bytes_per_token"] == RowSpec(cfg, method, 8).bytes_per_token(cache.spec) > 0
         if method in CALIBRATED:
             assert seen["calib"] == (*CALIBRATED[method][0:1], CALIBRATED[method][1], 2, 4)

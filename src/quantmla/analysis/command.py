@@ -102,6 +102,12 @@ def run(args) -> int:
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary_markdown(result, name))
     files = [] if args.no_plots else plot_all(result, out, title=name)
+    if args.out is None:  # the shipped layout results/analysis/<model>: refresh the cross-model overview
+        from quantmla.analysis.overview import write_overview
+
+        ov = write_overview(os.path.dirname(out))
+        if ov:
+            files.append(ov)
     print(summary_markdown(result, name))
     print("wrote " + ", ".join([os.path.join(out, "analysis.json"), os.path.join(out, "summary.md"), *files]))
     return 0

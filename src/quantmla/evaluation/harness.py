@@ -362,7 +362,8 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         if progress:
             progress(f"{row.config.name} {row.method}: retrieval {L}")
         r = retrieval_fn(m, tokenizer, samples, cache_factory=factory)
-        retr[str(L)] = {"accuracy": r["accuracy"], "n": r["n"], "correct": r.get("correct")}
+        retr[str(L)] = {"accuracy": r["accuracy"], "n": r["n"], "correct": r.get("correct"),
+                        "per_sample": [bool(x) for x in r.get("per_sample", [])] or None}
     row_out = {
         "config": row.config.name,
         "method": row.method,

@@ -1,0 +1,61 @@
+"""Cross-model overview of analysis results: <root>/README.md from every <root>/<model>/analysis.json."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _load(root: str) -> list[dict]:
+    out = []
+    for name in sorted(os.listdir(root)):
+        p = os.path.join(root, name, "analysis.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                r = json.load(f)
+            r.setdefault("model", name)
+            r["_dir"] = name
+            out.append(r)
+    return out
+
+
+def overview_markdown(results: list[dict]) -> str:
+    lines = ["# Dual-path error analysis: all models", "",
+             "Per model (geometric mean over layers): the attention-output distortion of RoPE-only over content-only "
+             "quantization at equal bits (per-token groups: content 64, RoPE 32 channels), the RoPE amplification "
+             "(distortion per unit of relative cache error, RoPE over content), the same ratio already present in the "
+             "RMS logit error, and how many layers the RoPE path hurts more. Definitions: each model's analysis.json "
+             "(`definitions`); per-layer figures and plots: each model's summary.md and PNGs.", "",
+             "| model | bits | content-only | RoPE-only | RoPE/content | amplification | in logits | layers RoPE worse | "
+             "first-order rel. err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        L = r["layers"]
+        for b in map(str, r["settings"]["bits"]):
+            s = r["summary"]["by_bits"][b]
+            c = sum(x["runs"]["content"][b]["distortion"] for x in L) / len(L)
+            ro = sum(x["runs"]["rope"][b]["distortion"] for x in L) / len(L)
+            lines.append(f"| [{r['model']}]({r['_dir']}/summary.md) | {b} | {c:.4g} | {ro:.4g} | "
+                         f"{s['distortion_ratio_gmean']:.3g} | {s['rope_amplification_gmean']:.3g} | "
+                         f"{s.get('rope_logit_amplification_gmean', float('nan')):.3g} | {s['layers_rope_worse']}/{len(L)} | "
+                         f"{s['first_order_rel_err_max']:.2g} |")
+    lines += ["", "Top RoPE-key frequency pair per layer (pair index j, higher j = lower frequency; RMS against the median "
+              "pair's RMS):", ""]
+    for r in results:
+        cells = []
+        for x in r["layers"]:
+            k = x["pairs"]["k_rope_rms"]
+            j = max(range(len(k)), key=lambda i: k[i])
+            cells.append(f"layer {x['layer']}: j={j} ({k[j]:.2f} vs {sorted(k)[len(k) // 2]:.2f})")
+        lines.append(f"- {r['model']}: " + "; ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def write_overview(root: str) -> str | None:
+    results = _load(root)
+    if not results:
+        return None
+    path = os.path.join(root, "README.md")
+    with open(path, "w") as f:
+        f.write(overview_markdown(results))
+    return path
