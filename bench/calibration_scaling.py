@@ -120,7 +120,7 @@ def rope_keys(p: dict) -> int:
 def fit_model(points: list[dict]) -> dict:
     """Per-unit costs, as medians over the sweep (and their spread, which says how well the unit
     predicts the time): content fit s per step-MAC, RoPE search s per kept key (d_r fixed at 64),
-    capture s per capture-MAC, forward s per (token x layer byte)."""
+    capture s per capture-MAC, forward s per forward-MAC (the forward's time net of the capture)."""
     def stat(vals):
         vals = sorted(vals)
         return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
@@ -130,34 +130,109 @@ def fit_model(points: list[dict]) -> dict:
         "content_s_per_step_mac": stat([x["content_fit_s"] / (x["steps"] * step_work(pt)) for pt, x in r]),
         "rope_s_per_key": stat([x["rope_fit_s"] / rope_keys(pt) for pt, x in r]),
         "capture_s_per_mac": stat([x["capture_s"] / capture_work(pt) for pt, x in r]),
-        "forward_s_per_token_byte": stat([(x["forward_s"] - x["capture_s"]) / (pt["seqs"] * pt["seq_len"] * x["moe_layer_bytes"])
-                                          for pt, x in r]),
+        "forward_s_per_mac": stat([(x["forward_s"] - x["capture_s"])
+                                   / (pt["seqs"] * pt["seq_len"] * forward_macs_per_token(pt, **SYNTH_MOE)) for pt, x in r]),
         "load_gb_per_s": stat([x["moe_layer_bytes"] / max(x["load_s"], 1e-9) / 1e9 for pt, x in r]),
         "write_gb_per_s": stat([x["moe_layer_bytes"] / max(x["write_s"], 1e-9) / 1e9 for pt, x in r]),
     }
 
 
-def project(model: dict, seqs: int, seq_len: int, steps: int, fit_speedup: float, fwd_speedup: float,
-            load_gbps: float, ranks: int, dtype_bytes: int = 4) -> dict:
-    """Projected DeepSeek-V3 wall time. Every layer is loaded (bf16 on disk, computed in fp32) and
-    forwarded on the streaming rank, which also captures; fits go round-robin over `ranks`."""
+def forward_macs_per_token(p: dict, active_experts: int, moe_inter: int) -> float:
+    """Multiply-adds per token of one MoE decoder layer's forward: the MLA projections, causal
+    attention over the sequence (heads expanded, as transformers computes it), the active experts
+    (routed + shared) and the router."""
+    h, H, dc, dr, dn, dv, ql = p["hidden"], p["heads"], p["d_c"], p["d_r"], p["d_n"], p["d_v"], p["q_lora"]
+    attn = h * ql + ql * H * (dn + dr) + h * (dc + dr) + dc * H * (dn + dv) + H * dv * h
+    scores = p["seq_len"] / 2 * H * (dn + dr + dv)
+    return attn + scores + active_experts * 3 * h * moe_inter + p.get("experts", 8) * h
+
+
+SYNTH_MOE = dict(active_experts=3, moe_inter=256)  # 2 routed + 1 shared of 8, as _config builds
+DSV3_MOE = dict(active_experts=9, moe_inter=2048)  # 8 routed + 1 shared of 256
+
+# Rates assumed for the H200 projections (not measured here: the team's GPU budget was spent).
+ASSUMED = {
+    "gpu_forward_tflops": 30.0,  # effective fp32 (TF32 matmuls, eager attention, grouped-mm MoE) on an H200
+    "gpu_fit_tflops": 50.0,  # the content objective's einsums in TF32, if the fit ran on the GPU (it does not yet)
+    "gpu_rope_search_s": 5.0,  # the RoPE closed-form/grid/Adam search per layer on a GPU (launch-bound)
+    "host_cpu_gflops_per_rank": 400.0,  # fp32, 16 cores of the H200 host per rank, for the fit as implemented (CPU)
+    "nvme_read_gbps": 3.0,  # reading a layer's bf16 shard
+    "nvme_write_gbps": 2.0,  # writing it back
+}
+
+
+def simulate(n_layers: int, ranks: int, stream_s: float, fit_s: float, streamer_fits: bool) -> float:
+    """Wall time of the distributed schedule: rank 0 streams every layer; each layer's owner
+    (round-robin) fits and writes it; sends block until the owner is free."""
+    fitters = list(range(ranks)) if (streamer_fits or ranks == 1) else list(range(1, ranks))
+    free = {r: 0.0 for r in range(ranks)}
+    t0 = 0.0
+    for i in range(n_layers):
+        t0 += stream_s
+        r = fitters[i % len(fitters)]
+        if r == 0:
+            t0 += fit_s
+        else:
+            start = max(t0, free[r])  # rank 0 waits in send until the owner receives
+            t0 = start
+            free[r] = start + fit_s
+    return max([t0] + list(free.values()))
+
+
+def project(model: dict, seqs: int, seq_len: int, steps: int = 200) -> dict:
+    """Projected wall time of calibrating DeepSeek-V3 geometry (61 layers; every layer counted as a
+    MoE layer, 11.3 GB in bf16) with `seqs` x `seq_len` calibration tokens and `steps` content steps."""
     p = {**DSV3, "seqs": seqs, "seq_len": seq_len}
     m = {k: v["median"] for k, v in model.items()}
-    fit = (m["content_s_per_step_mac"] * steps * step_work(p) + m["rope_s_per_key"] * rope_keys(p)) / fit_speedup
-    cap = m["capture_s_per_mac"] * capture_work(p) / fwd_speedup
-    layer_bytes = [DSV3["dense_layer_bytes_bf16"]] * DSV3["dense_layers"] + \
-                  [DSV3["moe_layer_bytes_bf16"]] * (DSV3["layers"] - DSV3["dense_layers"])
-    load = sum(b / (load_gbps * 1e9) for b in layer_bytes)
-    # forward cost per token x byte measured in fp32 bytes; the checkpoint is bf16 (x2 in fp32)
-    fwd = sum(m["forward_s_per_token_byte"] * seqs * seq_len * b * dtype_bytes / 2 for b in layer_bytes) / fwd_speedup
     L = DSV3["layers"]
-    stream = load + fwd + L * cap
-    if ranks == 1:
-        wall = stream + L * fit
-    else:  # rank 0 streams and fits its share; the other ranks fit theirs meanwhile
-        wall = max(stream + (L / ranks) * fit, (L / ranks) * fit + stream / L)
-    return {"fit_s_per_layer": fit, "capture_s_per_layer": cap, "load_s_total": load, "forward_s_total": fwd,
-            "wall_s": wall, "wall_h": wall / 3600}
+    tokens = seqs * seq_len
+    content_mac = steps * step_work(p)  # forward MACs; the measured unit includes the backward
+    fwd_mac = tokens * forward_macs_per_token(p, **DSV3_MOE)
+    cap_mac = capture_work(p)
+    layer_b = DSV3["moe_layer_bytes_bf16"]
+    here_fit_gflops = 2 * 3 / m["content_s_per_step_mac"] / 1e9  # fwd + bwd ≈ 3 forwards, 2 flops per MAC
+    scen = {}
+    # 1) this machine, measured unit costs (CPU, fp32)
+    cpu = {"stream_s": layer_b / (m["load_gb_per_s"] * 1e9) + m["forward_s_per_mac"] * fwd_mac + m["capture_s_per_mac"] * cap_mac,
+           "fit_s": m["content_s_per_step_mac"] * content_mac + m["rope_s_per_key"] * rope_keys(p)
+                    + layer_b / (m["write_gb_per_s"] * 1e9)}
+    scen["this_cpu_measured_rates"] = cpu
+    # 2) H200 host, fit on the host CPU as calibrate implements it today
+    a = ASSUMED
+    gpu_stream = layer_b / (a["nvme_read_gbps"] * 1e9) + (2 * fwd_mac + 2 * cap_mac) / (a["gpu_forward_tflops"] * 1e12)
+    cpu_ratio = a["host_cpu_gflops_per_rank"] / here_fit_gflops
+    scen["h200_fit_on_host_cpu"] = {
+        "stream_s": gpu_stream,
+        "fit_s": (m["content_s_per_step_mac"] * content_mac + m["rope_s_per_key"] * rope_keys(p)) / cpu_ratio
+                 + layer_b / (a["nvme_write_gbps"] * 1e9)}
+    # 3) H200 with the fit moved onto the GPU (not implemented; what it would buy)
+    scen["h200_fit_on_gpu"] = {
+        "stream_s": gpu_stream,
+        "fit_s": 6 * content_mac / (a["gpu_fit_tflops"] * 1e12) + a["gpu_rope_search_s"] + layer_b / (a["nvme_write_gbps"] * 1e9)}
+    out = {"content_forward_gmac_per_step": step_work(p) / 1e9, "forward_gmac_per_layer": fwd_mac / 1e9,
+           "capture_gmac_per_layer": cap_mac / 1e9, "rope_keys": rope_keys(p), "measured_fit_gflops_here": here_fit_gflops}
+    for name, sc in scen.items():
+        row = {"stream_s_per_layer": sc["stream_s"], "fit_write_s_per_layer": sc["fit_s"]}
+        for g in (1, 8):
+            best = min(simulate(L, g, sc["stream_s"], sc["fit_s"], True), simulate(L, g, sc["stream_s"], sc["fit_s"], False))
+            row[f"wall_h_{g}"] = best / 3600
+        out[name] = row
+    return out
+
+
+def markdown(res: dict) -> str:
+    """The sweep as a markdown table (for docs/scaling.md)."""
+    mib = 2**20
+    rows = ["| axis | d_c | heads | tokens (seqs x len) | load s | forward s (capture) | content fit s | RoPE search s | "
+            "write s | peak RSS over start MiB | captured MiB | MoE layer MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pt in res["points"]:
+        r = pt["runs"][0]
+        rows.append(f"| {pt['axis']} | {pt['d_c']} | {pt['heads']} | {pt['seqs']}x{pt['seq_len']} | {r['load_s']:.2f} | "
+                    f"{r['forward_s']:.1f} ({r['capture_s']:.1f}) | {r['content_fit_s']:.1f} | {r['rope_fit_s']:.1f} | "
+                    f"{r['write_s']:.2f} | {r['peak_rss_over_start_bytes'] / mib:.0f} | {r['captured_bytes'] / mib:.1f} | "
+                    f"{r['moe_layer_bytes'] / mib:.1f} |")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
@@ -167,7 +242,24 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a results file and exit")
+    ap.add_argument("--reproject", default=None, metavar="JSON", help="refit the cost model / projection of a results file")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return 0
+    if args.reproject:  # refit the cost model and the projection of an existing results file
+        with open(args.reproject) as f:
+            res = json.load(f)
+        res["cost_model"] = fit_model(res["points"])
+        res["projection_dsv3"] = {name: project(res["cost_model"], n, sl)
+                                  for name, (n, sl) in {"16x512": (16, 512), "64x1024": (64, 1024)}.items()}
+        res["assumed_h200_rates"] = ASSUMED
+        with open(args.reproject, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps({"cost_model": res["cost_model"], "projection_dsv3": res["projection_dsv3"]}, indent=1))
+        return 0
     from quantmla.calibration.distributed import spawn_call
 
     kind = "cpu" if args.device == "cpu" else "cuda"
@@ -191,12 +283,9 @@ def main(argv=None) -> int:
             json.dump({"machine": machine, "steps": args.steps, "points": points}, f, indent=1)
     machine["load_average_end"] = os.getloadavg()
     model = fit_model(points)
-    load_gbps = model["load_gb_per_s"]["median"]
-    proj = {}
-    for name, (seqs, seq_len) in {"cli_default_16x512": (16, 512), "64x1024": (64, 1024)}.items():
-        proj[name] = {"this_machine_1proc": project(model, seqs, seq_len, 200, 1.0, 1.0, load_gbps, 1)}
+    proj = {name: project(model, n, sl) for name, (n, sl) in {"16x512": (16, 512), "64x1024": (64, 1024)}.items()}
     res = {"machine": machine, "steps": args.steps, "points": points, "cost_model": model,
-           "projection_dsv3": proj, "dsv3_geometry": DSV3}
+           "projection_dsv3": proj, "dsv3_geometry": DSV3, "assumed_h200_rates": ASSUMED}
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

@@ -131,10 +131,10 @@ def test_layer_streamed_calibration_under_a_memory_cap(tmp_path):
     info = write_random_checkpoint(_big_config(), str(tmp_path / "src"), seed=0)
     ckpt = ShardedCheckpoint(tmp_path / "src")
     assert len({ckpt.weight_map[n] for n in ckpt.weight_map}) == 21  # one shard per layer + the rest
-    ids = _ids(n=4, length=64, vocab=512)
+    ids = _ids(n=4, length=32, vocab=512)
     # a fresh process, so its peak RSS is this run's alone
     code, rep = spawn_call(calibrate_streamed, str(tmp_path / "src"), str(tmp_path / "out"), ids, QUANT,
-                           method="hadamard", seed=0, activations="disk")
+                           method="random", seed=0, activations="disk")  # the seeded stand-in fit: fast
     assert code == 0, code
     model_bytes, layer_bytes = info["bytes"], info["max_layer_bytes"]
     assert model_bytes > 18 * layer_bytes
@@ -148,15 +148,17 @@ def test_layer_streamed_calibration_under_a_memory_cap(tmp_path):
     assert 0 < growth < min(0.4 * model_bytes, 4 * layer_bytes + (32 << 20)), (growth / 2**20, model_bytes / 2**20)
     out = ShardedCheckpoint(tmp_path / "out")
     assert sorted(out.weight_map) == sorted(ckpt.weight_map)
-    # hadamard fused into every layer's latent path; everything else copied bit for bit
+    # content + RoPE transforms fused into every layer's attention; everything else copied bit for bit
     src, dst = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
-    changed = sorted({k.split(".self_attn.")[1] for k in _same_tensors(src, dst)})
-    assert changed == ["kv_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight"]
+    changed = _same_tensors(src, dst)
+    assert len(changed) == 20 * 4
+    assert sorted({k.split(".self_attn.")[1] for k in changed}) == [
+        "kv_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "q_b_proj.weight"]
 
 
-def test_disk_activations_and_device_batching_give_the_same_result(ds3, tmp_path):
+def test_disk_activations_give_the_same_result(ds3, tmp_path):
     ids = _ids()
-    kw = dict(method="quantmla", seed=2, fit_kwargs=FAST, attn_implementation="eager")
+    kw = dict(method="quantmla", seed=2, fit_kwargs=FASTER, attn_implementation="eager", batch_size=2)
     calibrate_streamed(ds3, tmp_path / "mem", ids, QUANT, activations="memory", **kw)
     calibrate_streamed(ds3, tmp_path / "disk", ids, QUANT, activations="disk", **kw)
     assert _same_tensors(_tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")) == []
