@@ -114,12 +114,12 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
             rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
                         "candidates": rf.heldout, "fit": rf.fit, "weighting": rope_weighting}
         else:
-            held_m = torch.isin(d.key_seq, held_seqs)
+            held_m = torch.isin(d.key_seq, held_seqs.to(d.key_seq.device))
             v = float(RopeQK(d.keys[held_m], d.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
             rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": rope_weighting}
     # both paths quantized, held-out output error: RTN vs the chosen transforms
     held = OutputDistortion(d, held_seqs)
-    gamma = d.gamma.double()
+    gamma = d.gamma.double().cpu()
     c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
     c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
     z = None if rt is None else rt.z
@@ -152,12 +152,14 @@ def calibrate(
     max_capture_bytes: int = 2 << 30,
     progress: bool = True,
     verbose: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> CalibrationReport:
     """Calibrate `model` in place for the cache format `quant` and fuse the transforms.
 
     calib_ids: LongTensor [N, L] (N >= 2; a quarter of the sequences is held out). Sets
     ``model.config.quantization_config = quant.to_dict()`` with ``method`` recorded. Returns the
     per-layer held-out objectives before (RTN) and after. Deterministic for a given seed.
+    device: where captured activations live and the fits run (default: CPU).
     """
     if method not in METHODS:
         raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
@@ -187,7 +189,7 @@ def calibrate(
     model.eval()
     data = capture_calibration_data(model, spec, calib_ids, queries_per_seq=queries_per_seq,
                                     rope_keys_per_seq=rope_keys_per_seq, batch_size=batch_size,
-                                    max_bytes=max_capture_bytes, seed=seed, progress=progress)
+                                    max_bytes=max_capture_bytes, seed=seed, progress=progress, store_device=device)
     t_capture = time.perf_counter() - t0
 
     from tqdm.auto import tqdm

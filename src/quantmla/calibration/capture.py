@@ -86,18 +86,18 @@ def _sample_keys(L: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torc
 
 @torch.no_grad()
 def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key_pos: torch.Tensor,
-            key_w: torch.Tensor, seq_offset: int) -> None:
+            key_w: torch.Tensor, seq_offset: int, store_device: torch.device | str | None = None) -> None:
     p = view.parts(hidden, pe)
     B, L = hidden.shape[:2]
     scale = data.scale
     latent = p["latent"].float()  # [B, L, d_c]
     k_rope = p["k_rope"].float()  # [B, L, d_r]
     q_rope_all = p["q_rope"].float()  # [B, H, L, d_r]
-    bidx = torch.arange(B)[:, None]
+    bidx = torch.arange(B, device=hidden.device)[:, None]
     q_nope = p["q_nope"].float().transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_n]
     q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, view.w_uk.float())
     q_r = q_rope_all.transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_r]
-    dev = torch.device("cpu")
+    dev = torch.device(store_device or "cpu")
     data.latent.append(latent.to(dev))
     data.k_rope.append(k_rope.to(dev))
     data.q_pos.append(q_pos.to(dev))
@@ -125,7 +125,7 @@ def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key
     data.A["uniform"].append((a_unif * w).reshape(-1, view.spec.d_r, view.spec.d_r).to(dev))
     data.A["attention"].append((a_attn * w).reshape(-1, view.spec.d_r, view.spec.d_r).to(dev))
     data.keys.append(k_rope[:, key_pos].reshape(-1, view.spec.d_r).to(dev))
-    data.key_seq.append((torch.arange(B)[:, None] + seq_offset).expand(B, len(key_pos)).reshape(-1))
+    data.key_seq.append((torch.arange(B, device=dev)[:, None] + seq_offset).expand(B, len(key_pos)).reshape(-1))
 
 
 def out_projection(view: MLAView) -> torch.Tensor:
@@ -147,8 +147,10 @@ def capture_calibration_data(
     max_bytes: int = 2 << 30,
     seed: int = 0,
     progress: bool = True,
+    store_device: torch.device | str | None = None,
 ) -> dict[int, LayerData]:
-    """Run the full-precision model over calib_ids [N, L] and return slot -> LayerData."""
+    """Run the full-precision model over calib_ids [N, L] and return slot -> LayerData (its tensors
+    on `store_device`, default CPU; fitting then runs there)."""
     from tqdm.auto import tqdm
 
     if calib_ids.dim() != 2 or calib_ids.dtype not in (torch.long, torch.int32, torch.int64):
@@ -178,8 +180,9 @@ def capture_calibration_data(
         views = {slot: MLAView(mods[slot], spec) for slot in group}
         for slot in group:
             out[slot] = LayerData(
-                slot=slot, scale=spec.softmax_scale, gamma=mods[slot].kv_a_layernorm.weight.detach().float().cpu().clone(),
-                out_proj=out_projection(views[slot]), rope_layout=spec.rope_cache_layout,
+                slot=slot, scale=spec.softmax_scale,
+                gamma=mods[slot].kv_a_layernorm.weight.detach().float().to(store_device or "cpu").clone(),
+                out_proj=out_projection(views[slot]).to(store_device or "cpu"), rope_layout=spec.rope_cache_layout,
             )
         state = {"start": 0, "q_pos": None}
 
@@ -188,7 +191,8 @@ def capture_calibration_data(
                 hidden = kwargs.get("hidden_states", args[0] if args else None)
                 pe = kwargs.get("position_embeddings")
                 qp = state["q_pos"].to(hidden.device)
-                _record(out[slot], views[slot], hidden, pe, qp, key_pos.to(hidden.device), key_w, state["start"])
+                _record(out[slot], views[slot], hidden, pe, qp, key_pos.to(hidden.device), key_w, state["start"],
+                        store_device)
 
             return hook
 

@@ -30,22 +30,32 @@ from quantmla.quant import PathFormat
 from quantmla.transforms.rope import apply_pairs
 
 
-def attention_output(data: LayerData, seqs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                     before_o_proj: bool = False) -> torch.Tensor:
+def rope_logits(data: LayerData, seqs: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """scale·q^R·k_R of the sampled queries of `seqs` against k_rope [b, L, d_r], with the causal mask
+    applied (−inf): [b, S_q·H, L]."""
+    b, L = k_rope.shape[:2]
+    q_r = data.q_rope[seqs]  # [b, S_q, H, d_r]
+    S_q, H = q_r.shape[1:3]
+    s = torch.bmm(q_r.reshape(b, S_q * H, -1), k_rope.transpose(1, 2)) * data.scale
+    masked = torch.arange(L, device=s.device)[None, None, :] > data.q_pos[seqs][:, :, None]  # [b, S_q, L]
+    s.view(b, S_q, H, L).masked_fill_(masked[:, :, None], float("-inf"))
+    return s
+
+
+def attention_output(data: LayerData, seqs: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor | None = None,
+                     before_o_proj: bool = False, rope_logits_: torch.Tensor | None = None) -> torch.Tensor:
     """Attention-block output of the sampled queries of sequences `seqs`, attending over
-    latent [b, L, d_c] and k_rope [b, L, d_r]: [b, S_q, hidden] (or [b, S_q, H, d_c] latent-space
-    head outputs when before_o_proj)."""
-    q_lat, q_r, pos = data.q_latent[seqs], data.q_rope[seqs], data.q_pos[seqs]
-    L = latent.shape[1]
-    s = torch.einsum("bqhc,blc->bhql", q_lat, latent) + torch.einsum("bqhr,blr->bhql", q_r, k_rope)
-    s = s * data.scale
-    masked = torch.arange(L)[None, None, :] > pos[:, :, None]
-    s = s.masked_fill(masked[:, None], float("-inf"))
-    p = torch.softmax(s, -1)
-    o = torch.einsum("bhql,blc->bqhc", p, latent)
+    latent [b, L, d_c] and k_rope [b, L, d_r] (or precomputed :func:`rope_logits`): [b, S_q, hidden]
+    (or [b, S_q, H, d_c] latent-space head outputs when before_o_proj)."""
+    q_lat = data.q_latent[seqs]  # [b, S_q, H, d_c]
+    b, S_q, H, d_c = q_lat.shape
+    if rope_logits_ is None:
+        rope_logits_ = rope_logits(data, seqs, k_rope)
+    s = torch.baddbmm(rope_logits_, q_lat.reshape(b, S_q * H, d_c), latent.transpose(1, 2), alpha=data.scale)
+    o = torch.bmm(torch.softmax(s, -1), latent)  # [b, S_q·H, d_c]
     if before_o_proj:
-        return o
-    return torch.einsum("bqhc,hcd->bqd", o, data.out_proj)
+        return o.view(b, S_q, H, d_c)
+    return o.reshape(b, S_q, H * d_c) @ data.out_proj.reshape(H * d_c, -1)
 
 
 def content_dequant(latent: torch.Tensor, t: torch.Tensor | None, t_inv: torch.Tensor | None, fmt: PathFormat) -> torch.Tensor:
@@ -61,7 +71,7 @@ def rope_dequant(k_rope: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor] | to
     if z is None:
         return fake_quant_lsq(k_rope, fmt)
     zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
-    zr, zi = zr.float(), zi.float()
+    zr, zi = zr.float().to(k_rope.device), zi.float().to(k_rope.device)
     n2 = zr * zr + zi * zi
     return apply_pairs(fake_quant_lsq(apply_pairs(k_rope, (zr, zi), layout), fmt), (zr / n2, -zi / n2), layout)
 
@@ -72,24 +82,24 @@ class OutputDistortion:
     def __init__(self, data: LayerData, seqs: torch.Tensor, chunk: int = 4, before_o_proj: bool = False):
         self.data, self.seqs, self.chunk, self.before = data, seqs, chunk, before_o_proj
         with torch.no_grad():
-            self.ref = [self._out(c, data.latent[c], data.k_rope[c]) for c in self.chunks()]
+            self.rope = [rope_logits(data, c, data.k_rope[c]) for c in self.chunks()]
+            self.ref = [attention_output(data, c, data.latent[c], before_o_proj=self.before, rope_logits_=r)
+                        for c, r in zip(self.chunks(), self.rope)]
         self.energy = sum(float(r.pow(2).sum()) for r in self.ref)
 
     def chunks(self):
         return [self.seqs[i : i + self.chunk] for i in range(0, len(self.seqs), self.chunk)]
 
-    def _out(self, seqs, latent, k_rope):
-        return attention_output(self.data, seqs, latent, k_rope, self.before)
-
     @torch.no_grad()
     def __call__(self, content_fn=None, rope_fn=None) -> float:
         """content_fn(latent) -> ĉ, rope_fn(k_rope) -> k̂_R (None: full precision)."""
         err = 0.0
-        for c, ref in zip(self.chunks(), self.ref):
-            lat, kr = self.data.latent[c], self.data.k_rope[c]
+        for c, ref, rl in zip(self.chunks(), self.ref, self.rope):
+            lat = self.data.latent[c]
             lat = content_fn(lat) if content_fn else lat
-            kr = rope_fn(kr) if rope_fn else kr
-            err += float((self._out(c, lat, kr) - ref).pow(2).sum())
+            if rope_fn is not None:
+                rl = rope_logits(self.data, c, rope_fn(self.data.k_rope[c]))
+            err += float((attention_output(self.data, c, lat, before_o_proj=self.before, rope_logits_=rl) - ref).pow(2).sum())
         return err / max(self.energy, 1e-30)
 
 

@@ -49,7 +49,7 @@ def _normalized(log_s: torch.Tensor) -> torch.Tensor:
 
 def closed_forms(data: LayerData, fit_seqs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-pair log-scales of the closed-form baselines (phase 0), from the fit sequences."""
-    k = data.k_rope[fit_seqs].reshape(-1, data.k_rope.shape[-1])
+    k = data.k_rope[fit_seqs.to(data.k_rope.device)].reshape(-1, data.k_rope.shape[-1])
     mag = _pair_mag(k, data.rope_layout)  # [T, P]
     rms_k = mag.pow(2).mean(0).sqrt().clamp_min(1e-12)
     max_k = mag.amax(0).clamp_min(1e-12)
@@ -73,11 +73,12 @@ def grid_search(obj: RopeQK, log_s: torch.Tensor, phase: torch.Tensor, sweeps: i
     """Coordinate descent over each pair's (log-scale, phase) on a product grid around the current
     point; the grid's range shrinks 4× per sweep."""
     log_s, phase = log_s.clone().float(), phase.clone().float()
+    dev = log_s.device
     best = float(obj.batch(*[t[None] for t in _z(log_s, phase)])[0])
     span_s, span_p = math.log(4.0), math.pi
     for _ in range(sweeps):
-        ds = torch.linspace(-span_s, span_s, n_scale)
-        dp = torch.arange(n_phase) * (2 * span_p / n_phase) - (span_p if span_p < math.pi else 0.0)
+        ds = torch.linspace(-span_s, span_s, n_scale, device=dev)
+        dp = torch.arange(n_phase, device=dev) * (2 * span_p / n_phase) - (span_p if span_p < math.pi else 0.0)
         grid = torch.cartesian_prod(ds, dp)  # [G, 2]
         for j in range(log_s.shape[0]):
             ls = log_s.expand(len(grid), -1).clone()
@@ -98,18 +99,19 @@ def adam_search(obj: RopeQK, log_s: torch.Tensor, phase: torch.Tensor, steps: in
     ph = torch.nn.Parameter(phase.clone().float())
     opt = torch.optim.Adam([ls, ph], lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
-    best = (float(obj(_z(ls.detach(), ph.detach()))), ls.detach().clone(), ph.detach().clone())
-    for _ in range(steps):
+    best = (float("inf"), ls.detach().clone(), ph.detach().clone())
+    for _ in range(steps + 1):
         loss = obj(_z(ls, ph))
+        if float(loss.detach()) < best[0]:  # the objective at the current (pre-step) point
+            best = (float(loss.detach()), ls.detach().clone(), ph.detach().clone())
+        if _ == steps:
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         with torch.no_grad():
             ls.clamp_(-MAX_LOG_SCALE, MAX_LOG_SCALE)
-            v = float(obj(_z(ls, ph)))
-        if v < best[0]:
-            best = (v, ls.detach().clone(), ph.detach().clone())
     return best[1], best[2], best[0]
 
 
@@ -117,12 +119,13 @@ def fit_rope(data: LayerData, fmt: PathFormat, fit_seqs: torch.Tensor, held_seqs
              weighting: str = "attention", searches: tuple[str, ...] = SEARCHES, steps: int = 200,
              grid_sweeps: int = 2, pbar=None) -> RopeFit:
     P = data.k_rope.shape[-1] // 2
-    fit_m = torch.isin(data.key_seq, fit_seqs)
-    held_m = torch.isin(data.key_seq, held_seqs)
+    dev = data.keys.device
+    fit_m = torch.isin(data.key_seq, fit_seqs.to(dev))
+    held_m = torch.isin(data.key_seq, held_seqs.to(dev))
     A = data.A[weighting]
     obj_fit = RopeQK(data.keys[fit_m], A[fit_m], fmt, data.rope_layout)
     obj_held = RopeQK(data.keys[held_m], A[held_m], fmt, data.rope_layout)
-    zero = torch.zeros(P)
+    zero = torch.zeros(P, device=dev)
     points: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"rtn": (zero, zero)}
     if fmt.quantized:
         if "closed" in searches:
@@ -144,4 +147,4 @@ def fit_rope(data: LayerData, fmt: PathFormat, fit_seqs: torch.Tensor, held_seqs
         heldout = {k: float(obj_held(_z(*v))) for k, v in points.items()}
     chosen = min(heldout, key=heldout.get)
     ls, ph = points[chosen]
-    return RopeFit(RopeTransform.from_polar(ls.double().exp(), ph.double()), chosen, heldout, fit_vals)
+    return RopeFit(RopeTransform.from_polar(ls.double().exp().cpu(), ph.double().cpu()), chosen, heldout, fit_vals)

@@ -1337,6 +1337,10 @@ class Streamer:
                 shutil.copyfile(src, dst + ".tmp")
                 os.replace(dst + ".tmp", dst)
         self.state.drop_act_checkpoints(keep=-1)
+        for f in os.listdir(self.state.output):  # partial files of killed runs (never read)
+            if re.search(r"\.tmp\.\d+$", f):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.state.output, f))
         layers = []
         for i in range(self.L):
             for slot, inf in sorted(self.state.read_marker(_layer_unit(i)).get("fit", {}).items(), key=lambda kv: int(kv[0])):
