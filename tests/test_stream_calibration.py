@@ -86,8 +86,8 @@ def test_streamed_equals_in_memory_across_families(family, tmp_path):
     write_random_checkpoint(tiny_config(family), str(tmp_path / "src"), seed=2)
     ids = _ids(n=4, length=16)
     model = _load(tmp_path / "src")
-    calibrate(model, ids, QUANT, method="quantmla", seed=1, progress=False, verbose=False, **FAST)
-    calibrate_streamed(tmp_path / "src", tmp_path / "out", ids, QUANT, method="quantmla", seed=1, fit_kwargs=FAST,
+    calibrate(model, ids, QUANT, method="quantmla", seed=1, progress=False, verbose=False, **FASTER)
+    calibrate_streamed(tmp_path / "src", tmp_path / "out", ids, QUANT, method="quantmla", seed=1, fit_kwargs=FASTER,
                        attn_implementation="eager")
     assert _same_tensors(model.state_dict(), _load(tmp_path / "out").state_dict()) == []
 
@@ -216,6 +216,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(ds3, tmp_path):
     assert [s.layer for s in rep.layers] == [2, 3]
     assert _same_tensors(ref, _tensors(out)) == []
     assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert not glob.glob(str(out / "*.tmp.*"))  # the killed run's partial file is cleaned up at the end
 
 
 def test_a_shard_is_trusted_only_with_its_marker(ds3, tmp_path):
