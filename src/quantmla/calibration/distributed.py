@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.calibration.stream import LayerStats, StreamReport, Streamer, _stream_layers, nbytes_of, reset_peak_rss
+from quantmla.calibration.stream import (
+    LayerStats, StreamReport, Streamer, _stream_layers, nbytes_of, reset_peak_rss, to_device,
+)
 from quantmla.errors import QuantMLAError
 
 
@@ -132,8 +134,8 @@ def calibrate_streamed_distributed(
 
     if rank == 0:
         if need:
-            def send(i: int, captured: dict) -> None:
-                dist.send_object_list([{"layer": i, "captured": captured}], dst=owner(i), device=cdev)
+            def send(i: int, captured: dict) -> None:  # as CPU tensors: each owner moves them to its own device
+                dist.send_object_list([{"layer": i, "captured": to_device(captured, "cpu")}], dst=owner(i), device=cdev)
 
             _stream_layers(st, need, owner=owner, rank=0, send=send, progress=progress)
     else:

@@ -783,19 +783,45 @@ def standin_fit(module, spec: MLASpec, records: list[dict], quant: QuantCacheCon
     return LayerTransform(ContentTransform(random_orthogonal(spec.d_c, g), gamma), RopeTransform(z))
 
 
+def to_device(obj, device):
+    """`obj` with every tensor (in dicts, lists, tuples, dataclasses) moved to `device`."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)
+                                           if f.init})
+    return obj
+
+
+def _transform_to(lt, device):
+    """A LayerTransform with its tensors on `device` (where the module it is fused into lives)."""
+    from quantmla.transforms import ContentTransform, LayerTransform, RopeTransform
+
+    if lt is None or not hasattr(lt, "content"):
+        return lt
+    c = None if lt.content is None else ContentTransform(lt.content.rotation.to(device), lt.content.gamma.to(device))
+    r = None if lt.rope is None else RopeTransform(lt.rope.z.to(device))
+    return LayerTransform(c, r)
+
+
 class ProjectFitter(LayerFitter):
-    """Adapter over :func:`quantmla.calibration.calibrate`'s per-layer work, reproducing it for one
-    layer at a time: the same sequence split (generator seeded `seed`), the same sampled query and
-    key positions, the same capture (``capture._record`` on each batch), the same per-slot fit
-    (generator ``seed·1000003 + slot``) and the same choice of transforms. ``calibrate`` keeps that
-    work inline in its loop; this adapter mirrors it (tests check both give identical weights).
+    """Adapter that makes :func:`quantmla.calibration.calibrate`'s per-layer work streamable: the
+    same sequence split (generator seeded `seed`), the same sampled query and key positions, the
+    same capture (``capture._record`` on each batch, from the layer's own forward), and
+    ``api.fit_layer`` — calibrate's own per-layer fit (generator ``seed·1000003 + slot``). Tests
+    check the weights equal calibrate's.
 
     fit_kwargs: calibrate's keyword arguments (paths, steps, rope_steps, lr, queries_per_seq,
-    rope_keys_per_seq, rope_weighting, rope_searches, heldout_fraction, max_capture_bytes).
-    ``batch_size`` is the streamer's (capture batches and fit minibatches, as in calibrate)."""
+    rope_keys_per_seq, rope_weighting, rope_searches, heldout_fraction, max_capture_bytes, device:
+    where the captured data lives and the fit runs, default CPU). ``batch_size`` is the streamer's
+    (capture batches and fit minibatches, as in calibrate)."""
 
     OPTIONS = ("paths", "steps", "rope_steps", "lr", "batch_size", "queries_per_seq", "rope_keys_per_seq",
-               "rope_weighting", "rope_searches", "heldout_fraction", "max_capture_bytes")
+               "rope_weighting", "rope_searches", "heldout_fraction", "max_capture_bytes", "device")
 
     @staticmethod
     def defaults() -> dict:
@@ -805,7 +831,7 @@ class ProjectFitter(LayerFitter):
         from quantmla.calibration import api
 
         params = inspect.signature(api.calibrate).parameters
-        return {k: params[k].default for k in ProjectFitter.OPTIONS}
+        return {k: params[k].default for k in ProjectFitter.OPTIONS if k in params}
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -827,6 +853,7 @@ class ProjectFitter(LayerFitter):
         if o["rope_weighting"] not in cap.WEIGHTINGS:
             raise QuantMLAError(f"rope_weighting must be one of {cap.WEIGHTINGS}, got {o['rope_weighting']!r}")
         self.o = o
+        self.store_device = torch.device(o.get("device") or "cpu")
         self.spec.require_latent_cache()
         for slot in self.spec.mla_layers:
             f = self.quant.format_for(slot)
@@ -856,9 +883,10 @@ class ProjectFitter(LayerFitter):
         from quantmla.model.view import MLAView
 
         view = MLAView(module, self.spec)
+        dev = self.store_device
         data = LayerData(slot=slot, scale=self.spec.softmax_scale,
-                         gamma=module.kv_a_layernorm.weight.detach().float().cpu().clone(),
-                         out_proj=out_projection(view), rope_layout=self.spec.rope_cache_layout)
+                         gamma=module.kv_a_layernorm.weight.detach().float().to(dev).clone(),
+                         out_proj=out_projection(view).to(dev), rope_layout=self.spec.rope_cache_layout)
         return {"data": data, "view": view, "seconds": 0.0}
 
     @torch.no_grad()
@@ -869,7 +897,7 @@ class ProjectFitter(LayerFitter):
         B = hidden.shape[0]
         dev = hidden.device
         _record(state["data"], state["view"], hidden, position_embeddings, self.q_pos[start : start + B].to(dev),
-                self.key_pos.to(dev), self.key_w, start)
+                self.key_pos.to(dev), self.key_w, start, self.store_device)
         state["seconds"] += time.perf_counter() - t0
 
     def end(self, state):
@@ -880,52 +908,17 @@ class ProjectFitter(LayerFitter):
     def fit(self, slot, d, module):
         import dataclasses as dc
 
-        from quantmla.calibration.api import LayerReport
-        from quantmla.calibration.content import content_fn, fit_content
-        from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant
-        from quantmla.calibration.rope import fit_rope
-        from quantmla.transforms.content import ContentTransform
-        from quantmla.transforms.fuse import LayerTransform
+        from quantmla.calibration.api import fit_layer
 
-        o, method, seed = self.o, self.method, self.seed
-        fit_seqs, held_seqs = self.fit_seqs, self.held_seqs
+        o = self.o
+        d = to_device(d, self.store_device)  # data received from another rank arrives on the CPU
         secs = {"capture": self.capture_seconds.pop(slot, None)}
         t = time.perf_counter()
-        fmt = self.quant.format_for(slot)
-        lg = torch.Generator().manual_seed(seed * 1000003 + slot)
-        rep = LayerReport(slot=slot)
-        ct = rt = None
-        if "content" in o["paths"]:
-            cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=o["steps"], lr=o["lr"],
-                             batch_size=o["batch_size"], generator=lg, pbar=None)
-            rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
-                           "candidates": cf.heldout, "train_curve": cf.curve}
-            ct = None if cf.chosen == "rtn" else cf.transform
-        secs["content"], t = time.perf_counter() - t, time.perf_counter()
-        if "rope" in o["paths"]:
-            if method == "quantmla":
-                rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=o["rope_weighting"], searches=o["rope_searches"],
-                              steps=o["rope_steps"], pbar=None)
-                rt = None if rf.chosen == "rtn" else rf.transform
-                rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
-                            "candidates": rf.heldout, "fit": rf.fit, "weighting": o["rope_weighting"]}
-            else:
-                held_m = torch.isin(d.key_seq, held_seqs)
-                v = float(RopeQK(d.keys[held_m], d.A[o["rope_weighting"]][held_m], fmt.rope, d.rope_layout)())
-                rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": o["rope_weighting"]}
-        secs["rope"], t = time.perf_counter() - t, time.perf_counter()
-        held = OutputDistortion(d, held_seqs)
-        gamma = d.gamma.double()
-        c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
-        c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
-        z = None if rt is None else rt.z
-        rep.joint = {
-            "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
-            "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
-        }
-        lt = LayerTransform(ct, rt)
-        rep.transform = lt.summary()
-        secs["joint"] = time.perf_counter() - t
+        lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
+                            paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
+                            batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
+                            rope_searches=o["rope_searches"], pbar=None)
+        secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
         return lt, info
@@ -1301,7 +1294,8 @@ class Streamer:
         """Fit and fuse every MLA module of one layer; -> (full-name tensors of the fused modules, info)."""
         transforms, info = {}, {}
         for slot, (_, m) in mods.items():
-            transforms[slot], info[str(slot)] = self.fitter.fit(slot, captured[slot], m)
+            lt, info[str(slot)] = self.fitter.fit(slot, captured[slot], m)
+            transforms[slot] = _transform_to(lt, m.kv_a_layernorm.weight.device)
         fuse_layer(fuse_target, self.spec, transforms)
         fused = {}
         for slot, (rel, m) in mods.items():
