@@ -101,11 +101,13 @@ def run(args) -> int:
     analysis_dir = os.path.join(args.out, "analysis")
     if not args.skip_analysis:
         print("\n== 1. dual-path error model", flush=True)
-        _sub("quantmla.analysis.command", [model, "--out", analysis_dir, "--num-seqs", "2", "--seq-len", "512"])
+        _sub("quantmla.analysis.command", [model, "--out", analysis_dir, "--num-seqs", "2", "--seq-len", "512",
+                                           "--bits", "2", "3", "4"])
 
     print("\n== 2. accuracy: BF16, baselines and QuantMLA", flush=True)
-    sizes = ["--ppl-chunks", "8", "--retrieval-n", "10", "--lengths", "1024", "2048", "--calib-n", "8"] if args.quick else \
-        ["--ppl-chunks", "24", "--retrieval-n", "20", "--lengths", "1024", "2048", "4096", "--calib-n", "16"]
+    # sized for about 10 minutes on 2 CPU cores; `quantmla eval --all` computes the full table
+    sizes = ["--ppl-chunks", "4", "--retrieval-n", "6", "--lengths", "1024", "--calib-n", "8"] if args.quick else \
+        ["--ppl-chunks", "8", "--retrieval-n", "10", "--lengths", "1024", "2048", "--calib-n", "8"]
     _sub("quantmla.evaluation.command", [model, "--config", "BF16", "INT4/INT4", "INT2/INT4",
                                          "--method", "bf16", "rtn", "kivi", "hadamard", "quantmla",
                                          "--out", args.out, "--no-merge", *sizes])
