@@ -133,6 +133,25 @@ def test_output_distortion_bound_holds_on_model_attention_with_real_rope_errors(
             assert (lhs <= rhs * (1 + 1e-9) + 1e-12).all()
 
 
+def test_capture_in_several_passes_under_a_memory_budget_equals_one_pass():
+    from quantmla.calibration.capture import _layer_bytes
+
+    model = tiny_model("deepseek_v3")
+    spec = load_spec(model)
+    ids = _ids(3, 16, 4)
+    one = capture_calibration_data(model, spec, ids, queries_per_seq=8, rope_keys_per_seq=8, progress=False)
+    per_layer = _layer_bytes(spec, 3, 16, 8, 8)
+    two = capture_calibration_data(model, spec, ids, queries_per_seq=8, rope_keys_per_seq=8, progress=False,
+                                   max_bytes=per_layer + 1)  # one layer per forward pass
+    for slot in one:
+        for name in ("latent", "k_rope", "q_latent", "q_rope", "keys", "key_seq", "q_pos"):
+            assert torch.equal(getattr(one[slot], name), getattr(two[slot], name))
+        assert torch.equal(one[slot].A["attention"], two[slot].A["attention"])
+    with pytest.raises(QuantMLAError, match="budget"):
+        capture_calibration_data(model, spec, ids, queries_per_seq=8, rope_keys_per_seq=8, progress=False,
+                                 max_bytes=per_layer - 1)
+
+
 # -- calibrate() ---------------------------------------------------------------------------------------
 
 

@@ -180,8 +180,7 @@ def calibrate(
     verbose = progress if verbose is None else verbose
     rope_steps = steps if rope_steps is None else rope_steps
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # every random choice below uses explicit generators
     calib_ids = torch.as_tensor(calib_ids)
     fit_seqs, held_seqs = split_sequences(calib_ids.shape[0], heldout_fraction, g)
 
