@@ -169,7 +169,7 @@ DSV3_MOE = dict(active_experts=9, moe_inter=2048)  # 8 routed + 1 shared of 256
 # Rates assumed for the H200 projections (not measured here: the team's GPU budget was spent).
 ASSUMED = {
     "gpu_forward_tflops": 30.0,  # effective fp32 (TF32 matmuls, eager attention, grouped-mm MoE) on an H200
-    "gpu_fit_tflops": 50.0,  # the content objective's einsums in TF32, if the fit ran on the GPU (it does not yet)
+    "gpu_fit_tflops": 50.0,  # the content objective's einsums in TF32 with the fit on the GPU (fit_kwargs device="cuda")
     "gpu_rope_search_s": 5.0,  # the RoPE closed-form/grid/Adam search per layer on a GPU (launch-bound)
     "host_cpu_gflops_per_rank": 400.0,  # fp32, 16 cores of the H200 host per rank, for the fit as implemented (CPU)
     "nvme_read_gbps": 3.0,  # reading a layer's bf16 shard
@@ -213,7 +213,7 @@ def project(model: dict, seqs: int, seq_len: int, steps: int = 200) -> dict:
            "fit_s": m["content_s_per_step_mac"] * content_mac + m["rope_s_per_key"] * rope_keys(p)
                     + layer_b / (m["write_gb_per_s"] * 1e9)}
     scen["this_cpu_measured_rates"] = cpu
-    # 2) H200 host, fit on the host CPU as calibrate implements it today
+    # 2) H200 host, fit on the host CPU (calibrate's default device)
     a = ASSUMED
     gpu_stream = layer_b / (a["nvme_read_gbps"] * 1e9) + (2 * fwd_mac + 2 * cap_mac) / (a["gpu_forward_tflops"] * 1e12)
     cpu_ratio = a["host_cpu_gflops_per_rank"] / here_fit_gflops
@@ -221,7 +221,7 @@ def project(model: dict, seqs: int, seq_len: int, steps: int = 200) -> dict:
         "stream_s": gpu_stream,
         "fit_s": (m["content_s_per_step_mac"] * content_mac + m["rope_s_per_key"] * rope_keys(p)) / cpu_ratio
                  + layer_b / (a["nvme_write_gbps"] * 1e9)}
-    # 3) H200 with the fit moved onto the GPU (not implemented; what it would buy)
+    # 3) H200 with the fit on the GPU (calibrate(device="cuda"), fit_kwargs={"device": "cuda"})
     scen["h200_fit_on_gpu"] = {
         "stream_s": gpu_stream,
         "fit_s": 6 * content_mac / (a["gpu_fit_tflops"] * 1e12) + a["gpu_rope_search_s"] + layer_b / (a["nvme_write_gbps"] * 1e9)}
@@ -260,10 +260,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a results file and exit")
     ap.add_argument("--reproject", default=None, metavar="JSON", help="refit the cost model / projection of a results file")
+    ap.add_argument("--dsv3-point", default=None, metavar="JSON",
+                    help="add one point with DeepSeek-V3's attention geometry (hidden 7168, 128 heads, d_c 512, "
+                         "q-LoRA 1536; small MoE; 4x128 tokens; --steps content steps) to a results file, with the "
+                         "cost model's prediction for it")
     args = ap.parse_args(argv)
     if args.table:
         with open(args.table) as f:
             print(markdown(json.load(f)))
+        return 0
+    if args.dsv3_point:
+        from quantmla.calibration.distributed import spawn_call
+
+        with open(args.dsv3_point) as f:
+            res = json.load(f)
+        p = {**BASE, "hidden": 7168, "heads": 128, "d_c": 512, "q_lora": 1536, "seqs": 4, "seq_len": 128, "axis": "dsv3_attention"}
+        code, r = spawn_call(run_point, p, args.steps, args.device, args.threads)
+        if code != 0:
+            raise SystemExit(f"DeepSeek-V3 attention point failed with exit code {code}")
+        m = {k: v["median"] for k, v in res["cost_model"].items()}
+        pred = {"content_fit_s": m["content_s_per_step_mac"] * args.steps * step_work(p),
+                "rope_fit_s": m["rope_s_per_key"] * rope_keys(p), "capture_s": m["capture_s_per_mac"] * capture_work(p)}
+        res["dsv3_attention_point"] = {**p, "runs": [r], "predicted": pred, "step_mac": step_work(p)}
+        with open(args.dsv3_point, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps({k: v for k, v in r.items() if k != "layers"}, indent=1), json.dumps(pred, indent=1))
         return 0
     if args.reproject:  # refit the cost model and the projection of an existing results file
         with open(args.reproject) as f:

@@ -14,7 +14,7 @@ from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration import calibrate
 from quantmla.calibration.distributed import assign_layers, calibrate_streamed_distributed, launch_local, spawn_call
 from quantmla.calibration.stream import (
-    STATE_DIR, KillAt, RunState, ShardedCheckpoint, Streamer, calibrate_streamed, read_safetensors_header,
+    STATE_DIR, KillAt, RunState, ShardedCheckpoint, Streamer, calibrate_streamed,
     write_random_checkpoint,
 )
 from quantmla.errors import QuantMLAError

@@ -55,7 +55,7 @@ import torch
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
-from quantmla.model.spec import MLASpec, is_mla_attention, mla_modules, spec_from_model
+from quantmla.model.spec import MLASpec, is_mla_attention, spec_from_model
 
 STATE_DIR = ".quantmla_stream"
 FORMAT_VERSION = 1
@@ -1357,10 +1357,6 @@ class Streamer:
         r.peak_rss_bytes = max(r.peak_rss_bytes, peak_rss_bytes())
         r.seconds = time.perf_counter() - self.t0
         return r
-
-
-def _needs_fit(skel: Skeleton, i: int) -> bool:
-    return bool(skel.mla_submodules(skel.layer_module(i)))
 
 
 def calibrate_streamed(

@@ -77,9 +77,11 @@ def _ids(args):
 
 def _options(args) -> dict:
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    fit = {"paths": paths, "steps": args.steps, "rope_weighting": args.rope_weighting}
+    if str(args.device) != "cpu":  # fit where the layers run ("cuda": each rank's own GPU)
+        fit["device"] = "cuda" if str(args.device).startswith("cuda") else args.device
     return dict(method=args.method, seed=args.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,
-                checksum=args.checksum, overwrite=args.overwrite,
-                fit_kwargs={"paths": paths, "steps": args.steps, "rope_weighting": args.rope_weighting})
+                checksum=args.checksum, overwrite=args.overwrite, fit_kwargs=fit)
 
 
 def _printer(quiet: bool):
