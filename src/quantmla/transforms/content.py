@@ -143,10 +143,10 @@ def fuse_content(module: torch.nn.Module, d_c: int, transform: ContentTransform)
         raise QuantMLAError(f"content transform of width {transform.d_c} for a latent of width {d_c}")
     if (gamma_old == 0).any():
         raise QuantMLAError("kv_a_layernorm has zero weights: the content transform T = diag(1/γ)·Q·diag(γ') is undefined")
-    q = transform.rotation.double()
-    t_inv = transform.inverse(gamma_old)
-
     a = module.kv_a_proj_with_mqa
+    dev = a.weight.device
+    q = transform.rotation.double().to(dev)
+    t_inv = transform.inverse(gamma_old.cpu()).to(dev)
     w = a.weight.detach().double()
     w[:d_c] = q.T @ w[:d_c]
     _set(a.weight, w)
@@ -155,7 +155,7 @@ def fuse_content(module: torch.nn.Module, d_c: int, transform: ContentTransform)
         b[:d_c] = b[:d_c] @ q
         _set(a.bias, b)
 
-    _set(norm.weight, transform.gamma.double())
+    _set(norm.weight, transform.gamma.double().to(norm.weight.device))
 
     kvb = module.kv_b_proj
     if kvb.weight.shape[-1] != d_c:

@@ -83,7 +83,7 @@ class RopeTransform:
         self._check(d_r)
         ra, im = pair_channels(d_r, layout)
         a, b = self.z.real.double(), self.z.imag.double()
-        m = torch.zeros(d_r, d_r, dtype=torch.float64)
+        m = torch.zeros(d_r, d_r, dtype=torch.float64, device=self.z.device)
         m[ra, ra], m[ra, im] = a, b
         m[im, ra], m[im, im] = -b, a
         return m
@@ -119,10 +119,10 @@ def fuse_rope(module: torch.nn.Module, spec, transform: RopeTransform, q_linear:
     """Fuse `transform` into one MLA attention module in place (math in float64)."""
     d_c, d_r, d_n, heads = spec.d_c, spec.d_r, spec.d_n, spec.num_heads
     layout = spec.rope_weight_layout
-    m = transform.key_matrix(d_r, layout)
-    m_q = transform.query_matrix(d_r, layout)
-
     a = module.kv_a_proj_with_mqa
+    m = transform.key_matrix(d_r, layout).to(a.weight.device)
+    m_q = transform.query_matrix(d_r, layout).to(q_linear.weight.device)
+
     w = a.weight.detach().double()
     if w.shape[0] != d_c + d_r:
         raise QuantMLAError(f"kv_a_proj_with_mqa has {w.shape[0]} outputs, expected d_c + d_r = {d_c + d_r}")
