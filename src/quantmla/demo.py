@@ -43,19 +43,21 @@ def _compression_plot(d_c: int, d_r: int, out: str) -> str:
 
     ctx = [1024, 4096, 16384, 32768, 65536, 131072]
     fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=110)
-    for name, fmt in [
-        ("INT4/INT4 (g128/g64)", CacheFormat(PathFormat(4, 128), PathFormat(4, 64))),
-        ("INT4/INT4 (g64/g32)", CacheFormat(PathFormat(4, 64), PathFormat(4, 32))),
-        ("INT2/INT4 (g128/g64)", CacheFormat(PathFormat(2, 128), PathFormat(4, 64))),
-        ("INT2/INT4 (g64/g32)", CacheFormat(PathFormat(2, 64), PathFormat(4, 32))),
-    ]:
-        ax.plot(ctx, [compression(d_c, d_r, fmt, n) for n in ctx], marker="o", label=name)
+    # the model's own geometry (solid) and DeepSeek-V3's (d_c 512, d_r 64; dashed); groups never exceed a path
+    for (dc, dr), ls in [((d_c, d_r), "-"), ((512, 64), "--")]:
+        if ls == "--" and (dc, dr) == (d_c, d_r):
+            continue
+        for bits, (gc, gr) in [((4, 4), (128, 64)), ((4, 4), (64, 32)), ((2, 4), (128, 64)), ((2, 4), (64, 32))]:
+            gc, gr = min(gc, dc), min(gr, dr)
+            fmt = CacheFormat(PathFormat(bits[0], gc), PathFormat(bits[1], gr))
+            ax.plot(ctx, [compression(dc, dr, fmt, n) for n in ctx], marker="o", ms=3, ls=ls,
+                    label=f"INT{bits[0]}/INT{bits[1]} g{gc}/g{gr}, d_c {dc} d_r {dr}")
     ax.axhline(3.59, color="gray", ls="--", lw=1, label="paper INT4/INT4 (3.59x)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("BF16 bytes / quantized bytes")
-    ax.set_title(f"paged cache compression (d_c={d_c}, d_r={d_r}, pages of 64)")
-    ax.legend(fontsize=7)
+    ax.set_title("paged cache compression (pages of 64 tokens)")
+    ax.legend(fontsize=6)
     fig.tight_layout()
     path = os.path.join(out, "compression.png")
     fig.savefig(path)
@@ -107,7 +109,7 @@ def run(args) -> int:
     print("\n== 2. accuracy: BF16, baselines and QuantMLA", flush=True)
     # sized for about 10 minutes on 2 CPU cores; `quantmla eval --all` computes the full table
     sizes = ["--ppl-chunks", "4", "--retrieval-n", "6", "--lengths", "1024", "--calib-n", "8"] if args.quick else \
-        ["--ppl-chunks", "8", "--retrieval-n", "10", "--lengths", "1024", "2048", "--calib-n", "8"]
+        ["--ppl-chunks", "16", "--retrieval-n", "20", "--lengths", "1024", "2048", "--calib-n", "8"]
     _sub("quantmla.evaluation.command", [model, "--config", "BF16", "INT4/INT4", "INT2/INT4",
                                          "--method", "bf16", "rtn", "kivi", "hadamard", "quantmla",
                                          "--out", args.out, "--no-merge", *sizes])

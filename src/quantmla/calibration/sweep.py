@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
+    p.add_argument("--content-group", type=int, default=64)
+    p.add_argument("--rope-group", type=int, default=32)
+    p.add_argument("--rope-mode", default="affine", choices=("affine", "symmetric"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -87,9 +91,13 @@ def main(argv=None) -> int:
     model.to(args.device).eval()
     ev = load_eval_data(tok, seq_len=args.seq_len, ppl_chunks=args.chunks, retrieval_n=0, lengths=(), calib_n=args.calib_n)
     chunks, calib = ev.ppl, ev.calib_ids
-    q = QuantCacheConfig.of_bits
-    cfgs = {"INT4/INT4": q(4, 4, 64, 32), "INT2/INT4": q(2, 4, 64, 32), "BF16/INT4": q(16, 4, 64, 32),
-            "INT2/BF16": q(2, 16, 64, 32)}
+    def q(cb, rb, cg=args.content_group, rg=args.rope_group):
+        cfg = QuantCacheConfig.of_bits(cb, rb, cg, rg)
+        if rb < 16:
+            cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, mode=args.rope_mode))
+        return cfg
+
+    cfgs = {"INT4/INT4": q(4, 4), "INT2/INT4": q(2, 4), "BF16/INT4": q(16, 4), "INT2/BF16": q(2, 16)}
     kw = dict(seed=args.seed, steps=args.steps, progress=False, verbose=False, device=args.device)
     Q, U = dict(method="quantmla"), dict(method="quantmla", rope_weighting="uniform")
     variants = [("BF16", None, None),
@@ -137,7 +145,8 @@ def main(argv=None) -> int:
                       + (f"rope {r['before']:.4g}->{r['after']:.4g} ({r['chosen']})" if r else ""), flush=True)
         if args.out:  # rewritten after every row, so a cut-short run keeps what it measured
             out = {"model": args.model, "device": args.device, "seq_len": args.seq_len, "chunks": len(chunks),
-                   "calib": list(calib.shape), "steps": args.steps, "seed": args.seed, "rows": rows}
+                   "calib": list(calib.shape), "steps": args.steps,
+                   "cache_formats": {k: v.describe() for k, v in cfgs.items()}, "seed": args.seed, "rows": rows}
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
     return 0
