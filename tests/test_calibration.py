@@ -318,7 +318,8 @@ def test_cli_calibrate_errors(checkpoint_with_tokenizer, tmp_path, capsys):
     from quantmla.cli import main
 
     root = checkpoint_with_tokenizer
-    args = ["--out", str(tmp_path / "o"), "--steps", "1", "--calib-seqs", "2", "--seq-len", "16"]
+    args = ["--out", str(tmp_path / "o"), "--steps", "1", "--calib-seqs", "2", "--seq-len", "16",
+            "--content-group", "32", "--rope-group", "16"]  # groups that fit d_c 32 / d_r 16 (checked first)
     assert main(["calibrate", str(tmp_path / "missing"), *args]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert main(["calibrate", str(root / "model"), "--calib", str(tmp_path / "none.txt"), *args]) == 2

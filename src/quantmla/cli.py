@@ -56,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (CLIError, QuantMLAError, FileNotFoundError) as e:
+    except (CLIError, QuantMLAError, OSError) as e:  # bad input: the message, no traceback (OSError: paths, files)
         print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"quantmla {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,3 +15,7 @@ class UnsupportedFormatError(QuantMLAError):
 
 class NonFiniteError(QuantMLAError):
     """NaN or Inf in activations that were to be quantized."""
+
+
+class CacheConfigMismatchError(QuantMLAError):
+    """A calibrated checkpoint asked to serve a cache format its transforms were not fitted for."""

@@ -71,16 +71,31 @@ def summary_markdown(result: dict, name: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def check_formats(spec, args) -> None:
+    """Every --bits width at the group sizes given fits the model's latent and RoPE dims."""
+    from quantmla.errors import UnsupportedFormatError
+    from quantmla.quant.format import PathFormat
+
+    for b in args.bits:
+        for flag, group, dim, what in (("--content-group", args.content_group, spec.d_c, "content path (kv_lora_rank"),
+                                       ("--rope-group", args.rope_group, spec.d_r, "RoPE path (qk_rope_head_dim")):
+            try:
+                PathFormat(b, group).check_dim(dim, f"the {what} {dim})")
+            except UnsupportedFormatError as e:
+                raise UnsupportedFormatError(f"--bits {b} {flag} {group}: {e}") from None
+
+
 def run(args) -> int:
     from quantmla.analysis.plots import plot_all
     from quantmla.analysis.run import analyze_model, json_clean
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation import datasets as DS
     from quantmla.evaluation.command import resolve_model
-    from quantmla.evaluation.harness import load_model
+    from quantmla.evaluation.harness import check_model_dir, load_model
     from quantmla.evaluation.perplexity import token_chunks
 
     path = resolve_model(args.model)
+    check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
     model, tok = load_model(path, device=args.device)
     name = os.path.basename(os.path.normpath(path))
     root = DS.heldout_root(args.heldout)

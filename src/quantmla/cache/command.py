@@ -24,7 +24,9 @@ def standard_formats(groups=(32, 64, 128), rope_group: int = 64) -> list[tuple[s
 
 def table(d_c: int, d_r: int, page_size: int = DEFAULT_PAGE_SIZE, rope_group: int = 64) -> list[dict]:
     out = []
-    for name, fmt in standard_formats(rope_group=rope_group):
+    # groups that fit the paths (a small checkpoint's d_c / d_r may be below the standard group sizes)
+    groups = tuple(g for g in (32, 64, 128) if g <= d_c and d_c % g == 0) or (d_c,)
+    for name, fmt in standard_formats(groups, rope_group=min(rope_group, d_r)):
         t = TokenLayout(d_c, d_r, fmt)
         row = {"format": name, "describe": fmt.describe(), **t.field_bytes, "bytes_per_token": t.bytes_per_token,
                "page_bytes": PageLayout(t, page_size).page_bytes}

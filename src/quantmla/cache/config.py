@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quantmla.cache.layout import CacheFormat
-from quantmla.errors import QuantMLAError
+from quantmla.errors import CacheConfigMismatchError, QuantMLAError
 from quantmla.quant.format import PathFormat
 
 QUANT_METHOD = "quantmla"
@@ -102,11 +102,34 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
                 "give content/rope bits, or use a checkpoint written by `quantmla calibrate`"
             )
         return stored
-    if stored is not None and (stored.content, stored.rope, stored.layer_overrides) != (
-        requested.content, requested.rope, requested.layer_overrides
-    ):
-        raise QuantMLAError(
-            f"this checkpoint was calibrated ({stored.method}) for {stored.describe()}, but the cache requested is "
-            f"{requested.describe()}; use the checkpoint's own formats (omit the bits) or calibrate again for these"
-        )
+    if stored is not None:
+        check_matches(stored, requested)
     return requested
+
+
+def stored_cache_config(model_config) -> QuantCacheConfig | None:
+    """The checkpoint's own cache formats if `quantmla calibrate` wrote it, else None (also for a
+    quantization_config of another method, e.g. FP8 weights: that says nothing about the cache)."""
+    qc = model_config.get("quantization_config") if isinstance(model_config, dict) else \
+        getattr(model_config, "quantization_config", None)
+    if qc is None:
+        return None
+    d = qc if isinstance(qc, dict) else qc.to_dict()
+    if d.get("quant_method") != QUANT_METHOD:
+        return None
+    return QuantCacheConfig.from_dict(d)
+
+
+def same_formats(a: QuantCacheConfig, b: QuantCacheConfig) -> bool:
+    return (a.content, a.rope, a.layer_overrides) == (b.content, b.rope, b.layer_overrides)
+
+
+def check_matches(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: str | None = None) -> None:
+    """Raise CacheConfigMismatchError unless `requested` has the formats a checkpoint was calibrated for."""
+    if same_formats(stored, requested):
+        return
+    raise CacheConfigMismatchError(
+        f"this checkpoint was calibrated ({stored.method}) for {stored.describe()}, but the cache requested is "
+        f"{requested.describe()}; its fused transforms only fit the formats they were calibrated for. "
+        + (fix or "Use the checkpoint's own formats (omit the bits), or calibrate the original checkpoint again for these")
+    )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantmla.errors import QuantMLAError
+from quantmla.errors import NonFiniteError, QuantMLAError
 from quantmla.model.spec import MLASpec, mla_modules
 from quantmla.model.view import MLAView
 
@@ -84,6 +84,27 @@ def _sample_keys(L: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torc
     return pos, w
 
 
+def _check_finite(slot: int, module: torch.nn.Module, hidden: torch.Tensor, recorded: dict) -> None:
+    """NonFiniteError naming the layer and the cause when what a layer is about to record holds NaN
+    or Inf (raised as the layer is reached, before later layers run on the bad values)."""
+    bad = {k: t for k, t in recorded.items() if not torch.isfinite(t).all()}
+    if not bad:
+        return
+    n_nan = sum(int(torch.isnan(t).sum()) for t in bad.values())
+    n_inf = sum(int(torch.isinf(t).sum()) for t in bad.values())
+    params = [n for n, p in module.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if not torch.isfinite(hidden).all():
+        cause = "its input hidden states are already non-finite (NaN/Inf weights in the embeddings or an earlier layer)"
+    elif params:
+        cause = f"its attention weights are not finite ({', '.join(params[:3])})"
+    else:
+        cause = "its weights are finite, so the attention projections overflowed"
+    raise NonFiniteError(
+        f"MLA layer {slot}: the activations to calibrate contain {n_nan} NaN and {n_inf} Inf values "
+        f"({', '.join(bad)}): {cause}. Calibration needs finite activations: repair or re-download the checkpoint "
+        "so that every weight is finite (and check the calibration text)")
+
+
 @torch.no_grad()
 def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key_pos: torch.Tensor,
             key_w: torch.Tensor, seq_offset: int, store_device: torch.device | str | None = None) -> None:
@@ -97,6 +118,8 @@ def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key
     q_nope = p["q_nope"].float().transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_n]
     q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, view.w_uk.float())
     q_r = q_rope_all.transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_r]
+    _check_finite(data.slot, view.m, hidden, {"latent": latent, "RoPE key": k_rope, "content query": q_lat,
+                                              "RoPE query": q_r})
     dev = torch.device(store_device or "cpu")
     data.latent.append(latent.to(dev))
     data.k_rope.append(k_rope.to(dev))

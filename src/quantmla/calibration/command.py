@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -34,11 +35,31 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true")
 
 
+def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope_group: int, spec):
+    """The QuantCacheConfig of the command-line flags, checked against the model's dims before any
+    weights are read; errors name the flag to change."""
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.errors import UnsupportedFormatError
+    from quantmla.quant.format import PathFormat
+
+    fmts = []
+    for name, bits, group, dim, dim_name in (("content", content_bits, content_group, spec.d_c, "kv_lora_rank"),
+                                             ("rope", rope_bits, rope_group, spec.d_r, "qk_rope_head_dim")):
+        flags = f"--{name}-bits {bits} --{name}-group {group}"
+        try:
+            fmt = PathFormat(bits, group)
+            fmt.check_dim(dim, f"the {'content' if name == 'content' else 'RoPE'} path ({dim_name} {dim})")
+        except UnsupportedFormatError as e:
+            raise UnsupportedFormatError(f"{flags}: {e}") from None
+        fmts.append(fmt)
+    return QuantCacheConfig(content=fmts[0], rope=fmts[1])
+
+
 def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.cache.config import stored_cache_config
     from quantmla.calibration.api import calibrate
     from quantmla.calibration.checkpoint import save_quantized
     from quantmla.calibration.data import load_calibration_ids
@@ -48,7 +69,14 @@ def run(args) -> int:
     t0 = time.perf_counter()
     spec = load_spec(args.model)  # FileNotFoundError / NotMLAError before any weights are read
     spec.require_latent_cache()
-    quant = QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
+    quant = cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
+    with open(os.path.join(args.model, "config.json")) as f:
+        stored = stored_cache_config(json.load(f))
+    if stored is not None:
+        raise QuantMLAError(
+            f"{args.model} is already calibrated ({stored.method}, {stored.describe()}); calibrating it again would "
+            "stack new transforms on the fused ones. Calibrate the original (uncalibrated) checkpoint instead"
+        )
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
@@ -59,7 +87,12 @@ def run(args) -> int:
     if saved_dtype is None:
         saved_dtype = getattr(AutoConfig.from_pretrained(args.model), "dtype", None) or "float32"
         saved_dtype = str(saved_dtype).replace("torch.", "")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().to(args.device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    except OSError as e:
+        raise QuantMLAError(f"{args.model}: cannot load the weights ({e}); the checkpoint directory must hold them "
+                            "(model.safetensors or its shards) next to config.json") from None
+    model = model.eval().to(args.device)
     progress = not args.no_progress and not args.json
     report = calibrate(model, ids, quant, method=args.method, paths=paths, seed=args.seed, steps=args.steps,
                        rope_weighting=args.rope_weighting, progress=progress, verbose=not args.json)

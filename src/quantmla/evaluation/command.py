@@ -66,7 +66,10 @@ def rows_for(args):
     methods = args.method or ["rtn"]
     rows = []
     for c in configs:
-        cfg = named_config(c, args.content_group, args.rope_group)
+        try:
+            cfg = named_config(c, args.content_group, args.rope_group)
+        except QuantMLAError as e:
+            raise type(e)(f"--config {c}: {e}") from None
         for m in methods:
             if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
                 continue  # bf16 pairs only with the BF16 config; KIVI needs integer RoPE codes
@@ -75,6 +78,53 @@ def rows_for(args):
         raise QuantMLAError(f"no valid (config, method) pair in {configs} x {methods}: BF16 goes with method bf16, "
                             "quantized configs with the other methods")
     return rows
+
+
+def _config_flags(q) -> str:
+    """The --config / group flags that select the cache formats of `q` (a QuantCacheConfig)."""
+    name = lambda f: "BF16" if not f.quantized else ("FP8" if f.mode == "fp8" else f"INT{f.bits}")  # noqa: E731
+    flags = f"--config {name(q.content)}/{name(q.rope)}"
+    if q.content.quantized:
+        flags += f" --content-group {q.content.group_size}"
+    if q.rope.quantized:
+        flags += f" --rope-group {q.rope.group_size}"
+    return flags
+
+
+def check_rows(path: str, spec, rows, args) -> None:
+    """Each row's formats fit the model's dims, and a checkpoint written by `quantmla calibrate` is
+    evaluated only at the formats it was calibrated for, without calibrating it a second time."""
+    import json
+
+    from quantmla.cache.config import QuantCacheConfig, check_matches, stored_cache_config
+    from quantmla.errors import QuantMLAError
+    from quantmla.evaluation.harness import CALIBRATED
+
+    for r in rows:
+        if r.config.content.quantized:
+            r.config.content.check_dim(spec.d_c, f"{r.config.name}: the content path (--content-group, kv_lora_rank {spec.d_c})")
+        if r.config.rope.quantized and r.method != "kivi":
+            r.config.rope.check_dim(spec.d_r, f"{r.config.name}: the RoPE path (--rope-group, qk_rope_head_dim {spec.d_r})")
+    with open(os.path.join(path, "config.json")) as f:
+        stored = stored_cache_config(json.load(f))
+    if stored is None:
+        return
+    for r in rows:
+        if r.method == "bf16":
+            continue  # the unquantized reference reads no quantized format
+        requested = QuantCacheConfig(content=r.config.content, rope=r.config.rope, method=r.method)
+        c, rp = r.config.content, r.config.rope
+        recalibrate = (f"quantmla calibrate ORIGINAL --content-bits {c.bits} --rope-bits {rp.bits} "
+                       f"--content-group {c.group_size} --rope-group {rp.group_size} --out DIR")
+        check_matches(stored, requested, fix=(
+            f"Evaluate {path} with {_config_flags(stored)}, or calibrate the original checkpoint for {r.config.name} "
+            f"({recalibrate}) and evaluate that"))
+        if r.method in CALIBRATED:
+            raise QuantMLAError(
+                f"{path} is already calibrated ({stored.method}, {stored.describe()}); method {r.method} would "
+                "calibrate it again on top of the fused transforms. Evaluate it with --method rtn (its cache read at "
+                "the calibrated formats), or give the original checkpoint to compare methods"
+            )
 
 
 def run(args) -> int:
@@ -97,6 +147,8 @@ def run(args) -> int:
         raise CLIError("give a model directory (or a reference model name), or --all")
     specs = {m: check_model_dir(m) for m in models}  # fail early on a bad path or a non-MLA model
     rows = rows_for(args)
+    for m, spec in specs.items():  # and on formats a model cannot take, before any weights are read
+        check_rows(m, spec, rows, args)
     out = args.out or ("results/quick" if args.quick else "results")
     settings = {"seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
                 "retrieval_lengths": list(preset["lengths"]), "calib_rows": preset["calib_n"],

@@ -205,7 +205,12 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     check_model_dir(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise QuantMLAError(f"{path}: cannot load the weights ({e}); the checkpoint directory must hold them "
+                            "(model.safetensors or its shards) next to config.json") from None
+    model = model.to(device).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -219,21 +219,53 @@ def peer_kv(cache: Cache) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
+def parse_methods(text: str) -> list[str]:
+    """--methods "a,b,..." -> method names, bf16 (the baseline) first; bits the kernels cannot run
+    and unknown names are a clear UnsupportedFormatError."""
+    methods = [m.strip().lower() for m in text.split(",") if m.strip()]
+    for m in methods:
+        if m in METHODS:
+            continue
+        parts = m.split("/")
+        bits = [p.split("-")[0].removeprefix("int") for p in parts]
+        if len(parts) == 2 and all(b.isdigit() for b in bits):
+            bad = [int(b) for b in bits if int(b) not in api.KERNEL_BITS + (16,)]
+            if bad:
+                raise api.UnsupportedFormatError(
+                    f"--methods {m}: the decode kernels take {'/'.join(map(str, api.KERNEL_BITS))}-bit codes or BF16, "
+                    f"not {bad[0]}-bit; choose from {', '.join(METHODS)}")
+        raise api.UnsupportedFormatError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+    return ["bf16"] + [m for m in methods if m != "bf16"]  # the baseline first
+
+
+def parse_shapes(text: str, flag: str) -> list[tuple[int, int]]:
+    """ "BxL,BxL" -> [(B, L), ...]."""
+    shapes = []
+    for s in text.split(","):
+        if not s.strip():
+            continue
+        parts = s.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise api.QuantMLAError(f"{flag}: {s.strip()!r} is not BATCHxCONTEXT; write e.g. 32x16384 (comma separated)")
+        shapes.append((int(parts[0]), int(parts[1])))
+    if not shapes:
+        raise api.QuantMLAError(f"{flag}: no shape given; write e.g. 32x16384")
+    return shapes
+
+
 def run_bench(args) -> dict:
     import triton
 
     global DEV
+    methods = parse_methods(args.methods)  # bad input is reported before the device is looked at
+    shapes = parse_shapes(args.shapes, "--shapes")
+    sb, sl_ = parse_shapes(args.sweep_shape, "--sweep-shape")[0]
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     if DEV != "cuda" and not (getattr(args, "smoke", False) and api.interpreting()):
-        raise api.QuantMLAError("bench-kernel needs a CUDA GPU (the kernels are timed on the device)")
+        raise api.QuantMLAError("bench-kernel needs a CUDA GPU (the kernels are timed on the device); "
+                                "run it on a machine with an NVIDIA GPU")
     t_start = time.time()
     dev = torch.cuda.get_device_properties(0) if DEV == "cuda" else None
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise api.QuantMLAError(f"unknown method {m!r}; choose from {sorted(METHODS)}")
-    methods = ["bf16"] + [m for m in methods if m != "bf16"]  # the baseline first
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s.strip()]
     heads = args.heads
     res: dict = {
         "device": dev.name if dev else "cpu (smoke, TRITON_INTERPRET=1)",
@@ -270,7 +302,6 @@ def run_bench(args) -> dict:
     # -- correctness gate (compiles every candidate; in parallel processes on the GPU) + config sweep
     chosen: dict[tuple, DecodeConfig] = {}
     res["checks"], res["sweep"] = [], []
-    sb, sl_ = (int(v) for v in args.sweep_shape.lower().split("x"))
     jobs = []
     for H in heads:
         for m in methods:

@@ -196,8 +196,12 @@ def load_spec(path_or_obj) -> MLASpec:
     if isinstance(path_or_obj, (str, os.PathLike)):
         path = os.fspath(path_or_obj)
         cfg_file = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model path {path!r} does not exist (no config.json to read); pass a checkpoint "
+                                    "directory holding config.json, e.g. models/qmla-ref-deepseek-v3")
         if not os.path.isfile(cfg_file):
-            raise FileNotFoundError(f"{path!r} is not a checkpoint directory: no config.json found there")
+            raise FileNotFoundError(f"{path!r} is not a checkpoint directory: no config.json found there; pass the "
+                                    "directory that holds the model's config.json")
         from transformers import AutoConfig
 
         try:

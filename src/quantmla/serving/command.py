@@ -88,7 +88,53 @@ def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",),
     return {"rows": rows, "ok": all(r["ok"] for r in rows), "tie_tol": tie_tol}
 
 
+def check_methods(methods, args, d_c: int, d_r: int, flag: str = "--methods") -> None:
+    """Each cache method parses, fits the model's dims and (unless --backend torch) runs on the Triton
+    kernels; errors name the method and what to pass instead."""
+    from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+    from quantmla.errors import QuantMLAError, UnsupportedFormatError
+    from quantmla.kernels.api import check_layout_supported
+    from quantmla.serving.bench import method_config
+
+    for m in methods:
+        try:
+            q = method_config(m, args.content_group, args.rope_group)
+            q.content.check_dim(d_c, f"content path (--content-group, kv_lora_rank {d_c})")
+            q.rope.check_dim(d_r, f"RoPE path (--rope-group, qk_rope_head_dim {d_r})")
+        except QuantMLAError as e:
+            raise type(e)(f"{flag} {m}: {e}") from None
+        if args.backend != "torch":
+            try:
+                check_layout_supported(PageLayout(TokenLayout(d_c, d_r, CacheFormat(q.content, q.rope)), args.page_size))
+            except UnsupportedFormatError as e:
+                raise UnsupportedFormatError(
+                    f"{flag} {m}: {e}; choose kernel formats such as bf16, int4/int4, int2/int4, int4/int8, or pass "
+                    "--backend torch to time the pure-torch reference path instead") from None
+
+
+def check_args(args) -> None:
+    """Bad methods, paths and devices are reported before a model is built or loaded."""
+    import torch
+
+    from quantmla.errors import QuantMLAError
+    from quantmla.model.spec import load_spec
+
+    if args.model_path:
+        spec = load_spec(args.model_path)  # missing path, non-MLA model
+        spec.require_latent_cache()
+        d_c, d_r = spec.d_c, spec.d_r
+    else:
+        d_c, d_r = PRESETS[args.preset]["d_c"], PRESETS[args.preset]["d_r"]
+    if not args.check_only:
+        check_methods(args.methods, args, d_c, d_r)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuantMLAError(f"--device {args.device}: no CUDA GPU is visible here; serve-bench times the GPU job, so run "
+                            "it on a GPU machine (or pass --device cpu --preset tiny for a slow smoke run)")
+
+
 def run(args) -> int:
+    check_args(args)
     s = BenchSettings(
         preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
         prompt_max=args.prompt_len[1], output_min=args.output_len[0], output_max=args.output_len[1], seed=args.seed,
