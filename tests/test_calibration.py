@@ -134,13 +134,13 @@ def test_output_distortion_bound_holds_on_model_attention_with_real_rope_errors(
 
 
 def test_capture_in_several_passes_under_a_memory_budget_equals_one_pass():
-    from quantmla.calibration.capture import _layer_bytes
+    from quantmla.calibration.capture import layer_capture_bytes
 
     model = tiny_model("deepseek_v3")
     spec = load_spec(model)
     ids = _ids(3, 16, 4)
     one = capture_calibration_data(model, spec, ids, queries_per_seq=8, rope_keys_per_seq=8, progress=False)
-    per_layer = _layer_bytes(spec, 3, 16, 8, 8)
+    per_layer = layer_capture_bytes(spec, 3, 16, 8, 8)
     two = capture_calibration_data(model, spec, ids, queries_per_seq=8, rope_keys_per_seq=8, progress=False,
                                    max_bytes=per_layer + 1)  # one layer per forward pass
     for slot in one:

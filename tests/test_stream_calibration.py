@@ -315,23 +315,33 @@ def test_block_fp8_source_is_dequantized_on_read(ds3, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # command line
 # ------------------------------------------------------------------------------------------------
-def test_stream_command_matches_quantmla_calibrate(tmp_path, capsys):
-    from quantmla.calibration.checkpoint import load_quantized
-    from quantmla.calibration.stream_command import main as stream_main
-    from quantmla.cli import main
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory):
+    """A tiny deepseek_v3 checkpoint with its own tokenizer, calibration text, and calibrate's
+    options shared by the command-line tests."""
     from quantmla.model.tiny import tiny_model
     from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
 
+    root = tmp_path_factory.mktemp("cli")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
     tok = train_tokenizer([text], vocab_size=300)
-    tiny_model("deepseek_v3", vocab_size=300).save_pretrained(tmp_path / "model")
-    save_tokenizer(tok, tmp_path / "model")
-    (tmp_path / "calib.txt").write_text(text)
+    tiny_model("deepseek_v3", vocab_size=300).save_pretrained(root / "model")
+    save_tokenizer(tok, root / "model")
+    (root / "calib.txt").write_text(text)
     common = ["--content-bits", "2", "--rope-bits", "4", "--content-group", "32", "--rope-group", "16",
-              "--calib", str(tmp_path / "calib.txt"), "--steps", "3", "--calib-seqs", "4", "--seq-len", "32"]
-    assert main(["calibrate", str(tmp_path / "model"), "--out", str(tmp_path / "mem"), *common, "--json"]) == 0
+              "--calib", str(root / "calib.txt"), "--steps", "3", "--calib-seqs", "4", "--seq-len", "32"]
+    return root / "model", common
+
+
+def test_stream_command_matches_quantmla_calibrate(cli_model, tmp_path, capsys):
+    from quantmla.calibration.checkpoint import load_quantized
+    from quantmla.calibration.stream_command import main as stream_main
+    from quantmla.cli import main
+
+    model, common = cli_model
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "mem"), *common, "--json"]) == 0
     capsys.readouterr()
-    assert stream_main([str(tmp_path / "model"), "--out", str(tmp_path / "str"), *common, "--json",
+    assert stream_main([str(model), "--out", str(tmp_path / "str"), *common, "--json",
                         "--stream-report", str(tmp_path / "stream.json")]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert len(rep["layers"]) == 2 and json.loads((tmp_path / "stream.json").read_text())["tokens"] == 128
@@ -339,4 +349,54 @@ def test_stream_command_matches_quantmla_calibrate(tmp_path, capsys):
     m_str, tok2, qc = load_quantized(tmp_path / "str")
     assert tok2 is not None and (qc.content.bits, qc.rope.bits, qc.method) == (2, 4, "quantmla")
     assert _same_tensors(m_mem.state_dict(), m_str.state_dict()) == []
-    assert stream_main([str(tmp_path / "model"), "--out", str(tmp_path / "x"), *common, "--dtype", "bfloat16"]) == 2
+    assert stream_main([str(model), "--out", str(tmp_path / "x"), *common, "--dtype", "bfloat16"]) == 2
+
+
+def test_quantmla_calibrate_stream_equals_calibrate_streamed(cli_model, tmp_path, capsys):
+    """`quantmla calibrate --stream` (the real entry point) writes what calibrate_streamed writes."""
+    from transformers import AutoTokenizer
+
+    from quantmla.calibration.checkpoint import load_quantized
+    from quantmla.calibration.data import load_calibration_ids
+    from quantmla.calibration.stream_command import main as stream_main
+    from quantmla.cli import main
+
+    model, common = cli_model
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--help"])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "streaming:" in help_text and all(f in help_text for f in ("--stream ", "--nproc", "--activations"))
+    with pytest.raises(SystemExit) as e:  # the standalone module still builds its parser (options added once)
+        stream_main(["--help"])
+    assert e.value.code == 0 and "streaming:" in capsys.readouterr().out
+
+    out = tmp_path / "cli"
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--no-progress"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    ids = load_calibration_ids(AutoTokenizer.from_pretrained(str(model)), common[common.index("--calib") + 1], 32, 4)
+    calibrate_streamed(model, tmp_path / "api", ids, QuantCacheConfig.of_bits(2, 4, 32, 16), method="quantmla", seed=0,
+                       fit_kwargs={"paths": ("content", "rope"), "steps": 3, "rope_weighting": "attention"})
+    shards = sorted(os.path.basename(f) for f in glob.glob(str(tmp_path / "api" / "*.safetensors")))
+    assert shards and shards == sorted(os.path.basename(f) for f in glob.glob(str(out / "*.safetensors")))
+    for f in shards:
+        assert filecmp.cmp(out / f, tmp_path / "api" / f, shallow=False), f
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((out / f).read_text()) == json.loads((tmp_path / "api" / f).read_text()), f
+    reports = [json.loads((d / "calibration_report.json").read_text()) for d in (out, tmp_path / "api")]
+    for r in reports:
+        for layer in r["layers"]:
+            layer.pop("seconds")  # wall times
+    assert reports[0] == reports[1]
+    m, tok, qc = load_quantized(out)
+    assert tok is not None and (qc.content.bits, qc.rope.bits, qc.method) == (2, 4, "quantmla")
+    assert _same_tensors(m.state_dict(), load_quantized(tmp_path / "api")[0].state_dict()) == []
+    # the same checks as calibrate's, before any weights are read
+    assert main(["calibrate", str(out), "--out", str(tmp_path / "x"), *common, "--stream"]) == 2
+    assert "already calibrated" in capsys.readouterr().err
+    bad_group = [*common[:6], "--rope-group", "48", *common[8:]]
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "x"), *bad_group, "--stream"]) == 2
+    assert "--rope-bits 4 --rope-group 48" in capsys.readouterr().err
+    # streaming options without --stream are refused rather than ignored
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "x"), *common, "--nproc", "2"]) == 2
+    assert "--nproc: streaming options" in capsys.readouterr().err

@@ -89,6 +89,30 @@ def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator)
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
+def check_options(quant: QuantCacheConfig, *, method: str, paths, rope_weighting: str) -> tuple[str, ...]:
+    """calibrate's option checks (streamed calibration makes the same ones); -> paths as a tuple."""
+    if method not in METHODS:
+        raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
+    paths = tuple(paths)
+    bad = [p for p in paths if p not in PATHS]
+    if bad or not paths:
+        raise QuantMLAError(f"paths must be a non-empty subset of {PATHS}, got {paths}")
+    if rope_weighting not in WEIGHTINGS:
+        raise QuantMLAError(f"rope_weighting must be one of {WEIGHTINGS}, got {rope_weighting!r}")
+    if not isinstance(quant, QuantCacheConfig):
+        raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
+    return paths
+
+
+def check_formats(spec, quant: QuantCacheConfig) -> None:
+    """The model caches a latent and every layer's formats fit its d_c and d_r."""
+    spec.require_latent_cache()
+    for slot in spec.mla_layers:
+        f = quant.format_for(slot)
+        f.content.check_dim(spec.d_c, f"content path of layer {slot}")
+        f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
+
+
 def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method: str, paths: tuple[str, ...],
               seed: int, steps: int, rope_steps: int, lr: float, batch_size: int, rope_weighting: str,
               rope_searches: tuple[str, ...], pbar=None) -> tuple[LayerTransform, LayerReport]:
@@ -161,22 +185,9 @@ def calibrate(
     per-layer held-out objectives before (RTN) and after. Deterministic for a given seed.
     device: where captured activations live and the fits run (default: CPU).
     """
-    if method not in METHODS:
-        raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
-    paths = tuple(paths)
-    bad = [p for p in paths if p not in PATHS]
-    if bad or not paths:
-        raise QuantMLAError(f"paths must be a non-empty subset of {PATHS}, got {paths}")
-    if rope_weighting not in WEIGHTINGS:
-        raise QuantMLAError(f"rope_weighting must be one of {WEIGHTINGS}, got {rope_weighting!r}")
-    if not isinstance(quant, QuantCacheConfig):
-        raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
+    paths = check_options(quant, method=method, paths=paths, rope_weighting=rope_weighting)
     spec = load_spec(model)
-    spec.require_latent_cache()
-    for slot in spec.mla_layers:
-        f = quant.format_for(slot)
-        f.content.check_dim(spec.d_c, f"content path of layer {slot}")
-        f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
+    check_formats(spec, quant)
     verbose = progress if verbose is None else verbose
     rope_steps = steps if rope_steps is None else rope_steps
     t0 = time.perf_counter()

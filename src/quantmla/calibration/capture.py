@@ -17,6 +17,10 @@ Per layer and calibration sequence (length L) we keep:
 
 Memory is bounded: bytes per layer are estimated up front and the layers are captured in as many
 forward passes over the calibration data as ``max_bytes`` requires (a progress bar per pass).
+
+Per-layer entry points (used here and by layer-streamed calibration, calibration/stream.py):
+:func:`plan_capture` samples the query and key positions once per calibration set, and a
+:class:`LayerCapture` records one layer's inputs batch by batch into its :class:`LayerData`.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ class LayerData:
         return self.latent.shape[0]
 
 
-def _layer_bytes(spec: MLASpec, n: int, L: int, s_q: int, k_per_seq: int) -> int:
+def layer_capture_bytes(spec: MLASpec, n: int, L: int, s_q: int, k_per_seq: int) -> int:
+    """Bytes of one layer's captured data for n sequences of L tokens, s_q sampled queries and
+    k_per_seq kept RoPE keys per sequence (the per-head ``out_proj`` not counted)."""
     per_seq = L * (spec.d_c + spec.d_r) + s_q * spec.num_heads * (spec.d_c + spec.d_r)
     per_seq += k_per_seq * (spec.d_r + 1 + 2 * spec.d_r * spec.d_r)
     return 4 * n * per_seq
@@ -82,6 +88,42 @@ def _sample_keys(L: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torc
     w = torch.full((k,), (L - 1) / max(1, k - 1))
     w[0] = 1.0
     return pos, w
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What is sampled once per calibration set and shared by every layer: the query positions
+    of each sequence, the kept RoPE key positions (the same in every sequence) and their weights,
+    and the bytes one layer's captured data takes."""
+
+    q_pos: torch.Tensor  # [N, S_q]
+    key_pos: torch.Tensor  # [K]
+    key_w: torch.Tensor  # [K]
+    layer_bytes: int
+
+    def check_budget(self, max_bytes: int, what: str = "max_bytes") -> None:
+        if self.layer_bytes > max_bytes:
+            raise QuantMLAError(
+                f"one layer's calibration data needs {self.layer_bytes / 2**20:.0f} MiB, over the "
+                f"{max_bytes / 2**20:.0f} MiB budget ({what}): use fewer or shorter calibration sequences, "
+                "fewer queries_per_seq or rope_keys_per_seq, or raise the budget"
+            )
+
+
+def plan_capture(spec: MLASpec, shape: tuple[int, int], *, queries_per_seq: int = 64, rope_keys_per_seq: int = 128,
+                 seed: int = 0) -> CapturePlan:
+    """The sampled positions for calibration ids of shape [N, L] (generator seeded `seed`): the
+    plan :func:`capture_calibration_data` uses, and the one a layer-streamed capture must use to
+    get the same data."""
+    N, L = (int(x) for x in shape)
+    if L < 2:
+        raise QuantMLAError(f"calibration sequences need at least 2 tokens, got length {L}")
+    g = torch.Generator().manual_seed(seed)
+    s_q = min(queries_per_seq, L)
+    k_r = min(rope_keys_per_seq, L)
+    q_pos = torch.stack([_sample_positions(L, s_q, g) for _ in range(N)])  # [N, S_q]
+    key_pos, key_w = _sample_keys(L, k_r, g)  # the same key positions in every sequence
+    return CapturePlan(q_pos, key_pos, key_w, layer_capture_bytes(spec, N, L, s_q, k_r))
 
 
 def _check_finite(slot: int, module: torch.nn.Module, hidden: torch.Tensor, recorded: dict) -> None:
@@ -158,6 +200,40 @@ def out_projection(view: MLAView) -> torch.Tensor:
     return torch.einsum("hvc,dhv->hcd", view.w_uv.detach().float(), w_o).cpu()
 
 
+class LayerCapture:
+    """The capture of one MLA layer, batch by batch: the per-layer entry point shared by
+    :func:`capture_calibration_data` (forward hooks on the whole model) and layer-streamed
+    calibration (forward hooks on one streamed layer).
+
+    >>> cap = LayerCapture(slot, module, spec, plan)   # before the layer's forward
+    >>> cap.record(hidden, position_embeddings, start)  # the MLA module's inputs, every batch
+    >>> data = cap.finish()                             # -> LayerData (tensors on store_device)
+    """
+
+    def __init__(self, slot: int, module: torch.nn.Module, spec: MLASpec, plan: CapturePlan,
+                 store_device: torch.device | str | None = None):
+        self.view = MLAView(module, spec)
+        self.plan = plan
+        self.store_device = store_device
+        dev = store_device or "cpu"
+        self.data = LayerData(
+            slot=slot, scale=spec.softmax_scale, gamma=module.kv_a_layernorm.weight.detach().float().to(dev).clone(),
+            out_proj=out_projection(self.view).to(dev), rope_layout=spec.rope_cache_layout,
+        )
+
+    @torch.no_grad()
+    def record(self, hidden: torch.Tensor, position_embeddings, start: int) -> None:
+        """One batch of the module's inputs: hidden [B, L, hidden] of sequences start … start+B−1."""
+        dev = hidden.device
+        q_pos = self.plan.q_pos[start : start + hidden.shape[0]].to(dev)
+        _record(self.data, self.view, hidden, position_embeddings, q_pos, self.plan.key_pos.to(dev), self.plan.key_w,
+                start, self.store_device)
+
+    def finish(self) -> LayerData:
+        self.data.finalize()
+        return self.data
+
+
 def capture_calibration_data(
     model: torch.nn.Module,
     spec: MLASpec,
@@ -179,43 +255,22 @@ def capture_calibration_data(
     if calib_ids.dim() != 2 or calib_ids.dtype not in (torch.long, torch.int32, torch.int64):
         raise QuantMLAError(f"calibration ids must be an integer tensor [N, L], got {tuple(calib_ids.shape)} {calib_ids.dtype}")
     N, L = calib_ids.shape
-    if L < 2:
-        raise QuantMLAError(f"calibration sequences need at least 2 tokens, got length {L}")
     mods = mla_modules(model)
     layers = list(mods) if layers is None else list(layers)
-    g = torch.Generator().manual_seed(seed)
-    s_q = min(queries_per_seq, L)
-    k_r = min(rope_keys_per_seq, L)
-    q_pos = torch.stack([_sample_positions(L, s_q, g) for _ in range(N)])  # [N, S_q]
-    key_pos, key_w = _sample_keys(L, k_r, g)  # the same key positions in every sequence
-
-    per_layer = _layer_bytes(spec, N, L, s_q, k_r)
-    chunk = max(1, int(max_bytes // max(1, per_layer)))
-    if per_layer > max_bytes:
-        raise QuantMLAError(
-            f"one layer's calibration data needs {per_layer / 2**20:.0f} MiB, over the {max_bytes / 2**20:.0f} MiB budget: "
-            "use fewer or shorter calibration sequences, fewer queries_per_seq or rope_keys_per_seq"
-        )
+    plan = plan_capture(spec, (N, L), queries_per_seq=queries_per_seq, rope_keys_per_seq=rope_keys_per_seq, seed=seed)
+    plan.check_budget(max_bytes)
+    chunk = max(1, int(max_bytes // max(1, plan.layer_bytes)))
     device = next(model.parameters()).device
     out: dict[int, LayerData] = {}
     passes = [layers[i : i + chunk] for i in range(0, len(layers), chunk)]
     for pi, group in enumerate(passes):
-        views = {slot: MLAView(mods[slot], spec) for slot in group}
-        for slot in group:
-            out[slot] = LayerData(
-                slot=slot, scale=spec.softmax_scale,
-                gamma=mods[slot].kv_a_layernorm.weight.detach().float().to(store_device or "cpu").clone(),
-                out_proj=out_projection(views[slot]).to(store_device or "cpu"), rope_layout=spec.rope_cache_layout,
-            )
-        state = {"start": 0, "q_pos": None}
+        caps = {slot: LayerCapture(slot, mods[slot], spec, plan, store_device) for slot in group}
+        state = {"start": 0}
 
         def make_hook(slot):
             def hook(module, args, kwargs):
                 hidden = kwargs.get("hidden_states", args[0] if args else None)
-                pe = kwargs.get("position_embeddings")
-                qp = state["q_pos"].to(hidden.device)
-                _record(out[slot], views[slot], hidden, pe, qp, key_pos.to(hidden.device), key_w, state["start"],
-                        store_device)
+                caps[slot].record(hidden, kwargs.get("position_embeddings"), state["start"])
 
             return hook
 
@@ -224,12 +279,11 @@ def capture_calibration_data(
         try:
             with torch.no_grad():
                 for start in tqdm(range(0, N, batch_size), desc=desc, disable=not progress, leave=False):
-                    ids = calib_ids[start : start + batch_size].to(device)
-                    state["start"], state["q_pos"] = start, q_pos[start : start + batch_size]
-                    model(input_ids=ids, use_cache=False)
+                    state["start"] = start
+                    model(input_ids=calib_ids[start : start + batch_size].to(device), use_cache=False)
         finally:
             for h in handles:
                 h.remove()
         for slot in group:
-            out[slot].finalize()
+            out[slot] = caps[slot].finish()
     return out

@@ -1,4 +1,7 @@
-"""`quantmla calibrate MODEL ...`: learn and fuse path-specific transforms, write a quantized checkpoint."""
+"""`quantmla calibrate MODEL ...`: learn and fuse path-specific transforms, write a quantized checkpoint.
+
+With ``--stream`` the run is layer-streamed from the sharded checkpoint (and optionally spread over
+several processes, resumable): calibration/stream_command.py, docs/scaling.md."""
 
 from __future__ import annotations
 
@@ -33,6 +36,14 @@ def add_arguments(p):
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print the calibration report as JSON")
     p.add_argument("--no-progress", action="store_true")
+    from quantmla.calibration.stream_command import add_stream_arguments
+
+    add_stream_arguments(p)  # --stream and its options (their own help group)
+
+
+# the streaming options and their defaults: given without --stream they would be ignored silently
+_STREAM_ONLY = {"nproc": 1, "activations": "memory", "checkpoint_every": 1, "overwrite": False, "checksum": False,
+                "stream_report": None}
 
 
 def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope_group: int, spec):
@@ -55,28 +66,44 @@ def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope
     return QuantCacheConfig(content=fmts[0], rope=fmts[1])
 
 
+def refuse_calibrated(model_dir) -> None:
+    """Refuse a checkpoint `quantmla calibrate` already wrote: new transforms would stack on the fused ones."""
+    from quantmla.cache.config import stored_cache_config
+    from quantmla.errors import QuantMLAError
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        stored = stored_cache_config(json.load(f))
+    if stored is not None:
+        raise QuantMLAError(
+            f"{model_dir} is already calibrated ({stored.method}, {stored.describe()}); calibrating it again would "
+            "stack new transforms on the fused ones. Calibrate the original (uncalibrated) checkpoint instead"
+        )
+
+
 def run(args) -> int:
+    if getattr(args, "stream", False):
+        from quantmla.calibration.stream_command import run_streamed
+
+        return run_streamed(args)
+    from quantmla.errors import QuantMLAError
+
+    stray = [k for k, default in _STREAM_ONLY.items() if getattr(args, k, default) != default]
+    if stray:
+        flags = ", ".join("--" + k.replace("_", "-") for k in stray)
+        raise QuantMLAError(f"{flags}: streaming options; add --stream (or drop them)")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from quantmla.cache.config import stored_cache_config
     from quantmla.calibration.api import calibrate
     from quantmla.calibration.checkpoint import save_quantized
     from quantmla.calibration.data import load_calibration_ids
-    from quantmla.errors import QuantMLAError
     from quantmla.model.spec import load_spec
 
     t0 = time.perf_counter()
     spec = load_spec(args.model)  # FileNotFoundError / NotMLAError before any weights are read
     spec.require_latent_cache()
     quant = cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
-    with open(os.path.join(args.model, "config.json")) as f:
-        stored = stored_cache_config(json.load(f))
-    if stored is not None:
-        raise QuantMLAError(
-            f"{args.model} is already calibrated ({stored.method}, {stored.describe()}); calibrating it again would "
-            "stack new transforms on the fused ones. Calibrate the original (uncalibrated) checkpoint instead"
-        )
+    refuse_calibrated(args.model)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     try:
         tok = AutoTokenizer.from_pretrained(args.model)

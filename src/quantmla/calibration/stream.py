@@ -810,8 +810,9 @@ def _transform_to(lt, device):
 
 class ProjectFitter(LayerFitter):
     """Adapter that makes :func:`quantmla.calibration.calibrate`'s per-layer work streamable: the
-    same sequence split (generator seeded `seed`), the same sampled query and key positions, the
-    same capture (``capture._record`` on each batch, from the layer's own forward), and
+    same sequence split (generator seeded `seed`), the same sampled query and key positions
+    (``capture.plan_capture``), the same capture (a ``capture.LayerCapture`` fed each batch from the
+    layer's own forward), and
     ``api.fit_layer`` — calibrate's own per-layer fit (generator ``seed·1000003 + slot``). Tests
     check the weights equal calibrate's.
 
@@ -842,68 +843,36 @@ class ProjectFitter(LayerFitter):
         if unknown:
             raise QuantMLAError(f"unknown calibration options for streaming: {unknown}")
         o = {**self.defaults(), **{k: v for k, v in self.fit_kwargs.items() if k in self.OPTIONS}}
-        o["paths"] = tuple(o["paths"])
         o["rope_steps"] = o["steps"] if o["rope_steps"] is None else o["rope_steps"]
         o["rope_searches"] = tuple(o["rope_searches"])
-        if self.method not in api.METHODS:
-            raise QuantMLAError(f"unknown calibration method {self.method!r}; use one of {api.METHODS}")
-        bad = [p for p in o["paths"] if p not in api.PATHS]
-        if bad or not o["paths"]:
-            raise QuantMLAError(f"paths must be a non-empty subset of {api.PATHS}, got {o['paths']}")
-        if o["rope_weighting"] not in cap.WEIGHTINGS:
-            raise QuantMLAError(f"rope_weighting must be one of {cap.WEIGHTINGS}, got {o['rope_weighting']!r}")
+        o["paths"] = api.check_options(self.quant, method=self.method, paths=o["paths"], rope_weighting=o["rope_weighting"])
+        api.check_formats(self.spec, self.quant)
         self.o = o
         self.store_device = torch.device(o.get("device") or "cpu")
-        self.spec.require_latent_cache()
-        for slot in self.spec.mla_layers:
-            f = self.quant.format_for(slot)
-            f.content.check_dim(self.spec.d_c, f"content path of layer {slot}")
-            f.rope.check_dim(self.spec.d_r, f"RoPE path of layer {slot}")
         N, L = self.shape
-        if L < 2:
-            raise QuantMLAError(f"calibration sequences need at least 2 tokens, got length {L}")
         g = torch.Generator().manual_seed(self.seed)
         self.fit_seqs, self.held_seqs = api.split_sequences(N, o["heldout_fraction"], g)
-        g = torch.Generator().manual_seed(self.seed)  # capture_calibration_data's own generator
-        s_q, k_r = min(o["queries_per_seq"], L), min(o["rope_keys_per_seq"], L)
-        self.q_pos = torch.stack([cap._sample_positions(L, s_q, g) for _ in range(N)])
-        self.key_pos, self.key_w = cap._sample_keys(L, k_r, g)
-        per_layer = cap._layer_bytes(self.spec, N, L, s_q, k_r)
-        if per_layer > o["max_capture_bytes"]:
-            raise QuantMLAError(
-                f"one layer's calibration data needs {per_layer / 2**20:.0f} MiB, over the "
-                f"{o['max_capture_bytes'] / 2**20:.0f} MiB budget (max_capture_bytes): use fewer or shorter calibration "
-                "sequences, fewer queries_per_seq or rope_keys_per_seq, or raise the budget"
-            )
-        self.capture_bytes = per_layer
+        # the positions capture_calibration_data samples (same generator), and its budget check
+        self.plan = cap.plan_capture(self.spec, (N, L), queries_per_seq=o["queries_per_seq"],
+                                     rope_keys_per_seq=o["rope_keys_per_seq"], seed=self.seed)
+        self.plan.check_budget(o["max_capture_bytes"], "max_capture_bytes")
+        self.capture_bytes = self.plan.layer_bytes
         self.capture_seconds: dict[int, float] = {}  # slot -> time spent capturing (inside the forward)
 
     def begin(self, slot, module):
-        from quantmla.calibration.capture import LayerData, out_projection
-        from quantmla.model.view import MLAView
+        from quantmla.calibration.capture import LayerCapture
 
-        view = MLAView(module, self.spec)
-        dev = self.store_device
-        data = LayerData(slot=slot, scale=self.spec.softmax_scale,
-                         gamma=module.kv_a_layernorm.weight.detach().float().to(dev).clone(),
-                         out_proj=out_projection(view).to(dev), rope_layout=self.spec.rope_cache_layout)
-        return {"data": data, "view": view, "seconds": 0.0}
+        return {"capture": LayerCapture(slot, module, self.spec, self.plan, self.store_device), "seconds": 0.0}
 
-    @torch.no_grad()
     def observe(self, state, hidden, position_embeddings, start):
-        from quantmla.calibration.capture import _record
-
         t0 = time.perf_counter()
-        B = hidden.shape[0]
-        dev = hidden.device
-        _record(state["data"], state["view"], hidden, position_embeddings, self.q_pos[start : start + B].to(dev),
-                self.key_pos.to(dev), self.key_w, start, self.store_device)
+        state["capture"].record(hidden, position_embeddings, start)
         state["seconds"] += time.perf_counter() - t0
 
     def end(self, state):
-        state["data"].finalize()
-        self.capture_seconds[state["data"].slot] = state["seconds"]
-        return state["data"]
+        data = state["capture"].finish()
+        self.capture_seconds[data.slot] = state["seconds"]
+        return data
 
     def fit(self, slot, d, module):
         import dataclasses as dc

@@ -1,19 +1,12 @@
 """``quantmla calibrate --stream``: layer-streamed (and multi-process) calibration from the CLI.
 
-Wiring into ``quantmla calibrate`` (calibration/command.py)::
+``quantmla calibrate`` (calibration/command.py) adds these options with :func:`add_stream_arguments`
+(a "streaming" help group) and hands a run with ``--stream`` to :func:`run_streamed`::
 
-    def add_arguments(p):
-        ...
-        from quantmla.calibration.stream_command import add_stream_arguments
-        add_stream_arguments(p)
+    quantmla calibrate MODEL --out OUT --stream [calibrate's options] [--nproc 2] [--activations disk]
 
-    def run(args):
-        if getattr(args, "stream", False):
-            from quantmla.calibration.stream_command import run_streamed
-            return run_streamed(args)
-        ...
-
-Standalone (also under torchrun, one process per GPU)::
+The same run without the ``quantmla`` entry point (here ``--stream`` is implied), also under
+torchrun, one process per GPU::
 
     python -m quantmla.calibration.stream_command MODEL --out OUT [calibrate's options] [--nproc 2]
     torchrun --nproc-per-node 8 -m quantmla.calibration.stream_command MODEL --out OUT --device cuda
@@ -30,8 +23,8 @@ import time
 
 
 def add_stream_arguments(p) -> None:
-    """The streaming options added to ``quantmla calibrate``."""
-    if "--stream" in getattr(p, "_option_string_actions", {}):  # already wired into calibrate
+    """The streaming options of ``quantmla calibrate`` (added once: calibrate's add_arguments calls this)."""
+    if "--stream" in getattr(p, "_option_string_actions", {}):  # already added
         return
     g = p.add_argument_group("streaming: models that do not fit in memory (docs/scaling.md)")
     g.add_argument("--stream", action="store_true",
@@ -49,17 +42,18 @@ def add_stream_arguments(p) -> None:
 
 
 def add_arguments(p) -> None:
+    """calibrate's options (which include the streaming group), with --stream implied."""
     from quantmla.calibration.command import add_arguments as calibrate_arguments
 
     calibrate_arguments(p)
-    add_stream_arguments(p)
+    add_stream_arguments(p)  # no-op when calibrate already added them
     p.set_defaults(stream=True)
 
 
-def _quant(args):
-    from quantmla.cache.config import QuantCacheConfig
+def _quant(args, spec):
+    from quantmla.calibration.command import cli_cache_config
 
-    return QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
+    return cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
 
 
 def _ids(args):
@@ -114,9 +108,12 @@ def run_streamed(args) -> int:
     t0 = time.perf_counter()
     if getattr(args, "dtype", "auto") not in ("auto", None):
         raise QuantMLAError("--stream writes every tensor in the checkpoint's own dtype (calibration runs in fp32); drop --dtype")
+    from quantmla.calibration.command import refuse_calibrated
+
     spec = load_spec(args.model)
     spec.require_latent_cache()
-    quant = _quant(args)
+    quant = _quant(args, spec)  # checked against d_c / d_r before any weights are read, as calibrate does
+    refuse_calibrated(args.model)
     ids = _ids(args)
     opts = _options(args)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
