@@ -6,7 +6,7 @@ loading reads back to set up the cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quantmla.cache.layout import CacheFormat
 from quantmla.errors import CacheConfigMismatchError, QuantMLAError
@@ -19,13 +19,18 @@ QUANT_METHOD = "quantmla"
 class QuantCacheConfig:
     """content / rope: default path formats; layer_overrides: cache slot -> CacheFormat;
     fp_window: the most recent tokens kept unquantized (0: every read is quantized);
-    method: how the checkpoint was prepared ("rtn", "hadamard", "quantmla", ...)."""
+    method: how the checkpoint was prepared ("rtn", "hadamard", "quantmla", ...);
+    rope_offsets: cache slot -> RoPE key offset c [d_r] (cache channel order), subtracted from every
+    RoPE key before it is quantized and never added back: each query's logits all move by q_R·c,
+    which softmax ignores, so attention is unchanged while the quantizer no longer spends its range
+    on the keys' common (mostly low-frequency) component. Learned by ``quantmla calibrate``."""
 
     content: PathFormat = field(default_factory=lambda: PathFormat(4, 64))
     rope: PathFormat = field(default_factory=lambda: PathFormat(4, 32))
     layer_overrides: dict[int, CacheFormat] = field(default_factory=dict)
     fp_window: int = 0
     method: str = "rtn"
+    rope_offsets: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.fp_window < 0:
@@ -36,6 +41,18 @@ class QuantCacheConfig:
         """Affine integer formats (16 bits: unquantized)."""
         return cls(content=PathFormat(content_bits, content_group), rope=PathFormat(rope_bits, rope_group), **kw)
 
+    def rope_offset(self, layer: int, d_r: int | None = None):
+        """The RoPE key offset of a cache slot as a float32 tensor [d_r], or None."""
+        c = self.rope_offsets.get(layer)
+        if c is None:
+            return None
+        import torch
+
+        if d_r is not None and len(c) != d_r:
+            raise QuantMLAError(f"rope_offsets of cache slot {layer} has {len(c)} values but the RoPE key has {d_r} "
+                                "channels: the quantization_config belongs to another model")
+        return torch.tensor(c, dtype=torch.float32)
+
     def format_for(self, layer: int) -> CacheFormat:
         return self.layer_overrides.get(layer, CacheFormat(self.content, self.rope))
 
@@ -45,6 +62,8 @@ class QuantCacheConfig:
             s += f" ({len(self.layer_overrides)} layer overrides)"
         if self.fp_window:
             s += f", last {self.fp_window} tokens unquantized"
+        if self.rope_offsets:
+            s += ", RoPE keys centred"
         return s
 
     def to_dict(self) -> dict:
@@ -55,6 +74,7 @@ class QuantCacheConfig:
             "layer_overrides": {str(k): v.to_dict() for k, v in self.layer_overrides.items()},
             "fp_window": self.fp_window,
             "method": self.method,
+            **({"rope_offsets": {str(k): list(v) for k, v in self.rope_offsets.items()}} if self.rope_offsets else {}),
         }
 
     @classmethod
@@ -70,6 +90,7 @@ class QuantCacheConfig:
             layer_overrides={int(k): CacheFormat.from_dict(v) for k, v in d.get("layer_overrides", {}).items()},
             fp_window=int(d.get("fp_window", 0)),
             method=d.get("method", "rtn"),
+            rope_offsets={int(k): tuple(float(x) for x in v) for k, v in d.get("rope_offsets", {}).items()},
         )
 
     @classmethod
@@ -104,6 +125,8 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
         return stored
     if stored is not None:
         check_matches(stored, requested)
+        if stored.rope_offsets and not requested.rope_offsets:  # calibrated offsets come with the checkpoint
+            return replace(requested, rope_offsets=stored.rope_offsets)
     return requested
 
 

@@ -70,8 +70,11 @@ class QuantMLALayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None):
+    def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None,
+                 rope_offset: torch.Tensor | None = None):
         super().__init__()
+        # RoPE key offset [d_r] subtracted before storing (QuantCacheConfig.rope_offsets: softmax ignores it)
+        self.rope_offset = None if rope_offset is None else torch.as_tensor(rope_offset, dtype=torch.float32)
         self.layout = TokenLayout(d_c, d_r, fmt)  # validates group sizes against the dims
         self.fmt, self.d_c, self.d_r, self.fp_window, self.layer_idx = fmt, d_c, d_r, fp_window, layer_idx
         self.content = _PathStore(fmt.content, d_c)
@@ -101,6 +104,8 @@ class QuantMLALayer(CacheLayerMixin):
         check_finite(k_rope, f"RoPE keys of layer {self.layer_idx}")
         self.cumulative_length += latent.shape[2]
         new_c, new_r = latent[:, 0], k_rope[:, 0]  # [B, T, ·]
+        if self.rope_offset is not None:
+            new_r = (new_r.float() - self.rope_offset.to(new_r.device)).to(new_r.dtype)
         if self.window is not None:
             new_c = torch.cat([self.window[0], new_c], dim=1)
             new_r = torch.cat([self.window[1], new_r], dim=1)
@@ -201,7 +206,8 @@ class QuantMLACache(Cache):
             layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         for i in range(spec.num_cache_layers):
             if i in spec.mla_layers:
-                layers.append(QuantMLALayer(quant.format_for(i), spec.d_c, spec.d_r, quant.fp_window, layer_idx=i))
+                layers.append(QuantMLALayer(quant.format_for(i), spec.d_c, spec.d_r, quant.fp_window, layer_idx=i,
+                                            rope_offset=quant.rope_offset(i, spec.d_r)))
             else:
                 kind = layer_types[i] if i < len(layer_types) else "full_attention"
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**layer_kwargs))

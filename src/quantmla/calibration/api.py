@@ -28,7 +28,7 @@ from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec
 from quantmla.transforms.content import ContentTransform
 from quantmla.transforms.fuse import LayerTransform, fuse_transforms
-from quantmla.transforms.rope import RopeTransform
+from quantmla.transforms.rope import RopeTransform, apply_pairs
 
 METHODS = ("quantmla", "hadamard", "rtn")
 PATHS = ("content", "rope")
@@ -41,6 +41,7 @@ class LayerReport:
     rope: dict = field(default_factory=dict)  # before/after/chosen/candidates (held-out positional QK error)
     joint: dict = field(default_factory=dict)  # both paths quantized: held-out relative output error
     transform: dict = field(default_factory=dict)
+    rope_offset: list[float] | None = None  # the slot's RoPE key offset in cache channels (see centre_rope_keys)
 
 
 @dataclass
@@ -113,13 +114,36 @@ def check_formats(spec, quant: QuantCacheConfig) -> None:
         f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
 
 
+def centre_rope_keys(d, fit_seqs: torch.Tensor):
+    """A copy of LayerData `d` whose RoPE keys (all of them, and the sampled ones) have their mean
+    over the fit sequences removed; -> (copy, mean [d_r]).
+
+    Softmax is shift-invariant per query, so a constant key offset c changes no attention weight
+    (every logit of query t moves by q_t·c); the cache stores k_R − c. The RoPE keys of MLA models
+    carry a large common component in their low-frequency pairs (barely rotated over the context),
+    which per-token quantization otherwise spends its range on."""
+    import dataclasses as dc
+
+    k = d.k_rope[fit_seqs.to(d.k_rope.device)]
+    mu = k.reshape(-1, k.shape[-1]).double().mean(0).to(d.k_rope.dtype)
+    return dc.replace(d, k_rope=d.k_rope - mu, keys=d.keys - mu.to(d.keys.device)), mu
+
+
 def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method: str, paths: tuple[str, ...],
               seed: int, steps: int, rope_steps: int, lr: float, batch_size: int, rope_weighting: str,
-              rope_searches: tuple[str, ...], pbar=None) -> tuple[LayerTransform, LayerReport]:
+              rope_searches: tuple[str, ...], rope_center: bool = True, pbar=None) -> tuple[LayerTransform, LayerReport]:
     """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
     the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
-    This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too)."""
+    This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
+
+    rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their mean
+    over the fit sequences becomes the slot's cache offset, see :func:`centre_rope_keys`) and every
+    fit, and the "after" figures, see the centred keys; "before" is plain RTN."""
     slot = d.slot
+    d_rtn = d
+    mu = None
+    if rope_center and method == "quantmla" and "rope" in paths and fmt.rope.quantized:
+        d, mu = centre_rope_keys(d, fit_seqs)
     lg = torch.Generator().manual_seed(seed * 1000003 + slot)
     rep = LayerReport(slot=slot)
     ct: ContentTransform | None = None
@@ -135,22 +159,32 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
             rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=rope_searches,
                           steps=rope_steps, pbar=pbar)
             rt = None if rf.chosen == "rtn" else rf.transform
-            rep.rope = {"before": rf.heldout["rtn"], "after": rf.heldout[rf.chosen], "chosen": rf.chosen,
-                        "candidates": rf.heldout, "fit": rf.fit, "weighting": rope_weighting}
+            cands, chosen, before = dict(rf.heldout), rf.chosen, rf.heldout["rtn"]
+            if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are
+                held_m = torch.isin(d_rtn.key_seq, held_seqs.to(d_rtn.key_seq.device))
+                before = float(RopeQK(d_rtn.keys[held_m], d_rtn.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
+                cands = {f"{k}+centred": v for k, v in cands.items()} | {"rtn": before}
+                chosen = f"{chosen}+centred"
+                if cands[chosen] >= before:  # centring and fitting did not help on held-out keys: plain RTN
+                    d, mu, rt, chosen = d_rtn, None, None, "rtn"
+            rep.rope = {"before": before, "after": cands[chosen], "chosen": chosen,
+                        "candidates": cands, "fit": rf.fit, "weighting": rope_weighting}
         else:
             held_m = torch.isin(d.key_seq, held_seqs.to(d.key_seq.device))
             v = float(RopeQK(d.keys[held_m], d.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
             rep.rope = {"before": v, "after": v, "chosen": "rtn", "weighting": rope_weighting}
     # both paths quantized, held-out output error: RTN vs the chosen transforms
-    held = OutputDistortion(d, held_seqs)
     gamma = d.gamma.double().cpu()
     c_rtn = content_fn(ContentTransform.identity(gamma), gamma, fmt.content)
     c_new = content_fn(ct, gamma, fmt.content) if ct is not None else c_rtn
     z = None if rt is None else rt.z
     rep.joint = {
-        "before": held(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
-        "after": held(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
+        "before": OutputDistortion(d_rtn, held_seqs)(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
+        "after": OutputDistortion(d, held_seqs)(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
     }
+    if mu is not None:  # the offset in the cache's channels: the transformed mean key
+        off = mu.double().cpu() if z is None else apply_pairs(mu.double().cpu()[None], z.cpu(), d.rope_layout)[0]
+        rep.rope_offset = [float(x) for x in off]
     lt = LayerTransform(ct, rt)
     rep.transform = lt.summary()
     return lt, rep
@@ -172,6 +206,7 @@ def calibrate(
     rope_keys_per_seq: int = 128,
     rope_weighting: str = "attention",
     rope_searches: tuple[str, ...] = SEARCHES,
+    rope_center: bool = True,
     heldout_fraction: float = 0.25,
     max_capture_bytes: int = 2 << 30,
     progress: bool = True,
@@ -214,14 +249,15 @@ def calibrate(
             transforms[slot], rep = fit_layer(
                 d, quant.format_for(slot), fit_seqs, held_seqs, method=method, paths=paths, seed=seed, steps=steps,
                 rope_steps=rope_steps, lr=lr, batch_size=batch_size, rope_weighting=rope_weighting,
-                rope_searches=rope_searches, pbar=pbar)
+                rope_searches=rope_searches, rope_center=rope_center, pbar=pbar)
             reports.append(rep)
     finally:
         pbar.close()
     t_fit = time.perf_counter() - t0 - t_capture
 
     fuse_transforms(model, {k: v for k, v in transforms.items() if v.content is not None or v.rope is not None}, spec)
-    dataclasses.replace(quant, method=method).attach(model)  # model.config.quantization_config
+    offsets = {r.slot: tuple(r.rope_offset) for r in reports if r.rope_offset is not None}
+    dataclasses.replace(quant, method=method, rope_offsets=offsets).attach(model)  # model.config.quantization_config
     model.train(was_training)
     report = CalibrationReport(
         method=method, paths=paths, seed=seed, quant=model.config.quantization_config, tokens=int(calib_ids.numel()),

@@ -31,6 +31,9 @@ def add_arguments(p):
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration row")
     p.add_argument("--rope-weighting", default="attention", choices=("attention", "uniform"),
                    help="weighting of the positional QK objective (see docs/calibration.md)")
+    p.add_argument("--no-rope-center", action="store_true",
+                   help="do not centre the RoPE keys (by default their calibration mean is removed before they are "
+                        "quantized: softmax ignores a constant key offset, the quantizer's range shrinks)")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype of the saved weights (auto: the checkpoint's own); calibration always runs in fp32")
     p.add_argument("--device", default="cpu")
@@ -122,7 +125,8 @@ def run(args) -> int:
     model = model.eval().to(args.device)
     progress = not args.no_progress and not args.json
     report = calibrate(model, ids, quant, method=args.method, paths=paths, seed=args.seed, steps=args.steps,
-                       rope_weighting=args.rope_weighting, progress=progress, verbose=not args.json)
+                       rope_weighting=args.rope_weighting, rope_center=not args.no_rope_center, progress=progress,
+                       verbose=not args.json)
     out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
     if args.json:
         d = report.to_dict()

@@ -817,12 +817,12 @@ class ProjectFitter(LayerFitter):
     check the weights equal calibrate's.
 
     fit_kwargs: calibrate's keyword arguments (paths, steps, rope_steps, lr, queries_per_seq,
-    rope_keys_per_seq, rope_weighting, rope_searches, heldout_fraction, max_capture_bytes, device:
+    rope_keys_per_seq, rope_weighting, rope_searches, rope_center, heldout_fraction, max_capture_bytes, device:
     where the captured data lives and the fit runs, default CPU). ``batch_size`` is the streamer's
     (capture batches and fit minibatches, as in calibrate)."""
 
     OPTIONS = ("paths", "steps", "rope_steps", "lr", "batch_size", "queries_per_seq", "rope_keys_per_seq",
-               "rope_weighting", "rope_searches", "heldout_fraction", "max_capture_bytes", "device")
+               "rope_weighting", "rope_searches", "rope_center", "heldout_fraction", "max_capture_bytes", "device")
 
     @staticmethod
     def defaults() -> dict:
@@ -886,7 +886,7 @@ class ProjectFitter(LayerFitter):
         lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
                             paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
                             batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
-                            rope_searches=o["rope_searches"], pbar=None)
+                            rope_searches=o["rope_searches"], rope_center=o["rope_center"], pbar=None)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
@@ -1286,8 +1286,13 @@ class Streamer:
                 total += h["data_offsets"][1] - h["data_offsets"][0]
         atomic_write_json(os.path.join(self.state.output, INDEX_NAME),
                           {"metadata": {"total_size": total, "quantmla_streamed": True}, "weight_map": dict(sorted(weight_map.items()))})
+        offsets = {}  # the fitted slots' RoPE key offsets (api.centre_rope_keys), from the layers' markers
+        for i in range(self.L):
+            for slot, inf in self.state.read_marker(_layer_unit(i)).get("fit", {}).items():
+                if isinstance(inf, dict) and inf.get("rope_offset") is not None:
+                    offsets[int(inf.get("slot", slot))] = tuple(float(x) for x in inf["rope_offset"])
         cfg = dict(self.ckpt.config_dict)
-        cfg["quantization_config"] = dataclasses.replace(self.quant, method=self.method).to_dict()
+        cfg["quantization_config"] = dataclasses.replace(self.quant, method=self.method, rope_offsets=offsets).to_dict()
         if self.ckpt.has_fp8:
             for key in ("torch_dtype", "dtype"):
                 if key in cfg:

@@ -122,6 +122,8 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
+        # RoPE key offsets (calibrated checkpoints): subtracted on write, softmax-invariant on read
+        self.rope_offsets: dict[int, torch.Tensor] = {}
         self.page_bytes = AttentionBackend.bytes_per_page(spec, self.formats, config.page_size)
         if config.num_pages is not None:
             pool_pages = config.num_pages
@@ -136,6 +138,10 @@ class Engine:
             )
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        for s_ in spec.mla_layers:
+            c = quant.rope_offset(s_, spec.d_r)
+            if c is not None:
+                self.rope_offsets[s_] = c.to(self.device)
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype)
@@ -382,7 +388,11 @@ def _dispatch_forward(module, *args, **kwargs):
     p = view.parts(hidden, pe)  # hidden [1, N, h]
     q_lat = view.absorb(p["q_nope"])[0].transpose(0, 1)  # [N, H, d_c]
     q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
-    engine.backend.write(slot, p["latent"][0], p["k_rope"][0], meta.slot_mapping)
+    k_rope = p["k_rope"][0]
+    c = engine.rope_offsets.get(slot)
+    if c is not None:  # QuantCacheConfig.rope_offsets: the same shift the transformers cache applies
+        k_rope = (k_rope.float() - c).to(k_rope.dtype)
+    engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping)
     o = engine.backend.attend(slot, q_lat, q_rope, meta)  # [N, H, d_c]
     return view.output(o[None].to(hidden.dtype)), None
 
