@@ -103,9 +103,12 @@ def test_append_is_bit_exact_with_the_reference_writer(name):
     x[3, :16] = 1.5  # a constant group (scale 0 -> 1)
     r = torch.randn(41, D_R, generator=g) * 10
     xb = x.to(torch.bfloat16)  # the kernel reads any float dtype
-    append_to_pages(pool.layer(0), lay, slots.to(DEV), xb.to(DEV), r.to(DEV))
     write_tokens(ref[0], lay, slots.to(DEV), xb.float().to(DEV), r.to(DEV))
-    assert torch.equal(pool.data, ref)
+    start = pool.data.clone()
+    for block_t in (None, 4, 16):  # default (1 token per program at this size) and multi-token programs
+        pool.data.copy_(start)
+        append_to_pages(pool.layer(0), lay, slots.to(DEV), xb.to(DEV), r.to(DEV), block_t=block_t)
+        assert torch.equal(pool.data, ref), block_t
 
 
 # -- decode ------------------------------------------------------------------------------------------

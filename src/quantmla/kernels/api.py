@@ -424,9 +424,13 @@ def mla_decode_with_kvcache(
 # Append (quantize, pack, write)
 # --------------------------------------------------------------------------------------------------
 def append_to_pages(
-    kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+    block_t: int | None = None,
 ) -> None:
     """Quantize tokens and write them at `slots` (int [T]; negative slots are skipped).
+
+    block_t: tokens per program (default: 1 up to 256 tokens, so a decode step's few tokens spread
+    over as many SMs; 4 beyond). A power of two.
 
     latent [..., d_c] and k_rope [..., d_r] flatten to T tokens (bf16, fp16 or fp32). Bit-exact with
     ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync)."""
@@ -452,7 +456,10 @@ def append_to_pages(
     if xr.stride(-1) != 1:
         xr = xr.contiguous()
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
-    block_t = 16
+    if block_t is None:
+        block_t = 1 if T <= 256 else 4
+    if block_t < 1 or block_t & (block_t - 1):
+        raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
     _append_kernel[(-(-T // block_t),)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t, num_warps=4
     )

@@ -94,7 +94,7 @@ class ContentTransform:
         if not torch.isfinite(self.gamma).all() or (self.gamma == 0).any():
             raise QuantMLAError("content rescale γ' must be finite and nonzero in every channel")
         q = self.rotation.double()
-        err = (q.T @ q - torch.eye(d, dtype=torch.float64)).abs().max().item()
+        err = (q.T @ q - torch.eye(d, dtype=torch.float64, device=q.device)).abs().max().item()
         if err > 1e-4:
             raise QuantMLAError(f"content rotation is not orthogonal (max |QᵀQ − I| = {err:.2e})")
 
