@@ -116,12 +116,12 @@ class ContentTransform:
 
     def matrix(self, gamma_old: torch.Tensor) -> torch.Tensor:
         """T [d_c, d_c] with c' = c · T (float64)."""
-        g = gamma_old.detach().double()
+        g = gamma_old.detach().double().to(self.rotation.device)
         return (1.0 / g)[:, None] * self.rotation.double() * self.gamma.double()[None, :]
 
     def inverse(self, gamma_old: torch.Tensor) -> torch.Tensor:
         """T⁻¹ = diag(1/γ') Qᵀ diag(γ) (float64)."""
-        g = gamma_old.detach().double()
+        g = gamma_old.detach().double().to(self.rotation.device)
         return (1.0 / self.gamma.double())[:, None] * self.rotation.double().T * g[None, :]
 
     def to(self, dtype: torch.dtype) -> "ContentTransform":
@@ -146,7 +146,7 @@ def fuse_content(module: torch.nn.Module, d_c: int, transform: ContentTransform)
     a = module.kv_a_proj_with_mqa
     dev = a.weight.device
     q = transform.rotation.double().to(dev)
-    t_inv = transform.inverse(gamma_old.cpu()).to(dev)
+    t_inv = transform.inverse(gamma_old).to(dev)
     w = a.weight.detach().double()
     w[:d_c] = q.T @ w[:d_c]
     _set(a.weight, w)
