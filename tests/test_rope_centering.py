@@ -76,9 +76,9 @@ def test_offsets_round_trip_and_clear_errors(tmp_path):
         [s in stored.rope_offsets for s in spec.mla_layers]
 
 
-def test_centring_is_the_transformed_mean_key_and_lowers_the_rope_objective():
-    """On the shipped deepseek-v3-like reference: every slot gets an offset equal to its fit keys' mean
-    (times the fitted pair scalars) and the held-out RoPE objective ends below plain RTN's."""
+def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
+    """On the shipped deepseek-v3-like reference: the held-out RoPE objective never ends above plain
+    RTN's, and the slots with large common RoPE-key components get an offset."""
     from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
     from quantmla.evaluation.harness import load_eval_data, load_model
 
@@ -90,25 +90,59 @@ def test_centring_is_the_transformed_mean_key_and_lowers_the_rope_objective():
     quant = QuantCacheConfig.of_bits(16, 4, 64, 32)
     rep = calibrate(model, ev.calib_ids, quant, paths=("rope",), steps=20, progress=False, verbose=False)
     stored = QuantCacheConfig.from_model_config(model.config)
-    assert len(stored.rope_offsets) == len(rep.layers)
-    for l in rep.layers:
-        assert l.rope["after"] < l.rope["before"], l.rope
-        assert l.rope["chosen"].endswith("+centred") and l.rope_offset is not None
-    # the helper itself: mean over the fit sequences only, keys and sampled keys both shifted
+    for l in rep.layers:  # never worse than RTN on held-out keys; an offset exactly where centring was chosen
+        assert l.rope["after"] <= l.rope["before"], l.rope
+        assert (l.slot in stored.rope_offsets) == l.rope["chosen"].endswith("+centred") == (l.rope_offset is not None)
+    # the layers whose RoPE keys the error model flags (1 and 2: large low-frequency means) are centred
+    assert {1, 2} <= set(stored.rope_offsets)
+    # the helper itself, on keys that are a constant pre-rotation vector m turned by the family's RoPE:
+    # the de-rotated mean is m, and the offset is m averaged over the context's rotations
     from quantmla.calibration.capture import capture_calibration_data
+    from quantmla.transforms.rope import pair_channels
 
     d = capture_calibration_data(model, load_spec(model), ev.calib_ids[:3], progress=False)[0]
+    L, d_r = d.k_rope.shape[1], d.k_rope.shape[2]
+    ra, im = pair_channels(d_r, d.rope_layout)
+    m = torch.complex(torch.randn(d_r // 2, dtype=torch.float64), torch.randn(d_r // 2, dtype=torch.float64))
+    z = d.rope_phase[:L] * m  # [L, P]
+    k = torch.zeros(L, d_r, dtype=torch.float64)
+    k[:, ra], k[:, im] = z.real, z.imag
+    d.k_rope = k.float().expand(3, L, d_r).clone()
     fit = torch.tensor([0, 2])
-    dc, mu = centre_rope_keys(d, fit)
-    torch.testing.assert_close(mu, d.k_rope[fit].reshape(-1, d.k_rope.shape[-1]).mean(0), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dc.keys, d.keys - mu)
-    assert dc.k_rope[fit].reshape(-1, d.k_rope.shape[-1]).mean(0).abs().max() < 1e-4
-    z = torch.polar(torch.rand(d.k_rope.shape[-1] // 2, dtype=torch.float64) + 0.5,
-                    torch.rand(d.k_rope.shape[-1] // 2, dtype=torch.float64))
-    # an offset in cache channels is the transformed mean: mean(z·k) = z·mean(k)
-    torch.testing.assert_close(apply_pairs(d.k_rope.double(), z, d.rope_layout).reshape(-1, d.k_rope.shape[-1]).mean(0),
-                               apply_pairs(d.k_rope.double().reshape(-1, d.k_rope.shape[-1]).mean(0)[None], z,
-                                           d.rope_layout)[0])
+    for context in (L, 8 * L):
+        dc, c = centre_rope_keys(d, fit, context=context)
+        theta = torch.angle(d.rope_phase[1])
+        avg = torch.stack([torch.polar(torch.ones_like(theta), s * theta) for s in map(float, range(context))]).mean(0)
+        want = m * avg
+        torch.testing.assert_close(torch.complex(c[ra].double(), c[im].double()), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dc.keys, d.keys - c)
+    # the high-frequency pairs turn many times over a long context: their offset vanishes; the slowest keeps most of m
+    assert abs(want[0]) < 0.05 * abs(m[0]) and abs(want[-1]) > 0.5 * abs(m[-1])
+    # no RoPE phase (or no context): the plain mean of the fit keys
+    d.rope_phase = None
+    _, c = centre_rope_keys(d, fit)
+    torch.testing.assert_close(c, d.k_rope[fit].reshape(-1, d_r).mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_phase_is_the_familys_rotation(family):
+    """The captured phase turns each cache pair by position × the model's inverse frequency."""
+    from quantmla.calibration.capture import capture_calibration_data
+
+    model = tiny_model(family)
+    spec = load_spec(model)
+    if spec.d_r == 0:
+        pytest.skip("no RoPE key")
+    d = next(iter(capture_calibration_data(model, spec, torch.randint(3, 100, (2, 9)), progress=False).values()))
+    assert d.rope_phase.shape == (9, spec.d_r // 2) and d.max_positions == model.config.max_position_embeddings
+    torch.testing.assert_close(d.rope_phase.abs(), torch.ones(9, spec.d_r // 2, dtype=torch.float64))
+    inv = next((b for n, b in model.named_buffers() if n.endswith("inv_freq")), None)
+    if spec.rope_weight_layout == "none":  # NoPE layers
+        assert torch.equal(d.rope_phase, torch.ones_like(d.rope_phase))
+        return
+    pos = torch.arange(9, dtype=torch.float64)[:, None]
+    torch.testing.assert_close(d.rope_phase, torch.polar(torch.ones(9, spec.d_r // 2, dtype=torch.float64),
+                                                           pos * inv.double()[None]), rtol=1e-5, atol=1e-5)
 
 
 def test_engine_applies_the_offsets_like_the_transformers_cache():

@@ -114,18 +114,43 @@ def check_formats(spec, quant: QuantCacheConfig) -> None:
         f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
 
 
-def centre_rope_keys(d, fit_seqs: torch.Tensor):
-    """A copy of LayerData `d` whose RoPE keys (all of them, and the sampled ones) have their mean
-    over the fit sequences removed; -> (copy, mean [d_r]).
+def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
+    """A copy of LayerData `d` whose RoPE keys (all of them, and the sampled ones) have the offset c
+    removed; -> (copy, c [d_r]).
 
     Softmax is shift-invariant per query, so a constant key offset c changes no attention weight
-    (every logit of query t moves by q_t·c); the cache stores k_R − c. The RoPE keys of MLA models
-    carry a large common component in their low-frequency pairs (barely rotated over the context),
-    which per-token quantization otherwise spends its range on."""
+    (every logit of query t moves by q_t·c); the cache stores k_R − c. MLA's RoPE keys carry a large
+    common component in their low-frequency pairs, which per-token quantization otherwise spends its
+    range on. The offset must serve every position of the context, not only the calibration rows'
+    0 … L−1: per pair j the keys are de-rotated with the family's own phase (``d.rope_phase``), their
+    mean m_j re-rotated and averaged over positions 0 … context−1,
+
+        c_j = m_j · (1/context) Σ_s e^{iθ_j s},
+
+    the mean key over the whole context (pairs that turn over it average to ~0; pairs that barely
+    turn keep their mean). context: default ``d.max_positions``; without a phase, the plain mean."""
     import dataclasses as dc
 
-    k = d.k_rope[fit_seqs.to(d.k_rope.device)]
-    mu = k.reshape(-1, k.shape[-1]).double().mean(0).to(d.k_rope.dtype)
+    k = d.k_rope[fit_seqs.to(d.k_rope.device)].double()  # [n, L, d_r]
+    L, d_r = k.shape[1], k.shape[2]
+    context = context or d.max_positions
+    phase = d.rope_phase
+    if phase is None or context is None or phase.shape[0] < min(L, 2):
+        mu = k.reshape(-1, d_r).mean(0)
+    else:
+        from quantmla.transforms.rope import pair_channels
+
+        ra, im = pair_channels(d_r, d.rope_layout)
+        w = phase[:L].to(k.device)  # [L, P]
+        z = torch.complex(k[..., ra], k[..., im])  # [n, L, P]
+        m = (z * w.conj()).reshape(-1, w.shape[-1]).mean(0)  # de-rotated mean per pair
+        theta = torch.angle(phase[1]).to(k.device)  # radians per position
+        s = torch.arange(max(int(context), L), device=k.device, dtype=torch.float64)
+        avg = torch.polar(torch.ones_like(s)[:, None], s[:, None] * theta[None]).mean(0)  # [P]
+        c = m * avg
+        mu = torch.zeros(d_r, dtype=torch.float64, device=k.device)
+        mu[ra], mu[im] = c.real, c.imag
+    mu = mu.to(d.k_rope.dtype)
     return dc.replace(d, k_rope=d.k_rope - mu, keys=d.keys - mu.to(d.keys.device)), mu
 
 

@@ -53,6 +53,10 @@ class LayerData:
     A: dict = field(default_factory=lambda: {w: [] for w in WEIGHTINGS})  # weighting -> [K_b, d_r, d_r]
     q_pair_sq: torch.Tensor | None = None  # Σ over all queries/heads of q_R² per channel [d_r]
     n_queries: int = 0
+    # the family's RoPE phase at positions 0 … L−1 per cache pair, complex [L, d_r/2] (|·| = 1), and the
+    # model's context (max_position_embeddings): what centring the RoPE keys over a context needs
+    rope_phase: torch.Tensor | None = None
+    max_positions: int | None = None
 
     def finalize(self) -> None:
         for name in ("latent", "k_rope", "q_pos", "q_latent", "q_rope", "key_seq", "keys"):
@@ -200,6 +204,28 @@ def out_projection(view: MLAView) -> torch.Tensor:
     return torch.einsum("hvc,dhv->hcd", view.w_uv.detach().float(), w_o).cpu()
 
 
+@torch.no_grad()
+def rope_phase(view: MLAView, position_embeddings, L: int, device) -> torch.Tensor:
+    """The family's RoPE rotation of each cache pair at positions 0 … L−1 as unit complex numbers
+    [L, d_r/2], read off by rotating a key that is 1 on every pair's first channel (weight layout)."""
+    spec = view.spec
+    if position_embeddings is None or spec.rope_weight_layout == "none":  # NoPE layers (kimi_linear): no rotation
+        return torch.ones(L, spec.d_r // 2, dtype=torch.complex128)
+    k = torch.zeros(1, L, spec.d_r, device=device)
+    k[..., spec.pair_index(spec.rope_weight_layout)[0].to(device)] = 1.0
+    q = torch.zeros(1, 1, L, spec.d_r, device=device)
+    pe = position_embeddings
+    if isinstance(pe, (tuple, list)):
+        pe = tuple(p[:1, :L].to(device=device, dtype=torch.float32) for p in pe)
+    else:
+        pe = pe[:1, :L] if pe.dim() > 1 else pe
+    _, kr = view.rotate(q, k, pe)
+    ra, im = spec.pair_index(spec.rope_cache_layout)
+    kr = kr.reshape(L, spec.d_r).double().cpu()
+    z = torch.complex(kr[:, ra], kr[:, im])
+    return z / z.abs().clamp_min(1e-30)
+
+
 class LayerCapture:
     """The capture of one MLA layer, batch by batch: the per-layer entry point shared by
     :func:`capture_calibration_data` (forward hooks on the whole model) and layer-streamed
@@ -225,6 +251,9 @@ class LayerCapture:
     def record(self, hidden: torch.Tensor, position_embeddings, start: int) -> None:
         """One batch of the module's inputs: hidden [B, L, hidden] of sequences start … start+B−1."""
         dev = hidden.device
+        if self.data.rope_phase is None and self.view.spec.d_r:
+            self.data.rope_phase = rope_phase(self.view, position_embeddings, hidden.shape[1], dev)
+            self.data.max_positions = self.view.spec.max_positions
         q_pos = self.plan.q_pos[start : start + hidden.shape[0]].to(dev)
         _record(self.data, self.view, hidden, position_embeddings, q_pos, self.plan.key_pos.to(dev), self.plan.key_w,
                 start, self.store_device)

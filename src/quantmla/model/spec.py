@@ -57,6 +57,7 @@ class MLASpec:
     latent_scale: float = 1.0  # longcat_flash multiplies the normed latent by sqrt(hidden / d_c)
     query_scale: float = 1.0  # longcat_flash multiplies the query by sqrt(hidden / q_lora_rank)
     caches_latent: bool = True
+    max_positions: int | None = None  # config.max_position_embeddings: the context the model is built for
 
     @property
     def num_pairs(self) -> int:
@@ -163,6 +164,7 @@ def spec_from_model(model: torch.nn.Module) -> MLASpec:
         latent_scale=float(getattr(m, "mla_scale_kv_lora", 1.0)),
         query_scale=float(getattr(m, "mla_scale_q_lora", 1.0)),
         caches_latent=family not in EXPANDED_CACHING,
+        max_positions=getattr(config, "max_position_embeddings", None),
     )
 
 
