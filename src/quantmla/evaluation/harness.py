@@ -446,7 +446,7 @@ def goals(rows: list[dict]) -> list[dict]:
             dret = [q44["retrieval_delta_points"][L] for L in q44["retrieval"]]
             g["int4_int4_within_1pct"] = {
                 "bpb_increase_pct": q44["bpb_increase_pct"], "retrieval_delta_points_min": min(dret) if dret else None,
-                "met": q44["bpb_increase_pct"] <= 1.0 and (not dret or min(dret) >= -2.0)}
+                "met": q44["bpb_increase_pct"] <= 1.0 + 1e-9 and (not dret or min(dret) >= -2.0 - 1e-9)}
         for cfg in ("INT2/INT4", "INT4/INT4"):
             q = R.get((cfg, "quantmla"))
             base_rows = [r for (c, m), r in R.items() if c == cfg and m in ("rtn", "hadamard", "kivi")]
