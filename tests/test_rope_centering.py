@@ -159,3 +159,31 @@ def test_engine_applies_the_offsets_like_the_transformers_cache():
         eng.close()
         rep = compare(model, quant, prompts, [o.output_ids for o in outs], 8, tie_tol=1e-4)
         assert rep.exact == len(prompts), rep.details
+
+
+def test_spreading_keys_over_the_context_keeps_every_logit():
+    """Keys moved to random context positions, with their quadratic forms: the logit energy kᵀAk of
+    every kept key and the error of any key perturbation are unchanged, the keys themselves are not."""
+    from quantmla.calibration.api import spread_key_positions
+    from quantmla.calibration.capture import capture_calibration_data
+    from quantmla.transforms.rope import pair_channels
+
+    model = tiny_model("deepseek_v3")
+    spec = load_spec(model)
+    d = next(iter(capture_calibration_data(model, spec, torch.randint(3, 100, (3, 16)), progress=False).values()))
+    s = spread_key_positions(d, torch.Generator().manual_seed(0), context=4096, fraction=1.0)
+    assert s.keys.shape == d.keys.shape and not torch.allclose(s.keys, d.keys)
+    for w in d.A:
+        e0 = torch.einsum("kd,kde,ke->k", d.keys.double(), d.A[w].double(), d.keys.double())
+        e1 = torch.einsum("kd,kde,ke->k", s.keys.double(), s.A[w].double(), s.keys.double())
+        torch.testing.assert_close(e1, e0, rtol=1e-4, atol=1e-6)
+    ra, im = pair_channels(spec.d_r, d.rope_layout)
+    torch.testing.assert_close(s.keys[:, ra] ** 2 + s.keys[:, im] ** 2, d.keys[:, ra] ** 2 + d.keys[:, im] ** 2,
+                               rtol=1e-4, atol=1e-5)  # each pair only turns
+    assert spread_key_positions(d, torch.Generator(), context=16) is d  # no longer context than the rows
+    half = spread_key_positions(d, torch.Generator().manual_seed(0), context=4096, fraction=0.5)
+    moved = (half.keys - d.keys).abs().amax(-1) > 1e-6
+    assert 0 < int(moved.sum()) < d.keys.shape[0]  # some keys stay at their own positions
+    with pytest.raises(QuantMLAError, match="rope_spread"):
+        calibrate(model, torch.randint(3, 100, (3, 16)), QuantCacheConfig.of_bits(4, 4, 32, 16), rope_spread=1.5,
+                  progress=False)

@@ -90,8 +90,11 @@ def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator)
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
-def check_options(quant: QuantCacheConfig, *, method: str, paths, rope_weighting: str) -> tuple[str, ...]:
+def check_options(quant: QuantCacheConfig, *, method: str, paths, rope_weighting: str,
+                  rope_spread: float = 0.0) -> tuple[str, ...]:
     """calibrate's option checks (streamed calibration makes the same ones); -> paths as a tuple."""
+    if not 0.0 <= float(rope_spread) <= 1.0:
+        raise QuantMLAError(f"rope_spread is a fraction of the RoPE keys, between 0 and 1; got {rope_spread}")
     if method not in METHODS:
         raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
     paths = tuple(paths)
@@ -151,12 +154,47 @@ def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
         mu = torch.zeros(d_r, dtype=torch.float64, device=k.device)
         mu[ra], mu[im] = c.real, c.imag
     mu = mu.to(d.k_rope.dtype)
-    return dc.replace(d, k_rope=d.k_rope - mu, keys=d.keys - mu.to(d.keys.device)), mu
+    return dc.replace(d, k_rope=d.k_rope - mu, keys=d.keys - mu.to(d.keys.device), key_ref=d.keys), mu
+
+
+def spread_key_positions(d, generator: torch.Generator, context: int | None = None, fraction: float = 0.5):
+    """A copy of LayerData `d` whose kept RoPE keys, with the queries that read them, sit at random
+    positions of the model's context instead of the calibration rows' 0 … L−1.
+
+    Moving a (query, key) configuration by Δ positions turns every pair by θ_j·Δ and changes no
+    logit, so the RoPE objective's quadratic form follows: k ← R(Δ)·k, A ← R(Δ)·A·R(Δ)ᵀ. What changes
+    is what the per-token quantizer sees: a slowly turning pair is met in all its orientations, as it
+    will be at serving time, rather than in the one a 512-token row covers. Without a RoPE phase, or
+    when the context is no longer than the rows, `d` itself."""
+    import dataclasses as dc
+
+    context = context or d.max_positions
+    L = d.k_rope.shape[1]
+    if d.rope_phase is None or context is None or context <= L:
+        return d
+    from quantmla.transforms.rope import pair_channels
+
+    K, d_r = d.keys.shape
+    ra, im = pair_channels(d_r, d.rope_layout)
+    theta = torch.angle(d.rope_phase[1]).double()
+    delta = torch.randint(0, int(context) - L, (K,), generator=generator).double()
+    delta = delta * (torch.rand(K, generator=generator) < fraction).double()  # the others stay where they were
+    ang = delta[:, None] * theta[None]  # [K, P]
+    cos, sin = ang.cos(), ang.sin()
+    R = torch.zeros(K, d_r, d_r, dtype=torch.float64)
+    R[:, ra, ra], R[:, ra, im] = cos, -sin
+    R[:, im, ra], R[:, im, im] = sin, cos
+    dev, kd = d.keys.device, d.keys.dtype
+    R = R.to(dev)
+    keys = torch.einsum("kde,ke->kd", R, d.keys.double()).to(kd)
+    A = {w: torch.einsum("kab,kbc,kdc->kad", R, a.double(), R).to(a.dtype) for w, a in d.A.items()}
+    return dc.replace(d, keys=keys, A=A)
 
 
 def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method: str, paths: tuple[str, ...],
               seed: int, steps: int, rope_steps: int, lr: float, batch_size: int, rope_weighting: str,
-              rope_searches: tuple[str, ...], rope_center: bool = True, pbar=None) -> tuple[LayerTransform, LayerReport]:
+              rope_searches: tuple[str, ...], rope_center: bool = True, rope_spread: float = 0.0,
+              pbar=None) -> tuple[LayerTransform, LayerReport]:
     """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
     the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
     This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
@@ -165,10 +203,13 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
     over the fit sequences becomes the slot's cache offset, see :func:`centre_rope_keys`) and every
     fit, and the "after" figures, see the centred keys; "before" is plain RTN."""
     slot = d.slot
-    d_rtn = d
     mu = None
     if rope_center and method == "quantmla" and "rope" in paths and fmt.rope.quantized:
+        if rope_spread > 0:
+            d = spread_key_positions(d, torch.Generator().manual_seed(seed * 1000003 + slot + 7), fraction=rope_spread)
+        d_rtn = d
         d, mu = centre_rope_keys(d, fit_seqs)
+    d_rtn = d if mu is None else d_rtn
     lg = torch.Generator().manual_seed(seed * 1000003 + slot)
     rep = LayerReport(slot=slot)
     ct: ContentTransform | None = None
@@ -188,6 +229,7 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
             if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are
                 held_m = torch.isin(d_rtn.key_seq, held_seqs.to(d_rtn.key_seq.device))
                 before = float(RopeQK(d_rtn.keys[held_m], d_rtn.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
+                # the fits' objectives are normalized by the uncentred keys' energy (key_ref), as `before` is
                 cands = {f"{k}+centred": v for k, v in cands.items()} | {"rtn": before}
                 chosen = f"{chosen}+centred"
                 if cands[chosen] >= before:  # centring and fitting did not help on held-out keys: plain RTN
@@ -232,6 +274,7 @@ def calibrate(
     rope_weighting: str = "attention",
     rope_searches: tuple[str, ...] = SEARCHES,
     rope_center: bool = True,
+    rope_spread: float = 0.0,
     heldout_fraction: float = 0.25,
     max_capture_bytes: int = 2 << 30,
     progress: bool = True,
@@ -245,7 +288,7 @@ def calibrate(
     per-layer held-out objectives before (RTN) and after. Deterministic for a given seed.
     device: where captured activations live and the fits run (default: CPU).
     """
-    paths = check_options(quant, method=method, paths=paths, rope_weighting=rope_weighting)
+    paths = check_options(quant, method=method, paths=paths, rope_weighting=rope_weighting, rope_spread=rope_spread)
     spec = load_spec(model)
     check_formats(spec, quant)
     verbose = progress if verbose is None else verbose
@@ -274,7 +317,7 @@ def calibrate(
             transforms[slot], rep = fit_layer(
                 d, quant.format_for(slot), fit_seqs, held_seqs, method=method, paths=paths, seed=seed, steps=steps,
                 rope_steps=rope_steps, lr=lr, batch_size=batch_size, rope_weighting=rope_weighting,
-                rope_searches=rope_searches, rope_center=rope_center, pbar=pbar)
+                rope_searches=rope_searches, rope_center=rope_center, rope_spread=rope_spread, pbar=pbar)
             reports.append(rep)
     finally:
         pbar.close()

@@ -57,6 +57,7 @@ class LayerData:
     # model's context (max_position_embeddings): what centring the RoPE keys over a context needs
     rope_phase: torch.Tensor | None = None
     max_positions: int | None = None
+    key_ref: torch.Tensor | None = None  # the kept keys before centring: the RoPE objective's energy reference
 
     def finalize(self) -> None:
         for name in ("latent", "k_rope", "q_pos", "q_latent", "q_rope", "key_seq", "keys"):

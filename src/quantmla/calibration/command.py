@@ -34,6 +34,10 @@ def add_arguments(p):
     p.add_argument("--no-rope-center", action="store_true",
                    help="do not centre the RoPE keys (by default their calibration mean is removed before they are "
                         "quantized: softmax ignores a constant key offset, the quantizer's range shrinks)")
+    p.add_argument("--rope-spread", type=float, default=0.0, metavar="F",
+                   help="fraction (0..1) of the RoPE objective's keys moved to random positions of the model's "
+                        "context before fitting: trades short-context perplexity for long-context robustness "
+                        "(docs/calibration.md)")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype of the saved weights (auto: the checkpoint's own); calibration always runs in fp32")
     p.add_argument("--device", default="cpu")
@@ -125,7 +129,8 @@ def run(args) -> int:
     model = model.eval().to(args.device)
     progress = not args.no_progress and not args.json
     report = calibrate(model, ids, quant, method=args.method, paths=paths, seed=args.seed, steps=args.steps,
-                       rope_weighting=args.rope_weighting, rope_center=not args.no_rope_center, progress=progress,
+                       rope_weighting=args.rope_weighting, rope_center=not args.no_rope_center,
+                       rope_spread=args.rope_spread, progress=progress,
                        verbose=not args.json)
     out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
     if args.json:

@@ -106,9 +106,12 @@ class OutputDistortion:
 class RopeQK:
     """The positional QK reconstruction objective on a set of kept keys (one weighting)."""
 
-    def __init__(self, keys: torch.Tensor, A: torch.Tensor, fmt: PathFormat, layout: str):
+    def __init__(self, keys: torch.Tensor, A: torch.Tensor, fmt: PathFormat, layout: str, ref: torch.Tensor | None = None):
+        """ref: keys whose logit energy normalizes the error (default `keys`; centred keys pass the
+        uncentred ones, so objectives with and without centring compare)."""
         self.keys, self.A, self.fmt, self.layout = keys, A, fmt, layout
-        self.energy = float(torch.einsum("kd,kde,ke->", keys, A, keys).clamp_min(1e-30))
+        r = keys if ref is None else ref
+        self.energy = float(torch.einsum("kd,kde,ke->", r, A, r).clamp_min(1e-30))
 
     def error(self, e: torch.Tensor) -> torch.Tensor:
         """e [..., K, d_r] -> Σ_u eᵀAe / energy, over the leading dims."""

@@ -123,8 +123,9 @@ def fit_rope(data: LayerData, fmt: PathFormat, fit_seqs: torch.Tensor, held_seqs
     fit_m = torch.isin(data.key_seq, fit_seqs.to(dev))
     held_m = torch.isin(data.key_seq, held_seqs.to(dev))
     A = data.A[weighting]
-    obj_fit = RopeQK(data.keys[fit_m], A[fit_m], fmt, data.rope_layout)
-    obj_held = RopeQK(data.keys[held_m], A[held_m], fmt, data.rope_layout)
+    ref = data.key_ref
+    obj_fit = RopeQK(data.keys[fit_m], A[fit_m], fmt, data.rope_layout, None if ref is None else ref[fit_m])
+    obj_held = RopeQK(data.keys[held_m], A[held_m], fmt, data.rope_layout, None if ref is None else ref[held_m])
     zero = torch.zeros(P, device=dev)
     points: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"rtn": (zero, zero)}
     if fmt.quantized:

@@ -817,12 +817,12 @@ class ProjectFitter(LayerFitter):
     check the weights equal calibrate's.
 
     fit_kwargs: calibrate's keyword arguments (paths, steps, rope_steps, lr, queries_per_seq,
-    rope_keys_per_seq, rope_weighting, rope_searches, rope_center, heldout_fraction, max_capture_bytes, device:
+    rope_keys_per_seq, rope_weighting, rope_searches, rope_center, rope_spread, heldout_fraction, max_capture_bytes, device:
     where the captured data lives and the fit runs, default CPU). ``batch_size`` is the streamer's
     (capture batches and fit minibatches, as in calibrate)."""
 
     OPTIONS = ("paths", "steps", "rope_steps", "lr", "batch_size", "queries_per_seq", "rope_keys_per_seq",
-               "rope_weighting", "rope_searches", "rope_center", "heldout_fraction", "max_capture_bytes", "device")
+               "rope_weighting", "rope_searches", "rope_center", "rope_spread", "heldout_fraction", "max_capture_bytes", "device")
 
     @staticmethod
     def defaults() -> dict:
@@ -845,7 +845,8 @@ class ProjectFitter(LayerFitter):
         o = {**self.defaults(), **{k: v for k, v in self.fit_kwargs.items() if k in self.OPTIONS}}
         o["rope_steps"] = o["steps"] if o["rope_steps"] is None else o["rope_steps"]
         o["rope_searches"] = tuple(o["rope_searches"])
-        o["paths"] = api.check_options(self.quant, method=self.method, paths=o["paths"], rope_weighting=o["rope_weighting"])
+        o["paths"] = api.check_options(self.quant, method=self.method, paths=o["paths"], rope_weighting=o["rope_weighting"],
+                                       rope_spread=o["rope_spread"])
         api.check_formats(self.spec, self.quant)
         self.o = o
         self.store_device = torch.device(o.get("device") or "cpu")
@@ -886,7 +887,7 @@ class ProjectFitter(LayerFitter):
         lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
                             paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
                             batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
-                            rope_searches=o["rope_searches"], rope_center=o["rope_center"], pbar=None)
+                            rope_searches=o["rope_searches"], rope_center=o["rope_center"], rope_spread=o["rope_spread"], pbar=None)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs

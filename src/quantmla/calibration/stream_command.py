@@ -72,7 +72,7 @@ def _ids(args):
 def _options(args) -> dict:
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     fit = {"paths": paths, "steps": args.steps, "rope_weighting": args.rope_weighting,
-           "rope_center": not getattr(args, "no_rope_center", False)}
+           "rope_center": not getattr(args, "no_rope_center", False), "rope_spread": getattr(args, "rope_spread", 0.0)}
     if str(args.device) != "cpu":  # fit where the layers run ("cuda": each rank's own GPU)
         fit["device"] = "cuda" if str(args.device).startswith("cuda") else args.device
     return dict(method=args.method, seed=args.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,

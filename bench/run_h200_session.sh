@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# GPU measurements of session 2 (2026-11-29), one named step per argument, in the order given:
+#
+#   OUT=... bash bench/run_h200_session.sh check profile stream accuracy serving scaling kernel-shapes
+#
+# check          serving agreement with generate() on the shipped models (bf16, int4/int4, int2/int4)
+# profile        per-kernel GPU time of decode steps (bench/profile_serving.py)
+# stream         `quantmla calibrate` in memory, streamed (1 process) and streamed over NCCL (2 processes;
+#                needs 2 GPUs): the two streamed outputs must be byte-identical
+# accuracy       the QuantMLA rows of all four reference models (n=50), merged into a copy of results/
+# serving        serve-bench at groups 128/64 over 0.25/0.5/1 GiB budgets
+# scaling        bench/calibration_scaling.py on the GPU (+ one DeepSeek-V3-geometry layer)
+# kernel-shapes  decode-kernel configs at serving shapes (16 heads)
+#
+# Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
+# profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
+# nvidia-h200-x2; results under bench/results/ and results/.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export TRITON_INTERPRET=0 PYTHONPATH=src PYTHONUNBUFFERED=1
+LOG="$OUT/session.log"
+M=models/qmla-ref-deepseek-v3
+step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+
+check() {
+  timeout 150 python3 -m quantmla.cli serve-bench --check-only --check-families deepseek_v2 \
+    --check-methods bf16 int4/int4 int2/int4 --out "$OUT/serving_check_h200.json" 2>&1 | tail -25 | tee -a "$LOG"
+}
+
+profile() {
+  timeout 150 python3 bench/profile_serving.py --out "$OUT/profile_serving_h200.json" 2>&1 | grep -v -i warn | tail -60 | tee -a "$LOG"
+}
+
+stream() {
+  /usr/bin/time -f "calibrate cuda: %e s wall" timeout 120 python3 -m quantmla.cli calibrate $M --content-bits 4 \
+    --rope-bits 4 --device cuda --out /tmp/cal_mem --no-progress 2>&1 | grep -v "Loading\|Writing" | tail -9 | tee -a "$LOG"
+  /usr/bin/time -f "stream 1 proc cuda: %e s wall" timeout 100 python3 -m quantmla.cli calibrate $M --content-bits 4 \
+    --rope-bits 4 --device cuda --stream --out /tmp/cal_s1 --no-progress > /tmp/s1.log 2>&1; tail -12 /tmp/s1.log | tee -a "$LOG"
+  /usr/bin/time -f "stream 2 proc nccl: %e s wall" timeout 120 python3 -m quantmla.cli calibrate $M --content-bits 4 \
+    --rope-bits 4 --device cuda --stream --nproc 2 --out /tmp/cal_s2 --no-progress > /tmp/s2.log 2>&1
+  grep -v "unbatched P2P" /tmp/s2.log | tail -12 | tee -a "$LOG"
+  python3 - <<'PY' 2>&1 | tee -a "$LOG"
+import glob, hashlib, json, os
+def digest(d):
+    return {os.path.basename(f): hashlib.sha256(open(f, "rb").read()).hexdigest()[:16]
+            for f in sorted(glob.glob(d + "/*.safetensors"))}
+def qc(d):
+    p = d + "/config.json"
+    return json.load(open(p))["quantization_config"] if os.path.exists(p) else None
+a, b, qa, qb = digest("/tmp/cal_s1"), digest("/tmp/cal_s2"), qc("/tmp/cal_s1"), qc("/tmp/cal_s2")
+r = {"stream_1proc": a, "stream_2proc_nccl": b, "shards_identical": a == b and len(a) > 1,
+     "config_identical": qa == qb and qa is not None, "rope_offsets_slots": sorted((qa or {}).get("rope_offsets", {}))}
+print(r)
+json.dump(r, open(os.environ.get("OUT", "/tmp/out") + "/nccl_equality_h200.json", "w"), indent=1)
+PY
+}
+
+accuracy() {
+  rm -rf /tmp/acc && mkdir -p /tmp/acc && cp results/accuracy.json /tmp/acc/
+  timeout 200 python3 -m quantmla.cli eval --all --config INT4/INT4 INT2/INT4 --method quantmla --device cuda \
+    --out /tmp/acc 2>&1 | grep "bpb\|rror" | tail -12 | tee -a "$LOG"
+  cp /tmp/acc/accuracy.json /tmp/acc/accuracy.md "$OUT/"
+}
+
+serving() {
+  timeout 230 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.25 0.5 1 --content-group 128 \
+    --rope-group 64 --max-seconds 170 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn | tail -16 | tee -a "$LOG"
+}
+
+scaling() {
+  timeout 170 python3 bench/calibration_scaling.py --device cuda --in-process --with-dsv3 --time-limit 150 \
+    --out "$OUT/calibration_scaling_cuda.json" 2>&1 | tail -14 | tee -a "$LOG"
+}
+
+kernel-shapes() {
+  timeout 240 python3 -m quantmla.cli bench-kernel --heads 16 --methods int4/int4,int2/int4 \
+    --shapes 64x1536,20x2048,6x2048,32x16384 --sweep-shape 64x1536 --out "$OUT/kernel_serving_shapes_h200.json" 2>&1 \
+    | grep -v "^check " | tail -30 | tee -a "$LOG"
+}
+
+for s in "$@"; do
+  step "$s"
+  "$s"
+done
+step done
