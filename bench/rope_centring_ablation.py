@@ -1,0 +1,68 @@
+"""RoPE-key centring variants on one reference model (docs/calibration.md, "RoPE key offset"):
+QuantMLA at INT4/INT4 with no centring, the plain calibration mean as the offset, and the mean over
+the model's context (the default), each scored by held-out bits/byte (512-token chunks) and
+retrieval at the given lengths.
+
+    python bench/rope_centring_ablation.py models/qmla-ref-deepseek-v3 --chunks 32 --retrieval-n 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+
+import quantmla.calibration.api as api
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.hf_cache import QuantMLACache
+from quantmla.evaluation.harness import load_eval_data, load_model
+from quantmla.evaluation.perplexity import bits_per_byte
+from quantmla.evaluation.retrieval import retrieval_accuracy
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--chunks", type=int, default=32)
+    p.add_argument("--retrieval-n", type=int, default=20)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    model, tok = load_model(a.model, dtype=torch.float32)
+    ev = load_eval_data(tok, seq_len=512, ppl_chunks=a.chunks, retrieval_n=a.retrieval_n, lengths=tuple(a.lengths),
+                        calib_n=16)
+    quant = QuantCacheConfig.of_bits(4, 4, 64, 32)
+    capture = api.capture_calibration_data
+
+    def plain_mean_capture(*args, **kw):  # no context: centre_rope_keys falls back to the plain mean
+        data = capture(*args, **kw)
+        for d in data.values():
+            d.max_positions = None
+        return data
+
+    rows = []
+    for name, center, cap in [("no centring", False, capture), ("plain calibration mean", True, plain_mean_capture),
+                              ("context mean (default)", True, capture)]:
+        m = copy.deepcopy(model)
+        api.capture_calibration_data = cap
+        try:
+            api.calibrate(m, ev.calib_ids, quant, rope_center=center, progress=False, verbose=False)
+        finally:
+            api.capture_calibration_data = capture
+        q = QuantCacheConfig.from_model_config(m.config)
+        factory = lambda mm, q=q: QuantMLACache(mm, q)  # noqa: E731
+        with torch.no_grad():
+            bpb = bits_per_byte(m, tok, ev.ppl, seq_len=512, cache_factory=factory)["bits_per_byte"]
+            ret = {L: retrieval_accuracy(m, tok, ev.retrieval[L], cache_factory=factory)["accuracy"] for L in a.lengths}
+        rows.append({"variant": name, "bits_per_byte": bpb, "retrieval": ret})
+        print(f"{name:<26} bpb {bpb:.4f}  " + "  ".join(f"{L}: {100 * v:.0f} %" for L, v in ret.items()), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "chunks": a.chunks, "retrieval_n": a.retrieval_n, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
