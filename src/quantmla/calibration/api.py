@@ -141,18 +141,12 @@ def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
     if phase is None or context is None or phase.shape[0] < min(L, 2):
         mu = k.reshape(-1, d_r).mean(0)
     else:
-        from quantmla.transforms.rope import pair_channels
-
-        ra, im = pair_channels(d_r, d.rope_layout)
         w = phase[:L].to(k.device)  # [L, P]
-        z = torch.complex(k[..., ra], k[..., im])  # [n, L, P]
-        m = (z * w.conj()).reshape(-1, w.shape[-1]).mean(0)  # de-rotated mean per pair
-        theta = torch.angle(phase[1]).to(k.device)  # radians per position
+        m = apply_pairs(k, w.conj(), d.rope_layout).reshape(-1, d_r).mean(0)  # de-rotated mean key [d_r]
+        theta = torch.angle(phase[1]).to(k.device)  # radians per position, per pair
         s = torch.arange(max(int(context), L), device=k.device, dtype=torch.float64)
         avg = torch.polar(torch.ones_like(s)[:, None], s[:, None] * theta[None]).mean(0)  # [P]
-        c = m * avg
-        mu = torch.zeros(d_r, dtype=torch.float64, device=k.device)
-        mu[ra], mu[im] = c.real, c.imag
+        mu = apply_pairs(m[None], avg, d.rope_layout)[0]
     mu = mu.to(d.k_rope.dtype)
     return dc.replace(d, k_rope=d.k_rope - mu, keys=d.keys - mu.to(d.keys.device), key_ref=d.keys), mu
 
@@ -172,22 +166,19 @@ def spread_key_positions(d, generator: torch.Generator, context: int | None = No
     L = d.k_rope.shape[1]
     if d.rope_phase is None or context is None or context <= L:
         return d
-    from quantmla.transforms.rope import pair_channels
-
-    K, d_r = d.keys.shape
-    ra, im = pair_channels(d_r, d.rope_layout)
+    K = d.keys.shape[0]
     theta = torch.angle(d.rope_phase[1]).double()
     delta = torch.randint(0, int(context) - L, (K,), generator=generator).double()
     delta = delta * (torch.rand(K, generator=generator) < fraction).double()  # the others stay where they were
-    ang = delta[:, None] * theta[None]  # [K, P]
-    cos, sin = ang.cos(), ang.sin()
-    R = torch.zeros(K, d_r, d_r, dtype=torch.float64)
-    R[:, ra, ra], R[:, ra, im] = cos, -sin
-    R[:, im, ra], R[:, im, im] = sin, cos
-    dev, kd = d.keys.device, d.keys.dtype
-    R = R.to(dev)
-    keys = torch.einsum("kde,ke->kd", R, d.keys.double()).to(kd)
-    A = {w: torch.einsum("kab,kbc,kdc->kad", R, a.double(), R).to(a.dtype) for w, a in d.A.items()}
+    turn = torch.polar(torch.ones(K, theta.numel(), dtype=torch.float64), delta[:, None] * theta[None])  # [K, P]
+    turn = turn.to(d.keys.device)
+    keys = apply_pairs(d.keys.double(), turn, d.rope_layout).to(d.keys.dtype)
+
+    def both_sides(a):  # R·A·Rᵀ: turn every row, then every column
+        a = apply_pairs(a.double(), turn[:, None], d.rope_layout).transpose(-1, -2)
+        return apply_pairs(a, turn[:, None], d.rope_layout).transpose(-1, -2)
+
+    A = {w: both_sides(a).to(a.dtype) for w, a in d.A.items()}
     return dc.replace(d, keys=keys, A=A)
 
 
