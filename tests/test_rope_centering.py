@@ -29,13 +29,19 @@ def _offsets(spec, scale=3.0, seed=0):
     return {s: tuple((scale * torch.randn(spec.d_r, generator=g)).tolist()) for s in spec.mla_layers}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_offsets_leave_attention_unchanged(family):
-    """16-bit cache with large random offsets: logits equal DynamicCache's to fp32 rounding, for every family."""
+def _with_rope(family):
+    """(tiny model, spec) of a family; skips a family without a RoPE key."""
     model = tiny_model(family)
     spec = load_spec(model)
     if spec.d_r == 0:
         pytest.skip("no RoPE key")
+    return model, spec
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_offsets_leave_attention_unchanged(family):
+    """16-bit cache with large random offsets: logits equal DynamicCache's to fp32 rounding, for every family."""
+    model, spec = _with_rope(family)
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     q = dataclasses.replace(QuantCacheConfig.of_bits(16, 16), rope_offsets=_offsets(spec))
     with torch.no_grad():
@@ -129,10 +135,7 @@ def test_rope_phase_is_the_familys_rotation(family):
     """The captured phase turns each cache pair by position × the model's inverse frequency."""
     from quantmla.calibration.capture import capture_calibration_data
 
-    model = tiny_model(family)
-    spec = load_spec(model)
-    if spec.d_r == 0:
-        pytest.skip("no RoPE key")
+    model, spec = _with_rope(family)
     d = next(iter(capture_calibration_data(model, spec, torch.randint(3, 100, (2, 9)), progress=False).values()))
     assert d.rope_phase.shape == (9, spec.d_r // 2) and d.max_positions == model.config.max_position_embeddings
     torch.testing.assert_close(d.rope_phase.abs(), torch.ones(9, spec.d_r // 2, dtype=torch.float64))
