@@ -191,16 +191,18 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
     This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
 
     rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their mean
-    over the fit sequences becomes the slot's cache offset, see :func:`centre_rope_keys`) and every
-    fit, and the "after" figures, see the centred keys; "before" is plain RTN."""
+    over the model's context, estimated from the fit sequences, becomes the slot's cache offset, see
+    :func:`centre_rope_keys`) and every fit, and the "after" figures, see the centred keys; "before"
+    is plain RTN."""
     slot = d.slot
     mu = None
     if rope_center and method == "quantmla" and "rope" in paths and fmt.rope.quantized:
         if rope_spread > 0:
             d = spread_key_positions(d, torch.Generator().manual_seed(seed * 1000003 + slot + 7), fraction=rope_spread)
-        d_rtn = d
+        d_rtn = d  # the keys as they are: RTN's "before"
         d, mu = centre_rope_keys(d, fit_seqs)
-    d_rtn = d if mu is None else d_rtn
+    else:
+        d_rtn = d
     lg = torch.Generator().manual_seed(seed * 1000003 + slot)
     rep = LayerReport(slot=slot)
     ct: ContentTransform | None = None
