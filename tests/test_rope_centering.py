@@ -190,3 +190,19 @@ def test_spreading_keys_over_the_context_keeps_every_logit():
     with pytest.raises(QuantMLAError, match="rope_spread"):
         calibrate(model, torch.randint(3, 100, (3, 16)), QuantCacheConfig.of_bits(4, 4, 32, 16), rope_spread=1.5,
                   progress=False)
+
+
+def test_sweep_scores_a_calibrated_variant_with_its_own_offsets(monkeypatch, tmp_path):
+    """calibration.sweep must read the cache through the calibrated config (RoPE offsets included)."""
+    from quantmla.calibration import sweep
+    from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+
+    path = model_path(DEFAULT_MODEL)
+    if not path.exists():
+        pytest.skip("reference model not shipped")
+    seen = []
+    monkeypatch.setattr(sweep, "_bpb", lambda m, tok, chunks, L, quant, bs: seen.append(quant) or 1.0)
+    sweep.main([str(path), "--chunks", "1", "--calib-n", "4", "--steps", "2", "--only", "INT4/INT4 quantmla",
+                "--out", str(tmp_path / "s.json")])
+    assert len(seen) == 2  # BF16, then the calibrated variant
+    assert seen[1].rope_offsets, "the calibrated variant was scored without its RoPE offsets"
