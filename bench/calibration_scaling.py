@@ -37,6 +37,7 @@ projected to DeepSeek-V3 geometry as well (``projection_dsv3``, with assumed H20
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -603,7 +604,9 @@ def main(argv=None) -> int:
         machine["transformers"] = transformers.__version__
     except ImportError:
         pass
-    res = {"machine": machine, "device": args.device, "fit_device": fit_device, "steps": steps, "quick": args.quick,
+    res = {"machine": machine, "device": args.device, "fit_device": fit_device,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python"] + sys.argv), "steps": steps, "quick": args.quick,
            "time_limit_s": args.time_limit, "points": [], "skipped": [], "dsv3_geometry": DSV3, "assumed_h200_rates": ASSUMED}
 
     def remaining() -> float | None:

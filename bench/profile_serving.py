@@ -10,7 +10,9 @@ decode phase (prefill excluded by profiling only the steps after every prompt is
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 import time
 
 import torch
@@ -33,7 +35,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     model = build_bench_model("v2-lite", "cuda", torch.bfloat16, 0)
     g = torch.Generator().manual_seed(0)
-    res = {"batch": a.batch, "prompt": a.prompt, "steps": a.steps, "methods": {}}
+    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python3"] + sys.argv), "torch": torch.__version__,
+           "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "methods": {}}
     for m in a.methods:
         q = method_config(m, a.content_group, a.rope_group)
         cfg = EngineConfig(quant=q, kv_budget_bytes=8 << 30, max_num_seqs=a.batch, max_num_batched_tokens=8192,

@@ -1,16 +1,20 @@
 """RoPE-key centring variants on one reference model (docs/calibration.md, "RoPE key offset"):
-QuantMLA at INT4/INT4 with no centring, the plain calibration mean as the offset, and the mean over
-the model's context (the default), each scored by held-out bits/byte (512-token chunks) and
-retrieval at the given lengths.
+QuantMLA at INT4/INT4 with no centring, the plain calibration mean as the offset, the mean over
+the model's context (the default), and the default with half / all of the RoPE objective's keys
+spread over the context (``--rope-spread``), each scored by held-out bits/byte (512-token chunks)
+and retrieval at the given lengths.
 
-    python bench/rope_centring_ablation.py models/qmla-ref-deepseek-v3 --chunks 32 --retrieval-n 20
+    python bench/rope_centring_ablation.py models/qmla-ref-deepseek-v3 --chunks 32 --retrieval-n 20 \
+        --lengths 1024 2048 4096 --out bench/results/rope_centring_ablation_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
+import sys
 
 import torch
 
@@ -42,13 +46,19 @@ def main(argv=None) -> int:
             d.max_positions = None
         return data
 
+    with torch.no_grad():
+        base = bits_per_byte(model, tok, ev.ppl, seq_len=512,
+                             cache_factory=lambda mm: QuantMLACache(mm, QuantCacheConfig.of_bits(16, 16)))["bits_per_byte"]
+    print(f"{'BF16':<26} bpb {base:.4f}", flush=True)
     rows = []
-    for name, center, cap in [("no centring", False, capture), ("plain calibration mean", True, plain_mean_capture),
-                              ("context mean (default)", True, capture)]:
+    variants = [("no centring", False, capture, 0.0), ("plain calibration mean", True, plain_mean_capture, 0.0),
+                ("context mean (default)", True, capture, 0.0), ("context mean, spread 0.5", True, capture, 0.5),
+                ("context mean, spread 1.0", True, capture, 1.0)]
+    for name, center, cap, spread in variants:
         m = copy.deepcopy(model)
         api.capture_calibration_data = cap
         try:
-            api.calibrate(m, ev.calib_ids, quant, rope_center=center, progress=False, verbose=False)
+            api.calibrate(m, ev.calib_ids, quant, rope_center=center, rope_spread=spread, progress=False, verbose=False)
         finally:
             api.capture_calibration_data = capture
         q = QuantCacheConfig.from_model_config(m.config)
@@ -56,11 +66,13 @@ def main(argv=None) -> int:
         with torch.no_grad():
             bpb = bits_per_byte(m, tok, ev.ppl, seq_len=512, cache_factory=factory)["bits_per_byte"]
             ret = {L: retrieval_accuracy(m, tok, ev.retrieval[L], cache_factory=factory)["accuracy"] for L in a.lengths}
-        rows.append({"variant": name, "bits_per_byte": bpb, "retrieval": ret})
-        print(f"{name:<26} bpb {bpb:.4f}  " + "  ".join(f"{L}: {100 * v:.0f} %" for L, v in ret.items()), flush=True)
+        rows.append({"variant": name, "bits_per_byte": bpb, "retrieval": ret, "calibration": q.describe()})
+        print(f"{name:<26} bpb {bpb:.4f} ({100 * (bpb / base - 1):+.2f} %)  " + "  ".join(f"{L}: {100 * v:.0f} %" for L, v in ret.items()), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "chunks": a.chunks, "retrieval_n": a.retrieval_n, "rows": rows}, f, indent=1)
+            json.dump({"model": a.model, "device": "cpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "command": " ".join(["python"] + sys.argv), "chunks": a.chunks, "retrieval_n": a.retrieval_n,
+                       "bf16_bits_per_byte": base, "rows": rows}, f, indent=1)
     return 0
 
 

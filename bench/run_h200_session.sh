@@ -41,7 +41,7 @@ stream() {
     --rope-bits 4 --device cuda --stream --nproc 2 --out /tmp/cal_s2 --no-progress > /tmp/s2.log 2>&1
   grep -v "unbatched P2P" /tmp/s2.log | tail -12 | tee -a "$LOG"
   python3 - <<'PY' 2>&1 | tee -a "$LOG"
-import glob, hashlib, json, os
+import datetime, glob, hashlib, json, os, torch
 def digest(d):
     return {os.path.basename(f): hashlib.sha256(open(f, "rb").read()).hexdigest()[:16]
             for f in sorted(glob.glob(d + "/*.safetensors"))}
@@ -49,7 +49,11 @@ def qc(d):
     p = d + "/config.json"
     return json.load(open(p))["quantization_config"] if os.path.exists(p) else None
 a, b, qa, qb = digest("/tmp/cal_s1"), digest("/tmp/cal_s2"), qc("/tmp/cal_s1"), qc("/tmp/cal_s2")
-r = {"stream_1proc": a, "stream_2proc_nccl": b, "shards_identical": a == b and len(a) > 1,
+r = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+     "command": "quantmla calibrate models/qmla-ref-deepseek-v3 --content-bits 4 --rope-bits 4 --device cuda --stream "
+                "[--nproc 2] (bench/run_h200_session.sh stream)",
+     "stream_1proc": a, "stream_2proc_nccl": b, "shards_identical": a == b and len(a) > 1,
      "config_identical": qa == qb and qa is not None, "rope_offsets_slots": sorted((qa or {}).get("rope_offsets", {}))}
 print(r)
 json.dump(r, open(os.environ.get("OUT", "/tmp/out") + "/nccl_equality_h200.json", "w"), indent=1)

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             rep = calibrate(m, calib, quant, **{**kw, **how})
             layers = layer_summary(rep)
         t_cal = time.perf_counter() - t0
-        if quant is not None and how and "closed" not in how:  # calibrated: its own config (RoPE offsets included)
+        if quant is not None:  # a calibrated model reads through its own config (RoPE offsets included)
             quant = QuantCacheConfig.from_model_config(m.config) or quant
         with torch.no_grad():
             bpb = _bpb(m, tok, chunks, args.seq_len, quant if quant is not None else q(16, 16), args.batch_size)
