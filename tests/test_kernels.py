@@ -244,3 +244,47 @@ def test_decode_transposed_orientation(name):
     o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=3, SQ=2, config=cfg, chunk_tokens=16)
     assert "tokens" in md.workspace["variant"]
     check(o, l, ro, rl)
+
+
+# -- the CUDA-graph decode schedule ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bf16", "int4/int4"])
+def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
+    """A graph bucket's fixed-shape schedule, rewritten for the real lengths before a replay, covers every
+    token once, spreads each sequence over all its splits (not the pool-wide worst case the graph was
+    built for) and gives the reference attention."""
+    import types
+
+    import numpy as np
+
+    from quantmla.serving.triton_backend import StaticDecodePlan
+
+    lens = [1, 40, 77, 130]
+    lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
+    monkeypatch.setattr(api, "_num_sms", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
+    H = 4
+    backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
+                                    kinds={"k": lay})
+    plan = StaticDecodePlan(backend, b=len(lens), max_len=4096)  # a pool far longer than the sequences
+    plan.update(np.asarray(lens))
+    md = plan.md["k"]
+    S = md.max_splits
+    assert S > 1 and md.num_units == len(lens) * S
+    units = md.units.cpu().tolist()
+    for b, n in enumerate(lens):
+        mine = [u for u in units if u[0] == b]
+        assert len(mine) == S and all(u[3] == S for u in mine)
+        covered = sorted(t for u in mine for t in range(u[1], u[2]))
+        assert covered == list(range(n))
+        busy = sum(u[2] > u[1] for u in mine)
+        min_span = plan.split["k"][1]
+        assert busy == min(S, -(-n // min_span)), (n, busy)  # a sequence uses every split it can fill
+    g = torch.Generator().manual_seed(2)
+    qc = torch.randn(len(lens), 1, H, D_C, generator=g).to(DEV, torch.bfloat16)
+    qr = torch.randn(len(lens), 1, H, D_R, generator=g).to(DEV, torch.bfloat16)
+    out = torch.full((len(lens), 1, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((len(lens), 1, H), float("nan"), device=DEV)
+    wide = torch.zeros(len(lens), 4096 // PAGE, dtype=bt.dtype, device=bt.device)  # the graph's block-table width
+    wide[:, : bt.shape[1]] = bt
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), wide, sl, lay, 0.125, metadata=md, out=out, lse=lse)
+    ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
+    check(o, l, ro, rl)

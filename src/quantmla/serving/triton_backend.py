@@ -49,32 +49,43 @@ def triton_available(device: torch.device, spec, formats: dict[int, CacheFormat]
 
 
 class StaticDecodePlan:
-    """Fixed-shape decode schedules (one per page layout kind) for a CUDA-graph bucket of b rows."""
+    """Fixed-shape decode schedules (one per page layout kind) for a CUDA-graph bucket of b rows.
+
+    The graph fixes the number of work units, b × S: S splits per sequence, chosen so that the bucket
+    fills the GPU (about ``num_sms × ctas_per_sm`` programs, as :func:`get_mla_metadata` aims for) but
+    no split is shorter than the config's ``min_chunk``. Before each replay :meth:`update` cuts every
+    real sequence into S spans of ``ceil(len / S)`` tokens (at least ``min_chunk``), so the work follows
+    the real lengths, not the graph's worst case (the pool's whole capacity)."""
 
     def __init__(self, backend: "TritonPagedBackend", b: int, max_len: int):
         api = _kernels()
         self.b, self.max_len = b, max_len
         H, dev = backend.spec.num_heads, backend.device
         self.md: dict[tuple, object] = {}
-        self.split: dict[tuple, tuple[int, int]] = {}  # kind -> (splits per sequence, tokens per split)
+        self.split: dict[tuple, tuple[int, int]] = {}  # kind -> (splits per sequence, shortest span)
         self.host: dict[tuple, torch.Tensor] = {}
         for kind, layout in backend.kinds.items():
-            proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout)
-            u = proto.units.cpu()
+            cfg = api.default_config(H, layout, dev)
+            head_blocks = -(-H // cfg.block_m)
+            target = max(1, api._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
+            min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
+            S = max(1, min(-(-target // b), -(-max_len // min_span)))
+            proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
+                                         config=cfg, chunk_tokens=-(-max_len // S))
             S = proto.max_splits
             if proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
-            span = int(u[0, 2] - u[0, 1]) if S > 1 else max_len
-            self.md[kind], self.split[kind] = proto, (S, max(span, 1))
+            self.md[kind], self.split[kind] = proto, (S, min_span)
             self.host[kind] = torch.zeros(b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
 
     def update(self, lens: np.ndarray) -> None:
         """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place."""
+        n = np.asarray(lens, dtype=np.int64)[:, None]
         for kind, md in self.md.items():
-            S, span = self.split[kind]
+            S, min_span = self.split[kind]
+            span = np.maximum(min_span, -(-n // S))  # ceil(len / S) tokens, at least min_span
             h = self.host[kind].numpy().reshape(self.b, S, 4)
             i = np.arange(S)[None, :]
-            n = lens[:, None].astype(np.int64)
             h[:, :, 0] = np.arange(self.b)[:, None]
             h[:, :, 1] = np.minimum(n, i * span)
             h[:, :, 2] = np.minimum(n, (i + 1) * span)
