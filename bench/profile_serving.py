@@ -1,10 +1,12 @@
-"""Where a serving decode step spends its GPU time, per cache method (H200 diagnosis for issue #6).
+"""Where a serving step spends its GPU time, per cache method (H200 diagnosis for issue #6).
 
     PYTHONPATH=src python3 bench/profile_serving.py --out $OUT/profile_serving.json
+    PYTHONPATH=src python3 bench/profile_serving.py --phase prefill --batched-tokens 8192 --steps 4
 
-Runs the serve-bench model (v2-lite geometry, random weights) on a small decode-heavy job with eager
-steps under ``torch.profiler`` and prints, per method, the CUDA time of each kernel family over the
-decode phase (prefill excluded by profiling only the steps after every prompt is in).
+Runs the serve-bench model (v2-lite geometry, random weights) under ``torch.profiler`` and prints, per
+method, the CUDA time of each kernel family per step and the wall time per step. ``--phase decode``
+(default): eager decode steps of ``--batch`` rows, profiled after every prompt is in. ``--phase
+prefill``: the job's first ``--steps`` steps, which are all prefill chunks of ``--batched-tokens``.
 """
 
 from __future__ import annotations
@@ -29,70 +31,93 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=1536)
     p.add_argument("--steps", type=int, default=24, help="decode steps profiled")
     p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens (prefill chunk budget)")
     p.add_argument("--content-group", type=int, default=64)
     p.add_argument("--rope-group", type=int, default=32)
+    p.add_argument("--preset", default="v2-lite", help="serve-bench model preset (tiny: a CPU smoke run)")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    model = build_bench_model("v2-lite", "cuda", torch.bfloat16, 0)
+    model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
+    cuda = a.device.startswith("cuda")
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python3"] + sys.argv), "torch": torch.__version__,
-           "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "methods": {}}
+           "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "phase": a.phase,
+           "max_num_batched_tokens": a.batched_tokens, "content_group": a.content_group, "rope_group": a.rope_group,
+           "methods": {}}
     for m in a.methods:
         q = method_config(m, a.content_group, a.rope_group)
-        cfg = EngineConfig(quant=q, kv_budget_bytes=8 << 30, max_num_seqs=a.batch, max_num_batched_tokens=8192,
+        cfg = EngineConfig(quant=q, kv_budget_bytes=8 << 30, max_num_seqs=a.batch, max_num_batched_tokens=a.batched_tokens,
                            cuda_graphs=False, max_model_len=a.prompt + a.steps + 8)
         e = Engine(model, cfg)
-        warm = [Request(f"w{i}", torch.randint(3, 1000, (64,), generator=g).tolist(),
+        warm = [Request(f"w{i}", torch.randint(3, min(1000, model.config.vocab_size), (64,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(2)]
         e.generate(warm)
-        reqs = [Request(i, torch.randint(3, 100000, (a.prompt,), generator=g).tolist(),
+        reqs = [Request(i, torch.randint(3, model.config.vocab_size, (a.prompt,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=a.steps + 2, ignore_eos=True)) for i in range(a.batch)]
         # time the whole job with and without the profiler; the profiled window starts at the first
         # step whose rows are all decode rows (see the engine's per-step hook below)
         orig = e._execute
 
-        state = {"prof": None, "decode_steps": 0, "t": 0.0}
+        state = {"prof": None, "decode_steps": 0, "t": 0.0, "wall": 0.0, "tokens": 0}
 
         def hooked(plan):
-            all_decode = plan.is_decode and len(plan.items) == a.batch
-            if all_decode and state["prof"] is None and state["decode_steps"] == 0:
-                torch.cuda.synchronize()
-                state["prof"] = profile(activities=[ProfilerActivity.CUDA])
+            if a.phase == "decode":
+                mine = plan.is_decode and len(plan.items) == a.batch
+            else:
+                mine = not plan.is_decode and state["prof"] is not False
+            if mine and state["prof"] is None:
+                sync()
+                state["prof"] = profile(activities=acts)
                 state["prof"].__enter__()
                 state["t"] = time.perf_counter()
             out = orig(plan)
-            if all_decode:
+            if mine:
                 state["decode_steps"] += 1
+                state["tokens"] += sum(it.n for it in plan.items)
+                if a.phase == "prefill" and state["decode_steps"] == a.steps:
+                    sync()
+                    state["wall"] = time.perf_counter() - state["t"]
+                    state["prof"].__exit__(None, None, None)
+                    state["prof_done"], state["prof"] = state["prof"], False
             return out
 
         e._execute = hooked
         e.generate(reqs)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - state["t"]
-        prof = state["prof"]
-        if prof is None:
-            print(f"{m}: no all-decode step seen")
+        sync()
+        if a.phase == "prefill":
+            prof, wall = state.get("prof_done"), state["wall"]
+        else:
+            wall, prof = time.perf_counter() - state["t"], state["prof"]
+            if prof is not None:
+                prof.__exit__(None, None, None)
+        if not prof:
+            print(f"{m}: no {a.phase} step profiled")
             continue
-        prof.__exit__(None, None, None)
         n = max(1, state["decode_steps"])
         fam: dict[str, float] = {}
         for ev in prof.key_averages():
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            us = (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total) if cuda else ev.self_cpu_time_total
             if us <= 0:
                 continue
             fam[ev.key[:90]] = fam.get(ev.key[:90], 0.0) + us / n
         top = sorted(fam.items(), key=lambda kv: -kv[1])[:14]
         total = sum(fam.values())
-        res["methods"][m] = {"format": q.describe(), "decode_steps": n, "wall_ms_per_step": 1e3 * wall / n,
+        res["methods"][m] = {"format": q.describe(), "steps": n, "tokens_per_step": state["tokens"] / n,
+                             "wall_ms_per_step": 1e3 * wall / n,
                              "gpu_us_per_step": total, "top_us_per_step": dict(top)}
-        print(f"\n== {m} ({q.describe()}): {n} decode steps of {a.batch} rows, wall {1e3 * wall / n:.2f} ms/step, "
+        print(f"\n== {m} ({q.describe()}): {n} {a.phase} steps of {state['tokens'] / n:.0f} tokens, wall {1e3 * wall / n:.2f} ms/step, "
               f"GPU kernels {total / 1e3:.2f} ms/step")
         for k, v in top:
             print(f"  {v:9.1f} us  {k}")
         e.close()
         del e
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

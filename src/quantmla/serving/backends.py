@@ -119,25 +119,29 @@ def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=N
 
 
 def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int = 1 << 26) -> torch.Tensor:
-    """As :func:`dense_attention`, with plain matmuls in the queries' dtype and an fp32 softmax, in query
-    blocks of at most `max_scores` scores (GPU prefill chunks). Deliberately not SDPA: its fused
+    """As :func:`dense_attention`, with plain matmuls in the queries' dtype (fp32 accumulation, one rounding
+    of the scaled scores) and a softmax that accumulates in fp32, in query blocks of at most `max_scores`
+    scores (GPU prefill chunks). Only the chunk's own columns are masked. Deliberately not SDPA: its fused
     kernels are not needed here and one of them gave wrong rows for 160/128-wide heads on the H200."""
     n, H, d_c = q_lat.shape
     T = latent.shape[0]
     dt = q_lat.dtype
     kc, kr = latent.to(dt), k_rope.to(dt)
     out = torch.empty(n, H, d_c, device=q_lat.device, dtype=torch.float32)
-    t = torch.arange(T, device=q_lat.device)
     block = max(1, min(n, max_scores // max(1, H * T)))
+    past = T - n  # keys every query of the chunk sees
     for s in range(0, n, block):
         e = min(n, s + block)
         ql = q_lat[s:e].reshape(-1, d_c)  # [(b·H), d_c], rows (query, head)
         qr = q_rope[s:e].to(dt).reshape(-1, kr.shape[-1])
-        sc = (ql @ kc.T + qr @ kr.T).float().mul_(scale)  # [(b·H), T]
-        qpos = torch.arange(T - n + s, T - n + e, device=q_lat.device).repeat_interleave(H)
-        sc.masked_fill_(t[None, :] > qpos[:, None], float("-inf"))
+        sc = torch.mm(ql, kc.T).mul_(scale) if dt == torch.float64 else torch.addmm(
+            kc.new_empty(()), ql, kc.T, beta=0, alpha=scale)  # [(b·H), T], scaled before rounding
+        sc.addmm_(qr, kr.T, alpha=scale)
+        own = sc.view(e - s, H, T)[:, :, past + s:]  # the chunk's keys from this block's first query on
+        causal = torch.ones(e - s, n - s, dtype=torch.bool, device=sc.device).triu_(1)
+        own.masked_fill_(causal[:, None, :], float("-inf"))
         p = torch.softmax(sc, dim=-1)
-        out[s:e] = (p.to(dt) @ kc).float().view(e - s, H, d_c)
+        out[s:e] = (p @ kc).float().view(e - s, H, d_c)
     return out
 
 
