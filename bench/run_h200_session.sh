@@ -11,6 +11,8 @@
 # serving        serve-bench at groups 128/64 over 0.25/0.5/1 GiB budgets
 # scaling        bench/calibration_scaling.py on the GPU (+ one DeepSeek-V3-geometry layer)
 # kernel-shapes  decode-kernel configs at serving shapes (16 heads)
+# prefill        per-kernel GPU time of prefill steps at 2048 and 8192 batched tokens (session 3)
+# serving3       serve-bench at groups 128/64 over 0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
@@ -81,6 +83,20 @@ kernel-shapes() {
   timeout 240 python3 -m quantmla.cli bench-kernel --heads 16 --methods int4/int4,int2/int4 \
     --shapes 64x1536,20x2048,6x2048,32x16384 --sweep-shape 64x1536 --out "$OUT/kernel_serving_shapes_h200.json" 2>&1 \
     | grep -v "^check " | tail -30 | tee -a "$LOG"
+}
+
+prefill() {
+  for T in 2048 8192; do
+    timeout 100 python3 bench/profile_serving.py --phase prefill --batched-tokens $T --batch 16 --prompt 2048 \
+      --steps $((32768 / T / 2)) --methods bf16 int4/int4 --content-group 128 --rope-group 64 \
+      --out "$OUT/profile_prefill_${T}_h200.json" 2>&1 | grep -v -i warn | tail -36 | tee -a "$LOG"
+  done
+}
+
+serving3() {
+  timeout 470 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.125 0.25 0.5 1 --content-group 128 \
+    --rope-group 64 --max-batched-tokens 8192 --max-seconds 420 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn \
+    | tail -20 | tee -a "$LOG"
 }
 
 for s in "$@"; do
