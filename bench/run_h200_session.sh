@@ -12,7 +12,7 @@
 # scaling        bench/calibration_scaling.py on the GPU (+ one DeepSeek-V3-geometry layer)
 # kernel-shapes  decode-kernel configs at serving shapes (16 heads)
 # prefill        per-kernel GPU time of prefill steps at 2048 and 8192 batched tokens (session 3)
-# serving3       serve-bench at groups 128/64 over 0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
+# serving3       serve-bench at groups 128/64 over 0.1/0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
@@ -94,8 +94,8 @@ prefill() {
 }
 
 serving3() {
-  timeout 470 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.125 0.25 0.5 1 --content-group 128 \
-    --rope-group 64 --max-batched-tokens 8192 --max-seconds 420 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn \
+  timeout 500 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 0.125 0.25 0.5 1 --content-group 128 \
+    --rope-group 64 --max-batched-tokens 8192 --max-seconds 440 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn \
     | tail -20 | tee -a "$LOG"
 }
 

@@ -288,3 +288,31 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
     o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), wide, sl, lay, 0.125, metadata=md, out=out, lse=lse)
     ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
     check(o, l, ro, rl)
+
+
+# -- read (prefill chunks) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_read_matches_the_reference_reader(name):
+    """The read kernel gives the torch reader's dequantized values at scattered slots (fp32 out: to
+    rounding; bf16 out: the same values rounded once), for every kernel format."""
+    from quantmla.cache.paged import read_tokens
+    from quantmla.kernels import read_from_pages
+
+    fmt = FORMATS[name]
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    g = torch.Generator().manual_seed(7)
+    pool = PagePool(lay, 6, device=DEV)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
+    slots = torch.randperm(6 * PAGE, generator=g)[:37].to(DEV)
+    append_to_pages(pool.layer(0), lay, slots, torch.randn(37, D_C, generator=g).to(DEV) * 3,
+                    torch.randn(37, D_R, generator=g).to(DEV) * 10)
+    ref_c, ref_r = read_tokens(pool.layer(0), lay, slots)
+    c, r = read_from_pages(pool.layer(0), lay, slots, dtype=torch.float32, block_t=8)
+    torch.testing.assert_close(c, ref_c, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r, ref_r, rtol=1e-6, atol=1e-6)
+    c16, r16 = read_from_pages(pool.layer(0), lay, slots)
+    assert c16.dtype == torch.bfloat16
+    torch.testing.assert_close(c16.float(), ref_c.bfloat16().float(), rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(r16.float(), ref_r.bfloat16().float(), rtol=1e-2, atol=1e-6)
+    empty = read_from_pages(pool.layer(0), lay, slots[:0])
+    assert empty[0].shape == (0, D_C) and empty[1].shape == (0, D_R)

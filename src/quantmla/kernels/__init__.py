@@ -1,6 +1,7 @@
 """Low-bit MLA decode kernels (Triton) over the paged quantized cache.
 
-Public API (see ``api``): ``get_mla_metadata``, ``mla_decode_with_kvcache``, ``append_to_pages``.
+Public API (see ``api``): ``get_mla_metadata``, ``mla_decode_with_kvcache``, ``append_to_pages``,
+``read_from_pages``.
 Triton is imported only when a kernel runs on CUDA tensors or under ``TRITON_INTERPRET=1``.
 """
 
@@ -14,6 +15,7 @@ from quantmla.kernels.api import (
     default_config,
     get_mla_metadata,
     mla_decode_with_kvcache,
+    read_from_pages,
 )
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "default_config",
     "get_mla_metadata",
     "mla_decode_with_kvcache",
+    "read_from_pages",
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.cache.paged import gather_sequences, write_tokens
+from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.quant.format import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
@@ -463,6 +463,34 @@ def append_to_pages(
     _append_kernel[(-(-T // block_t),)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t, num_warps=4
     )
+
+
+def read_from_pages(
+    kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+    block_t: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized latent [T, d_c] and k_rope [T, d_r] in `dtype` of the tokens at `slots` (int [T], every
+    slot written). One launch for both paths; values as ``cache.paged.read_tokens`` (fp32) gives them."""
+    check_layout_supported(layout)
+    tok = layout.token
+    slots = slots.reshape(-1)
+    pages, pc16, pr16 = _views(kv_pages, layout)
+    if not _use_triton(kv_pages):
+        lat, kr = read_tokens(pages, layout, slots)
+        return lat.to(dtype), kr.to(dtype)
+    from quantmla.kernels.read import _read_kernel
+
+    T = slots.shape[0]
+    oc = torch.empty((T, tok.d_c), dtype=dtype, device=kv_pages.device)
+    orr = torch.empty((T, tok.d_r), dtype=dtype, device=kv_pages.device)
+    if T == 0:
+        return oc, orr
+    consts, _ = _layout_constexprs(layout)
+    slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
+    _read_kernel[(-(-T // block_t),)](
+        oc, orr, slots, pages, pc16, pr16, T, oc.stride(0), orr.stride(0), **consts, BLOCK_T=block_t, num_warps=4
+    )
+    return oc, orr
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class Chunk:
     seq_len: int
     block_table: torch.Tensor  # [pages] int32 on the device
     num_pages: int = 0
+    slots: torch.Tensor | None = None  # [seq_len] int64 on the device: the slot of each cached position
 
 
 @dataclass
@@ -118,11 +119,13 @@ def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=N
     return o[0].float()
 
 
-def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int = 1 << 26) -> torch.Tensor:
+def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int = 1 << 26,
+                    masks: dict | None = None) -> torch.Tensor:
     """As :func:`dense_attention`, with plain matmuls in the queries' dtype (fp32 accumulation, one rounding
     of the scaled scores) and a softmax that accumulates in fp32, in query blocks of at most `max_scores`
-    scores (GPU prefill chunks). Only the chunk's own columns are masked. Deliberately not SDPA: its fused
-    kernels are not needed here and one of them gave wrong rows for 160/128-wide heads on the H200."""
+    scores (GPU prefill chunks). Only the chunk's own columns are masked; `masks` (a dict kept for one
+    step) shares the causal masks between layers. Deliberately not SDPA: its fused kernels are not needed
+    here and one of them gave wrong rows for 160/128-wide heads on the H200."""
     n, H, d_c = q_lat.shape
     T = latent.shape[0]
     dt = q_lat.dtype
@@ -138,7 +141,11 @@ def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int
             kc.new_empty(()), ql, kc.T, beta=0, alpha=scale)  # [(b·H), T], scaled before rounding
         sc.addmm_(qr, kr.T, alpha=scale)
         own = sc.view(e - s, H, T)[:, :, past + s:]  # the chunk's keys from this block's first query on
-        causal = torch.ones(e - s, n - s, dtype=torch.bool, device=sc.device).triu_(1)
+        causal = None if masks is None else masks.get((n, s, e))
+        if causal is None:
+            causal = torch.ones(e - s, n - s, dtype=torch.bool, device=sc.device).triu_(1)
+            if masks is not None:
+                masks[(n, s, e)] = causal
         own.masked_fill_(causal[:, None, :], float("-inf"))
         p = torch.softmax(sc, dim=-1)
         out[s:e] = (p @ kc).float().view(e - s, H, d_c)

@@ -280,11 +280,21 @@ class Engine:
             if items[k].sample:
                 row_of[k] = len(rows)
                 rows.append(j)
+        if pre:  # every chunk's context slots, one host-to-device copy per step (read by every layer)
+            ctx = []
+            for k in pre:
+                it = items[k]
+                p = np.arange(it.start + it.n)
+                ctx.append(np.asarray(it.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps)
+            ctx_t = torch.from_numpy(np.concatenate(ctx)).to(dev)
+        off = 0
         for k in pre:
             it = items[k]
             npg = -(-(it.start + it.n) // ps)
-            meta.chunks.append(Chunk(flat, it.n, it.start + it.n,
-                                     torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg))
+            T = it.start + it.n
+            meta.chunks.append(Chunk(flat, it.n, T, torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg,
+                                     slots=ctx_t[off: off + T]))
+            off += T
             if it.sample:
                 row_of[k] = len(rows)
                 rows.append(flat + it.n - 1)

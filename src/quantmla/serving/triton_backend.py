@@ -2,9 +2,9 @@
 
 - write: ``append_to_pages`` (quantize, pack, write at slots), bit-exact with the torch writer;
 - decode rows: one ``mla_decode_with_kvcache`` call over all single-query rows of the step;
-- prefill chunks: the chunk's pages are dequantized (the layout's torch reader) and attended with
-  plain matmuls in the absorbed form — the decode kernel takes at most 16 queries per sequence, and a
-  long chunk read that way would re-read its context once per 16 queries.
+- prefill chunks: the chunk's context is read back dequantized (``read_from_pages``, one launch) and
+  attended with plain matmuls in the absorbed form — the decode kernel takes at most 16 queries per
+  sequence, and a long chunk read that way would re-read its context once per 16 queries.
 
 Under CUDA graphs the decode split schedule must have a fixed shape: :class:`StaticDecodePlan` keeps,
 per batch-size bucket, the split structure of a max-length batch and rewrites its work-unit rows
@@ -136,11 +136,15 @@ class TritonPagedBackend(AttentionBackend):
             api.mla_decode_with_kvcache(
                 q_lat[:nd].unsqueeze(1), q_rope[:nd].unsqueeze(1), pool, meta.block_tables, meta.seq_lens, layout, scale,
                 metadata=self._metadata(slot, meta), out=out[:nd].unsqueeze(1))
+        masks = meta.backend_state.setdefault("masks", {})
         for c in meta.chunks:
-            lat, kr = self.read(slot, c.block_table, c.seq_len)
+            if c.slots is not None:
+                lat, kr = api.read_from_pages(pool, layout, c.slots, dtype=q_lat.dtype if q_lat.is_cuda else torch.float32)
+            else:
+                lat, kr = self.read(slot, c.block_table, c.seq_len)
             ql, qr = q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n]
             if q_lat.is_cuda:
-                o = chunk_attention(ql, qr, lat, kr, scale)
+                o = chunk_attention(ql, qr, lat, kr, scale, masks=masks)
             else:
                 o = dense_attention(ql, qr, lat, kr, scale)
             out[c.start: c.start + c.n] = o.to(out.dtype)
