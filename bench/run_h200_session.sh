@@ -13,6 +13,7 @@
 # kernel-shapes  decode-kernel configs at serving shapes (16 heads)
 # prefill        per-kernel GPU time of prefill steps at 2048 and 8192 batched tokens (session 3)
 # serving3       serve-bench at groups 128/64 over 0.1/0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
+# gputests       the GPU cases of the read / graph-schedule / engine tests (session 3)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
@@ -93,9 +94,14 @@ prefill() {
   done
 }
 
+gputests() {
+  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py \
+    -k "read_matches or static_graph or on_gpu" 2>&1 | tail -5 | tee -a "$LOG"
+}
+
 serving3() {
   timeout 500 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 0.125 0.25 0.5 1 --content-group 128 \
-    --rope-group 64 --max-batched-tokens 8192 --max-seconds 440 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn \
+    --rope-group 64 --max-batched-tokens 8192 --max-seconds 400 --out "$OUT/serving_h200.json" 2>&1 | grep -v -i warn \
     | tail -20 | tee -a "$LOG"
 }
 

@@ -118,6 +118,7 @@ def test_engine_triton_kernels_interpreted(v3):
         rep, st = engine_agreement(v3, quant, prompts, 6, tie_tol=2e-2, backend="triton", cuda_graphs="emulate",
                                    num_pages=12, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
         assert st["backend"] == "triton" and st["graph_steps"] > 0
+        assert st["prefill_graph_steps"] > 0  # whole-prompt chunks through the padded prefill step
         assert rep.ok, rep.details
         # the kernels run q and p in bf16: exact agreement here, ties (if any) within bf16 rounding
         assert rep.exact + rep.ties == len(prompts)
@@ -135,6 +136,7 @@ def test_preemption_by_recompute_keeps_outputs(v3):
     tight.close()
     st = tight.stats.scheduler
     assert st.preemptions > 0 and tight.stats.graph_steps > 0
+    assert tight.stats.prefill_graph_steps > 0  # recomputed prompts too go through the padded prefill step
     assert [o.request_id for o in got] == [f"q{i}" for i in range(len(prompts))]
     assert all(o.ok and len(o.output_ids) == 16 for o in got)
     assert [o.output_ids for o in got] == [o.output_ids for o in ref]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.cache.layout import SECTIONS, CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.paged import read_tokens
 from quantmla.model.spec import MLASpec
 from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import Quantized, dequantize, quantize
@@ -206,7 +207,10 @@ class TorchPagedBackend(AttentionBackend):
             lat, kr = self.read(slot, meta.block_tables[b], seq_lens[b])
             out[b: b + 1] = dense_attention(q_lat[b: b + 1], q_rope[b: b + 1], lat, kr, scale)
         for c in meta.chunks:
-            lat, kr = self.read(slot, c.block_table, c.seq_len)
+            if c.slots is not None:
+                lat, kr = read_tokens(self.pools[slot], self.layouts[slot], c.slots)
+            else:
+                lat, kr = self.read(slot, c.block_table, c.seq_len)
             out[c.start: c.start + c.n] = dense_attention(q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n],
                                                           lat, kr, scale)
         return out

@@ -57,6 +57,8 @@ class EngineConfig:
     max_model_len: int | None = None
     keep_logits: bool = False
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a power of two (with cuda_graphs)
+    prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class JobStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     graph_steps: int = 0
     eager_steps: int = 0
+    prefill_graph_steps: int = 0  # steps whose prefill chunks (and decode rows) all replayed graphs
     graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
     eager_decode_steps: int = 0  # pure decode steps run eagerly
     eager_decode_s: float = 0.0
@@ -153,10 +156,13 @@ class Engine:
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: _DecodeGraphs | None = None
+        self._prefill: _PrefillGraphs | None = None
         self.graph_error: str | None = None
+        self.prefill_graph_error: str | None = None
         self.emulate_graphs = config.cuda_graphs == "emulate"
         self.use_graphs = not config.keep_logits and (
             self.emulate_graphs or (bool(config.cuda_graphs) and self.device.type == "cuda" and self.backend.graph_safe))
+        self.use_prefill_graphs = self.use_graphs and config.prefill_graphs
         self.stats = JobStats()
 
     # -- construction helpers --------------------------------------------------------------------
@@ -250,6 +256,11 @@ class Engine:
                 for j, k in enumerate(dec):
                     out[k] = toks[j] if items[k].sample else None
                 return out, None
+        if pre and self.use_prefill_graphs and len(dec) <= self._graph_max():
+            got = self._prefill_graphs_step(items, dec, pre)
+            if got is not None:
+                self.stats.prefill_graph_steps += 1
+                return got, None
         self.stats.eager_steps += 1
         order = dec + pre
         ids, pos, slots = [], [], []
@@ -322,11 +333,42 @@ class Engine:
             for b in sorted(self._graphs.buckets, reverse=True):
                 if self._graphs.get(b) is None:
                     break
+            if self.use_prefill_graphs:
+                if self._prefill is None:
+                    self._prefill = _PrefillGraphs(self)
+                for n in sorted(self._prefill.buckets, reverse=True):
+                    if self._prefill.get(n) is None:
+                        break
 
     def _graphs_run(self, items) -> list[int]:
         if self._graphs is None:
             self._graphs = _DecodeGraphs(self)
         return self._graphs.run(items)
+
+    def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
+        """A step whose prefill chunks each hold a whole prompt (start 0, up to the largest bucket): decode
+        rows through the decode graphs, each chunk through a prefill graph. The sequences are independent,
+        so this is the flat eager step split in parts. None: run the step eagerly."""
+        if self._prefill is None:
+            self._prefill = _PrefillGraphs(self)
+        pg = self._prefill
+        if any(items[k].start != 0 or items[k].n > pg.max_tokens for k in pre):
+            return None
+        # A capture failure returns None midway; the eager step that follows recomputes every part of
+        # this step, rewriting the same slots (a step's writes depend only on its own tokens).
+        out: list[int | None] = [None] * len(items)
+        for k in pre:
+            tok = pg.run(items[k])
+            if tok is None:
+                return None
+            out[k] = tok if items[k].sample else None
+        if dec:
+            toks = self._graphs_run([items[k] for k in dec])
+            if toks is None:
+                return None
+            for j, k in enumerate(dec):
+                out[k] = toks[j] if items[k].sample else None
+        return out
 
     # -- the job ---------------------------------------------------------------------------------
     def generate(self, requests, params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -496,3 +538,92 @@ class _DecodeGraphs:
         else:
             g.replay()
         return out[:b].tolist()
+
+
+class _PrefillGraphs:
+    """Per token bucket (powers of two), a CUDA graph of one whole-prompt prefill chunk: the model over
+    the prompt padded to the bucket, the last real token's argmax. Padding tokens (id 0, position 0)
+    write to the null page and sit after every real token, so causal attention keeps them out of the
+    real rows; the chunk's own keys are read back quantized through its slot buffer, as in eager steps."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        cfg = engine.config
+        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)
+        b, buckets = max(1, min(cfg.prefill_graph_min, 1 << (top - 1).bit_length())), []
+        while True:
+            buckets.append(b)
+            if b >= top:
+                break
+            b *= 2
+        self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
+        dev, pin = engine.device, engine.device.type == "cuda"
+        N = buckets[-1]
+        self.host = torch.zeros(3, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host_row = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.buf = torch.zeros(3, N, dtype=torch.int64, device=dev)
+        self.row = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.no_pages = torch.zeros(0, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple] = {}
+        self.mempool = None  # its own pool: the decode graphs' outputs are never overwritten by a prefill replay
+
+    def _step(self, n: int) -> torch.Tensor:
+        e = self.e
+        slots = self.buf[2, :n]
+        meta = AttnMeta(slot_mapping=slots, num_decode=0,
+                        chunks=[Chunk(0, n, n, self.no_pages, 0, slots=slots)])
+        logits = e._forward(self.buf[0, :n], self.buf[1, :n], meta, self.row)
+        return logits.argmax(-1)
+
+    def get(self, n: int):
+        if n in self.graphs:
+            return self.graphs[n]
+        e = self.e
+        self.buf.zero_()
+        self.buf[1, :n] = torch.arange(n, device=self.buf.device)
+        self.row.fill_(n - 1)
+        if e.emulate_graphs:
+            self.graphs[n] = (None, None)
+            return self.graphs[n]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._step(n)
+        torch.cuda.current_stream().wait_stream(s)
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                out = self._step(n)
+        except Exception as err:  # prefill chunks then run eagerly; decode graphs are unaffected
+            torch.cuda.synchronize()
+            e.use_prefill_graphs = False
+            e.prefill_graph_error = f"CUDA graph capture of a {n}-token prefill chunk failed: {type(err).__name__}: {err}"
+            warnings.warn(e.prefill_graph_error)
+            return None
+        self.mempool = g.pool()
+        self.graphs[n] = (g, out)
+        return self.graphs[n]
+
+    def run(self, item) -> int | None:
+        n = item.n
+        B = next(x for x in self.buckets if x >= n)
+        ps = self.e.config.page_size
+        h = self.host.numpy()
+        h[:, :B] = 0
+        p = np.arange(n)
+        h[0, :n] = item.seq.tokens[:n]
+        h[1, :n] = p
+        h[2, :n] = np.asarray(item.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps
+        self.host_row[0] = n - 1
+        got = self.get(B)
+        if got is None:
+            return None
+        g, out = got
+        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
+        self.row.copy_(self.host_row, non_blocking=True)
+        if g is None:  # emulated: the same padded static step, run eagerly
+            out = self._step(B)
+        else:
+            g.replay()
+        return int(out[0].item())
