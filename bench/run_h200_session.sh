@@ -14,6 +14,7 @@
 # prefill        per-kernel GPU time of prefill steps at 2048 and 8192 batched tokens (session 3)
 # serving3       serve-bench at groups 128/64 over 0.1/0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
 # gputests       the GPU cases of the read / graph-schedule / engine tests (session 3)
+# serving0125    serve-bench at 0.125 GiB only, after the prefill-graph bucket and probe changes (session 3)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
@@ -97,6 +98,12 @@ prefill() {
 gputests() {
   timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py \
     -k "read_matches or static_graph or on_gpu" 2>&1 | tail -5 | tee -a "$LOG"
+}
+
+serving0125() {
+  timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.125 --content-group 128 \
+    --rope-group 64 --max-batched-tokens 8192 --out "$OUT/serving_h200_0125.json" 2>&1 | grep -v -i warn \
+    | tail -8 | tee -a "$LOG"
 }
 
 serving3() {

@@ -298,3 +298,16 @@ def test_reference_model_through_interpreted_fused_kernels():
                                num_pages=8, graph_buckets=(1, 2))
     assert st["backend"] == "triton" and st["graph_steps"] > 0
     assert rep.ok and rep.exact + rep.ties == len(prompts), rep.details
+
+
+def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
+    from quantmla.serving.engine import prefill_buckets
+
+    for lo, top in ((128, 2432), (128, 8192), (8, 100), (128, 32), (1, 1)):
+        b = prefill_buckets(lo, top)
+        assert b == sorted(set(b)) and b[-1] >= top and (len(b) == 1 or b[-2] < top)
+        for n in range(1, top + 1, 7):
+            pad = next(x for x in b if x >= n)
+            assert pad < 2 * max(n, b[0]), (n, pad)  # never more than double the chunk
+            if 512 <= n <= 4096:
+                assert pad - n < 512  # fine steps where prompts usually fall

@@ -190,6 +190,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
             "format": q.describe(), "bytes_per_token_all_layers": e.bytes_per_token,
             "bytes_per_token_per_layer": e.bytes_per_token / len(e.formats), "page_bytes_all_layers": e.page_bytes,
             "backend": e.backend.name, "cuda_graphs": e.use_graphs, "graph_error": e.graph_error,
+            "prefill_graphs": e.use_prefill_graphs, "prefill_graph_error": e.prefill_graph_error,
             "setup_s": round(time.perf_counter() - t0, 2),
         }
     if s.graph_benefit and engines:
@@ -228,6 +229,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                 "preemptions": st.scheduler.preemptions, "recomputed_tokens": st.scheduler.recomputed_tokens,
                 "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
                 "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
+                "prefill_graph_steps": st.prefill_graph_steps,
                 "peak_pages_used": st.scheduler.peak_pages_used,
                 "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
                 "mixed_s": round(st.mixed_s, 3),

@@ -452,6 +452,36 @@ def _dispatch_forward(module, *args, **kwargs):
 _ACTIVE: list = [None]  # the engine whose step is running (one at a time)
 
 
+def prefill_buckets(lo: int, top: int) -> list[int]:
+    """Token counts prefill graphs are captured for, up to the first >= top: powers of two up to 512,
+    steps of 256 up to 2048, of 512 up to 4096, then powers of two (a chunk pads to the next one)."""
+    top = max(1, top)
+    b, out = max(1, min(lo, 1 << (top - 1).bit_length())), []
+    while True:
+        out.append(b)
+        if b >= top:
+            return out
+        b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
+
+
+def _sync_free(fn) -> str | None:
+    """Run fn once with synchronizing CUDA operations (host reads, pageable copies, nonzero) made errors:
+    None if none ran, so the step can be captured in a CUDA graph; else why not. Probing first matters:
+    a capture that fails midway can leave the caching allocator recording into the graph's pool, and
+    later captures of other graphs then fail too."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    why = None
+    try:
+        fn()
+    except RuntimeError as err:
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    return why
+
+
 class _DecodeGraphs:
     """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + argmax)."""
 
@@ -492,9 +522,14 @@ class _DecodeGraphs:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
-                self._step(b, plan)
+            self._step(b, plan)  # compiles kernels
+            why = _sync_free(lambda: self._step(b, plan))
         torch.cuda.current_stream().wait_stream(s)
+        if why is not None:
+            e.use_graphs = e.use_prefill_graphs = False
+            e.graph_error = f"a {b}-row decode step synchronizes with the host, so it cannot be a CUDA graph ({why})"
+            warnings.warn(e.graph_error)
+            return None
         try:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.mempool):
@@ -550,12 +585,7 @@ class _PrefillGraphs:
         self.e = engine
         cfg = engine.config
         top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)
-        b, buckets = max(1, min(cfg.prefill_graph_min, 1 << (top - 1).bit_length())), []
-        while True:
-            buckets.append(b)
-            if b >= top:
-                break
-            b *= 2
+        buckets = prefill_buckets(cfg.prefill_graph_min, top)
         self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
         dev, pin = engine.device, engine.device.type == "cuda"
         N = buckets[-1]
@@ -588,9 +618,14 @@ class _PrefillGraphs:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
-                self._step(n)
+            self._step(n)  # compiles kernels
+            why = _sync_free(lambda: self._step(n))
         torch.cuda.current_stream().wait_stream(s)
+        if why is not None:  # e.g. MoE routing that reads expert counts on the host
+            e.use_prefill_graphs = False
+            e.prefill_graph_error = f"a {n}-token prefill chunk synchronizes with the host, so it cannot be a CUDA graph ({why})"
+            warnings.warn(e.prefill_graph_error)
+            return None
         try:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.mempool):
