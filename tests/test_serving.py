@@ -239,12 +239,28 @@ def test_serve_bench_command_at_toy_size(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_on_gpu_with_graphs_matches_generate():
-    model = tiny_model("deepseek_v3").cuda()
+    """Dense MLPs (capturable): decode and whole-prompt prefill steps replay CUDA graphs, one engine after
+    another on the same model (a closed engine's graphs must not be collected during the next capture)."""
+    model = tiny_model("deepseek_v3", first_k_dense_replace=2).cuda()
     prompts = _prompts((7, 33, 90, 1), seed=4)
     for quant in (BF16_CONFIG, INT4, INT2):
         rep, st = engine_agreement(model, quant, prompts, 20, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
-        assert st["backend"] == "triton" and st["cuda_graphs"] and st["graph_steps"] > 0
+        assert st["backend"] == "triton" and st["cuda_graphs"] and st["graph_steps"] > 0, st
+        assert st["prefill_graph_steps"] > 0, st
         assert rep.ok, rep.details
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_gpu_moe_falls_back_to_eager_steps():
+    """MoE routing that reads expert counts on the host cannot be a CUDA graph: the probe says so before
+    any capture, the engine runs eager steps, and the outputs still match generate()."""
+    model = tiny_model("deepseek_v3").cuda()
+    prompts = _prompts((7, 33, 1), seed=4)
+    rep, st = engine_agreement(model, INT4, prompts, 8, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
+    assert rep.ok, rep.details
+    if not st["cuda_graphs"]:
+        assert "synchronizes with the host" in st["graph_error"]
 
 
 def test_engines_share_a_model(v3):

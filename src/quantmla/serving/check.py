@@ -87,7 +87,8 @@ def engine_agreement(model, quant: QuantCacheConfig, prompts: list[list[int]], m
     with Engine(model, EngineConfig(quant=quant, **kw)) as eng:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
         stats = eng.stats.to_dict() | {"backend": eng.backend.name, "cuda_graphs": eng.use_graphs,
-                                       "graph_error": eng.graph_error}
+                                       "graph_error": eng.graph_error, "prefill_graphs": eng.use_prefill_graphs,
+                                       "prefill_graph_error": eng.prefill_graph_error}
     rep = compare(model, quant, prompts, [o.output_ids for o in outs], max_new_tokens, tie_tol)
     return rep, stats
 

@@ -14,6 +14,8 @@ chunks. Pure decode steps replay CUDA graphs captured per batch-size bucket when
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import types
 import warnings
@@ -222,7 +224,7 @@ class Engine:
                 module.__dict__.pop("forward", None)
                 module.__dict__.pop("_quantmla_serving", None)
         self._patched.clear()
-        self._graphs = None
+        self._graphs = self._prefill = None  # frees the graphs now: they hold references back to the engine
 
     def __enter__(self):
         return self
@@ -464,6 +466,20 @@ def prefill_buckets(lo: int, top: int) -> list[int]:
         b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """No Python garbage collection during a capture: collecting a dead engine's CUDA graph while a
+    stream captures invalidates the capture (and torch no longer collects before capturing)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _sync_free(fn) -> str | None:
     """Run fn once with synchronizing CUDA operations (host reads, pageable copies, nonzero) made errors:
     None if none ran, so the step can be captured in a CUDA graph; else why not. Probing first matters:
@@ -532,7 +548,7 @@ class _DecodeGraphs:
             return None
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.mempool):
+            with _no_gc(), torch.cuda.graph(g, pool=self.mempool):
                 out = self._step(b, plan)
         except Exception as err:  # a capture that fails leaves the engine on eager decode steps
             torch.cuda.synchronize()
@@ -628,7 +644,7 @@ class _PrefillGraphs:
             return None
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.mempool):
+            with _no_gc(), torch.cuda.graph(g, pool=self.mempool):
                 out = self._step(n)
         except Exception as err:  # prefill chunks then run eagerly; decode graphs are unaffected
             torch.cuda.synchronize()
