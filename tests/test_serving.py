@@ -167,6 +167,25 @@ def test_engine_stops_at_eos_and_restores_the_model(v3):
     assert torch.isfinite(a).all()  # the model's own attention is back (no engine context needed)
 
 
+def test_closing_an_engine_frees_its_graphs_at_once(v3):
+    """Graph holders point back at their engine; close() must drop them (a CUDA graph left to the cyclic
+    garbage collector can be destroyed in the middle of the next engine's capture and spoil it)."""
+    import gc
+    import weakref
+
+    eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch", cuda_graphs="emulate",
+                                  graph_buckets=(1, 2), max_num_batched_tokens=32))
+    eng.generate(_prompts((8, 5), seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert eng.stats.graph_steps > 0 and eng.stats.prefill_graph_steps > 0
+    holders = [weakref.ref(eng._graphs), weakref.ref(eng._prefill)]
+    gc.disable()
+    try:
+        eng.close()
+        assert all(h() is None for h in holders)  # freed by reference counting, no collector needed
+    finally:
+        gc.enable()
+
+
 def test_engine_refuses_hybrid_models_and_bad_budgets():
     with pytest.raises(QuantMLAError, match="not MLA"):
         Engine(tiny_model("kimi_linear"), EngineConfig(num_pages=4))
