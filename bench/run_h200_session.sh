@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU measurements of session 2 (2026-11-29), one named step per argument, in the order given:
+# GPU measurements of sessions 2 and 3 (2026-11-29/30), one named step per argument, in the order given:
 #
 #   OUT=... bash bench/run_h200_session.sh check profile stream accuracy serving scaling kernel-shapes
 #
@@ -19,6 +19,8 @@
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
 # nvidia-h200-x2; results under bench/results/ and results/.
+# Session 3 ran (nvidia-h200): [check prefill serving3], [bench/step_anatomy.py], [check serving3],
+# [gputests check serving3], [gputests check serving0125]; results under bench/results/session3/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
