@@ -364,6 +364,8 @@ class Engine:
             if tok is None:
                 return None
             out[k] = tok if items[k].sample else None
+        if dec and not self.use_graphs:
+            return None
         if dec:
             toks = self._graphs_run([items[k] for k in dec])
             if toks is None:
@@ -466,6 +468,27 @@ def prefill_buckets(lo: int, top: int) -> list[int]:
         b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
 
 
+def _capture(step, pool) -> tuple[object, object, str | None]:
+    """Probe `step` for host synchronization, then capture it as a CUDA graph (warm-up on a side stream,
+    as torch requires) -> (graph, its output, None), or (None, None, why not)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compiles kernels, allocates workspaces
+        why = _sync_free(step)
+    torch.cuda.current_stream().wait_stream(s)
+    if why is not None:
+        return None, None, f"synchronizes with the host, so it cannot be a CUDA graph ({why})"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with _no_gc(), torch.cuda.graph(g, pool=pool):
+            out = step()
+    except Exception as err:
+        torch.cuda.synchronize()
+        return None, None, f"failed to capture as a CUDA graph: {type(err).__name__}: {err}"
+    return g, out, None
+
+
 @contextlib.contextmanager
 def _no_gc():
     """No Python garbage collection during a capture: collecting a dead engine's CUDA graph while a
@@ -535,25 +558,10 @@ class _DecodeGraphs:
         if e.emulate_graphs:
             self.graphs[b] = (None, None, plan)
             return self.graphs[b]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._step(b, plan)  # compiles kernels
-            why = _sync_free(lambda: self._step(b, plan))
-        torch.cuda.current_stream().wait_stream(s)
-        if why is not None:
+        g, out, why = _capture(lambda: self._step(b, plan), self.mempool)
+        if why is not None:  # eager decode steps from now on (and no prefill graphs: they use these)
             e.use_graphs = e.use_prefill_graphs = False
-            e.graph_error = f"a {b}-row decode step synchronizes with the host, so it cannot be a CUDA graph ({why})"
-            warnings.warn(e.graph_error)
-            return None
-        try:
-            g = torch.cuda.CUDAGraph()
-            with _no_gc(), torch.cuda.graph(g, pool=self.mempool):
-                out = self._step(b, plan)
-        except Exception as err:  # a capture that fails leaves the engine on eager decode steps
-            torch.cuda.synchronize()
-            e.use_graphs = False
-            e.graph_error = f"CUDA graph capture of a {b}-row decode step failed: {type(err).__name__}: {err}"
+            e.graph_error = f"the {b}-row decode step {why}"
             warnings.warn(e.graph_error)
             return None
         self.mempool = g.pool()
@@ -631,25 +639,10 @@ class _PrefillGraphs:
         if e.emulate_graphs:
             self.graphs[n] = (None, None)
             return self.graphs[n]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._step(n)  # compiles kernels
-            why = _sync_free(lambda: self._step(n))
-        torch.cuda.current_stream().wait_stream(s)
-        if why is not None:  # e.g. MoE routing that reads expert counts on the host
+        g, out, why = _capture(lambda: self._step(n), self.mempool)
+        if why is not None:  # e.g. MoE routing that reads expert counts on the host: eager prefill steps
             e.use_prefill_graphs = False
-            e.prefill_graph_error = f"a {n}-token prefill chunk synchronizes with the host, so it cannot be a CUDA graph ({why})"
-            warnings.warn(e.prefill_graph_error)
-            return None
-        try:
-            g = torch.cuda.CUDAGraph()
-            with _no_gc(), torch.cuda.graph(g, pool=self.mempool):
-                out = self._step(n)
-        except Exception as err:  # prefill chunks then run eagerly; decode graphs are unaffected
-            torch.cuda.synchronize()
-            e.use_prefill_graphs = False
-            e.prefill_graph_error = f"CUDA graph capture of a {n}-token prefill chunk failed: {type(err).__name__}: {err}"
+            e.prefill_graph_error = f"the {n}-token prefill step {why}"
             warnings.warn(e.prefill_graph_error)
             return None
         self.mempool = g.pool()
