@@ -6,7 +6,9 @@ that projects through :class:`~quantmla.model.view.MLAView`, writes the step's (
 into its paged pool — quantized — and attends over the pool through the attention backend, then
 applies the module's own ``W_UV`` and ``o_proj``. A step runs the model once over the flat batch
 of all scheduled tokens (``[1, N]`` with per-token positions): decode tokens first, then prefill
-chunks. Pure decode steps replay CUDA graphs captured per batch-size bucket when the backend allows.
+chunks. Pure decode steps replay CUDA graphs captured per batch-size bucket when the backend allows;
+whole-prompt prefill chunks replay graphs captured per token bucket (``prefill_buckets``), unless a
+probe finds the model's step synchronizing with the host (then steps stay eager and the engine says why).
 
 >>> engine = Engine(model, EngineConfig(quant=QuantCacheConfig.of_bits(4, 4), kv_budget_bytes=2 << 30))
 >>> outs = engine.generate([Request(0, prompt_ids, SamplingParams(max_new_tokens=256))])
@@ -59,7 +61,7 @@ class EngineConfig:
     max_model_len: int | None = None
     keep_logits: bool = False
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-    prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a power of two (with cuda_graphs)
+    prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
 
 
@@ -354,7 +356,7 @@ class Engine:
         if self._prefill is None:
             self._prefill = _PrefillGraphs(self)
         pg = self._prefill
-        if any(items[k].start != 0 or items[k].n > pg.max_tokens for k in pre):
+        if any(items[k].start != 0 or items[k].n > pg.max_tokens for k in pre) or (dec and not self.use_graphs):
             return None
         # A capture failure returns None midway; the eager step that follows recomputes every part of
         # this step, rewriting the same slots (a step's writes depend only on its own tokens).
@@ -364,8 +366,6 @@ class Engine:
             if tok is None:
                 return None
             out[k] = tok if items[k].sample else None
-        if dec and not self.use_graphs:
-            return None
         if dec:
             toks = self._graphs_run([items[k] for k in dec])
             if toks is None:
