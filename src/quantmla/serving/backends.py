@@ -138,8 +138,7 @@ def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int
         e = min(n, s + block)
         ql = q_lat[s:e].reshape(-1, d_c)  # [(b·H), d_c], rows (query, head)
         qr = q_rope[s:e].to(dt).reshape(-1, kr.shape[-1])
-        sc = torch.mm(ql, kc.T).mul_(scale) if dt == torch.float64 else torch.addmm(
-            kc.new_empty(()), ql, kc.T, beta=0, alpha=scale)  # [(b·H), T], scaled before rounding
+        sc = torch.addmm(kc.new_empty(()), ql, kc.T, beta=0, alpha=scale)  # [(b·H), T], scaled before rounding
         sc.addmm_(qr, kr.T, alpha=scale)
         own = sc.view(e - s, H, T)[:, :, past + s:]  # the chunk's keys from this block's first query on
         causal = None if masks is None else masks.get((n, s, e))
