@@ -141,20 +141,28 @@ def test_calibrate_json_parses(ckpts, tmp_path, capsys):
 # -- a) a model path that does not exist --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate", "bytes", "serve-bench"])
+def prompts_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prompts.txt"
+    p.write_text("def f(x):\n    return x\n")
+    return p
+
+
+@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate", "bytes", "serve-bench", "serve"])
 def test_missing_model_path(command, tmp_path, capsys):
     missing = tmp_path / "no-such-model"
     argv = {"calibrate": [missing, "--out", tmp_path / "o"], "eval": [missing, "--out", tmp_path / "res"],
-            "bytes": ["--model", missing], "serve-bench": ["--model", missing, "--out", tmp_path / "s.json"]}
+            "bytes": ["--model", missing], "serve-bench": ["--model", missing, "--out", tmp_path / "s.json"],
+            "serve": [missing, "--prompts", prompts_file(tmp_path), "--device", "cpu"]}
     rc, out, err = run_cli(capsys, command, *argv.get(command, [missing]))
     assert_clean_error(rc, out, err, "no-such-model", "does not exist", "pass (a|the) checkpoint directory",
                        command=command)
     assert not (tmp_path / "o").exists() and not (tmp_path / "res").exists()
 
 
-@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate"])
+@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate", "serve"])
 def test_directory_without_config(command, ckpts, tmp_path, capsys):
-    extra = {"calibrate": ["--out", tmp_path / "o"], "eval": ["--out", tmp_path / "res"]}.get(command, [])
+    extra = {"calibrate": ["--out", tmp_path / "o"], "eval": ["--out", tmp_path / "res"],
+             "serve": ["--prompts", prompts_file(tmp_path), "--device", "cpu"]}.get(command, [])
     rc, out, err = run_cli(capsys, command, ckpts / "empty", *extra)
     assert_clean_error(rc, out, err, "no config.json", "directory that holds", command=command)
 
@@ -163,9 +171,10 @@ def test_directory_without_config(command, ckpts, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate"])
+@pytest.mark.parametrize("command", ["spec", "analyze", "eval", "calibrate", "serve"])
 def test_non_mla_model(command, family, ckpts, tmp_path, capsys):
-    extra = {"calibrate": ["--out", tmp_path / "o"], "eval": ["--out", tmp_path / "res"]}.get(command, [])
+    extra = {"calibrate": ["--out", tmp_path / "o"], "eval": ["--out", tmp_path / "res"],
+             "serve": ["--prompts", prompts_file(tmp_path), "--device", "cpu"]}.get(command, [])
     rc, out, err = run_cli(capsys, command, ckpts / family, *extra)
     assert_clean_error(rc, out, err, f"'{family}' is not a Multi-Head Latent Attention model", "kv_lora_rank",
                        "QuantMLA needs MLA attention", "deepseek_v2/v3", command=command)
@@ -351,3 +360,67 @@ def test_checkpoint_without_weights(ckpts, tmp_path, capsys):
                            *calib_args(ckpts, tmp_path / "o"))
     assert_clean_error(rc, out, err, "cannot load the weights", "no file named model.safetensors",
                        "must hold them", command="calibrate")
+
+
+# -- quantmla serve ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, needles", [
+    ("", ["no prompts"]),
+    ("not json\n", [r"prompts.jsonl:1: not a JSON object"]),
+    ('{"prompt": "a", "prompt_ids": [1]}\n', [r":1: each line needs exactly one of"]),
+    ('{"prompt_ids": []}\n', [r"\"prompt_ids\" must be a non-empty list of token ids"]),
+])
+def test_serve_bad_prompts(content, needles, ckpts, tmp_path, capsys):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(content)
+    rc, out, err = run_cli(capsys, "serve", ckpts / "mla", "--prompts", f, "--device", "cpu")
+    assert_clean_error(rc, out, err, *needles, command="serve")
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--content-bits", "4"], ["give both --content-bits and --rope-bits"]),
+    (["--content-bits", "5", "--rope-bits", "4"], ["bit width 5", r"bits in \(2, 3, 4, 8\)"]),
+    (["--content-bits", "4", "--rope-bits", "4", "--content-group", "32", "--rope-group", "16"],
+     [r"calibrated \(quantmla\) for content INT2/g32"]),  # the calibrated checkpoint, other formats
+    (["--kv-budget-gib", "0"], ["--kv-budget-gib must be positive"]),
+])
+def test_serve_bad_formats(flags, needles, ckpts, tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "serve", ckpts / "calibrated", "--prompts", prompts_file(tmp_path), "--device", "cpu",
+                           *flags)
+    assert_clean_error(rc, out, err, *needles, command="serve")
+
+
+def test_serve_generates_what_generate_does(ckpts, tmp_path, capsys):
+    """`quantmla serve` end to end on CPU: outputs in prompt order with their ids, BF16 greedy tokens equal
+    transformers generate(); the calibrated checkpoint is served in its own formats; a request that can
+    never fit the budget fails alone (exit status 1) and the others complete."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def f1(x):", "id": "a"}\n{"prompt_ids": [5, 6, 7, 8], "max_new_tokens": 3}\n')
+    out_path = tmp_path / "out.jsonl"
+    rc, out, err = run_cli(capsys, "serve", ckpts / "mla", "--prompts", f, "--device", "cpu", "--dtype", "float32",
+                           "--max-new-tokens", "6", "--ignore-eos", "--out", out_path)
+    assert rc == 0, err
+    rows = [json.loads(x) for x in out_path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", 1] and [len(r["output_ids"]) for r in rows] == [6, 3]
+    assert all(r["finish_reason"] == "length" for r in rows)
+    model = AutoModelForCausalLM.from_pretrained(ckpts / "mla", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(ckpts / "mla")
+    for ids, r in ((tok("def f1(x):")["input_ids"], rows[0]), ([5, 6, 7, 8], rows[1])):
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=len(r["output_ids"]), do_sample=False,
+                             min_new_tokens=len(r["output_ids"]))[0, len(ids):].tolist()
+        assert r["output_ids"] == ref
+    assert rows[0]["text"] == tok.decode(rows[0]["output_ids"], skip_special_tokens=True)
+
+    rc, out, err = run_cli(capsys, "serve", ckpts / "calibrated", "--prompts", f, "--device", "cpu", "--max-new-tokens", "2")
+    assert rc == 0 and "content INT2/g32 + RoPE INT4/g16" in err
+
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": ' + json.dumps(list(range(3, 203))) + '}\n')
+    rc, out, err = run_cli(capsys, "serve", ckpts / "mla", "--prompts", big, "--device", "cpu", "--kv-budget-gib", "0.00002",
+                           "--max-new-tokens", "4")
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert rc == 1 and [r["finish_reason"] for r in rows][1] == "error" and "can never fit" in rows[1]["error"]
+    assert rows[0]["finish_reason"] in ("length", "eos") and "Traceback" not in err

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("quantmla.calibration.command", "Learn and fuse path-specific transforms"),
     "eval": ("quantmla.evaluation.command", "Perplexity and retrieval under a quantized cache"),
     "bench-kernel": ("quantmla.kernels.command", "Benchmark the low-bit MLA decode kernel (GPU)"),
+    "serve": ("quantmla.serving.serve_command", "Generate with a checkpoint on the paged low-bit cache"),
     "serve-bench": ("quantmla.serving.command", "Whole-job throughput under cache pressure (GPU)"),
     "demo": ("quantmla.demo", "The main job: calibrate, evaluate and report on the shipped model"),
 }

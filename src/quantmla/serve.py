@@ -1,0 +1,9 @@
+"""``quantmla.serve``: the offline serving engine, by the name the serving issue gives it.
+
+The same objects as :mod:`quantmla.serving` (which also holds the scheduler, the attention backends
+and the cache-pressure benchmark); ``quantmla serve`` is its command line.
+"""
+
+from quantmla.serving import BF16_CONFIG, Engine, EngineConfig, JobStats, Request, RequestOutput, SamplingParams
+
+__all__ = ["BF16_CONFIG", "Engine", "EngineConfig", "JobStats", "Request", "RequestOutput", "SamplingParams"]
