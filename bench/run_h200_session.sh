@@ -15,6 +15,7 @@
 # serving3       serve-bench at groups 128/64 over 0.1/0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
 # gputests       the GPU cases of the read / graph-schedule / engine tests (session 3)
 # serving0125    serve-bench at 0.125 GiB only, after the prefill-graph bucket and probe changes (session 3)
+# serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
 # profile] (stream failed again, fixed), [stream accuracy], [accuracy serving scaling], each one call on
@@ -106,6 +107,12 @@ serving0125() {
   timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.125 --content-group 128 \
     --rope-group 64 --max-batched-tokens 8192 --out "$OUT/serving_h200_0125.json" 2>&1 | grep -v -i warn \
     | tail -8 | tee -a "$LOG"
+}
+
+serving4() {
+  timeout 560 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 \
+    --content-group 128 --rope-group 64 --max-batched-tokens 8192 --max-seconds 500 --out "$OUT/serving_h200.json" \
+    2>&1 | grep -v -i warn | tail -24 | tee -a "$LOG"
 }
 
 serving3() {
