@@ -132,8 +132,11 @@ def test_preemption_by_recompute_keeps_outputs(v3):
     roomy.close()
     tight = Engine(v3, EngineConfig(quant=INT4, num_pages=7, page_size=16, max_num_batched_tokens=20, backend="torch",
                                     cuda_graphs="emulate", graph_buckets=(1, 2, 4)))
-    got = tight.generate([Request(f"q{i}", p, params) for i, p in enumerate(prompts)])
+    seen = []
+    got = tight.generate([Request(f"q{i}", p, params) for i, p in enumerate(prompts)],
+                         on_step=lambda done, total: seen.append((done, total)))
     tight.close()
+    assert seen[-1] == (len(prompts), len(prompts)) and all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
     st = tight.stats.scheduler
     assert st.preemptions > 0 and tight.stats.graph_steps > 0
     assert tight.stats.prefill_graph_steps > 0  # recomputed prompts too go through the padded prefill step

@@ -375,11 +375,12 @@ class Engine:
         return out
 
     # -- the job ---------------------------------------------------------------------------------
-    def generate(self, requests, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, requests, params: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
         """Run every request to completion; outputs come back in the order of ``requests``.
 
         ``requests``: Request objects, or token-id lists (with ``params`` for all of them). A request that can
-        never fit in the KV budget returns ``finish_reason="error"`` with the reason; the others go on."""
+        never fit in the KV budget returns ``finish_reason="error"`` with the reason; the others go on.
+        ``on_step(finished, total)``: called after every step with the number of requests done (progress)."""
         reqs = [r if isinstance(r, Request) else Request(i, list(r), params or SamplingParams())
                 for i, r in enumerate(requests)]
         cfg = self.config
@@ -417,6 +418,8 @@ class Engine:
                 else:
                     self.stats.mixed_s += dt
                 sched.commit(plan, sampled, logits)
+                if on_step is not None:
+                    on_step(len(sched.finished), len(seqs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         st = self.stats

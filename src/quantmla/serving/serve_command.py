@@ -34,6 +34,7 @@ def add_arguments(p):
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -116,7 +117,10 @@ def run(args) -> int:
         print(f"serving {args.model}: {quant.describe()}, {engine.num_pages} pages of {cfg.page_size} tokens "
               f"({engine.bytes_per_token:.0f} B/token over {len(engine.formats)} layers), backend {engine.backend.name}, "
               f"{len(reqs)} requests", file=sys.stderr)
-        outs = engine.generate(reqs)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.no_progress, leave=False) as bar:
+            outs = engine.generate(reqs, on_step=lambda done, total: bar.update(done - bar.n))
         st = engine.stats
     wall = time.perf_counter() - t0
     out_f = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
