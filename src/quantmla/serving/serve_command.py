@@ -59,6 +59,9 @@ def read_prompts(path: str) -> list[dict]:
             if "prompt_ids" in r and not (isinstance(r["prompt_ids"], list) and r["prompt_ids"]
                                           and all(isinstance(t, int) and t >= 0 for t in r["prompt_ids"])):
                 raise CLIError(f"{path}:{i}: \"prompt_ids\" must be a non-empty list of token ids")
+            m = r.get("max_new_tokens", 1)
+            if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+                raise CLIError(f"{path}:{i}: \"max_new_tokens\" must be a positive integer, got {m!r}")
             r.setdefault("id", len(records))
             records.append(r)
     else:
