@@ -371,6 +371,7 @@ def test_checkpoint_without_weights(ckpts, tmp_path, capsys):
     ('{"prompt": "a", "prompt_ids": [1]}\n', [r":1: each line needs exactly one of"]),
     ('{"prompt_ids": []}\n', [r"\"prompt_ids\" must be a non-empty list of token ids"]),
     ('{"prompt": "a", "max_new_tokens": "ten"}\n', [r"\"max_new_tokens\" must be a positive integer, got 'ten'"]),
+    ('{"prompt_ids": [5, 100000]}\n', [r"token id 100000, outside the model's vocabulary of 300"]),
 ])
 def test_serve_bad_prompts(content, needles, ckpts, tmp_path, capsys):
     f = tmp_path / "prompts.jsonl"
