@@ -156,6 +156,26 @@ def test_request_that_never_fits_fails_clearly_others_complete(v3):
     assert eng.stats.failed == 1 and eng.stats.completed == 2
 
 
+def test_requests_that_cannot_run_fail_alone(v3):
+    """Empty prompts, token ids outside the vocabulary and max_new_tokens < 1 fail with the reason,
+    before reaching the model; the other requests complete."""
+    eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch"))
+    vocab = v3.config.vocab_size
+    reqs = [Request("ok", [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True)),
+            Request("empty", [], SamplingParams(max_new_tokens=3)),
+            Request("oov", [5, vocab], SamplingParams(max_new_tokens=3)),
+            Request("neg", [-1, 5], SamplingParams(max_new_tokens=3)),
+            Request("none", [5], SamplingParams(max_new_tokens=0))]
+    outs = eng.generate(reqs)
+    eng.close()
+    assert outs[0].ok and len(outs[0].output_ids) == 3
+    why = {o.request_id: o.error for o in outs[1:]}
+    assert all(o.finish_reason == "error" and o.output_ids == [] for o in outs[1:])
+    assert "prompt is empty" in why["empty"] and f"[0, {vocab}); this prompt has {vocab}" in why["oov"]
+    assert "has -1" in why["neg"] and "max_new_tokens must be at least 1" in why["none"]
+    assert eng.stats.failed == 4 and eng.stats.completed == 1
+
+
 def test_engine_stops_at_eos_and_restores_the_model(v3):
     prompts = _prompts((8,), seed=9)
     eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch"))

@@ -375,6 +375,18 @@ class Engine:
         return out
 
     # -- the job ---------------------------------------------------------------------------------
+    @staticmethod
+    def _bad_request(s: Sequence, vocab: int | None) -> str | None:
+        """Why a request cannot run at all (empty prompt, token ids outside the vocabulary), or None."""
+        if s.prompt_len == 0:
+            return "the prompt is empty; give at least one token"
+        if s.req.params.max_new_tokens < 1:
+            return f"max_new_tokens must be at least 1, got {s.req.params.max_new_tokens}"
+        lo, hi = min(s.req.prompt), max(s.req.prompt)
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            return f"token ids must lie in [0, {vocab}); this prompt has {lo if lo < 0 else hi}"
+        return None
+
     def generate(self, requests, params: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
         """Run every request to completion; outputs come back in the order of ``requests``.
 
@@ -391,9 +403,13 @@ class Engine:
                 set(r.params.eos_token_id) if isinstance(r.params.eos_token_id, (list, tuple)) else {r.params.eos_token_id})
             seqs.append(Sequence(r, i, eos))
         width = self.max_pages_per_seq * cfg.page_size
+        vocab = getattr(self.model.config, "vocab_size", None)
         for s in seqs:
             need = s.prompt_len + s.req.params.max_new_tokens - 1
-            if width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
+            bad = self._bad_request(s, vocab)
+            if bad is not None:  # fails alone, before any token of it reaches the model
+                sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
+            elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
                     f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
                     f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"))
