@@ -6,8 +6,9 @@ Prompts come from a ``.txt`` file (one prompt per line) or a ``.jsonl`` file (on
 with ``"prompt"`` text or ``"prompt_ids"``, and optionally ``"id"`` and ``"max_new_tokens"``).
 The cache formats are the checkpoint's own (``quantmla calibrate`` writes them), or those asked
 for with ``--content-bits/--rope-bits``, or BF16. Outputs are written as JSONL in the order of
-the prompts, with ``finish_reason`` "length", "eos" or "error" (a request that can never fit in
-the KV budget fails alone, with the reason).
+the prompts, with ``finish_reason`` "length", "eos" or "error" (a request that cannot run — it can
+never fit in the KV budget, its prompt is empty or has ids outside the vocabulary — fails alone,
+with the reason, and the command exits with status 1).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def run(args) -> int:
     import time
 
     import torch
+    from tqdm.auto import tqdm
 
     from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
     from quantmla.cli import CLIError
@@ -108,8 +110,6 @@ def run(args) -> int:
     reqs = []
     for r in records:
         ids = r["prompt_ids"] if "prompt_ids" in r else tok(r["prompt"], add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise CLIError(f"prompt {r['id']!r} tokenizes to no tokens")
         n_new = int(r.get("max_new_tokens", args.max_new_tokens))
         reqs.append(Request(r["id"], list(ids), SamplingParams(max_new_tokens=n_new, ignore_eos=args.ignore_eos)))
     cfg = EngineConfig(quant=quant, kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)), backend=args.backend,
@@ -120,8 +120,6 @@ def run(args) -> int:
         print(f"serving {args.model}: {quant.describe()}, {engine.num_pages} pages of {cfg.page_size} tokens "
               f"({engine.bytes_per_token:.0f} B/token over {len(engine.formats)} layers), backend {engine.backend.name}, "
               f"{len(reqs)} requests", file=sys.stderr)
-        from tqdm.auto import tqdm
-
         with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.no_progress, leave=False) as bar:
             outs = engine.generate(reqs, on_step=lambda done, total: bar.update(done - bar.n))
         st = engine.stats
