@@ -218,29 +218,6 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
         Engine(tiny_model("deepseek_v3"), EngineConfig())
 
 
-def test_records_match_the_paged_reference():
-    """The engine's torch writer/reader produce and read the same bytes as cache.paged."""
-    paged = pytest.importorskip("quantmla.cache.paged")
-    from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
-    from quantmla.serving.backends import read_records, write_records
-
-    torch.manual_seed(0)
-    for fmt in (CacheFormat(), CacheFormat(INT4.content, INT4.rope), CacheFormat(INT2.content, INT2.rope)):
-        lay = PageLayout(TokenLayout(32, 16, fmt), 16)
-        a = torch.zeros(6, lay.page_bytes, dtype=torch.uint8)
-        b = a.clone()
-        slots = torch.tensor([17, 18, 40, 3, 95, 64])
-        lat, kr = torch.randn(6, 32), torch.randn(6, 16)
-        write_records(a, lay, lat, kr, slots)
-        paged.write_tokens(b, lay, slots, lat, kr)
-        assert torch.equal(a, b)
-        bt = torch.tensor([1, 2], dtype=torch.int32)
-        c, r = read_records(a, lay, bt, 20)
-        c2, r2 = paged.read_tokens(b, lay, torch.arange(16, 36))
-        torch.testing.assert_close(c, c2)
-        torch.testing.assert_close(r, r2)
-
-
 @pytest.mark.parametrize("path", local_reference_models() or [None])
 def test_reference_model_matches_generate(path):
     if path is None:

@@ -11,8 +11,8 @@ in that order, so every read — the current chunk's own tokens included — see
 as ``QuantMLACache`` does. ``meta`` (:class:`AttnMeta`) lists the step's tokens as a block of
 decode rows (one query per sequence, first in the flat batch) followed by prefill chunks.
 
-``TorchPagedBackend`` is the pure-torch reference: it dequantizes a sequence's pages through the
-layout and runs the absorbed-attention oracle. The Triton backend (``triton_backend.py``) runs the
+``TorchPagedBackend`` is the pure-torch reference: it writes and reads records with the layout's
+torch reference (``cache.paged``) and runs the absorbed-attention oracle. The Triton backend (``triton_backend.py``) runs the
 kernels over the same pools.
 """
 
@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantmla.cache.layout import SECTIONS, CacheFormat, PageLayout, TokenLayout
-from quantmla.cache.paged import read_tokens
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.paged import read_tokens, write_tokens
 from quantmla.model.spec import MLASpec
-from quantmla.quant.format import PathFormat
-from quantmla.quant.groupwise import Quantized, dequantize, quantize
 from quantmla.reference.absorbed import absorbed_attention
 
 
@@ -53,60 +51,6 @@ class AttnMeta:
     max_seq_len: int = 0  # upper bound of seq_lens (a static bound under CUDA graphs)
     plan: object | None = None  # a backend's fixed-shape decode schedule (CUDA graphs), else None
     backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
-
-
-# -- the layout's records, in plain torch ---------------------------------------------------------
-
-def encode_path(x: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [N, D] -> (codes uint8 [N, code_bytes], meta uint8 [N, meta_bytes] or None)."""
-    if not fmt.quantized:
-        return x.to(torch.bfloat16).contiguous().view(torch.uint8), None
-    q = quantize(x, fmt)
-    return q.codes, q.meta.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
-
-
-def decode_path(codes: torch.Tensor, meta: torch.Tensor | None, fmt: PathFormat, dim: int) -> torch.Tensor:
-    """Inverse of :func:`encode_path` -> fp32 [N, dim]."""
-    if not fmt.quantized:
-        return codes.contiguous().view(torch.bfloat16).float()
-    m = meta.contiguous().view(fmt.torch_meta_dtype).reshape(codes.shape[0], fmt.groups(dim), fmt.meta_fields)
-    return dequantize(Quantized(codes, m), fmt, dim, torch.float32)
-
-
-def section_view(pool: torch.Tensor, layout: PageLayout, name: str) -> torch.Tensor | None:
-    """[num_pages, page_size, field_bytes] view of one section of every page (None if empty)."""
-    fb = layout.token.field_bytes[name]
-    if fb == 0:
-        return None
-    off = layout.offsets[name]
-    return pool[:, off: off + layout.page_size * fb].view(pool.shape[0], layout.page_size, fb)
-
-
-def write_records(pool: torch.Tensor, layout: PageLayout, latent: torch.Tensor, k_rope: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Quantize tokens and store their records at slots (page · page_size + offset)."""
-    fmt = layout.token.fmt
-    cc, cm = encode_path(latent, fmt.content)
-    rc, rm = encode_path(k_rope, fmt.rope)
-    page, off = slot_mapping // layout.page_size, slot_mapping % layout.page_size
-    for name, data in zip(SECTIONS, (cc, rc, cm, rm)):
-        sec = section_view(pool, layout, name)
-        if sec is not None:
-            sec[page, off] = data
-
-
-def read_records(pool: torch.Tensor, layout: PageLayout, block_table: torch.Tensor, seq_len: int):
-    """Dequantized (latent [T, d_c], k_rope [T, d_r]) fp32 of one sequence's first seq_len tokens."""
-    fmt, t = layout.token.fmt, layout.token
-    npages = -(-seq_len // layout.page_size)
-    pages = block_table[:npages].long()
-    fields = {}
-    for name in SECTIONS:
-        sec = section_view(pool, layout, name)
-        fields[name] = None if sec is None else sec[pages].reshape(-1, sec.shape[-1])[:seq_len]
-    latent = decode_path(fields["content_codes"], fields["content_meta"], fmt.content, t.d_c)
-    k_rope = decode_path(fields["rope_codes"], fields["rope_meta"], fmt.rope, t.d_r)
-    return latent, k_rope
 
 
 def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=None) -> torch.Tensor:
@@ -178,7 +122,10 @@ class AttentionBackend:
         raise NotImplementedError
 
     def read(self, slot: int, block_table: torch.Tensor, seq_len: int):
-        return read_records(self.pools[slot], self.layouts[slot], block_table, seq_len)
+        """Dequantized (latent [T, d_c], k_rope [T, d_r]) fp32 of one sequence's first seq_len tokens."""
+        ps = self.page_size
+        p = torch.arange(seq_len, device=block_table.device)
+        return read_tokens(self.pools[slot], self.layouts[slot], block_table.long()[p // ps] * ps + p % ps)
 
     def static_plan(self, b: int, max_len: int):
         """A fixed-shape decode schedule for a CUDA-graph bucket of b rows (none needed here)."""
@@ -196,7 +143,7 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
     def write(self, slot, latent, k_rope, slot_mapping):
-        write_records(self.pools[slot], self.layouts[slot], latent, k_rope, slot_mapping)
+        write_tokens(self.pools[slot], self.layouts[slot], slot_mapping, latent, k_rope)
 
     def attend(self, slot, q_lat, q_rope, meta):
         scale = self.spec.softmax_scale
