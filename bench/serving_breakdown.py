@@ -9,7 +9,9 @@ Reads a serve-bench result and prints, per KV budget and low-bit method against 
 - decode-phase ratio: BF16 seconds in pure decode steps over the method's (what the cache format
   changes);
 - whole-job ratio: the measured throughput ratio;
-- the whole-job ratio if prompt prefill cost nothing, or half as much, in every format.
+- the whole-job ratio if prompt prefill cost nothing, or half as much, in every format;
+
+and, per run, the mean time of a decode step and of a step with prefill chunks.
 
 No GPU needed: everything comes from the JSON's per-run fields (graph_decode_s + eager_decode_s,
 mixed_s, wall_s).
@@ -52,6 +54,18 @@ def breakdown(result: dict) -> list[dict]:
     return rows
 
 
+def per_step(result: dict) -> list[dict]:
+    """Mean seconds of a pure decode step and of a step with prefill chunks, per run (ms)."""
+    out = []
+    for r in result["runs"]:
+        mixed = r["steps"] - r["decode_steps"]
+        dec = r["graph_decode_s"] + r.get("eager_decode_s", 0.0)
+        out.append({"budget_gib": r["budget_gib"], "method": r["method"],
+                    "decode_ms_per_step": 1e3 * dec / max(1, r["decode_steps"]),
+                    "prefill_ms_per_step": 1e3 * r["mixed_s"] / max(1, mixed)})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", nargs="?", default="bench/results/serving_h200.json")
@@ -66,10 +80,14 @@ def main(argv=None) -> int:
         print(f"{r['budget_gib']:>7g}G {r['method']:>10} {r['capacity_ratio']:>8.2f}x {r['decode_ratio']:>6.2f}x "
               f"{r['whole_job_ratio']:>5.2f}x {r['ratio_if_prefill_free']:>9.2f}x {r['ratio_if_prefill_halved']:>11.2f}x  "
               f"{r['prefill_steps_s'][0]:.1f}/{r['prefill_steps_s'][1]:.1f}")
+    print(f"\n{'budget':>8} {'method':>10} {'decode ms/step':>15} {'prefill-step ms':>16}  (means over the job)")
+    steps = per_step(result)
+    for r in steps:
+        print(f"{r['budget_gib']:>7g}G {r['method']:>10} {r['decode_ms_per_step']:>15.2f} {r['prefill_ms_per_step']:>16.1f}")
     if a.out:
         json.dump({"source": a.result, "source_device": result.get("device"), "source_date": result.get("date"),
                    "source_commit": result.get("commit"), "command": " ".join(["python3"] + sys.argv),
-                   "rows": rows}, open(a.out, "w"), indent=1)
+                   "rows": rows, "per_step": steps}, open(a.out, "w"), indent=1)
     return 0
 
 
