@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--rope-group", type=int, default=32)
     p.add_argument("--preset", default="v2-lite", help="serve-bench model preset (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", type=int, default=0, help="also list the N costliest torch ops by input shapes")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
                 mine = not plan.is_decode and state["prof"] is not False
             if mine and state["prof"] is None:
                 sync()
-                state["prof"] = profile(activities=acts)
+                state["prof"] = profile(activities=acts, record_shapes=a.shapes > 0)
                 state["prof"].__enter__()
                 state["t"] = time.perf_counter()
             out = orig(plan)
@@ -110,10 +111,19 @@ def main(argv=None) -> int:
         res["methods"][m] = {"format": q.describe(), "steps": n, "tokens_per_step": state["tokens"] / n,
                              "wall_ms_per_step": 1e3 * wall / n,
                              "gpu_us_per_step": total, "top_us_per_step": dict(top)}
+        if a.shapes and cuda:  # torch ops by input shapes: which call launches the costly kernels
+            ops = [(ev.device_time_total / n, ev.count // n, ev.key, str(ev.input_shapes)[:160])
+                   for ev in prof.key_averages(group_by_input_shape=True)
+                   if ev.key.startswith("aten::") and ev.device_time_total > 0]
+            ops.sort(key=lambda o: -o[0])
+            res["methods"][m]["top_ops_by_shape"] = [dict(us_per_step=u, calls_per_step=c, op=k, shapes=sh)
+                                                     for u, c, k, sh in ops[: a.shapes]]
         print(f"\n== {m} ({q.describe()}): {n} {a.phase} steps of {state['tokens'] / n:.0f} tokens, wall {1e3 * wall / n:.2f} ms/step, "
               f"GPU kernels {total / 1e3:.2f} ms/step")
         for k, v in top:
             print(f"  {v:9.1f} us  {k}")
+        for o in res["methods"][m].get("top_ops_by_shape", []):
+            print(f"  {o['us_per_step']:9.1f} us  x{o['calls_per_step']:<4} {o['op']} {o['shapes']}")
         e.close()
         del e
         if cuda:

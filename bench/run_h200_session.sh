@@ -15,6 +15,7 @@
 # serving3       serve-bench at groups 128/64 over 0.1/0.125/0.25/0.5/1 GiB, 8192 batched tokens (session 3)
 # gputests       the GPU cases of the read / graph-schedule / engine tests (session 3)
 # serving0125    serve-bench at 0.125 GiB only, after the prefill-graph bucket and probe changes (session 3)
+# prefill5       per-kernel and per-op (with shapes) GPU time of 1531-token prefill chunks (session 4)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -107,6 +108,12 @@ serving0125() {
   timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.125 --content-group 128 \
     --rope-group 64 --max-batched-tokens 8192 --out "$OUT/serving_h200_0125.json" 2>&1 | grep -v -i warn \
     | tail -8 | tee -a "$LOG"
+}
+
+prefill5() {
+  timeout 120 python3 bench/profile_serving.py --phase prefill --batched-tokens 2048 --batch 6 --prompt 1531 \
+    --steps 3 --methods bf16 int4/int4 --content-group 128 --rope-group 64 --shapes 25 \
+    --out "$OUT/profile_prefill_1531_h200.json" 2>&1 | grep -v -i warn | tail -90 | tee -a "$LOG"
 }
 
 serving4() {
