@@ -16,6 +16,8 @@
 # gputests       the GPU cases of the read / graph-schedule / engine tests (session 3)
 # serving0125    serve-bench at 0.125 GiB only, after the prefill-graph bucket and probe changes (session 3)
 # prefill5       per-kernel and per-op (with shapes) GPU time of 1531-token prefill chunks (session 4)
+# prefill-kernel the prefill attention variants and kernel configs (bench/step_anatomy.py --skip-anatomy)
+# serving01      serve-bench at 0.1 GiB only (session 4)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -101,7 +103,7 @@ prefill() {
 
 gputests() {
   timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py \
-    -k "read_matches or static_graph or on_gpu" 2>&1 | tail -5 | tee -a "$LOG"
+    -k "read_matches or static_graph or on_gpu or prefill" 2>&1 | tail -5 | tee -a "$LOG"
 }
 
 serving0125() {
@@ -114,6 +116,17 @@ prefill5() {
   timeout 120 python3 bench/profile_serving.py --phase prefill --batched-tokens 2048 --batch 6 --prompt 1531 \
     --steps 3 --methods bf16 int4/int4 --content-group 128 --rope-group 64 --shapes 25 \
     --out "$OUT/profile_prefill_1531_h200.json" 2>&1 | grep -v -i warn | tail -90 | tee -a "$LOG"
+}
+
+prefill-kernel() {
+  timeout 150 python3 bench/step_anatomy.py --skip-anatomy --out "$OUT/prefill_attention_h200.json" 2>&1 \
+    | grep -v -i warn | tail -12 | tee -a "$LOG"
+}
+
+serving01() {
+  timeout 300 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 --content-group 128 \
+    --rope-group 64 --max-batched-tokens 8192 --out "$OUT/serving_h200_01.json" 2>&1 | grep -v -i warn \
+    | tail -8 | tee -a "$LOG"
 }
 
 serving4() {

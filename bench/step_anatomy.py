@@ -6,9 +6,11 @@ Part 1: runs a small cache-pressured job (v2-lite geometry, random weights) per 
 step, records the host seconds until the model forward returned (all kernels launched) and until the
 sampled tokens reached the host, split by step kind (CUDA-graph decode / eager mixed). A step whose
 launch time is close to its total is host-bound.
-Part 2: one prefill chunk's attention (n queries over T cached tokens, 16 heads, d_c 512, d_r 64) by
-the engine's chunk_attention and by the non-absorbed form (up-projected K/V, SDPA flash with a
-lower-right causal mask), timed and checked against an fp64 reference.
+Part 2: one prefill chunk's attention (n queries over T cached tokens, 16 heads, d_c 512, d_r 64) as
+per-head values, timed with CUDA events and checked against an fp64 reference, by: the absorbed form
+in plain matmuls (the engine's prefill path until session 4), the engine's prefill kernel
+(``mla_prefill_attention`` after the ``kv_b_proj`` up-projection, per tiling config) and SDPA on the
+up-projected K/V with a lower-right causal mask.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from quantmla.serving.backends import chunk_attention
+from quantmla.kernels.api import PrefillConfig, mla_prefill_attention
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
@@ -76,6 +78,18 @@ def anatomy(model, method, a):
     return res
 
 
+def absorbed_matmul(q_lat, q_rope, latent, k_rope, scale):
+    """The absorbed form in plain matmuls (scores materialized, masked, softmaxed): o_latent [n, H, d_c]."""
+    n, H, dc = q_lat.shape
+    T = latent.shape[0]
+    kc, kr = latent.to(q_lat.dtype), k_rope.to(q_lat.dtype)
+    sc = torch.addmm(kc.new_empty(()), q_lat.reshape(-1, dc), kc.T, beta=0, alpha=scale)
+    sc.addmm_(q_rope.reshape(-1, kr.shape[-1]), kr.T, alpha=scale)
+    causal = torch.ones(n, n, dtype=torch.bool, device=sc.device).triu_(1)
+    sc.view(n, H, T)[:, :, T - n:].masked_fill_(causal[:, None, :], float("-inf"))
+    return (torch.softmax(sc, dim=-1) @ kc).view(n, H, dc)
+
+
 def nonabsorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
     """n queries (the last n of T positions) over T tokens, as per-head values [n, H, d_v]."""
     from torch.nn.attention.bias import causal_lower_right
@@ -93,6 +107,10 @@ def nonabsorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
     o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(n, T),
                                                          scale=scale)
     return o[0, :, :, :dv].transpose(0, 1)
+
+
+PREFILL_CONFIGS = [PrefillConfig(), PrefillConfig(128, 32, 8, 2), PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 8, 3),
+                   PrefillConfig(64, 32, 4, 3), PrefillConfig(128, 128, 8, 2)]
 
 
 def prefill_variants(a):
@@ -120,16 +138,24 @@ def prefill_variants(a):
             o = torch.einsum("nht,tc->nhc", torch.softmax(sc, -1), ld)
             ref.append(torch.einsum("nhc,hvc->nhv", o, w_uv.double()))
         ref = torch.cat(ref)
-        fa = lambda: torch.einsum("nhc,hvc->nhv", chunk_attention(q_lat, q_rope, lat, kr, scale).bfloat16(), w_uv)
+        w_kv = torch.cat([w_uk, w_uv], 1).reshape(H * (dn + dvv), dc)  # kv_b_proj's weight
+        fa = lambda: torch.einsum("nhc,hvc->nhv", absorbed_matmul(q_lat, q_rope, lat.bfloat16(), kr, scale), w_uv)
         fb = lambda: nonabsorbed(q_nope, q_rope, lat, kr, w_uk, w_uv, scale)
+
+        def kernel(cfg):
+            kv = (lat.bfloat16() @ w_kv.T).view(T, H, dn + dvv)
+            return mla_prefill_attention(q_nope, q_rope, kv, kr.bfloat16(), scale, config=cfg)
+
+        variants = [("absorbed_matmul", fa), ("nonabsorbed_sdpa", fb)]
+        variants += [(f"prefill_kernel {c.describe()}", lambda c=c: kernel(c)) for c in PREFILL_CONFIGS]
         row = {"n": n, "T": T}
-        for name, f in (("absorbed_matmul", fa), ("nonabsorbed_sdpa", fb)):
+        for name, f in variants:
             try:
                 out = f()
                 torch.cuda.synchronize()
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 ts = []
-                for _ in range(7):
+                for _ in range(12):
                     st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     st.record()
                     f()

@@ -316,3 +316,58 @@ def test_read_matches_the_reference_reader(name):
     torch.testing.assert_close(r16.float(), ref_r.bfloat16().float(), rtol=1e-2, atol=1e-6)
     empty = read_from_pages(pool.layer(0), lay, slots[:0])
     assert empty[0].shape == (0, D_C) and empty[1].shape == (0, D_R)
+
+
+def _prefill_inputs(n, T, H, d_n, d_r, d_v, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q_nope, q_rope = torch.randn(n, H, d_n, generator=g), torch.randn(n, H, d_r, generator=g)
+    kv, k_rope = torch.randn(T, H, d_n + d_v, generator=g), torch.randn(T, d_r, generator=g)
+    return [x.to(DEV, dtype) for x in (q_nope, q_rope, kv, k_rope)]
+
+
+@pytest.mark.parametrize("n,T,H,d_n,d_r,d_v", [
+    (40, 40, 2, 32, 16, 32),  # whole prompt, several query and key blocks
+    (7, 53, 3, 32, 32, 48),  # a chunk continuing a context; value width not a power of two
+    (1, 9, 2, 16, 16, 16),  # one query
+    (19, 19, 1, 128, 64, 128),  # DeepSeek head dims
+])
+def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
+    """The prefill kernel (non-absorbed, causal with the chunk at the end of its context) against the
+    fp64 oracle, into a NaN-poisoned output, with kv a strided view like kv_b_proj's output."""
+    from quantmla.kernels import mla_prefill_attention
+    from quantmla.reference.prefill import prefill_attention
+
+    q_nope, q_rope, kv, k_rope = _prefill_inputs(n, T, H, d_n, d_r, d_v)
+    scale = (d_n + d_r) ** -0.5
+    wide = torch.randn(T, H, d_n + d_v + 8, device=DEV)  # rows and heads with padding: a strided kv
+    wide[..., : d_n + d_v] = kv
+    out = torch.full((n, H, d_v), float("nan"), device=DEV)
+    got = mla_prefill_attention(q_nope, q_rope, wide[..., : d_n + d_v], k_rope, scale, out=out)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    ref = prefill_attention(q_nope, q_rope, kv, k_rope, scale)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    # causality: changing the last context token moves only the last query's output
+    kv2 = kv.clone()
+    kv2[-1, :, d_n:] += 100  # the last token's values
+    got2 = mla_prefill_attention(q_nope, q_rope, kv2, k_rope, scale)
+    torch.testing.assert_close(got2[:-1], got[:-1], rtol=0, atol=0)
+    assert (got2[-1] - got[-1]).abs().max() > 1e-2
+
+
+def test_prefill_attention_bf16_and_errors():
+    """bf16 inputs (the GPU path): bf16 probabilities, fp32 accumulation, close to the fp64 oracle; clear
+    errors on shapes that do not fit together."""
+    from quantmla.errors import QuantMLAError
+    from quantmla.kernels import mla_prefill_attention
+    from quantmla.reference.prefill import prefill_attention
+
+    q_nope, q_rope, kv, k_rope = _prefill_inputs(24, 30, 2, 32, 16, 32, seed=3, dtype=torch.bfloat16)
+    got = mla_prefill_attention(q_nope, q_rope, kv, k_rope, 0.15)
+    assert got.dtype == torch.bfloat16
+    ref = prefill_attention(q_nope, q_rope, kv, k_rope, 0.15)
+    rel = ((got.double() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, f"bf16 prefill attention relative error {rel:.3g}"
+    with pytest.raises(QuantMLAError, match="at least 24 context tokens"):
+        mla_prefill_attention(q_nope, q_rope, kv[:10], k_rope[:10], 0.15)
+    with pytest.raises(QuantMLAError, match="shapes disagree"):
+        mla_prefill_attention(q_nope, q_rope[:, :1], kv, k_rope, 0.15)

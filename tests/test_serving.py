@@ -302,22 +302,6 @@ def test_engines_share_a_model(v3):
         b.generate(prompts, params)
 
 
-def test_chunk_attention_equals_the_oracle():
-    """The GPU prefill path (plain matmuls, query blocks) against the absorbed-attention oracle."""
-    from quantmla.serving.backends import chunk_attention, dense_attention
-
-    torch.manual_seed(0)
-    for n, T in ((33, 33), (37, 90), (1, 5), (120, 130)):
-        q, qr = torch.randn(n, 8, 128), torch.randn(n, 8, 32)
-        lat, kr = torch.randn(T, 128), torch.randn(T, 32)
-        ref = dense_attention(q, qr, lat, kr, 0.1)  # fp64 oracle
-        torch.testing.assert_close(chunk_attention(q, qr, lat, kr, 0.1, max_scores=3000), ref, rtol=1e-5, atol=1e-5)
-        # bf16 queries (the GPU path): bf16 scores and probabilities, fp32 accumulation
-        got = chunk_attention(q.bfloat16(), qr.bfloat16(), lat, kr, 0.1, max_scores=3000)
-        rel = (got - ref).norm() / ref.norm()
-        assert rel < 2e-2, f"bf16 chunk attention relative error {rel:.3g}"
-
-
 def test_reference_model_through_interpreted_fused_kernels():
     """A shipped reference model (d_c 128: the generated fused decode kernels) through the Triton backend,
     padded graph-step path emulated, against generate() on QuantMLACache."""

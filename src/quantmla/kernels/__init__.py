@@ -1,13 +1,14 @@
 """Low-bit MLA decode kernels (Triton) over the paged quantized cache.
 
 Public API (see ``api``): ``get_mla_metadata``, ``mla_decode_with_kvcache``, ``append_to_pages``,
-``read_from_pages``.
+``read_from_pages``, ``mla_prefill_attention``.
 Triton is imported only when a kernel runs on CUDA tensors or under ``TRITON_INTERPRET=1``.
 """
 
 from quantmla.kernels.api import (
     DecodeConfig,
     MLAMetadata,
+    PrefillConfig,
     append_to_pages,
     check_layout_supported,
     decode_bytes,
@@ -15,12 +16,14 @@ from quantmla.kernels.api import (
     default_config,
     get_mla_metadata,
     mla_decode_with_kvcache,
+    mla_prefill_attention,
     read_from_pages,
 )
 
 __all__ = [
     "DecodeConfig",
     "MLAMetadata",
+    "PrefillConfig",
     "append_to_pages",
     "check_layout_supported",
     "decode_bytes",
@@ -28,5 +31,6 @@ __all__ = [
     "default_config",
     "get_mla_metadata",
     "mla_decode_with_kvcache",
+    "mla_prefill_attention",
     "read_from_pages",
 ]

@@ -4,6 +4,8 @@
     out, lse = mla_decode_with_kvcache(q_latent, q_rope, kv_pages, block_table, seq_lens,
                                        layout, softmax_scale, metadata=md)  # every layer
     append_to_pages(kv_pages, layout, slots, latent, k_rope)               # prefill chunk or decode step
+    latent, k_rope = read_from_pages(kv_pages, layout, slots)               # a prefill chunk's context
+    out = mla_prefill_attention(q_nope, q_rope, kv_b_proj(latent), k_rope, softmax_scale)
 
 ``kv_pages`` is one layer of a ``PagePool`` (uint8 ``[num_pages, page_bytes]``, layout from
 ``cache.layout.PageLayout``), ``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]``.
@@ -30,6 +32,7 @@ from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.quant.format import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
+from quantmla.reference.prefill import prefill_attention
 
 __all__ = [
     "DecodeConfig",
@@ -37,6 +40,9 @@ __all__ = [
     "get_mla_metadata",
     "mla_decode_with_kvcache",
     "append_to_pages",
+    "read_from_pages",
+    "mla_prefill_attention",
+    "PrefillConfig",
     "check_layout_supported",
     "default_config",
     "decode_flops",
@@ -491,6 +497,71 @@ def read_from_pages(
         oc, orr, slots, pages, pc16, pr16, T, oc.stride(0), orr.stride(0), **consts, BLOCK_T=block_t, num_warps=4
     )
     return oc, orr
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiling of the prefill kernel: block_m queries of one head per program, block_n keys per tile."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def describe(self) -> str:
+        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def mla_prefill_attention(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, softmax_scale: float,
+    out: torch.Tensor | None = None, config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of one prefill chunk in the non-absorbed form (``reference.prefill``).
+
+    q_nope [n, H, d_n] and q_rope [n, H, d_r] (rotated) are the chunk's queries, the last n of T
+    positions; kv [T, H, d_n + d_v] is ``kv_b_proj`` of the context latent (k_nope then v per head; a
+    view with any row and head strides); k_rope [T, d_r] the context's rotated RoPE keys. Returns
+    out [n, H, d_v] in q_nope's dtype (written into `out` when given)."""
+    n, H, d_n = q_nope.shape
+    T, d_r = kv.shape[0], k_rope.shape[-1]
+    d_v = kv.shape[-1] - d_n
+    if q_rope.shape[:2] != (n, H) or kv.shape[1] != H or k_rope.shape[0] != T or q_rope.shape[-1] != d_r:
+        raise QuantMLAError(
+            f"prefill attention shapes disagree: q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)}, "
+            f"kv {tuple(kv.shape)}, k_rope {tuple(k_rope.shape)}")
+    if n > T or d_v < 1:
+        raise QuantMLAError(f"a chunk of {n} queries needs at least {n} context tokens and kv wider than d_n "
+                            f"(got T={T}, kv width {kv.shape[-1]}, d_n={d_n})")
+    if out is None:
+        out = torch.empty((n, H, d_v), dtype=q_nope.dtype, device=q_nope.device)
+    if n == 0:
+        return out
+    if not _use_triton(q_nope):
+        out.copy_(prefill_attention(q_nope, q_rope, kv, k_rope, softmax_scale, torch.float32))
+        return out
+    from quantmla.kernels.prefill import _mla_prefill_kernel
+
+    cfg = config or (PrefillConfig(16, 16, 4, 1) if interpreting() else PrefillConfig())
+    for name, t in (("q_nope", q_nope), ("q_rope", q_rope), ("kv", kv), ("k_rope", k_rope), ("out", out)):
+        if t.stride(-1) != 1:
+            raise QuantMLAError(f"prefill attention needs {name} contiguous in its last dim")
+    dt = torch.float32 if interpreting() else torch.bfloat16
+    q_nope, q_rope, kv, k_rope = (x if x.dtype == dt else x.to(dt) for x in (q_nope, q_rope, kv, k_rope))
+    grid = (-(-n // cfg.block_m), H)
+    _mla_prefill_kernel[grid](
+        q_nope, q_rope, kv, k_rope, out,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), kv.stride(1),
+        k_rope.stride(0), out.stride(0), out.stride(1),
+        n, T, softmax_scale * LOG2E,
+        D_N=d_n, D_R=d_r, D_V=d_v, BD_N=max(16, _next_pow2(d_n)), BD_R=max(16, _next_pow2(d_r)),
+        BD_V=max(16, _next_pow2(d_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -90,5 +90,8 @@ class MLAView:
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention-block output from latent-space outputs: [B, S, H, d_c] -> [B, S, hidden]."""
-        v = self.values(o_latent)
+        return self.project_out(self.values(o_latent))
+
+    def project_out(self, v: torch.Tensor) -> torch.Tensor:
+        """Attention-block output from per-head values: [B, S, H, d_v] -> [B, S, hidden]."""
         return self.m.o_proj(v.reshape(*v.shape[:2], -1).to(self.m.o_proj.weight.dtype))

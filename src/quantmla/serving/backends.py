@@ -4,16 +4,18 @@ A backend owns one page pool per MLA cache slot (``uint8 [num_pages, page_bytes]
 :class:`~quantmla.cache.layout.PageLayout`), page 0 of every pool being a null page that padded
 batch rows may write and read. Per layer and step the engine calls
 
-    write(slot, latent [N, d_c], k_rope [N, d_r], slot_mapping [N])     quantize-and-write
-    attend(slot, q_latent [N, H, d_c], q_rope [N, H, d_r], meta)        -> o_latent [N, H, d_c]
+    write(slot, latent [N, d_c], k_rope [N, d_r], slot_mapping [N])          quantize-and-write
+    attend(slot, view, q_nope [N, H, d_n], q_rope [N, H, d_r], meta)         -> values [N, H, d_v]
 
 in that order, so every read — the current chunk's own tokens included — sees the quantized cache,
 as ``QuantMLACache`` does. ``meta`` (:class:`AttnMeta`) lists the step's tokens as a block of
-decode rows (one query per sequence, first in the flat batch) followed by prefill chunks.
+decode rows (one query per sequence, first in the flat batch) followed by prefill chunks. Decode
+rows attend in the absorbed form (``decode``: absorbed queries against the latent pages); prefill
+chunks as each backend's ``prefill`` chooses.
 
 ``TorchPagedBackend`` is the pure-torch reference: it writes and reads records with the layout's
-torch reference (``cache.paged``) and runs the absorbed-attention oracle. The Triton backend (``triton_backend.py``) runs the
-kernels over the same pools.
+torch reference (``cache.paged``) and runs the absorbed-attention oracle for both kinds of rows. The
+Triton backend (``triton_backend.py``) runs the kernels over the same pools.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.cache.paged import read_tokens, write_tokens
 from quantmla.model.spec import MLASpec
+from quantmla.model.view import MLAView
 from quantmla.reference.absorbed import absorbed_attention
 
 
@@ -64,38 +67,6 @@ def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=N
     return o[0].float()
 
 
-def chunk_attention(q_lat, q_rope, latent, k_rope, scale: float, max_scores: int = 1 << 26,
-                    masks: dict | None = None) -> torch.Tensor:
-    """As :func:`dense_attention`, with plain matmuls in the queries' dtype (fp32 accumulation, one rounding
-    of the scaled scores) and a softmax that accumulates in fp32, in query blocks of at most `max_scores`
-    scores (GPU prefill chunks). Only the chunk's own columns are masked; `masks` (a dict kept for one
-    step) shares the causal masks between layers. Deliberately not SDPA: its fused kernels are not needed
-    here and one of them gave wrong rows for 160/128-wide heads on the H200."""
-    n, H, d_c = q_lat.shape
-    T = latent.shape[0]
-    dt = q_lat.dtype
-    kc, kr = latent.to(dt), k_rope.to(dt)
-    out = torch.empty(n, H, d_c, device=q_lat.device, dtype=torch.float32)
-    block = max(1, min(n, max_scores // max(1, H * T)))
-    past = T - n  # keys every query of the chunk sees
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        ql = q_lat[s:e].reshape(-1, d_c)  # [(b·H), d_c], rows (query, head)
-        qr = q_rope[s:e].to(dt).reshape(-1, kr.shape[-1])
-        sc = torch.addmm(kc.new_empty(()), ql, kc.T, beta=0, alpha=scale)  # [(b·H), T], scaled before rounding
-        sc.addmm_(qr, kr.T, alpha=scale)
-        own = sc.view(e - s, H, T)[:, :, past + s:]  # the chunk's keys from this block's first query on
-        causal = None if masks is None else masks.get((n, s, e))
-        if causal is None:
-            causal = torch.ones(e - s, n - s, dtype=torch.bool, device=sc.device).triu_(1)
-            if masks is not None:
-                masks[(n, s, e)] = causal
-        own.masked_fill_(causal[:, None, :], float("-inf"))
-        p = torch.softmax(sc, dim=-1)
-        out[s:e] = (p @ kc).float().view(e - s, H, d_c)
-    return out
-
-
 class AttentionBackend:
     """Base: the page pools of every MLA slot. Subclasses implement write/attend."""
 
@@ -118,8 +89,34 @@ class AttentionBackend:
     def write(self, slot: int, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def attend(self, slot: int, q_lat: torch.Tensor, q_rope: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def attend(self, slot: int, view: MLAView, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Per-head values [N, H, d_v] in q_nope's dtype of the step's rows: decode rows absorbed
+        (``q_nope · W_UK`` -> :meth:`decode` -> ``W_UV``), prefill chunks by :meth:`prefill`."""
+        N, H, _ = q_nope.shape
+        out = q_nope.new_empty((N, H, self.spec.d_v))
+        nd = meta.num_decode
+        if nd:
+            q_lat = view.absorb(q_nope[:nd].transpose(0, 1)[None])[0].transpose(0, 1)  # [nd, H, d_c]
+            o = self.decode(slot, q_lat, q_rope[:nd], meta)
+            out[:nd] = view.values(o[None].to(q_nope.dtype))[0]
+        for c in meta.chunks:
+            rows = slice(c.start, c.start + c.n)
+            out[rows] = self.prefill(slot, view, c, q_nope[rows], q_rope[rows])
+        return out
+
+    def decode(self, slot: int, q_lat: torch.Tensor, q_rope: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Latent-space outputs [nd, H, d_c] of the decode rows (absorbed queries [nd, H, d_c])."""
         raise NotImplementedError
+
+    def prefill(self, slot: int, view: MLAView, c: Chunk, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """Values [n, H, d_v] of one chunk's queries over its context (the chunk's own tokens included)."""
+        raise NotImplementedError
+
+    def context(self, slot: int, c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's context read back dequantized: latent [T, d_c], k_rope [T, d_r] fp32."""
+        if c.slots is not None:
+            return read_tokens(self.pools[slot], self.layouts[slot], c.slots)
+        return self.read(slot, c.block_table, c.seq_len)
 
     def read(self, slot: int, block_table: torch.Tensor, seq_len: int):
         """Dequantized (latent [T, d_c], k_rope [T, d_r]) fp32 of one sequence's first seq_len tokens."""
@@ -145,18 +142,17 @@ class TorchPagedBackend(AttentionBackend):
     def write(self, slot, latent, k_rope, slot_mapping):
         write_tokens(self.pools[slot], self.layouts[slot], slot_mapping, latent, k_rope)
 
-    def attend(self, slot, q_lat, q_rope, meta):
+    def decode(self, slot, q_lat, q_rope, meta):
         scale = self.spec.softmax_scale
         out = torch.empty(q_lat.shape, dtype=torch.float32, device=q_lat.device)
-        seq_lens = meta.seq_lens.tolist() if meta.num_decode else []
+        seq_lens = meta.seq_lens.tolist()
         for b in range(meta.num_decode):
             lat, kr = self.read(slot, meta.block_tables[b], seq_lens[b])
             out[b: b + 1] = dense_attention(q_lat[b: b + 1], q_rope[b: b + 1], lat, kr, scale)
-        for c in meta.chunks:
-            if c.slots is not None:
-                lat, kr = read_tokens(self.pools[slot], self.layouts[slot], c.slots)
-            else:
-                lat, kr = self.read(slot, c.block_table, c.seq_len)
-            out[c.start: c.start + c.n] = dense_attention(q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n],
-                                                          lat, kr, scale)
         return out
+
+    def prefill(self, slot, view, c, q_nope, q_rope):
+        lat, kr = self.context(slot, c)
+        q_lat = view.absorb(q_nope.transpose(0, 1)[None])[0].transpose(0, 1)
+        o = dense_attention(q_lat, q_rope, lat, kr, self.spec.softmax_scale)  # the absorbed oracle
+        return view.values(o[None].to(q_nope.dtype))[0]

@@ -461,15 +461,15 @@ def _dispatch_forward(module, *args, **kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
     p = view.parts(hidden, pe)  # hidden [1, N, h]
-    q_lat = view.absorb(p["q_nope"])[0].transpose(0, 1)  # [N, H, d_c]
+    q_nope = p["q_nope"][0].transpose(0, 1)  # [N, H, d_n]
     q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
     k_rope = p["k_rope"][0]
     c = engine.rope_offsets.get(slot)
     if c is not None:  # QuantCacheConfig.rope_offsets: the same shift the transformers cache applies
         k_rope = (k_rope.float() - c).to(k_rope.dtype)
     engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping)
-    o = engine.backend.attend(slot, q_lat, q_rope, meta)  # [N, H, d_c]
-    return view.output(o[None].to(hidden.dtype)), None
+    v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]
+    return view.project_out(v[None].to(hidden.dtype)), None
 
 
 _ACTIVE: list = [None]  # the engine whose step is running (one at a time)

@@ -1,10 +1,11 @@
 """The Triton attention backend: the kernel engineer's kernels (``quantmla.kernels``) over the pools.
 
 - write: ``append_to_pages`` (quantize, pack, write at slots), bit-exact with the torch writer;
-- decode rows: one ``mla_decode_with_kvcache`` call over all single-query rows of the step;
-- prefill chunks: the chunk's context is read back dequantized (``read_from_pages``, one launch) and
-  attended with plain matmuls in the absorbed form — the decode kernel takes at most 16 queries per
-  sequence, and a long chunk read that way would re-read its context once per 16 queries.
+- decode rows: one ``mla_decode_with_kvcache`` call over all single-query rows of the step, absorbed;
+- prefill chunks: the chunk's context is read back dequantized (``read_from_pages``, one launch),
+  up-projected by the model's own ``kv_b_proj`` and attended by ``mla_prefill_attention`` in the
+  non-absorbed form (a chunk's many queries share the up-projection, so each (query, key) pair costs
+  d_n + d_r + d_v multiply-adds per head instead of 2·d_c + d_r).
 
 Under CUDA graphs the decode split schedule must have a fixed shape: :class:`StaticDecodePlan` keeps,
 per batch-size bucket, the split structure of a max-length batch and rewrites its work-unit rows
@@ -19,7 +20,7 @@ import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.errors import UnsupportedFormatError
-from quantmla.serving.backends import AttentionBackend, AttnMeta, chunk_attention, dense_attention
+from quantmla.serving.backends import AttentionBackend, AttnMeta
 
 
 def _kernels():
@@ -125,30 +126,22 @@ class TritonPagedBackend(AttentionBackend):
             cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, self.spec.num_heads, 1, self.kinds[kind])
         return cache[kind]
 
-    def attend(self, slot, q_lat, q_rope, meta):
-        api = _kernels()
-        N, H, d_c = q_lat.shape
-        scale = self.spec.softmax_scale
-        pool, layout = self.pools[slot], self.layouts[slot]
-        out = torch.empty((N, H, d_c), dtype=q_lat.dtype, device=q_lat.device)
-        nd = meta.num_decode
-        if nd:
-            api.mla_decode_with_kvcache(
-                q_lat[:nd].unsqueeze(1), q_rope[:nd].unsqueeze(1), pool, meta.block_tables, meta.seq_lens, layout, scale,
-                metadata=self._metadata(slot, meta), out=out[:nd].unsqueeze(1))
-        masks = meta.backend_state.setdefault("masks", {})
-        for c in meta.chunks:
-            if c.slots is not None:
-                lat, kr = api.read_from_pages(pool, layout, c.slots, dtype=q_lat.dtype if q_lat.is_cuda else torch.float32)
-            else:
-                lat, kr = self.read(slot, c.block_table, c.seq_len)
-            ql, qr = q_lat[c.start: c.start + c.n], q_rope[c.start: c.start + c.n]
-            if q_lat.is_cuda:
-                o = chunk_attention(ql, qr, lat, kr, scale, masks=masks)
-            else:
-                o = dense_attention(ql, qr, lat, kr, scale)
-            out[c.start: c.start + c.n] = o.to(out.dtype)
+    def decode(self, slot, q_lat, q_rope, meta):
+        out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # contiguous (q_lat is a view)
+        _kernels().mla_decode_with_kvcache(
+            q_lat.unsqueeze(1), q_rope.unsqueeze(1), self.pools[slot], meta.block_tables, meta.seq_lens,
+            self.layouts[slot], self.spec.softmax_scale, metadata=self._metadata(slot, meta), out=out.unsqueeze(1))
         return out
+
+    def prefill(self, slot, view, c, q_nope, q_rope):
+        api = _kernels()
+        if c.slots is not None:
+            lat, kr = api.read_from_pages(self.pools[slot], self.layouts[slot], c.slots, dtype=q_nope.dtype)
+        else:
+            lat, kr = self.context(slot, c)
+        s = self.spec
+        kv = view.m.kv_b_proj(lat.to(view.m.kv_b_proj.weight.dtype)).view(-1, s.num_heads, s.d_n + s.d_v)
+        return api.mla_prefill_attention(q_nope, q_rope, kv, kr.to(kv.dtype), s.softmax_scale)
 
 
 __all__ = ["TritonPagedBackend", "StaticDecodePlan", "triton_available", "UnsupportedFormatError"]

@@ -1,0 +1,78 @@
+"""Triton kernel: causal MLA prefill attention in the non-absorbed form.
+
+A prefill chunk of n queries attends over T context tokens (its own included, the chunk being the last
+n positions). Absorbed, every (query, key) pair costs (2·d_c + d_r) multiply-adds per head; with the
+context up-projected once by the model's own ``kv_b_proj`` (latent [T, d_c] -> k_nope, v per head) it
+costs d_n + d_r + d_v, 3.4x less at DeepSeek's geometry, and the scores are never materialized:
+
+    s   = scale · (q_nope · k_nopeᵀ + q_rope · k_ropeᵀ)      k_rope [T, d_r] shared by every head
+    out = softmax(s, causal) · v                              query i sees keys t <= T − n + i
+
+One program owns ``BLOCK_M`` queries of one head and streams the key blocks that any of them sees
+(online softmax, exp2, fp32 accumulators). Head dims need not be powers of two: loads are masked to
+the real width of a power-of-two block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n", "T"])
+def _mla_prefill_kernel(
+    QN, QR, KV, KR, OUT,
+    sqn_t, sqn_h, sqr_t, sqr_h, skv_t, skv_h, skr_t, so_t, so_h,
+    n, T, qk_scale,
+    D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
+    BD_N: tl.constexpr, BD_R: tl.constexpr, BD_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    past = T - n
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the chunk
+    qmask = i < n
+    dn = tl.arange(0, BD_N)
+    dr = tl.arange(0, BD_R)
+    dv = tl.arange(0, BD_V)
+    i64 = i.to(tl.int64)
+    q_n = tl.load(QN + i64[:, None] * sqn_t + h * sqn_h + dn[None, :], mask=qmask[:, None] & (dn < D_N)[None, :], other=0.0)
+    q_r = tl.load(QR + i64[:, None] * sqr_t + h * sqr_h + dr[None, :], mask=qmask[:, None] & (dr < D_R)[None, :], other=0.0)
+    if DOT_F32:  # the CPU interpreter multiplies bf16 operands wrongly: give it fp32 (same values)
+        q_n = q_n.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BD_V], tl.float32)
+    limit = past + i  # the last key each query sees
+    hi = tl.minimum(T, past + (mb + 1) * BLOCK_M)  # keys any query of the block sees
+    for n0 in range(0, hi, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        kv_row = KV + t64[:, None] * skv_t + h * skv_h
+        k_n = tl.load(kv_row + dn[None, :], mask=tmask[:, None] & (dn < D_N)[None, :], other=0.0)
+        k_r = tl.load(KR + t64[:, None] * skr_t + dr[None, :], mask=tmask[:, None] & (dr < D_R)[None, :], other=0.0)
+        v = tl.load(kv_row + D_N + dv[None, :], mask=tmask[:, None] & (dv < D_V)[None, :], other=0.0)
+        if DOT_F32:
+            k_n = k_n.to(tl.float32)
+            k_r = k_r.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q_n, tl.trans(k_n))
+        s = tl.dot(q_r, tl.trans(k_r), s)
+        s = s * qk_scale
+        s = tl.where((t[None, :] <= limit[:, None]) & tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(OUT + i64[:, None] * so_t + h * so_h + dv[None, :], o.to(OUT.dtype.element_ty),
+             mask=qmask[:, None] & (dv < D_V)[None, :])
