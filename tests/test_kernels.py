@@ -344,8 +344,13 @@ def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
     out = torch.full((n, H, d_v), float("nan"), device=DEV)
     got = mla_prefill_attention(q_nope, q_rope, wide[..., : d_n + d_v], k_rope, scale, out=out)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
-    ref = prefill_attention(q_nope, q_rope, kv, k_rope, scale)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    if DEV == "cuda":  # the GPU kernel runs bf16 operands and probabilities (fp32 accumulation)
+        ref = prefill_attention(*(x.bfloat16() for x in (q_nope, q_rope, kv, k_rope)), scale)
+        rel = ((got.double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"prefill attention relative error {rel:.3g}"
+    else:
+        ref = prefill_attention(q_nope, q_rope, kv, k_rope, scale)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     # causality: changing the last context token moves only the last query's output
     kv2 = kv.clone()
     kv2[-1, :, d_n:] += 100  # the last token's values

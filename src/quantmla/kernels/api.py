@@ -503,13 +503,22 @@ def read_from_pages(
 class PrefillConfig:
     """Tiling of the prefill kernel: block_m queries of one head per program, block_n keys per tile."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
     def describe(self) -> str:
         return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+def default_prefill_config(n: int) -> PrefillConfig:
+    """The fastest of six tilings on the H200 at 16 heads, d_n 128, d_r 64, d_v 128 (session 4,
+    bench/results/session4/prefill_attention_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
+    (0.16 ms at n = T = 1536, 0.19 ms at 2048), M128 N64 w8 s3 beyond (1.07 ms at 8192)."""
+    if interpreting():
+        return PrefillConfig(16, 16, 4, 1)
+    return PrefillConfig() if n <= 4096 else PrefillConfig(128, 64, 8, 3)
 
 
 def _next_pow2(n: int) -> int:
@@ -525,7 +534,8 @@ def mla_prefill_attention(
     q_nope [n, H, d_n] and q_rope [n, H, d_r] (rotated) are the chunk's queries, the last n of T
     positions; kv [T, H, d_n + d_v] is ``kv_b_proj`` of the context latent (k_nope then v per head; a
     view with any row and head strides); k_rope [T, d_r] the context's rotated RoPE keys. Returns
-    out [n, H, d_v] in q_nope's dtype (written into `out` when given)."""
+    out [n, H, d_v] in q_nope's dtype (written into `out` when given). On the GPU the operands and the
+    probabilities are bf16, the accumulation fp32."""
     n, H, d_n = q_nope.shape
     T, d_r = kv.shape[0], k_rope.shape[-1]
     d_v = kv.shape[-1] - d_n
@@ -545,7 +555,7 @@ def mla_prefill_attention(
         return out
     from quantmla.kernels.prefill import _mla_prefill_kernel
 
-    cfg = config or (PrefillConfig(16, 16, 4, 1) if interpreting() else PrefillConfig())
+    cfg = config or default_prefill_config(n)
     for name, t in (("q_nope", q_nope), ("q_rope", q_rope), ("kv", kv), ("k_rope", k_rope), ("out", out)):
         if t.stride(-1) != 1:
             raise QuantMLAError(f"prefill attention needs {name} contiguous in its last dim")
