@@ -302,6 +302,17 @@ def test_engines_share_a_model(v3):
         b.generate(prompts, params)
 
 
+def test_budget_cut_prompt_runs_eagerly_beside_graph_parts(v3):
+    """A step holding a prompt's later part (cut by the token budget) beside a new whole prompt and decode
+    rows: the later part runs eagerly, the rest replays graphs (emulated), outputs as generate()."""
+    prompts = _prompts((10, 15, 20, 12), seed=5)  # step 1: 10 + 15 + 7 of 20; step 2: 13 more of it + 12
+    for quant in (BF16_CONFIG, INT4):
+        rep, st = engine_agreement(v3, quant, prompts, 5, tie_tol=2e-2, backend="triton", cuda_graphs="emulate",
+                                   num_pages=16, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
+        assert st["eager_chunks"] >= 1 and st["prefill_graph_steps"] >= 2, st
+        assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
+
+
 def test_reference_model_through_interpreted_fused_kernels():
     """A shipped reference model (d_c 128: the generated fused decode kernels) through the Triton backend,
     padded graph-step path emulated, against generate() on QuantMLACache."""

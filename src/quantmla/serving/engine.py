@@ -75,7 +75,8 @@ class JobStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     graph_steps: int = 0
     eager_steps: int = 0
-    prefill_graph_steps: int = 0  # steps whose prefill chunks (and decode rows) all replayed graphs
+    prefill_graph_steps: int = 0  # steps whose whole-prompt chunks (and decode rows) replayed graphs
+    eager_chunks: int = 0  # chunks of those steps that ran eagerly (a prompt's part after a budget cut)
     graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
     eager_decode_steps: int = 0  # pure decode steps run eagerly
     eager_decode_s: float = 0.0
@@ -248,7 +249,6 @@ class Engine:
 
     def _execute(self, plan: StepPlan) -> tuple[list[int | None], list | None]:
         """Run one scheduled step; returns the sampled token (or None) per plan item."""
-        ps = self.config.page_size
         items = plan.items
         dec = [k for k, it in enumerate(items) if it.n == 1]
         pre = [k for k, it in enumerate(items) if it.n > 1]
@@ -266,6 +266,13 @@ class Engine:
                 self.stats.prefill_graph_steps += 1
                 return got, None
         self.stats.eager_steps += 1
+        return self._eager(items)
+
+    def _eager(self, items) -> tuple[list[int | None], list | None]:
+        """Run items (decode rows and prefill chunks, any mix) as one eager model forward."""
+        ps = self.config.page_size
+        dec = [k for k, it in enumerate(items) if it.n == 1]
+        pre = [k for k, it in enumerate(items) if it.n > 1]
         order = dec + pre
         ids, pos, slots = [], [], []
         for k in order:
@@ -350,18 +357,26 @@ class Engine:
         return self._graphs.run(items)
 
     def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
-        """A step whose prefill chunks each hold a whole prompt (start 0, up to the largest bucket): decode
-        rows through the decode graphs, each chunk through a prefill graph. The sequences are independent,
-        so this is the flat eager step split in parts. None: run the step eagerly."""
+        """A step with prefill chunks that hold a whole prompt (start 0, up to the largest bucket): each
+        such chunk through a prefill graph, decode rows through the decode graphs, the other chunks (a
+        prompt's later part, cut by the token budget) in one eager forward. The sequences are
+        independent, so this is the flat eager step split in parts. None: run the step eagerly."""
         if self._prefill is None:
             self._prefill = _PrefillGraphs(self)
         pg = self._prefill
-        if any(items[k].start != 0 or items[k].n > pg.max_tokens for k in pre) or (dec and not self.use_graphs):
+        whole = [k for k in pre if items[k].start == 0 and items[k].n <= pg.max_tokens]
+        if not whole or (dec and not self.use_graphs):
             return None
+        rest = [k for k in pre if k not in set(whole)]
         # A capture failure returns None midway; the eager step that follows recomputes every part of
         # this step, rewriting the same slots (a step's writes depend only on its own tokens).
         out: list[int | None] = [None] * len(items)
-        for k in pre:
+        if rest:
+            toks, _ = self._eager([items[k] for k in rest])
+            for j, k in enumerate(rest):
+                out[k] = toks[j]
+            self.stats.eager_chunks += len(rest)
+        for k in whole:
             tok = pg.run(items[k])
             if tok is None:
                 return None
