@@ -130,8 +130,8 @@ serving01() {
 }
 
 serving4() {
-  timeout 560 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 \
-    --content-group 128 --rope-group 64 --max-batched-tokens 8192 --max-seconds 500 --out "$OUT/serving_h200.json" \
+  timeout 545 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 \
+    --content-group 128 --rope-group 64 --max-batched-tokens 8192 --max-seconds 440 --out "$OUT/serving_h200.json" \
     2>&1 | grep -v -i warn | tail -24 | tee -a "$LOG"
 }
 
