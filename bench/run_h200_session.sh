@@ -18,6 +18,7 @@
 # prefill5       per-kernel and per-op (with shapes) GPU time of 1531-token prefill chunks (session 4)
 # prefill-kernel the prefill attention variants and kernel configs (bench/step_anatomy.py --skip-anatomy)
 # serving01      serve-bench at 0.1 GiB only (session 4)
+# serve-cli      `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (session 4)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -127,6 +128,22 @@ serving01() {
   timeout 300 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 --content-group 128 \
     --rope-group 64 --max-batched-tokens 8192 --out "$OUT/serving_h200_01.json" 2>&1 | grep -v -i warn \
     | tail -8 | tee -a "$LOG"
+}
+
+serve-cli() {
+  python3 - <<'PY' > /tmp/prompts.txt
+import random
+random.seed(0)
+words = "the cache holds a latent and a rope key per token for every layer of the model".split()
+for i in range(48):
+    print(" ".join(random.choice(words) for _ in range(random.randint(20, 200))))
+PY
+  for fmt in "" "--content-bits 4 --rope-bits 4" "--content-bits 2 --rope-bits 4"; do
+    /usr/bin/time -f "serve [$fmt]: %e s wall" timeout 120 python3 -m quantmla.cli serve $M --prompts /tmp/prompts.txt \
+      --out /tmp/serve_out.jsonl --kv-budget-gib 0.002 --max-new-tokens 96 $fmt --no-progress 2>&1 | grep -v "Loading" \
+      | tail -3 | tee -a "$LOG"
+    python3 -c "import json; r=[json.loads(l) for l in open('/tmp/serve_out.jsonl')]; print(len(r), 'outputs,', sum(x['finish_reason']!='error' for x in r), 'ok,', sum(len(x['output_ids']) for x in r), 'tokens')" | tee -a "$LOG"
+  done
 }
 
 serving4() {

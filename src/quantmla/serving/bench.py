@@ -229,7 +229,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                 "preemptions": st.scheduler.preemptions, "recomputed_tokens": st.scheduler.recomputed_tokens,
                 "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
                 "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
-                "prefill_graph_steps": st.prefill_graph_steps,
+                "prefill_graph_steps": st.prefill_graph_steps, "eager_chunks": st.eager_chunks,
                 "peak_pages_used": st.scheduler.peak_pages_used,
                 "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
                 "mixed_s": round(st.mixed_s, 3),
