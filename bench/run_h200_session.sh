@@ -19,6 +19,7 @@
 # prefill-kernel the prefill attention variants and kernel configs (bench/step_anatomy.py --skip-anatomy)
 # serving01      serve-bench at 0.1 GiB only (session 4)
 # serve-cli      `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (session 4)
+# serve-warm     one small job twice per engine (graphs captured on first use, then all captured) and without graphs
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -144,6 +145,11 @@ PY
       | tail -3 | tee -a "$LOG"
     python3 -c "import json; r=[json.loads(l) for l in open('/tmp/serve_out.jsonl')]; print(len(r), 'outputs,', sum(x['finish_reason']!='error' for x in r), 'ok,', sum(len(x['output_ids']) for x in r), 'tokens')" | tee -a "$LOG"
   done
+}
+
+serve-warm() {
+  timeout 200 python3 bench/serve_warm_vs_cold.py $M --out "$OUT/serve_warm_cold_h200.json" 2>&1 | grep -v "Loading\|warn" \
+    | tail -8 | tee -a "$LOG"
 }
 
 serving4() {

@@ -1,0 +1,64 @@
+"""The same small job twice on one engine (cold: graphs captured as buckets are first used; warm: all
+captured), and once without CUDA graphs: how much of a short `quantmla serve` job is capture time.
+
+    PYTHONPATH=src python3 bench/serve_warm_vs_cold.py models/qmla-ref-deepseek-v3 --out $OUT/serve_warm_cold.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantmla.serving.bench import method_config
+from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.scheduler import Request, SamplingParams
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--new", type=int, default=96)
+    p.add_argument("--budget-gib", type=float, default=0.002)
+    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(30, 300, (a.requests,), generator=g).tolist()
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(max_new_tokens=a.new, ignore_eos=True)
+    res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python3"] + sys.argv), "model": a.model, "rows": []}
+    for m in a.methods:
+        q = method_config(m, 64, 32)
+        for graphs in (True, False):
+            with Engine(model, EngineConfig(quant=q, kv_budget_bytes=int(a.budget_gib * (1 << 30)), cuda_graphs=graphs)) as e:
+                for run in ("cold", "warm"):
+                    t = time.perf_counter()
+                    outs = e.generate([Request(i, pr, params) for i, pr in enumerate(prompts)])
+                    wall = time.perf_counter() - t
+                    st = e.stats
+                    row = {"method": m, "cuda_graphs": graphs, "run": run, "wall_s": round(wall, 3),
+                           "tokens": sum(len(o.output_ids) for o in outs), "steps": st.scheduler.steps,
+                           "graph_steps": st.graph_steps, "prefill_graph_steps": st.prefill_graph_steps,
+                           "eager_steps": st.eager_steps, "graph_decode_s": round(st.graph_decode_s, 3),
+                           "eager_decode_s": round(st.eager_decode_s, 3), "mixed_s": round(st.mixed_s, 3),
+                           "peak_batch": st.scheduler.peak_batch if hasattr(st.scheduler, "peak_batch") else None}
+                    res["rows"].append(row)
+                    print(row, flush=True)
+    if a.out:
+        json.dump(res, open(a.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
