@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
     cuda = a.device.startswith("cuda")
-    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    acts = ([ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.shapes else [])) if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
     res = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         n = max(1, state["decode_steps"])
         fam: dict[str, float] = {}
         for ev in prof.key_averages():
-            us = (ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total) if cuda else ev.self_cpu_time_total
+            # self device time: the kernels' own (a CPU op recorded with --shapes has none of its own)
+            us = getattr(ev, "self_device_time_total", getattr(ev, "self_cuda_time_total", 0)) if cuda else ev.self_cpu_time_total
             if us <= 0:
                 continue
             fam[ev.key[:90]] = fam.get(ev.key[:90], 0.0) + us / n
