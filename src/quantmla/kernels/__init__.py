@@ -1,4 +1,4 @@
-"""Low-bit MLA decode kernels (Triton) over the paged quantized cache.
+"""Low-bit MLA kernels (Triton) over the paged quantized cache: append, decode, read-back, prefill.
 
 Public API (see ``api``): ``get_mla_metadata``, ``mla_decode_with_kvcache``, ``append_to_pages``,
 ``read_from_pages``, ``mla_prefill_attention``.
