@@ -39,6 +39,18 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile of the online softmax over base-2 scores s [M, N] (masked entries -inf): returns the
+    tile's probabilities p, the factor alpha that rescales what was accumulated, and the new running
+    max and sum. A row that has seen no key yet keeps max -inf, sum 0 and p = 0 (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _path_tile(
     P8, P16, page8, page16, tok, tmask,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
@@ -158,17 +170,12 @@ def _mla_decode_kernel(
         s = s * qk_scale
         vis = (t[None, :] < limit[:, None]) & tmask[None, :]
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         if DOT_F32:
             pv = _bf16_rne(p).to(tl.float32)
         else:
             pv = p.to(tl.bfloat16)
         acc = acc * alpha[:, None] + tl.dot(pv, c)
-        m_i = m_new
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from quantmla.kernels.decode import _online_softmax
+
 
 @triton.jit(do_not_specialize=["n", "T"])
 def _mla_prefill_kernel(
@@ -64,13 +66,8 @@ def _mla_prefill_kernel(
         s = tl.dot(q_r, tl.trans(k_r), s)
         s = s * qk_scale
         s = tl.where((t[None, :] <= limit[:, None]) & tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
