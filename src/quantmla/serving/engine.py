@@ -3,12 +3,13 @@
 The model stays the model: embeddings, norms, MLPs/MoE, the LM head and the RoPE tables run as its
 own modules. Only each MLA attention module's ``forward`` is replaced (while a step runs) by one
 that projects through :class:`~quantmla.model.view.MLAView`, writes the step's (latent, RoPE key)
-into its paged pool — quantized — and attends over the pool through the attention backend, then
-applies the module's own ``W_UV`` and ``o_proj``. A step runs the model once over the flat batch
-of all scheduled tokens (``[1, N]`` with per-token positions): decode tokens first, then prefill
-chunks. Pure decode steps replay CUDA graphs captured per batch-size bucket when the backend allows;
-whole-prompt prefill chunks replay graphs captured per token bucket (``prefill_buckets``), unless a
-probe finds the model's step synchronizing with the host (then steps stay eager and the engine says why).
+into its paged pool — quantized — and attends over the pool through the attention backend (decode
+rows absorbed, prefill chunks as the backend chooses; both return per-head values), then applies the
+module's own ``o_proj``. A step runs the model once over the flat batch of all scheduled tokens
+(``[1, N]`` with per-token positions): decode tokens first, then prefill chunks. Pure decode steps
+replay CUDA graphs captured per batch-size bucket when the backend allows; first prompt chunks replay
+graphs captured per token bucket (``prefill_buckets``), a prompt's later chunks run eagerly. A probe
+that finds the model's step synchronizing with the host keeps steps eager (the engine says why).
 
 >>> engine = Engine(model, EngineConfig(quant=QuantCacheConfig.of_bits(4, 4), kv_budget_bytes=2 << 30))
 >>> outs = engine.generate([Request(0, prompt_ids, SamplingParams(max_new_tokens=256))])
