@@ -27,6 +27,9 @@
 # nvidia-h200-x2; results under bench/results/ and results/.
 # Session 3 ran (nvidia-h200): [check prefill serving3], [bench/step_anatomy.py], [check serving3],
 # [gputests check serving3], [gputests check serving0125]; results under bench/results/session3/.
+# Session 4 ran (nvidia-h200): [gputests check prefill5], [gputests prefill-kernel check serving01],
+# [gputests serving4], [check serve-cli], [serve-warm serving01], [gputests serve-warm]; results under
+# bench/results/session4/ (serving4's curve is bench/results/serving_h200.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
