@@ -107,7 +107,7 @@ prefill() {
 }
 
 gputests() {
-  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py \
+  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py tests/test_kernels_gpu.py \
     -k "read_matches or static_graph or on_gpu or prefill" 2>&1 | tail -5 | tee -a "$LOG"
 }
 

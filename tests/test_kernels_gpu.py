@@ -1,6 +1,7 @@
 """Full-shape kernel checks on the GPU (d_c 512, d_r 64, pages of 64 tokens): append bit-exact with the
 torch writer; decode vs the fp32 torch reference at 16/32/64/128 heads, 1-4 query tokens, variable
-lengths (empty, 1, page boundaries, odd, long), NaN-poisoned outputs, fresh random inputs per case.
+lengths (empty, 1, page boundaries, odd, long), NaN-poisoned outputs, fresh random inputs per case;
+the prefill kernel at DeepSeek head dims against fp64 (whole prompts, continued chunks, 16/128 heads).
 Skipped without CUDA. Run: TRITON_INTERPRET=0 PYTHONPATH=src pytest -v tests/test_kernels_gpu.py"""
 
 import math
@@ -151,3 +152,34 @@ def test_unsupported_formats_raise_before_launch():
         lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
         with pytest.raises(UnsupportedFormatError):
             api.check_layout_supported(lay)
+
+
+@pytest.mark.parametrize("n,T,H,cfg", [
+    (1531, 1531, 16, None),  # a whole odd-length prompt, default tiling
+    (300, 2100, 16, None),  # a chunk continuing a context
+    (4500, 4500, 16, None),  # beyond 4096 queries: the other default tiling
+    (777, 1000, 128, "M128 N128 w8 s2"),  # DeepSeek-V3 head count, a swept tiling
+])
+def test_prefill_full_shape(n, T, H, cfg):
+    """The prefill kernel at DeepSeek head dims (d_n 128, d_r 64, d_v 128) against an fp64 reference on
+    the same bf16 inputs, into a NaN-poisoned output, kv a strided view as from kv_b_proj."""
+    api = _api()
+    from quantmla.reference.prefill import prefill_attention
+
+    config = None
+    if cfg:
+        m, nb, w, s = (int(x[1:]) for x in cfg.split())
+        config = api.PrefillConfig(m, nb, w, s)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q_nope = torch.randn(n, H, 128, device="cuda", generator=g).bfloat16()
+    q_rope = torch.randn(n, H, 64, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(T, H, 256 + 16, device="cuda", generator=g).bfloat16()[..., :256]
+    k_rope = torch.randn(T, 64, device="cuda", generator=g).bfloat16()
+    out = torch.full((n, H, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    api.mla_prefill_attention(q_nope, q_rope, kv, k_rope, 192 ** -0.5, out=out, config=config)
+    assert not out.isnan().any()
+    for s in range(0, n, 512):  # fp64 reference in query blocks (memory)
+        e = min(n, s + 512)
+        ref = prefill_attention(q_nope[s:e], q_rope[s:e], kv[: T - n + e], k_rope[: T - n + e], 192 ** -0.5)
+        rel = ((out[s:e].double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"queries {s}..{e}: relative error {rel:.3g}"
