@@ -313,6 +313,36 @@ def test_budget_cut_prompt_runs_eagerly_beside_graph_parts(v3):
         assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
 
 
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", "emulate")])
+def test_nonfinite_logits_fail_that_request_alone(backend, graphs):
+    """A request whose activations turn NaN (here: a prompt token with a NaN embedding) fails alone with
+    the reason, its pages go back to the pool; the others complete exactly as without it. Graph steps
+    (emulated) and eager steps both report it."""
+    import copy
+
+    base = tiny_model("deepseek_v3")
+    clean = _prompts((12, 30, 9, 21), seed=4)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    cfg = dict(num_pages=10, page_size=16, backend=backend, cuda_graphs=graphs, graph_buckets=(1, 2, 4),
+               max_num_batched_tokens=32)
+    with Engine(base, EngineConfig(**cfg)) as eng:
+        ref = [o.output_ids for o in eng.generate([clean[0], clean[1], clean[3]], params)]
+    used = {t for p in clean for t in p} | {t for o in ref for t in o}
+    bad = min(set(range(3, base.config.vocab_size)) - used)  # a token the clean requests never see
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[bad] = float("nan")
+    poisoned = clean[2][:5] + [bad] + clean[2][5:]  # a whole first chunk: sampled in a prefill graph step
+    with Engine(model, EngineConfig(**cfg)) as eng:
+        outs = eng.generate([clean[0], clean[1], poisoned, clean[3]], params)
+        st = eng.stats
+    assert outs[2].finish_reason == "error" and "NaN or Inf" in outs[2].error and outs[2].output_ids == []
+    assert [o.output_ids for o in (outs[0], outs[1], outs[3])] == ref
+    if graphs:
+        assert st.prefill_graph_steps > 0
+    assert st.failed == 1 and st.completed == 3 and st.scheduler.failed == 1
+
+
 def test_reference_model_through_interpreted_fused_kernels():
     """A shipped reference model (d_c 128: the generated fused decode kernels) through the Triton backend,
     padded graph-step path emulated, against generate() on QuantMLACache."""

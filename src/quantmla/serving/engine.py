@@ -323,7 +323,7 @@ class Engine:
                 rows.append(flat + it.n - 1)
             flat += it.n
         logits = self._forward(ids_t, pos_t, meta, torch.tensor(rows, dtype=torch.long, device=dev))
-        toks = logits.argmax(-1).tolist()
+        toks = greedy(logits).tolist()
         out = [toks[row_of[k]] if k in row_of else None for k in range(len(items))]
         kept = None
         if self.config.keep_logits:
@@ -449,6 +449,12 @@ class Engine:
                     self.stats.eager_decode_s += dt
                 else:
                     self.stats.mixed_s += dt
+                for k, it in enumerate(plan.items):
+                    if it.sample and sampled[k] == NONFINITE:  # fails alone; its pages go back to the pool
+                        sched.fail_running(it.seq, QuantMLAError(
+                            f"request {it.seq.req.request_id!r}: the model's logits for its output token "
+                            f"{it.seq.num_generated} hold NaN or Inf (activations overflowed, or the weights hold "
+                            f"NaN/Inf); serve in bfloat16 or float32, or check the checkpoint"))
                 sched.commit(plan, sampled, logits)
                 if on_step is not None:
                     on_step(len(sched.finished), len(seqs))
@@ -489,6 +495,13 @@ def _dispatch_forward(module, *args, **kwargs):
 
 
 _ACTIVE: list = [None]  # the engine whose step is running (one at a time)
+
+NONFINITE = -1  # the token a row gets when its logits hold NaN or Inf (the request then fails alone)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite."""
+    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
 
 
 def prefill_buckets(lo: int, top: int) -> list[int]:
@@ -557,7 +570,7 @@ def _sync_free(fn) -> str | None:
 
 
 class _DecodeGraphs:
-    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + argmax)."""
+    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens)."""
 
     def __init__(self, engine: Engine):
         self.e = engine
@@ -579,7 +592,7 @@ class _DecodeGraphs:
                         seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
                         plan=plan)
         logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
-        return logits.argmax(-1)
+        return greedy(logits)
 
     def get(self, b: int):
         if b in self.graphs:
@@ -662,7 +675,7 @@ class _PrefillGraphs:
         meta = AttnMeta(slot_mapping=slots, num_decode=0,
                         chunks=[Chunk(0, n, n, self.no_pages, 0, slots=slots)])
         logits = e._forward(self.buf[0, :n], self.buf[1, :n], meta, self.row)
-        return logits.argmax(-1)
+        return greedy(logits)
 
     def get(self, n: int):
         if n in self.graphs:

@@ -199,6 +199,14 @@ class Scheduler:
             ))
         self.waiting.append(seq)
 
+    def fail_running(self, seq: Sequence, err) -> None:
+        """Fail a running sequence (its step's result is unusable): its pages go back to the pool,
+        :meth:`commit` then skips it."""
+        self.running.remove(seq)
+        self.alloc.release(seq.pages)
+        seq.pages = []
+        self._fail(seq, err)
+
     def _fail(self, seq: Sequence, err) -> None:
         seq.status, seq.finish_reason, seq.error = FINISHED, "error", str(err)
         self.stats.failed += 1
@@ -281,6 +289,8 @@ class Scheduler:
         done = []
         for k, it in enumerate(plan.items):
             seq = it.seq
+            if seq.status == FINISHED:  # failed during this step (fail_running)
+                continue
             seq.num_computed = it.start + it.n
             seq.high = max(seq.high, seq.num_computed)
             if not it.sample:
