@@ -218,6 +218,31 @@ def test_serve_bench_group_not_dividing_the_model(ckpts, tmp_path, capsys):
                        "pick a group size that divides 32", command="serve-bench")
 
 
+def test_serve_bench_replot_draws_the_figure(tmp_path, capsys):
+    """--replot draws a saved result's figure beside it, on any machine (no GPU needed)."""
+    runs = [{"method": m, "budget_gib": b, "tokens_per_s": t, "ratio_to_bf16": t / bf}
+            for b, bf in ((0.1, 100.0), (1.0, 900.0)) for m, t in (("bf16", bf), ("int4/int4", 3 * bf))]
+    res = {"device": "test", "date": "2026-11-30", "settings": {"requests": 4}, "runs": runs}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(res))
+    rc, out, err = run_cli(capsys, "serve-bench", "--replot", src)
+    png = tmp_path / "r.png"
+    assert rc == 0 and str(png) in out, (out, err)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_serve_bench_replot_bad_files(tmp_path, capsys):
+    check = tmp_path / "check.json"
+    check.write_text(json.dumps({"correctness": {"ok": True}}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    for path, needle in ((check, "not a serve-bench result with runs"), (broken, "not JSON"),
+                         (tmp_path / "none.json", "no such file")):
+        rc, out, err = run_cli(capsys, "serve-bench", "--replot", path)
+        assert_clean_error(rc, out, err, needle, command="serve-bench")
+    assert not list(tmp_path.glob("*.png"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("command", ["serve-bench", "bench-kernel"])
 def test_gpu_commands_without_a_gpu(command, tmp_path, capsys, monkeypatch):

@@ -9,6 +9,7 @@ with transformers generate() on QuantMLACache (tiny models, and checkpoints unde
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -42,7 +43,8 @@ def add_arguments(p):
     p.add_argument("--check-families", nargs="*", default=["deepseek_v2"], help="tiny random models to check (none: skip)")
     p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
     p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
-    p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path")
+    p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path (the figure goes beside it, .png)")
+    p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
 
 
 def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",), refs=None,
@@ -133,7 +135,18 @@ def check_args(args) -> None:
                             "it on a GPU machine (or pass --device cpu --preset tiny for a slow smoke run)")
 
 
+def _figure(result: dict, json_path: str) -> str:
+    from quantmla.serving.report import plot_curve
+
+    return plot_curve(result, os.path.splitext(json_path)[0] + ".png")
+
+
 def run(args) -> int:
+    if args.replot:
+        from quantmla.serving.report import load_result
+
+        print(f"wrote {_figure(load_result(args.replot), args.replot)}")
+        return 0
     check_args(args)
     s = BenchSettings(
         preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
@@ -159,6 +172,8 @@ def run(args) -> int:
         result["correctness"] = check
     save(result, args.out)
     log(f"saved {args.out}")
+    if result.get("runs"):
+        log(f"figure: {_figure(result, args.out)}")
     log(format_table(result))
     log("summary: " + json.dumps(result["summary"]))
     return 0 if (check is None or check["ok"]) else 1
