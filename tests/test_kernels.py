@@ -376,3 +376,9 @@ def test_prefill_attention_bf16_and_errors():
         mla_prefill_attention(q_nope, q_rope, kv[:10], k_rope[:10], 0.15)
     with pytest.raises(QuantMLAError, match="shapes disagree"):
         mla_prefill_attention(q_nope, q_rope[:, :1], kv, k_rope, 0.15)
+    with pytest.raises(QuantMLAError, match=r"out must be \[24, 2, 32\]"):
+        mla_prefill_attention(q_nope, q_rope, kv, k_rope, 0.15, out=got[:, :, :16])
+    # inputs strided in their last dim (e.g. an interleaved RoPE's view) are taken as they are
+    qr_strided = torch.stack([q_rope, q_rope], -1)[..., 0]
+    assert qr_strided.stride(-1) == 2
+    torch.testing.assert_close(mla_prefill_attention(q_nope, qr_strided, kv, k_rope, 0.15), got)

@@ -556,11 +556,12 @@ def mla_prefill_attention(
     from quantmla.kernels.prefill import _mla_prefill_kernel
 
     cfg = config or default_prefill_config(n)
-    for name, t in (("q_nope", q_nope), ("q_rope", q_rope), ("kv", kv), ("k_rope", k_rope), ("out", out)):
-        if t.stride(-1) != 1:
-            raise QuantMLAError(f"prefill attention needs {name} contiguous in its last dim")
+    if out.shape != (n, H, d_v) or out.stride(-1) != 1:
+        raise QuantMLAError(f"prefill attention: out must be [{n}, {H}, {d_v}] with unit stride in its last dim, "
+                            f"got {tuple(out.shape)} with strides {out.stride()}")
     dt = torch.float32 if interpreting() else torch.bfloat16
-    q_nope, q_rope, kv, k_rope = (x if x.dtype == dt else x.to(dt) for x in (q_nope, q_rope, kv, k_rope))
+    q_nope, q_rope, kv, k_rope = (x.to(dt) if x.stride(-1) == 1 else x.to(dt).contiguous()
+                                  for x in (q_nope, q_rope, kv, k_rope))  # any strides, unit last stride
     grid = (-(-n // cfg.block_m), H)
     _mla_prefill_kernel[grid](
         q_nope, q_rope, kv, k_rope, out,
