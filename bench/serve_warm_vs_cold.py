@@ -2,12 +2,17 @@
 captured), and once without CUDA graphs: how much of a short `quantmla serve` job is capture time.
 
     PYTHONPATH=src python3 bench/serve_warm_vs_cold.py models/qmla-ref-deepseek-v3 --out $OUT/serve_warm_cold.json
+    PYTHONPATH=src python3 bench/serve_warm_vs_cold.py models/qmla-ref-deepseek-v3 --emulate --methods bf16 int4/int4  # CPU
+
+Also records what one full ``gc.collect()`` costs in this process (the engine ran one before every capture
+until commit 101df8a) and how many graphs each engine captured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -27,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--budget-gib", type=float, default=0.002)
     p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    p.add_argument("--emulate", action="store_true",
+                   help="CPU: graph steps emulated (torch backend), to count the graphs the job would capture")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,13 +42,21 @@ def main(argv=None) -> int:
     lens = torch.randint(30, 300, (a.requests,), generator=g).tolist()
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
     params = SamplingParams(max_new_tokens=a.new, ignore_eos=True)
+    gc.collect()
+    t = time.perf_counter()
+    gc.collect()  # what the engine paid before every capture until session 4 (commit 101df8a)
+    gc_s = time.perf_counter() - t
     res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3"] + sys.argv), "model": a.model, "rows": []}
+           "command": " ".join(["python3"] + sys.argv), "model": a.model, "gc_collect_s": round(gc_s, 4),
+           "gc_objects": len(gc.get_objects()), "rows": []}
+    print(f"one full gc.collect(): {gc_s:.3f} s over {res['gc_objects']} objects", flush=True)
     for m in a.methods:
         q = method_config(m, 64, 32)
-        for graphs in (True, False):
-            with Engine(model, EngineConfig(quant=q, kv_budget_bytes=int(a.budget_gib * (1 << 30)), cuda_graphs=graphs)) as e:
+        for graphs in (("emulate",) if a.emulate else (True, False)):
+            extra = {"backend": "torch"} if a.emulate else {}
+            with Engine(model, EngineConfig(quant=q, kv_budget_bytes=int(a.budget_gib * (1 << 30)), cuda_graphs=graphs,
+                                            **extra)) as e:
                 for run in ("cold", "warm"):
                     t = time.perf_counter()
                     outs = e.generate([Request(i, pr, params) for i, pr in enumerate(prompts)])
@@ -52,7 +67,8 @@ def main(argv=None) -> int:
                            "graph_steps": st.graph_steps, "prefill_graph_steps": st.prefill_graph_steps,
                            "eager_steps": st.eager_steps, "graph_decode_s": round(st.graph_decode_s, 3),
                            "eager_decode_s": round(st.eager_decode_s, 3), "mixed_s": round(st.mixed_s, 3),
-                           "peak_batch": st.scheduler.peak_batch if hasattr(st.scheduler, "peak_batch") else None}
+                           "peak_batch": st.scheduler.peak_batch,
+                           "graphs_captured": sum(len(h.graphs) for h in (e._graphs, e._prefill) if h is not None)}
                     res["rows"].append(row)
                     print(row, flush=True)
     if a.out:

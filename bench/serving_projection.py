@@ -1,6 +1,6 @@
 """Project serve-bench ratios to other jobs: the engine's own scheduler, step times fitted on the H200.
 
-    python3 bench/serving_projection.py [bench/results/serving_h200.json] [--out bench/results/session4/serving_projection.json]
+    PYTHONPATH=src python3 bench/serving_projection.py [bench/results/serving_h200.json] [--out bench/results/session4/serving_projection.json]
 
 1. Replays every run of a serve-bench result through ``serving.scheduler.Scheduler`` (same job, pages,
    token budget, watermark) without a model. The scheduler is deterministic, so the replay must give
@@ -24,9 +24,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, "src")
-from quantmla.serving.bench import BenchSettings, make_job  # noqa: E402
-from quantmla.serving.scheduler import Scheduler, Sequence  # noqa: E402
+from quantmla.serving.bench import BenchSettings, make_job
+from quantmla.serving.scheduler import Scheduler, Sequence
 
 GIB = 1 << 30
 

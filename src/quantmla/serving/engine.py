@@ -541,7 +541,7 @@ def _capture(step, pool) -> tuple[object, object, str | None]:
 def _no_gc():
     """No Python garbage collection during a capture: collecting a dead engine's CUDA graph while a
     stream captures invalidates the capture. No collection before it either: a full collection costs
-    0.1-0.2 s with transformers loaded, and a short job captures tens of graphs."""
+    about 0.2 s with transformers loaded, and a job captures one graph per bucket it uses."""
     was = gc.isenabled()
     gc.disable()
     try:
