@@ -20,6 +20,10 @@
 # serving01      serve-bench at 0.1 GiB only (session 4)
 # serve-cli      `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (session 4)
 # serve-warm     one small job twice per engine (graphs captured on first use, then all captured) and without graphs
+# profile-small  per-kernel GPU time of decode steps at batch 1 and 8, 1900-token contexts, groups 128/64 (session 5)
+# overhead       graph decode step wall time against its GPU time (bench/step_overhead.py; session 5)
+# shapes         serve-bench on the two job shapes the projection rates best for INT4/INT4 (session 5)
+# capture        each CUDA-graph capture of a short serve job timed, and the Triton variants it compiled (session 5)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -30,6 +34,8 @@
 # Session 4 ran (nvidia-h200): [gputests check prefill5], [gputests prefill-kernel check serving01],
 # [gputests serving4], [check serve-cli], [serve-warm serving01], [gputests serve-warm]; results under
 # bench/results/session4/ (serving4's curve is bench/results/serving_h200.json).
+# Session 5 ran (nvidia-h200): [gputests check profile-small], [overhead shapes], [capture] twice (the first
+# with a scan inside its timings); results under bench/results/session5/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -153,6 +159,35 @@ PY
 serve-warm() {
   timeout 200 python3 bench/serve_warm_vs_cold.py $M --out "$OUT/serve_warm_cold_h200.json" 2>&1 | grep -v "Loading\|warn" \
     | tail -8 | tee -a "$LOG"
+}
+
+profile-small() {
+  for b in 1 8; do
+    timeout 150 python3 bench/profile_serving.py --batch $b --prompt 1900 --steps 24 --methods bf16 int4/int4 \
+      --content-group 128 --rope-group 64 --out "$OUT/profile_decode_b${b}_h200.json" 2>&1 | grep -v -i warn \
+      | tail -40 | tee -a "$LOG"
+  done
+}
+
+overhead() {
+  timeout 240 python3 bench/step_overhead.py --out "$OUT/step_overhead_h200.json" 2>&1 | grep -v -i warn | tail -6 | tee -a "$LOG"
+}
+
+shapes() {  # the two job shapes where the session-4 projection puts INT4/INT4 highest (4.45x, 4.36x)
+  timeout 280 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 3072 4096 --output-len 256 384 \
+    --budgets-gib 0.1817 --content-group 128 --rope-group 64 --max-batched-tokens 8192 \
+    --out "$OUT/serving_shape_p3072_h200.json" 2>&1 | grep -v -i warn | tail -6 | tee -a "$LOG"
+  timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 256 512 --output-len 256 384 \
+    --budgets-gib 0.0273 --content-group 128 --rope-group 64 --max-batched-tokens 8192 \
+    --out "$OUT/serving_shape_p256_h200.json" 2>&1 | grep -v -i warn | tail -6 | tee -a "$LOG"
+}
+
+capture() {
+  timeout 200 python3 bench/capture_cost.py $M --out "$OUT/capture_cost_h200.json" 2>&1 | grep -v "Loading\|warn" \
+    | tail -40 | tee -a "$LOG"
+  echo "-- again, in a new process: Triton's on-disk cache now holds every kernel" | tee -a "$LOG"
+  timeout 200 python3 bench/capture_cost.py $M --out "$OUT/capture_cost_cached_h200.json" 2>&1 | grep -v "Loading\|warn" \
+    | tail -40 | tee -a "$LOG"
 }
 
 serving4() {

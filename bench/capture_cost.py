@@ -1,0 +1,140 @@
+"""Where the time of a CUDA-graph capture goes in a short `quantmla serve` job (H200, issue #6).
+
+    PYTHONPATH=src python3 bench/capture_cost.py models/qmla-ref-deepseek-v3 --out $OUT/capture_cost_h200.json
+
+Runs the job of ``bench/serve_warm_vs_cold.py`` (48 prompts of 30–300 tokens, 96 new tokens each,
+2 MiB KV budget) once on a fresh engine per cache method, with every capture timed. A capture runs
+the step three times: a warm-up on a side stream (first launches: Triton compilation, workspaces),
+a probe with host synchronization made an error, then the capture itself. Per capture the script
+records the host seconds of each of the three runs, the whole capture, and how many Triton kernel
+variants were compiled during it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+
+import torch
+import triton
+from transformers import AutoModelForCausalLM
+
+import quantmla.serving.engine as engine_mod
+from quantmla.serving.bench import method_config
+from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.scheduler import SamplingParams
+
+
+def compiled_variants() -> int:
+    """Triton kernel binaries compiled so far in this process (every JITFunction, every device)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # isinstance() on deprecated torch aliases
+    n = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, triton.runtime.jit.JITFunction):
+            for cache in getattr(obj, "device_caches", {}).values():
+                n += len(cache[0])
+    return n
+
+
+def compiled_variants_s() -> float:
+    """Seconds one compiled_variants() scan takes (subtracted from the cold job's wall time)."""
+    t = time.perf_counter()
+    compiled_variants()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--new", type=int, default=96)
+    p.add_argument("--budget-gib", type=float, default=0.002)
+    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("capture_cost.py times CUDA-graph captures: it needs a CUDA device")
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to("cuda").eval()
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(30, 300, (a.requests,), generator=g).tolist()
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(max_new_tokens=a.new, ignore_eos=True)
+
+    records: list[dict] = []
+    label = ["?"]
+    original = engine_mod._capture
+
+    def timed_capture(step, pool):
+        runs = []
+
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            runs.append(time.perf_counter() - t)
+            return out
+
+        t0 = time.perf_counter()
+        got = original(timed_step, pool)
+        torch.cuda.synchronize()
+        records[-1].update(runs_s=[round(x, 4) for x in runs], capture_s=round(time.perf_counter() - t0, 4),
+                           ok=got[2] is None)
+        return got
+
+    def labelled(cls, kind):
+        get = cls.get
+
+        def wrapper(self, n):
+            if n not in self.graphs:
+                records.append(dict(method=label[0], graph=f"{kind} {n}"))
+                before = compiled_variants()  # a scan of every Python object: kept out of the timings
+                t = time.perf_counter()
+                out = get(self, n)
+                torch.cuda.synchronize()
+                records[-1]["get_s"] = round(time.perf_counter() - t, 4)
+                records[-1]["compiled"] = compiled_variants() - before
+                return out
+            return get(self, n)
+        cls.get = wrapper
+
+    engine_mod._capture = timed_capture
+    labelled(engine_mod._DecodeGraphs, "decode")
+    labelled(engine_mod._PrefillGraphs, "prefill")
+    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python3"] + sys.argv), "model": a.model, "triton": triton.__version__, "jobs": []}
+    for m in a.methods:
+        label[0] = m
+        with Engine(model, EngineConfig(quant=method_config(m, 64, 32), kv_budget_bytes=int(a.budget_gib * (1 << 30)))) as e:
+            c0 = compiled_variants()
+            scans = len(records)
+            t = time.perf_counter()
+            e.generate(prompts, params)
+            wall = time.perf_counter() - t
+            scan_s = compiled_variants_s() * 2 * (len(records) - scans)  # the scans inside the cold job
+            t = time.perf_counter()
+            e.generate(prompts, params)
+            warm = time.perf_counter() - t
+        mine = [r for r in records if r["method"] == m]
+        wall -= scan_s
+        job = dict(method=m, cold_s=round(wall, 3), warm_s=round(warm, 3), captures=len(mine),
+                   capture_s=round(sum(r.get("get_s", 0) for r in mine), 3), compiled_in_job=compiled_variants() - c0)
+        res["jobs"].append(job)
+        print(f"{m}: cold job {wall:.2f} s, warm {warm:.2f} s, {len(mine)} captures take {job['capture_s']:.2f} s, "
+              f"{job['compiled_in_job']} Triton variants compiled", flush=True)
+        for r in mine:
+            print(f"   {r['graph']:14} get {r.get('get_s', 0):6.3f} s  runs {r.get('runs_s')}  capture {r.get('capture_s')} s  "
+                  f"compiled {r.get('compiled')}", flush=True)
+    res["captures"] = records
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
