@@ -24,6 +24,7 @@
 # overhead       graph decode step wall time against its GPU time (bench/step_overhead.py; session 5)
 # shapes         serve-bench on the two job shapes the projection rates best for INT4/INT4 (session 5)
 # capture        each CUDA-graph capture of a short serve job timed, and the Triton variants it compiled (session 5)
+# splits         decode kernel latency at batches 1-16 of 1900 tokens against the shortest split (session 5)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -188,6 +189,11 @@ capture() {
   echo "-- again, in a new process: Triton's on-disk cache now holds every kernel" | tee -a "$LOG"
   timeout 200 python3 bench/capture_cost.py $M --out "$OUT/capture_cost_cached_h200.json" 2>&1 | grep -v "Loading\|warn" \
     | tail -40 | tee -a "$LOG"
+}
+
+splits() {
+  timeout 240 python3 bench/decode_splits.py --out "$OUT/decode_splits_h200.json" 2>&1 | grep -v -i warn | tail -22 \
+    | tee -a "$LOG"
 }
 
 serving4() {

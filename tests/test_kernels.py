@@ -205,6 +205,21 @@ def test_metadata_covers_every_token_once():
     assert md.max_splits > 1
 
 
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])
+def test_gpu_default_splits_at_small_batch(name, monkeypatch):
+    """On the GPU a lone 1900-token sequence is cut into 128-token splits (15 programs, not 8 of 256:
+    bench/results/session5/decode_splits_h200.json), and the sweep's first candidate is the API default."""
+    from quantmla.kernels import bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layout = PageLayout(TokenLayout(512, 64, bench.METHODS[name]), 64)
+    cfg = api.default_config(16, layout, "cuda")
+    assert bench.candidates(name, 16)[0] == cfg
+    md = get_mla_metadata(torch.tensor([1900], dtype=torch.int32), 16, 1, layout, num_sms=132, config=cfg)
+    spans = [u[2] - u[1] for u in md.units.tolist()]
+    assert md.max_splits == 15 and sum(spans) == 1900 and min(spans) >= 100
+
+
 @pytest.mark.parametrize(
     "fmt, match",
     [

@@ -48,13 +48,13 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     if rows <= 16:
         if not quant:
             return [
-                C(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2),
+                C(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128),
                 C(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2),
                 C(block_m=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2, orient="tokens"),
                 C(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=1, orient="tokens"),
             ]
         return [
-            C(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1),
+            C(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128),
             C(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2),
             C(block_m=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2, orient="tokens"),
             C(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, orient="tokens"),
