@@ -55,15 +55,16 @@ class StaticDecodePlan:
     The graph fixes the number of work units, b × S: S splits per sequence, chosen so that the bucket
     fills the GPU (about ``num_sms × ctas_per_sm`` programs, as :func:`get_mla_metadata` aims for) but
     no split is shorter than the config's ``min_chunk``. Before each replay :meth:`update` cuts every
-    real sequence into S spans of ``ceil(len / S)`` tokens (at least ``min_chunk``), so the work follows
-    the real lengths, not the graph's worst case (the pool's whole capacity)."""
+    real sequence into spans of ``ceil(len / S)`` tokens (at least ``min_chunk``), rounded up to whole
+    key tiles so that no tile straddles two splits, so the work follows the real lengths, not the
+    graph's worst case (the pool's whole capacity)."""
 
     def __init__(self, backend: "TritonPagedBackend", b: int, max_len: int):
         api = _kernels()
         self.b, self.max_len = b, max_len
         H, dev = backend.spec.num_heads, backend.device
         self.md: dict[tuple, object] = {}
-        self.split: dict[tuple, tuple[int, int]] = {}  # kind -> (splits per sequence, shortest span)
+        self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per sequence, shortest span, tile)
         self.host: dict[tuple, torch.Tensor] = {}
         for kind, layout in backend.kinds.items():
             cfg = api.default_config(H, layout, dev)
@@ -76,15 +77,16 @@ class StaticDecodePlan:
             S = proto.max_splits
             if proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
-            self.md[kind], self.split[kind] = proto, (S, min_span)
+            self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
             self.host[kind] = torch.zeros(b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
 
     def update(self, lens: np.ndarray) -> None:
         """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place."""
         n = np.asarray(lens, dtype=np.int64)[:, None]
         for kind, md in self.md.items():
-            S, min_span = self.split[kind]
-            span = np.maximum(min_span, -(-n // S))  # ceil(len / S) tokens, at least min_span
+            S, min_span, tile = self.split[kind]
+            span = np.maximum(min_span, -(-n // S))  # ceil(len / S) tokens, at least min_span,
+            span = -(-span // tile) * tile  # in whole key tiles
             h = self.host[kind].numpy().reshape(self.b, S, 4)
             i = np.arange(S)[None, :]
             h[:, :, 0] = np.arange(self.b)[:, None]
