@@ -13,20 +13,17 @@ variants were compiled during it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import sys
 import time
 
 import torch
 import triton
-from transformers import AutoModelForCausalLM
 
 import quantmla.serving.engine as engine_mod
 from quantmla.serving.bench import method_config
 from quantmla.serving.engine import Engine, EngineConfig
-from quantmla.serving.scheduler import SamplingParams
+
+from common import record, save, short_job  # bench/common.py
 
 
 def compiled_variants() -> int:
@@ -60,11 +57,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("capture_cost.py times CUDA-graph captures: it needs a CUDA device")
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to("cuda").eval()
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(30, 300, (a.requests,), generator=g).tolist()
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
-    params = SamplingParams(max_new_tokens=a.new, ignore_eos=True)
+    model, prompts, params = short_job(a.model, a.requests, a.new, "cuda")
 
     records: list[dict] = []
     label = ["?"]
@@ -105,8 +98,7 @@ def main(argv=None) -> int:
     engine_mod._capture = timed_capture
     labelled(engine_mod._DecodeGraphs, "decode")
     labelled(engine_mod._PrefillGraphs, "prefill")
-    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3"] + sys.argv), "model": a.model, "triton": triton.__version__, "jobs": []}
+    res = record(model=a.model, triton=triton.__version__, jobs=[])
     for m in a.methods:
         label[0] = m
         with Engine(model, EngineConfig(quant=method_config(m, 64, 32), kv_budget_bytes=int(a.budget_gib * (1 << 30)))) as e:
@@ -130,9 +122,7 @@ def main(argv=None) -> int:
             print(f"   {r['graph']:14} get {r.get('get_s', 0):6.3f} s  runs {r.get('runs_s')}  capture {r.get('capture_s')} s  "
                   f"compiled {r.get('compiled')}", flush=True)
     res["captures"] = records
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save(res, a.out)
     return 0
 
 

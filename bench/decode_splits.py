@@ -12,15 +12,14 @@ each format, batch and tiling, with min_chunk 256 (the default), 128 and 64.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 from dataclasses import asdict, replace
 
 import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout
 from quantmla.kernels import api, bench
+
+from common import record, save  # bench/common.py
 
 
 def main(argv=None) -> int:
@@ -65,14 +64,11 @@ def main(argv=None) -> int:
     for (m, B), r in best.items():
         d = next(x for x in rows if x["method"] == m and x["batch"] == B and x["default"])
         print(f"{m:10} {B:5} {d['us']:11.2f} {r['us']:9.2f}  {r['config']}")
-    res = dict(device=torch.cuda.get_device_name(0), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(["python3"] + sys.argv), heads=a.heads, context=a.context,
+    res = record(heads=a.heads, context=a.context,
                timing="do_bench median of one CUDA-graph replay of decode + combine, L2 flushed", rows=rows,
                default_configs={m: asdict(api.default_config(a.heads, PageLayout(TokenLayout(bench.D_C, bench.D_R, bench.METHODS[m]), bench.PAGE), "cuda"))
                                 for m in a.methods})
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save(res, a.out)
     return 0
 
 

@@ -12,9 +12,6 @@ prefill``: the job's first ``--steps`` steps, which are all prefill chunks of ``
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 
 import torch
@@ -23,6 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
+
+from common import record, save  # bench/common.py
 
 
 def main(argv=None) -> int:
@@ -45,8 +44,7 @@ def main(argv=None) -> int:
     acts = ([ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.shapes else [])) if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    res = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3"] + sys.argv), "torch": torch.__version__,
+    res = {**record(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "phase": a.phase,
            "max_num_batched_tokens": a.batched_tokens, "content_group": a.content_group, "rope_group": a.rope_group,
            "methods": {}}
@@ -129,9 +127,7 @@ def main(argv=None) -> int:
         del e
         if cuda:
             torch.cuda.empty_cache()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save(res, a.out)
     return 0
 
 

@@ -11,18 +11,16 @@ until commit 101df8a) and how many graphs each engine captured.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from quantmla.serving.bench import method_config
 from quantmla.serving.engine import Engine, EngineConfig
-from quantmla.serving.scheduler import Request, SamplingParams
+from quantmla.serving.scheduler import Request
+
+from common import record, save, short_job  # bench/common.py
 
 
 def main(argv=None) -> int:
@@ -36,20 +34,12 @@ def main(argv=None) -> int:
                    help="CPU: graph steps emulated (torch backend), to count the graphs the job would capture")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(30, 300, (a.requests,), generator=g).tolist()
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
-    params = SamplingParams(max_new_tokens=a.new, ignore_eos=True)
+    model, prompts, params = short_job(a.model, a.requests, a.new, "cuda" if torch.cuda.is_available() else "cpu")
     gc.collect()
     t = time.perf_counter()
     gc.collect()  # what the engine paid before every capture until session 4 (commit 101df8a)
     gc_s = time.perf_counter() - t
-    res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3"] + sys.argv), "model": a.model, "gc_collect_s": round(gc_s, 4),
-           "gc_objects": len(gc.get_objects()), "rows": []}
+    res = record(model=a.model, gc_collect_s=round(gc_s, 4), gc_objects=len(gc.get_objects()), rows=[])
     print(f"one full gc.collect(): {gc_s:.3f} s over {res['gc_objects']} objects", flush=True)
     for m in a.methods:
         q = method_config(m, 64, 32)
@@ -71,8 +61,7 @@ def main(argv=None) -> int:
                            "graphs_captured": sum(len(h.graphs) for h in (e._graphs, e._prefill) if h is not None)}
                     res["rows"].append(row)
                     print(row, flush=True)
-    if a.out:
-        json.dump(res, open(a.out, "w"), indent=1)
+    save(res, a.out)
     return 0
 
 

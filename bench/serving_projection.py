@@ -99,7 +99,6 @@ def main(argv=None) -> int:
     print("\nreproduction of the measured ratios:")
     print(f"{'budget':>8} {'method':>10} {'measured':>9} {'model':>7}")
     repro = []
-    meas = {(x["budget_gib"], x["method"]): x for x in res["runs"]}
     for (r, run) in [x for v in per_method.values() for x in v]:
         if run["method"] == "bf16":
             continue

@@ -16,10 +16,8 @@ up-projected K/V with a lower-right causal mask.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -28,6 +26,8 @@ from quantmla.kernels.api import PrefillConfig, mla_prefill_attention
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
+
+from common import record, save  # bench/common.py
 
 
 def anatomy(model, method, a):
@@ -180,9 +180,7 @@ def main(argv=None):
     p.add_argument("--skip-anatomy", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    res = {"device": torch.cuda.get_device_name(0),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python3"] + sys.argv), "torch": torch.__version__, "settings": vars(a)}
+    res = record(settings=vars(a))
     res["prefill_attention"] = prefill_variants(a)
     if not a.skip_anatomy:
         model = build_bench_model("v2-lite", "cuda", torch.bfloat16, 0)
@@ -191,8 +189,7 @@ def main(argv=None):
             r = anatomy(model, m, a)
             res["anatomy"].append(r)
             print(json.dumps(r), flush=True)
-    if a.out:
-        json.dump(res, open(a.out, "w"), indent=1)
+    save(res, a.out)
 
 
 if __name__ == "__main__":

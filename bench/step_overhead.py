@@ -12,16 +12,15 @@ host time the GPU spends idle, the same for every cache format.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
 
 import torch
 
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
+
+from common import record, save  # bench/common.py
 
 
 def replay_ms(graph, n: int = 50) -> float:
@@ -79,12 +78,9 @@ def main(argv=None) -> int:
             e.close()
             del e
             torch.cuda.empty_cache()
-    res = dict(device=torch.cuda.get_device_name(0), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(["python3"] + sys.argv), torch=torch.__version__, prompt=a.prompt, new=a.new,
+    res = record(prompt=a.prompt, new=a.new,
                content_group=a.content_group, rope_group=a.rope_group, rows=rows)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save(res, a.out)
     return 0
 
 
