@@ -12,7 +12,6 @@ variants were compiled during it.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
@@ -23,7 +22,7 @@ import quantmla.serving.engine as engine_mod
 from quantmla.serving.bench import method_config
 from quantmla.serving.engine import Engine, EngineConfig
 
-from common import record, save, short_job  # bench/common.py
+from common import record, save, short_job, short_job_parser  # bench/common.py
 
 
 def compiled_variants() -> int:
@@ -47,12 +46,7 @@ def compiled_variants_s() -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--new", type=int, default=96)
-    p.add_argument("--budget-gib", type=float, default=0.002)
-    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    p = short_job_parser(__doc__)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -6,6 +6,7 @@ Scripts run as ``PYTHONPATH=src python3 bench/NAME.py``; their own folder is on 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
@@ -25,6 +26,17 @@ def save(res: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def short_job_parser(doc: str) -> argparse.ArgumentParser:
+    """Arguments of the short-job scripts: a checkpoint, the job's size, its KV budget, the methods."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("model", help="a shipped checkpoint directory (models/qmla-ref-*)")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--new", type=int, default=96, help="new tokens per request")
+    p.add_argument("--budget-gib", type=float, default=0.002, help="KV budget (2 MiB)")
+    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    return p
 
 
 def short_job(model_path: str, requests: int, new: int, device: str, seed: int = 0):

@@ -10,7 +10,6 @@ until commit 101df8a) and how many graphs each engine captured.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
@@ -20,16 +19,11 @@ from quantmla.serving.bench import method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request
 
-from common import record, save, short_job  # bench/common.py
+from common import record, save, short_job, short_job_parser  # bench/common.py
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--new", type=int, default=96)
-    p.add_argument("--budget-gib", type=float, default=0.002)
-    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    p = short_job_parser(__doc__)
     p.add_argument("--emulate", action="store_true",
                    help="CPU: graph steps emulated (torch backend), to count the graphs the job would capture")
     p.add_argument("--out", default=None)
