@@ -25,6 +25,7 @@
 # shapes         serve-bench on the two job shapes the projection rates best for INT4/INT4 (session 5)
 # capture        each CUDA-graph capture of a short serve job timed, and the Triton variants it compiled (session 5)
 # splits         decode kernel latency at batches 1-16 of 1900 tokens against the shortest split (session 5)
+# splits-ab      graph step GPU time with 256- and 128-token decode split floors, three formats (session 5)
 # serving4       the whole curve at HEAD down to 0.075 GiB, where BF16 runs one request at a time (next session)
 #
 # Session 2 ran: [check profile stream scaling] (stream failed: CUDA/CPU mix, fixed), [kernel-shapes
@@ -194,6 +195,11 @@ capture() {
 splits() {
   timeout 240 python3 bench/decode_splits.py --out "$OUT/decode_splits_h200.json" 2>&1 | grep -v -i warn | tail -22 \
     | tee -a "$LOG"
+}
+
+splits-ab() {  # 256- against 128-token decode split floors, whole graph steps, one process
+  timeout 300 python3 bench/step_overhead.py --methods bf16 int4/int4 int2/int4 --batches 1 4 8 16 \
+    --min-chunks 256 128 --out "$OUT/step_overhead_splits_h200.json" 2>&1 | grep -v -i warn | tail -26 | tee -a "$LOG"
 }
 
 serving4() {

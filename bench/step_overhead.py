@@ -12,10 +12,13 @@ host time the GPU spends idle, the same for every cache format.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import statistics
 
 import torch
 
+from quantmla.kernels import api
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
@@ -23,7 +26,7 @@ from quantmla.serving.scheduler import Request, SamplingParams
 from common import record, save  # bench/common.py
 
 
-def replay_ms(graph, n: int = 50) -> float:
+def replay_ms(graph, n: int = 100) -> float:
     """Median GPU milliseconds of one replay, over n back-to-back replays in 5 timed groups."""
     for _ in range(5):
         graph.replay()
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--content-group", type=int, default=128)
     p.add_argument("--rope-group", type=int, default=64)
     p.add_argument("--preset", default="v2-lite")
+    p.add_argument("--min-chunks", nargs="+", type=int, default=[0],
+                   help="decode split floors to compare in one process (0: the API default)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -56,8 +61,11 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = min(1000, model.config.vocab_size)
     rows = []
-    for m in a.methods:
-        for b in a.batches:
+    default_config = api.default_config
+    for m, b, k in itertools.product(a.methods, a.batches, a.min_chunks):
+        if k:  # the engine's decode plan and the kernels take their config from api.default_config
+            api.default_config = lambda *args, k=k, **kw: dataclasses.replace(default_config(*args, **kw), min_chunk=k)
+        try:
             cfg = EngineConfig(quant=method_config(m, a.content_group, a.rope_group), kv_budget_bytes=4 << 30,
                                max_num_seqs=b, max_num_batched_tokens=8192, max_model_len=a.prompt + a.new + 8)
             e = Engine(model, cfg)
@@ -71,15 +79,17 @@ def main(argv=None) -> int:
             bucket = next(x for x in e._graphs.buckets if x >= b)
             graph = e._graphs.graphs[bucket][0]
             gpu = replay_ms(graph)
-            rows.append(dict(method=m, batch=b, bucket=bucket, graph_steps=st.graph_steps, step_wall_ms=round(wall, 3),
-                             replay_gpu_ms=round(gpu, 3), host_ms=round(wall - gpu, 3)))
-            print(f"{m:10} batch {b:3} (bucket {bucket:3}): step wall {wall:6.3f} ms, graph GPU {gpu:6.3f} ms, "
+            floor = k or default_config(16, next(iter(e.backend.layouts.values())), "cuda").min_chunk
+            rows.append(dict(method=m, batch=b, min_chunk=floor, bucket=bucket, graph_steps=st.graph_steps,
+                             step_wall_ms=round(wall, 3), replay_gpu_ms=round(gpu, 3), host_ms=round(wall - gpu, 3)))
+            print(f"{m:10} batch {b:3} (bucket {bucket:3}) split floor {floor:3}: step wall {wall:6.3f} ms, graph GPU {gpu:6.3f} ms, "
                   f"host {wall - gpu:6.3f} ms over {st.graph_steps} steps", flush=True)
             e.close()
             del e
             torch.cuda.empty_cache()
-    res = record(prompt=a.prompt, new=a.new,
-               content_group=a.content_group, rope_group=a.rope_group, rows=rows)
+        finally:
+            api.default_config = default_config
+    res = record(prompt=a.prompt, new=a.new, content_group=a.content_group, rope_group=a.rope_group, rows=rows)
     save(res, a.out)
     return 0
 
