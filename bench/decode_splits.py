@@ -3,10 +3,10 @@
     PYTHONPATH=src python3 bench/decode_splits.py --out $OUT/decode_splits_h200.json
 
 Under cache pressure the engine decodes 1–16 sequences of about 2K tokens. The split-KV schedule
-cuts a sequence into splits of at least ``DecodeConfig.min_chunk`` tokens, so at batch 1 a
-1900-token sequence gets 8 programs of 256 tokens on a 132-SM GPU. This times one layer's decode
-step (decode + combine kernels, one CUDA-graph replay, ``do_bench`` median with the L2 flushed) for
-each format, batch and tiling, with min_chunk 256 (the default), 128 and 64.
+cuts a sequence into splits of at least ``DecodeConfig.min_chunk`` tokens: with 256, a lone
+1900-token sequence got 8 programs on a 132-SM GPU. This times one layer's decode step (decode +
+combine kernels, one CUDA-graph replay, ``do_bench`` median with the L2 flushed) for each format,
+batch and tiling, with min_chunk 256 (the default until session 5), 128 (the default since) and 64.
 """
 
 from __future__ import annotations
