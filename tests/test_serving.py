@@ -235,6 +235,21 @@ def test_reference_model_matches_generate(path):
             assert rep.ok, rep.details
 
 
+def test_check_compares_the_engine_logic_apart_from_the_kernels():
+    """serve-bench --check: for low bits it also runs the same engine on fp32 torch attention, so that a
+    divergence of the kernels (bf16 operands) can be told from one of the scheduler, pages or quantizer."""
+    from quantmla.serving.command import run_check
+
+    lines = []
+    res = run_check("cpu", 2e-2, lines.append, families=("deepseek_v2",), refs=[], methods=("int2/int4",))
+    (low,) = res["rows"]
+    logic = low["engine_logic"]
+    assert logic["backend"] == "torch" and logic["requests"] == 5
+    assert logic["exact"] == 5 and logic["ok"]  # the engine's own logic is the fake-quant path, token for token
+    assert low["kernel_rounding_only"] == (not low["ok"])
+    assert res["ok_up_to_kernel_rounding"] and "engine logic (torch backend, fp32): exact 5/5" in lines[0]
+
+
 def test_serve_bench_command_at_toy_size(tmp_path):
     from quantmla.cli import main
 

@@ -82,12 +82,22 @@ def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",),
             row = {"model": name, "method": m, "format": q.describe(), **rep.to_dict(), "preemptions": st["sched_preemptions"],
                    "backend": st["backend"], "cuda_graphs": st["cuda_graphs"], "graph_steps": st["graph_steps"],
                    "graph_error": st.get("graph_error")}
+            line = (f"check {name} {m}: exact {rep.exact}/{rep.requests}, ties {rep.ties}, mismatches {rep.mismatches}, "
+                    f"preemptions {row['preemptions']}, backend {row['backend']}, graph steps {row['graph_steps']}")
+            if st["backend"] != "torch" and (q.content.quantized or q.rope.quantized):
+                # the same engine (scheduler, pages, quantizer, preemption) with fp32 torch attention: where it is
+                # exact and the kernels are not, the kernels' bf16 operands (as FlashMLA's) moved a latent across
+                # a quantization boundary in a later layer, and the sequences part from there
+                logic, _ = engine_agreement(model, q, prompts, 24, tie_tol, num_pages=24, backend="torch")
+                row["engine_logic"] = {"backend": "torch", **{k: v for k, v in logic.to_dict().items() if k != "details"}}
+                row["kernel_rounding_only"] = not rep.ok and logic.ok
+                line += f"; engine logic (torch backend, fp32): exact {logic.exact}/{logic.requests}, mismatches {logic.mismatches}"
             rows.append(row)
-            log(f"check {name} {m}: exact {rep.exact}/{rep.requests}, ties {rep.ties}, mismatches {rep.mismatches}, "
-                f"preemptions {row['preemptions']}, backend {row['backend']}, graph steps {row['graph_steps']}")
+            log(line)
         del model
         log(f"  ({time.perf_counter() - t0:.1f}s)")
-    return {"rows": rows, "ok": all(r["ok"] for r in rows), "tie_tol": tie_tol}
+    return {"rows": rows, "ok": all(r["ok"] for r in rows), "tie_tol": tie_tol,
+            "ok_up_to_kernel_rounding": all(r["ok"] or r.get("kernel_rounding_only", False) for r in rows)}
 
 
 def check_methods(methods, args, d_c: int, d_r: int, flag: str = "--methods") -> None:
@@ -162,7 +172,7 @@ def run(args) -> int:
         check = run_check(args.device, args.tie_tol, log, args.check_families, args.check_refs, args.check_methods)
         if args.check_only:
             save({"correctness": check, "command": " ".join(sys.argv)}, args.out)
-            print(json.dumps({"ok": check["ok"]}))
+            print(json.dumps({"ok": check["ok"], "ok_up_to_kernel_rounding": check["ok_up_to_kernel_rounding"]}))
             return 0 if check["ok"] else 1
     def partial(res):
         save({**res, "correctness": check, "partial": True}, args.out)
