@@ -37,7 +37,10 @@
 # [gputests serving4], [check serve-cli], [serve-warm serving01], [gputests serve-warm]; results under
 # bench/results/session4/ (serving4's curve is bench/results/serving_h200.json).
 # Session 5 ran (nvidia-h200): [gputests check profile-small], [overhead shapes], [capture] twice (the first
-# with a scan inside its timings); results under bench/results/session5/.
+# with a scan inside its timings), [splits], [gputests serving01] twice, [splits-ab]; results under
+# bench/results/session5/.
+# Next: [check serving4] (about 12 min): the check with its new engine_logic rows on the H200, and the
+# whole curve at HEAD (128-token decode splits).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
