@@ -250,6 +250,20 @@ def test_check_compares_the_engine_logic_apart_from_the_kernels():
     assert res["ok_up_to_kernel_rounding"] and "engine logic (torch backend, fp32): exact 5/5" in lines[0]
 
 
+def test_check_only_result_carries_device_date_and_command(tmp_path):
+    """`serve-bench --check-only` writes a result that says where, when and how it was made."""
+    import json
+
+    from quantmla.cli import main
+
+    out = tmp_path / "check.json"
+    rc = main(["serve-bench", "--check-only", "--device", "cpu", "--check-families", "deepseek_v2", "--check-refs",
+               "--check-methods", "bf16", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["correctness"]["ok"] and len(res["correctness"]["rows"]) == 1
+    assert res["device"].startswith("CPU") and res["date"].startswith("20") and "--check-only" in res["command"]
+
+
 def test_serve_bench_command_at_toy_size(tmp_path):
     from quantmla.cli import main
 

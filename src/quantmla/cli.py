@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # what result files record as their command: the arguments actually parsed, also when called as main([...])
+    args.command_line = "quantmla " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2

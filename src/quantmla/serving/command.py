@@ -167,17 +167,25 @@ def run(args) -> int:
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
+    cmd = getattr(args, "command_line", " ".join(sys.argv))
     check = None
     if args.check or args.check_only:
         check = run_check(args.device, args.tie_tol, log, args.check_families, args.check_refs, args.check_methods)
         if args.check_only:
-            save({"correctness": check, "command": " ".join(sys.argv)}, args.out)
+            import datetime
+
+            from quantmla.serving.bench import _device_name
+
+            save({"device": _device_name(args.device),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": cmd, "correctness": check}, args.out)
             print(json.dumps({"ok": check["ok"], "ok_up_to_kernel_rounding": check["ok_up_to_kernel_rounding"]}))
             return 0 if check["ok"] else 1
     def partial(res):
-        save({**res, "correctness": check, "partial": True}, args.out)
+        save({**res, "command": cmd, "correctness": check, "partial": True}, args.out)
 
     result = run_bench(s, log, on_run=partial)
+    result["command"] = cmd
     if check is not None:
         result["correctness"] = check
     save(result, args.out)

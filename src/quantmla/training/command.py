@@ -200,7 +200,7 @@ def run(args) -> int:
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps({
             "what": "quantmla train-reference: all families trained in parallel on one device",
-            "command": " ".join(sys.argv),
+            "command": getattr(args, "command_line", " ".join(sys.argv)),
             "total_seconds": round(time.time() - t0, 1),
             "prepare": manifest,
             "failed": failed,
