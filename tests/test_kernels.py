@@ -40,6 +40,8 @@ FORMATS = {
     "int4/int8": CacheFormat(PathFormat(4, 16), PathFormat(8, 32)),
     "int2/int8-sym-bf16meta": CacheFormat(PathFormat(2, 16, "symmetric", "bfloat16"), PathFormat(8, 16, "symmetric")),
     "int8/int2": CacheFormat(PathFormat(8, 64), PathFormat(2, 16)),  # RoPE chunks < 16: generic kernel
+    "fp8": CacheFormat(PathFormat(8, 32, "fp8", "float32"), BF16),  # fp8_ds_mla's record: fp32 scales, bf16 RoPE
+    "fp8/fp8-f16meta": CacheFormat(PathFormat(8, 16, "fp8"), PathFormat(8, 16, "fp8", "bfloat16")),
 }
 
 
@@ -224,7 +226,7 @@ def test_gpu_default_splits_at_small_batch(name, monkeypatch):
     "fmt, match",
     [
         (CacheFormat(PathFormat(3, 32), PathFormat(4, 16)), "3-bit"),
-        (CacheFormat(PathFormat(4, 32), PathFormat(8, 16, "fp8")), "FP8"),
+        (CacheFormat(PathFormat(4, 32), PathFormat(3, 32)), "3-bit"),
     ],
 )
 def test_unsupported_formats_raise_before_launch(fmt, match):
@@ -399,3 +401,44 @@ def test_prefill_attention_bf16_and_errors():
     qr_strided = torch.stack([q_rope, q_rope], -1)[..., 0]
     assert qr_strided.stride(-1) == 2
     torch.testing.assert_close(mla_prefill_attention(q_nope, qr_strided, kv, k_rope, 0.15), got)
+
+
+def test_e4m3_conversions_match_torch_exactly():
+    """The spelled-out e4m3 encode (round to nearest even) and decode agree with torch's float8_e4m3fn
+    on every code and on fp32 values across the whole range, ties and subnormals included."""
+    import triton
+    import triton.language as tl
+
+    from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
+
+    @triton.jit
+    def roundtrip(Y, C, V, N: tl.constexpr):
+        i = tl.arange(0, N)
+        c = _f32_to_e4m3(tl.load(Y + i))
+        tl.store(C + i, c)
+        tl.store(V + i, _e4m3_to_f32(c))
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes.view(torch.float8_e4m3fn).float().isfinite()
+    exact = codes.view(torch.float8_e4m3fn).float()[finite]  # every finite e4m3 value
+    ties = (exact[:-1] + exact[1:]) / 2  # halfway between neighbours (same sign)
+    rand = torch.cat([torch.randn(2048, generator=g) * 100, torch.randn(2048, generator=g) * 1e-3]).clamp(-448, 448)
+    y = torch.cat([exact, ties[(exact[:-1].sign() == exact[1:].sign())], rand])
+    n = 1 << (y.numel() - 1).bit_length()
+    y = torch.cat([y, torch.zeros(n - y.numel())]).to(DEV)
+    c = torch.empty(n, dtype=torch.uint8, device=DEV)
+    v = torch.empty(n, device=DEV)
+    roundtrip[(1,)](y, c, v, n)
+    ref = y.cpu().to(torch.float8_e4m3fn)
+    assert torch.equal(c.cpu(), ref.view(torch.uint8))
+    assert torch.equal(v.cpu(), ref.float())
+
+
+def test_fp8_ds_mla_record_is_656_bytes():
+    from quantmla.cache.layout import FP8_DS_MLA, preset
+
+    tok = TokenLayout(512, 64, preset("fp8"))
+    assert preset("FP8") == FP8_DS_MLA
+    assert tok.field_bytes == {"content_codes": 512, "rope_codes": 128, "content_meta": 16, "rope_meta": 0}
+    assert tok.bytes_per_token == 656

@@ -5,12 +5,17 @@ Per token and layer the cache holds a *record*:
 
     content codes  d_c·b_c/8 bytes     (planar-packed, see quant.packing)
     RoPE codes     d_r·b_r/8 bytes
-    content meta   G_c × fields × 2 bytes   (fp16/bf16 scale[, zero] per group)
-    RoPE meta      G_r × fields × 2 bytes
+    content meta   G_c × fields × 2 or 4 bytes   (fp16/bf16/fp32 scale[, zero] per group)
+    RoPE meta      G_r × fields × 2 or 4 bytes
 
 A *page* stores ``page_size`` tokens as four sections, one per field above, each a contiguous
 ``[page_size, field_bytes]`` array starting at a 16-byte aligned offset; the page size in bytes
 is rounded up to 16. A 16-bit path stores raw bf16 values as its "codes" and no metadata.
+
+The named formats (``PRESETS``, ``preset``) are defined here once; the kernel benchmark, the serving
+benchmark and the evaluation harness all take them from here. ``fp8`` is the cache users run on
+DeepSeek models today (FlashMLA's and vLLM's fp8_ds_mla): 512 e4m3 latent values with one fp32 scale
+per 128, and the 64 RoPE values in bf16 — 656 bytes per token at d_c 512, d_r 64.
 """
 
 from __future__ import annotations
@@ -44,6 +49,45 @@ class CacheFormat:
     @classmethod
     def from_dict(cls, d: dict) -> "CacheFormat":
         return cls(PathFormat.from_dict(d["content"]), PathFormat.from_dict(d["rope"]))
+
+
+def int_format(content_bits: int, rope_bits: int, content_group: int = 128, rope_group: int = 64) -> CacheFormat:
+    """INT<content_bits>/INT<rope_bits> affine groups (16 bits: that path stored as BF16)."""
+    c = BF16 if content_bits == 16 else PathFormat(content_bits, content_group)
+    r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
+    return CacheFormat(c, r)
+
+
+FP8_DS_MLA = CacheFormat(PathFormat(8, 128, "fp8", "float32"), BF16)
+
+PRESETS: dict[str, CacheFormat] = {
+    "bf16": CacheFormat(BF16, BF16),
+    "fp8": FP8_DS_MLA,
+    "int8/int8": int_format(8, 8),
+    "int4/int8": int_format(4, 8),
+    "int4/int4": int_format(4, 4),
+    "int2/int4": int_format(2, 4),
+}
+"""Named cache formats at DeepSeek's groups per token (content groups of 128, RoPE groups of 64)."""
+
+
+def preset(name: str, content_group: int | None = None, rope_group: int | None = None) -> CacheFormat:
+    """A named format ("bf16", "fp8", "int4/int4", ...), optionally with other integer group sizes.
+
+    fp8 keeps its fixed layout (one fp32 scale per 128 channels, bf16 RoPE) whatever the groups."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        from quantmla.errors import UnsupportedFormatError
+
+        raise UnsupportedFormatError(f"unknown cache format {name!r}; choose from {', '.join(PRESETS)}")
+    fmt = PRESETS[key]
+
+    def regroup(f: PathFormat, g: int | None) -> PathFormat:
+        if g is None or not f.quantized or f.mode == "fp8":
+            return f
+        return PathFormat(f.bits, g, f.mode, f.meta_dtype)
+
+    return CacheFormat(regroup(fmt.content, content_group), regroup(fmt.rope, rope_group))
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,10 @@ def _path_args(fmt: PathFormat, dim: int, path: str) -> tuple[int, int, bool, bo
     if not fmt.quantized:
         return 16, dim, True, False
     if fmt.mode == "fp8":
-        raise UnsupportedFormatError(
-            f"{path}: the Triton kernels do not run FP8 (e4m3) caches; use INT2/INT4/INT8 or BF16 "
-            "(FP8 stays available through the torch reference path, quantmla.cache.paged)"
-        )
+        fmt.check_dim(dim, path)
+        if not _pow2(dim // fmt.group_size):
+            raise UnsupportedFormatError(f"{path}: the kernels need a power-of-two number of FP8 groups, got {dim // fmt.group_size}")
+        return 8, fmt.group_size, False, fmt.meta_dtype == "bfloat16"
     if fmt.bits not in KERNEL_BITS:
         raise UnsupportedFormatError(
             f"{path}: the Triton kernels take {KERNEL_BITS}-bit codes or BF16, not {fmt.bits}-bit "
@@ -114,7 +114,10 @@ def _layout_constexprs(layout: PageLayout) -> dict:
     return dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
-        C_BITS=cb, C_GS=cg, C_AFFINE=ca, R_BITS=rb, R_GS=rg, R_AFFINE=ra,
+        C_BITS=cb, C_GS=cg, C_AFFINE=ca, C_FP8=tok.fmt.content.mode == "fp8" and tok.fmt.content.quantized,
+        C_MB=tok.fmt.content.meta_elem_bytes,
+        R_BITS=rb, R_GS=rg, R_AFFINE=ra, R_FP8=tok.fmt.rope.mode == "fp8" and tok.fmt.rope.quantized,
+        R_MB=tok.fmt.rope.meta_elem_bytes,
     ), (cbf, rbf)
 
 
@@ -127,7 +130,7 @@ def _views(pages: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch
     if not pages.is_contiguous():
         raise QuantMLAError("kv_pages must be contiguous (one layer of PagePool.data)")
 
-    def view(fmt: PathFormat) -> torch.Tensor:
+    def view(fmt: PathFormat) -> torch.Tensor:  # the path's 16-bit values, or its metadata's dtype
         return pages.view(torch.bfloat16 if not fmt.quantized else fmt.torch_meta_dtype)
 
     return pages, view(layout.token.fmt.content), view(layout.token.fmt.rope)
@@ -170,6 +173,10 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
     quant = layout is not None and layout.token.fmt.content.quantized
+    if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel
+        if bm == 16:
+            return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic")
+        return DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, kernel="generic")
     if bm == 16:  # memory-bound: one head block; the fastest tilings of the first H200 run, and splits of
         # 128 tokens, not 256: at 1-8 sequences of 1900 tokens a layer's decode is 15-20 % faster in every
         # format, the same at 16 (bench/decode_splits.py, bench/results/session5/decode_splits_h200.json)

@@ -10,23 +10,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _bf16_rne
+from quantmla.kernels.decode import _bf16_rne, _f32_to_e4m3
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2^22 to the nearest integer, ties to even
 
 
 @triton.jit
 def _write_path(
-    X, stride_x, t, ok, P8, P16, page8, page16, tok,
+    X, stride_x, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
-    D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, META_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
+    MB: tl.constexpr, META_BF16: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """Quantize and store one path of BLOCK_T tokens; PV is the pages in the path's MB-byte element type."""
     x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
+    page8 = page * PAGE_BYTES
+    pagev = page * (PAGE_BYTES // MB)
     if BITS == 16:
-        ptr = P16 + (page16 + OFF_CODES // 2 + tok * D)[:, None] + tl.arange(0, D)[None, :]
+        ptr = PV + (pagev + OFF_CODES // 2 + tok * D)[:, None] + tl.arange(0, D)[None, :]
         tl.store(ptr, _bf16_rne(x), mask=ok[:, None])
+    elif FP8:  # e4m3 values, one scale (amax / 448, rounded to the metadata dtype) per group
+        G8: tl.constexpr = D // GS
+        xg = tl.reshape(x, [BLOCK_T, G8, GS])
+        scale = tl.math.div_rn(tl.max(tl.abs(xg), 2), 448.0)
+        if MB == 2:
+            if META_BF16:
+                scale = _bf16_rne(scale).to(tl.float32)
+            else:
+                scale = scale.to(tl.float16).to(tl.float32)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        y = tl.math.div_rn(xg, scale[:, :, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        codes = _f32_to_e4m3(tl.reshape(y, [BLOCK_T, D]))
+        tl.store(P8 + (page8 + OFF_CODES + tok * D)[:, None] + tl.arange(0, D)[None, :], codes, mask=ok[:, None])
+        mptr = PV + (pagev + OFF_META // MB + tok * G8)[:, None] + tl.arange(0, G8)[None, :]
+        tl.store(mptr, scale.to(PV.dtype.element_ty), mask=ok[:, None])
     else:
         NB: tl.constexpr = D * BITS // 8
         K: tl.constexpr = 8 // BITS
@@ -65,7 +84,7 @@ def _write_path(
         packed = tl.sum(q3 << sh[None, :, None], 1)
         cptr = P8 + (page8 + OFF_CODES + tok * NB)[:, None] + tl.arange(0, NB)[None, :]
         tl.store(cptr, packed.to(tl.uint8), mask=ok[:, None])
-        mptr = P16 + (page16 + OFF_META // 2 + tok * (G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
+        mptr = PV + (pagev + OFF_META // MB + tok * (G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
         if META_BF16:
             tl.store(mptr, _bf16_rne(scale), mask=ok[:, None])
             if AFFINE:
@@ -81,8 +100,10 @@ def _append_kernel(
     XC, XR, SLOTS, P8, PC16, PR16, T, stride_xc, stride_xr,
     D_C: tl.constexpr, D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr,
     OFF_CC: tl.constexpr, OFF_RC: tl.constexpr, OFF_CM: tl.constexpr, OFF_RM: tl.constexpr,
-    C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr, C_BF16: tl.constexpr,
-    R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_BF16: tl.constexpr,
+    C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr, C_FP8: tl.constexpr, C_MB: tl.constexpr,
+    C_BF16: tl.constexpr,
+    R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
+    R_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -92,7 +113,7 @@ def _append_kernel(
     slot = tl.where(ok, slot, 0)
     page = slot // PS
     tok = slot % PS
-    page8 = page * PAGE_BYTES
-    page16 = page * (PAGE_BYTES // 2)
-    _write_path(XC, stride_xc, t, ok, P8, PC16, page8, page16, tok, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_BF16, BLOCK_T)
-    _write_path(XR, stride_xr, t, ok, P8, PR16, page8, page16, tok, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_BF16, BLOCK_T)
+    _write_path(XC, stride_xc, t, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8,
+                C_MB, C_BF16, BLOCK_T)
+    _write_path(XR, stride_xr, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_FP8,
+                R_MB, R_BF16, BLOCK_T)

@@ -22,22 +22,18 @@ from pathlib import Path
 
 import torch
 
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.layout import PRESETS, CacheFormat, PageLayout, TokenLayout, int_format
 from quantmla.cache.paged import compression_report, gather_sequences
 from quantmla.kernels import api
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
-from quantmla.quant.format import BF16, PathFormat
 from quantmla.reference.absorbed import absorbed_attention
 
 D_C, D_R, PAGE = 512, 64, 64
-METHODS: dict[str, CacheFormat] = {
-    "bf16": CacheFormat(BF16, BF16),
-    "int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
-    "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
-    "int4/int8": CacheFormat(PathFormat(4, 128), PathFormat(8, 64)),
-    "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
-}
-DEFAULT_SHAPES = "1x131072,4x65536,16x32768,32x16384,128x8192"
+METHODS: dict[str, CacheFormat] = {**PRESETS, "int4/int4-g64/g32": int_format(4, 4, 64, 32)}
+DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
+"""Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,
+128 heads (DeepSeek-V3) up to 256K."""
+PEER_SPLITS = (4, 8, 16, 32, 64)
 
 
 def candidates(method: str, rows: int) -> list[DecodeConfig]:
@@ -45,6 +41,17 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     reports of offline sm_90 compiles and a first H200 run."""
     quant = method != "bf16"
     C = DecodeConfig
+    if METHODS[method].content.mode == "fp8" and METHODS[method].content.quantized:  # the generic kernel
+        if rows <= 16:
+            return [
+                C(block_m=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic"),
+                C(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128, kernel="generic"),
+                C(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128, kernel="generic"),
+            ]
+        return [
+            C(block_m=32, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, kernel="generic"),
+            C(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, kernel="generic"),
+        ]
     if rows <= 16:
         if not quant:
             return [
@@ -201,7 +208,9 @@ def load_peer(path: str):
             n = num_kv_splits or max(1, min(64, (2 * api._num_sms(torch.device(qc.device))) // max(1, B)))
             logits = torch.empty(B, H, n, dc + 1, dtype=torch.float32, device=qc.device)
             page = kv.shape[1]
-            return lambda: mod.decode_attention_fwd(q, k, v, o, bt, sl, logits, n, scale, page)
+            run = lambda: mod.decode_attention_fwd(q, k, v, o, bt, sl, logits, n, scale, page)  # noqa: E731
+            run.out = o
+            return run
         return make, "decode_attention_fwd"
     raise api.QuantMLAError(f"{path} defines neither quantmla_peer_decode nor decode_attention_fwd")
 
@@ -258,7 +267,7 @@ def run_bench(args) -> dict:
 
     global DEV
     methods = parse_methods(args.methods)  # bad input is reported before the device is looked at
-    shapes = parse_shapes(args.shapes, "--shapes")
+    shapes_of = {H: parse_shapes(args.shapes or DEFAULT_SHAPES.get(H, DEFAULT_SHAPES[16]), "--shapes") for H in args.heads}
     sb, sl_ = parse_shapes(args.sweep_shape, "--sweep-shape")[0]
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     if DEV != "cuda" and not (getattr(args, "smoke", False) and api.interpreting()):
@@ -345,47 +354,37 @@ def run_bench(args) -> dict:
     peer = None
     if args.peer:
         peer = load_peer(args.peer)
-        res["peer"] = {"file": os.path.basename(args.peer), "entry": peer[1]}
+        res["peer"] = {"file": os.path.basename(args.peer), "entry": peer[1], "num_kv_splits_swept": list(PEER_SPLITS)}
 
-    # -- the table -----------------------------------------------------------------------------------
+    # -- the table: every format on the same tokens, side by side ------------------------------------
     rows_out = []
     bf16_layout = PageLayout(TokenLayout(D_C, D_R, METHODS["bf16"]), PAGE)
-    for B, L in shapes:
-        lens = [L] * B
-        caches = {}
-        for m in methods:
-            layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
-            caches[m] = Cache(layout, lens, seed=B * 7 + L)
-        for H in heads:
+    for H in heads:
+        for B, L in shapes_of[H]:
+            lens = [L] * B
             q = _queries(B, args.q_len, H)
             flops = decode_flops(lens, H, args.q_len, D_C, D_R)
             bf16_bytes = decode_bytes(lens, bf16_layout, H, args.q_len)
-            t_bf16 = None
+            t_bf16 = t_peer = None
+            shape_rows = []
             for m in methods:
                 if (m, H) not in chosen:
                     continue
-                cfg = chosen[(m, H)]
-                t, graph = _time_decode(caches[m], q, cfg, args)
-                nbytes = decode_bytes(lens, caches[m].layout, H, args.q_len)
+                cache = Cache(PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE), lens, seed=B * 7 + L)
+                if m == "bf16" and peer is not None and args.q_len == 1:
+                    t_peer = _time_peer(peer, cache, q, H, B, L, bf16_bytes, flops, copy, shape_rows, args)
+                t, graph = _time_decode(cache, q, chosen[(m, H)], args)
+                nbytes = decode_bytes(lens, cache.layout, H, args.q_len)
                 if m == "bf16":
                     t_bf16 = t
-                row = _row(H, B, L, m, t, nbytes, bf16_bytes, flops, copy, t_bf16, cfg, graph)
-                rows_out.append(row)
-                _print_row(row)
-            if peer is not None:
-                try:
-                    kv = peer_kv(caches["bf16"])
-                    fn = peer[0](q[0][:, 0], q[1][:, 0], kv, caches["bf16"].block_table, caches["bf16"].seq_lens, 1 / math.sqrt(192))
-                    t, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
-                    t = t * 1e-3
-                    row = _row(H, B, L, "peer-bf16", t, bf16_bytes, bf16_bytes, flops, copy, t_bf16, None, graph)
-                    rows_out.append(row)
-                    _print_row(row)
-                    del kv
-                except Exception as e:  # noqa: BLE001
-                    log(f"peer failed at H={H} {B}x{L}: {type(e).__name__}: {e}", flush=True)
-        del caches
-        _empty_cache()
+                shape_rows.append(_row(H, B, L, m, t, nbytes, bf16_bytes, flops, copy, t_bf16, chosen[(m, H)], graph))
+                del cache
+                _empty_cache()
+            for r in shape_rows:
+                r["speedup_vs_bf16"] = t_bf16 / (r["ms"] * 1e-3) if t_bf16 else None
+                r["speedup_vs_peer"] = t_peer / (r["ms"] * 1e-3) if t_peer else None
+                _print_row(r)
+            rows_out += shape_rows
     res["rows"] = rows_out
     res["append"] = _bench_append(methods, args)
     res["goals"] = goals(res)
@@ -446,6 +445,36 @@ def _time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]
     return ms * 1e-3, graph
 
 
+def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: list, args) -> float | None:
+    """The peer's BF16 decode on the same tokens, at each num_kv_splits of PEER_SPLITS; appends its best
+    row (with every split's time) and returns its best time in seconds, or None if it failed."""
+    try:
+        kv = peer_kv(cache)
+        times = {}
+        for n in PEER_SPLITS:
+            fn = peer[0](q[0][:, 0], q[1][:, 0], kv, cache.block_table, cache.seq_lens, 1 / math.sqrt(192), num_kv_splits=n) \
+                if peer[1] == "decode_attention_fwd" else peer[0](q[0][:, 0], q[1][:, 0], kv, cache.block_table, cache.seq_lens, 1 / math.sqrt(192))
+            t, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
+            times[n] = t * 1e-3
+            if peer[1] != "decode_attention_fwd":
+                break
+        best = min(times, key=times.get)
+        row = _row(H, B, L, "peer-bf16", times[best], bf16_bytes, bf16_bytes, flops, copy, None, None, graph)
+        if hasattr(fn, "out"):  # the same answer as our BF16 kernel on the same tokens?
+            ours, _ = api.mla_decode_with_kvcache(q[0], q[1], cache.pages, cache.block_table, cache.seq_lens, cache.layout,
+                                                  1 / math.sqrt(192))
+            fn()
+            row["rel_diff_vs_ours"] = float((fn.out.float() - ours[:, 0].float()).norm() / ours.float().norm())
+        row["peer_num_kv_splits"] = best
+        row["peer_ms_by_splits"] = {str(k): v * 1e3 for k, v in times.items()}
+        rows.append(row)
+        del kv
+        return times[best]
+    except Exception as e:  # noqa: BLE001 - the peer is optional: report and go on
+        print(f"peer failed at H={H} {B}x{L}: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def _row(H, B, L, method, t, nbytes, bf16_bytes, flops, copy, t_bf16, cfg, graph) -> dict:
     gbps = nbytes / t / 1e9
     return {
@@ -457,13 +486,16 @@ def _row(H, B, L, method, t, nbytes, bf16_bytes, flops, copy, t_bf16, cfg, graph
         "bf16_equiv_GBps": bf16_bytes / t / 1e9,
         "TFLOPs": flops / t / 1e12,
         "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None,
+        "speedup_vs_peer": None,
         "config": cfg.describe() if cfg else None,
         "cuda_graph": graph,
     }
 
 
 def _print_row(r):
-    sp = f"{r['speedup_vs_bf16']:.2f}x" if r["speedup_vs_bf16"] else "   -"
+    sp = f"{r['speedup_vs_bf16']:.2f}x bf16" if r["speedup_vs_bf16"] else "   -"
+    if r.get("speedup_vs_peer"):
+        sp += f" {r['speedup_vs_peer']:.2f}x peer"
     print(
         f"H={r['heads']:3d} {r['batch']:4d}x{r['context']:<7d} {r['method']:18s} {r['ms'] * 1e3:9.1f} us "
         f"{r['GBps']:7.0f} GB/s ({r['frac_copy']:.2f} copy) bf16-eq {r['bf16_equiv_GBps']:7.0f} GB/s "
@@ -490,28 +522,66 @@ def _bench_append(methods, args) -> list[dict]:
 
 
 def goals(res: dict) -> dict:
+    """The decode-path goals, each the worst case over the shapes it covers (None: not measured)."""
     rows = res.get("rows", [])
 
-    def sel(H, m, min_ctx=0):
-        return [r for r in rows if r["heads"] == H and r["method"] == m and r["context"] >= min_ctx]
+    def sel(H, m, min_tokens=0):
+        return [r for r in rows if r["heads"] == H and r["method"] == m and r["batch"] * r["context"] >= min_tokens]
 
     def mn(rs, k):
         v = [r[k] for r in rs if r.get(k) is not None]
         return min(v) if v else None
 
+    one = [r for r in sel(16, "int4/int4") if (r["batch"], r["context"]) == (1, 131072)]
     comp = {(r["format"], r["tokens"]): r["compression"] for r in res.get("compression", [])}
-    g = {
-        "int4_frac_copy_16h_ctx16k_min (>=0.75)": mn(sel(16, "int4/int4", 16384), "frac_copy"),
-        "int4_speedup_16h_ctx16k_min (>=3.0)": mn(sel(16, "int4/int4", 16384), "speedup_vs_bf16"),
-        "int2_speedup_16h_ctx16k_min (>=4.5)": mn(sel(16, "int2/int4", 16384), "speedup_vs_bf16"),
-        "bf16_frac_copy_16h_min (>=0.85)": mn(sel(16, "bf16"), "frac_copy"),
-        "int4_TFLOPs_128h_min (>=250)": mn(sel(128, "int4/int4"), "TFLOPs"),
-        "bf16_TFLOPs_128h_min": mn(sel(128, "bf16"), "TFLOPs"),
-        "int4_speedup_128h_min (>=1.0)": mn(sel(128, "int4/int4"), "speedup_vs_bf16"),
+    return {
+        "int4_vs_peer_16h_128k_tokens_min (>=3.0)": mn(sel(16, "int4/int4", 131072), "speedup_vs_peer"),
+        "int4_frac_copy_16h_128k_tokens_min (>=0.6)": mn(sel(16, "int4/int4", 131072), "frac_copy"),
+        "int2_vs_peer_16h_128k_tokens_min (>=4.5)": mn(sel(16, "int2/int4", 131072), "speedup_vs_peer"),
+        "fp8_vs_peer_16h_128k_tokens_min (>=1.7)": mn(sel(16, "fp8", 131072), "speedup_vs_peer"),
+        "int4_1x131072_us (<=25)": one[0]["ms"] * 1e3 if one else None,
+        "bf16_vs_peer_16h_min (>=1.15)": mn(sel(16, "bf16"), "speedup_vs_peer"),
+        "bf16_frac_copy_16h_min (>=0.8)": mn(sel(16, "bf16"), "frac_copy"),
+        "bf16_TFLOPs_128h_min (>=450)": mn(sel(128, "bf16"), "TFLOPs"),
+        "int4_vs_bf16_128h_min (>=1.0)": mn(sel(128, "int4/int4"), "speedup_vs_bf16"),
+        "int4_vs_peer_128h_min (>=2.0)": mn(sel(128, "int4/int4"), "speedup_vs_peer"),
         "compression_int4_128k (>=3.59)": comp.get((METHODS["int4/int4"].describe(), 131072)),
-        "compression_int2_128k (>=5.5)": comp.get((METHODS["int2/int4"].describe(), 131072)),
+        "compression_int2_128k": comp.get((METHODS["int2/int4"].describe(), 131072)),
     }
-    return g
+
+
+def plot(res: dict, path: str | Path) -> Path:
+    """Speedup over the peer's best BF16 decode (over our BF16 when no peer ran), per shape and format,
+    one panel per head count; saved as a PNG beside the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    heads = sorted({r["heads"] for r in rows})
+    ref = "speedup_vs_peer" if any(r.get("speedup_vs_peer") for r in rows) else "speedup_vs_bf16"
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "peer-bf16"]
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.2), squeeze=False)
+    for ax, H in zip(axes[0], heads):
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows if r["heads"] == H))
+        w = 0.8 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            ys = [next((r[ref] or 0 for r in rows if r["heads"] == H and r["method"] == m and (r["batch"], r["context"]) == sh), 0)
+                  for sh in shapes]
+            ax.bar([k + (i - (len(methods) - 1) / 2) * w for k in range(len(shapes))], ys, w, label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(shapes)), [f"{b}x{c // 1024}K" for b, c in shapes], rotation=20)
+        ax.set_title(f"{H} heads (d_c {res['d_c']}, d_r {res['d_r']})")
+        ax.set_xlabel("batch x context")
+        ax.set_ylabel("speedup over the peer's best BF16" if ref == "speedup_vs_peer" else "speedup over our BF16")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"decode step, {res['device']}, CUDA-graph medians")
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def save(res: dict, path: str) -> None:

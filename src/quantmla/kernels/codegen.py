@@ -64,7 +64,7 @@ def supported(layout: PageLayout) -> bool:
     """True when every chunk of both paths is at least 16 channels wide (tensor-core K minimum)."""
     tok = layout.token
     for fmt, dim in ((tok.fmt.content, tok.d_c), (tok.fmt.rope, tok.d_r)):
-        if fmt.quantized and (fmt.mode not in ("affine", "symmetric") or fmt.bits not in (2, 4, 8)):
+        if fmt.quantized and (fmt.mode not in ("affine", "symmetric") or fmt.bits not in (2, 4, 8) or fmt.meta_elem_bytes != 2):
             return False
         if min(c.width for c in chunks_of(fmt, dim)) < 16:
             return False

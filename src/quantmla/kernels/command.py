@@ -9,9 +9,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from quantmla.kernels.bench import DEFAULT_SHAPES, METHODS
 
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="query head counts (default: 16 128)")
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"batch x context list (default: {DEFAULT_SHAPES})")
+    p.add_argument("--shapes", default=None, help="batch x context list for every head count, comma separated "
+                   f"(default per head count: {DEFAULT_SHAPES})")
     p.add_argument(
-        "--methods", default="bf16,int4/int4,int2/int4",
+        "--methods", default="bf16,fp8,int4/int4,int2/int4",
         help=f"cache formats, comma separated, from {', '.join(METHODS)} (bf16 always runs: it is the baseline)",
     )
     p.add_argument("--q-len", type=int, default=1, help="query tokens per sequence (MTP / speculative decode)")
@@ -21,15 +22,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="use the default config of each method")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--out", default="bench/results/kernel_h200.json", help="where the JSON goes")
+    p.add_argument("--out", default="out/bench/kernel.json", help="where the JSON (and the PNG beside it) go")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing result file")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CPU + TRITON_INTERPRET=1 dry run
 
 
 def run(args) -> int:
-    from quantmla.kernels.bench import run_bench, save
+    from pathlib import Path
 
+    from quantmla.errors import QuantMLAError
+    from quantmla.kernels.bench import plot, run_bench, save
+
+    if Path(args.out).exists() and not args.overwrite:
+        raise QuantMLAError(f"--out {args.out} already exists; pass --overwrite to replace it, or choose another path")
     res = run_bench(args)
     save(res, args.out)
+    print(f"figure {plot(res, args.out)}")
     print("\ngoals:")
     for k, v in res["goals"].items():
         print(f"  {k:45s} {v if v is None else round(v, 3)}")

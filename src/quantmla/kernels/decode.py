@@ -39,6 +39,29 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _e4m3_to_f32(b):
+    """uint8 e4m3 (float8_e4m3fn) codes -> fp32, spelled out (exact; the CPU interpreter's cast is not)."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))  # 2^-9 · m, or 1.m · 2^(e-7)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _f32_to_e4m3(y):
+    """fp32 in [-448, 448] -> uint8 e4m3 code, round to nearest even (as torch's float8_e4m3fn cast)."""
+    a = tl.abs(y)
+    u = a.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFFF + ((u >> 20) & 1)  # round the 23-bit mantissa to 3 bits
+    normal = (((u >> 23).to(tl.int32) - 120) << 3) | ((u >> 20) & 7).to(tl.int32)  # rebias 127 -> 7
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)  # below 2^-6: m · 2^-9, m = rne(a · 512) (8 -> 2^-6)
+    code = tl.where(a < 0.015625, sub, normal)
+    code = tl.where(y < 0.0, code | 128, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
 def _online_softmax(s, m_i, l_i):
     """One tile of the online softmax over base-2 scores s [M, N] (masked entries -inf): returns the
     tile's probabilities p, the factor alpha that rescales what was accumulated, and the new running
@@ -52,16 +75,38 @@ def _online_softmax(s, m_i, l_i):
 
 @triton.jit
 def _path_tile(
-    P8, P16, page8, page16, tok, tmask,
+    P8, PV, page, tok, tmask, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
-    D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
+    MB: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr,
 ):
-    """The [BLOCK_N, D] bf16 tile of one path for tokens at (page, tok); masked tokens read as 0."""
+    """The [BLOCK_N, D] bf16 tile of one path for tokens at (page, tok); masked tokens read as 0.
+
+    PV is the pages viewed in the path's MB-byte element type (bf16 values, or fp16/bf16/fp32 metadata)."""
+    page8 = page * PAGE_BYTES
+    pagev = page * (PAGE_BYTES // MB)  # the page's first element in PV
     if BITS == 16:
-        base = page16 + OFF_CODES // 2 + tok * D
-        x = tl.load(P16 + base[:, None] + tl.arange(0, D)[None, :], mask=tmask[:, None], other=0.0)
+        base = pagev + OFF_CODES // 2 + tok * D
+        x = tl.load(PV + base[:, None] + tl.arange(0, D)[None, :], mask=tmask[:, None], other=0.0)
         out = x.to(tl.bfloat16)
+    elif FP8:  # e4m3 values times one scale per group
+        G8: tl.constexpr = D // GS
+        by = tl.load(P8 + (page8 + OFF_CODES + tok * D)[:, None] + tl.arange(0, D)[None, :], mask=tmask[:, None], other=0)
+        if RNE:  # the CPU interpreter
+            v = _e4m3_to_f32(by)
+        else:
+            v = by.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        mbase = pagev + OFF_META // MB + tok * G8
+        if DEQ == 0:
+            s = tl.load(PV + mbase[:, None] + tl.arange(0, G8)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            v = tl.reshape(tl.reshape(v, [BLOCK_N, G8, GS]) * s[:, :, None], [BLOCK_N, D])
+        else:
+            s = tl.load(PV + mbase[:, None] + (tl.arange(0, D) // GS)[None, :], mask=tmask[:, None], other=0.0)
+            v = v * s.to(tl.float32)
+        if RNE:
+            out = _bf16_rne(v)
+        else:
+            out = v.to(tl.bfloat16)
     else:
         NB: tl.constexpr = D * BITS // 8  # bytes of codes per token (planar: plane k = bits [k·b, (k+1)·b))
         K: tl.constexpr = 8 // BITS  # planes
@@ -70,7 +115,7 @@ def _path_tile(
         MASK: tl.constexpr = (1 << BITS) - 1
         MID: tl.constexpr = 1 << (BITS - 1)
         cbase = page8 + OFF_CODES + tok * NB  # [N] byte offset of the token's codes
-        mbase = page16 + OFF_META // 2 + tok * (G * F)  # [N] 16-bit offset of its metadata
+        mbase = pagev + OFF_META // MB + tok * (G * F)  # [N] element offset of its metadata in PV
         if DEQ == 0:
             W: tl.constexpr = GS if GS < NB else NB  # channels of a plane in one group
             R: tl.constexpr = NB // W  # groups per plane
@@ -85,7 +130,7 @@ def _path_tile(
                 sh = (kidx * BITS).to(tl.uint8)
                 codes = (by[:, None, :, :] >> sh[None, :, None, None]) & MASK  # [N, K, R, W]
             grp = (kidx[:, None] * NB + ridx[None, :] * W) // GS  # [K, R] group of each (plane, chunk)
-            mptr = P16 + mbase[:, None, None] + (grp * F)[None, :, :]
+            mptr = PV + mbase[:, None, None] + (grp * F)[None, :, :]
             s = tl.load(mptr, mask=tmask[:, None, None], other=0.0).to(tl.float32)
             cf = codes.to(tl.float32)
             if AFFINE:
@@ -104,7 +149,7 @@ def _path_tile(
             shift = ((ch // NB) * BITS).to(tl.uint8)
             by = tl.load(P8 + cbase[:, None] + byte[None, :], mask=tmask[:, None], other=0)
             cf = ((by >> shift[None, :]) & MASK).to(tl.float32)
-            mptr = P16 + mbase[:, None] + ((ch // GS) * F)[None, :]
+            mptr = PV + mbase[:, None] + ((ch // GS) * F)[None, :]
             s = tl.load(mptr, mask=tmask[:, None], other=0.0).to(tl.float32)
             if AFFINE:
                 z = tl.load(mptr + 1, mask=tmask[:, None], other=0.0).to(tl.float32)
@@ -124,8 +169,8 @@ def _mla_decode_kernel(
     stride_bt, H, SQ, R, CAUSAL, qk_scale,
     D_C: tl.constexpr, D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr,
     OFF_CC: tl.constexpr, OFF_RC: tl.constexpr, OFF_CM: tl.constexpr, OFF_RM: tl.constexpr,
-    C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr,
-    R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr,
+    C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr, C_FP8: tl.constexpr, C_MB: tl.constexpr,
+    R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     hb = tl.program_id(0)
@@ -158,10 +203,10 @@ def _mla_decode_kernel(
         tmask = t < end
         page = tl.load(bt_row + t // PS, mask=tmask, other=0).to(tl.int64)
         tok = t % PS
-        page8 = page * PAGE_BYTES
-        page16 = page * (PAGE_BYTES // 2)
-        c = _path_tile(P8, PC16, page8, page16, tok, tmask, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, BLOCK_N, DEQ, DOT_F32)
-        kr = _path_tile(P8, PR16, page8, page16, tok, tmask, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, BLOCK_N, DEQ, DOT_F32)
+        c = _path_tile(P8, PC16, page, tok, tmask, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8, C_MB,
+                       BLOCK_N, DEQ, DOT_F32)
+        kr = _path_tile(P8, PR16, page, tok, tmask, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_FP8, R_MB,
+                        BLOCK_N, DEQ, DOT_F32)
         if DOT_F32:
             c = c.to(tl.float32)
             kr = kr.to(tl.float32)

@@ -14,7 +14,7 @@ from quantmla.errors import UnsupportedFormatError
 
 MODES = ("affine", "symmetric", "fp8")
 INT_BITS = (2, 3, 4, 8)
-META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class PathFormat:
     bits:       2, 3, 4 or 8 (integer codes), 8 with mode "fp8" (e4m3), or 16 (stored unquantized).
     group_size: channels sharing one scale (and zero point, for "affine").
     mode:       "affine" (x ≈ code·scale + zero), "symmetric" (x ≈ (code − 2^(b−1))·scale), "fp8".
-    meta_dtype: dtype of the stored scale / zero point ("float16" or "bfloat16").
+    meta_dtype: dtype of the stored scale / zero point ("float16", "bfloat16" or "float32"; the
+                FP8 format users run on DeepSeek models, fp8_ds_mla, stores one fp32 scale per 128).
     """
 
     bits: int = 4
@@ -78,6 +79,11 @@ class PathFormat:
         if self.bits == 3 and dim % 8:
             raise UnsupportedFormatError(f"{path}: 3-bit packing needs a multiple of 8 channels, got {dim}")
 
+    @property
+    def meta_elem_bytes(self) -> int:
+        """Bytes of one stored metadata value (2 for fp16/bf16, 4 for fp32; 2 for BF16 values)."""
+        return self.torch_meta_dtype.itemsize if self.quantized else 2
+
     def groups(self, dim: int) -> int:
         return dim // self.group_size if self.quantized else 0
 
@@ -86,7 +92,7 @@ class PathFormat:
         return dim * 2 if not self.quantized else dim * self.bits // 8
 
     def meta_bytes(self, dim: int) -> int:
-        return self.groups(dim) * self.meta_fields * 2
+        return self.groups(dim) * self.meta_fields * self.meta_elem_bytes
 
     def bytes_per_token(self, dim: int) -> int:
         return self.code_bytes(dim) + self.meta_bytes(dim)
