@@ -24,6 +24,7 @@ FORMATS = {
     "bf16": CacheFormat(BF16, BF16),
     "int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
     "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
+    "fp8": CacheFormat(PathFormat(8, 128, "fp8", "float32"), BF16),
     "int4/int8": CacheFormat(PathFormat(4, 128), PathFormat(8, 64)),
     "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
     "int2/int8-sym-bf16": CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric")),
