@@ -17,8 +17,10 @@ import torch
 def record(**fields) -> dict:
     """A result's header (device, UTC date, command line, torch version) followed by ``fields``."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    from quantmla.kernels.bench import source_commit
+
     return {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python3"] + sys.argv), "torch": torch.__version__, **fields}
+            "command": " ".join(["python3"] + sys.argv), "commit": source_commit(), "torch": torch.__version__, **fields}
 
 
 def save(res: dict, path: str | None) -> None:

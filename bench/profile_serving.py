@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="v2-lite", help="serve-bench model preset (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", type=int, default=0, help="also list the N costliest torch ops by input shapes")
+    p.add_argument("--kv-budget-gib", type=float, default=8.0, help="KV cache budget (enough for --batch x --prompt)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
            "methods": {}}
     for m in a.methods:
         q = method_config(m, a.content_group, a.rope_group)
-        cfg = EngineConfig(quant=q, kv_budget_bytes=8 << 30, max_num_seqs=a.batch, max_num_batched_tokens=a.batched_tokens,
+        cfg = EngineConfig(quant=q, kv_budget_bytes=int(a.kv_budget_gib * (1 << 30)), max_num_seqs=a.batch, max_num_batched_tokens=a.batched_tokens,
                            cuda_graphs=False, max_model_len=a.prompt + a.steps + 8)
         e = Engine(model, cfg)
         warm = [Request(f"w{i}", torch.randint(3, min(1000, model.config.vocab_size), (64,), generator=g).tolist(),

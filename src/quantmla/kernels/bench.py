@@ -36,6 +36,22 @@ DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128:
 PEER_SPLITS = (4, 8, 16, 32, 64)
 
 
+def source_commit() -> str | None:
+    """The commit the running code is from: $QUANTMLA_COMMIT (set it where the tree travels without its
+    .git, as on a lent GPU machine), else `git rev-parse --short HEAD` with "+dirty" for uncommitted edits."""
+    import subprocess
+
+    if os.environ.get("QUANTMLA_COMMIT"):
+        return os.environ["QUANTMLA_COMMIT"]
+    try:
+        here = Path(__file__).parent
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True).stdout
+        return head.stdout.strip() + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def candidates(method: str, rows: int) -> list[DecodeConfig]:
     """Configs the sweep tries (the first is the API default). Chosen from register/shared-memory
     reports of offline sm_90 compiles and a first H200 run."""
@@ -281,6 +297,7 @@ def run_bench(args) -> dict:
         "sms": dev.multi_processor_count if dev else 0,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "quantmla bench-kernel " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench-kernel"] else sys.argv[1:]),
+        "commit": source_commit(),
         "host": platform.node(),
         "torch": torch.__version__,
         "triton": triton.__version__,
