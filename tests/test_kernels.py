@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
 from quantmla.cache.paged import PagePool, gather_sequences, write_tokens  # noqa: E402
@@ -23,6 +25,7 @@ from quantmla.kernels import (  # noqa: E402
     mla_decode_with_kvcache,
 )
 from quantmla.kernels import api  # noqa: E402
+from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3  # noqa: E402
 from quantmla.quant import BF16, PathFormat  # noqa: E402
 from quantmla.reference.absorbed import absorbed_attention  # noqa: E402
 
@@ -403,21 +406,17 @@ def test_prefill_attention_bf16_and_errors():
     torch.testing.assert_close(mla_prefill_attention(q_nope, qr_strided, kv, k_rope, 0.15), got)
 
 
+@triton.jit
+def _e4m3_roundtrip(Y, C, V, N: tl.constexpr):
+    i = tl.arange(0, N)
+    c = _f32_to_e4m3(tl.load(Y + i))
+    tl.store(C + i, c)
+    tl.store(V + i, _e4m3_to_f32(c))
+
+
 def test_e4m3_conversions_match_torch_exactly():
     """The spelled-out e4m3 encode (round to nearest even) and decode agree with torch's float8_e4m3fn
     on every code and on fp32 values across the whole range, ties and subnormals included."""
-    import triton
-    import triton.language as tl
-
-    from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
-
-    @triton.jit
-    def roundtrip(Y, C, V, N: tl.constexpr):
-        i = tl.arange(0, N)
-        c = _f32_to_e4m3(tl.load(Y + i))
-        tl.store(C + i, c)
-        tl.store(V + i, _e4m3_to_f32(c))
-
     g = torch.Generator().manual_seed(0)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = codes.view(torch.float8_e4m3fn).float().isfinite()
@@ -429,7 +428,7 @@ def test_e4m3_conversions_match_torch_exactly():
     y = torch.cat([y, torch.zeros(n - y.numel())]).to(DEV)
     c = torch.empty(n, dtype=torch.uint8, device=DEV)
     v = torch.empty(n, device=DEV)
-    roundtrip[(1,)](y, c, v, n)
+    _e4m3_roundtrip[(1,)](y, c, v, n)
     ref = y.cpu().to(torch.float8_e4m3fn)
     assert torch.equal(c.cpu(), ref.view(torch.uint8))
     assert torch.equal(v.cpu(), ref.float())

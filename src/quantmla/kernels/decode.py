@@ -57,7 +57,7 @@ def _f32_to_e4m3(y):
     normal = (((u >> 23).to(tl.int32) - 120) << 3) | ((u >> 20) & 7).to(tl.int32)  # rebias 127 -> 7
     sub = ((a * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)  # below 2^-6: m · 2^-9, m = rne(a · 512) (8 -> 2^-6)
     code = tl.where(a < 0.015625, sub, normal)
-    code = tl.where(y < 0.0, code | 128, code)
+    code = tl.where((y.to(tl.uint32, bitcast=True) >> 31) != 0, code | 128, code)  # the sign bit (-0.0 too)
     return code.to(tl.uint8)
 
 
