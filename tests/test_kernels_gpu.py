@@ -149,7 +149,7 @@ def test_decode_kernel_variants(variant):
 
 def test_unsupported_formats_raise_before_launch():
     api = _api()
-    for fmt in (CacheFormat(PathFormat(3, 64), BF16), CacheFormat(BF16, PathFormat(8, 64, "fp8"))):
+    for fmt in (CacheFormat(PathFormat(3, 64), BF16), CacheFormat(BF16, PathFormat(3, 32))):
         lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
         with pytest.raises(UnsupportedFormatError):
             api.check_layout_supported(lay)

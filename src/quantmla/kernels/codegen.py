@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "4"
+GENERATOR_VERSION = "5"
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,8 @@ def _path_source(
             tile.append(f"zc{P}{g} = zl{P}{g}.to(tl.float32)")
         else:
             tile.append(f"zc{P}{g} = scf{P}{g} * {-float(1 << (bits - 1))}")
+        if content:  # the zero point in units of the scale, less the codes' offset (masked tokens: scale 0)
+            tile.append(f"zr{P}{g} = tl.where(scf{P}{g} != 0.0, zc{P}{g} / scf{P}{g}, 0.0) - {float(off)}")
     tile.append(f"cb{P} = page8 + {off_codes} + tok * {nb}")
     for byte0 in sorted({c.byte0 for c in chunks}):
         w = next(c.width for c in chunks if c.byte0 == byte0)
@@ -210,8 +212,11 @@ def _path_source(
                 f"if DOT_F32:\n            pb{g} = _bf16_rne(pt).to(tl.float32)\n            pbf = pb{g}\n"
                 f"        else:\n            pb{g} = pt.to(tl.bfloat16)\n            pbf = pb{g}.to(tl.float32)"
             )
-            corr = f"p * zc{P}{g}{TV}" if off == 0 else f"p * zc{P}{g}{TV} - {float(off)} * pbf"
-            pv.append(f"zacc{P}{g} = zacc{P}{g} * alpha + tl.sum({corr}, {AX})")
+            # Σ_t w_t (z_t / s_t − off) with the same rounded weights w = bf16(p·s) the codes were
+            # multiplied by: the output is Σ_t (w_t / s_t)·ĉ_t, each value weighted by p_t(1 + δ), |δ| ≤ 2^-9,
+            # as in the BF16 path (weighting the zero point by the unrounded p instead leaves an error
+            # of order |z|/|ĉ| times larger)
+            pv.append(f"zacc{P}{g} = zacc{P}{g} * alpha + tl.sum(pbf * zr{P}{g}{TV}, {AX})")
             for c in chunks:
                 if c.group == g:
                     pv.append(f"acc{P}{c.idx} = acc{P}{c.idx} * alpha{RV} + {pvdot(f'pb{g}', f'x{P}{c.idx}')}")

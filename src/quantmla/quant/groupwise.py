@@ -43,6 +43,12 @@ def _grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], D // fmt.group_size, fmt.group_size)
 
 
+def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
+    """`value` as a 0-dim tensor on `like`'s device: CUDA divides by a Python number through its
+    reciprocal (1 ulp off), by a tensor exactly, as the kernels (div_rn) and the CPU do."""
+    return torch.tensor(float(value), dtype=torch.float32, device=like.device)
+
+
 def _scales(xg: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored scale (and zero) per group, rounded to the meta dtype, as fp32 [..., G, 1]."""
     mdt = fmt.torch_meta_dtype
@@ -50,12 +56,12 @@ def _scales(xg: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tens
         lo = xg.amin(-1, keepdim=True)
         hi = xg.amax(-1, keepdim=True)
         zero = lo.to(mdt).float()
-        scale = ((hi - zero) / (2**fmt.bits - 1)).to(mdt).float()
+        scale = ((hi - zero) / _divisor(xg, 2**fmt.bits - 1)).to(mdt).float()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
         return scale, zero
     amax = xg.abs().amax(-1, keepdim=True)
     top = FP8_MAX if fmt.mode == "fp8" else 2 ** (fmt.bits - 1) - 1
-    scale = (amax / top).to(mdt).float()
+    scale = (amax / _divisor(xg, top)).to(mdt).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale, None
 
