@@ -117,7 +117,7 @@ def test_non_finite_input_is_a_clear_error(bad):
         (dict(bits=4, group_size=48), "power of two"),
         (dict(bits=4, mode="nf4"), "unknown quantization mode"),
         (dict(bits=4, mode="fp8"), "fp8"),
-        (dict(bits=4, meta_dtype="float32"), "meta_dtype"),
+        (dict(bits=4, meta_dtype="float64"), "meta_dtype"),
     ],
 )
 def test_bad_formats_are_clear_errors(kw, match):
