@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     for m in a.methods:
         q = method_config(m, a.content_group, a.rope_group)
         cfg = EngineConfig(quant=q, kv_budget_bytes=int(a.kv_budget_gib * (1 << 30)), max_num_seqs=a.batch, max_num_batched_tokens=a.batched_tokens,
-                           cuda_graphs=False, max_model_len=a.prompt + a.steps + 8)
+                           cuda_graphs=False, max_model_len=a.prompt + a.steps + a.batch + 8)
         e = Engine(model, cfg)
         warm = [Request(f"w{i}", torch.randint(3, min(1000, model.config.vocab_size), (64,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(2)]
         e.generate(warm)
         reqs = [Request(i, torch.randint(3, model.config.vocab_size, (a.prompt,), generator=g).tolist(),
-                        SamplingParams(max_new_tokens=a.steps + 2, ignore_eos=True)) for i in range(a.batch)]
+                        SamplingParams(max_new_tokens=a.steps + a.batch + 2, ignore_eos=True)) for i in range(a.batch)]
         # time the whole job with and without the profiler; the profiled window starts at the first
         # step whose rows are all decode rows (see the engine's per-step hook below)
         orig = e._execute
