@@ -18,9 +18,9 @@ import time
 import torch
 import triton
 
-import quantmla.serving.engine as engine_mod
 from quantmla.serving.bench import method_config
 from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import EngineObserver
 
 from common import record, save, short_job, short_job_parser  # bench/common.py
 
@@ -55,47 +55,24 @@ def main(argv=None) -> int:
 
     records: list[dict] = []
     label = ["?"]
-    original = engine_mod._capture
 
-    def timed_capture(step, pool):
-        runs = []
+    class Captures(EngineObserver):
+        """Each capture's timings, and the Triton variants compiled during it (the scans of every Python
+        object that count them run outside the engine's timings)."""
 
-        def timed_step():
-            t = time.perf_counter()
-            out = step()
-            runs.append(time.perf_counter() - t)
-            return out
+        def capture_begin(self, graph, size):
+            records.append(dict(method=label[0], graph=f"{graph} {size}", before=compiled_variants()))
 
-        t0 = time.perf_counter()
-        got = original(timed_step, pool)
-        torch.cuda.synchronize()
-        records[-1].update(runs_s=[round(x, 4) for x in runs], capture_s=round(time.perf_counter() - t0, 4),
-                           ok=got[2] is None)
-        return got
+        def capture_end(self, timing):
+            r = records[-1]
+            r.update(runs_s=[round(x, 4) for x in timing.runs_s], capture_s=round(timing.capture_s, 4), ok=timing.ok,
+                     compiled=compiled_variants() - r.pop("before"))
 
-    def labelled(cls, kind):
-        get = cls.get
-
-        def wrapper(self, n):
-            if n not in self.graphs:
-                records.append(dict(method=label[0], graph=f"{kind} {n}"))
-                before = compiled_variants()  # a scan of every Python object: kept out of the timings
-                t = time.perf_counter()
-                out = get(self, n)
-                torch.cuda.synchronize()
-                records[-1]["get_s"] = round(time.perf_counter() - t, 4)
-                records[-1]["compiled"] = compiled_variants() - before
-                return out
-            return get(self, n)
-        cls.get = wrapper
-
-    engine_mod._capture = timed_capture
-    labelled(engine_mod._DecodeGraphs, "decode")
-    labelled(engine_mod._PrefillGraphs, "prefill")
     res = record(model=a.model, triton=triton.__version__, jobs=[])
     for m in a.methods:
         label[0] = m
         with Engine(model, EngineConfig(quant=method_config(m, 64, 32), kv_budget_bytes=int(a.budget_gib * (1 << 30)))) as e:
+            e.observers.append(Captures())
             c0 = compiled_variants()
             scans = len(records)
             t = time.perf_counter()
@@ -108,12 +85,12 @@ def main(argv=None) -> int:
         mine = [r for r in records if r["method"] == m]
         wall -= scan_s
         job = dict(method=m, cold_s=round(wall, 3), warm_s=round(warm, 3), captures=len(mine),
-                   capture_s=round(sum(r.get("get_s", 0) for r in mine), 3), compiled_in_job=compiled_variants() - c0)
+                   capture_s=round(sum(r.get("capture_s", 0) for r in mine), 3), compiled_in_job=compiled_variants() - c0)
         res["jobs"].append(job)
         print(f"{m}: cold job {wall:.2f} s, warm {warm:.2f} s, {len(mine)} captures take {job['capture_s']:.2f} s, "
               f"{job['compiled_in_job']} Triton variants compiled", flush=True)
         for r in mine:
-            print(f"   {r['graph']:14} get {r.get('get_s', 0):6.3f} s  runs {r.get('runs_s')}  capture {r.get('capture_s')} s  "
+            print(f"   {r['graph']:14} capture {r.get('capture_s', 0):6.3f} s  runs {r.get('runs_s')}  "
                   f"compiled {r.get('compiled')}", flush=True)
     res["captures"] = records
     save(res, a.out)

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
 
 from common import record, save  # bench/common.py
@@ -59,24 +60,26 @@ def main(argv=None) -> int:
         e.generate(warm)
         reqs = [Request(i, torch.randint(3, model.config.vocab_size, (a.prompt,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=a.steps + a.batch + 2, ignore_eos=True)) for i in range(a.batch)]
-        # time the whole job with and without the profiler; the profiled window starts at the first
-        # step whose rows are all decode rows (see the engine's per-step hook below)
-        orig = e._execute
-
+        # the profiled window starts at the first step of the phase asked for (an engine observer)
         state = {"prof": None, "decode_steps": 0, "t": 0.0, "wall": 0.0, "tokens": 0}
 
-        def hooked(plan):
-            if a.phase == "decode":
-                mine = plan.is_decode and len(plan.items) == a.batch
-            else:
-                mine = not plan.is_decode and state["prof"] is not False
-            if mine and state["prof"] is None:
-                sync()
-                state["prof"] = profile(activities=acts, record_shapes=a.shapes > 0)
-                state["prof"].__enter__()
-                state["t"] = time.perf_counter()
-            out = orig(plan)
-            if mine:
+        class Window(EngineObserver):
+            def mine(self, plan) -> bool:
+                if a.phase == "decode":
+                    return plan.is_decode and len(plan.items) == a.batch
+                return not plan.is_decode and state["prof"] is not False
+
+            def step_begin(self, plan):
+                if self.mine(plan) and state["prof"] is None:
+                    sync()
+                    state["prof"] = profile(activities=acts, record_shapes=a.shapes > 0)
+                    state["prof"].__enter__()
+                    state["t"] = time.perf_counter()
+
+            def step_end(self, timing):
+                plan = timing.plan
+                if not (self.mine(plan) and state["prof"]):
+                    return
                 state["decode_steps"] += 1
                 state["tokens"] += sum(it.n for it in plan.items)
                 if a.phase == "prefill" and state["decode_steps"] == a.steps:
@@ -84,9 +87,8 @@ def main(argv=None) -> int:
                     state["wall"] = time.perf_counter() - state["t"]
                     state["prof"].__exit__(None, None, None)
                     state["prof_done"], state["prof"] = state["prof"], False
-            return out
 
-        e._execute = hooked
+        e.observers.append(Window())
         e.generate(reqs)
         sync()
         if a.phase == "prefill":

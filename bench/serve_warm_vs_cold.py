@@ -4,8 +4,9 @@ captured), and once without CUDA graphs: how much of a short `quantmla serve` jo
     PYTHONPATH=src python3 bench/serve_warm_vs_cold.py models/qmla-ref-deepseek-v3 --out $OUT/serve_warm_cold.json
     PYTHONPATH=src python3 bench/serve_warm_vs_cold.py models/qmla-ref-deepseek-v3 --emulate --methods bf16 int4/int4  # CPU
 
-Also records what one full ``gc.collect()`` costs in this process (the engine ran one before every capture
-until commit 101df8a) and how many graphs each engine captured.
+Also records what one full ``gc.collect()`` costs in this process (what a collection before every
+capture would add; the engine runs none, see ``quantmla.serving.graphs.no_gc``) and how many graphs
+each engine captured.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     model, prompts, params = short_job(a.model, a.requests, a.new, "cuda" if torch.cuda.is_available() else "cpu")
     gc.collect()
     t = time.perf_counter()
-    gc.collect()  # what the engine paid before every capture until session 4 (commit 101df8a)
+    gc.collect()  # one full collection, with the model loaded
     gc_s = time.perf_counter() - t
     res = record(model=a.model, gc_collect_s=round(gc_s, 4), gc_objects=len(gc.get_objects()), rows=[])
     print(f"one full gc.collect(): {gc_s:.3f} s over {res['gc_objects']} objects", flush=True)
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
                            "eager_steps": st.eager_steps, "graph_decode_s": round(st.graph_decode_s, 3),
                            "eager_decode_s": round(st.eager_decode_s, 3), "mixed_s": round(st.mixed_s, 3),
                            "peak_batch": st.scheduler.peak_batch,
-                           "graphs_captured": sum(len(h.graphs) for h in (e._graphs, e._prefill) if h is not None)}
+                           "graphs_captured": e.graph_count}
                     res["rows"].append(row)
                     print(row, flush=True)
     save(res, a.out)

@@ -3,12 +3,12 @@
     PYTHONPATH=src python3 bench/step_anatomy.py --out $OUT/step_anatomy_h200.json
 
 Part 1: runs a small cache-pressured job (v2-lite geometry, random weights) per method and, for every
-step, records the host seconds until the model forward returned (all kernels launched) and until the
-sampled tokens reached the host, split by step kind (CUDA-graph decode / eager mixed). A step whose
-launch time is close to its total is host-bound.
+step, records (through an engine observer) the host seconds until its GPU work was all launched (model
+forward returned or graph replayed) and until the sampled tokens reached the host, split by step kind
+(CUDA-graph decode / mixed). A step whose launch time is close to its total is host-bound.
 Part 2: one prefill chunk's attention (n queries over T cached tokens, 16 heads, d_c 512, d_r 64) as
 per-head values, timed with CUDA events and checked against an fp64 reference, by: the absorbed form
-in plain matmuls (the engine's prefill path until session 4), the engine's prefill kernel
+in plain matmuls (the engine's prefill path before the prefill kernel), the engine's prefill kernel
 (``mla_prefill_attention`` after the ``kv_b_proj`` up-projection, per tiling config) and SDPA on the
 up-projected K/V with a lower-right causal mask.
 """
@@ -25,6 +25,7 @@ import torch
 from quantmla.kernels.api import PrefillConfig, mla_prefill_attention
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
 
 from common import record, save  # bench/common.py
@@ -42,25 +43,15 @@ def anatomy(model, method, a):
     reqs = [Request(i, torch.randint(3, 100000, (a.prompt,), generator=g).tolist(),
                     SamplingParams(max_new_tokens=a.new, ignore_eos=True)) for i in range(a.requests)]
     rec = {"mixed": [], "decode": []}
-    orig_fwd, orig_exec = e._forward, e._execute
-    cur = {}
 
-    def fwd(*args, **kw):
-        out = orig_fwd(*args, **kw)
-        cur["launch"] = time.perf_counter() - cur["t0"]
-        return out
+    class Steps(EngineObserver):
+        def step_end(self, timing):
+            plan = timing.plan
+            kind = "decode" if plan.is_decode else "mixed"
+            rec[kind].append({"total": timing.total_s, "launch": timing.launch_s, "tokens": sum(it.n for it in plan.items),
+                              "rows": len(plan.items)})
 
-    def ex(plan):
-        cur.clear()
-        cur["t0"] = time.perf_counter()
-        out = orig_exec(plan)
-        total = time.perf_counter() - cur["t0"]
-        kind = "decode" if plan.is_decode else "mixed"
-        rec[kind].append({"total": total, "launch": cur.get("launch"), "tokens": sum(it.n for it in plan.items),
-                          "rows": len(plan.items)})
-        return out
-
-    e._forward, e._execute = fwd, ex
+    e.observers.append(Steps())
     t = time.perf_counter()
     e.generate(reqs)
     wall = time.perf_counter() - t

@@ -76,8 +76,7 @@ def main(argv=None) -> int:
             e.generate(reqs)
             st = e.stats
             wall = 1e3 * st.graph_decode_s / max(1, st.graph_steps)
-            bucket = next(x for x in e._graphs.buckets if x >= b)
-            graph = e._graphs.graphs[bucket][0]
+            bucket, graph = e.decode_graph(b)
             gpu = replay_ms(graph)
             floor = k or default_config(16, next(iter(e.backend.layouts.values())), "cuda").min_chunk
             rows.append(dict(method=m, batch=b, min_chunk=floor, bucket=bucket, graph_steps=st.graph_steps,

@@ -5,29 +5,26 @@ cannot run. The same checks at full shapes run on the GPU in test_kernels_gpu.py
 
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton
+import triton.language as tl
 
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
-from quantmla.cache.paged import PagePool, gather_sequences, write_tokens  # noqa: E402
-from quantmla.errors import UnsupportedFormatError  # noqa: E402
-from quantmla.kernels import (  # noqa: E402
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.paged import PagePool, gather_sequences, write_tokens
+from quantmla.errors import UnsupportedFormatError
+from quantmla.kernels import (
     DecodeConfig,
     append_to_pages,
     check_layout_supported,
     get_mla_metadata,
     mla_decode_with_kvcache,
 )
-from quantmla.kernels import api  # noqa: E402
-from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3  # noqa: E402
-from quantmla.quant import BF16, PathFormat  # noqa: E402
-from quantmla.reference.absorbed import absorbed_attention  # noqa: E402
+from quantmla.kernels import api
+from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
+from quantmla.quant import BF16, PathFormat
+from quantmla.reference.absorbed import absorbed_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -262,7 +259,7 @@ def test_decode_transposed_orientation(name):
     lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=13)
     cfg = DecodeConfig(block_m=16, block_n=16, num_stages=1, orient="tokens")
     o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=3, SQ=2, config=cfg, chunk_tokens=16)
-    assert "tokens" in md.workspace["variant"]
+    assert "tokens" in md.variant
     check(o, l, ro, rl)
 
 

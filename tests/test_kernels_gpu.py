@@ -82,8 +82,9 @@ def check_decode(lay, pages, bt, sl, H, SQ, seed, config=None, chunk_tokens=None
     assert torch.all(out.float()[empty] == 0)
     rel = ((out.float() - ro).norm() / ro.norm()).item()
     lerr = (lse - rl)[~empty].abs().max().item()
-    print(f"{md.config.describe()} variant={md.workspace.get('variant')} units={md.num_units} rel={rel:.2e} lse_err={lerr:.2e}")
+    print(f"{md.config.describe()} variant={md.variant} units={md.num_units} rel={rel:.2e} lse_err={lerr:.2e}")
     assert rel < tol and lerr < tol, (rel, lerr)
+    return md
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -144,7 +145,10 @@ def test_decode_kernel_variants(variant):
     else:
         cfg = api.DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, kernel="generic", deq=int(variant[-1]))
     lay, pages, bt, sl = make_cache(FORMATS["int2/int4"], LENS, seed=3)
-    check_decode(lay, pages, bt, sl, 16, 2, seed=4, config=cfg)
+    md = check_decode(lay, pages, bt, sl, 16, 2, seed=4, config=cfg)
+    # the variant asked for ran: a compile failure would fall back to another one, with only a warning
+    want = f"fused/tl/{cfg.orient}" if variant == "fused-tl" else f"generic/d{variant[-1]}/s{cfg.num_stages}"
+    assert md.variant == want, (md.variant, want)
 
 
 def test_unsupported_formats_raise_before_launch():

@@ -1,4 +1,4 @@
-"""The cache layout: byte arithmetic (DESIGN.md §5), page alignment, compression."""
+"""The cache layout: byte arithmetic (docs/design.md §5), page alignment, compression."""
 
 import pytest
 

@@ -1,13 +1,9 @@
 """The lm-eval bridge: a local multiple-choice task scored through QuantMLACache, offline."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 lm_eval = pytest.importorskip("lm_eval")
 

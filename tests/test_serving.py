@@ -238,7 +238,7 @@ def test_reference_model_matches_generate(path):
 def test_check_compares_the_engine_logic_apart_from_the_kernels():
     """serve-bench --check: for low bits it also runs the same engine on fp32 torch attention, so that a
     divergence of the kernels (bf16 operands) can be told from one of the scheduler, pages or quantizer."""
-    from quantmla.serving.command import run_check
+    from quantmla.serving.serve_bench_command import run_check
 
     lines = []
     res = run_check("cpu", 2e-2, lines.append, families=("deepseek_v2",), refs=[], methods=("int2/int4",))
@@ -390,7 +390,7 @@ def test_reference_model_through_interpreted_fused_kernels():
 
 
 def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
-    from quantmla.serving.engine import prefill_buckets
+    from quantmla.serving.graphs import prefill_buckets
 
     for lo, top in ((128, 2432), (128, 8192), (8, 100), (128, 32), (1, 1)):
         b = prefill_buckets(lo, top)

@@ -9,7 +9,7 @@ import sys
 
 from quantmla.errors import QuantMLAError
 
-# name -> (module, one-line help). Modules are imported lazily so `--help` stays fast.
+# name -> (module, one-line help); each module is imported when the parser is built.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec": ("quantmla.model.command", "Show the MLA spec of a checkpoint or config"),
     "bytes": ("quantmla.cache.command", "Bytes per token per layer of cache formats"),
@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("quantmla.evaluation.command", "Perplexity and retrieval under a quantized cache"),
     "bench-kernel": ("quantmla.kernels.command", "Benchmark the low-bit MLA decode kernel (GPU)"),
     "serve": ("quantmla.serving.serve_command", "Generate with a checkpoint on the paged low-bit cache"),
-    "serve-bench": ("quantmla.serving.command", "Whole-job throughput under cache pressure (GPU)"),
+    "serve-bench": ("quantmla.serving.serve_bench_command", "Whole-job throughput under cache pressure (GPU)"),
     "demo": ("quantmla.demo", "The main job: calibrate, evaluate and report on the shipped model"),
 }
 
@@ -37,12 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:  # a subcommand not built yet
-            if e.name != module:
-                raise
-            p.set_defaults(_missing=True)
+        importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -53,9 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = "quantmla " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    if getattr(args, "_missing", False):
-        print(f"quantmla {args.command}: not available in this build", file=sys.stderr)
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

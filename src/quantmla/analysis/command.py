@@ -1,4 +1,4 @@
-"""`quantmla analyze MODEL`: the dual-path error model measured per layer (DESIGN.md §2).
+"""`quantmla analyze MODEL`: the dual-path error model measured per layer (docs/design.md §2).
 
 On full-precision activations of held-out text, per MLA layer: attention-output distortion from
 content-only, RoPE-only and joint quantization at equal bits, its exact split into matching and

@@ -1,4 +1,4 @@
-"""The dual-path error model of MLA cache quantization, measured exactly (DESIGN.md §2).
+"""The dual-path error model of MLA cache quantization, measured exactly (docs/design.md §2).
 
 For one layer, head i, query position s and cached token t (causal, t <= s):
 
@@ -13,7 +13,7 @@ Quantizing the cache replaces c by ĉ = c + e_c and k_R by k̂_R = k_R + e_R; th
 
 with Δp = p̂ − p, v̄ = (v + v̂)/2, p̄ = (p + p̂)/2 (the symmetric — Shapley — split of a product's
 change: it gives each term half of the second-order cross term Σ Δp e_c W_UV, which is reported
-separately). The first-order model of DESIGN §2 is
+separately). The first-order model of docs/design.md §2 is
 
     Δp¹_i(t) = p_i(t) (Δs_i(t) − Σ_u p_i(u) Δs_i(u)),   Δs exact (logits are linear in the cache)
     Δo¹_i    = Σ_t Δp¹_i(t) v_i(t) + Σ_t p_i(t) e_c(t) W_UV^(i)ᵀ

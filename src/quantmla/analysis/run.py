@@ -31,7 +31,7 @@ DEFINITIONS = {
     "matching": "‖Σ_t Δp(t)·(v+v̂)/2‖/‖o‖ — exact matching term (probability change)",
     "aggregation": "‖Σ_t (p+p̂)/2·e_c(t)W_UV‖/‖o‖ — exact aggregation term (value error); matching+aggregation = Δo exactly",
     "cross": "‖Σ_t Δp(t)·e_c(t)W_UV‖/‖o‖ — the second-order term, split half/half into the two above",
-    "first_order_rel_err": "‖Δo¹ − Δo‖/‖Δo‖, Δo¹ = DESIGN §2 first-order model with exact logit error",
+    "first_order_rel_err": "‖Δo¹ − Δo‖/‖Δo‖, Δo¹ = docs/design.md §2 first-order model with exact logit error",
     "content_rel_err / rope_rel_err": "‖ĉ − c‖/‖c‖, ‖k̂_R − k_R‖/‖k_R‖ (relative cache error of a path)",
     "sensitivity": "distortion / relative cache error of the quantized path",
     "rope_amplification": "sensitivity(RoPE-only) / sensitivity(content-only) at equal bits: >1 means a unit of "

@@ -95,16 +95,22 @@ class QuantCacheConfig:
 
     @classmethod
     def from_model_config(cls, config) -> "QuantCacheConfig | None":
-        qc = getattr(config, "quantization_config", None)
+        """The checkpoint's own cache formats if `quantmla calibrate` wrote it, else None: no
+        quantization_config, or one of another method (e.g. FP8 weights: that says nothing about the
+        cache). ``config``: a transformers config, or config.json as a dict."""
+        qc = config.get("quantization_config") if isinstance(config, dict) else \
+            getattr(config, "quantization_config", None)
         if qc is None:
             return None
-        return cls.from_dict(qc if isinstance(qc, dict) else qc.to_dict())
+        d = qc if isinstance(qc, dict) else qc.to_dict()
+        if d.get("quant_method") != QUANT_METHOD:
+            return None
+        return cls.from_dict(d)
 
     def attach(self, model) -> None:
-        """Record these formats in ``model.config`` (written to config.json by save_pretrained,
-        read back by from_pretrained once quantmla is imported)."""
-        import quantmla.hf_integration  # noqa: F401  (registers quant_method "quantmla")
-
+        """Record these formats in ``model.config`` (written to config.json by save_pretrained, read back
+        by from_pretrained: importing quantmla registers quant_method "quantmla" with transformers, see
+        quantmla/hf_integration.py)."""
         model.config.quantization_config = self.to_dict()
 
 
@@ -130,17 +136,7 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
     return requested
 
 
-def stored_cache_config(model_config) -> QuantCacheConfig | None:
-    """The checkpoint's own cache formats if `quantmla calibrate` wrote it, else None (also for a
-    quantization_config of another method, e.g. FP8 weights: that says nothing about the cache)."""
-    qc = model_config.get("quantization_config") if isinstance(model_config, dict) else \
-        getattr(model_config, "quantization_config", None)
-    if qc is None:
-        return None
-    d = qc if isinstance(qc, dict) else qc.to_dict()
-    if d.get("quant_method") != QUANT_METHOD:
-        return None
-    return QuantCacheConfig.from_dict(d)
+stored_cache_config = QuantCacheConfig.from_model_config  # the same function, under the name the commands import
 
 
 def same_formats(a: QuantCacheConfig, b: QuantCacheConfig) -> bool:

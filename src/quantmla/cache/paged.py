@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, compression
 from quantmla.errors import QuantMLAError
 from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import Quantized, dequantize, quantize
@@ -277,21 +277,12 @@ def gather_sequences(
 def compression_report(
     d_c: int, d_r: int, fmt: CacheFormat, tokens: Sequence[int] = (4096, 32768, 131072), page_size: int = 64
 ) -> list[dict]:
-    """Allocated bytes (pages + block tables, layout.allocated_bytes) of one sequence vs BF16."""
+    """One row per sequence length in `tokens`: `fmt`'s bytes per token and per page, the bytes one
+    sequence allocates (pages + block tables, ``PageLayout.allocated_bytes``) in `fmt` and in BF16, and
+    their ratio (:func:`quantmla.cache.layout.compression`)."""
     ref = PageLayout(TokenLayout(d_c, d_r, CacheFormat()), page_size)
     got = PageLayout(TokenLayout(d_c, d_r, fmt), page_size)
-    rows = []
-    for n in tokens:
-        a, b = ref.allocated_bytes(n), got.allocated_bytes(n)
-        rows.append(
-            {
-                "format": fmt.describe(),
-                "tokens": n,
-                "bytes_per_token": got.token.bytes_per_token,
-                "page_bytes": got.page_bytes,
-                "allocated_bytes": b,
-                "bf16_allocated_bytes": a,
-                "compression": a / b,
-            }
-        )
-    return rows
+    return [{"format": fmt.describe(), "tokens": n, "bytes_per_token": got.token.bytes_per_token,
+             "page_bytes": got.page_bytes, "allocated_bytes": got.allocated_bytes(n),
+             "bf16_allocated_bytes": ref.allocated_bytes(n), "compression": compression(d_c, d_r, fmt, n, page_size)}
+            for n in tokens]

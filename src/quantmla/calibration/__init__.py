@@ -1,4 +1,4 @@
-"""Function-aligned calibration of MLA's two cache paths (DESIGN.md §4) and quantized checkpoints.
+"""Function-aligned calibration of MLA's two cache paths (docs/design.md §4) and quantized checkpoints.
 
 >>> report = calibrate(model, calib_ids, QuantCacheConfig.of_bits(2, 4), method="quantmla")
 >>> save_quantized(model, tokenizer, "out/")

@@ -31,7 +31,7 @@ objective (capture.py). By the claim and Cauchy–Schwarz over queries,
     Σ_{i,t} ‖Δo_{i,t}‖²  ≤  max_{i,t}(½ diam(V_{i,t}) κ_{i,t})² · Σ_u e(u)ᵀ A(u) e(u),
 
 so driving this objective down drives down a bound on the output distortion; the uniform
-weighting of DESIGN.md §4 (every causal (t, u) pair counted once) relates to it only through
+weighting of docs/design.md §4 (every causal (t, u) pair counted once) relates to it only through
 ``Σ_u p_u Δ_u² ≤ (max_u p_u) · Σ_u Δ_u²``, which is loose where attention is peaked (sinks, recent
 tokens) — exactly where RoPE errors hurt. The tests check the claim on random logits (small and
 large perturbations) and on a model's captured attention with real INT-k RoPE errors.

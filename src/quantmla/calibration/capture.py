@@ -11,7 +11,7 @@ Per layer and calibration sequence (length L) we keep:
   matrix each, ``A(u)`` with  ``Σ_{i,t} w_{i,t}(u)·(scale·q_i^R(t)·e)² = eᵀ·A(u)·e`` for any key
   error e: the positional QK error as a quadratic form. Two weightings:
 
-    uniform:    w = 1 for every head i and query t ≥ u (DESIGN.md §4, all query positions);
+    uniform:    w = 1 for every head i and query t ≥ u (docs/design.md §4, all query positions);
     attention:  w = p_{i,t}(u), the full-precision attention probability (sampled queries) — the
                 weighting in the output-distortion bound (see :mod:`quantmla.calibration.bound`).
 

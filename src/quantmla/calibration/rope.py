@@ -3,7 +3,7 @@
 The space has d_r real parameters per layer (scale and phase of each pair), so we try several
 searches and keep the one that wins on held-out calibration keys:
 
-- closed forms (the DESIGN.md §6 baselines): equalize pair RMS, equalize pair maxima, the
+- closed forms (the docs/design.md §6 baselines): equalize pair RMS, equalize pair maxima, the
   SmoothQuant-style balance ``|z_j| = sqrt(rms(q_j) / rms(k_j))`` — phase 0;
 - ``grid``: coordinate descent over (log-scale, phase) per pair on the fit keys, from the best
   closed form, shrinking the grid each sweep;

@@ -2,7 +2,7 @@
 
 DeepSeek-V3 / Kimi-K2 geometry (61 decoder layers, hundreds of GB) does not fit one GPU or the host.
 Calibration does not need it to: the fused transforms preserve the full-precision function, so
-each layer's transforms are fitted on that layer's *full-precision* inputs alone (DESIGN.md §4).
+each layer's transforms are fitted on that layer's *full-precision* inputs alone (docs/design.md §4).
 This module therefore
 
 1. reads the sharded safetensors checkpoint through ``model.safetensors.index.json``, one decoder

@@ -308,13 +308,8 @@ def _retrieval_fn():
 
 def calibration_api():
     """The calibration entry point ``calibrate(model, calib_ids, quant, *, method, paths, seed, ...)``."""
-    try:
-        from quantmla.calibration import calibrate
-    except ImportError:
-        try:
-            from quantmla.calibration.api import calibrate
-        except ImportError as e:
-            raise QuantMLAError(f"calibrated methods need quantmla.calibration's calibrate, which is not available: {e}") from None
+    from quantmla.calibration import calibrate
+
     return calibrate
 
 

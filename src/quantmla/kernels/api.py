@@ -206,6 +206,13 @@ class MLAMetadata:
     workspace: dict = field(default_factory=dict, repr=False)
 
     @property
+    def variant(self) -> str | None:
+        """The decode kernel variant the last launch with this metadata ran ("fused/<unpack>/<orient>" or
+        "generic/d<deq>/s<stages>"), which differs from ``config`` when that failed to compile and a
+        fallback ran; None before the first launch."""
+        return self.workspace.get("variant")
+
+    @property
     def rows(self) -> int:
         return self.num_heads * self.q_len
 

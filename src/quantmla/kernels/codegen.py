@@ -1,4 +1,4 @@
-"""Generated decode kernels that apply DESIGN §5's kernel trick, one kernel per cache format.
+"""Generated decode kernels that apply docs/design.md §5's kernel trick, one kernel per cache format.
 
 For affine groups (symmetric ones are affine with ``zero = −2^(b−1)·scale``)
 

@@ -1,6 +1,6 @@
 """The MLA spec: what any transformers MLA checkpoint caches, read from its config or model.
 
-Notation (DESIGN.md §1): latent rank d_c (``kv_lora_rank``), RoPE dim d_r (``qk_rope_head_dim``),
+Notation (docs/design.md §1): latent rank d_c (``kv_lora_rank``), RoPE dim d_r (``qk_rope_head_dim``),
 nope dim d_n, value dim d_v, n_h heads. The cache of every latent-caching family receives
 ``past_key_values.update(latent [B, 1, T, d_c], k_rope [B, 1, T, d_r], layer_idx)``.
 
@@ -21,6 +21,21 @@ from dataclasses import asdict, dataclass
 import torch
 
 from quantmla.errors import NotMLAError, QuantMLAError
+
+
+def pair_channels(d_r: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel indices (a_j, b_j), int64 [d_r/2] each, of RoPE frequency pair j = 0 .. d_r/2 − 1 in
+    `layout`: "interleaved" pairs (2j, 2j+1), "rotate_half" pairs (j, j + d_r/2); "none" (no rotation)
+    takes rotate_half's pairing, as any fixed pairing commutes with the identity. A rotation by angle
+    φ_j maps (a, b) -> (a cos φ_j − b sin φ_j, a sin φ_j + b cos φ_j)."""
+    if d_r % 2:
+        raise QuantMLAError(f"the RoPE dim must be even, got {d_r}")
+    j = torch.arange(d_r // 2)
+    if layout == "interleaved":
+        return 2 * j, 2 * j + 1
+    if layout in ("rotate_half", "none"):
+        return j, j + d_r // 2
+    raise QuantMLAError(f"unknown RoPE pair layout {layout!r}; use 'rotate_half', 'interleaved' or 'none'")
 
 # Families whose transformers implementation caches (latent, rope key) through Cache.update.
 LATENT_CACHING = {
@@ -64,13 +79,8 @@ class MLASpec:
         return self.d_r // 2
 
     def pair_index(self, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Channel indices (a_j, b_j) of RoPE frequency pair j, j = 0 .. d_r/2 − 1, in `layout`
-        (default: the cache layout). A rotation by angle φ_j maps (a, b) -> (a cos − b sin, a sin + b cos)."""
-        layout = layout or self.rope_cache_layout
-        j = torch.arange(self.d_r // 2)
-        if layout == "interleaved":
-            return 2 * j, 2 * j + 1
-        return j, j + self.d_r // 2  # rotate_half, and "none" (any fixed pairing commutes with identity)
+        """:func:`pair_channels` of this model's RoPE dim in `layout` (default: the cache layout)."""
+        return pair_channels(self.d_r, layout or self.rope_cache_layout)
 
     def bytes_per_token_bf16(self) -> int:
         return (self.d_c + self.d_r) * 2

@@ -32,7 +32,7 @@ from quantmla.reference.absorbed import absorbed_attention
 
 
 @dataclass
-class Chunk:
+class PrefillChunk:
     """A prefill chunk: flat tokens [start, start + n) of one sequence whose cache holds seq_len tokens
     after this step's write (the chunk's queries are its last n positions)."""
 
@@ -50,7 +50,7 @@ class AttnMeta:
     num_decode: int = 0  # flat tokens [0, num_decode) are single-query rows
     block_tables: torch.Tensor | None = None  # [num_decode, W] int32
     seq_lens: torch.Tensor | None = None  # [num_decode] int32 (after this step's write)
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: list[PrefillChunk] = field(default_factory=list)
     max_seq_len: int = 0  # upper bound of seq_lens (a static bound under CUDA graphs)
     plan: object | None = None  # a backend's fixed-shape decode schedule (CUDA graphs), else None
     backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
@@ -108,11 +108,11 @@ class AttentionBackend:
         """Latent-space outputs [nd, H, d_c] of the decode rows (absorbed queries [nd, H, d_c])."""
         raise NotImplementedError
 
-    def prefill(self, slot: int, view: MLAView, c: Chunk, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+    def prefill(self, slot: int, view: MLAView, c: PrefillChunk, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """Values [n, H, d_v] of one chunk's queries over its context (the chunk's own tokens included)."""
         raise NotImplementedError
 
-    def context(self, slot: int, c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    def context(self, slot: int, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's context read back dequantized: latent [T, d_c], k_rope [T, d_r] fp32."""
         if c.slots is not None:
             return read_tokens(self.pools[slot], self.layouts[slot], c.slots)

@@ -8,8 +8,10 @@ rows absorbed, prefill chunks as the backend chooses; both return per-head value
 module's own ``o_proj``. A step runs the model once over the flat batch of all scheduled tokens
 (``[1, N]`` with per-token positions): decode tokens first, then prefill chunks. Pure decode steps
 replay CUDA graphs captured per batch-size bucket when the backend allows; first prompt chunks replay
-graphs captured per token bucket (``prefill_buckets``), a prompt's later chunks run eagerly. A probe
-that finds the model's step synchronizing with the host keeps steps eager (the engine says why).
+graphs captured per token bucket (``prefill_buckets``), a prompt's later chunks run eagerly (the graphs
+live in :mod:`quantmla.serving.graphs`). A probe that finds the model's step synchronizing with the host
+keeps steps eager (the engine says why). ``Engine.observers`` takes :class:`EngineObserver` objects,
+told of every step and graph capture with host timings (how the benchmarks time and profile it).
 
 >>> engine = Engine(model, EngineConfig(quant=QuantCacheConfig.of_bits(4, 4), kv_budget_bytes=2 << 30))
 >>> outs = engine.generate([Request(0, prompt_ids, SamplingParams(max_new_tokens=256))])
@@ -17,11 +19,8 @@ that finds the model's step synchronizing with the host keeps steps eager (the e
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 import types
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,10 +32,12 @@ from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
-from quantmla.serving.backends import AttentionBackend, AttnMeta, Chunk, TorchPagedBackend
+from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
+from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
 from quantmla.serving.scheduler import (
     Request, RequestOutput, SamplingParams, Scheduler, SchedulerStats, Sequence, StepPlan,
 )
+from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
 BF16_CONFIG = QuantCacheConfig(content=BF16, rope=BF16, method="bf16")
 
@@ -99,12 +100,6 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype) 
     if name == "torch":
         return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
     if name in ("triton", "auto"):
-        try:
-            from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
-        except ImportError as e:  # kernels not built in this tree
-            if name == "triton":
-                raise QuantMLAError(f"the Triton attention backend is not available: {e}") from None
-            return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
         ok, why = triton_available(device, spec, formats, page_size)
         if ok:
             return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype)
@@ -161,8 +156,8 @@ class Engine:
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
-        self._graphs: _DecodeGraphs | None = None
-        self._prefill: _PrefillGraphs | None = None
+        self._graphs: DecodeGraphs | None = None
+        self._prefill: PrefillGraphs | None = None
         self.graph_error: str | None = None
         self.prefill_graph_error: str | None = None
         self.emulate_graphs = config.cuda_graphs == "emulate"
@@ -170,6 +165,9 @@ class Engine:
             self.emulate_graphs or (bool(config.cuda_graphs) and self.device.type == "cuda" and self.backend.graph_safe))
         self.use_prefill_graphs = self.use_graphs and config.prefill_graphs
         self.stats = JobStats()
+        # the public hook: EngineObserver objects told of every step and graph capture, with host timings
+        self.observers: list[EngineObserver] = []
+        self._t_launch = 0.0  # when the running step last launched GPU work (a forward returned, a graph replayed)
 
     # -- construction helpers --------------------------------------------------------------------
     @classmethod
@@ -246,6 +244,7 @@ class Engine:
                              logits_to_keep=keep)
         finally:
             self._ctx, _ACTIVE[0] = None, None
+        self._t_launch = time.perf_counter()
         return out.logits[0]
 
     def _execute(self, plan: StepPlan) -> tuple[list[int | None], list | None]:
@@ -315,7 +314,7 @@ class Engine:
             it = items[k]
             npg = -(-(it.start + it.n) // ps)
             T = it.start + it.n
-            meta.chunks.append(Chunk(flat, it.n, T, torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg,
+            meta.chunks.append(PrefillChunk(flat, it.n, T, torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg,
                                      slots=ctx_t[off: off + T]))
             off += T
             if it.sample:
@@ -340,21 +339,37 @@ class Engine:
         if not self.use_graphs:
             return
         if self._graphs is None:
-            self._graphs = _DecodeGraphs(self)
+            self._graphs = DecodeGraphs(self)
         with torch.inference_mode():
             for b in sorted(self._graphs.buckets, reverse=True):
                 if self._graphs.get(b) is None:
                     break
             if self.use_prefill_graphs:
                 if self._prefill is None:
-                    self._prefill = _PrefillGraphs(self)
+                    self._prefill = PrefillGraphs(self)
                 for n in sorted(self._prefill.buckets, reverse=True):
                     if self._prefill.get(n) is None:
                         break
 
+    def decode_graph(self, rows: int) -> tuple[int, torch.cuda.CUDAGraph | None]:
+        """(bucket, graph): the batch-size bucket a pure decode step of ``rows`` sequences pads to, and the
+        CUDA graph it replays (None while not captured, or when graphs are emulated or off)."""
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self)
+        bucket = next((b for b in self._graphs.buckets if b >= rows), None)
+        if bucket is None:
+            raise QuantMLAError(f"a decode step of {rows} rows has no graph bucket: at most {self._graph_max()} rows "
+                                "(EngineConfig.max_num_seqs, graph_buckets)")
+        return bucket, (self._graphs.graphs.get(bucket) or (None,))[0]
+
+    @property
+    def graph_count(self) -> int:
+        """Decode and prefill graph buckets this engine holds (captured, or prepared when emulated)."""
+        return sum(len(h.graphs) for h in (self._graphs, self._prefill) if h is not None)
+
     def _graphs_run(self, items) -> list[int]:
         if self._graphs is None:
-            self._graphs = _DecodeGraphs(self)
+            self._graphs = DecodeGraphs(self)
         return self._graphs.run(items)
 
     def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
@@ -363,7 +378,7 @@ class Engine:
         prompt's later part, cut by the token budget) in one eager forward. The sequences are
         independent, so this is the flat eager step split in parts. None: run the step eagerly."""
         if self._prefill is None:
-            self._prefill = _PrefillGraphs(self)
+            self._prefill = PrefillGraphs(self)
         pg = self._prefill
         whole = [k for k in pre if items[k].start == 0 and items[k].n <= pg.max_tokens]
         if not whole or (dec and not self.use_graphs):
@@ -438,17 +453,25 @@ class Engine:
                 plan = sched.schedule()
                 if not plan.items:
                     raise RuntimeError("scheduler produced an empty step with unfinished requests")  # invariant
+                for o in self.observers:
+                    o.step_begin(plan)
                 t1 = time.perf_counter()
-                g0 = self.stats.graph_steps
+                g0, p0 = self.stats.graph_steps, self.stats.prefill_graph_steps
                 sampled, logits = self._execute(plan)  # returns after the sampled tokens reached the host
                 dt = time.perf_counter() - t1
-                if self.stats.graph_steps > g0:
+                kind = "graph_decode" if self.stats.graph_steps > g0 else \
+                    "prefill_graph" if self.stats.prefill_graph_steps > p0 else "eager"
+                if kind == "graph_decode":
                     self.stats.graph_decode_s += dt
                 elif all(it.n == 1 for it in plan.items):
                     self.stats.eager_decode_steps += 1
                     self.stats.eager_decode_s += dt
                 else:
                     self.stats.mixed_s += dt
+                if self.observers:
+                    timing = StepTiming(plan, kind, self._t_launch - t1, dt)
+                    for o in self.observers:
+                        o.step_end(timing)
                 for k, it in enumerate(plan.items):
                     if it.sample and sampled[k] == NONFINITE:  # fails alone; its pages go back to the pool
                         sched.fail_running(it.seq, QuantMLAError(
@@ -495,227 +518,3 @@ def _dispatch_forward(module, *args, **kwargs):
 
 
 _ACTIVE: list = [None]  # the engine whose step is running (one at a time)
-
-NONFINITE = -1  # the token a row gets when its logits hold NaN or Inf (the request then fails alone)
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite."""
-    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
-
-
-def prefill_buckets(lo: int, top: int) -> list[int]:
-    """Token counts prefill graphs are captured for, up to the first >= top: powers of two up to 512,
-    steps of 256 up to 2048, of 512 up to 4096, then powers of two (a chunk pads to the next one)."""
-    top = max(1, top)
-    b, out = max(1, min(lo, 1 << (top - 1).bit_length())), []
-    while True:
-        out.append(b)
-        if b >= top:
-            return out
-        b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
-
-
-def _capture(step, pool) -> tuple[object, object, str | None]:
-    """Probe `step` for host synchronization, then capture it as a CUDA graph (warm-up on a side stream,
-    as torch requires) -> (graph, its output, None), or (None, None, why not)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compiles kernels, allocates workspaces
-        why = _sync_free(step)
-    torch.cuda.current_stream().wait_stream(s)
-    if why is not None:
-        return None, None, f"synchronizes with the host, so it cannot be a CUDA graph ({why})"
-    try:
-        g = torch.cuda.CUDAGraph()
-        with _no_gc(), torch.cuda.graph(g, pool=pool):
-            out = step()
-    except Exception as err:
-        torch.cuda.synchronize()
-        return None, None, f"failed to capture as a CUDA graph: {type(err).__name__}: {err}"
-    return g, out, None
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """No Python garbage collection during a capture: collecting a dead engine's CUDA graph while a
-    stream captures invalidates the capture. No collection before it either: a full collection costs
-    about 0.2 s with transformers loaded, and a job captures one graph per bucket it uses."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _sync_free(fn) -> str | None:
-    """Run fn once with synchronizing CUDA operations (host reads, pageable copies, nonzero) made errors:
-    None if none ran, so the step can be captured in a CUDA graph; else why not. Probing first matters:
-    a capture that fails midway can leave the caching allocator recording into the graph's pool, and
-    later captures of other graphs then fail too."""
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    why = None
-    try:
-        fn()
-    except RuntimeError as err:
-        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
-    torch.cuda.synchronize()
-    return why
-
-
-class _DecodeGraphs:
-    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens)."""
-
-    def __init__(self, engine: Engine):
-        self.e = engine
-        cap = engine._graph_max()
-        self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
-        B, W, dev = cap, engine.max_pages_per_seq, engine.device
-        pin = dev.type == "cuda"
-        self.host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
-        self.host_bt = torch.zeros(B, W, dtype=torch.int32, pin_memory=pin)
-        self.buf = torch.zeros(4, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens
-        self.buf[3].fill_(1)
-        self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        self.mempool = None
-
-    def _step(self, b: int, plan) -> torch.Tensor:
-        e = self.e
-        meta = AttnMeta(slot_mapping=self.buf[2, :b], num_decode=b, block_tables=self.bt[:b],
-                        seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
-                        plan=plan)
-        logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
-        return greedy(logits)
-
-    def get(self, b: int):
-        if b in self.graphs:
-            return self.graphs[b]
-        self.buf.zero_()  # null rows: token 0 at position 0, written to the null page
-        self.buf[3].fill_(1)
-        self.bt.zero_()
-        e = self.e
-        plan = e.backend.static_plan(b, e.max_pages_per_seq * e.config.page_size)
-        plan.update(np.ones(b, dtype=np.int64))
-        if e.emulate_graphs:
-            self.graphs[b] = (None, None, plan)
-            return self.graphs[b]
-        g, out, why = _capture(lambda: self._step(b, plan), self.mempool)
-        if why is not None:  # eager decode steps from now on (and no prefill graphs: they use these)
-            e.use_graphs = e.use_prefill_graphs = False
-            e.graph_error = f"the {b}-row decode step {why}"
-            warnings.warn(e.graph_error)
-            return None
-        self.mempool = g.pool()
-        self.graphs[b] = (g, out, plan)
-        return self.graphs[b]
-
-    def run(self, items) -> list[int]:
-        b = len(items)
-        B = next(x for x in self.buckets if x >= b)
-        ps = self.e.config.page_size
-        h = self.host.numpy()
-        bt = self.host_bt.numpy()
-        h[:, :B] = 0
-        h[3, :B] = 1
-        bt[:B] = 0
-        for j, it in enumerate(items):
-            seq = it.seq
-            p = it.start
-            h[0, j] = seq.tokens[p]
-            h[1, j] = p
-            h[2, j] = seq.pages[p // ps] * ps + p % ps
-            h[3, j] = p + 1
-            bt[j, : len(seq.pages)] = seq.pages
-        got = self.get(B)
-        if got is None:
-            return None
-        g, out, plan = got
-        plan.update(h[3, :B])
-        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
-        self.bt[:B].copy_(self.host_bt[:B], non_blocking=True)
-        if g is None:  # emulated: the same padded static step, run eagerly
-            out = self._step(B, plan)
-        else:
-            g.replay()
-        return out[:b].tolist()
-
-
-class _PrefillGraphs:
-    """Per token bucket (powers of two), a CUDA graph of one whole-prompt prefill chunk: the model over
-    the prompt padded to the bucket, the last real token's argmax. Padding tokens (id 0, position 0)
-    write to the null page and sit after every real token, so causal attention keeps them out of the
-    real rows; the chunk's own keys are read back quantized through its slot buffer, as in eager steps."""
-
-    def __init__(self, engine: Engine):
-        self.e = engine
-        cfg = engine.config
-        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)
-        buckets = prefill_buckets(cfg.prefill_graph_min, top)
-        self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
-        dev, pin = engine.device, engine.device.type == "cuda"
-        N = buckets[-1]
-        self.host = torch.zeros(3, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
-        self.host_row = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-        self.buf = torch.zeros(3, N, dtype=torch.int64, device=dev)
-        self.row = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.no_pages = torch.zeros(0, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple] = {}
-        self.mempool = None  # its own pool: the decode graphs' outputs are never overwritten by a prefill replay
-
-    def _step(self, n: int) -> torch.Tensor:
-        e = self.e
-        slots = self.buf[2, :n]
-        meta = AttnMeta(slot_mapping=slots, num_decode=0,
-                        chunks=[Chunk(0, n, n, self.no_pages, 0, slots=slots)])
-        logits = e._forward(self.buf[0, :n], self.buf[1, :n], meta, self.row)
-        return greedy(logits)
-
-    def get(self, n: int):
-        if n in self.graphs:
-            return self.graphs[n]
-        e = self.e
-        self.buf.zero_()
-        self.buf[1, :n] = torch.arange(n, device=self.buf.device)
-        self.row.fill_(n - 1)
-        if e.emulate_graphs:
-            self.graphs[n] = (None, None)
-            return self.graphs[n]
-        g, out, why = _capture(lambda: self._step(n), self.mempool)
-        if why is not None:  # e.g. MoE routing that reads expert counts on the host: eager prefill steps
-            e.use_prefill_graphs = False
-            e.prefill_graph_error = f"the {n}-token prefill step {why}"
-            warnings.warn(e.prefill_graph_error)
-            return None
-        self.mempool = g.pool()
-        self.graphs[n] = (g, out)
-        return self.graphs[n]
-
-    def run(self, item) -> int | None:
-        n = item.n
-        B = next(x for x in self.buckets if x >= n)
-        ps = self.e.config.page_size
-        h = self.host.numpy()
-        h[:, :B] = 0
-        p = np.arange(n)
-        h[0, :n] = item.seq.tokens[:n]
-        h[1, :n] = p
-        h[2, :n] = np.asarray(item.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps
-        self.host_row[0] = n - 1
-        got = self.get(B)
-        if got is None:
-            return None
-        g, out = got
-        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
-        self.row.copy_(self.host_row, non_blocking=True)
-        if g is None:  # emulated: the same padded static step, run eagerly
-            out = self._step(B)
-        else:
-            g.replay()
-        return int(out[0].item())

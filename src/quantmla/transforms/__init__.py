@@ -1,4 +1,4 @@
-"""Fusible transforms of MLA's two cache paths (DESIGN.md §3).
+"""Fusible transforms of MLA's two cache paths (docs/design.md §3).
 
 Content: ``c' = c · diag(1/γ) · Q · diag(γ')`` (orthogonal Q, nonzero γ'), fused into
 kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj. RoPE: one complex scalar per frequency pair on

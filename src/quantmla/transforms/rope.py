@@ -30,18 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from quantmla.errors import QuantMLAError
+from quantmla.model.spec import pair_channels  # (real, imag) channels of each pair: the model's RoPE layout
 
-
-def pair_channels(d_r: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(real, imag) channel indices of each frequency pair j = 0 .. d_r/2 − 1."""
-    if d_r % 2:
-        raise QuantMLAError(f"the RoPE dim must be even, got {d_r}")
-    j = torch.arange(d_r // 2)
-    if layout == "interleaved":
-        return 2 * j, 2 * j + 1
-    if layout in ("rotate_half", "none"):
-        return j, j + d_r // 2
-    raise QuantMLAError(f"unknown RoPE pair layout {layout!r}; use 'rotate_half', 'interleaved' or 'none'")
+__all__ = ["RopeTransform", "apply_pairs", "fuse_rope", "pair_channels"]
 
 
 @dataclass

@@ -1,0 +1,331 @@
+"""CUDA graphs of serving steps, and the observer hook that times steps and captures.
+
+:class:`DecodeGraphs` holds, per batch-size bucket, a graph of the whole pure-decode step (model
+forward + greedy tokens); :class:`PrefillGraphs` holds, per token bucket (:func:`prefill_buckets`), a
+graph of one whole-prompt prefill chunk. Both capture through :func:`capture_step`, which first probes
+the step for host synchronization (:func:`sync_free`) and keeps the step eager, saying why, when it
+finds one. ``EngineConfig(cuda_graphs="emulate")`` runs the same padded static steps uncaptured (CPU
+tests of the graph path).
+
+:class:`EngineObserver` is the public hook: objects in ``Engine.observers`` are told when each step
+begins and ends (:class:`StepTiming`, host seconds) and when each graph capture begins and ends
+(:class:`CaptureTiming`). Benchmarks time and profile the engine through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from quantmla.serving.backends import AttnMeta, PrefillChunk
+from quantmla.serving.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from quantmla.serving.engine import Engine
+
+
+@dataclass
+class StepTiming:
+    """One engine step as an observer sees it. ``kind``: "graph_decode" (a pure decode step replayed
+    from a CUDA graph), "prefill_graph" (whole-prompt chunks replayed from prefill graphs, with any
+    decode rows through the decode graphs) or "eager". ``launch_s``: host seconds from the step's
+    start until its last model forward returned or its last graph replay was launched (all its GPU work
+    queued); ``total_s``: host seconds until its sampled tokens reached the host."""
+
+    plan: StepPlan
+    kind: str
+    launch_s: float
+    total_s: float
+
+
+@dataclass
+class CaptureTiming:
+    """One CUDA-graph capture. ``graph``: "decode" or "prefill"; ``size``: the bucket (rows for decode,
+    tokens for prefill); ``runs_s``: host seconds of each run of the step the capture made (warm-up on
+    a side stream, the host-synchronization probe, the captured run; two when the probe fails);
+    ``capture_s``: host seconds of the whole capture, the device synchronized at its end; ``ok``:
+    whether the graph was captured (else the engine keeps those steps eager, see ``Engine.graph_error``)."""
+
+    graph: str
+    size: int
+    runs_s: list[float] = field(default_factory=list)
+    capture_s: float = 0.0
+    ok: bool = False
+
+
+class EngineObserver:
+    """What an observer in ``Engine.observers`` may override; every method does nothing by default.
+    The engine calls them in list order, outside its own timings: ``step_begin(plan)`` before a step
+    runs, ``step_end(timing)`` after its tokens reached the host, ``capture_begin(graph, size)`` before
+    a graph capture and ``capture_end(timing)`` after it."""
+
+    def step_begin(self, plan: StepPlan) -> None:
+        pass
+
+    def step_end(self, timing: StepTiming) -> None:
+        pass
+
+    def capture_begin(self, graph: str, size: int) -> None:
+        pass
+
+    def capture_end(self, timing: CaptureTiming) -> None:
+        pass
+
+
+NONFINITE = -1  # the token a row gets when its logits hold NaN or Inf (the request then fails alone)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite."""
+    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
+
+
+def prefill_buckets(lo: int, top: int) -> list[int]:
+    """Token counts prefill graphs are captured for, up to the first >= top: powers of two up to 512,
+    steps of 256 up to 2048, of 512 up to 4096, then powers of two (a chunk pads to the next one)."""
+    top = max(1, top)
+    b, out = max(1, min(lo, 1 << (top - 1).bit_length())), []
+    while True:
+        out.append(b)
+        if b >= top:
+            return out
+        b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
+
+
+def capture_step(step, pool) -> tuple[object, object, str | None]:
+    """Probe `step` for host synchronization, then capture it as a CUDA graph (warm-up on a side stream,
+    as torch requires) -> (graph, its output, None), or (None, None, why not)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compiles kernels, allocates workspaces
+        why = sync_free(step)
+    torch.cuda.current_stream().wait_stream(s)
+    if why is not None:
+        return None, None, f"synchronizes with the host, so it cannot be a CUDA graph ({why})"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with no_gc(), torch.cuda.graph(g, pool=pool):
+            out = step()
+    except Exception as err:
+        torch.cuda.synchronize()
+        return None, None, f"failed to capture as a CUDA graph: {type(err).__name__}: {err}"
+    return g, out, None
+
+
+def observed_capture(engine: Engine, graph: str, size: int, step, pool) -> tuple[object, object, str | None]:
+    """:func:`capture_step` told to ``engine.observers`` (``capture_begin``, then ``capture_end`` with
+    a :class:`CaptureTiming`); without observers, the capture alone (no timing, no extra sync)."""
+    observers = list(engine.observers)
+    if not observers:
+        return capture_step(step, pool)
+    for o in observers:
+        o.capture_begin(graph, size)
+    timing = CaptureTiming(graph, size)
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        timing.runs_s.append(time.perf_counter() - t)
+        return out
+
+    t0 = time.perf_counter()
+    got = capture_step(timed_step, pool)
+    torch.cuda.synchronize()
+    timing.capture_s, timing.ok = time.perf_counter() - t0, got[2] is None
+    for o in observers:
+        o.capture_end(timing)
+    return got
+
+
+@contextlib.contextmanager
+def no_gc():
+    """No Python garbage collection during a capture: collecting a dead engine's CUDA graph while a
+    stream captures invalidates the capture. No collection before it either: a full collection costs
+    about 0.2 s with transformers loaded, and a job captures one graph per bucket it uses."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def sync_free(fn) -> str | None:
+    """Run fn once with synchronizing CUDA operations (host reads, pageable copies, nonzero) made errors:
+    None if none ran, so the step can be captured in a CUDA graph; else why not. Probing first matters:
+    a capture that fails midway can leave the caching allocator recording into the graph's pool, and
+    later captures of other graphs then fail too."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    why = None
+    try:
+        fn()
+    except RuntimeError as err:
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    return why
+
+
+class DecodeGraphs:
+    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens)."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        cap = engine._graph_max()
+        self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
+        B, W, dev = cap, engine.max_pages_per_seq, engine.device
+        pin = dev.type == "cuda"
+        self.host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
+        self.host_bt = torch.zeros(B, W, dtype=torch.int32, pin_memory=pin)
+        self.buf = torch.zeros(4, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens
+        self.buf[3].fill_(1)
+        self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.mempool = None
+
+    def _step(self, b: int, plan) -> torch.Tensor:
+        e = self.e
+        meta = AttnMeta(slot_mapping=self.buf[2, :b], num_decode=b, block_tables=self.bt[:b],
+                        seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
+                        plan=plan)
+        logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
+        return greedy(logits)
+
+    def get(self, b: int):
+        if b in self.graphs:
+            return self.graphs[b]
+        self.buf.zero_()  # null rows: token 0 at position 0, written to the null page
+        self.buf[3].fill_(1)
+        self.bt.zero_()
+        e = self.e
+        plan = e.backend.static_plan(b, e.max_pages_per_seq * e.config.page_size)
+        plan.update(np.ones(b, dtype=np.int64))
+        if e.emulate_graphs:
+            self.graphs[b] = (None, None, plan)
+            return self.graphs[b]
+        g, out, why = observed_capture(e, "decode", b, lambda: self._step(b, plan), self.mempool)
+        if why is not None:  # eager decode steps from now on (and no prefill graphs: they use these)
+            e.use_graphs = e.use_prefill_graphs = False
+            e.graph_error = f"the {b}-row decode step {why}"
+            warnings.warn(e.graph_error)
+            return None
+        self.mempool = g.pool()
+        self.graphs[b] = (g, out, plan)
+        return self.graphs[b]
+
+    def run(self, items) -> list[int]:
+        b = len(items)
+        B = next(x for x in self.buckets if x >= b)
+        ps = self.e.config.page_size
+        h = self.host.numpy()
+        bt = self.host_bt.numpy()
+        h[:, :B] = 0
+        h[3, :B] = 1
+        bt[:B] = 0
+        for j, it in enumerate(items):
+            seq = it.seq
+            p = it.start
+            h[0, j] = seq.tokens[p]
+            h[1, j] = p
+            h[2, j] = seq.pages[p // ps] * ps + p % ps
+            h[3, j] = p + 1
+            bt[j, : len(seq.pages)] = seq.pages
+        got = self.get(B)
+        if got is None:
+            return None
+        g, out, plan = got
+        plan.update(h[3, :B])
+        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
+        self.bt[:B].copy_(self.host_bt[:B], non_blocking=True)
+        if g is None:  # emulated: the same padded static step, run eagerly
+            out = self._step(B, plan)
+        else:
+            g.replay()
+            self.e._t_launch = time.perf_counter()
+        return out[:b].tolist()
+
+
+class PrefillGraphs:
+    """Per token bucket (powers of two), a CUDA graph of one whole-prompt prefill chunk: the model over
+    the prompt padded to the bucket, the last real token's argmax. Padding tokens (id 0, position 0)
+    write to the null page and sit after every real token, so causal attention keeps them out of the
+    real rows; the chunk's own keys are read back quantized through its slot buffer, as in eager steps."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        cfg = engine.config
+        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)
+        buckets = prefill_buckets(cfg.prefill_graph_min, top)
+        self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
+        dev, pin = engine.device, engine.device.type == "cuda"
+        N = buckets[-1]
+        self.host = torch.zeros(3, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host_row = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.buf = torch.zeros(3, N, dtype=torch.int64, device=dev)
+        self.row = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.no_pages = torch.zeros(0, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple] = {}
+        self.mempool = None  # its own pool: the decode graphs' outputs are never overwritten by a prefill replay
+
+    def _step(self, n: int) -> torch.Tensor:
+        e = self.e
+        slots = self.buf[2, :n]
+        meta = AttnMeta(slot_mapping=slots, num_decode=0,
+                        chunks=[PrefillChunk(0, n, n, self.no_pages, 0, slots=slots)])
+        logits = e._forward(self.buf[0, :n], self.buf[1, :n], meta, self.row)
+        return greedy(logits)
+
+    def get(self, n: int):
+        if n in self.graphs:
+            return self.graphs[n]
+        e = self.e
+        self.buf.zero_()
+        self.buf[1, :n] = torch.arange(n, device=self.buf.device)
+        self.row.fill_(n - 1)
+        if e.emulate_graphs:
+            self.graphs[n] = (None, None)
+            return self.graphs[n]
+        g, out, why = observed_capture(e, "prefill", n, lambda: self._step(n), self.mempool)
+        if why is not None:  # e.g. MoE routing that reads expert counts on the host: eager prefill steps
+            e.use_prefill_graphs = False
+            e.prefill_graph_error = f"the {n}-token prefill step {why}"
+            warnings.warn(e.prefill_graph_error)
+            return None
+        self.mempool = g.pool()
+        self.graphs[n] = (g, out)
+        return self.graphs[n]
+
+    def run(self, item) -> int | None:
+        n = item.n
+        B = next(x for x in self.buckets if x >= n)
+        ps = self.e.config.page_size
+        h = self.host.numpy()
+        h[:, :B] = 0
+        p = np.arange(n)
+        h[0, :n] = item.seq.tokens[:n]
+        h[1, :n] = p
+        h[2, :n] = np.asarray(item.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps
+        self.host_row[0] = n - 1
+        got = self.get(B)
+        if got is None:
+            return None
+        g, out = got
+        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
+        self.row.copy_(self.host_row, non_blocking=True)
+        if g is None:  # emulated: the same padded static step, run eagerly
+            out = self._step(B)
+        else:
+            g.replay()
+            self.e._t_launch = time.perf_counter()
+        return int(out[0].item())

@@ -1,0 +1,121 @@
+"""The engine's public hook: observers told of every step (with host timings and the step's kind) and
+of every CUDA-graph capture; the graph buckets an engine holds."""
+
+import pytest
+import torch
+
+from quantmla.errors import QuantMLAError
+from quantmla.model.tiny import tiny_model
+from quantmla.serving import graphs
+from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import CaptureTiming, EngineObserver, StepTiming
+from quantmla.serving.scheduler import SamplingParams
+
+
+class Recorder(EngineObserver):
+    def __init__(self):
+        self.events = []
+
+    def step_begin(self, plan):
+        self.events.append(("begin", plan))
+
+    def step_end(self, timing):
+        self.events.append(("end", timing))
+
+    def capture_begin(self, graph, size):
+        self.events.append(("capture_begin", graph, size))
+
+    def capture_end(self, timing):
+        self.events.append(("capture_end", timing))
+
+
+def _prompts(lens, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return tiny_model("deepseek_v3")
+
+
+def _engine(model, **kw):
+    cfg = dict(num_pages=12, page_size=16, backend="torch", cuda_graphs="emulate", graph_buckets=(1, 2, 4),
+               max_num_batched_tokens=32)
+    return Engine(model, EngineConfig(**{**cfg, **kw}))
+
+
+def test_observer_sees_every_step_with_its_kind_and_timings(v3):
+    prompts, params = _prompts((10, 40, 7, 25), seed=3), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with _engine(v3) as plain:
+        ref = [o.output_ids for o in plain.generate(prompts, params)]
+    rec = Recorder()
+    with _engine(v3) as eng:
+        eng.observers.append(rec)
+        outs = eng.generate(prompts, params)
+        st = eng.stats
+    assert [o.output_ids for o in outs] == ref  # observing changes nothing
+    begins = [e[1] for e in rec.events if e[0] == "begin"]
+    ends = [e[1] for e in rec.events if e[0] == "end"]
+    assert [e[0] for e in rec.events] == ["begin", "end"] * st.scheduler.steps  # strictly paired, one per step
+    assert all(isinstance(t, StepTiming) for t in ends) and [t.plan for t in ends] == begins
+    kinds = [t.kind for t in ends]
+    assert kinds.count("graph_decode") == st.graph_steps > 0
+    assert kinds.count("prefill_graph") == st.prefill_graph_steps > 0
+    assert kinds.count("eager") == st.eager_steps
+    assert all(0 < t.launch_s <= t.total_s for t in ends)
+    assert sum(t.total_s for t in ends if t.kind == "graph_decode") == pytest.approx(st.graph_decode_s)
+    assert all(t.plan.is_decode for t in ends if t.kind == "graph_decode")
+
+
+def test_observed_capture_times_each_run_of_the_step(monkeypatch):
+    """The capture hook on CPU, with the CUDA capture replaced by one that runs the step three times
+    (warm-up, probe, capture) as the real one does."""
+    calls = []
+
+    def fake_capture(step, pool):
+        outs = [step() for _ in range(3)]
+        return "graph", outs[-1], None
+
+    monkeypatch.setattr(graphs, "capture_step", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    rec = Recorder()
+
+    class FakeEngine:
+        observers = [rec]
+
+    got = graphs.observed_capture(FakeEngine(), "decode", 8, lambda: 42, None)
+    assert got == ("graph", 42, None) and calls == ["sync"]
+    assert [e[0] for e in rec.events] == ["capture_begin", "capture_end"] and rec.events[0][1:] == ("decode", 8)
+    t = rec.events[1][1]
+    assert isinstance(t, CaptureTiming) and (t.graph, t.size, t.ok) == ("decode", 8, True)
+    assert len(t.runs_s) == 3 and all(r >= 0 for r in t.runs_s) and t.capture_s >= sum(t.runs_s)
+
+    FakeEngine.observers = []  # no observers: the capture alone, no synchronization
+    assert graphs.observed_capture(FakeEngine(), "decode", 8, lambda: 7, None) == ("graph", 7, None)
+    assert calls == ["sync"]
+
+
+def test_graph_buckets_an_engine_holds(v3):
+    with _engine(v3) as eng:
+        assert eng.graph_count == 0
+        eng.generate(_prompts((10, 7), seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert eng.graph_count > 0
+        assert eng.decode_graph(3) == (4, None)  # emulated: the bucket, no CUDA graph
+        with pytest.raises(QuantMLAError, match="no graph bucket"):
+            eng.decode_graph(5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_observer_sees_every_capture_on_gpu():
+    model = tiny_model("deepseek_v3").cuda()
+    rec = Recorder()
+    with Engine(model, EngineConfig(num_pages=12, page_size=16, backend="triton", graph_buckets=(1, 2, 4),
+                                    max_num_batched_tokens=32)) as eng:
+        eng.observers.append(rec)
+        eng.generate(_prompts((10, 7), seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        caps = [e[1] for e in rec.events if e[0] == "capture_end"]
+        assert caps and all(t.ok and len(t.runs_s) == 3 and t.capture_s > 0 for t in caps), caps
+        assert len(caps) == eng.graph_count
+        bucket, graph = eng.decode_graph(1)
+        assert bucket == 1 and isinstance(graph, torch.cuda.CUDAGraph)
