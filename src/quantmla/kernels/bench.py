@@ -33,7 +33,7 @@ METHODS: dict[str, CacheFormat] = {**PRESETS, "int4/int4-g64/g32": int_format(4,
 DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
 """Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,
 128 heads (DeepSeek-V3) up to 256K."""
-PEER_SPLITS = (4, 8, 16, 32, 64)
+PEER_SPLITS = (4, 8, 16, 32, 64, 128)
 
 
 def source_commit() -> str | None:
