@@ -124,6 +124,31 @@ def test_engine_triton_kernels_interpreted(v3):
         assert rep.exact + rep.ties == len(prompts)
 
 
+def test_engine_fp8_cache_through_interpreted_kernels(v3):
+    """The FP8 cache (e4m3 latent with fp32 group scales, bf16 RoPE: fp8_ds_mla's record) behind the engine:
+    append, prefill read-back and decode kernels, graph-step path emulated, preemption on the way."""
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.quant import BF16, PathFormat
+
+    fp8 = QuantCacheConfig(content=PathFormat(8, 16, "fp8", "float32"), rope=BF16)
+    rep, st = engine_agreement(v3, fp8, _prompts((6, 21, 2), seed=5), 6, tie_tol=2e-2, backend="triton",
+                               cuda_graphs="emulate", num_pages=12, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
+    assert st["backend"] == "triton" and st["graph_steps"] > 0
+    assert rep.ok, rep.details
+
+
+def test_serve_bench_jobs_and_fp8_method():
+    from quantmla.serving.bench import JOBS, job_budgets_gib, method_config
+
+    assert method_config("fp8").describe() == "content FP8/g128 + RoPE BF16"
+    assert JOBS["long"] == dict(requests=32, prompt=(16384, 24576), output=(1024, 1536))
+    b2, b8, b32 = job_budgets_gib("long")
+    assert abs(b8 / b2 - 4) < 1e-3 and abs(b32 / b2 - 16) < 1e-3
+    # BF16 at d_c 512, d_r 64: 1152 B/token/layer, 27 layers; the mean request (21760 tokens) in 64-token pages
+    assert abs(b2 - 2 * 340 * 64 * 1152 * 27 / (1 << 30)) < 1e-3
+    assert len(job_budgets_gib("longest")) == 2  # 32 requests exceed the job's 16
+
+
 def test_preemption_by_recompute_keeps_outputs(v3):
     prompts = _prompts((40, 3, 25, 50, 12), seed=5)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -270,7 +295,8 @@ def test_serve_bench_command_at_toy_size(tmp_path):
     out = tmp_path / "serving.json"
     rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",
                "--prompt-len", "20", "50", "--output-len", "4", "8", "--budgets-gib", "0.00002", "0.0001",
-               "--page-size", "16", "--content-group", "32", "--rope-group", "16", "--backend", "torch", "--out", str(out)])
+               "--page-size", "16", "--content-group", "32", "--rope-group", "16", "--backend", "torch", "--out", str(out),
+               "--methods", "bf16", "int4/int4", "int2/int4"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)

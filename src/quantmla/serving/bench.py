@@ -50,7 +50,7 @@ class BenchSettings:
     output_max: int = 384
     seed: int = 0
     budgets_gib: tuple[float, ...] = (0.25, 0.5, 1.0, 3.0)
-    methods: tuple[str, ...] = ("bf16", "int4/int4", "int2/int4")
+    methods: tuple[str, ...] = ("bf16", "fp8", "int4/int4", "int2/int4")
     content_group: int = 64
     rope_group: int = 32
     page_size: int = 64
@@ -66,15 +66,43 @@ class BenchSettings:
     graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
 
 
+JOBS = {
+    # name: requests, prompt lengths U[min, max], output lengths U[min, max]
+    "short": dict(requests=64, prompt=(1024, 2048), output=(256, 384)),
+    "long": dict(requests=32, prompt=(16384, 24576), output=(1024, 1536)),
+    "longest": dict(requests=16, prompt=(61440, 65536), output=(1024, 1024)),
+}
+"""Named job shapes: ``short`` (the cache-pressure curve's job), ``long`` (contexts of 17K to 26K
+tokens, where attention fills a decode step) and ``longest`` (64K-token contexts)."""
+
+
+def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_size: int = 64) -> list[float]:
+    """KV budgets (GiB, page data over all layers) at which a BF16 cache holds about `holds` requests of
+    the job's mean length at once (counts above the job's request count are dropped)."""
+    from quantmla.cache.layout import PageLayout, TokenLayout, preset as fmt_preset
+
+    j, g = JOBS[job], PRESETS[preset]
+    mean_tokens = (sum(j["prompt"]) + sum(j["output"])) / 2
+    lay = PageLayout(TokenLayout(g["d_c"], g["d_r"], fmt_preset("bf16")), page_size)
+    per_request = lay.pages_for(int(mean_tokens)) * lay.page_bytes * g["layers"]
+    return [round(n * per_request / GIB, 4) for n in holds if n <= j["requests"]]
+
+
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
+    """A cache method by name: "bf16", "fp8" (fp8_ds_mla) or "intC/intR" at the given group sizes."""
     n = name.lower()
     if n == "bf16":
         return BF16_CONFIG
+    if n == "fp8":
+        from quantmla.cache.layout import preset
+
+        f = preset("fp8")
+        return QuantCacheConfig(content=f.content, rope=f.rope)
     try:
         c, r = n.split("/")
         cb, rb = int(c.removeprefix("int")), int(r.removeprefix("int"))
     except ValueError:
-        raise QuantMLAError(f"unknown cache method {name!r}: use bf16 or intC/intR, e.g. int4/int4, int2/int4") from None
+        raise QuantMLAError(f"unknown cache method {name!r}: use bf16, fp8 or intC/intR, e.g. int4/int4, int2/int4") from None
     return QuantCacheConfig.of_bits(cb, rb, content_group, rope_group)
 
 
@@ -88,7 +116,7 @@ def build_bench_model(preset: str = "v2-lite", device: str = "cuda", dtype: torc
         moe_intermediate_size=g["intermediate"], num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
         num_key_value_heads=g["heads"], kv_lora_rank=g["d_c"], q_lora_rank=g["q_lora_rank"], qk_rope_head_dim=g["d_r"],
         qk_nope_head_dim=g["d_nope"], v_head_dim=g["d_v"], first_k_dense_replace=g["layers"], n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=16384, tie_word_embeddings=False,
+        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=131072, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from quantmla.serving.bench import PRESETS, BenchSettings, format_table, run_bench, save
+from quantmla.serving.bench import JOBS, PRESETS, BenchSettings, format_table, job_budgets_gib, run_bench, save
 
 
 def add_arguments(p):
@@ -45,6 +45,11 @@ def add_arguments(p):
     p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
     p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path (the figure goes beside it, .png)")
     p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
+    p.add_argument("--job", choices=sorted(JOBS), default=None,
+                   help="a named job shape (short: prompts 1K-2K, outputs 256-384, 64 requests; long: prompts 16K-24K, "
+                        "outputs 1K-1.5K, 32 requests; longest: prompts 60K-64K, outputs 1K, 16 requests); sets "
+                        "--requests, --prompt-len and --output-len, and --budgets-gib (unless given) to where BF16 holds "
+                        "about 2, 8 and 32 requests")
 
 
 def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",), refs=None,
@@ -158,6 +163,11 @@ def run(args) -> int:
         print(f"wrote {_figure(load_result(args.replot), args.replot)}")
         return 0
     check_args(args)
+    if args.job:
+        j = JOBS[args.job]
+        args.requests, args.prompt_len, args.output_len = j["requests"], j["prompt"], j["output"]
+        if "--budgets-gib" not in getattr(args, "command_line", " ".join(sys.argv)).split():
+            args.budgets_gib = job_budgets_gib(args.job, args.preset, page_size=args.page_size)
     s = BenchSettings(
         preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
         prompt_max=args.prompt_len[1], output_min=args.output_len[0], output_max=args.output_len[1], seed=args.seed,
