@@ -335,6 +335,20 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
     raise QuantMLAError(f"the decode kernel did not compile for {cfg.describe()}: {last}")
 
 
+def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
+    """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
+    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and up to
+    8 splits read per step (a [splits, rows, channels] tile of at most 4096 fp32)."""
+    block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
+    while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
+        if block_d > 16:
+            block_d //= 2
+        else:
+            block_r //= 2
+    block_s = max(1, min(8, _next_pow2(max_splits), 4096 // (block_r * block_d)))
+    return block_r, block_d, block_s
+
+
 def mla_decode_with_kvcache(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -434,10 +448,10 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
-        block_r = 16
-        block_d = min(DC, 64)
+        block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, _num_sms(device))
         _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
-            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, num_stages=3
+            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
+            num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

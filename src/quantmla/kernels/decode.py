@@ -237,10 +237,12 @@ def _mla_decode_kernel(
 
 @triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(
-    PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Merge the split partials of sequences with more than one unit (others were written directly).
-    Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits."""
+    Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits, and each
+    reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     db = tl.program_id(2)
@@ -250,20 +252,24 @@ def _mla_combine_kernel(
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         dc = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        sidx = tl.arange(0, BLOCK_S)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for i in range(0, n):
-            lse_i = tl.load(PLSE + (first + i).to(tl.int64) * R + rows, mask=rmask, other=float("-inf"))
-            m = tl.maximum(m, lse_i)
+        for i0 in range(0, n, BLOCK_S):
+            s = i0 + sidx
+            pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]  # [S, R] partial rows
+            lse_s = tl.load(PLSE + pr, mask=(s < n)[:, None] & rmask[None, :], other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse_s, 0))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         den = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for i in range(0, n):
-            prow = (first + i).to(tl.int64) * R + rows
-            lse_i = tl.load(PLSE + prow, mask=rmask, other=float("-inf"))
-            w = tl.exp(lse_i - m_safe)
-            den += w
-            o_i = tl.load(PO + prow[:, None] * D_C + dc[None, :], mask=rmask[:, None], other=0.0)
-            acc += w[:, None] * o_i
+        for i0 in range(0, n, BLOCK_S):
+            s = i0 + sidx
+            ok = (s < n)[:, None] & rmask[None, :]
+            pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
+            w = tl.exp(tl.load(PLSE + pr, mask=ok, other=float("-inf")) - m_safe[None, :])  # [S, R]
+            den += tl.sum(w, 0)
+            o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)  # [S, R, D]
+            acc += tl.sum(w[:, :, None] * o_s, 0)
         has = den > 0.0
         d_safe = tl.where(has, den, 1.0)
         o = acc / d_safe[:, None]
