@@ -26,10 +26,13 @@ from common import record, save  # bench/common.py
 
 def tilings(method: str, heads: int) -> list[api.DecodeConfig]:
     c = bench.candidates(method, heads)
-    if heads > 16:  # 64-row tiles: one CTA reads each tile for 64 heads (fewer re-reads and re-unpacks)
+    if heads > 16:  # 64-row tiles (wgmma): one CTA reads each tile for 64 heads (fewer re-reads and re-unpacks)
         kernel = c[0].kernel
         c += [api.DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, kernel=kernel),
               api.DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel=kernel)]
+        if kernel != "generic":  # the dequantizing kernel at 64 rows, both tile rebuilds
+            c += [api.DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic", deq=d)
+                  for d in ((0, 1) if method != "bf16" else (0,))]
     return c
 
 

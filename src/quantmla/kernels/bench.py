@@ -60,13 +60,13 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     if METHODS[method].content.mode == "fp8" and METHODS[method].content.quantized:  # the generic kernel
         if rows <= 16:
             return [
+                C(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic"),
                 C(block_m=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic"),
                 C(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128, kernel="generic"),
-                C(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128, kernel="generic"),
             ]
         return [
+            C(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic"),
             C(block_m=32, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, kernel="generic"),
-            C(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, kernel="generic"),
         ]
     if rows <= 16:
         if not quant:
