@@ -1,11 +1,10 @@
 """Checks of command-line input made before any long work starts: devices, numbers, output paths,
-weight files. Each failure is a :class:`~quantmla.errors.QuantMLAError` (or, for argparse ``type=``
-helpers, an ``argparse.ArgumentTypeError``) whose message names the flag or file and the fix.
+weight files, and the CPU thread count of a process. Each failure is a
+:class:`~quantmla.errors.QuantMLAError` whose message names the flag or file and the fix.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -16,40 +15,21 @@ from quantmla.errors import CorruptCheckpointError, QuantMLAError
 MAX_DEFAULT_THREADS = 8
 
 
-# -- numbers (argparse ``type=`` helpers) -----------------------------------------------------------
+# -- numbers --------------------------------------------------------------------------------------
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (NaN, Inf, 0 and negatives are refused)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
+def check_positive(value, flag: str, integer: bool = False) -> None:
+    """`value` (a flag's number) is finite and > 0; NaN, Inf, 0 and negatives are refused."""
+    ok = value is not None and math.isfinite(value) and value > 0
+    if not ok:
+        raise QuantMLAError(f"{flag} must be positive and finite, got {value}"
+                            + ("; give a whole number >= 1" if integer else "; give a number > 0"))
 
 
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return v
+def check_at_least(value: int, flag: str, lowest: int, why: str = "") -> None:
+    """`value` (a flag's whole number) is at least `lowest`."""
+    if value < lowest:
+        raise QuantMLAError(f"{flag} must be at least {lowest}, got {value}" + (f" ({why})" if why else ""))
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -68,7 +48,8 @@ def check_device(device: str | None, flag: str = "--device") -> str | None:
     if d.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
-            raise QuantMLAError(f"{flag} {device}: no CUDA device is available here ({why}); use --device cpu")
+            raise QuantMLAError(f"{flag} {device}: no CUDA device is available here ({why}); use --device cpu, "
+                                "or run it on a GPU machine")
         if d.index is not None and d.index >= torch.cuda.device_count():
             raise QuantMLAError(f"{flag} {device}: there are only {torch.cuda.device_count()} CUDA devices "
                                 f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
