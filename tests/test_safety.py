@@ -154,6 +154,17 @@ def test_eval_rtn_on_a_calibrated_checkpoint_reads_through_its_offsets(ckpts, tm
             torch.testing.assert_close(lay.rope_offset, torch.tensor(stored.rope_offsets[lay.layer_idx]))
 
 
+def test_eval_refuses_kivi_on_a_calibrated_checkpoint(ckpts, tmp_path, capsys, monkeypatch):
+    """KIVI stores RoPE keys its own way: on a calibrated checkpoint it would drop the offsets, so eval refuses
+    before reading the weights."""
+    from quantmla.evaluation import harness
+
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("eval read the weights first"))
+    rc, out, err = run_cli(capsys, "eval", ckpts / "cal", "--config", "INT4/INT4", "--method", "kivi", "--content-group",
+                           "32", "--rope-group", "16", "--out", tmp_path / "res")
+    assert_clean_error(rc, err, "eval", "KIVI baseline", "without the checkpoint's RoPE offsets", "original checkpoint")
+
+
 # -- #18: reset keeps the offsets ---------------------------------------------------------------------
 
 

@@ -113,6 +113,11 @@ def check_rows(path: str, spec, rows, args) -> None:
     for r in rows:
         if r.method == "bf16":
             continue  # the unquantized reference reads no quantized format
+        if r.method == "kivi":
+            raise QuantMLAError(
+                f"{path} is calibrated ({stored.method}, {stored.describe()}); the KIVI baseline stores RoPE keys its "
+                "own way, not in the calibrated formats and without the checkpoint's RoPE offsets. Give the original "
+                "checkpoint to compare with KIVI")
         requested = QuantCacheConfig(content=r.config.content, rope=r.config.rope, method=r.method)
         c, rp = r.config.content, r.config.rope
         recalibrate = (f"quantmla calibrate ORIGINAL --content-bits {c.bits} --rope-bits {rp.bits} "
