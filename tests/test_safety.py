@@ -348,6 +348,12 @@ def test_serve_kv_budget_must_be_finite_and_positive(value, ckpts, tmp_path, cap
     assert_clean_error(rc, err, "serve", "--kv-budget-gib must be positive and finite", "give a number > 0")
 
 
+def test_serve_bench_budgets_must_be_finite_and_positive(capsys):
+    rc, out, err = run_cli(capsys, "serve-bench", "--preset", "tiny", "--device", "cpu", "--content-group", "32",
+                           "--rope-group", "16", "--budgets-gib", "0.1", "nan")
+    assert_clean_error(rc, err, "serve-bench", "--budgets-gib must be positive and finite, got nan")
+
+
 @pytest.mark.parametrize("flags, needles", [
     (["--page-size", "0"], ["--page-size must be positive"]),
     (["--d-c", "100"], ["--d-c 100", "no group size of 32, 64 or 128 divides it", "multiple of 32"]),

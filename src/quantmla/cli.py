@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantmla {args.command}: not available in this build", file=sys.stderr)
         return 2
     try:
-        prepare(args)
-        return int(importlib.import_module(args._module).run(args) or 0)
+        module = importlib.import_module(args._module)
+        prepare(args, check_device=not getattr(module, "CHECKS_DEVICE", False))
+        return int(module.run(args) or 0)
     except (CLIError, QuantMLAError, OSError) as e:  # bad input: the message, no traceback (OSError: paths, files)
         print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -83,18 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def prepare(args) -> None:
+def prepare(args, check_device: bool = True) -> None:
     """What every command checks and sets before its work: the CPU thread count, and a --device
-    that exists here."""
+    that exists here (unless the command's module sets ``CHECKS_DEVICE``: it checks it itself)."""
     import torch
 
-    from quantmla.checks import check_at_least, check_device, default_threads
+    from quantmla import checks
 
     if args.threads is not None:
-        check_at_least(args.threads, "--threads", 1)
-    torch.set_num_threads(args.threads or default_threads())
-    if isinstance(getattr(args, "device", None), str):
-        check_device(args.device)
+        checks.check_at_least(args.threads, "--threads", 1)
+    torch.set_num_threads(args.threads or checks.default_threads())
+    if check_device and isinstance(getattr(args, "device", None), str):
+        checks.check_device(args.device)
 
 
 if __name__ == "__main__":

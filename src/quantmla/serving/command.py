@@ -15,6 +15,8 @@ import time
 
 from quantmla.serving.bench import PRESETS, BenchSettings, format_table, run_bench, save
 
+CHECKS_DEVICE = True  # check_args checks --device (after the model path), with the GPU job's own advice
+
 
 def add_arguments(p):
     d = BenchSettings()
@@ -144,8 +146,14 @@ def check_args(args) -> None:
         d_c, d_r = PRESETS[args.preset]["d_c"], PRESETS[args.preset]["d_r"]
     if not args.check_only:
         check_methods(args.methods, args, d_c, d_r)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    from quantmla.checks import check_device, check_positive
+
+    for b in args.budgets_gib:
+        check_positive(b, "--budgets-gib")
+
+    if not args.device.startswith("cuda") or torch.cuda.is_available():
+        check_device(args.device)  # a name torch does not know, a GPU index past the count
+    else:
         raise QuantMLAError(f"--device {args.device}: no CUDA GPU is visible here; serve-bench times the GPU job, so run "
                             "it on a GPU machine (or pass --device cpu --preset tiny for a slow smoke run)")
 
