@@ -185,7 +185,7 @@ def test_non_mla_model(command, family, ckpts, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("methods, needles", [
-    ("int3/int4", ["int3/int4", "2/4/8-bit codes or BF16, not 3-bit", "choose from bf16, int4/int4"]),
+    ("int3/int4", ["int3/int4", "2/4/8-bit codes or BF16, not 3-bit", "choose from bf16, fp8, int8/int8"]),
     ("int5/int4", ["int5/int4", "not 5-bit", "choose from"]),
     ("int4/int4,fp4", ["unknown method 'fp4'", "choose from"]),
 ])
@@ -203,7 +203,7 @@ def test_bench_kernel_bad_shape(tmp_path, capsys):
 @pytest.mark.parametrize("methods, needles", [
     ("int3/int4", ["--methods int3/int4", r"take \(2, 4, 8\)-bit codes or BF16, not 3-bit", "--backend torch"]),
     ("int5/int4", ["--methods int5/int4", "unsupported bit width 5", r"bits in \(2, 3, 4, 8\)"]),
-    ("bf16 int4-int4", ["--methods int4-int4", "unknown cache method", "use bf16 or intC/intR"]),
+    ("bf16 int4-int4", ["--methods int4-int4", "unknown cache method", "use bf16, fp8 or intC/intR"]),
 ])
 def test_serve_bench_unsupported_bits(methods, needles, tmp_path, capsys):
     rc, out, err = run_cli(capsys, "serve-bench", "--methods", *methods.split(), "--out", tmp_path / "s.json")

@@ -28,15 +28,30 @@ class CLIError(Exception):
     """An error with a message meant for the user (no traceback)."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already states one, where it is None (the
+    help says what happens then) or where it is a switch's False."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if "default" in help_.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return help_
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quantmla",
         description="QuantMLA: low-bit dual-path KV caching for Multi-Head Latent Attention models.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
+        p.add_argument("--threads", type=int, default=None,
+                       help="CPU threads of this process (default: OMP_NUM_THREADS if set, else the CPUs it may use, "
+                            "at most 8, so that several quantmla processes on one host do not oversubscribe it)")
         importlib.import_module(module).add_arguments(p)
     return parser
 
@@ -50,13 +65,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        module = importlib.import_module(args._module)
+        prepare(args, check_device=not getattr(module, "CHECKS_DEVICE", False))
+        return int(module.run(args) or 0)
     except (CLIError, QuantMLAError, OSError) as e:  # bad input: the message, no traceback (OSError: paths, files)
         print(f"quantmla {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"quantmla {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def prepare(args, check_device: bool = True) -> None:
+    """What every command checks and sets before its work: the CPU thread count, and a --device
+    that exists here (unless the command's module sets ``CHECKS_DEVICE``: it checks it itself)."""
+    import torch
+
+    from quantmla import checks
+
+    if args.threads is not None:
+        checks.check_at_least(args.threads, "--threads", 1)
+    torch.set_num_threads(args.threads or checks.default_threads())
+    if check_device and isinstance(getattr(args, "device", None), str):
+        checks.check_device(args.device)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def add_arguments(p):
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped default reference model)")
     p.add_argument("--out", default="out/demo", help="report directory (default out/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller run (fewer chunks and samples)")
-    p.add_argument("--skip-analysis", action="store_true")
+    p.add_argument("--skip-analysis", action="store_true", help="skip the per-layer error analysis step")
 
 
 def _sub(module: str, argv: list[str]):

@@ -19,3 +19,7 @@ class NonFiniteError(QuantMLAError):
 
 class CacheConfigMismatchError(QuantMLAError):
     """A calibrated checkpoint asked to serve a cache format its transforms were not fitted for."""
+
+
+class CorruptCheckpointError(QuantMLAError):
+    """A checkpoint file that is missing, truncated or not in the format its name says."""

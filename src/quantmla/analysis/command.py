@@ -19,14 +19,14 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="output directory (default results/analysis/<model name>)")
     p.add_argument("--heldout", default=None, help="held-out set directory (default models/heldout)")
     p.add_argument("--kind", default="code", choices=("code", "prose"), help="held-out text to capture activations on")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--num-seqs", type=int, default=4)
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
-    p.add_argument("--content-group", type=int, default=64)
-    p.add_argument("--rope-group", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per captured sequence")
+    p.add_argument("--num-seqs", type=int, default=4, help="held-out sequences to capture")
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8], help="bit widths to measure")
+    p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
+    p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="MLA cache slots to analyze (default: all)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown only, no figures")
 
 
 def summary_markdown(result: dict, name: str) -> str:
@@ -88,6 +88,7 @@ def check_formats(spec, args) -> None:
 def run(args) -> int:
     from quantmla.analysis.plots import plot_all
     from quantmla.analysis.run import analyze_model, json_clean
+    from quantmla.checks import check_output_dir
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation import datasets as DS
     from quantmla.evaluation.command import resolve_model
@@ -96,8 +97,10 @@ def run(args) -> int:
 
     path = resolve_model(args.model)
     check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
-    model, tok = load_model(path, device=args.device)
     name = os.path.basename(os.path.normpath(path))
+    out = args.out or os.path.join("results", "analysis", name)
+    check_output_dir(out)  # an unwritable output fails now, not after the analysis
+    model, tok = load_model(path, device=args.device)
     root = DS.heldout_root(args.heldout)
     if not (root / f"{args.kind}.jsonl").exists():
         raise FileNotFoundError(f"no held-out set at {root / f'{args.kind}.jsonl'} (set --heldout)")
@@ -110,7 +113,6 @@ def run(args) -> int:
     result["model"] = name
     result["settings"]["heldout"] = f"{args.kind} ({root.name})"
     result["seconds"] = round(time.time() - t0, 1)
-    out = args.out or os.path.join("results", "analysis", name)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analysis.json"), "w") as f:
         json.dump(json_clean(result), f, indent=1)

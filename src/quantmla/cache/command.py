@@ -36,12 +36,35 @@ def table(d_c: int, d_r: int, page_size: int = DEFAULT_PAGE_SIZE, rope_group: in
 
 
 def add_arguments(p):
-    p.add_argument("--d-c", type=int, default=512, help="latent rank kv_lora_rank (default 512)")
-    p.add_argument("--d-r", type=int, default=64, help="RoPE key dim qk_rope_head_dim (default 64)")
-    p.add_argument("--rope-group", type=int, default=64, help="RoPE group size cap (default 64)")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per page (default 64)")
+    p.add_argument("--d-c", type=int, default=512, help="latent rank kv_lora_rank")
+    p.add_argument("--d-r", type=int, default=64, help="RoPE key dim qk_rope_head_dim")
+    p.add_argument("--rope-group", type=int, default=64, help="RoPE group size cap (a power of two)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per page")
     p.add_argument("--model", help="read d_c and d_r from this checkpoint directory instead")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def check_dims(d_c: int, d_r: int, rope_group: int, page_size: int, source: str = "") -> None:
+    """Refuse dims and sizes the table cannot lay out, naming the flag (or the checkpoint `source`)."""
+    from quantmla.checks import check_positive
+    from quantmla.errors import UnsupportedFormatError
+
+    d_c_name, d_r_name = (f"{source}: kv_lora_rank", f"{source}: qk_rope_head_dim") if source else ("--d-c", "--d-r")
+    check_positive(page_size, "--page-size", integer=True)
+    check_positive(rope_group, "--rope-group", integer=True)
+    check_positive(d_c, d_c_name, integer=True)
+    check_positive(d_r, d_r_name, integer=True)
+    if rope_group & (rope_group - 1):
+        raise UnsupportedFormatError(f"--rope-group {rope_group} is not a power of two; use e.g. 32 or 64")
+    if not any(d_c % g == 0 for g in (32, 64, 128)) and d_c & (d_c - 1):
+        raise UnsupportedFormatError(
+            f"{d_c_name} {d_c}: no group size of 32, 64 or 128 divides it and it is not a power of two, so no content "
+            "group fits; MLA models use a multiple of 32 (e.g. 512)")
+    rg = min(rope_group, d_r)
+    if d_r % rg or rg & (rg - 1):
+        raise UnsupportedFormatError(
+            f"{d_r_name} {d_r}: the RoPE group (--rope-group {rope_group}, capped at d_r) does not divide it into "
+            "power-of-two groups; MLA models use e.g. 64, or pick a --rope-group that divides it")
 
 
 def run(args) -> int:
@@ -51,6 +74,7 @@ def run(args) -> int:
 
         s = load_spec(args.model)
         d_c, d_r = s.d_c, s.d_r
+    check_dims(d_c, d_r, args.rope_group, args.page_size, args.model or "")
     rows = table(d_c, d_r, args.page_size, args.rope_group)
     if args.json:
         print(json.dumps({"d_c": d_c, "d_r": d_r, "page_size": args.page_size, "rows": rows}, indent=1))

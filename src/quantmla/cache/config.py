@@ -6,6 +6,7 @@ loading reads back to set up the cache.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from quantmla.cache.layout import CacheFormat
@@ -23,18 +24,41 @@ class QuantCacheConfig:
     rope_offsets: cache slot -> RoPE key offset c [d_r] (cache channel order), subtracted from every
     RoPE key before it is quantized and never added back: each query's logits all move by q_R·c,
     which softmax ignores, so attention is unchanged while the quantizer no longer spends its range
-    on the keys' common (mostly low-frequency) component. Learned by ``quantmla calibrate``."""
+    on the keys' common (mostly low-frequency) component. Learned by ``quantmla calibrate``; a slot
+    mapped to None is stored uncentred (centring did not help it). Empty: no slot is centred.
+
+    On disk (``to_dict``) a centred config lists every fitted slot under ``"rope_offsets"`` (null for
+    an uncentred one) and a config without centring says so with ``"rope_centring": false``;
+    ``from_dict`` refuses a config with neither, since a runtime that drops the offsets changes the
+    model's outputs. :meth:`check_model` refuses offsets that do not fit a model."""
 
     content: PathFormat = field(default_factory=lambda: PathFormat(4, 64))
     rope: PathFormat = field(default_factory=lambda: PathFormat(4, 32))
     layer_overrides: dict[int, CacheFormat] = field(default_factory=dict)
     fp_window: int = 0
     method: str = "rtn"
-    rope_offsets: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    rope_offsets: dict[int, tuple[float, ...] | None] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.fp_window < 0:
             raise QuantMLAError(f"fp_window must be >= 0, got {self.fp_window}")
+        for slot, c in self.rope_offsets.items():
+            if c is not None and not all(math.isfinite(x) for x in c):
+                raise QuantMLAError(f"rope_offsets of cache slot {slot} hold NaN or Inf values: the quantization_config "
+                                    "is corrupt; calibrate the original checkpoint again")
+        if not self.centred:  # one form for "no slot centred": the empty dict
+            object.__setattr__(self, "rope_offsets", {})
+
+    @property
+    def centred(self) -> bool:
+        """Whether any cache slot's RoPE keys are centred (stored minus an offset)."""
+        return any(c is not None for c in self.rope_offsets.values())
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any path of any slot is quantized (False: a 16-bit reference cache)."""
+        return any(f.content.quantized or f.rope.quantized
+                   for f in (CacheFormat(self.content, self.rope), *self.layer_overrides.values()))
 
     @classmethod
     def of_bits(cls, content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32, **kw):
@@ -62,7 +86,7 @@ class QuantCacheConfig:
             s += f" ({len(self.layer_overrides)} layer overrides)"
         if self.fp_window:
             s += f", last {self.fp_window} tokens unquantized"
-        if self.rope_offsets:
+        if self.centred:
             s += ", RoPE keys centred"
         return s
 
@@ -74,24 +98,65 @@ class QuantCacheConfig:
             "layer_overrides": {str(k): v.to_dict() for k, v in self.layer_overrides.items()},
             "fp_window": self.fp_window,
             "method": self.method,
-            **({"rope_offsets": {str(k): list(v) for k, v in self.rope_offsets.items()}} if self.rope_offsets else {}),
+            **({"rope_offsets": {str(k): None if v is None else list(v) for k, v in sorted(self.rope_offsets.items())}}
+               if self.centred else {"rope_centring": False}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantCacheConfig":
-        if d.get("quant_method") != QUANT_METHOD:
+        """The config of a config.json's ``quantization_config``; every missing or malformed field is
+        a QuantMLAError naming it (nothing falls back to a default that changes the outputs)."""
+        if not isinstance(d, dict) or d.get("quant_method") != QUANT_METHOD:
+            got = d.get("quant_method") if isinstance(d, dict) else d
             raise QuantMLAError(
-                f"quantization_config has quant_method={d.get('quant_method')!r}, not {QUANT_METHOD!r}: "
+                f"quantization_config has quant_method={got!r}, not {QUANT_METHOD!r}: "
                 "this checkpoint was not prepared by quantmla calibrate"
             )
+        where = "quantization_config"
+        for k in ("content", "rope"):
+            if k not in d:
+                raise QuantMLAError(f"{where} has no {k!r} format (the {k} path's bits and group size): config.json is "
+                                    "incomplete; calibrate the original checkpoint again, or restore the field, e.g. "
+                                    f'"{k}": {{"bits": 4, "group_size": {64 if k == "content" else 32}}}')
+        overrides = d.get("layer_overrides") or {}
+        fp_window = d.get("fp_window", 0)
+        if not isinstance(fp_window, int) or isinstance(fp_window, bool):
+            raise QuantMLAError(f"{where}: fp_window must be an integer number of tokens, got {fp_window!r}")
         return cls(
-            content=PathFormat.from_dict(d["content"]),
-            rope=PathFormat.from_dict(d["rope"]),
-            layer_overrides={int(k): CacheFormat.from_dict(v) for k, v in d.get("layer_overrides", {}).items()},
-            fp_window=int(d.get("fp_window", 0)),
+            content=PathFormat.from_dict(d["content"], f"{where}, content"),
+            rope=PathFormat.from_dict(d["rope"], f"{where}, rope"),
+            layer_overrides={_slot(k, f"{where}, layer_overrides"): CacheFormat.from_dict(v, f"{where}, layer_overrides[{k}]")
+                             for k, v in overrides.items()},
+            fp_window=fp_window,
             method=d.get("method", "rtn"),
-            rope_offsets={int(k): tuple(float(x) for x in v) for k, v in d.get("rope_offsets", {}).items()},
+            rope_offsets=_offsets_from_dict(d),
         )
+
+    def check_model(self, spec) -> None:
+        """Raise QuantMLAError unless these formats and offsets fit the model of `spec` (an MLASpec):
+        overrides and offsets only for the model's MLA cache slots, offsets of d_r values, and, when
+        the RoPE keys are centred, an entry (an offset or null) for every slot whose RoPE path is quantized."""
+        slots = set(spec.mla_layers)
+        belongs = "the quantization_config belongs to another model (calibrate this model for it)"
+        stray = sorted(set(self.layer_overrides) - slots)
+        if stray:
+            raise QuantMLAError(f"layer overrides for cache slots {stray}, but the model's MLA slots are "
+                                f"{sorted(slots)}: {belongs}")
+        stray = sorted(set(self.rope_offsets) - slots)
+        if stray:
+            raise QuantMLAError(f"rope_offsets for cache slots {stray}, but the model's MLA slots are "
+                                f"{sorted(slots)}: {belongs}")
+        for s in self.rope_offsets:
+            self.rope_offset(s, spec.d_r)
+        if not self.centred:
+            return
+        missing = [s for s in sorted(slots) if s not in self.rope_offsets and self.format_for(s).rope.quantized]
+        if missing:
+            raise QuantMLAError(
+                f"rope_offsets has no entry for cache slots {missing} (of {sorted(slots)}): their RoPE keys would be "
+                "stored uncentred, unlike what the checkpoint was calibrated for; the quantization_config is "
+                "incomplete. Calibrate the original checkpoint again (a slot stored uncentred is listed as null)"
+            )
 
     @classmethod
     def from_model_config(cls, config) -> "QuantCacheConfig | None":
@@ -121,7 +186,7 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
     for; asking for different formats is an error (the transforms would not match). A plain
     checkpoint takes whatever is requested (round-to-nearest on the untransformed weights).
     """
-    stored = QuantCacheConfig.from_model_config(model_config)
+    stored = stored_cache_config(model_config)
     if requested is None:
         if stored is None:
             raise QuantMLAError(
@@ -130,10 +195,20 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
             )
         return stored
     if stored is not None:
-        check_matches(stored, requested)
-        if stored.rope_offsets and not requested.rope_offsets:  # calibrated offsets come with the checkpoint
-            return replace(requested, rope_offsets=stored.rope_offsets)
+        return reconcile(stored, requested)
     return requested
+
+
+def reconcile(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: str | None = None) -> QuantCacheConfig:
+    """`requested` for a checkpoint calibrated as `stored`: the same formats (CacheConfigMismatchError
+    otherwise), always with the checkpoint's RoPE offsets (taken from `stored` when `requested` has
+    none; offsets other than the checkpoint's are refused)."""
+    check_matches(stored, requested, fix)
+    if requested.centred and requested.rope_offsets != stored.rope_offsets:
+        raise CacheConfigMismatchError(
+            "the cache config carries RoPE offsets other than the calibrated checkpoint's; leave rope_offsets "
+            "empty (the checkpoint's own are used) or use the checkpoint they were calibrated with")
+    return replace(requested, rope_offsets=stored.rope_offsets)
 
 
 stored_cache_config = QuantCacheConfig.from_model_config  # the same function, under the name the commands import
@@ -152,3 +227,38 @@ def check_matches(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: st
         f"{requested.describe()}; its fused transforms only fit the formats they were calibrated for. "
         + (fix or "Use the checkpoint's own formats (omit the bits), or calibrate the original checkpoint again for these")
     )
+
+
+def _slot(key, where: str) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise QuantMLAError(f"{where}: {key!r} is not a cache slot number") from None
+
+
+def _offsets_from_dict(d: dict) -> dict[int, tuple[float, ...] | None]:
+    """The RoPE offsets of a quantization_config dict (see QuantCacheConfig): present, or explicitly
+    absent with ``"rope_centring": false``; anything else is refused."""
+    centring, raw = d.get("rope_centring"), d.get("rope_offsets")
+    if centring is not None and not isinstance(centring, bool):
+        raise QuantMLAError(f"quantization_config: rope_centring must be true or false, got {centring!r}")
+    if centring is False:
+        if raw:
+            raise QuantMLAError('quantization_config says "rope_centring": false but carries rope_offsets: it '
+                                "contradicts itself; calibrate the original checkpoint again")
+        return {}
+    if not raw:
+        raise QuantMLAError(
+            "quantization_config has no rope_offsets: a checkpoint calibrated with RoPE centring reads wrongly without "
+            "them (its RoPE keys would be stored uncentred). Calibrate the original checkpoint again; if it was "
+            'calibrated without centring (--no-rope-center, --method hadamard/rtn), add "rope_centring": false')
+    if not isinstance(raw, dict):
+        raise QuantMLAError(f"quantization_config: rope_offsets must map cache slots to lists of numbers, got {type(raw).__name__}")
+    out = {}
+    for k, v in raw.items():
+        slot = _slot(k, "quantization_config, rope_offsets")
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                              for x in v)):
+            raise QuantMLAError(f"rope_offsets of cache slot {slot} must be a list of numbers (or null), got {v!r}")
+        out[slot] = None if v is None else tuple(float(x) for x in v)
+    return out

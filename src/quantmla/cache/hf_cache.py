@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.config import QuantCacheConfig, reconcile, stored_cache_config
 from quantmla.cache.layout import CacheFormat, TokenLayout
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, load_spec
@@ -166,7 +166,8 @@ class QuantMLALayer(CacheLayerMixin):
         self.cumulative_length = keep
 
     def reset(self) -> None:
-        self.__init__(self.fmt, self.d_c, self.d_r, self.fp_window, self.layer_idx)
+        """Drop every stored token; the format and the RoPE key offset stay."""
+        self.__init__(self.fmt, self.d_c, self.d_r, self.fp_window, self.layer_idx, rope_offset=self.rope_offset)
 
     def offload(self):  # packed storage is small; keep it where it is
         pass
@@ -183,23 +184,29 @@ class QuantMLACache(Cache):
 
     `model_or_config`: a model, a config or a checkpoint path (for the spec). `quant`: a
     QuantCacheConfig; by default the model config's ``quantization_config`` if it has one.
+
+    For a model calibrated by ``quantmla calibrate`` (its config carries our quantization_config), a
+    quantized `quant` must have the formats it was calibrated for, and the cache always uses the
+    checkpoint's RoPE key offsets (CacheConfigMismatchError otherwise); a 16-bit `quant` (a reference
+    read) is taken as it is.
     """
 
     def __init__(self, model_or_config, quant: QuantCacheConfig | None = None):
         spec: MLASpec = load_spec(model_or_config)
         spec.require_latent_cache()
         config = getattr(model_or_config, "config", model_or_config)
+        stored = _stored_config(config)
         if quant is None:
-            quant = QuantCacheConfig.from_model_config(config) if hasattr(config, "to_dict") else None
+            quant = stored
             if quant is None:
                 raise QuantMLAError(
-                    "no cache quantization given and the model config has no quantization_config; "
+                    "no cache quantization given and the model config has no quantization_config of `quantmla calibrate`; "
                     "pass QuantCacheConfig(...) or load a checkpoint written by `quantmla calibrate`"
                 )
+        elif stored is not None and quant.quantizes:
+            quant = reconcile(stored, quant)
+        quant.check_model(spec)
         self.spec, self.quant = spec, quant
-        for layer in quant.layer_overrides:
-            if layer not in spec.mla_layers:
-                raise QuantMLAError(f"layer override for cache slot {layer}, but the model's MLA slots are {list(spec.mla_layers)}")
         layers: list = []
         layer_types, layer_kwargs = ([], {})
         if hasattr(config, "get_text_config"):
@@ -223,3 +230,17 @@ class QuantMLACache(Cache):
     def bytes_per_token(self) -> int:
         """Per-token bytes of the stored format summed over MLA layers (the layout's arithmetic)."""
         return sum(l.layout.bytes_per_token for l in self.mla_layers())
+
+
+def _stored_config(config) -> QuantCacheConfig | None:
+    """The calibrated formats a model config (or checkpoint directory) carries, else None."""
+    import os
+
+    if isinstance(config, (str, os.PathLike)):
+        import json
+
+        with open(os.path.join(os.fspath(config), "config.json")) as f:
+            return stored_cache_config(json.load(f))
+    if isinstance(config, MLASpec):
+        return None
+    return stored_cache_config(config)

@@ -47,8 +47,15 @@ class CacheFormat:
         return {"content": self.content.to_dict(), "rope": self.rope.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CacheFormat":
-        return cls(PathFormat.from_dict(d["content"]), PathFormat.from_dict(d["rope"]))
+    def from_dict(cls, d: dict, where: str = "cache format") -> "CacheFormat":
+        """Both paths from their JSON form {"content": {...}, "rope": {...}}; `where` names it in errors."""
+        from quantmla.errors import UnsupportedFormatError
+
+        missing = [k for k in ("content", "rope") if not isinstance(d, dict) or k not in d]
+        if missing:
+            raise UnsupportedFormatError(f"{where} has no {' or '.join(repr(k) for k in missing)} format; each path "
+                                         "needs one, like \"content\": {\"bits\": 4, \"group_size\": 64}")
+        return cls(PathFormat.from_dict(d["content"], f"{where}, content"), PathFormat.from_dict(d["rope"], f"{where}, rope"))
 
 
 def int_format(content_bits: int, rope_bits: int, content_group: int = 128, rope_group: int = 64) -> CacheFormat:

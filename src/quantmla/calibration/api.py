@@ -317,7 +317,7 @@ def calibrate(
     t_fit = time.perf_counter() - t0 - t_capture
 
     fuse_transforms(model, {k: v for k, v in transforms.items() if v.content is not None or v.rope is not None}, spec)
-    offsets = {r.slot: tuple(r.rope_offset) for r in reports if r.rope_offset is not None}
+    offsets = {r.slot: None if r.rope_offset is None else tuple(r.rope_offset) for r in reports}  # None: uncentred
     dataclasses.replace(quant, method=method, rope_offsets=offsets).attach(model)  # model.config.quantization_config
     model.train(was_training)
     report = CalibrationReport(

@@ -71,6 +71,9 @@ def load_quantized(path: str | os.PathLike, quant: QuantCacheConfig | None = Non
         raise QuantMLAError(f"{p} has no quantization_config in config.json: it was not written by `quantmla calibrate` "
                             "(load it with from_pretrained and pass a QuantCacheConfig to QuantMLACache instead)")
     qc = resolve_cache_config(config, quant)
+    from quantmla.model.spec import load_spec
+
+    qc.check_model(load_spec(str(p)))  # offsets and overrides fit the model; weight files complete (headers)
     kw = dict(from_pretrained_kwargs)
     if dtype is not None:
         kw["dtype"] = dtype

@@ -1287,11 +1287,12 @@ class Streamer:
                 total += h["data_offsets"][1] - h["data_offsets"][0]
         atomic_write_json(os.path.join(self.state.output, INDEX_NAME),
                           {"metadata": {"total_size": total, "quantmla_streamed": True}, "weight_map": dict(sorted(weight_map.items()))})
-        offsets = {}  # the fitted slots' RoPE key offsets (api.centre_rope_keys), from the layers' markers
+        offsets = {}  # the fitted slots' RoPE key offsets (api.centre_rope_keys; None: uncentred), from the markers
         for i in range(self.L):
             for slot, inf in self.state.read_marker(_layer_unit(i)).get("fit", {}).items():
-                if isinstance(inf, dict) and inf.get("rope_offset") is not None:
-                    offsets[int(inf.get("slot", slot))] = tuple(float(x) for x in inf["rope_offset"])
+                if isinstance(inf, dict):
+                    off = inf.get("rope_offset")
+                    offsets[int(inf.get("slot", slot))] = None if off is None else tuple(float(x) for x in off)
         cfg = dict(self.ckpt.config_dict)
         cfg["quantization_config"] = dataclasses.replace(self.quant, method=self.method, rope_offsets=offsets).to_dict()
         if self.ckpt.has_fp8:

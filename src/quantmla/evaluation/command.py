@@ -33,10 +33,10 @@ def add_arguments(p):
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="retrieval lengths (tokens)")
     p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --seq-len tokens, training text)")
     p.add_argument("--calib-steps", type=int, default=None, help="optimizer steps per layer of the learned transforms")
-    p.add_argument("--content-group", type=int, default=64)
-    p.add_argument("--rope-group", type=int, default=32)
+    p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
+    p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
     p.add_argument("--kivi-block", type=int, default=None, help="KIVI token block (default: the RoPE group size, equal bytes)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (calibration, retrieval sampling)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--resume", action="store_true", help="skip rows already in the output with the same data settings")
     p.add_argument("--no-merge", action="store_true", help="overwrite the output instead of merging rows into it")
@@ -109,9 +109,15 @@ def check_rows(path: str, spec, rows, args) -> None:
         stored = stored_cache_config(json.load(f))
     if stored is None:
         return
+    stored.check_model(spec)  # its RoPE offsets and overrides fit this model (the cache will use them)
     for r in rows:
         if r.method == "bf16":
             continue  # the unquantized reference reads no quantized format
+        if r.method == "kivi":
+            raise QuantMLAError(
+                f"{path} is calibrated ({stored.method}, {stored.describe()}); the KIVI baseline stores RoPE keys its "
+                "own way, not in the calibrated formats and without the checkpoint's RoPE offsets. Give the original "
+                "checkpoint to compare with KIVI")
         requested = QuantCacheConfig(content=r.config.content, rope=r.config.rope, method=r.method)
         c, rp = r.config.content, r.config.rope
         recalibrate = (f"quantmla calibrate ORIGINAL --content-bits {c.bits} --rope-bits {rp.bits} "

@@ -20,21 +20,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "decode_attention_fwd, or one defining quantmla_peer_decode); never committed")
     p.add_argument("--sweep-shape", default="32x16384", help="batch x context the config sweep is timed on")
     p.add_argument("--no-sweep", action="store_true", help="use the default config of each method")
-    p.add_argument("--warmup-ms", type=int, default=25)
-    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--warmup-ms", type=int, default=25, help="warmup time per measurement (ms)")
+    p.add_argument("--rep-ms", type=int, default=100, help="timed repetitions per measurement (ms)")
     p.add_argument("--out", default="out/bench/kernel.json", help="where the JSON (and the PNG beside it) go")
     p.add_argument("--overwrite", action="store_true", help="replace an existing result file")
-    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CPU + TRITON_INTERPRET=1 dry run
+    p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU under TRITON_INTERPRET=1 (tests)")
 
 
 def run(args) -> int:
     from pathlib import Path
 
+    from quantmla.checks import check_output_file
     from quantmla.errors import QuantMLAError
     from quantmla.kernels.bench import plot, run_bench, save
 
     if Path(args.out).exists() and not args.overwrite:
         raise QuantMLAError(f"--out {args.out} already exists; pass --overwrite to replace it, or choose another path")
+    check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
     res = run_bench(args)
     save(res, args.out)
     print(f"figure {plot(res, args.out)}")

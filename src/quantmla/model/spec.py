@@ -199,8 +199,25 @@ def spec_from_config(config) -> MLASpec:
     return spec_from_model(model)
 
 
+def _require_mla_fields(cfg_file: str, raw: dict) -> None:
+    """A latent-attention family's config.json must state kv_lora_rank and qk_rope_head_dim itself:
+    transformers would fill in its own defaults (kv_lora_rank 512), which need not be this model's."""
+    family = raw.get("model_type", "?")
+    if family not in LATENT_CACHING | EXPANDED_CACHING:
+        return  # other families: spec_from_config decides from the parsed config
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim") if text.get(k, raw.get(k)) is None]
+    if missing:
+        raise NotMLAError(
+            f"{cfg_file} (model_type {family!r}) has no {' or '.join(missing)}: without it this is not a Multi-Head "
+            "Latent Attention config (transformers would fill in its own default, not this model's); add the "
+            "checkpoint's real value to config.json"
+        )
+
+
 def load_spec(path_or_obj) -> MLASpec:
-    """Spec of a model, a config, or a checkpoint directory (reads only config.json)."""
+    """Spec of a model, a config, or a checkpoint directory (reads config.json, and the headers of the
+    safetensors weight files present: a truncated one is an error here, before any command's work)."""
     if isinstance(path_or_obj, MLASpec):
         return path_or_obj
     if isinstance(path_or_obj, torch.nn.Module):
@@ -216,11 +233,21 @@ def load_spec(path_or_obj) -> MLASpec:
                                     "directory that holds the model's config.json")
         from transformers import AutoConfig
 
+        from quantmla.checks import check_weight_files
+
+        try:
+            with open(cfg_file) as f:
+                raw = json.load(f)
+        except ValueError as e:
+            raise NotMLAError(f"{cfg_file} is not valid JSON ({e}); restore the checkpoint's config.json") from None
+        if not isinstance(raw, dict):
+            raise NotMLAError(f"{cfg_file} holds no JSON object; restore the checkpoint's config.json")
+        _require_mla_fields(cfg_file, raw)
+        check_weight_files(path)
         try:
             config = AutoConfig.from_pretrained(path)
         except (ValueError, KeyError) as e:
-            with open(cfg_file) as f:
-                mt = json.load(f).get("model_type", "?")
-            raise NotMLAError(f"cannot read {cfg_file} (model_type {mt!r}) with transformers: {e}") from None
+            raise NotMLAError(f"cannot read {cfg_file} (model_type {raw.get('model_type', '?')!r}) with transformers: "
+                              f"{e}") from None
         return spec_from_config(config)
     return spec_from_config(path_or_obj)

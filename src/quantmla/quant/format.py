@@ -107,10 +107,19 @@ class PathFormat:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PathFormat":
+    def from_dict(cls, d: dict, where: str = "path format") -> "PathFormat":
+        """A format from its JSON form ({"bits": 4, "group_size": 64, ...}); `where` names it in errors."""
+        if not isinstance(d, dict):
+            raise UnsupportedFormatError(f"{where} must be an object like {{\"bits\": 4, \"group_size\": 64}}, got {d!r}")
         unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype"}
         if unknown:
-            raise UnsupportedFormatError(f"unknown path-format fields {sorted(unknown)}")
+            raise UnsupportedFormatError(f"{where}: unknown path-format fields {sorted(unknown)}")
+        for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str)):
+            v = d.get(key)
+            if key in d and (not isinstance(v, kind) or isinstance(v, bool)):
+                raise UnsupportedFormatError(
+                    f"{where}: {key} must be {'an integer' if kind is int else 'a string'}, got {v!r} "
+                    f"({type(v).__name__}); write it as {'a JSON number without quotes, e.g. 4' if kind is int else 'a JSON string'}")
         return cls(**d)
 
 

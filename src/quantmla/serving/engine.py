@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quantmla.cache.config import QuantCacheConfig
+from quantmla.cache.config import QuantCacheConfig, reconcile, stored_cache_config
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
@@ -122,6 +122,10 @@ class Engine:
                 "attention layer is MLA"
             )
         quant = config.quant or BF16_CONFIG
+        stored = stored_cache_config(model.config)
+        if stored is not None and quant.quantizes:  # a calibrated model: its formats, always with its RoPE offsets
+            quant = reconcile(stored, quant)
+        quant.check_model(spec)
         if quant.fp_window:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
@@ -177,12 +181,18 @@ class Engine:
         ``config.quant`` the checkpoint's own ``quantization_config`` is used, else BF16."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device)
+        from transformers import AutoConfig
+
+        from quantmla.checks import check_device, check_weight_files
+
+        check_device(device, "device")
+        check_weight_files(path)
         config = config or EngineConfig()
-        if config.quant is None:
-            q = QuantCacheConfig.from_model_config(model.config)
+        if config.quant is None:  # the checkpoint's formats are read (and checked) before any weight
+            q = stored_cache_config(AutoConfig.from_pretrained(path))
             if q is not None:
                 config = EngineConfig(**{**config.__dict__, "quant": q})
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device)
         return cls(model, config)
 
     def _eos_ids(self) -> set[int]:

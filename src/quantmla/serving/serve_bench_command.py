@@ -15,34 +15,41 @@ import time
 
 from quantmla.serving.bench import JOBS, PRESETS, BenchSettings, format_table, job_budgets_gib, run_bench, save
 
+CHECKS_DEVICE = True  # check_args checks --device (after the model path), with the GPU job's own advice
+
 
 def add_arguments(p):
     d = BenchSettings()
     p.add_argument("--preset", choices=sorted(PRESETS), default=d.preset, help="model geometry (default v2-lite)")
     p.add_argument("--model", dest="model_path", default=None, help="serve this checkpoint directory instead of random weights")
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(d.prompt_min, d.prompt_max), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(d.output_min, d.output_max), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--requests", type=int, default=d.requests, help="requests in the job")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(d.prompt_min, d.prompt_max), metavar=("MIN", "MAX"),
+                   help="prompt lengths (tokens), drawn between MIN and MAX")
+    p.add_argument("--output-len", type=int, nargs=2, default=(d.output_min, d.output_max), metavar=("MIN", "MAX"),
+                   help="output lengths (tokens), drawn between MIN and MAX (EOS ignored)")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
     p.add_argument("--methods", nargs="+", default=list(d.methods), help="bf16, int4/int4, int2/int4, ...")
-    p.add_argument("--content-group", type=int, default=d.content_group)
-    p.add_argument("--rope-group", type=int, default=d.rope_group)
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--watermark", type=float, default=d.watermark)
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--backend", default=d.backend, choices=("auto", "torch", "triton"))
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--content-group", type=int, default=d.content_group, help="content channels per scale/zero group")
+    p.add_argument("--rope-group", type=int, default=d.rope_group, help="RoPE channels per scale/zero group")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per cache page")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per engine step")
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per engine step (prefill chunk budget)")
+    p.add_argument("--watermark", type=float, default=d.watermark, help="fraction of pages admission leaves free")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graph replay)")
+    p.add_argument("--backend", default=d.backend, choices=("auto", "torch", "triton"),
+                   help="paged attention backend (auto: Triton kernels where they run, else torch)")
+    p.add_argument("--device", default=d.device, help="torch device (the benchmark is meant for cuda)")
+    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help="compute dtype")
     p.add_argument("--max-seconds", type=float, default=0.0, help="start no new run after this many seconds")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
     p.add_argument("--check-families", nargs="*", default=["deepseek_v2"], help="tiny random models to check (none: skip)")
     p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
-    p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
+    p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"],
+                   help="cache methods of the agreement check")
     p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path (the figure goes beside it, .png)")
     p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
     p.add_argument("--job", choices=sorted(JOBS), default=None,
@@ -144,8 +151,14 @@ def check_args(args) -> None:
         d_c, d_r = PRESETS[args.preset]["d_c"], PRESETS[args.preset]["d_r"]
     if not args.check_only:
         check_methods(args.methods, args, d_c, d_r)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    from quantmla.checks import check_device, check_positive
+
+    for b in args.budgets_gib:
+        check_positive(b, "--budgets-gib")
+
+    if not args.device.startswith("cuda") or torch.cuda.is_available():
+        check_device(args.device)  # a name torch does not know, a GPU index past the count
+    else:
         raise QuantMLAError(f"--device {args.device}: no CUDA GPU is visible here; serve-bench times the GPU job, so run "
                             "it on a GPU machine (or pass --device cpu --preset tiny for a slow smoke run)")
 
@@ -168,6 +181,9 @@ def run(args) -> int:
         args.requests, args.prompt_len, args.output_len = j["requests"], j["prompt"], j["output"]
         if "--budgets-gib" not in getattr(args, "command_line", " ".join(sys.argv)).split():
             args.budgets_gib = job_budgets_gib(args.job, args.preset, page_size=args.page_size)
+    from quantmla.checks import check_output_file
+
+    check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
     s = BenchSettings(
         preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
         prompt_max=args.prompt_len[1], output_min=args.output_len[0], output_max=args.output_len[1], seed=args.seed,

@@ -22,19 +22,21 @@ def add_arguments(p):
     p.add_argument("model", help="checkpoint directory (config.json, safetensors weights, tokenizer)")
     p.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl ({'prompt'|'prompt_ids', 'id'?})")
     p.add_argument("--out", default=None, help="write outputs here as JSONL (default: print them)")
-    p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget in GiB over all layers (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget in GiB over all layers")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate per prompt (a .jsonl line's max_new_tokens overrides it)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--content-bits", type=int, default=None, help="content path bits (default: the checkpoint's, else BF16)")
     p.add_argument("--rope-bits", type=int, default=None, help="RoPE path bits (with --content-bits)")
-    p.add_argument("--content-group", type=int, default=64)
-    p.add_argument("--rope-group", type=int, default=32)
+    p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group (with --content-bits)")
+    p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group (with --rope-bits)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="compute dtype of the model")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="paged attention backend (auto: Triton kernels where they run, else torch)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graph replay)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per engine step (prefill chunk budget)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -72,46 +74,69 @@ def read_prompts(path: str) -> list[dict]:
     return records
 
 
+def check_lengths(records: list[dict], reqs: list, max_positions: int | None) -> None:
+    """Refuse, before any weights are read, a request whose prompt plus new tokens runs past the
+    positions the model is built for (its RoPE tables and training stop there)."""
+    from quantmla.cli import CLIError
+
+    if not max_positions:
+        return
+    for r, q in zip(records, reqs):
+        need = len(q.prompt) + q.params.max_new_tokens
+        if need > max_positions:
+            raise CLIError(
+                f"prompt {r['id']!r} has {len(q.prompt)} tokens; with {q.params.max_new_tokens} new tokens it needs "
+                f"{need} positions, but the model has max_position_embeddings {max_positions}: shorten the prompt or "
+                "lower --max-new-tokens (or the line's max_new_tokens)")
+
+
 def run(args) -> int:
     import time
 
     import torch
     from tqdm.auto import tqdm
 
-    from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
+    from quantmla.cache.config import QuantCacheConfig, resolve_cache_config, stored_cache_config
+    from quantmla.checks import check_device, check_output_file, check_positive
     from quantmla.cli import CLIError
+    from quantmla.errors import QuantMLAError
     from quantmla.evaluation.harness import check_model_dir, load_model
     from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
     from quantmla.serving.scheduler import Request, SamplingParams
 
     if (args.content_bits is None) != (args.rope_bits is None):
         raise CLIError("give both --content-bits and --rope-bits, or neither (the checkpoint's formats, else BF16)")
-    if args.max_new_tokens < 1:
-        raise CLIError("--max-new-tokens must be at least 1")
-    if args.kv_budget_gib <= 0:
-        raise CLIError("--kv-budget-gib must be positive")
+    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
+    check_positive(args.kv_budget_gib, "--kv-budget-gib")
+    for flag in ("content_group", "rope_group", "max_num_seqs", "max_batched_tokens"):
+        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
     records = read_prompts(args.prompts)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError("--device cuda asked for, but no CUDA device is available here (use --device cpu)")
+    check_output_file(args.out)  # a bad --out fails now, not after generating
+    device = check_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    check_model_dir(args.model)  # clear errors for a missing path, no config.json, a non-MLA model
-    from transformers import AutoConfig
+    spec = check_model_dir(args.model)  # clear errors for a missing path, no config.json, a non-MLA model, bad weights
+    from transformers import AutoConfig, AutoTokenizer
 
     model_config = AutoConfig.from_pretrained(args.model)  # formats are settled before any weight is read
     requested = None
     if args.content_bits is not None:
         requested = QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
-    if requested is None and QuantCacheConfig.from_model_config(model_config) is None:
+    if requested is None and stored_cache_config(model_config) is None:
         quant = BF16_CONFIG
     else:
         quant = resolve_cache_config(model_config, requested)
-    model, tok = load_model(args.model, dtype=dtype, device=device)
+    quant.check_model(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, TypeError) as e:
+        raise QuantMLAError(f"{args.model}: no usable tokenizer ({e}); the checkpoint directory must hold its tokenizer files") from None
     reqs = []
     for r in records:
         ids = r["prompt_ids"] if "prompt_ids" in r else tok(r["prompt"], add_special_tokens=True)["input_ids"]
         n_new = int(r.get("max_new_tokens", args.max_new_tokens))
         reqs.append(Request(r["id"], list(ids), SamplingParams(max_new_tokens=n_new, ignore_eos=args.ignore_eos)))
+    check_lengths(records, reqs, spec.max_positions)
+    model, tok = load_model(args.model, dtype=dtype, device=device)
     cfg = EngineConfig(quant=quant, kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)), backend=args.backend,
                        cuda_graphs=not args.no_cuda_graphs, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_batched_tokens)

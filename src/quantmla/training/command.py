@@ -25,40 +25,42 @@ from quantmla.training.families import FAMILIES, MODEL_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stage", choices=["all", "prepare", "train"], default="all")
+    p.add_argument("--stage", choices=["all", "prepare", "train"], default="all",
+                   help="prepare: corpus, tokenizer, held-out sets; train: one --family; all: both, every family")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (stage all)")
     p.add_argument("--family", choices=FAMILIES, help="the family to train (stage train)")
     p.add_argument("--work", default="runs/train-reference", help="scratch directory (corpus, stream, logs)")
     p.add_argument("--out", default="models", help="where model directories and heldout/ are written")
     p.add_argument("--results", default=None, help="JSON run log to write (stage all)")
-    p.add_argument("--size", choices=["ref", "small", "tiny"], default="ref")
+    p.add_argument("--size", choices=["ref", "small", "tiny"], default="ref", help="model size preset (tiny: CI smoke runs)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--jobs", type=int, default=None, help="parallel training processes; 0 = in this process")
     p.add_argument("--reuse-data", action="store_true", help="keep an existing prepared --work")
     g = p.add_argument_group("data")
-    g.add_argument("--vocab-size", type=int, default=3072)
-    g.add_argument("--max-train-bytes", type=float, default=400e6)
-    g.add_argument("--tokenizer-bytes", type=float, default=24e6)
-    g.add_argument("--heldout-fraction", type=float, default=0.06)
-    g.add_argument("--n-retrieval", type=int, default=100)
-    g.add_argument("--retrieval-lengths", default="1024,2048,4096")
+    g.add_argument("--vocab-size", type=int, default=3072, help="BPE tokenizer vocabulary")
+    g.add_argument("--max-train-bytes", type=float, default=400e6, help="training text kept, in bytes")
+    g.add_argument("--tokenizer-bytes", type=float, default=24e6, help="training text the tokenizer is fitted on, in bytes")
+    g.add_argument("--heldout-fraction", type=float, default=0.06,
+                   help="fraction of packages held out of training (the evaluation sets)")
+    g.add_argument("--n-retrieval", type=int, default=100, help="held-out retrieval samples per length")
+    g.add_argument("--retrieval-lengths", default="1024,2048,4096", help="comma-separated retrieval lengths (tokens)")
     g.add_argument("--packages", default=None, help="restrict the corpus to these top-level packages (tests)")
     g.add_argument("--stdlib-only", action="store_true", help="corpus from the standard library only")
     g = p.add_argument_group("training")
     g.add_argument("--time-budget", type=float, default=400.0, help="seconds of training per model")
-    g.add_argument("--max-steps", type=int, default=100_000)
-    g.add_argument("--batch-tokens", type=int, default=32768)
-    g.add_argument("--short-len", type=int, default=1024)
-    g.add_argument("--long-len", type=int, default=4096)
-    g.add_argument("--short-frac", type=float, default=0.3)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup-steps", type=int, default=250)
-    g.add_argument("--p-retrieval", type=float, default=0.5)
-    g.add_argument("--answer-weight", type=float, default=3.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--log-every", type=int, default=50)
-    g.add_argument("--eval-seq-len", type=int, default=2048)
-    g.add_argument("--eval-retrieval-n", type=int, default=100)
+    g.add_argument("--max-steps", type=int, default=100_000, help="optimizer steps at most (--time-budget may stop it first)")
+    g.add_argument("--batch-tokens", type=int, default=32768, help="tokens per optimizer step")
+    g.add_argument("--short-len", type=int, default=1024, help="sequence length of the first (short) phase")
+    g.add_argument("--long-len", type=int, default=4096, help="sequence length of the second (long) phase")
+    g.add_argument("--short-frac", type=float, default=0.3, help="fraction of training spent in the short phase")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=int, default=250, help="linear learning-rate warmup steps")
+    g.add_argument("--p-retrieval", type=float, default=0.5, help="fraction of training rows that are retrieval tasks")
+    g.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of retrieval answer tokens")
+    g.add_argument("--seed", type=int, default=0, help="random seed (data order, initialization)")
+    g.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    g.add_argument("--eval-seq-len", type=int, default=2048, help="chunk length (tokens) of the final held-out evaluation")
+    g.add_argument("--eval-retrieval-n", type=int, default=100, help="retrieval samples per length in the final evaluation")
 
 
 def _device(args) -> str:
@@ -149,6 +151,12 @@ def table(cards: list[dict]) -> str:
 
 
 def run(args) -> int:
+    from quantmla.checks import check_output_dir, check_output_file
+
+    check_output_dir(args.work, "--work")  # unwritable paths fail now, not after hours of training
+    if args.stage != "prepare":
+        check_output_dir(args.out)
+    check_output_file(args.results, "--results")
     if args.stage == "prepare":
         _prepare(args)
         return 0
