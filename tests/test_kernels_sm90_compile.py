@@ -1,0 +1,97 @@
+"""The GPU kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+The interpreter tests (test_kernels.py) check what the kernels compute, not that Triton's GPU
+compiler accepts them: a layout, reduction or dtype the interpreter takes can still fail to compile.
+Here each kernel the API launches by default is compiled ahead of time for ``GPUTarget("cuda", 90,
+32)`` (Triton's bundled ptxas; nothing is launched), with the argument types and constexprs the API
+passes: the fused decode kernels of the INT4/INT4, INT2/INT4 and BF16 formats at 16 and 128 heads,
+the dequantizing kernel of the FP8 format, the split combine, and the append and read kernels.
+"""
+
+import pytest
+import torch
+
+from quantmla.cache.layout import PageLayout, TokenLayout, preset
+from quantmla.kernels import api, codegen
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - an older Triton
+    pytest.skip("this Triton has no ahead-of-time compile API", allow_module_level=True)
+
+D_C, D_R, PAGE = 512, 64, 64
+SM90 = GPUTarget("cuda", 90, 32)
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8",
+        torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def compile_sm90(fn, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
+    """Compile `fn` for sm_90 with the types of `args` (tensors, ints, floats) and `constexprs`."""
+    sig = {}
+    for name, a in zip(fn.arg_names, args):
+        sig[name] = _PTR[a.dtype] if isinstance(a, torch.Tensor) else ("i32" if isinstance(a, int) else "fp32")
+    for name in fn.arg_names[len(args):]:
+        sig[name] = "constexpr"
+    assert set(constexprs) == set(fn.arg_names[len(args):]), "every constexpr of the kernel is given"
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _decode_args(layout: PageLayout, heads: int):
+    pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
+    _, pc, pr = api._views(pages, layout)
+    q = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
+    qr = torch.zeros(1, 1, heads, D_R, dtype=torch.bfloat16)
+    i32 = torch.zeros(4, dtype=torch.int32)
+    out = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
+    f32 = torch.zeros(4, dtype=torch.float32)
+    return (q, qr, pages, pc, pr, i32, i32, i32, out, f32, f32, f32, 4, heads, 1, heads, 1, 0.1)
+
+
+@pytest.mark.parametrize("name, heads", [
+    ("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128),
+])
+def test_default_decode_kernel_compiles_for_sm90(name, heads):
+    layout = PageLayout(TokenLayout(D_C, D_R, preset(name)), PAGE)
+    cfg = api.default_config(heads, layout, "cuda")
+    opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=False)
+    args = _decode_args(layout, heads)
+    if cfg.kernel == "fused" and codegen.supported(layout):
+        fn = codegen.fused_kernel(layout, cfg.unpack, cfg.orient)
+        consts = opts
+    else:
+        from quantmla.kernels.decode import _mla_decode_kernel as fn
+
+        consts, _ = api._layout_constexprs(layout)
+        consts = {**consts, **opts, "DEQ": cfg.deq}
+    k = compile_sm90(fn, args, consts, cfg.num_warps, cfg.num_stages)
+    assert "mma" in k.asm["ptx"]  # the scores and values go through the tensor cores
+
+
+@pytest.mark.parametrize("heads, splits", [(16, 128), (128, 8)])
+def test_combine_kernel_compiles_for_sm90(heads, splits):
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    br, bd, bs = api.combine_blocks(1, heads, D_C, splits, 132)
+    f32 = torch.zeros(4, dtype=torch.float32)
+    args = (f32, f32, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.bfloat16), f32, heads)
+    compile_sm90(_mla_combine_kernel, args, dict(D_C=D_C, BLOCK_R=br, BLOCK_D=bd, BLOCK_S=bs), 4, 2)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int4/int4", "bf16"])
+def test_append_and_read_kernels_compile_for_sm90(name):
+    from quantmla.kernels.append import _append_kernel
+    from quantmla.kernels.read import _read_kernel
+
+    layout = PageLayout(TokenLayout(D_C, D_R, preset(name)), PAGE)
+    pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
+    _, pc, pr = api._views(pages, layout)
+    consts, (cbf, rbf) = api._layout_constexprs(layout)
+    xc = torch.zeros(4, D_C, dtype=torch.bfloat16)
+    xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
+    slots = torch.zeros(4, dtype=torch.int64)
+    compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
+                 {**consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4}, 4, 1)
+    compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
