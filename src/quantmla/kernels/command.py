@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="use the default config of each method")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--out", default="bench/results/kernel_h200.json", help="where the JSON goes")
+    p.add_argument("--out", default="out/bench-kernel/decode.json", help="where the JSON goes")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CPU + TRITON_INTERPRET=1 dry run
 
 

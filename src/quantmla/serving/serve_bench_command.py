@@ -43,7 +43,7 @@ def add_arguments(p):
     p.add_argument("--check-families", nargs="*", default=["deepseek_v2"], help="tiny random models to check (none: skip)")
     p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
     p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"])
-    p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path (the figure goes beside it, .png)")
+    p.add_argument("--out", default="out/serve-bench/serving.json", help="JSON output path (the figure goes beside it, .png)")
     p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
 
 
