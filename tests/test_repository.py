@@ -2,7 +2,6 @@
 the docs and the code name exists, and test modules leave the process environment alone at import."""
 
 import ast
-import os
 import re
 from pathlib import Path
 
