@@ -2,7 +2,7 @@
 calibration tokens; a cost model fitted to the measurements; projected wall time for
 DeepSeek-V3 geometry on 1 and 8 GPUs.
 
-    python bench/calibration_scaling.py                 # CPU sweep -> bench/results/calibration_scaling_cpu.json
+    python bench/calibration_scaling.py                 # CPU sweep -> bench/results/calibration_scaling/cpu.json
     python bench/calibration_scaling.py --quick         # tiny shapes, a few seconds per point (smoke test)
     # one H200, at most ~4 minutes (GPU memory from torch.cuda.max_memory_allocated):
     PYTHONPATH=src python3 bench/calibration_scaling.py --device cuda --in-process --with-dsv3 \\

@@ -6,7 +6,7 @@ Under cache pressure the engine decodes 1–16 sequences of about 2K tokens. The
 cuts a sequence into splits of at least ``DecodeConfig.min_chunk`` tokens: with 256, a lone
 1900-token sequence got 8 programs on a 132-SM GPU. This times one layer's decode step (decode +
 combine kernels, one CUDA-graph replay, ``do_bench`` median with the L2 flushed) for each format,
-batch and tiling, with min_chunk 256 (the default until session 5), 128 (the default since) and 64.
+batch and tiling, with min_chunk 256, 128 (the API default) and 64.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ spread over the context (``--rope-spread``), each scored by held-out bits/byte (
 and retrieval at the given lengths.
 
     python bench/rope_centring_ablation.py models/qmla-ref-deepseek-v3 --chunks 32 --retrieval-n 20 \
-        --lengths 1024 2048 4096 --out bench/results/rope_centring_ablation_cpu.json
+        --lengths 1024 2048 4096 --out bench/results/calibration/rope_centring_ablation_cpu.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a serve-bench ratio comes from: capacity, decode phase, prefill (issue #6 analysis).
 
-    python3 bench/serving_breakdown.py [bench/results/serving_h200.json] [--out bench/results/session3/serving_breakdown.json]
+    python3 bench/serving_breakdown.py [bench/results/serving/budget_curve_h200.json] [--out bench/results/serving/breakdown.json]
 
 Reads a serve-bench result and prints, per KV budget and low-bit method against BF16:
 
@@ -68,7 +68,7 @@ def per_step(result: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("result", nargs="?", default="bench/results/serving_h200.json")
+    p.add_argument("result", nargs="?", default="bench/results/serving/budget_curve_h200.json")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     result = json.load(open(a.result))

@@ -1,6 +1,6 @@
 """Project serve-bench ratios to other jobs: the engine's own scheduler, step times fitted on the H200.
 
-    PYTHONPATH=src python3 bench/serving_projection.py [bench/results/serving_h200.json] [--out bench/results/session4/serving_projection.json]
+    PYTHONPATH=src python3 bench/serving_projection.py [bench/results/serving/budget_curve_h200.json] [--out bench/results/serving/projection.json]
 
 1. Replays every run of a serve-bench result through ``serving.scheduler.Scheduler`` (same job, pages,
    token budget, watermark) without a model. The scheduler is deterministic, so the replay must give
@@ -72,7 +72,7 @@ def wall(r: dict, f: dict) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("result", nargs="?", default="bench/results/serving_h200.json")
+    p.add_argument("result", nargs="?", default="bench/results/serving/budget_curve_h200.json")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     res = json.load(open(a.result))

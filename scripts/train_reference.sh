@@ -8,7 +8,7 @@
 #   TIME_BUDGET=40 scripts/train_reference.sh ...   # a short smoke run (extra args pass through)
 #
 # Env: PYTHON (default python3), WORK (scratch, default /tmp/quantmla-train), OUT_DIR
-# (default models), RESULTS (default bench/results/training_h200.json), TIME_BUDGET
+# (default models), RESULTS (default bench/results/training/reference_models_h200.json), TIME_BUDGET
 # (training seconds per model, default 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,6 @@ PY=${PYTHON:-python3}
 exec "$PY" -m quantmla.cli train-reference --stage all \
   --work "${WORK:-/tmp/quantmla-train}" \
   --out "${OUT_DIR:-models}" \
-  --results "${RESULTS:-bench/results/training_h200.json}" \
+  --results "${RESULTS:-bench/results/training/reference_models_h200.json}" \
   --time-budget "${TIME_BUDGET:-400}" \
   "$@"

@@ -106,16 +106,22 @@ def test_graph_buckets_an_engine_holds(v3):
             eng.decode_graph(5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_observer_sees_every_capture_on_gpu():
-    model = tiny_model("deepseek_v3").cuda()
+    """Dense MLPs (capturable): every capture is told with its three timed runs, and the engine hands
+    out the decode graph a step replays."""
+    model = tiny_model("deepseek_v3", first_k_dense_replace=2).cuda()
     rec = Recorder()
     with Engine(model, EngineConfig(num_pages=12, page_size=16, backend="triton", graph_buckets=(1, 2, 4),
                                     max_num_batched_tokens=32)) as eng:
         eng.observers.append(rec)
         eng.generate(_prompts((10, 7), seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        eng.capture_graphs()  # the buckets the job did not use
         caps = [e[1] for e in rec.events if e[0] == "capture_end"]
-        assert caps and all(t.ok and len(t.runs_s) == 3 and t.capture_s > 0 for t in caps), caps
-        assert len(caps) == eng.graph_count
-        bucket, graph = eng.decode_graph(1)
-        assert bucket == 1 and isinstance(graph, torch.cuda.CUDAGraph)
+        begins = [e[1:] for e in rec.events if e[0] == "capture_begin"]
+        assert caps and [(t.graph, t.size) for t in caps] == begins
+        assert all(t.ok and len(t.runs_s) == 3 and t.capture_s >= sum(t.runs_s) for t in caps), caps
+        assert len(caps) == eng.graph_count and {t.size for t in caps if t.graph == "decode"} == {1, 2, 4}
+        bucket, graph = eng.decode_graph(3)
+        assert bucket == 4 and isinstance(graph, torch.cuda.CUDAGraph)

@@ -210,7 +210,7 @@ def test_metadata_covers_every_token_once():
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])
 def test_gpu_default_splits_at_small_batch(name, monkeypatch):
     """On the GPU a lone 1900-token sequence is cut into 128-token splits (15 programs, not 8 of 256:
-    bench/results/session5/decode_splits_h200.json), and the sweep's first candidate is the API default."""
+    bench/results/decode_splits/h200.json), and the sweep's first candidate is the API default."""
     from quantmla.kernels import bench
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -2,7 +2,6 @@
 the docs and the code name exists, and test modules leave the process environment alone at import."""
 
 import ast
-import os
 import re
 from pathlib import Path
 
@@ -172,6 +171,20 @@ def test_every_named_path_exists():
             if not _exists(p):
                 missing.append(f"{src.relative_to(ROOT)}: {p}")
     assert not missing, "paths named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_markdown_links_resolve():
+    """Relative links and images in the README and the docs point at files of the repository."""
+    broken = []
+    for src in _sources():
+        if src.suffix != ".md" or not src.exists():
+            continue
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", src.read_text()):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            if not (src.parent / target).resolve().is_relative_to(ROOT) or not (src.parent / target).exists():
+                broken.append(f"{src.relative_to(ROOT)}: {target}")
+    assert not broken, f"links that do not resolve in the repository: {broken}"
 
 
 def test_nothing_points_outside_the_repository():

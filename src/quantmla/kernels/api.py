@@ -179,9 +179,9 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         if bm == 16:
             return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic")
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic")
-    if bm == 16:  # memory-bound: one head block; the fastest tilings of the first H200 run, and splits of
+    if bm == 16:  # memory-bound: one head block; the fastest tilings of the H200 sweep, and splits of
         # 128 tokens, not 256: at 1-8 sequences of 1900 tokens a layer's decode is 15-20 % faster in every
-        # format, the same at 16 (bench/decode_splits.py, bench/results/session5/decode_splits_h200.json)
+        # format, the same at 16 (bench/decode_splits.py, bench/results/decode_splits/h200.json)
         if quant:
             return DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128)
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128)
@@ -545,8 +545,8 @@ class PrefillConfig:
 
 
 def default_prefill_config(n: int) -> PrefillConfig:
-    """The fastest of six tilings on the H200 at 16 heads, d_n 128, d_r 64, d_v 128 (session 4,
-    bench/results/session4/prefill_attention_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
+    """The fastest of six tilings on the H200 at 16 heads, d_n 128, d_r 64, d_v 128
+    (bench/results/prefill/attention_variants_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
     (0.16 ms at n = T = 1536, 0.19 ms at 2048), M128 N64 w8 s3 beyond (1.07 ms at 8192)."""
     if interpreting():
         return PrefillConfig(16, 16, 4, 1)

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="use the default config of each method")
     p.add_argument("--warmup-ms", type=int, default=25, help="warmup time per measurement (ms)")
     p.add_argument("--rep-ms", type=int, default=100, help="timed repetitions per measurement (ms)")
-    p.add_argument("--out", default="out/bench/kernel.json", help="where the JSON (and the PNG beside it) go")
+    p.add_argument("--out", default="out/bench-kernel/decode.json", help="where the JSON (and the PNG beside it) go")
     p.add_argument("--overwrite", action="store_true", help="replace an existing result file")
     p.add_argument("--smoke", action="store_true", help="a tiny dry run on CPU under TRITON_INTERPRET=1 (tests)")
 

@@ -55,7 +55,7 @@ class BenchSettings:
     rope_group: int = 32
     page_size: int = 64
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192  # prefill chunk budget per step (2048 in session 2)
+    max_num_batched_tokens: int = 8192  # prefill chunk budget per step (tokens)
     watermark: float = 0.01
     cuda_graphs: bool = True
     backend: str = "auto"

@@ -19,16 +19,12 @@ import gc
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from quantmla.serving.backends import AttnMeta, PrefillChunk
 from quantmla.serving.scheduler import StepPlan
-
-if TYPE_CHECKING:
-    from quantmla.serving.engine import Engine
 
 
 @dataclass
@@ -120,8 +116,8 @@ def capture_step(step, pool) -> tuple[object, object, str | None]:
     return g, out, None
 
 
-def observed_capture(engine: Engine, graph: str, size: int, step, pool) -> tuple[object, object, str | None]:
-    """:func:`capture_step` told to ``engine.observers`` (``capture_begin``, then ``capture_end`` with
+def observed_capture(engine, graph: str, size: int, step, pool) -> tuple[object, object, str | None]:
+    """:func:`capture_step` told to ``engine.observers`` (any object with that list) (``capture_begin``, then ``capture_end`` with
     a :class:`CaptureTiming`); without observers, the capture alone (no timing, no extra sync)."""
     observers = list(engine.observers)
     if not observers:
@@ -180,7 +176,7 @@ def sync_free(fn) -> str | None:
 class DecodeGraphs:
     """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
         cap = engine._graph_max()
         self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
@@ -262,7 +258,7 @@ class PrefillGraphs:
     write to the null page and sit after every real token, so causal attention keeps them out of the
     real rows; the chunk's own keys are read back quantized through its slot buffer, as in eager steps."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
         cfg = engine.config
         top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)

@@ -50,7 +50,7 @@ def add_arguments(p):
     p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
     p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"],
                    help="cache methods of the agreement check")
-    p.add_argument("--out", default="bench/results/serving_h200.json", help="JSON output path (the figure goes beside it, .png)")
+    p.add_argument("--out", default="out/serve-bench/serving.json", help="JSON output path (the figure goes beside it, .png)")
     p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
     p.add_argument("--job", choices=sorted(JOBS), default=None,
                    help="a named job shape (short: prompts 1K-2K, outputs 256-384, 64 requests; long: prompts 16K-24K, "
