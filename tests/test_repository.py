@@ -5,6 +5,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "quantmla"
 
@@ -240,3 +242,14 @@ def test_environment_check_sees_import_time_changes():
                      "def f():\n    os.environ['C'] = '3'\n")
     found = [n for n in _module_level_statements(tree) if "environ" in ast.unparse(n)]
     assert len(found) == 2
+
+
+# -- no fallbacks for modules that are part of the package ---------------------------------------------
+def test_a_subcommand_module_that_cannot_be_imported_is_an_error(monkeypatch):
+    """Every subcommand ships with the package: an import failure is a bug to see, not a subcommand
+    reported as unavailable."""
+    from quantmla import cli
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "nothing", ("quantmla.no_such_module", "a subcommand that does not exist"))
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        cli.build_parser()
