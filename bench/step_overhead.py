@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from quantmla.kernels import api
+from quantmla.kernels import api, schedule
 from quantmla.serving.bench import build_bench_model, method_config
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     rows = []
     default_config = api.default_config
     for m, b, k in itertools.product(a.methods, a.batches, a.min_chunks):
-        if k:  # the engine's decode plan and the kernels take their config from api.default_config
-            api.default_config = lambda *args, k=k, **kw: dataclasses.replace(default_config(*args, **kw), min_chunk=k)
+        if k:  # the engine's decode plan and the kernels take their config from default_config
+            api.default_config = schedule.default_config = \
+                lambda *args, k=k, **kw: dataclasses.replace(default_config(*args, **kw), min_chunk=k)
         try:
             cfg = EngineConfig(quant=method_config(m, a.content_group, a.rope_group), kv_budget_bytes=4 << 30,
                                max_num_seqs=b, max_num_batched_tokens=8192, max_model_len=a.prompt + a.new + 8)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             del e
             torch.cuda.empty_cache()
         finally:
-            api.default_config = default_config
+            api.default_config = schedule.default_config = default_config
     res = record(prompt=a.prompt, new=a.new, content_group=a.content_group, rope_group=a.rope_group, rows=rows)
     save(res, a.out)
     return 0

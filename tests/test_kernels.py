@@ -21,7 +21,7 @@ from quantmla.kernels import (
     get_mla_metadata,
     mla_decode_with_kvcache,
 )
-from quantmla.kernels import api
+from quantmla.kernels import api, schedule
 from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
 from quantmla.quant import BF16, PathFormat
 from quantmla.reference.absorbed import absorbed_attention
@@ -277,7 +277,7 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
 
     lens = [1, 40, 77, 130]
     lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
-    monkeypatch.setattr(api, "_num_sms", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
+    monkeypatch.setattr(schedule, "_num_sms", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
     H = 4
     backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
                                     kinds={"k": lay})
@@ -438,3 +438,23 @@ def test_fp8_ds_mla_record_is_656_bytes():
     assert preset("FP8") == FP8_DS_MLA
     assert tok.field_bytes == {"content_codes": 512, "rope_codes": 128, "content_meta": 16, "rope_meta": 0}
     assert tok.bytes_per_token == 656
+
+
+def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_path, capsys):
+    """`quantmla bench-kernel --smoke` (interpreter): one row per format with bytes, ratios and config, the
+    goals, the commit and a figure beside the JSON; a second run into the same file is refused."""
+    import json
+
+    from quantmla.cli import main
+
+    out = tmp_path / "k.json"
+    argv = ["bench-kernel", "--smoke", "--heads", "16", "--shapes", "1x40", "--methods", "bf16,fp8,int4/int4",
+            "--no-sweep", "--warmup-ms", "1", "--rep-ms", "1", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"bf16", "fp8", "int4/int4"}
+    assert rows["fp8"]["bytes_read"] < rows["bf16"]["bytes_read"] and rows["bf16"]["speedup_vs_bf16"] == 1.0
+    assert all(c["ok"] for c in res["checks"]) and "goals" in res and "commit" in res
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err

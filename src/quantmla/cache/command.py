@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import json
 
-from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat, PageLayout, TokenLayout, compression
+from quantmla.cache.layout import (
+    DEFAULT_PAGE_SIZE,
+    FP8_DS_MLA,
+    CacheFormat,
+    PageLayout,
+    TokenLayout,
+    compression,
+)
 from quantmla.quant.format import BF16, PathFormat
 
 TOKENS = (4096, 32768, 131072)
 
 
-def standard_formats(groups=(32, 64, 128), rope_group: int = 64) -> list[tuple[str, CacheFormat]]:
+def standard_formats(groups=(32, 64, 128), rope_group: int = 64, fp8: bool = True) -> list[tuple[str, CacheFormat]]:
+    """BF16, FP8 (fp8_ds_mla, when its 128-channel groups fit) and INT8/INT4/INT2 at each group size."""
     rows = [("BF16", CacheFormat(BF16, BF16))]
+    if fp8:
+        rows.append(("FP8 (fp8_ds_mla)", FP8_DS_MLA))
     for g in groups:
         rg = min(g, rope_group)
         rows += [
@@ -26,7 +36,7 @@ def table(d_c: int, d_r: int, page_size: int = DEFAULT_PAGE_SIZE, rope_group: in
     out = []
     # groups that fit the paths (a small checkpoint's d_c / d_r may be below the standard group sizes)
     groups = tuple(g for g in (32, 64, 128) if g <= d_c and d_c % g == 0) or (d_c,)
-    for name, fmt in standard_formats(groups, rope_group=min(rope_group, d_r)):
+    for name, fmt in standard_formats(groups, rope_group=min(rope_group, d_r), fp8=d_c % 128 == 0):
         t = TokenLayout(d_c, d_r, fmt)
         row = {"format": name, "describe": fmt.describe(), **t.field_bytes, "bytes_per_token": t.bytes_per_token,
                "page_bytes": PageLayout(t, page_size).page_bytes}

@@ -9,11 +9,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from quantmla.cache.layout import CacheFormat
 from quantmla.errors import CacheConfigMismatchError, QuantMLAError
 from quantmla.quant.format import PathFormat
 
 QUANT_METHOD = "quantmla"
+
+
+def centre_rope_keys(k_rope: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """The RoPE path's write-time transform, the one place it happens: ``k_R − c`` with a cache slot's
+    offset ``c`` [d_r] (``QuantCacheConfig.rope_offset``), computed in fp32 and returned in k_rope's
+    dtype; k_rope unchanged when the slot has no offset. Both the transformers cache and the serving
+    engine call it before they quantize."""
+    if offset is None:
+        return k_rope
+    return (k_rope.float() - offset.to(k_rope.device)).to(k_rope.dtype)
 
 
 @dataclass(frozen=True)

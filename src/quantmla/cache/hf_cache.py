@@ -11,9 +11,19 @@ transformers' own layer classes.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
-from quantmla.cache.config import QuantCacheConfig, reconcile, stored_cache_config
+from quantmla.cache.config import (
+    QuantCacheConfig,
+    centre_rope_keys,
+    reconcile,
+    stored_cache_config,
+)
 from quantmla.cache.layout import CacheFormat, TokenLayout
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, load_spec
@@ -104,8 +114,7 @@ class QuantMLALayer(CacheLayerMixin):
         check_finite(k_rope, f"RoPE keys of layer {self.layer_idx}")
         self.cumulative_length += latent.shape[2]
         new_c, new_r = latent[:, 0], k_rope[:, 0]  # [B, T, ·]
-        if self.rope_offset is not None:
-            new_r = (new_r.float() - self.rope_offset.to(new_r.device)).to(new_r.dtype)
+        new_r = centre_rope_keys(new_r, self.rope_offset)
         if self.window is not None:
             new_c = torch.cat([self.window[0], new_c], dim=1)
             new_r = torch.cat([self.window[1], new_r], dim=1)

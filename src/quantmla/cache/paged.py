@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, compression
@@ -26,7 +27,10 @@ from quantmla.quant.groupwise import Quantized, dequantize, quantize
 
 __all__ = [
     "OutOfPagesError",
+    "NULL_PAGE",
+    "PageAllocator",
     "PagePool",
+    "slot_of",
     "slots_for",
     "encode_tokens",
     "decode_fields",
@@ -43,47 +47,131 @@ class OutOfPagesError(QuantMLAError):
 
 
 # --------------------------------------------------------------------------------------------------
-# The pool: allocation, free list, block tables, allocated bytes
+# The pool: the cache memory, the free list, slot addressing, block tables, allocated bytes
 # --------------------------------------------------------------------------------------------------
-class PagePool:
-    """A pool of ``num_pages`` pages per layer for the cache layout ``layout``.
+NULL_PAGE = 0
+"""In a pool made with ``null_page=True`` (the serving engine's), page 0 of every layer is never
+handed out: the padded rows of a fixed-shape (CUDA-graph) step write and read it harmlessly."""
 
-    ``data`` is ``uint8 [layers, num_pages, page_bytes]``; ``layer(i)`` is the ``[num_pages,
-    page_bytes]`` view the kernels take. Sequences are keyed by any hashable id.
+
+def slot_of(pages, positions, page_size: int):
+    """Slots ``page * page_size + offset`` of token `positions` of a sequence that owns `pages` (its
+    page ids in order). numpy arrays, torch tensors (int64) or Python ints alike."""
+    if isinstance(pages, list):
+        pages = torch.tensor(pages, dtype=torch.int64) if isinstance(positions, torch.Tensor) else np.asarray(pages, np.int64)
+    return pages[positions // page_size] * page_size + positions % page_size
+
+
+def slots_for(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slots (int64) of tokens at `positions` of the block-table rows `seq_idx`."""
+    seq_idx = seq_idx.to(block_table.device, torch.int64)
+    positions = positions.to(block_table.device, torch.int64)
+    return block_table.long()[seq_idx, positions // page_size] * page_size + positions % page_size
+
+
+class PageAllocator:
+    """The free list of page ids ``first .. first + num_pages - 1`` (``first = 1`` keeps the null page out)."""
+
+    def __init__(self, num_pages: int, first: int = 0):
+        self.num_pages = num_pages
+        self._free = list(range(first + num_pages - 1, first - 1, -1))  # a stack: pop() gives low ids first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class PagePool:
+    """The paged cache memory of every cache slot (layer) and the free list their page ids share.
+
+    ``layouts`` maps each slot to its ``PageLayout`` (one layout with ``layers`` gives slots 0 ..
+    layers - 1); formats may differ per slot, page ids do not: a sequence's page p is page p of every
+    slot. The memory is one ``uint8`` allocation; ``layer(slot)`` is that slot's ``[pages, page_bytes]``
+    view the kernels take, and ``data`` the ``[layers, pages, page_bytes]`` view when every slot has
+    one layout. ``null_page=True`` adds page 0 (``NULL_PAGE``) in front, never handed out. Sequences
+    (any hashable id) own lists of pages through ``append_slots`` / ``free``; the serving scheduler,
+    which keeps pages on its own sequences, takes ``allocator()`` instead.
     """
 
-    def __init__(self, layout: PageLayout, num_pages: int, layers: int = 1, device: str | torch.device = "cpu"):
-        if num_pages < 1 or layers < 1:
-            raise QuantMLAError(f"a page pool needs at least one page and one layer, got {num_pages} pages, {layers} layers")
-        self.layout = layout
-        self.data = torch.zeros((layers, num_pages, layout.page_bytes), dtype=torch.uint8, device=device)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
+    def __init__(self, layouts: PageLayout | dict[Hashable, PageLayout], num_pages: int, layers: int = 1,
+                 device: str | torch.device = "cpu", null_page: bool = False):
+        if isinstance(layouts, PageLayout):
+            layouts = {i: layouts for i in range(layers)}
+        if num_pages < 1 or not layouts:
+            raise QuantMLAError(f"a page pool needs at least one page and one layer, got {num_pages} pages, {len(layouts)} layers")
+        self.layouts = dict(layouts)
+        self.first_page = 1 if null_page else 0
+        rows = num_pages + self.first_page
+        sizes = {s: rows * lay.page_bytes for s, lay in self.layouts.items()}
+        self.buffer = torch.zeros(sum(sizes.values()), dtype=torch.uint8, device=device)
+        self._views, off = {}, 0
+        for s, lay in self.layouts.items():
+            self._views[s] = self.buffer[off: off + sizes[s]].view(rows, lay.page_bytes)
+            off += sizes[s]
+        self._num_pages = num_pages
+        self._alloc = PageAllocator(num_pages, self.first_page)
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+
+    # -- memory ---------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> PageLayout:
+        """The one layout of a uniform pool."""
+        lays = set(self.layouts.values())
+        if len(lays) != 1:
+            raise QuantMLAError("this pool's slots have different layouts; use pool.layouts[slot]")
+        return next(iter(lays))
+
+    @property
+    def data(self) -> torch.Tensor:
+        """uint8 [layers, pages, page_bytes] of a uniform pool (page 0 the null page if it has one)."""
+        return self.buffer.view(len(self.layouts), -1, self.layout.page_bytes)
+
+    def layer(self, slot: Hashable = 0) -> torch.Tensor:
+        return self._views[slot]
 
     # -- sizes ----------------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        return self.data.shape[1]
+        """Pages sequences can own (the null page not counted)."""
+        return self._num_pages
 
     @property
     def layers(self) -> int:
-        return self.data.shape[0]
+        return len(self.layouts)
 
     @property
     def page_size(self) -> int:
-        return self.layout.page_size
+        return next(iter(self.layouts.values())).page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page id over every slot."""
+        return sum(lay.page_bytes for lay in self.layouts.values())
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self._alloc.free
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._alloc.free
 
-    def layer(self, i: int = 0) -> torch.Tensor:
-        return self.data[i]
+    def allocator(self, num_pages: int | None = None) -> PageAllocator:
+        """A fresh free list over this pool's first `num_pages` usable pages (all of them by default),
+        for a scheduler that keeps its sequences' pages itself."""
+        n = self.num_pages if num_pages is None else num_pages
+        if not 1 <= n <= self.num_pages:
+            raise QuantMLAError(f"a budget of {n} pages does not fit this pool's {self.num_pages}")
+        return PageAllocator(n, self.first_page)
 
     # -- sequences ------------------------------------------------------------------------------------
     def __contains__(self, seq_id: Hashable) -> bool:
@@ -103,32 +191,30 @@ class PagePool:
         """Make sure `seq_id` has pages for `num_tokens` tokens in total (its length is unchanged)."""
         pages = self._pages.setdefault(seq_id, [])
         self._lens.setdefault(seq_id, 0)
-        need = self.layout.pages_for(num_tokens) - len(pages)
-        if need > len(self._free):
+        need = -(-num_tokens // self.page_size) - len(pages)
+        if need > self._alloc.free:
             raise OutOfPagesError(
                 f"sequence {seq_id!r} needs {need} more pages for {num_tokens} tokens but only "
-                f"{len(self._free)} of {self.num_pages} are free; free finished sequences or make a larger pool"
+                f"{self._alloc.free} of {self.num_pages} are free; free finished sequences or make a larger pool"
             )
-        for _ in range(max(need, 0)):
-            pages.append(self._free.pop())
+        if need > 0:
+            pages += self._alloc.allocate(need)
 
     def append_slots(self, seq_id: Hashable, n: int) -> torch.Tensor:
         """Grow `seq_id` by `n` tokens (allocating pages) and return their slots, int64 [n]."""
         start = self._lens.get(seq_id, 0)
         self.reserve(seq_id, start + n)
         self._lens[seq_id] = start + n
-        pages = torch.tensor(self._pages[seq_id], dtype=torch.int64)
-        pos = torch.arange(start, start + n, dtype=torch.int64)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        return slot_of(self._pages[seq_id], torch.arange(start, start + n, dtype=torch.int64), self.page_size)
 
     def free(self, seq_id: Hashable) -> None:
         """Return the pages of `seq_id` to the free list (the bytes are left as they are)."""
-        pages = self._pages.pop(seq_id)
+        self._alloc.release(self._pages.pop(seq_id))
         self._lens.pop(seq_id, None)
-        self._free.extend(reversed(pages))
 
     def block_table(self, seq_ids: Sequence[Hashable], width: int | None = None, device=None) -> torch.Tensor:
-        """int32 [B, width] physical pages of each sequence; unused entries are 0 (never read)."""
+        """int32 [B, width] physical pages of each sequence; unused entries are 0 (never read; the null
+        page where the pool has one)."""
         rows = [self._pages[s] for s in seq_ids]
         width = max([len(r) for r in rows] + [1]) if width is None else width
         bt = torch.zeros((len(rows), width), dtype=torch.int32)
@@ -136,10 +222,10 @@ class PagePool:
             if len(r) > width:
                 raise QuantMLAError(f"sequence {seq_ids[i]!r} has {len(r)} pages, more than the table width {width}")
             bt[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        return bt.to(device or self.data.device)
+        return bt.to(device or self.buffer.device)
 
     def seq_lens(self, seq_ids: Sequence[Hashable], device=None) -> torch.Tensor:
-        return torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=device or self.data.device)
+        return torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=device or self.buffer.device)
 
     # -- accounting -----------------------------------------------------------------------------------
     def allocated_bytes(self, block_table_entry_bytes: int = 4) -> int:
@@ -149,19 +235,11 @@ class PagePool:
         when every sequence holds exactly the pages its length needs.
         """
         pages = sum(len(p) for p in self._pages.values())
-        return pages * self.layout.page_bytes * self.layers + pages * block_table_entry_bytes + 4 * len(self._pages)
+        return pages * self.page_bytes + pages * block_table_entry_bytes + 4 * len(self._pages)
 
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool tensor (allocated up front on the device)."""
-        return self.data.numel()
-
-
-def slots_for(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Slots (int64) of tokens at `positions` of the block-table rows `seq_idx`."""
-    seq_idx = seq_idx.to(block_table.device, torch.int64)
-    positions = positions.to(block_table.device, torch.int64)
-    pages = block_table.long()[seq_idx, positions // page_size]
-    return pages * page_size + positions % page_size
+        """Bytes of the whole pool (allocated up front on the device)."""
+        return self.buffer.numel()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,15 +21,27 @@ run raise :class:`UnsupportedFormatError` before anything is launched.
 
 from __future__ import annotations
 
-import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
+    MAX_Q_LEN,
+    DecodeConfig,
+    MLAMetadata,
+    _next_pow2,
+    _num_sms,
+    combine_blocks,
+    decode_bytes,
+    decode_flops,
+    default_config,
+    get_mla_metadata,
+    interpreting,
+)
 from quantmla.quant.format import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
 from quantmla.reference.prefill import prefill_attention
@@ -50,14 +62,9 @@ __all__ = [
 ]
 
 KERNEL_BITS = (2, 4, 8)
-MAX_Q_LEN = 16
 MAX_D_C = 512
 MAX_D_R = 128
 LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -137,159 +144,6 @@ def _views(pages: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch
 
 
 # --------------------------------------------------------------------------------------------------
-# Scheduling: work units (sequence, token range) and launch configs
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tiling of the decode kernel. block_m: query rows (heads × query tokens) per program;
-    block_n: tokens per tile; ctas_per_sm: programs the scheduler aims to keep per SM (it splits
-    long sequences until there are about that many); min_chunk: fewest tokens a split covers;
-    kernel: "fused" (generated per format, codes exact in bf16, scales folded into scores and
-    probabilities; BF16 caches too) or "generic" (decode.py: tiles rebuilt to bf16 values);
-    unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
-    orient: "heads" (rows are the MMA M dimension) or "tokens" (the transposed problem: tokens and
-    channels are M, so 16 heads still fill Hopper's 64-row wgmma);
-    deq: the generic kernel's tile rebuild (0: shifts + one reshape; 1: per-channel indexing)."""
-
-    block_m: int = 16
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    ctas_per_sm: int = 2
-    min_chunk: int = 256
-    kernel: str = "fused"
-    unpack: str = "asm"
-    orient: str = "heads"
-    deq: int = 0
-
-    def describe(self) -> str:
-        k = f"fused/{self.unpack}/{self.orient[0]}" if self.kernel == "fused" else f"generic/d{self.deq}"
-        return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
-
-
-def default_config(rows: int, layout: PageLayout | None = None, device: torch.device | str | None = None) -> DecodeConfig:
-    """A config for `rows` = heads × query tokens per sequence."""
-    bm = 16 if rows <= 16 else 32
-    if interpreting() or (device is not None and torch.device(device).type != "cuda"):
-        return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
-    quant = layout is not None and layout.token.fmt.content.quantized
-    if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
-        # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
-        # bench/results/decode_schedule/decode_schedule_h200.json
-        if bm == 16:
-            return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic")
-        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic")
-    if bm == 16:  # memory-bound: one head block; the fastest tilings of the H200 sweep, and splits of
-        # 128 tokens, not 256: at 1-8 sequences of 1900 tokens a layer's decode is 15-20 % faster in every
-        # format, the same at 16 (bench/decode_splits.py, bench/results/decode_splits/h200.json)
-        if quant:
-            return DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128)
-        return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128)
-    # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
-    return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
-
-
-@dataclass
-class MLAMetadata:
-    """The split-KV schedule of one decode step (reuse it for every layer).
-
-    units: int32 [U, 4] rows (sequence, token start, token end, splits of that sequence);
-    seq_info: int32 [B, 2] rows (first unit, splits)."""
-
-    units: torch.Tensor
-    seq_info: torch.Tensor
-    num_units: int
-    max_splits: int
-    num_heads: int
-    q_len: int
-    config: DecodeConfig
-    seq_lens: list[int]
-    chunk_tokens: int
-    workspace: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def variant(self) -> str | None:
-        """The decode kernel variant the last launch with this metadata ran ("fused/<unpack>/<orient>" or
-        "generic/d<deq>/s<stages>"), which differs from ``config`` when that failed to compile and a
-        fallback ran; None before the first launch."""
-        return self.workspace.get("variant")
-
-    @property
-    def rows(self) -> int:
-        return self.num_heads * self.q_len
-
-    @property
-    def head_blocks(self) -> int:
-        return -(-self.rows // self.config.block_m)
-
-
-_SM_COUNT: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
-
-
-def get_mla_metadata(
-    seq_lens: torch.Tensor,
-    num_heads: int,
-    q_len: int = 1,
-    layout: PageLayout | None = None,
-    *,
-    config: DecodeConfig | None = None,
-    num_sms: int | None = None,
-    chunk_tokens: int | None = None,
-) -> MLAMetadata:
-    """Split every sequence into work units so that about ``num_sms × ctas_per_sm`` programs run.
-
-    Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
-    """
-    if num_heads < 1:
-        raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
-    if not 1 <= q_len <= MAX_Q_LEN:
-        raise UnsupportedFormatError(f"the decode kernel takes 1 to {MAX_Q_LEN} query tokens per sequence, got {q_len}")
-    device = seq_lens.device
-    lens = [int(x) for x in seq_lens.reshape(-1).tolist()]
-    if any(n < 0 for n in lens):
-        raise QuantMLAError("sequence lengths must be >= 0")
-    rows = num_heads * q_len
-    cfg = config or default_config(rows, layout, device)
-    bn = cfg.block_n
-    hb = -(-rows // cfg.block_m)
-    tiles = [-(-n // bn) for n in lens]
-    if chunk_tokens is None:
-        target_units = max(1, (num_sms or _num_sms(device)) * cfg.ctas_per_sm // hb)
-        chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
-    else:
-        chunk_tiles = max(1, -(-chunk_tokens // bn))
-    units: list[tuple[int, int, int, int]] = []
-    info: list[tuple[int, int]] = []
-    for b, (n, nt) in enumerate(zip(lens, tiles)):
-        splits = max(1, -(-nt // chunk_tiles))
-        per = -(-nt // splits) if nt else 0  # tiles per split, balanced
-        splits = max(1, -(-nt // per)) if per else 1
-        info.append((len(units), splits))
-        for i in range(splits):
-            units.append((b, min(n, i * per * bn), min(n, (i + 1) * per * bn), splits))
-    return MLAMetadata(
-        units=torch.tensor(units, dtype=torch.int32, device=device).reshape(-1, 4),
-        seq_info=torch.tensor(info, dtype=torch.int32, device=device).reshape(-1, 2),
-        num_units=len(units),
-        max_splits=max(s for _, s in info) if info else 1,
-        num_heads=num_heads,
-        q_len=q_len,
-        config=cfg,
-        seq_lens=lens,
-        chunk_tokens=chunk_tiles * bn,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
 # Decode
 # --------------------------------------------------------------------------------------------------
 _FALLBACK: dict = {}
@@ -335,20 +189,6 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
                 raise
             last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     raise QuantMLAError(f"the decode kernel did not compile for {cfg.describe()}: {last}")
-
-
-def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
-    """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
-    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and up to
-    8 splits read per step (a [splits, rows, channels] tile of at most 4096 fp32)."""
-    block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
-    while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
-        if block_d > 16:
-            block_d //= 2
-        else:
-            block_r //= 2
-    block_s = max(1, min(8, _next_pow2(max_splits), 4096 // (block_r * block_d)))
-    return block_r, block_d, block_s
 
 
 def mla_decode_with_kvcache(
@@ -553,10 +393,6 @@ def default_prefill_config(n: int) -> PrefillConfig:
     return PrefillConfig() if n <= 4096 else PrefillConfig(128, 64, 8, 3)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def mla_prefill_attention(
     q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, softmax_scale: float,
     out: torch.Tensor | None = None, config: PrefillConfig | None = None,
@@ -605,29 +441,3 @@ def mla_prefill_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Work counts (benchmarks)
-# --------------------------------------------------------------------------------------------------
-def _visible(lens: list[int], q_len: int, causal: bool = True) -> int:
-    """Σ over sequences and query tokens of visible cached tokens."""
-    tot = 0
-    for n in lens:
-        for i in range(q_len):
-            tot += max(0, n - (q_len - 1 - i)) if causal else n
-    return tot
-
-
-def decode_flops(lens: list[int], num_heads: int, q_len: int, d_c: int, d_r: int, causal: bool = True) -> int:
-    """2·(d_c + d_r) for the scores plus 2·d_c for p·c, per head, query token and visible token."""
-    return 2 * (2 * d_c + d_r) * num_heads * _visible(lens, q_len, causal)
-
-
-def decode_bytes(lens: list[int], layout: PageLayout, num_heads: int, q_len: int) -> int:
-    """Bytes the decode must read: each cached token's record once, the queries and block tables."""
-    tok = layout.token
-    cache = sum(lens) * tok.bytes_per_token
-    q = len(lens) * q_len * num_heads * (tok.d_c + tok.d_r) * 2
-    tables = sum(layout.pages_for(n) for n in lens) * 4 + 4 * len(lens)
-    return cache + q + tables

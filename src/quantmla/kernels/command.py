@@ -32,7 +32,8 @@ def run(args) -> int:
 
     from quantmla.checks import check_output_file
     from quantmla.errors import QuantMLAError
-    from quantmla.kernels.bench import plot, run_bench, save
+    from quantmla.kernels.bench import run_bench
+    from quantmla.kernels.bench_report import plot, save
 
     if Path(args.out).exists() and not args.overwrite:
         raise QuantMLAError(f"--out {args.out} already exists; pass --overwrite to replace it, or choose another path")

@@ -1,8 +1,8 @@
 """Attention backends of the serving engine: where the paged cache lives and how attention reads it.
 
-A backend owns one page pool per MLA cache slot (``uint8 [num_pages, page_bytes]`` in the one
-:class:`~quantmla.cache.layout.PageLayout`), page 0 of every pool being a null page that padded
-batch rows may write and read. Per layer and step the engine calls
+A backend owns the engine's :class:`~quantmla.cache.paged.PagePool`: one ``uint8 [1 + num_pages,
+page_bytes]`` view per MLA cache slot in that slot's :class:`~quantmla.cache.layout.PageLayout`, page 0
+(``NULL_PAGE``) being the page that padded batch rows may write and read. Per layer and step the engine calls
 
     write(slot, latent [N, d_c], k_rope [N, d_r], slot_mapping [N])          quantize-and-write
     attend(slot, view, q_nope [N, H, d_n], q_rope [N, H, d_r], meta)         -> values [N, H, d_v]
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
-from quantmla.cache.paged import read_tokens, write_tokens
+from quantmla.cache.paged import PagePool, read_tokens, slot_of, write_tokens
 from quantmla.model.spec import MLASpec
 from quantmla.model.view import MLAView
 from quantmla.reference.absorbed import absorbed_attention
@@ -79,8 +79,7 @@ class AttentionBackend:
         self.device, self.dtype = torch.device(device), dtype
         self.num_pages = num_pages  # usable pages; the pool has one more (page 0, the null page)
         self.layouts = {s: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size) for s, f in formats.items()}
-        self.pools = {s: torch.zeros(num_pages + 1, lay.page_bytes, dtype=torch.uint8, device=self.device)
-                      for s, lay in self.layouts.items()}
+        self.pool = PagePool(self.layouts, num_pages, device=self.device, null_page=True)
 
     @staticmethod
     def bytes_per_page(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int) -> int:
@@ -115,14 +114,13 @@ class AttentionBackend:
     def context(self, slot: int, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's context read back dequantized: latent [T, d_c], k_rope [T, d_r] fp32."""
         if c.slots is not None:
-            return read_tokens(self.pools[slot], self.layouts[slot], c.slots)
+            return read_tokens(self.pool.layer(slot), self.layouts[slot], c.slots)
         return self.read(slot, c.block_table, c.seq_len)
 
     def read(self, slot: int, block_table: torch.Tensor, seq_len: int):
         """Dequantized (latent [T, d_c], k_rope [T, d_r]) fp32 of one sequence's first seq_len tokens."""
-        ps = self.page_size
         p = torch.arange(seq_len, device=block_table.device)
-        return read_tokens(self.pools[slot], self.layouts[slot], block_table.long()[p // ps] * ps + p % ps)
+        return read_tokens(self.pool.layer(slot), self.layouts[slot], slot_of(block_table.long(), p, self.page_size))
 
     def static_plan(self, b: int, max_len: int):
         """A fixed-shape decode schedule for a CUDA-graph bucket of b rows (none needed here)."""
@@ -140,7 +138,7 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
     def write(self, slot, latent, k_rope, slot_mapping):
-        write_tokens(self.pools[slot], self.layouts[slot], slot_mapping, latent, k_rope)
+        write_tokens(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
 
     def decode(self, slot, q_lat, q_rope, meta):
         scale = self.spec.softmax_scale

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quantmla.cache.config import QuantCacheConfig, reconcile, stored_cache_config
+from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile, stored_cache_config
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
+from quantmla.cache.paged import slot_of
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
@@ -179,9 +180,7 @@ class Engine:
                         device: str = "cuda"):
         """Load a checkpoint directory (config.json + safetensors) and serve it. Without an explicit
         ``config.quant`` the checkpoint's own ``quantization_config`` is used, else BF16."""
-        from transformers import AutoModelForCausalLM
-
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from quantmla.checks import check_device, check_weight_files
 
@@ -288,10 +287,9 @@ class Engine:
         for k in order:
             it = items[k]
             p = np.arange(it.start, it.start + it.n)
-            pages = np.asarray(it.seq.pages, dtype=np.int64)
             ids.append(np.asarray(it.seq.tokens[it.start: it.start + it.n], dtype=np.int64))
             pos.append(p)
-            slots.append(pages[p // ps] * ps + p % ps)
+            slots.append(slot_of(it.seq.pages, p, ps))
         dev = self.device
         ids_t = torch.from_numpy(np.concatenate(ids)).to(dev)
         pos_t = torch.from_numpy(np.concatenate(pos)).to(dev)
@@ -317,7 +315,7 @@ class Engine:
             for k in pre:
                 it = items[k]
                 p = np.arange(it.start + it.n)
-                ctx.append(np.asarray(it.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps)
+                ctx.append(slot_of(it.seq.pages, p, ps))
             ctx_t = torch.from_numpy(np.concatenate(ctx)).to(dev)
         off = 0
         for k in pre:
@@ -519,9 +517,7 @@ def _dispatch_forward(module, *args, **kwargs):
     q_nope = p["q_nope"][0].transpose(0, 1)  # [N, H, d_n]
     q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
     k_rope = p["k_rope"][0]
-    c = engine.rope_offsets.get(slot)
-    if c is not None:  # QuantCacheConfig.rope_offsets: the same shift the transformers cache applies
-        k_rope = (k_rope.float() - c).to(k_rope.dtype)
+    k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
     engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]
     return view.project_out(v[None].to(hidden.dtype)), None

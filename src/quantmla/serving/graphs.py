@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from quantmla.cache.paged import slot_of
 from quantmla.serving.backends import AttnMeta, PrefillChunk
 from quantmla.serving.scheduler import StepPlan
 
@@ -234,7 +235,7 @@ class DecodeGraphs:
             p = it.start
             h[0, j] = seq.tokens[p]
             h[1, j] = p
-            h[2, j] = seq.pages[p // ps] * ps + p % ps
+            h[2, j] = slot_of(seq.pages, p, ps)
             h[3, j] = p + 1
             bt[j, : len(seq.pages)] = seq.pages
         got = self.get(B)
@@ -311,7 +312,7 @@ class PrefillGraphs:
         p = np.arange(n)
         h[0, :n] = item.seq.tokens[:n]
         h[1, :n] = p
-        h[2, :n] = np.asarray(item.seq.pages, dtype=np.int64)[p // ps] * ps + p % ps
+        h[2, :n] = slot_of(item.seq.pages, p, ps)
         self.host_row[0] = n - 1
         got = self.get(B)
         if got is None:

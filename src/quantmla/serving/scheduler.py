@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from quantmla.cache.paged import NULL_PAGE, PageAllocator
 from quantmla.errors import QuantMLAError
 
 
@@ -100,27 +101,6 @@ class Sequence:
                              self.finish_reason or "error", self.error, self.preemptions, self.logits)
 
 
-class PageAllocator:
-    """Free list of page ids ``first .. first + num_pages − 1`` (page 0 can be kept as a null page)."""
-
-    def __init__(self, num_pages: int, first: int = 1):
-        self.num_pages = num_pages
-        self._free = list(range(first + num_pages - 1, first - 1, -1))  # pop() gives low ids first
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"page allocator: asked for {n} pages, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        return out
-
-    def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -163,7 +143,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 watermark: float = 0.01, first_page: int = 1):
+                 watermark: float = 0.01, first_page: int = NULL_PAGE + 1):
         if num_pages < 1:
             raise QuantMLAError(f"the KV budget holds {num_pages} pages; give a budget of at least one page per layer")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:

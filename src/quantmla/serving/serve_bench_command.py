@@ -13,7 +13,15 @@ import os
 import sys
 import time
 
-from quantmla.serving.bench import JOBS, PRESETS, BenchSettings, format_table, job_budgets_gib, run_bench, save
+from quantmla.serving.bench import (
+    JOBS,
+    PRESETS,
+    BenchSettings,
+    format_table,
+    job_budgets_gib,
+    run_bench,
+    save,
+)
 
 CHECKS_DEVICE = True  # check_args checks --device (after the model path), with the GPU job's own advice
 
@@ -29,7 +37,9 @@ def add_arguments(p):
                    help="output lengths (tokens), drawn between MIN and MAX (EOS ignored)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
-    p.add_argument("--methods", nargs="+", default=list(d.methods), help="bf16, int4/int4, int2/int4, ...")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help=f"cache methods: bf16, fp8, intC/intR (default: {' '.join(d.methods)}; fp8 only where its "
+                        "128-channel groups divide the model's d_c)")
     p.add_argument("--content-group", type=int, default=d.content_group, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=d.rope_group, help="RoPE channels per scale/zero group")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per cache page")
@@ -149,6 +159,8 @@ def check_args(args) -> None:
         d_c, d_r = spec.d_c, spec.d_r
     else:
         d_c, d_r = PRESETS[args.preset]["d_c"], PRESETS[args.preset]["d_r"]
+    if args.methods is None:  # the default list, less FP8 where its fixed 128-channel groups do not fit
+        args.methods = [m for m in BenchSettings().methods if m != "fp8" or d_c % 128 == 0]
     if not args.check_only:
         check_methods(args.methods, args, d_c, d_r)
     from quantmla.checks import check_device, check_positive

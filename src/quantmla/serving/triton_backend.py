@@ -60,6 +60,8 @@ class StaticDecodePlan:
     graph's worst case (the pool's whole capacity)."""
 
     def __init__(self, backend: "TritonPagedBackend", b: int, max_len: int):
+        from quantmla.kernels import schedule
+
         api = _kernels()
         self.b, self.max_len = b, max_len
         H, dev = backend.spec.num_heads, backend.device
@@ -69,7 +71,7 @@ class StaticDecodePlan:
         for kind, layout in backend.kinds.items():
             cfg = api.default_config(H, layout, dev)
             head_blocks = -(-H // cfg.block_m)
-            target = max(1, api._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
+            target = max(1, schedule._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
             min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
             S = max(1, min(-(-target // b), -(-max_len // min_span)))
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
@@ -114,7 +116,7 @@ class TritonPagedBackend(AttentionBackend):
         self.graph_safe = self.device.type == "cuda"
 
     def write(self, slot, latent, k_rope, slot_mapping):
-        _kernels().append_to_pages(self.pools[slot], self.layouts[slot], slot_mapping, latent, k_rope)
+        _kernels().append_to_pages(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
 
     def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
         return StaticDecodePlan(self, b, max_len)
@@ -131,14 +133,14 @@ class TritonPagedBackend(AttentionBackend):
     def decode(self, slot, q_lat, q_rope, meta):
         out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # contiguous (q_lat is a view)
         _kernels().mla_decode_with_kvcache(
-            q_lat.unsqueeze(1), q_rope.unsqueeze(1), self.pools[slot], meta.block_tables, meta.seq_lens,
+            q_lat.unsqueeze(1), q_rope.unsqueeze(1), self.pool.layer(slot), meta.block_tables, meta.seq_lens,
             self.layouts[slot], self.spec.softmax_scale, metadata=self._metadata(slot, meta), out=out.unsqueeze(1))
         return out
 
     def prefill(self, slot, view, c, q_nope, q_rope):
         api = _kernels()
         if c.slots is not None:
-            lat, kr = api.read_from_pages(self.pools[slot], self.layouts[slot], c.slots, dtype=q_nope.dtype)
+            lat, kr = api.read_from_pages(self.pool.layer(slot), self.layouts[slot], c.slots, dtype=q_nope.dtype)
         else:
             lat, kr = self.context(slot, c)
         s = self.spec
