@@ -48,7 +48,8 @@ def check_device(device: str | None, flag: str = "--device") -> str | None:
     if d.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
-            raise QuantMLAError(f"{flag} {device}: no CUDA device is available here ({why}); use --device cpu, "
+            cpu = "--device cpu" if flag.startswith("--") else f"{flag}='cpu'"
+            raise QuantMLAError(f"{flag} {device}: no CUDA device is available here ({why}); use {cpu}, "
                                 "or run it on a GPU machine")
         if d.index is not None and d.index >= torch.cuda.device_count():
             raise QuantMLAError(f"{flag} {device}: there are only {torch.cuda.device_count()} CUDA devices "
