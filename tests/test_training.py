@@ -250,3 +250,21 @@ def test_reference_shapes_fit_budget():
         n = sum(p.numel() for p in m.parameters())  # tied embedding counted once
         assert 2 * n < 6 * 2**20 - 64 * 1024, (fam, n)
     random.seed(0)
+
+
+def test_deepseek_geometry_size_has_deepseeks_cache_and_its_own_name(tmp_path, capsys):
+    """The fifth reference model's size: DeepSeek-V2-Lite's cache geometry (d_c 512, d_r 64, 16 heads, no
+    query LoRA), deepseek_v2 only, written under its own directory name (never over the shipped model)."""
+    from quantmla.cli import main
+    from quantmla.training.families import make_config, model_name
+
+    c = make_config("deepseek_v2", 3072, size="deepseek-geometry")
+    assert (c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads, c.q_lora_rank) == (512, 64, 16, None)
+    assert model_name("deepseek_v2", "deepseek-geometry") == "qmla-ref-deepseek-v2-deepseek-geometry"
+    assert model_name("deepseek_v2") == "qmla-ref-deepseek-v2"
+    with pytest.raises(ValueError, match="deepseek_v2"):
+        make_config("deepseek_v3", 3072, size="deepseek-geometry")
+    rc = main(["train-reference", "--size", "deepseek-geometry", "--families", "deepseek_v3",
+               "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--families deepseek_v2" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

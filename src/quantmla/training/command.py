@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from quantmla.training.families import FAMILIES, MODEL_NAMES
+from quantmla.errors import QuantMLAError
+from quantmla.training.families import FAMILIES, SIZES, model_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="runs/train-reference", help="scratch directory (corpus, stream, logs)")
     p.add_argument("--out", default="models", help="where model directories and heldout/ are written")
     p.add_argument("--results", default=None, help="JSON run log to write (stage all)")
-    p.add_argument("--size", choices=["ref", "small", "tiny"], default="ref", help="model size preset (tiny: CI smoke runs)")
+    p.add_argument("--size", choices=list(SIZES), default="ref",
+                   help="model size preset (tiny: CI smoke runs; deepseek-geometry: d_c 512, d_r 64, 16 heads, "
+                        "deepseek_v2 only, written as <name>-deepseek-geometry)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--jobs", type=int, default=None, help="parallel training processes; 0 = in this process")
     p.add_argument("--reuse-data", action="store_true", help="keep an existing prepared --work")
@@ -121,7 +124,7 @@ def _train_options(args):
 def _train(args, family: str) -> dict:
     from quantmla.training.train import train_model
 
-    return train_model(family, args.work, Path(args.out) / MODEL_NAMES[family], _train_options(args))
+    return train_model(family, args.work, Path(args.out) / model_name(family, args.size), _train_options(args))
 
 
 def _child_argv(args, family: str) -> list[str]:
@@ -153,6 +156,12 @@ def table(cards: list[dict]) -> str:
 def run(args) -> int:
     from quantmla.checks import check_output_dir, check_output_file
 
+    from quantmla.training.families import SIZE_FAMILIES
+
+    fams = [args.family] if args.stage == "train" and args.family else [f for f in args.families.split(",") if f]
+    allowed = SIZE_FAMILIES.get(args.size, FAMILIES)
+    if args.stage != "prepare" and any(f not in allowed for f in fams):
+        raise QuantMLAError(f"--size {args.size} fits the families {', '.join(allowed)}; pass --families {','.join(allowed)}")
     check_output_dir(args.work, "--work")  # unwritable paths fail now, not after hours of training
     if args.stage != "prepare":
         check_output_dir(args.out)
@@ -200,7 +209,7 @@ def run(args) -> int:
                         print("".join(open(work / "logs" / f"{f}.log").readlines()[-30:]), flush=True)
     cards = []
     for f in families:
-        cp = out / MODEL_NAMES[f] / "card.json"
+        cp = out / model_name(f, args.size) / "card.json"
         if cp.exists() and f not in failed:
             cards.append(json.loads(cp.read_text()))
     manifest = json.loads((work / "manifest.json").read_text())

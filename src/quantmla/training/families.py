@@ -43,7 +43,18 @@ SIZES = {
     "small": dict(hidden=128, layers=4, heads=8, d_c=64, d_r=16, nope=16, v=16, inter=320, q_lora=64, max_pos=1024),
     # CI / CPU smoke tests: same code paths, tiny
     "tiny": dict(hidden=64, layers=2, heads=4, d_c=32, d_r=16, nope=16, v=16, inter=128, q_lora=32, max_pos=512),
+    # DeepSeek-V2-Lite's cache geometry (d_c 512, d_r 64, 16 heads, no query LoRA), deepseek_v2 family only;
+    # about 10 M parameters (20 MB in bf16): trained and evaluated on the GPU, not shipped in git
+    "deepseek-geometry": dict(hidden=256, layers=4, heads=16, d_c=512, d_r=64, nope=64, v=64, inter=512, q_lora=None,
+                              max_pos=4096),
 }
+SIZE_FAMILIES = {"deepseek-geometry": ("deepseek_v2",)}
+"""Sizes that fit only some families (the others have a query LoRA)."""
+
+
+def model_name(family: str, size: str = "ref") -> str:
+    """The model directory name: the shipped name for the "ref" size, that name and the size otherwise."""
+    return MODEL_NAMES[family] if size == "ref" else f"{MODEL_NAMES[family]}-{size}"
 
 
 def yarn_parameters(max_pos: int, factor: float = 4.0, theta: float = 10000.0) -> dict:
@@ -64,6 +75,8 @@ def make_config(family: str, vocab_size: int, size: str = "ref"):
     import transformers
 
     s = SIZES[size]
+    if family not in SIZE_FAMILIES.get(size, FAMILIES):
+        raise ValueError(f"size {size!r} fits the families {', '.join(SIZE_FAMILIES[size])}, not {family!r}")
     common = dict(
         vocab_size=vocab_size,
         hidden_size=s["hidden"],
