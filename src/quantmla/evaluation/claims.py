@@ -33,11 +33,23 @@ def _setups(rows: list[dict]) -> list[str]:
 
 
 def _index(rows: list[dict], setup: str) -> dict:
-    """(model, config, method) -> row, for the rows of one setup (BF16 rows belong to every setup)."""
-    from quantmla.evaluation.table import setup_of
+    """(model, config, method) -> row, for the rows of one setup (BF16 rows belong to every setup) measured
+    on the perplexity data of the model's QuantMLA rows (the only rows their bits per byte compare with)."""
+    from quantmla.evaluation.table import ppl_data_of, setup_of
 
+    ref = {r["model"]: ppl_data_of(r) for r in rows
+           if r["method"] == "quantmla" and json.dumps(setup_of(r), sort_keys=True) == setup}
     return {(r["model"], r["config"], r["method"]): r for r in rows
-            if r["method"] == "bf16" or json.dumps(setup_of(r), sort_keys=True) == setup}
+            if (r["method"] == "bf16" or json.dumps(setup_of(r), sort_keys=True) == setup)
+            and ppl_data_of(r) == ref.get(r["model"], ppl_data_of(r))}
+
+
+def _name(R: dict, model: str, config: str, method: str) -> str:
+    """The method's name, with † when its row keeps KIVI's full-precision residual (older rows)."""
+    from quantmla.evaluation.harness import EVAL_MODE
+
+    r = R.get((model, config, method))
+    return NAMES.get(method, method) + ("†" if r is not None and r["eval_mode"] != EVAL_MODE else "")
 
 
 def _pct(x: float) -> str:
@@ -53,7 +65,8 @@ def compare(rows: list[dict], setup: str, model: str, config: str) -> dict:
     if (model, "BF16", "bf16") not in R:
         missing.insert(0, "bf16")
     base = {m: pct(m) for m in BASELINES if pct(m) is not None}
-    out = {"quantmla": pct("quantmla"), "baselines": base, "missing": missing, "best": None, "ratio": None}
+    out = {"quantmla": pct("quantmla"), "baselines": base, "missing": missing, "best": None, "ratio": None,
+           "names": {m: _name(R, model, config, m) for m in (*BASELINES, "quantmla")}}
     if base:
         out["best"] = min(base, key=base.get)
     if not missing and base[out["best"]] > 0:
@@ -76,7 +89,7 @@ def claim_lines(rows: list[dict]) -> list[str]:
                 if c["quantmla"] is None and not c["baselines"]:
                     continue
                 if c["missing"]:
-                    have = ", ".join(f"{NAMES.get(k, k)} {_pct(v)}" for k, v in c["baselines"].items())
+                    have = ", ".join(f"{c['names'][k]} {_pct(v)}" for k, v in c["baselines"].items())
                     q = "" if c["quantmla"] is None else f"QuantMLA {_pct(c['quantmla'])}; "
                     per.append(f"{_short(m)}: {q}{have or 'no baseline'}; "
                                f"{', '.join(NAMES.get(k, k) for k in c['missing'])} row missing, no comparison claimed")
@@ -85,7 +98,7 @@ def claim_lines(rows: list[dict]) -> list[str]:
                 b = c["best"]
                 rel = (f"{c['ratio']:.2f}× the best baseline's increase" if c["ratio"] is not None
                        else "the best baseline does not increase bpb")
-                per.append(f"{_short(m)}: QuantMLA {_pct(c['quantmla'])} against {NAMES[b]} {_pct(c['baselines'][b])} "
+                per.append(f"{_short(m)}: QuantMLA {_pct(c['quantmla'])} against {c['names'][b]} {_pct(c['baselines'][b])} "
                            f"({rel})")
             if not per:
                 continue
@@ -101,11 +114,21 @@ def claim_lines(rows: list[dict]) -> list[str]:
             else:
                 head += f" complete rows for {len(complete)} of {len(per)} models."
             lines.append(head + " " + "; ".join(per) + ".")
+    alone = []
+    for config, what in (("BF16/INT4", "INT4 RoPE keys alone"), ("INT4/BF16", "INT4 content alone")):
+        figs = [f"{_short(r['model'])} {_pct(r['bpb_increase_pct'])}" for r in sorted(rows, key=lambda r: r["model"])
+                if r["config"] == config and r["method"] == "rtn" and r.get("bpb_increase_pct") is not None]
+        if figs:
+            alone.append(f"{what} (RTN) {', '.join(figs)}")
+    if alone:
+        lines.append("- One path quantized, the other in BF16: " + "; ".join(alone) + ".")
     return lines
 
 
 def summary_table(rows: list[dict], setup: str) -> list[str]:
     """The README's table: per model, INT4/INT4 baselines and QuantMLA, INT2/INT4 best baseline and QuantMLA."""
+    from quantmla.evaluation.harness import EVAL_MODE
+
     R = _index(rows, setup)
     models = sorted({r["model"] for r in rows})
     head = ("| model | INT4/INT4 RTN | INT4/INT4 KIVI-style | INT4/INT4 Hadamard | INT4/INT4 QuantMLA [key retrieval %] "
@@ -116,18 +139,19 @@ def summary_table(rows: list[dict], setup: str) -> list[str]:
         r = R.get((m, cfg, meth))
         if r is None or r.get("bpb_increase_pct") is None:
             return "missing"
-        return _pct(r["bpb_increase_pct"])
+        return _pct(r["bpb_increase_pct"]) + ("†" if r["eval_mode"] != EVAL_MODE else "")
 
     for m in models:
         q = R.get((m, "INT4/INT4", "quantmla"))
         retr = ""
         if q is not None and q["retrieval"]:
-            retr = " [" + "/".join(f"{100 * v['accuracy']:.0f}" for _, v in sorted(q["retrieval"].items(), key=lambda x: int(x[0]))) + "]"
+            vs = [v for _, v in sorted(q["retrieval"].items(), key=lambda x: int(x[0]))]
+            retr = " [" + "/".join(f"{100 * v['accuracy']:.0f}" for v in vs) + f", n={vs[0]['n']}]"
         c2 = compare(rows, setup, m, "INT2/INT4")
         if c2["missing"] and any(k in BASELINES for k in c2["missing"]):
             best = "missing (" + ", ".join(NAMES[k] for k in c2["missing"] if k in BASELINES) + ")"
         else:
-            best = f"{_pct(c2['baselines'][c2['best']])} ({NAMES[c2['best']]})"
+            best = f"{_pct(c2['baselines'][c2['best']])} ({c2['names'][c2['best']]})"
         out.append(f"| {_short(m)} | {cell(m, 'INT4/INT4', 'rtn')} | {cell(m, 'INT4/INT4', 'kivi')} | "
                    f"{cell(m, 'INT4/INT4', 'hadamard')} | {cell(m, 'INT4/INT4', 'quantmla')}{retr} | {best} | "
                    f"{cell(m, 'INT2/INT4', 'quantmla')} |")
@@ -136,16 +160,20 @@ def summary_table(rows: list[dict], setup: str) -> list[str]:
 
 def readme_block(rows: list[dict]) -> str:
     """The README's generated block (between BEGIN and END) for the rows of a result file."""
-    from quantmla.evaluation.table import _setup_name, check_same_data, relative
+    from quantmla.evaluation.table import _setup_name, relative
+
+    from quantmla.evaluation.table import PPL_KEYS, data_of
 
     rows = relative([dict(r) for r in rows])
-    data = check_same_data(rows, "the result file") or {}
+    datas = {json.dumps(data_of(r), sort_keys=True) for r in rows}
     setups = _setups(rows)
     lines = [BEGIN, ""]
-    if data:
-        lines.append("Data: " + ", ".join(f"{k} {v}" for k, v in data.items()) + ". Δ bits per byte against BF16 on the "
-                     "same data; key retrieval % at each length in brackets (the `<key> =` query form the models "
-                     "were trained on).")
+    d = data_of(rows[0]) if rows else {}
+    what = ", ".join(f"{k} {v}" for k, v in d.items() if len(datas) == 1 or k in PPL_KEYS)
+    lines.append(f"Data: {what}" + ("" if len(datas) == 1 else "; the rows come from runs with different retrieval "
+                                    "sample counts (n in brackets)") + ". Δ bits per byte against BF16 on the same "
+                 "held-out chunks; key retrieval % at each length in brackets (the `<key> =` query form the models "
+                 "were trained on). † keeps the newest RoPE keys of an unfinished KIVI block in full precision.")
     for s in setups[:1]:  # the first setup of the file: its default groups
         lines += ["", f"Setup {_setup_name(json.loads(s))}:", "", *summary_table(rows, s)]
     lines += ["", *claim_lines(rows), "", END]

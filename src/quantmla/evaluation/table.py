@@ -7,10 +7,13 @@ was set up, SETUP_KEYS: group sizes, full-precision window, calibration size). O
 same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points.
 
 Rules:
-- one file holds rows of one data setting: a merge that mixes data settings is refused, naming them;
+- rows join a file only when they were measured on the same data as the rows there (every key of
+  DATA_KEYS): a merge that mixes data settings is refused, naming them;
 - a row is identified by (model, config, method, setup); a row already in the file is replaced only
   when the caller asks for it (`replace=True`, the CLI's --replace-rows);
-- a row is compared only with the BF16 row of its model measured on identical data.
+- a row's bits per byte are compared only with rows of its model measured on identical perplexity
+  data (PPL_KEYS), its retrieval only with rows of identical retrieval data as well. A file written
+  before these rules may hold several data settings; its table names them (settings A, B, ...).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from quantmla.evaluation.harness import EVAL_MODE, METHODS, finite
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
 METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla"]
-# what a row was measured on: rows are compared and merged only when all of these are equal
-DATA_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "retrieval_n", "retrieval_lengths", "retrieval_formats", "seed")
+# what a row's bits per byte were measured on, and what its retrieval was measured on
+PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
+DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
 # how a row's cache was set up: part of the row's identity (rows with other setups sit side by side)
 SETUP_KEYS = ("content_group", "rope_group", "fp_window", "calib_rows", "calib_steps")
 
@@ -48,6 +52,12 @@ def data_of(r: dict) -> dict:
     return {k: d[k] for k in DATA_KEYS if k in d}
 
 
+def ppl_data_of(r: dict) -> str:
+    """The row's perplexity data settings as a comparable key."""
+    d = r.get("data") or {}
+    return json.dumps({k: d.get(k) for k in PPL_KEYS}, sort_keys=True)
+
+
 def setup_of(r: dict) -> dict:
     """The row's cache setup; BF16 rows have none (nothing is grouped, windowed or calibrated)."""
     if r["method"] == "bf16":
@@ -57,6 +67,10 @@ def setup_of(r: dict) -> dict:
         if k not in s and k in (r.get("data") or {}):
             s[k] = r["data"][k]
     s.setdefault("fp_window", 0)
+    content, _, rope = r["config"].partition("/")
+    for path, key in ((content, "content_group"), (rope, "rope_group")):
+        if path == "BF16" and key in s:  # an unquantized path has no groups
+            s[key] = None
     return {k: s[k] for k in SETUP_KEYS if k in s}
 
 
@@ -68,8 +82,8 @@ def _sort_key(r: dict):
     cfg_order = {"BF16": 0, "FP8": 1}
     m = METHOD_ORDER.index(r["method"]) if r["method"] in METHOD_ORDER else len(METHOD_ORDER)
     s = setup_of(r)
-    return (r["model"], -s.get("content_group", 1 << 20), -s.get("rope_group", 1 << 20), s.get("fp_window", 0),
-            -r["bytes_per_token"], cfg_order.get(r["config"], 2), r["config"], m)
+    return (r["model"], s.get("fp_window", 0), -r["bytes_per_token"], cfg_order.get(r["config"], 2), r["config"], m,
+            -(s.get("content_group") or 0), -(s.get("rope_group") or 0))
 
 
 def describe_difference(a: dict, b: dict, a_name: str = "the file", b_name: str = "this run") -> str:
@@ -134,23 +148,24 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def relative(rows: list[dict]) -> list[dict]:
-    """Adds bpb_increase_pct, retrieval_delta_points and compression_vs_bf16 to each row that has a BF16
-    row of the same model measured on identical data (others get None: there is nothing to compare with)."""
-    base: dict[tuple, dict] = {}
+    """Adds bpb_increase_pct (against the BF16 row of the same model on identical perplexity data, else
+    None), retrieval_delta_points (against a BF16 row on identical data, perplexity and retrieval; absent
+    otherwise) and compression_vs_bf16."""
+    by_ppl: dict[tuple, dict] = {}
+    by_all: dict[tuple, dict] = {}
     for r in rows:
         if r["method"] == "bf16":
-            base[(r["model"], json.dumps(data_of(r), sort_keys=True))] = r
+            by_ppl.setdefault((r["model"], ppl_data_of(r)), r)
+            by_all[(r["model"], json.dumps(data_of(r), sort_keys=True))] = r
     for r in rows:
-        b = base.get((r["model"], json.dumps(data_of(r), sort_keys=True)))
         r.pop("bpb_increase_pct", None)
         r.pop("retrieval_delta_points", None)
-        if b is None:
-            r["bpb_increase_pct"] = None
-            continue
-        r["bpb_increase_pct"] = 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
-        r["retrieval_delta_points"] = {
-            L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"]) for L, v in r["retrieval"].items() if L in b["retrieval"]
-        }
+        b = by_ppl.get((r["model"], ppl_data_of(r)))
+        r["bpb_increase_pct"] = None if b is None else 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
+        b = by_all.get((r["model"], json.dumps(data_of(r), sort_keys=True)))
+        if b is not None:
+            r["retrieval_delta_points"] = {L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"])
+                                           for L, v in r["retrieval"].items() if L in b["retrieval"]}
         if r.get("bf16_bytes_per_token"):
             r["compression_vs_bf16"] = r["bf16_bytes_per_token"] / r["bytes_per_token"]
     return rows
@@ -183,8 +198,11 @@ def markdown(rows: list[dict]) -> str:
 
     for r in rows:
         check_row(r)
-    data = check_same_data(rows, "the table's rows")
     rows = relative(sorted([dict(r) for r in rows], key=_sort_key))
+    datas = []
+    for r in rows:
+        if data_of(r) not in datas:
+            datas.append(data_of(r))
     lengths = sorted({int(L) for r in rows for L in r["retrieval"]})
     line_lengths = sorted({int(L) for r in rows for L in (r.get("retrieval_line") or {})})
     out = ["# Accuracy under a quantized MLA cache", "",
@@ -194,8 +212,14 @@ def markdown(rows: list[dict]) -> str:
            "method of a setup; none unless stated)."]
     if any(r["eval_mode"] != EVAL_MODE for r in rows):
         out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision.")
-    if data:
-        out += ["", "Data: " + ", ".join(f"{k} {v}" for k, v in data.items()) + "."]
+    mixed = len(datas) > 1
+    if len(datas) == 1:
+        out += ["", "Data: " + ", ".join(f"{k} {v}" for k, v in datas[0].items()) + "."]
+    elif mixed:
+        out += ["", "This file holds rows of several data settings (the `run` column names each row's). Bits per "
+                "byte are compared across rows only on identical perplexity data, retrieval only on identical "
+                "data; a new run cannot add rows to such a file."]
+        out += [f"- settings {chr(65 + i)}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for i, d in enumerate(datas)]
     out += ["", "Bits per byte (bpb) of held-out text (lower is better; Δ vs the model's BF16 row on the same data). "
             "Retrieval (key): the exact greedy answer of a `<key> =` lookup buried in held-out code, the query form "
             "the models were trained on, at each total length. Bytes/token: per token per MLA layer, codes + scales "
@@ -208,7 +232,7 @@ def markdown(rows: list[dict]) -> str:
         R = [r for r in rows if r["model"] == model]
         out += ["", f"## {model}", ""]
         head = (["config", "setup", "method", "B/token", "bpb", "Δ bpb"] + [f"key {_len_name(L)}" for L in lengths]
-                + [f"line {_len_name(L)} (ctrl)" for L in line_lengths])
+                + [f"line {_len_name(L)} (ctrl)" for L in line_lengths] + (["run"] if mixed else []))
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|")
         for r in R:
@@ -221,6 +245,8 @@ def markdown(rows: list[dict]) -> str:
             for L in line_lengths:
                 v = (r.get("retrieval_line") or {}).get(str(L))
                 cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} ({100 * v['control_accuracy']:.1f}), n={v['n']}")
+            if mixed:
+                cells.append(f"{chr(65 + datas.index(data_of(r)))}, {r.get('device', '?')}")
             out.append("| " + " | ".join(cells) + " |")
     claims = claim_lines(rows)
     if claims:
@@ -235,10 +261,14 @@ def write(rows: list[dict], out_dir: str, base: list[dict] | None = None) -> tup
     for r in rows:
         check_row(r)
     allrows = relative(merge_rows(list(base or []), rows))
-    data = check_same_data(allrows, "the rows to write")
+    if rows:
+        data = check_same_data(allrows, "the rows to write")
+    else:  # a rewrite of a file: one written under older rules may hold several data settings
+        datas = {json.dumps(data_of(r), sort_keys=True) for r in allrows}
+        data = json.loads(datas.pop()) if len(datas) == 1 else None
     os.makedirs(out_dir, exist_ok=True)
     jpath, mpath = os.path.join(out_dir, "accuracy.json"), os.path.join(out_dir, "accuracy.md")
-    doc = {"eval_mode": EVAL_MODE, "data": data or {}, "rows": allrows}
+    doc = {"eval_mode": EVAL_MODE, "data": data, "rows": allrows}
     for path, text in ((jpath, json.dumps(finite(doc), indent=1)), (mpath, markdown(allrows))):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
