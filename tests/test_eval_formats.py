@@ -90,3 +90,26 @@ def test_eval_line_format(tmp_path):
     assert v["n"] == 3 and 0 <= v["accuracy"] <= 1 and 0 <= v["control_accuracy"] <= 1 and row["retrieval"] == {}
     md = (tmp_path / "o" / "accuracy.md").read_text()
     assert "line 512 (ctrl)" in md and "never trained on" in md
+
+
+def test_one_calibration_serves_every_window():
+    """Rows that differ only in their full-precision window reuse the calibrated model (`prepared`)."""
+    from quantmla.evaluation.harness import EvalData, evaluate_row
+
+    model = tiny_model("deepseek_v3")
+    data = EvalData(ppl=torch.randint(3, 128, (1, 16)), calib_ids=torch.randint(3, 128, (4, 16)), seq_len=16)
+    calls, windows = [], []
+
+    def calib_fn(m, ids, quant, *, method, paths, seed):
+        calls.append(method)
+        m.config.quantization_config = quant.to_dict()
+
+    def ppl_fn(m, tok, chunks, *, seq_len, cache_factory):
+        windows.append(cache_factory(m).quant.fp_window)
+        return {"bits_per_byte": 1.0, "tokens": 15}
+
+    prepared = {}
+    for w in (0, 8):
+        evaluate_row(model, None, RowSpec(named_config("INT4/INT4", 16, 8), "quantmla", fp_window=w), data,
+                     ppl_fn=ppl_fn, retrieval_fn=lambda *a, **k: None, calibrate_fn=calib_fn, prepared=prepared)
+    assert calls == ["quantmla"] and windows == [0, 8]

@@ -292,7 +292,7 @@ def run(args) -> int:
     # the output: checked writable and mergeable before any weights are read
     table.check_writable(out)
     base = [] if args.overwrite else table.load(out)
-    keys = [(names[m], r.config.name, r.method, json.dumps(table.setup_of({"method": r.method, "setup": setup(r)}),
+    keys = [(names[m], r.config.name, r.method, json.dumps(table.setup_of({"method": r.method, "config": r.config.name, "setup": setup(r)}),
                                                            sort_keys=True)) for m in models for r in rows]
     table.check_merge(base, data, replace=args.replace_rows or args.resume, out_dir=out, new_keys=keys)
     done = {table.row_key(r) for r in base} if args.resume else set()
@@ -311,10 +311,11 @@ def run(args) -> int:
         _log(f"{name}: {len(todo)} rows; ppl {tuple(ev.ppl.shape)} tokens, retrieval "
              + ", ".join(f"{L}:{len(s)}" for L, s in ev.retrieval.items())
              + "".join(f", line {L}:{len(s)}" for L, s in ev.line.items()))
+        prepared = {} if len(args.fp_window) > 1 else None  # one calibration serves every window
         for r in todo:
             t0 = time.time()
             row = evaluate_row(model, tok, r, ev, spec=specs[mdir], seed=args.seed, progress=_log,
-                               calib_kwargs=calib_kwargs)
+                               calib_kwargs=calib_kwargs, prepared=prepared)
             row["model"] = name
             row["data"] = data
             row["setup"] = setup(r)

@@ -377,14 +377,22 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
 
 def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpec | None = None, seed: int = 0,
                  ppl_fn=None, retrieval_fn=None, calibrate_fn=None, calib_kwargs: dict | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
-    """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy."""
+                 progress: Callable[[str], None] | None = None, prepared: dict | None = None) -> dict:
+    """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy.
+    `prepared`: a dict kept across rows of one model; calibrated models are stored there by (config,
+    method) and reused by rows that differ only in their full-precision window."""
     spec = spec or load_spec(model)
     ppl_fn = ppl_fn or _ppl_fn()
     retrieval_fn = retrieval_fn or _retrieval_fn()
-    m = copy.deepcopy(model) if row.method in CALIBRATED else model
     t0 = time.time()
-    quant, report = prepare(m, row, data.calib_ids, seed, calibrate_fn, calib_kwargs)
+    key = (row.config, row.method)
+    if prepared is not None and key in prepared:
+        m, quant, report = prepared[key]
+    else:
+        m = copy.deepcopy(model) if row.method in CALIBRATED else model
+        quant, report = prepare(m, row, data.calib_ids, seed, calibrate_fn, calib_kwargs)
+        if prepared is not None and row.method in CALIBRATED:
+            prepared[key] = (m, quant, report)
     t_cal = time.time() - t0
     factory = row.cache_factory(quant)
     if progress:
