@@ -387,3 +387,23 @@ def test_eval_command_errors(tmp_path, capsys):
     assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
     assert main(["eval", str(llama), "--config", "INT5/INT4", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "accuracy.json").exists()
+
+
+def test_from_json_regenerates_and_merges(tmp_path, capsys):
+    """`eval --from-json` rewrites the table from the JSON; several files of one data setting merge into --out,
+    files of other data or with the same row are refused."""
+    from quantmla.cli import main
+
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    table.write([_row("m", "BF16", "bf16", 2.0, 0.8, 96), _row("m", "INT4/INT4", "rtn", 2.2, 0.5, 40)], a)
+    table.write([_row("n", "BF16", "bf16", 3.0, 0.8, 96), _row("n", "INT4/INT4", "quantmla", 3.03, 0.5, 40)], b)
+    Path(a, "accuracy.md").write_text("stale")
+    assert main(["eval", "--from-json", f"{a}/accuracy.json"]) == 0
+    assert "| INT4/INT4 | g16/g8 | rtn | 40 | 2.2000 | +10.00% |" in Path(a, "accuracy.md").read_text()
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 0
+    assert {r["model"] for r in table.load(c)} == {"m", "n"}
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{a}/accuracy.json", "--out", c]) == 2
+    assert "already has 2 of these rows" in capsys.readouterr().err
+    table.write([_row("n", "BF16", "bf16", 3.0, 0.8, 96, data=dict(DATA, seq_len=128))], b, )
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 2
+    assert "seq_len 64" in capsys.readouterr().err

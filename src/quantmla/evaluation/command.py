@@ -9,6 +9,8 @@ table <out>/accuracy.md (default out/eval, outside the tracked tree).
     quantmla eval models/qmla-ref-deepseek-v3 --config INT4/INT4 --method rtn quantmla
     quantmla eval --from-json results/accuracy.json --readme README.md
                                               the table and the README's summary block, from the JSON
+    quantmla eval --from-json a/accuracy.json b/accuracy.json --out results
+                                              runs of one data setting (one per model or GPU) merged
 
 Rows join an existing result file only when they were measured on identical data (table.DATA_KEYS);
 a row already there is replaced only with --replace-rows; --overwrite replaces the file.
@@ -37,6 +39,8 @@ def add_arguments(p):
                    help="output directory for accuracy.json/.md (default out/eval, or out/eval-quick with --quick; "
                         "the committed table is results/, written only when named)")
     p.add_argument("--heldout", default=None, help="held-out set directory (default models/heldout)")
+    p.add_argument("--kind", default="code", choices=("code", "prose"),
+                   help="held-out text for bits per byte (each kind is its own data setting: its own --out)")
     p.add_argument("--seq-len", type=int, default=None, help="perplexity chunk length in tokens (default 512, quick 256)")
     p.add_argument("--ppl-chunks", type=int, default=None, help="held-out chunks for bits per byte (default 64, quick 4)")
     p.add_argument("--retrieval-n", type=int, default=None, help="retrieval samples per length and format (default 50, quick 4)")
@@ -62,8 +66,9 @@ def add_arguments(p):
                    help="replace rows already in the output (same data settings) with this run's; without it that is refused")
     p.add_argument("--overwrite", "--no-merge", dest="overwrite", action="store_true",
                    help="replace the output files whole with this run's rows")
-    p.add_argument("--from-json", default=None, metavar="JSON",
-                   help="evaluate nothing: rewrite the Markdown table next to this accuracy.json and print its claims")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="evaluate nothing: rewrite the Markdown table next to this accuracy.json and print its claims; "
+                        "several files (runs on identical data, e.g. one per model or GPU) are merged into --out")
     p.add_argument("--readme", default=None, metavar="README",
                    help="with --from-json: rewrite the generated accuracy summary block of this README")
 
@@ -211,17 +216,30 @@ def check_settings(preset: dict, args, specs: dict) -> None:
 
 
 def from_json(args) -> int:
-    """--from-json: the Markdown table (and the README block) regenerated from a result file."""
+    """--from-json: the Markdown table (and the README block) regenerated from result files; several
+    files of identical data settings are merged (a row in two of them is refused) into --out."""
     from quantmla.cli import CLIError
     from quantmla.evaluation import claims, table
 
-    out = os.path.dirname(os.path.abspath(args.from_json))
-    rows = table.load(out) if os.path.basename(args.from_json) == "accuracy.json" else None
-    if rows is None:
-        raise CLIError(f"--from-json {args.from_json}: give the path of an accuracy.json written by quantmla eval")
-    if not rows:
-        raise CLIError(f"--from-json {args.from_json}: no such file, or it has no rows")
-    table.check_writable(out, "--from-json")
+    sources = []
+    for path in args.from_json:
+        if os.path.basename(path) != "accuracy.json":
+            raise CLIError(f"--from-json {path}: give the path of an accuracy.json written by quantmla eval")
+        rows = table.load(os.path.dirname(os.path.abspath(path)))
+        if not rows:
+            raise CLIError(f"--from-json {path}: no such file, or it has no rows")
+        sources.append((path, rows))
+    if len(sources) > 1 and not args.out:
+        raise CLIError("--from-json with several files: name the merged table's directory with --out")
+    out = args.out or os.path.dirname(os.path.abspath(args.from_json[0]))
+    rows = sources[0][1]
+    if len(sources) > 1:
+        rows = []
+        for path, more in sources:
+            table.check_merge(rows, table.check_same_data(more, path), replace=False, out_dir=f"the files before {path}",
+                              new_keys=[table.row_key(r) for r in more])
+            rows = table.merge_rows(rows, more)
+    table.check_writable(out, "--out" if args.out else "--from-json")
     jpath, mpath = table.write([], out, base=rows)
     block = claims.readme_block(rows)
     if args.readme:
@@ -234,7 +252,7 @@ def from_json(args) -> int:
         with open(args.readme, "w") as f:
             f.write(new)
     print(block)
-    print(f"wrote {mpath}" + (f" and the summary block of {args.readme}" if args.readme else ""))
+    print(f"wrote {jpath}, {mpath}" + (f" and the summary block of {args.readme}" if args.readme else ""))
     return 0
 
 
@@ -270,7 +288,7 @@ def run(args) -> int:
     out = args.out or ("out/eval-quick" if args.quick else "out/eval")
     from quantmla.evaluation.datasets import heldout_root
 
-    data = {"heldout": os.path.basename(os.path.normpath(str(heldout_root(args.heldout)))), "kind": "code",
+    data = {"heldout": os.path.basename(os.path.normpath(str(heldout_root(args.heldout)))), "kind": args.kind,
             "seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
             "retrieval_lengths": list(preset["lengths"]), "retrieval_formats": list(args.retrieval_formats),
             "seed": args.seed}
@@ -307,7 +325,8 @@ def run(args) -> int:
         need_calib = any(r.method in ("hadamard", "quantmla", "quantmla-content", "quantmla-rope") for r in todo)
         ev = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
                             retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
-                            calib_n=preset["calib_n"] if need_calib else 0, formats=args.retrieval_formats, seed=args.seed)
+                            calib_n=preset["calib_n"] if need_calib else 0, formats=args.retrieval_formats, seed=args.seed,
+                            kind=args.kind)
         _log(f"{name}: {len(todo)} rows; ppl {tuple(ev.ppl.shape)} tokens, retrieval "
              + ", ".join(f"{L}:{len(s)}" for L, s in ev.retrieval.items())
              + "".join(f", line {L}:{len(s)}" for L, s in ev.line.items()))
