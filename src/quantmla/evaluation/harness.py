@@ -12,8 +12,11 @@ are prepared for it:
     kivi              no transform; the RoPE key per channel over blocks of tokens (cache.kivi)
 
 Every figure is measured with every attention read going through the quantized cache, prefill
-included (EVAL_MODE); KIVI's unfinished block (< block tokens) is read at full precision, as KIVI
-specifies, and its row says so.
+included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
+method (none by default); KIVI's unfinished block (< block tokens) is quantized per channel over the
+tokens it holds unless the window covers it, so no method gets full-precision tokens the others lack.
+Cache formats are named by CONTENT/ROPE bits or by a preset (PRESETS: "BF16", "FP8"); a preset added
+there, such as DeepSeek's fp8_ds_mla layout, runs in every grid under its name.
 """
 
 from __future__ import annotations
