@@ -362,8 +362,9 @@ def test_eval_refuses_bad_sizes_up_front(checkpoint, tmp_path, monkeypatch, caps
                        (["--retrieval-n", "0"], "--retrieval-n 0: must be at least 1"),
                        (["--lengths", "8192"], "has max_position_embeddings 2048; ask for at most 2048 tokens"),
                        (["--lengths", "512"], "no key-retrieval samples of that length"),
+                       (["--lengths", "1024", "--retrieval-n", "3"], "holds 2 key-retrieval samples of 1024 tokens"),
                        (["--fp-window", "-1"], "--fp-window"),
-                       (["--lengths", "1024", "--out", str(blocker / "sub")], "cannot write there")):
+                       (["--lengths", "1024", "--retrieval-n", "2", "--out", str(blocker / "sub")], "cannot write there")):
         out = [] if "--out" in extra else ["--out", str(tmp_path / "o")]
         assert main(base + out + extra) == 2, extra
         assert msg in capsys.readouterr().err, extra

@@ -106,6 +106,10 @@ def rows_for(args):
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation.harness import RowSpec, default_rows, named_config
 
+    from quantmla.cli import CLIError
+
+    if any(w < 0 for w in args.fp_window):
+        raise CLIError(f"--fp-window {' '.join(map(str, args.fp_window))}: windows are token counts >= 0")
     rows, seen = [], set()
 
     def add(r):
@@ -197,8 +201,6 @@ def check_settings(preset: dict, args, specs: dict) -> None:
             raise CLIError(f"{flag} {preset[k]}: must be at least {lo}")
     if not preset["lengths"]:
         raise CLIError("--lengths: give at least one retrieval length")
-    if any(w < 0 for w in args.fp_window):
-        raise CLIError(f"--fp-window {args.fp_window}: windows are token counts >= 0")
     if args.calib_steps is not None and args.calib_steps < 1:
         raise CLIError(f"--calib-steps {args.calib_steps}: must be at least 1")
     for m, spec in specs.items():
@@ -213,6 +215,11 @@ def check_settings(preset: dict, args, specs: dict) -> None:
             raise CLIError(f"--lengths {' '.join(map(str, bad))}: no key-retrieval samples of that length under "
                            f"{DS.heldout_root(args.heldout)} (shipped: {' '.join(map(str, have)) or 'none'}); "
                            "use those lengths, or --retrieval-formats line, which builds samples of any length")
+        for L in preset["lengths"]:
+            have_n = len(DS.load_retrieval(L, args.heldout))
+            if preset["retrieval_n"] > have_n:
+                raise CLIError(f"--retrieval-n {preset['retrieval_n']}: {DS.heldout_root(args.heldout)} holds {have_n} "
+                               f"key-retrieval samples of {L} tokens; ask for at most {have_n}")
 
 
 def from_json(args) -> int:
@@ -281,10 +288,10 @@ def run(args) -> int:
     if sum(map(bool, (args.resume, args.replace_rows, args.overwrite))) > 1:
         raise CLIError("--resume, --replace-rows and --overwrite exclude each other: pick one")
     specs = {m: check_model_dir(m) for m in models}  # fail early on a bad path or a non-MLA model
-    check_settings(preset, args, specs)
     rows = rows_for(args)
     for m, spec in specs.items():  # and on formats a model cannot take, before any weights are read
         check_rows(m, spec, rows, args)
+    check_settings(preset, args, specs)
     out = args.out or ("out/eval-quick" if args.quick else "out/eval")
     from quantmla.evaluation.datasets import heldout_root
 
