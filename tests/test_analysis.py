@@ -238,3 +238,25 @@ def test_analyze_command_errors(tmp_path, capsys):
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
     assert main(["analyze", str(llama)]) == 2
     assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
+
+
+def test_analyze_default_output_and_unwritable_output(tmp_path, monkeypatch, capsys):
+    """The default output is out/analysis/<model>, outside the tracked results/; an unwritable --out is
+    reported before the model is loaded."""
+    import quantmla.evaluation.harness as H
+    from quantmla.cli import main
+
+    model_dir, heldout = _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = ["analyze", str(model_dir), "--heldout", str(heldout), "--seq-len", "32", "--num-seqs", "1", "--bits", "4",
+            "--content-group", "16", "--rope-group", "8", "--no-plots"]
+    assert main(args) == 0
+    assert (tmp_path / "out" / "analysis" / "m" / "analysis.json").exists() and not (tmp_path / "results").exists()
+
+    def no_work(*a, **k):
+        raise AssertionError("weights were loaded before the output was checked")
+
+    monkeypatch.setattr(H, "load_model", no_work)
+    (tmp_path / "a-file").write_text("")
+    assert main(args + ["--out", str(tmp_path / "a-file" / "sub")]) == 2
+    assert "cannot write into" in capsys.readouterr().err

@@ -32,62 +32,6 @@ def _sub(module: str, argv: list[str]):
     return mod.run(args)
 
 
-def _compression_plot(d_c: int, d_r: int, out: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from quantmla.cache.layout import CacheFormat, compression
-    from quantmla.quant import PathFormat
-
-    ctx = [1024, 4096, 16384, 32768, 65536, 131072]
-    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=110)
-    # the model's own geometry (solid) and DeepSeek-V3's (d_c 512, d_r 64; dashed); groups never exceed a path
-    for (dc, dr), ls in [((d_c, d_r), "-"), ((512, 64), "--")]:
-        if ls == "--" and (dc, dr) == (d_c, d_r):
-            continue
-        for bits, (gc, gr) in [((4, 4), (128, 64)), ((4, 4), (64, 32)), ((2, 4), (128, 64)), ((2, 4), (64, 32))]:
-            gc, gr = min(gc, dc), min(gr, dr)
-            fmt = CacheFormat(PathFormat(bits[0], gc), PathFormat(bits[1], gr))
-            ax.plot(ctx, [compression(dc, dr, fmt, n) for n in ctx], marker="o", ms=3, ls=ls,
-                    label=f"INT{bits[0]}/INT{bits[1]} g{gc}/g{gr}, d_c {dc} d_r {dr}")
-    ax.axhline(3.59, color="gray", ls="--", lw=1, label="paper INT4/INT4 (3.59x)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("BF16 bytes / quantized bytes")
-    ax.set_title("paged cache compression (pages of 64 tokens)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = os.path.join(out, "compression.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _accuracy_plot(rows: list[dict], out: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
-    markers = {"bf16": "*", "rtn": "o", "kivi": "s", "hadamard": "^", "quantmla": "D"}
-    for r in rows:
-        ax.scatter(r["bytes_per_token"], r["bits_per_byte"], marker=markers.get(r["method"], "x"), s=40)
-        ax.annotate(f"{r['config']} {r['method']}", (r["bytes_per_token"], r["bits_per_byte"]), fontsize=6,
-                    xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per token per layer (codes + scales + zeros)")
-    ax.set_ylabel("held-out bits per byte (lower is better)")
-    ax.set_title("accuracy against cache bytes")
-    fig.tight_layout()
-    path = os.path.join(out, "accuracy_vs_bytes.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def run(args) -> int:
     from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
     from quantmla.model.spec import load_spec
@@ -119,21 +63,22 @@ def run(args) -> int:
         table_md = f.read()
 
     print("\n== 3. report", flush=True)
-    plots = [_accuracy_plot(rows, args.out), _compression_plot(spec.d_c, spec.d_r, args.out)]
+    from quantmla.evaluation.report import accuracy_plot, compression_plot, report_markdown
+
+    plots = [accuracy_plot(rows, args.out), compression_plot(spec.d_c, spec.d_r, args.out)]
     if os.path.isdir(analysis_dir):
         plots += sorted(os.path.join(analysis_dir, p) for p in os.listdir(analysis_dir) if p.endswith(".png"))
-    lines = [f"# QuantMLA report: {name}", "",
-             f"Model: `{model}` ({spec.family}; d_c {spec.d_c}, d_r {spec.d_r}, {spec.num_heads} heads, "
-             f"{len(spec.mla_layers)} MLA layers). Every attention read, prefill included, goes through the quantized "
-             "cache.", "", "## Accuracy", "", table_md, ""]
+    analysis_md = None
     if os.path.exists(os.path.join(analysis_dir, "summary.md")):
         with open(os.path.join(analysis_dir, "summary.md")) as f:
-            lines += ["## Dual-path error model", "", f.read().replace("# Dual-path error analysis", "###"), ""]
-    lines += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.relpath(p, args.out)})" for p in plots]
-    lines += ["", f"Wall time: {time.time() - t0:.0f} s."]
+            analysis_md = f.read()
+    header = (f"Model: `{model}` ({spec.family}; d_c {spec.d_c}, d_r {spec.d_r}, {spec.num_heads} heads, "
+              f"{len(spec.mla_layers)} MLA layers). Every attention read, prefill included, goes through the quantized "
+              "cache.")
+    text = report_markdown(name, header, table_md, analysis_md, plots, args.out, time.time() - t0)
     report = os.path.join(args.out, "report.md")
     with open(report, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
     print(table_md)
     print(f"report: {report} ({len(plots)} plots), {time.time() - t0:.0f} s")
     return 0

@@ -16,7 +16,9 @@ import time
 
 def add_arguments(p):
     p.add_argument("model", help="checkpoint directory, or the name of a reference model under models/")
-    p.add_argument("--out", default=None, help="output directory (default results/analysis/<model name>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default out/analysis/<model name>; the committed results/analysis/<model> "
+                        "is written only when named)")
     p.add_argument("--heldout", default=None, help="held-out set directory (default models/heldout)")
     p.add_argument("--kind", default="code", choices=("code", "prose"), help="held-out text to capture activations on")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per captured sequence")
@@ -98,7 +100,7 @@ def run(args) -> int:
     path = resolve_model(args.model)
     check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
     name = os.path.basename(os.path.normpath(path))
-    out = args.out or os.path.join("results", "analysis", name)
+    out = args.out or os.path.join("out", "analysis", name)
     check_output_dir(out)  # an unwritable output fails now, not after the analysis
     model, tok = load_model(path, device=args.device)
     root = DS.heldout_root(args.heldout)
@@ -113,13 +115,12 @@ def run(args) -> int:
     result["model"] = name
     result["settings"]["heldout"] = f"{args.kind} ({root.name})"
     result["seconds"] = round(time.time() - t0, 1)
-    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "analysis.json"), "w") as f:
         json.dump(json_clean(result), f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary_markdown(result, name))
     files = [] if args.no_plots else plot_all(result, out, title=name)
-    if args.out is None:  # the shipped layout results/analysis/<model>: refresh the cross-model overview
+    if os.path.basename(os.path.normpath(out)) == name:  # the layout <root>/<model>: refresh the cross-model overview
         from quantmla.analysis.overview import write_overview
 
         ov = write_overview(os.path.dirname(out))

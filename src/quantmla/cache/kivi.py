@@ -1,15 +1,19 @@
 """KIVI-style baseline: the RoPE key quantized *per channel across tokens*.
 
 KIVI (Liu et al., 2024) quantizes keys per channel — each channel of a block of ``block`` consecutive
-tokens shares one scale and zero point — because key outliers sit in fixed channels; the tokens of
-an unfinished block (fewer than ``block``) are kept in full precision (its *residual*) until the
-block is complete, then quantized together. Here only MLA's RoPE key takes that treatment; the
+tokens shares one scale and zero point — because key outliers sit in fixed channels. The tokens of
+an unfinished block (fewer than ``block``) form its *residual*: with ``fp_residual`` (KIVI's own
+choice) they are read in full precision until the block is complete; without it (the default, so
+that KIVI gets no more full-precision tokens than any other method) they are read quantized per
+channel over the tokens the block holds so far. A full-precision window of the newest tokens, the
+same for every method, is ``fp_window`` of the cache (QuantMLALayer's). Here only MLA's RoPE key takes that treatment; the
 content latent (MLA's key *and* value) keeps the per-token channel groups of ``QuantMLALayer``.
 
 Reads. A completed block is stored as codes and read dequantized by every later read, including
 the reads of a prefill that completed it (so a prefill's queries inside a block see its quantized
 keys — stricter than a token-by-token decode, where they would still sit in the residual). The
-residual's at most ``block − 1`` most recent RoPE keys are read at full precision, as in KIVI.
+residual's at most ``block − 1`` most recent RoPE keys are read at full precision with
+``fp_residual``, else quantized over the partial block.
 
 Bytes per token (per layer), stated honestly:
 
@@ -17,8 +21,9 @@ Bytes per token (per layer), stated honestly:
     RoPE     d_r · bits / 8                                          (codes)
            + d_r · fields · 2 / block                                (per-channel scale[, zero], amortized over the block)
 
-plus the residual: at most ``block − 1`` tokens at 2 · d_r bytes (BF16) per layer per sequence,
-amortized over a context of n tokens by :meth:`KIVILayout.bytes_per_token_at`. With block = the
+plus the residual: at most ``block − 1`` tokens at 2 · d_r bytes (BF16) per layer per sequence with
+``fp_residual`` (else their codes and one block's metadata), amortized over a context of n tokens by
+:meth:`KIVILayout.bytes_per_token_at`. With block = the
 per-token RoPE group size g, the steady-state metadata equals per-token grouping's (d_r·fields·2/g).
 """
 
@@ -31,7 +36,7 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
 from quantmla.cache.layout import CacheFormat
-from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.errors import UnsupportedFormatError
 from quantmla.quant.format import BF16, PathFormat
 from quantmla.quant.groupwise import Quantized, dequantize, quantize
 
@@ -39,13 +44,15 @@ from quantmla.quant.groupwise import Quantized, dequantize, quantize
 @dataclass(frozen=True)
 class KIVIFormat:
     """content: per-token PathFormat of the latent; rope_bits / block / rope_mode / meta_dtype:
-    the RoPE key's per-channel quantization over blocks of `block` tokens."""
+    the RoPE key's per-channel quantization over blocks of `block` tokens; fp_residual: read the
+    unfinished block's RoPE keys in full precision (KIVI's residual) instead of quantized."""
 
     content: PathFormat = PathFormat(4, 64)
     rope_bits: int = 4
     block: int = 32
     rope_mode: str = "affine"
     meta_dtype: str = "float16"
+    fp_residual: bool = False
 
     def __post_init__(self):
         if self.rope_mode == "fp8":
@@ -58,11 +65,13 @@ class KIVIFormat:
         return PathFormat(self.rope_bits, self.block, self.rope_mode, self.meta_dtype)
 
     def describe(self) -> str:
-        return f"content {self.content.describe()} + RoPE KIVI INT{self.rope_bits}/ch·{self.block}tok"
+        res = ", residual full precision" if self.fp_residual else ""
+        return f"content {self.content.describe()} + RoPE KIVI INT{self.rope_bits}/ch·{self.block}tok{res}"
 
     def to_dict(self) -> dict:
         return {"content": self.content.to_dict(), "rope_bits": self.rope_bits, "block": self.block,
-                "rope_mode": self.rope_mode, "meta_dtype": self.meta_dtype, "kind": "kivi"}
+                "rope_mode": self.rope_mode, "meta_dtype": self.meta_dtype, "fp_residual": self.fp_residual,
+                "kind": "kivi"}
 
 
 @dataclass(frozen=True)
@@ -100,14 +109,19 @@ class KIVILayout:
 
     def bytes_per_token_at(self, n_tokens: int) -> float:
         """Per-token bytes of a sequence of `n_tokens`: completed blocks quantized, the residual
-        RoPE keys at BF16 (their content latents are quantized per token as usual)."""
+        RoPE keys at BF16 with fp_residual, else as codes plus one block's metadata (their content
+        latents are quantized per token as usual)."""
         if n_tokens <= 0:
             raise ValueError("n_tokens must be positive")
         f = self.field_bytes
         res = self.residual_tokens(n_tokens)
         done = n_tokens - res
         content = f["content_codes"] + f["content_meta"]
-        rope = done * (f["rope_codes"] + f["rope_meta"]) + res * 2 * self.d_r
+        if self.fmt.fp_residual:
+            res_bytes = res * 2 * self.d_r
+        else:
+            res_bytes = res * f["rope_codes"] + (f["rope_meta"] * self.fmt.block if res else 0)
+        rope = done * (f["rope_codes"] + f["rope_meta"]) + res_bytes
         return content + rope / n_tokens
 
 
@@ -142,10 +156,19 @@ class _ChannelBlockStore:
             B, n = blocks.shape[:2]
             parts.append(blocks.transpose(2, 3).reshape(B, n * self.block, self.dim))
         if self.residual is not None:
-            parts.append(self.residual.to(dtype))
+            parts.append(self.residual.to(dtype) if self.fmt.fp_residual else self._read_partial(dtype))
         if not parts:
             return None
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _read_partial(self, dtype: torch.dtype) -> torch.Tensor:
+        """The residual [B, r, dim] quantized per channel over its r < block tokens: padded to a
+        block by repeating its last token (which leaves each channel's range unchanged)."""
+        r = self.residual
+        pad = r[:, -1:].expand(-1, self.block - r.shape[1], -1)
+        x = torch.cat([r, pad], dim=1).transpose(1, 2).unsqueeze(1).contiguous()  # [B, 1, D, block]
+        deq = dequantize(quantize(x, self.qfmt), self.qfmt, self.block, dtype)
+        return deq[:, 0].transpose(1, 2)[:, : r.shape[1]]
 
     @property
     def quantized_length(self) -> int:
@@ -156,9 +179,15 @@ class _ChannelBlockStore:
         return self.quantized_length + (0 if self.residual is None else self.residual.shape[1])
 
     def nbytes(self) -> int:
-        """Stored bytes: codes, metadata, and the residual counted at 2 bytes a value (BF16)."""
+        """Stored bytes: codes, metadata, and the residual (2 bytes a value with fp_residual, else
+        its codes and one block's metadata)."""
         n = sum(t.numel() * t.element_size() for t in (self.codes, self.meta) if t is not None)
-        return n + (0 if self.residual is None else self.residual.numel() * 2)
+        if self.residual is None:
+            return n
+        if self.fmt.fp_residual:
+            return n + self.residual.numel() * 2
+        B, r, D = self.residual.shape
+        return n + B * (r * D * self.fmt.rope_bits // 8 + D * self.qfmt.meta_fields * 2)
 
     def index_batch(self, fn) -> None:
         self.codes = None if self.codes is None else fn(self.codes)
@@ -187,15 +216,13 @@ class KIVILayer(QuantMLALayer):
     """A QuantMLALayer whose RoPE path is stored KIVI-style (see the module docstring)."""
 
     def __init__(self, fmt: KIVIFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None):
-        if fp_window:
-            raise QuantMLAError("the KIVI baseline has its own full-precision residual; use fp_window=0")
-        super().__init__(CacheFormat(fmt.content, BF16), d_c, d_r, 0, layer_idx)
+        super().__init__(CacheFormat(fmt.content, BF16), d_c, d_r, fp_window, layer_idx)
         self.kivi = fmt
         self.layout = KIVILayout(d_c, d_r, fmt)
         self.rope = _ChannelBlockStore(fmt, d_r)
 
     def reset(self) -> None:
-        self.__init__(self.kivi, self.d_c, self.d_r, 0, self.layer_idx)
+        self.__init__(self.kivi, self.d_c, self.d_r, self.fp_window, self.layer_idx)
 
 
 class KIVICache(QuantMLACache):
@@ -204,13 +231,14 @@ class KIVICache(QuantMLACache):
     >>> cache = KIVICache(model, KIVIFormat(PathFormat(4, 64), rope_bits=4, block=32))
     """
 
-    def __init__(self, model_or_config, fmt: KIVIFormat | None = None):
+    def __init__(self, model_or_config, fmt: KIVIFormat | None = None, fp_window: int = 0):
         fmt = fmt or KIVIFormat()
-        super().__init__(model_or_config, QuantCacheConfig(content=fmt.content, rope=BF16, method="kivi"))
+        super().__init__(model_or_config, QuantCacheConfig(content=fmt.content, rope=BF16, method="kivi",
+                                                           fp_window=fp_window))
         self.kivi = fmt
         for i, layer in enumerate(self.layers):
             if isinstance(layer, QuantMLALayer):
-                self.layers[i] = KIVILayer(fmt, self.spec.d_c, self.spec.d_r, 0, layer_idx=layer.layer_idx)
+                self.layers[i] = KIVILayer(fmt, self.spec.d_c, self.spec.d_r, fp_window, layer_idx=layer.layer_idx)
 
     def bytes_per_token_at(self, n_tokens: int) -> float:
         return sum(l.layout.bytes_per_token_at(n_tokens) for l in self.mla_layers())

@@ -1,14 +1,24 @@
 """`quantmla eval`: held-out bits per byte and retrieval accuracy at 1K/2K/4K under a quantized
-cache, for any (model directory, cache config, method); writes results/accuracy.json and the
-Markdown table results/accuracy.md (rows merge with those already there).
+cache, for any (model directory, cache config, method); writes <out>/accuracy.json and the Markdown
+table <out>/accuracy.md (default out/eval, outside the tracked tree).
 
     quantmla eval --all                       every shipped reference model, the whole grid
-    quantmla eval --all --quick               CI-sized: few chunks and samples, a subset of rows (results/quick/)
+    quantmla eval --all --groups 64/32 32/16 --fp-window 0 32 --device cuda --out results
+                                              the committed table: every row in one call
+    quantmla eval --all --quick               CI-sized: few chunks and samples, a subset of rows
     quantmla eval models/qmla-ref-deepseek-v3 --config INT4/INT4 --method rtn quantmla
+    quantmla eval --from-json results/accuracy.json --readme README.md
+                                              the table and the README's summary block, from the JSON
+    quantmla eval --from-json a/accuracy.json b/accuracy.json --out results
+                                              runs of one data setting (one per model or GPU) merged
+
+Rows join an existing result file only when they were measured on identical data (table.DATA_KEYS);
+a row already there is replaced only with --replace-rows; --overwrite replaces the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -20,26 +30,47 @@ FULL = dict(seq_len=512, ppl_chunks=64, retrieval_n=50, lengths=[1024, 2048, 409
 def add_arguments(p):
     p.add_argument("models", nargs="*", help="checkpoint directories, or names of reference models under models/")
     p.add_argument("--all", action="store_true", help="every reference model present under models/, the full grid")
-    p.add_argument("--quick", action="store_true", help="CI-sized run (writes to results/quick unless --out is given)")
+    p.add_argument("--quick", action="store_true", help="CI-sized run: few chunks and samples, a subset of rows")
     p.add_argument("--config", nargs="+", default=None,
                    help="cache configs: BF16, FP8, CONTENT/ROPE like INT4/INT4, INT2/INT4, INT4/BF16 (default: the grid)")
     p.add_argument("--method", nargs="+", default=None,
                    help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope (default: the grid)")
-    p.add_argument("--out", default=None, help="output directory (default results, or results/quick with --quick)")
+    p.add_argument("--out", default=None,
+                   help="output directory for accuracy.json/.md (default out/eval, or out/eval-quick with --quick; "
+                        "the committed table is results/, written only when named)")
     p.add_argument("--heldout", default=None, help="held-out set directory (default models/heldout)")
-    p.add_argument("--seq-len", type=int, default=None, help="perplexity chunk length in tokens")
-    p.add_argument("--ppl-chunks", type=int, default=None, help="held-out chunks for bits per byte")
-    p.add_argument("--retrieval-n", type=int, default=None, help="retrieval samples per length")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="retrieval lengths (tokens)")
+    p.add_argument("--kind", default="code", choices=("code", "prose"),
+                   help="held-out text for bits per byte (each kind is its own data setting: its own --out)")
+    p.add_argument("--seq-len", type=int, default=None, help="perplexity chunk length in tokens (default 512, quick 256)")
+    p.add_argument("--ppl-chunks", type=int, default=None, help="held-out chunks for bits per byte (default 64, quick 4)")
+    p.add_argument("--retrieval-n", type=int, default=None, help="retrieval samples per length and format (default 50, quick 4)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="retrieval lengths in tokens, at most the model's max_position_embeddings (default 1024 2048 4096)")
+    p.add_argument("--retrieval-formats", nargs="+", default=["key"], choices=("key", "line"),
+                   help="key: the `<key> =` lookups the models trained on; line: complete an earlier unique line of "
+                        "held-out code from its first half (never trained on), with a control that removes the line")
     p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --seq-len tokens, training text)")
     p.add_argument("--calib-steps", type=int, default=None, help="optimizer steps per layer of the learned transforms")
     p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
+    p.add_argument("--groups", nargs="+", default=None, metavar="C/R",
+                   help="several group settings in one call, e.g. 64/32 32/16 (overrides --content-group/--rope-group)")
+    p.add_argument("--fp-window", type=int, nargs="+", default=[0], metavar="N",
+                   help="newest tokens kept unquantized, the same for every method (KIVI's unfinished block included); "
+                        "several values run each")
     p.add_argument("--kivi-block", type=int, default=None, help="KIVI token block (default: the RoPE group size, equal bytes)")
     p.add_argument("--seed", type=int, default=0, help="random seed (calibration, retrieval sampling)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--resume", action="store_true", help="skip rows already in the output with the same data settings")
-    p.add_argument("--no-merge", action="store_true", help="overwrite the output instead of merging rows into it")
+    p.add_argument("--resume", action="store_true", help="skip rows already in the output (same data settings)")
+    p.add_argument("--replace-rows", action="store_true",
+                   help="replace rows already in the output (same data settings) with this run's; without it that is refused")
+    p.add_argument("--overwrite", "--no-merge", dest="overwrite", action="store_true",
+                   help="replace the output files whole with this run's rows")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="evaluate nothing: rewrite the Markdown table next to this accuracy.json and print its claims; "
+                        "several files (runs on identical data, e.g. one per model or GPU) are merged into --out")
+    p.add_argument("--readme", default=None, metavar="README",
+                   help="with --from-json: rewrite the generated accuracy summary block of this README")
 
 
 def resolve_model(name: str) -> str:
@@ -54,29 +85,61 @@ def _log(msg: str) -> None:
     print(f"[eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def group_settings(args) -> list[tuple[int, int]]:
+    """(content_group, rope_group) pairs from --groups C/R ..., else --content-group/--rope-group."""
+    from quantmla.cli import CLIError
+
+    if not args.groups:
+        return [(args.content_group, args.rope_group)]
+    out = []
+    for g in args.groups:
+        parts = g.lower().replace("g", "").split("/")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise CLIError(f"--groups {g}: give CONTENT/ROPE channel counts such as 64/32")
+        out.append((int(parts[0]), int(parts[1])))
+    return list(dict.fromkeys(out))
+
+
 def rows_for(args):
+    """Every RowSpec of this call: (configs x methods, or the default grid) x group settings x windows.
+    BF16 rows (nothing grouped, nothing windowed) appear once."""
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation.harness import RowSpec, default_rows, named_config
 
-    block = args.kivi_block or args.rope_group
-    if args.config is None and args.method is None:
-        rows = default_rows(args.content_group, args.rope_group, quick=args.quick)
-        return [RowSpec(r.config, r.method, block) for r in rows]
-    configs = args.config or ["INT4/INT4"]
-    methods = args.method or ["rtn"]
-    rows = []
-    for c in configs:
-        try:
-            cfg = named_config(c, args.content_group, args.rope_group)
-        except QuantMLAError as e:
-            raise type(e)(f"--config {c}: {e}") from None
-        for m in methods:
-            if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
-                continue  # bf16 pairs only with the BF16 config; KIVI needs integer RoPE codes
-            rows.append(RowSpec(cfg, m, block))
+    from quantmla.cli import CLIError
+
+    if any(w < 0 for w in args.fp_window):
+        raise CLIError(f"--fp-window {' '.join(map(str, args.fp_window))}: windows are token counts >= 0")
+    rows, seen = [], set()
+
+    def add(r):
+        key = (r.config, r.method, r.kivi_block if r.method == "kivi" else 0, r.fp_window)
+        if key not in seen:
+            seen.add(key)
+            rows.append(r)
+
+    for cg, rg in group_settings(args):
+        block = args.kivi_block or rg
+        for w in args.fp_window:
+            window = 0 if w is None else w
+            if args.config is None and args.method is None:
+                for r in default_rows(cg, rg, quick=args.quick):
+                    add(RowSpec(r.config, r.method, block, 0 if r.method == "bf16" else window))
+                continue
+            configs = args.config or ["INT4/INT4"]
+            methods = args.method or ["rtn"]
+            for c in configs:
+                try:
+                    cfg = named_config(c, cg, rg)
+                except QuantMLAError as e:
+                    raise type(e)(f"--config {c}: {e}") from None
+                for m in methods:
+                    if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
+                        continue  # bf16 pairs only with the BF16 config; KIVI needs integer RoPE codes
+                    add(RowSpec(cfg, m, block, 0 if m == "bf16" else window))
     if not rows:
-        raise QuantMLAError(f"no valid (config, method) pair in {configs} x {methods}: BF16 goes with method bf16, "
-                            "quantized configs with the other methods")
+        raise QuantMLAError(f"no valid (config, method) pair in {args.config} x {args.method}: BF16 goes with method "
+                            "bf16, quantized configs with the other methods")
     return rows
 
 
@@ -133,12 +196,91 @@ def check_rows(path: str, spec, rows, args) -> None:
             )
 
 
+def check_settings(preset: dict, args, specs: dict) -> None:
+    """Bad sizes and lengths beyond a model's positions are refused before any weights are read."""
+    from quantmla.cli import CLIError
+    from quantmla.evaluation import datasets as DS
+
+    for k, flag, lo in (("ppl_chunks", "--ppl-chunks", 1), ("retrieval_n", "--retrieval-n", 1), ("seq_len", "--seq-len", 2),
+                        ("calib_n", "--calib-n", 1)):
+        if preset[k] < lo:
+            raise CLIError(f"{flag} {preset[k]}: must be at least {lo}")
+    if not preset["lengths"]:
+        raise CLIError("--lengths: give at least one retrieval length")
+    if args.calib_steps is not None and args.calib_steps < 1:
+        raise CLIError(f"--calib-steps {args.calib_steps}: must be at least 1")
+    for m, spec in specs.items():
+        top = spec.max_positions
+        for what, n in (("--seq-len", preset["seq_len"]), *(("--lengths", L) for L in preset["lengths"])):
+            if top and n > top:
+                raise CLIError(f"{what} {n}: {m} has max_position_embeddings {top}; ask for at most {top} tokens")
+    if "key" in args.retrieval_formats:
+        have = DS.retrieval_lengths(args.heldout)
+        bad = [L for L in preset["lengths"] if L not in have]
+        if bad:
+            raise CLIError(f"--lengths {' '.join(map(str, bad))}: no key-retrieval samples of that length under "
+                           f"{DS.heldout_root(args.heldout)} (shipped: {' '.join(map(str, have)) or 'none'}); "
+                           "use those lengths, or --retrieval-formats line, which builds samples of any length")
+        for L in preset["lengths"]:
+            have_n = len(DS.load_retrieval(L, args.heldout))
+            if preset["retrieval_n"] > have_n:
+                raise CLIError(f"--retrieval-n {preset['retrieval_n']}: {DS.heldout_root(args.heldout)} holds {have_n} "
+                               f"key-retrieval samples of {L} tokens; ask for at most {have_n}")
+
+
+def from_json(args) -> int:
+    """--from-json: the Markdown table (and the README block) regenerated from result files; several
+    files of identical data settings are merged (a row in two of them is refused) into --out."""
+    from quantmla.checks import check_output_dir
+    from quantmla.cli import CLIError
+    from quantmla.evaluation import claims, table
+
+    sources = []
+    for path in args.from_json:
+        if os.path.basename(path) != "accuracy.json":
+            raise CLIError(f"--from-json {path}: give the path of an accuracy.json written by quantmla eval")
+        rows = table.load(os.path.dirname(os.path.abspath(path)))
+        if not rows:
+            raise CLIError(f"--from-json {path}: no such file, or it has no rows")
+        sources.append((path, rows))
+    if len(sources) > 1 and not args.out:
+        raise CLIError("--from-json with several files: name the merged table's directory with --out")
+    out = args.out or os.path.dirname(os.path.abspath(args.from_json[0]))
+    rows = sources[0][1]
+    if len(sources) > 1:
+        rows = []
+        for path, more in sources:
+            table.check_merge(rows, table.check_same_data(more, path), replace=False, out_dir=f"the files before {path}",
+                              new_keys=[table.row_key(r) for r in more])
+            rows = table.merge_rows(rows, more)
+    check_output_dir(out, "--out" if args.out else "--from-json")
+    jpath, mpath = table.write([], out, base=rows)
+    block = claims.readme_block(rows)
+    if args.readme:
+        with open(args.readme) as f:
+            text = f.read()
+        try:
+            new = claims.replace_block(text, block)
+        except ValueError as e:
+            raise CLIError(f"--readme {args.readme}: {e}") from None
+        with open(args.readme, "w") as f:
+            f.write(new)
+    print(block)
+    print(f"wrote {jpath}, {mpath}" + (f" and the summary block of {args.readme}" if args.readme else ""))
+    return 0
+
+
 def run(args) -> int:
+    from quantmla.checks import check_output_dir
     from quantmla.cli import CLIError
     from quantmla.evaluation import table
     from quantmla.evaluation.datasets import REFERENCE_MODELS, models_root
     from quantmla.evaluation.harness import check_model_dir, evaluate_row, load_eval_data, load_model
 
+    if args.from_json:
+        return from_json(args)
+    if args.readme:
+        raise CLIError("--readme goes with --from-json (the README block is written from a finished result file)")
     preset = dict(QUICK if args.quick else FULL)
     for k in ("seq_len", "ppl_chunks", "retrieval_n", "lengths", "calib_n"):
         if getattr(args, k) is not None:
@@ -151,59 +293,76 @@ def run(args) -> int:
         models += [m for m in found if m not in models]
     if not models:
         raise CLIError("give a model directory (or a reference model name), or --all")
+    if sum(map(bool, (args.resume, args.replace_rows, args.overwrite))) > 1:
+        raise CLIError("--resume, --replace-rows and --overwrite exclude each other: pick one")
     specs = {m: check_model_dir(m) for m in models}  # fail early on a bad path or a non-MLA model
     rows = rows_for(args)
     for m, spec in specs.items():  # and on formats a model cannot take, before any weights are read
         check_rows(m, spec, rows, args)
-    out = args.out or ("results/quick" if args.quick else "results")
-    settings = {"seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
-                "retrieval_lengths": list(preset["lengths"]), "calib_rows": preset["calib_n"],
-                "content_group": args.content_group, "rope_group": args.rope_group, "seed": args.seed,
-                "quick": bool(args.quick), "device": args.device}
+    check_settings(preset, args, specs)
+    out = args.out or ("out/eval-quick" if args.quick else "out/eval")
+    from quantmla.evaluation.datasets import heldout_root
+
+    data = {"heldout": os.path.basename(os.path.normpath(str(heldout_root(args.heldout)))), "kind": args.kind,
+            "seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
+            "retrieval_lengths": list(preset["lengths"]), "retrieval_formats": list(args.retrieval_formats),
+            "seed": args.seed}
     calib_kwargs = {"progress": False}
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
     elif args.quick:
         calib_kwargs["steps"] = 20
-    settings["calib_steps"] = calib_kwargs.get("steps", "default")
-    done = set()
-    if args.resume and os.path.exists(os.path.join(out, "accuracy.json")):
-        import json
+    names = {m: os.path.basename(os.path.normpath(m)) for m in models}
 
-        with open(os.path.join(out, "accuracy.json")) as f:
-            for r in json.load(f).get("rows", []):
-                if r.get("data") == _data_key(settings):
-                    done.add((r["model"], r["config"], r["method"]))
+    def setup(r) -> dict:
+        if r.method == "bf16":
+            return {}
+        return {"content_group": r.config.content.group_size if r.config.content.quantized else None,
+                "rope_group": r.config.rope.group_size if r.config.rope.quantized else None,
+                "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
+                "calib_steps": calib_kwargs.get("steps", "default")}
+
+    # the output: checked writable and mergeable before any weights are read
+    check_output_dir(out)
+    base = [] if args.overwrite else table.load(out)
+    keys = [(names[m], r.config.name, r.method, json.dumps(table.setup_of({"method": r.method, "config": r.config.name, "setup": setup(r)}),
+                                                           sort_keys=True)) for m in models for r in rows]
+    table.check_merge(base, data, replace=args.replace_rows or args.resume, out_dir=out, new_keys=keys)
+    done = {table.row_key(r) for r in base} if args.resume else set()
     new_rows: list[dict] = []
     for mdir in models:
-        name = os.path.basename(os.path.normpath(mdir))
-        todo = [r for r in rows if (name, r.config.name, r.method) not in done]
+        name = names[mdir]
+        todo = [r for r, k in zip(rows, keys[models.index(mdir) * len(rows):]) if k not in done]
         if not todo:
             _log(f"{name}: all rows done")
             continue
         model, tok = load_model(mdir, device=args.device)
         need_calib = any(r.method in ("hadamard", "quantmla", "quantmla-content", "quantmla-rope") for r in todo)
-        data = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
-                              retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
-                              calib_n=preset["calib_n"] if need_calib else 0)
-        _log(f"{name}: {len(todo)} rows; ppl {tuple(data.ppl.shape)} tokens, retrieval "
-             + ", ".join(f"{L}:{len(s)}" for L, s in data.retrieval.items()))
+        ev = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
+                            retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
+                            calib_n=preset["calib_n"] if need_calib else 0, formats=args.retrieval_formats, seed=args.seed,
+                            kind=args.kind)
+        _log(f"{name}: {len(todo)} rows; ppl {tuple(ev.ppl.shape)} tokens, retrieval "
+             + ", ".join(f"{L}:{len(s)}" for L, s in ev.retrieval.items())
+             + "".join(f", line {L}:{len(s)}" for L, s in ev.line.items()))
+        prepared = {} if len(args.fp_window) > 1 else None  # one calibration serves every window
         for r in todo:
             t0 = time.time()
-            row = evaluate_row(model, tok, r, data, spec=specs[mdir], seed=args.seed, progress=_log,
-                               calib_kwargs=calib_kwargs)
+            row = evaluate_row(model, tok, r, ev, spec=specs[mdir], seed=args.seed, progress=_log,
+                               calib_kwargs=calib_kwargs, prepared=prepared)
             row["model"] = name
-            row["data"] = _data_key(settings)
+            row["data"] = data
+            row["setup"] = setup(r)
             row["device"] = _device_name(args.device)
             new_rows.append(row)
             _log(f"{name} {r.config.name} {r.method}: bpb {row['bits_per_byte']:.4f} retrieval "
                  + " ".join(f"{L}:{v['accuracy']:.2f}" for L, v in row["retrieval"].items())
+                 + "".join(f" line {L}:{v['accuracy']:.2f} (ctrl {v['control_accuracy']:.2f})"
+                           for L, v in row.get("retrieval_line", {}).items())
                  + f" ({row['bytes_per_token']:.1f} B/token, {time.time() - t0:.0f}s)")
-            table.write([row], out, settings, merge=not args.no_merge or len(new_rows) > 1)
-    if new_rows or not os.path.exists(os.path.join(out, "accuracy.json")):
-        jpath, mpath = table.write(new_rows, out, settings, merge=not args.no_merge)
-    else:
-        jpath, mpath = os.path.join(out, "accuracy.json"), os.path.join(out, "accuracy.md")
+            jpath, mpath = table.write(new_rows, out, base=base)  # after every row: an interrupted run keeps its rows
+    if not new_rows:
+        jpath, mpath = table.write([], out, base=base)
     print(f"wrote {jpath} and {mpath}")
     return 0
 
@@ -214,8 +373,3 @@ def _device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
     return device
-
-
-def _data_key(settings: dict) -> dict:
-    return {k: settings[k] for k in ("seq_len", "ppl_chunks", "retrieval_n", "retrieval_lengths", "calib_rows",
-                                     "calib_steps", "content_group", "rope_group", "seed")}

@@ -80,5 +80,15 @@ def load_retrieval(length: int = 4096, root: str | Path | None = None, limit: in
     return rows[:limit]
 
 
+def retrieval_lengths(root: str | Path | None = None, kind: str = "retrieval") -> list[int]:
+    """The lengths (tokens) of the shipped retrieval sets under `root`."""
+    out = []
+    for p in heldout_root(root).glob(f"{kind}_*.jsonl.xz"):
+        n = p.name[len(kind) + 1 : -len(".jsonl.xz")]
+        if n.isdigit():
+            out.append(int(n))
+    return sorted(out)
+
+
 def load_card(name: str = DEFAULT_MODEL) -> dict:
     return json.loads((model_path(name) / "card.json").read_text())

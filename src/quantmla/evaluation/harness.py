@@ -12,8 +12,11 @@ are prepared for it:
     kivi              no transform; the RoPE key per channel over blocks of tokens (cache.kivi)
 
 Every figure is measured with every attention read going through the quantized cache, prefill
-included (EVAL_MODE); KIVI's unfinished block (< block tokens) is read at full precision, as KIVI
-specifies, and its row says so.
+included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
+method (none by default); KIVI's unfinished block (< block tokens) is quantized per channel over the
+tokens it holds unless the window covers it, so no method gets full-precision tokens the others lack.
+Cache formats are named by CONTENT/ROPE bits or by a preset (PRESETS: "BF16", "FP8"); a preset added
+there, such as DeepSeek's fp8_ds_mla layout, runs in every grid under its name.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +35,7 @@ from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
 from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
 from quantmla.cache.layout import CacheFormat, TokenLayout
-from quantmla.errors import NotMLAError, QuantMLAError
+from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, load_spec
 from quantmla.quant.format import BF16, PathFormat
 
@@ -81,13 +84,20 @@ def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_
     return CacheConfig(name, c, r)
 
 
+def _fp8(content_group: int, rope_group: int) -> CacheConfig:
+    return CacheConfig("FP8", PathFormat(8, content_group, "fp8"), PathFormat(8, rope_group, "fp8"))
+
+
+# named cache formats beyond CONTENT/ROPE bit pairs: name -> (content_group, rope_group) -> CacheConfig
+PRESETS: dict[str, Callable[[int, int], CacheConfig]] = {"BF16": lambda cg, rg: CacheConfig("BF16"), "FP8": _fp8}
+
+
 def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    """"BF16", "FP8", or "<C>/<R>" with C, R in INT2, INT3, INT4, INT8, BF16 (content / RoPE)."""
+    """A preset name (PRESETS: "BF16", "FP8"; any case) or "<C>/<R>" with C, R in INT2, INT3, INT4, INT8,
+    BF16 (content / RoPE)."""
     up = name.upper()
-    if up == "BF16":
-        return CacheConfig("BF16")
-    if up == "FP8":
-        return CacheConfig("FP8", PathFormat(8, content_group, "fp8"), PathFormat(8, rope_group, "fp8"))
+    if up in PRESETS:
+        return PRESETS[up](content_group, rope_group)
     parts = up.split("/")
     bits = []
     for p in parts:
@@ -99,7 +109,7 @@ def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> Ca
             bits = []
             break
     if len(parts) != 2 or len(bits) != 2:
-        raise QuantMLAError(f"unknown cache config {name!r}: use BF16, FP8, or CONTENT/ROPE like INT4/INT4, INT2/INT4, BF16/INT4")
+        raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, or CONTENT/ROPE like INT4/INT4, INT2/INT4, BF16/INT4")
     return int_config(bits[0], bits[1], content_group, rope_group)
 
 
@@ -130,6 +140,7 @@ class RowSpec:
     config: CacheConfig
     method: str
     kivi_block: int = 32
+    fp_window: int = 0  # the newest tokens every method keeps unquantized (BF16 rows: none needed)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -140,6 +151,8 @@ class RowSpec:
             raise QuantMLAError(f"config {self.config.name} quantizes nothing; use method bf16")
         if self.method == "kivi" and not (self.config.rope.quantized and self.config.rope.mode != "fp8"):
             raise QuantMLAError("the KIVI baseline needs an integer RoPE format (e.g. INT4/INT4)")
+        if self.fp_window < 0:
+            raise QuantMLAError(f"the full-precision window must be >= 0 tokens, got {self.fp_window}")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -147,7 +160,7 @@ class RowSpec:
 
     def kivi_format(self) -> KIVIFormat:
         return KIVIFormat(self.config.content, self.config.rope.bits, self.kivi_block, self.config.rope.mode,
-                          self.config.rope.meta_dtype)
+                          self.config.rope.meta_dtype, fp_residual=False)
 
     def bytes_per_token(self, spec: MLASpec) -> float:
         """Per token per MLA layer: codes + scales + zero points (KIVI: block metadata amortized)."""
@@ -160,15 +173,14 @@ class RowSpec:
         if self.method == "bf16":
             return bf16_cache
         if self.method == "kivi":
-            fmt = self.kivi_format()
-            return lambda model: KIVICache(model, fmt)
-        q = quant or self.config.quant(self.method)
+            fmt, window = self.kivi_format(), self.fp_window
+            return lambda model: KIVICache(model, fmt, fp_window=window)
+        q = replace(quant or self.config.quant(self.method), fp_window=self.fp_window)
         return lambda model: QuantMLACache(model, q)
 
     def describe(self) -> str:
-        if self.method == "kivi":
-            return self.kivi_format().describe()
-        return self.config.describe()
+        d = self.kivi_format().describe() if self.method == "kivi" else self.config.describe()
+        return d + (f", newest {self.fp_window} tokens unquantized" if self.fp_window and self.method != "bf16" else "")
 
 
 def default_rows(content_group: int = 64, rope_group: int = 32, quick: bool = False) -> list[RowSpec]:
@@ -225,6 +237,7 @@ class EvalData:
 
     ppl: torch.Tensor | list
     retrieval: dict[int, list[dict]] = field(default_factory=dict)
+    line: dict[int, list[dict]] = field(default_factory=dict)  # line-recall samples per length (line_recall.py)
     calib_ids: torch.Tensor | None = None
     seq_len: int = 512
     source: str = ""
@@ -266,10 +279,13 @@ def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None,
 
 def load_eval_data(tokenizer, *, heldout_root: str | None = None, seq_len: int = 512, ppl_chunks: int | None = None,
                    retrieval_n: int | None = None, lengths: Iterable[int] = RETRIEVAL_LENGTHS, kind: str = "code",
-                   calib_n: int = 16, calib_len: int | None = None) -> EvalData:
+                   calib_n: int = 16, calib_len: int | None = None, formats: Iterable[str] = ("key",),
+                   seed: int = 0) -> EvalData:
     """The shipped held-out sets (:mod:`quantmla.evaluation.datasets`): `kind` ("code" or "prose")
     documents cut into `ppl_chunks` chunks of `seq_len` tokens, `retrieval_n` retrieval samples per
-    length, and `calib_n` calibration rows of `calib_len` tokens from training text."""
+    length and format (`formats`: "key" the shipped key lookups, "line" line recall built from the
+    held-out code), and `calib_n` calibration rows of `calib_len` tokens from training text.
+    Raises QuantMLAError when the held-out set cannot give what is asked (never a smaller set)."""
     from quantmla.evaluation import datasets as DS
     from quantmla.evaluation.perplexity import token_chunks
 
@@ -278,17 +294,33 @@ def load_eval_data(tokenizer, *, heldout_root: str | None = None, seq_len: int =
         raise FileNotFoundError(f"no held-out set at {root / f'{kind}.jsonl'}; the reference models ship it under "
                                 "models/heldout (set QUANTMLA_MODELS or --heldout)")
     ppl = token_chunks(tokenizer, DS.load_texts(kind, root), seq_len, max_chunks=ppl_chunks)
-    retr = {}
+    if ppl_chunks is not None and (ppl.shape[0] < ppl_chunks or ppl.shape[1] != seq_len):
+        raise QuantMLAError(f"the held-out {kind} text gives {ppl.shape[0]} chunks of {ppl.shape[1]} tokens, "
+                            f"--ppl-chunks {ppl_chunks} x --seq-len {seq_len} asked; ask for fewer or shorter chunks")
+    retr, line = {}, {}
     for L in lengths:
-        if (root / f"retrieval_{L}.jsonl.xz").exists():
+        if "key" in formats:
+            if not (root / f"retrieval_{L}.jsonl.xz").exists():
+                raise QuantMLAError(f"no key-retrieval samples of {L} tokens under {root}; use --lengths from "
+                                    f"{', '.join(map(str, DS.retrieval_lengths(root)))}")
             retr[int(L)] = DS.load_retrieval(L, root, limit=retrieval_n)
+            if retrieval_n is not None and len(retr[int(L)]) < retrieval_n:
+                raise QuantMLAError(f"{root} holds {len(retr[int(L)])} key-retrieval samples of {L} tokens, "
+                                    f"--retrieval-n {retrieval_n} asked; ask for at most {len(retr[int(L)])}")
+        if "line" in formats:
+            from quantmla.evaluation.line_recall import make_line_samples
+
+            line[int(L)] = make_line_samples(tokenizer, DS.load_texts("code", root), int(L), retrieval_n or 100, seed)
+            if len(line[int(L)]) < (retrieval_n or 100):
+                raise QuantMLAError(f"the held-out code gives only {len(line[int(L)])} line-recall samples of {L} "
+                                    f"tokens; ask for at most that many (--retrieval-n)")
     calib = None
     if calib_n:
         cl = calib_len or seq_len
         calib = token_chunks(tokenizer, calibration_texts(heldout_root=str(root)), cl, max_chunks=calib_n)
         if calib.shape[0] < calib_n or calib.shape[1] != cl:
             raise QuantMLAError(f"calibration text gave only {tuple(calib.shape)} token rows, wanted {calib_n} x {cl}")
-    return EvalData(ppl=ppl, retrieval=retr, calib_ids=calib, seq_len=seq_len, source=str(root))
+    return EvalData(ppl=ppl, retrieval=retr, line=line, calib_ids=calib, seq_len=seq_len, source=str(root))
 
 
 # -- evaluation --------------------------------------------------------------------------------------
@@ -343,14 +375,22 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
 
 def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpec | None = None, seed: int = 0,
                  ppl_fn=None, retrieval_fn=None, calibrate_fn=None, calib_kwargs: dict | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
-    """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy."""
+                 progress: Callable[[str], None] | None = None, prepared: dict | None = None) -> dict:
+    """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy.
+    `prepared`: a dict kept across rows of one model; calibrated models are stored there by (config,
+    method) and reused by rows that differ only in their full-precision window."""
     spec = spec or load_spec(model)
     ppl_fn = ppl_fn or _ppl_fn()
     retrieval_fn = retrieval_fn or _retrieval_fn()
-    m = copy.deepcopy(model) if row.method in CALIBRATED else model
     t0 = time.time()
-    quant, report = prepare(m, row, data.calib_ids, seed, calibrate_fn, calib_kwargs)
+    key = (row.config, row.method)
+    if prepared is not None and key in prepared:
+        m, quant, report = prepared[key]
+    else:
+        m = copy.deepcopy(model) if row.method in CALIBRATED else model
+        quant, report = prepare(m, row, data.calib_ids, seed, calibrate_fn, calib_kwargs)
+        if prepared is not None and row.method in CALIBRATED:
+            prepared[key] = (m, quant, report)
     t_cal = time.time() - t0
     factory = row.cache_factory(quant)
     if progress:
@@ -364,6 +404,13 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         r = retrieval_fn(m, tokenizer, samples, cache_factory=factory)
         retr[str(L)] = {"accuracy": r["accuracy"], "n": r["n"], "correct": r.get("correct"),
                         "per_sample": [bool(x) for x in r.get("per_sample", [])] or None}
+    line = {}
+    for L, samples in sorted(data.line.items()):
+        from quantmla.evaluation.line_recall import line_recall
+
+        if progress:
+            progress(f"{row.config.name} {row.method}: line recall {L}")
+        line[str(L)] = line_recall(m, tokenizer, samples, cache_factory=factory, retrieval_fn=retrieval_fn)
     row_out = {
         "config": row.config.name,
         "method": row.method,
@@ -371,6 +418,7 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         "bits_per_byte": ppl["bits_per_byte"],
         "perplexity_tokens": ppl.get("tokens"),
         "retrieval": retr,
+        **({"retrieval_line": line} if line else {}),
         "bytes_per_token": row.bytes_per_token(spec),
         "bf16_bytes_per_token": spec.bytes_per_token_bf16(),
         "eval_mode": EVAL_MODE,
@@ -379,7 +427,6 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
     }
     if row.method == "kivi":
         lay = KIVILayout(spec.d_c, spec.d_r, row.kivi_format())
-        row_out["eval_mode"] = EVAL_MODE + f"; KIVI residual (<{row.kivi_block} newest RoPE keys) full precision"
         row_out["bytes_per_token_at"] = {str(n): lay.bytes_per_token_at(n) for n in (data.seq_len, *RETRIEVAL_LENGTHS)}
     if report is not None:
         row_out["calibration"] = _summarize_report(report)
@@ -410,49 +457,6 @@ def _summarize_report(report) -> dict:
                            "content": (L.get("content") or {}).get("chosen"), "rope": (L.get("rope") or {}).get("chosen")})
     if layers:
         out["layers"] = layers
-    return out
-
-
-def relative(rows: list[dict]) -> list[dict]:
-    """Adds, per model, bpb_increase_pct against the model's BF16 row and retrieval deltas (points)."""
-    base: dict[str, dict] = {r["model"]: r for r in rows if r["method"] == "bf16"}
-    for r in rows:
-        b = base.get(r["model"])
-        if b is None:
-            continue
-        r["bpb_increase_pct"] = 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
-        r["retrieval_delta_points"] = {
-            L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"]) for L, v in r["retrieval"].items() if L in b["retrieval"]
-        }
-        r["compression_vs_bf16"] = r["bf16_bytes_per_token"] / r["bytes_per_token"]
-    return rows
-
-
-def goals(rows: list[dict]) -> list[dict]:
-    """Issue 4's goals per model, each with the figures it was judged on (None: not measured)."""
-    out = []
-    models = sorted({r["model"] for r in rows})
-    for mname in models:
-        R = {(r["config"], r["method"]): r for r in rows if r["model"] == mname}
-        b = R.get(("BF16", "bf16"))
-        q44 = R.get(("INT4/INT4", "quantmla"))
-        g = {"model": mname}
-        if b and q44:
-            dret = [q44["retrieval_delta_points"][L] for L in q44["retrieval"]]
-            g["int4_int4_within_1pct"] = {
-                "bpb_increase_pct": q44["bpb_increase_pct"], "retrieval_delta_points_min": min(dret) if dret else None,
-                "met": q44["bpb_increase_pct"] <= 1.0 + 1e-9 and (not dret or min(dret) >= -2.0 - 1e-9)}
-        for cfg in ("INT2/INT4", "INT4/INT4"):
-            q = R.get((cfg, "quantmla"))
-            base_rows = [r for (c, m), r in R.items() if c == cfg and m in ("rtn", "hadamard", "kivi")]
-            if b and q and base_rows:
-                best = min(base_rows, key=lambda r: r["bpb_increase_pct"])
-                g[f"{cfg.replace('/', '_').lower()}_half_of_best_baseline"] = {
-                    "quantmla_pct": q["bpb_increase_pct"], "best_baseline": best["method"],
-                    "best_baseline_pct": best["bpb_increase_pct"],
-                    "met": q["bpb_increase_pct"] <= 0.5 * max(best["bpb_increase_pct"], 0.0)
-                    and q["bpb_increase_pct"] <= 10.0}
-        out.append(g)
     return out
 
 

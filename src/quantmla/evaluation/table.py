@@ -1,8 +1,19 @@
-"""results/accuracy.json and the Markdown table results/accuracy.md.
+"""Result files of `quantmla eval`: <out>/accuracy.json and the Markdown table <out>/accuracy.md.
 
-JSON: {"eval_mode", "settings", "rows": [row, ...], "goals": [...]}; a row has model, config, method,
-format, bits_per_byte, retrieval {"1024": {"accuracy", "n"}, ...}, bytes_per_token (per token per MLA
-layer), eval_mode, and (once a BF16 row of its model exists) bpb_increase_pct, retrieval_delta_points.
+JSON: {"eval_mode", "data", "rows": [row, ...]}. A row has model, config, method, format,
+bits_per_byte, retrieval {"1024": {"accuracy", "n"}, ...}, bytes_per_token (per token per MLA layer),
+eval_mode, `data` (the data settings it was measured on, DATA_KEYS) and `setup` (how the row's cache
+was set up, SETUP_KEYS: group sizes, full-precision window, calibration size). Once a BF16 row of the
+same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points.
+
+Rules:
+- rows join a file only when they were measured on the same data as the rows there (every key of
+  DATA_KEYS): a merge that mixes data settings is refused, naming them;
+- a row is identified by (model, config, method, setup); a row already in the file is replaced only
+  when the caller asks for it (`replace=True`, the CLI's --replace-rows);
+- a row's bits per byte are compared only with rows of its model measured on identical perplexity
+  data (PPL_KEYS), its retrieval only with rows of identical retrieval data as well. A file written
+  before these rules may hold several data settings; its table names them (settings A, B, ...).
 """
 
 from __future__ import annotations
@@ -11,10 +22,19 @@ import json
 import os
 
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.harness import EVAL_MODE, METHODS, RETRIEVAL_LENGTHS, finite, goals, relative
+from quantmla.evaluation.harness import EVAL_MODE, METHODS, finite
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
 METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla"]
+# what a row's bits per byte were measured on, and what its retrieval was measured on
+PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
+DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
+# how a row's cache was set up: part of the row's identity (rows with other setups sit side by side)
+SETUP_KEYS = ("content_group", "rope_group", "fp_window", "calib_rows", "calib_steps")
+
+
+class ResultMergeError(QuantMLAError):
+    """Rows of different data settings, or an existing row, would be mixed into one result file."""
 
 
 def check_row(r: dict) -> None:
@@ -26,18 +46,129 @@ def check_row(r: dict) -> None:
                             f"got {r['bytes_per_token']!r}")
 
 
+def data_of(r: dict) -> dict:
+    """The row's data settings (DATA_KEYS present in its `data`)."""
+    d = r.get("data") or {}
+    return {k: d[k] for k in DATA_KEYS if k in d}
+
+
+def ppl_data_of(r: dict) -> str:
+    """The row's perplexity data settings as a comparable key."""
+    d = r.get("data") or {}
+    return json.dumps({k: d.get(k) for k in PPL_KEYS}, sort_keys=True)
+
+
+def setup_of(r: dict) -> dict:
+    """The row's cache setup; BF16 rows have none (nothing is grouped, windowed or calibrated)."""
+    if r["method"] == "bf16":
+        return {}
+    s = dict(r.get("setup") or {})
+    for k in SETUP_KEYS:  # rows written before `setup` existed kept these in `data`
+        if k not in s and k in (r.get("data") or {}):
+            s[k] = r["data"][k]
+    s.setdefault("fp_window", 0)
+    content, _, rope = r["config"].partition("/")
+    for path, key in ((content, "content_group"), (rope, "rope_group")):
+        if path == "BF16" and key in s:  # an unquantized path has no groups
+            s[key] = None
+    return {k: s[k] for k in SETUP_KEYS if k in s}
+
+
+def row_key(r: dict) -> tuple:
+    return (r["model"], r["config"], r["method"], json.dumps(setup_of(r), sort_keys=True))
+
+
 def _sort_key(r: dict):
     cfg_order = {"BF16": 0, "FP8": 1}
     m = METHOD_ORDER.index(r["method"]) if r["method"] in METHOD_ORDER else len(METHOD_ORDER)
-    return (r["model"], -r["bytes_per_token"], cfg_order.get(r["config"], 2), r["config"], m)
+    s = setup_of(r)
+    return (r["model"], s.get("fp_window", 0), -r["bytes_per_token"], cfg_order.get(r["config"], 2), r["config"], m,
+            -(s.get("content_group") or 0), -(s.get("rope_group") or 0))
+
+
+def describe_difference(a: dict, b: dict, a_name: str = "the file", b_name: str = "this run") -> str:
+    """'ppl_chunks 64 (the file) vs 2 (this run), retrieval_n 100 vs 2' for the keys that differ."""
+    keys = [k for k in DATA_KEYS if a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {a.get(k, 'unset')} ({a_name}) vs {b.get(k, 'unset')} ({b_name})" for k in keys)
+
+
+def check_same_data(rows: list[dict], where: str = "the rows") -> dict | None:
+    """The one data setting of `rows` (None for no rows), or ResultMergeError naming the differences."""
+    datas = []
+    for r in rows:
+        d = data_of(r)
+        if d not in datas:
+            datas.append(d)
+    if len(datas) > 1:
+        raise ResultMergeError(f"{where} mix data settings: {describe_difference(datas[0], datas[1], 'some rows', 'others')}; "
+                               "keep each data setting in its own --out directory")
+    return datas[0] if datas else None
+
+
+def load(out_dir: str) -> list[dict]:
+    """The rows of <out_dir>/accuracy.json ([] when there is none)."""
+    jpath = os.path.join(out_dir, "accuracy.json")
+    if not os.path.exists(jpath):
+        return []
+    try:
+        with open(jpath) as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QuantMLAError(f"{jpath} is not a result file ({e}); give another --out, or --overwrite to replace it") from None
+    return list(doc.get("rows", []))
+
+
+def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_keys=()) -> None:
+    """Before any work: rows measured on `data` may join `old` (the rows already in out_dir).
+    Refuses a file of other data settings, and existing rows named in `new_keys` unless `replace`."""
+    if not old:
+        return
+    here = check_same_data(old, f"{out_dir}/accuracy.json")
+    if here != data:
+        raise ResultMergeError(
+            f"{out_dir}/accuracy.json holds rows measured on other data: {describe_difference(here, data)}. "
+            "Rows are merged only with rows of identical data settings: give another --out, or --overwrite to "
+            "replace the file")
+    if not replace:
+        have = {row_key(r) for r in old}
+        clash = [k for k in new_keys if k in have]
+        if clash:
+            names = ", ".join(f"{m} {c} {meth}" for m, c, meth, _ in clash[:4]) + (" ..." if len(clash) > 4 else "")
+            raise ResultMergeError(
+                f"{out_dir}/accuracy.json already has {len(clash)} of these rows ({names}); pass --replace-rows to "
+                "replace them, --resume to keep them and compute the rest, or give another --out")
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """Rows of `new` replace rows of `old` with the same (model, config, method)."""
-    keyed = {(r["model"], r["config"], r["method"]): r for r in old}
+    """Rows of `new` replace rows of `old` with the same identity (row_key); sorted for the table."""
+    keyed = {row_key(r): r for r in old}
     for r in new:
-        keyed[(r["model"], r["config"], r["method"])] = r
+        keyed[row_key(r)] = r
     return sorted(keyed.values(), key=_sort_key)
+
+
+def relative(rows: list[dict]) -> list[dict]:
+    """Adds bpb_increase_pct (against the BF16 row of the same model on identical perplexity data, else
+    None), retrieval_delta_points (against a BF16 row on identical data, perplexity and retrieval; absent
+    otherwise) and compression_vs_bf16."""
+    by_ppl: dict[tuple, dict] = {}
+    by_all: dict[tuple, dict] = {}
+    for r in rows:
+        if r["method"] == "bf16":
+            by_ppl.setdefault((r["model"], ppl_data_of(r)), r)
+            by_all[(r["model"], json.dumps(data_of(r), sort_keys=True))] = r
+    for r in rows:
+        r.pop("bpb_increase_pct", None)
+        r.pop("retrieval_delta_points", None)
+        b = by_ppl.get((r["model"], ppl_data_of(r)))
+        r["bpb_increase_pct"] = None if b is None else 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
+        b = by_all.get((r["model"], json.dumps(data_of(r), sort_keys=True)))
+        if b is not None:
+            r["retrieval_delta_points"] = {L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"])
+                                           for L, v in r["retrieval"].items() if L in b["retrieval"]}
+        if r.get("bf16_bytes_per_token"):
+            r["compression_vs_bf16"] = r["bf16_bytes_per_token"] / r["bytes_per_token"]
+    return rows
 
 
 def _fmt_bytes(b: float) -> str:
@@ -48,83 +179,101 @@ def _fmt_pct(x) -> str:
     return "—" if x is None else f"{x:+.2f}%"
 
 
-def markdown(rows: list[dict], settings: dict | None = None, lengths=RETRIEVAL_LENGTHS) -> str:
-    """The table the README shows: one block per model, BF16 first, every row with its bytes per token."""
+def _len_name(L) -> str:
+    L = int(L)
+    return f"{L // 1024}K" if L % 1024 == 0 else str(L)
+
+
+def _setup_name(s: dict) -> str:
+    if not s:
+        return "—"
+    g = "/".join(f"g{s[k]}" if s.get(k) else "—" for k in ("content_group", "rope_group"))
+    return g + (f", {s['fp_window']} fp" if s.get("fp_window") else "")
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of one result file: a section per model, BF16 first, every row with its bytes per token,
+    then the sentences of :mod:`quantmla.evaluation.claims` computed from the same rows."""
+    from quantmla.evaluation.claims import claim_lines
+
     for r in rows:
         check_row(r)
     rows = relative(sorted([dict(r) for r in rows], key=_sort_key))
-    out = ["# Accuracy under a quantized MLA cache", ""]
-    modes = sorted({r["eval_mode"] for r in rows})
-    out.append(f"Evaluation mode: **{EVAL_MODE}** — every attention read, the prefill's included, goes through "
-               "the quantized cache, as a token-by-token decode would see it.")
-    if any(m != EVAL_MODE for m in modes):
-        out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision, "
-                   "as KIVI does.")
-    datas = {json.dumps(r["data"], sort_keys=True) for r in rows if r.get("data")}
-    data_keys = set(datas)
-    mixed = len(datas) > 1 or len({r.get("device") for r in rows}) > 1
+    datas = []
+    for r in rows:
+        if data_of(r) not in datas:
+            datas.append(data_of(r))
+    lengths = sorted({int(L) for r in rows for L in r["retrieval"]})
+    line_lengths = sorted({int(L) for r in rows for L in (r.get("retrieval_line") or {})})
+    out = ["# Accuracy under a quantized MLA cache", "",
+           f"Evaluation mode: **{EVAL_MODE}**: every attention read, the prefill's included, goes through the "
+           "quantized cache, as a token-by-token decode would see it. The `setup` column gives the channel groups "
+           "(content/RoPE) and the full-precision window (the newest tokens kept unquantized, the same for every "
+           "method of a setup; none unless stated)."]
+    if any(r["eval_mode"] != EVAL_MODE for r in rows):
+        out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision.")
+    mixed = len(datas) > 1
     if len(datas) == 1:
-        d = json.loads(datas.pop())
-        out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in d.items()) + "."]
-    elif len(datas) > 1:
-        out += ["", "Rows were computed with different data settings: the `run` column names each row's "
-                "(retrieval samples per length are in each cell; full settings in each row's `data` in accuracy.json)."]
-        for i, d in enumerate(sorted(datas)):
-            out.append(f"- settings {chr(65 + i)}: " + ", ".join(f"{k} {v}" for k, v in json.loads(d).items()))
-    elif settings:
-        out += ["", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items() if not isinstance(v, (dict, list))) + "."]
-    out += ["", "Bits per byte (bpb) of held-out text (lower is better; Δ vs the model's BF16 row); retrieval: "
-            "exact greedy answer of a key lookup buried in code, at each total length. "
-            "Bytes/token: per token per MLA layer, codes + scales + zero points (KIVI: per-channel block metadata "
-            "amortized over the block)."]
+        out += ["", "Data: " + ", ".join(f"{k} {v}" for k, v in datas[0].items()) + "."]
+    elif mixed:
+        out += ["", "This file holds rows of several data settings (the `run` column names each row's). Bits per "
+                "byte are compared across rows only on identical perplexity data, retrieval only on identical "
+                "data; a new run cannot add rows to such a file."]
+        out += [f"- settings {chr(65 + i)}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for i, d in enumerate(datas)]
+    out += ["", "Bits per byte (bpb) of held-out text (lower is better; Δ vs the model's BF16 row on the same data). "
+            "Retrieval (key): the exact greedy answer of a `<key> =` lookup buried in held-out code, the query form "
+            "the models were trained on, at each total length. Bytes/token: per token per MLA layer, codes + scales "
+            "+ zero points (KIVI: per-channel block metadata amortized over the block)."]
+    if line_lengths:
+        out.append("Line recall (a format the models never trained on): complete the second half of a unique line "
+                   "of held-out code that appeared earlier in the context, from its first half; in brackets the "
+                   "control, the same prompt with the earlier line removed (chance level).")
     for model in sorted({r["model"] for r in rows}):
         R = [r for r in rows if r["model"] == model]
         out += ["", f"## {model}", ""]
-        head = ["config", "method", "B/token", "bpb", "Δ bpb"] + [f"retr. {L // 1024}K" if L % 1024 == 0 else f"retr. {L}"
-                                                                 for L in lengths]
-        if mixed:
-            head.append("run")
+        head = (["config", "setup", "method", "B/token", "bpb", "Δ bpb"] + [f"key {_len_name(L)}" for L in lengths]
+                + [f"line {_len_name(L)} (ctrl)" for L in line_lengths] + (["run"] if mixed else []))
         out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
+        out.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|")
         for r in R:
             mark = " †" if r["eval_mode"] != EVAL_MODE else ""
-            cells = [r["config"], r["method"] + mark, _fmt_bytes(r["bytes_per_token"]), f"{r['bits_per_byte']:.4f}",
-                     "—" if r["method"] == "bf16" else _fmt_pct(r.get("bpb_increase_pct"))]
+            cells = [r["config"], _setup_name(setup_of(r)), r["method"] + mark, _fmt_bytes(r["bytes_per_token"]),
+                     f"{r['bits_per_byte']:.4f}", "—" if r["method"] == "bf16" else _fmt_pct(r.get("bpb_increase_pct"))]
             for L in lengths:
                 v = r["retrieval"].get(str(L))
                 cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} (n={v['n']})")
+            for L in line_lengths:
+                v = (r.get("retrieval_line") or {}).get(str(L))
+                cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} ({100 * v['control_accuracy']:.1f}), n={v['n']}")
             if mixed:
-                tag = chr(65 + sorted(data_keys).index(json.dumps(r["data"], sort_keys=True))) if r.get("data") else "?"
-                cells.append(f"{tag}, {r.get('device', '?')}")
+                cells.append(f"{chr(65 + datas.index(data_of(r)))}, {r.get('device', '?')}")
             out.append("| " + " | ".join(cells) + " |")
-    G = goals(rows)
-    if any(len(g) > 1 for g in G):
-        out += ["", "## Issue-4 goals", ""]
-        for g in G:
-            for k, v in g.items():
-                if k == "model":
-                    continue
-                verdict = "met" if v["met"] else "NOT met"
-                figs = ", ".join(f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items() if a != "met")
-                out.append(f"- {g['model']} — {k}: **{verdict}** ({figs})")
+    claims = claim_lines(rows)
+    if claims:
+        out += ["", "## What the table shows", "", *claims]
     out += ["", "Methods: " + "; ".join(f"`{k}` {v}" for k, v in METHODS.items()) + "."]
     return "\n".join(out) + "\n"
 
 
-def write(rows: list[dict], out_dir: str, settings: dict | None = None, merge: bool = True) -> tuple[str, str]:
-    """Write (merging with existing rows when `merge`) accuracy.json and accuracy.md under out_dir."""
+def write(rows: list[dict], out_dir: str, base: list[dict] | None = None) -> tuple[str, str]:
+    """Write `base` (rows already checked by check_merge) with `rows` merged in to <out_dir>/accuracy.json
+    and accuracy.md; returns both paths. Refuses rows of mixed data settings."""
     for r in rows:
         check_row(r)
+    allrows = relative(merge_rows(list(base or []), rows))
+    if rows:
+        data = check_same_data(allrows, "the rows to write")
+    else:  # a rewrite of a file: one written under older rules may hold several data settings
+        datas = {json.dumps(data_of(r), sort_keys=True) for r in allrows}
+        data = json.loads(datas.pop()) if len(datas) == 1 else None
     os.makedirs(out_dir, exist_ok=True)
     jpath, mpath = os.path.join(out_dir, "accuracy.json"), os.path.join(out_dir, "accuracy.md")
-    old = []
-    if merge and os.path.exists(jpath):
-        with open(jpath) as f:
-            old = json.load(f).get("rows", [])
-    allrows = relative(merge_rows(old, rows))
-    doc = {"eval_mode": EVAL_MODE, "settings": settings or {}, "rows": allrows, "goals": goals(allrows)}
-    with open(jpath, "w") as f:
-        json.dump(finite(doc), f, indent=1)
-    with open(mpath, "w") as f:
-        f.write(markdown(allrows, settings))
+    doc = {"eval_mode": EVAL_MODE, "data": data, "rows": allrows}
+    for path, text in ((jpath, json.dumps(finite(doc), indent=1)), (mpath, markdown(allrows))):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
     return jpath, mpath
+
+

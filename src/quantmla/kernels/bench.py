@@ -403,9 +403,7 @@ def run_bench(args) -> dict:
             rows_out += shape_rows
     res["rows"] = rows_out
     res["append"] = _bench_append(methods, args)
-    from quantmla.kernels.bench_report import goals
 
-    res["goals"] = goals(res)
     res["wall_s"] = time.time() - t_start
     return res
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quantmla.kernels.bench import METHODS
+from quantmla.cache.layout import PRESETS as METHODS
 
 
 def goals(res: dict) -> dict:

@@ -33,12 +33,13 @@ def run(args) -> int:
     from quantmla.checks import check_output_file
     from quantmla.errors import QuantMLAError
     from quantmla.kernels.bench import run_bench
-    from quantmla.kernels.bench_report import plot, save
+    from quantmla.kernels.bench_report import goals, plot, save
 
     if Path(args.out).exists() and not args.overwrite:
         raise QuantMLAError(f"--out {args.out} already exists; pass --overwrite to replace it, or choose another path")
     check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
     res = run_bench(args)
+    res["goals"] = goals(res)
     save(res, args.out)
     print(f"figure {plot(res, args.out)}")
     print("\ngoals:")
