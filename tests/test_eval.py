@@ -216,7 +216,9 @@ def test_table_writer(tmp_path):
     rows = [_row("m", "INT4/INT4", "rtn", 2.2, 0.5, 40), _row("m", "BF16", "bf16", 2.0, 0.8, 96),
             _row("m", "INT4/INT4", "quantmla", 2.01, 0.8, 40), _row("m", "INT2/INT4", "rtn", 2.5, 0.2, 32),
             _row("m", "INT2/INT4", "quantmla", 2.1, 0.7, 32)]
-    jpath, mpath = table.write(rows, str(tmp_path))
+    from quantmla.evaluation import claims
+
+    jpath, mpath = table.write(rows, str(tmp_path), claim_lines=claims.claim_lines)
     doc = json.loads(Path(jpath).read_text())
     md = Path(mpath).read_text()
     lines = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| config")]

@@ -254,7 +254,7 @@ def from_json(args) -> int:
                               new_keys=[table.row_key(r) for r in more])
             rows = table.merge_rows(rows, more)
     check_output_dir(out, "--out" if args.out else "--from-json")
-    jpath, mpath = table.write([], out, base=rows)
+    jpath, mpath = table.write([], out, base=rows, claim_lines=claims.claim_lines)
     block = claims.readme_block(rows)
     if args.readme:
         with open(args.readme) as f:
@@ -273,7 +273,7 @@ def from_json(args) -> int:
 def run(args) -> int:
     from quantmla.checks import check_output_dir
     from quantmla.cli import CLIError
-    from quantmla.evaluation import table
+    from quantmla.evaluation import claims, table
     from quantmla.evaluation.datasets import REFERENCE_MODELS, models_root
     from quantmla.evaluation.harness import check_model_dir, evaluate_row, load_eval_data, load_model
 
@@ -360,9 +360,10 @@ def run(args) -> int:
                  + "".join(f" line {L}:{v['accuracy']:.2f} (ctrl {v['control_accuracy']:.2f})"
                            for L, v in row.get("retrieval_line", {}).items())
                  + f" ({row['bytes_per_token']:.1f} B/token, {time.time() - t0:.0f}s)")
-            jpath, mpath = table.write(new_rows, out, base=base)  # after every row: an interrupted run keeps its rows
+            # after every row: an interrupted run keeps its rows
+            jpath, mpath = table.write(new_rows, out, base=base, claim_lines=claims.claim_lines)
     if not new_rows:
-        jpath, mpath = table.write([], out, base=base)
+        jpath, mpath = table.write([], out, base=base, claim_lines=claims.claim_lines)
     print(f"wrote {jpath} and {mpath}")
     return 0
 

@@ -15,8 +15,8 @@ Every figure is measured with every attention read going through the quantized c
 included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
 method (none by default); KIVI's unfinished block (< block tokens) is quantized per channel over the
 tokens it holds unless the window covers it, so no method gets full-precision tokens the others lack.
-Cache formats are named by CONTENT/ROPE bits or by a preset (PRESETS: "BF16", "FP8"); a preset added
-there, such as DeepSeek's fp8_ds_mla layout, runs in every grid under its name.
+Cache formats are named by CONTENT/ROPE bits or by a preset (PRESETS: "BF16", "FP8" — DeepSeek's
+fp8_ds_mla layout); a preset added there runs in every grid under its name.
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_
 
 
 def _fp8(content_group: int, rope_group: int) -> CacheConfig:
-    return CacheConfig("FP8", PathFormat(8, content_group, "fp8"), PathFormat(8, rope_group, "fp8"))
+    """fp8_ds_mla (``cache.layout.FP8_DS_MLA``: e4m3 latent, one fp32 scale per 128 channels, bf16 RoPE),
+    the cache users run on DeepSeek models; its layout is fixed, whatever the group settings."""
+    from quantmla.cache.layout import FP8_DS_MLA
+
+    return CacheConfig("FP8", FP8_DS_MLA.content, FP8_DS_MLA.rope)
 
 
 # named cache formats beyond CONTENT/ROPE bit pairs: name -> (content_group, rope_group) -> CacheConfig

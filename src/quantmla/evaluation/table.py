@@ -191,11 +191,10 @@ def _setup_name(s: dict) -> str:
     return g + (f", {s['fp_window']} fp" if s.get("fp_window") else "")
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], claim_lines=None) -> str:
     """The table of one result file: a section per model, BF16 first, every row with its bytes per token,
-    then the sentences of :mod:`quantmla.evaluation.claims` computed from the same rows."""
-    from quantmla.evaluation.claims import claim_lines
-
+    then the sentences ``claim_lines(rows)`` computes from the same rows (``claims.claim_lines``, which
+    the eval command passes)."""
     for r in rows:
         check_row(r)
     rows = relative(sorted([dict(r) for r in rows], key=_sort_key))
@@ -248,16 +247,17 @@ def markdown(rows: list[dict]) -> str:
             if mixed:
                 cells.append(f"{chr(65 + datas.index(data_of(r)))}, {r.get('device', '?')}")
             out.append("| " + " | ".join(cells) + " |")
-    claims = claim_lines(rows)
+    claims = claim_lines(rows) if claim_lines else []
     if claims:
         out += ["", "## What the table shows", "", *claims]
     out += ["", "Methods: " + "; ".join(f"`{k}` {v}" for k, v in METHODS.items()) + "."]
     return "\n".join(out) + "\n"
 
 
-def write(rows: list[dict], out_dir: str, base: list[dict] | None = None) -> tuple[str, str]:
+def write(rows: list[dict], out_dir: str, base: list[dict] | None = None, claim_lines=None) -> tuple[str, str]:
     """Write `base` (rows already checked by check_merge) with `rows` merged in to <out_dir>/accuracy.json
-    and accuracy.md; returns both paths. Refuses rows of mixed data settings."""
+    and accuracy.md (with the sentences of `claim_lines`, see :func:`markdown`); returns both paths.
+    Refuses rows of mixed data settings."""
     for r in rows:
         check_row(r)
     allrows = relative(merge_rows(list(base or []), rows))
@@ -269,7 +269,7 @@ def write(rows: list[dict], out_dir: str, base: list[dict] | None = None) -> tup
     os.makedirs(out_dir, exist_ok=True)
     jpath, mpath = os.path.join(out_dir, "accuracy.json"), os.path.join(out_dir, "accuracy.md")
     doc = {"eval_mode": EVAL_MODE, "data": data, "rows": allrows}
-    for path, text in ((jpath, json.dumps(finite(doc), indent=1)), (mpath, markdown(allrows))):
+    for path, text in ((jpath, json.dumps(finite(doc), indent=1)), (mpath, markdown(allrows, claim_lines))):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
