@@ -400,3 +400,60 @@ def test_quantmla_calibrate_stream_equals_calibrate_streamed(cli_model, tmp_path
     # streaming options without --stream are refused rather than ignored
     assert main(["calibrate", str(model), "--out", str(tmp_path / "x"), *common, "--nproc", "2"]) == 2
     assert "--nproc: streaming options" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# the output directory holds exactly one checkpoint
+# ------------------------------------------------------------------------------------------------
+def _files(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def test_stream_overwrite_replaces_an_in_memory_checkpoint_whole(cli_model, tmp_path, capsys):
+    """--stream --overwrite into a directory holding a non-streamed calibration leaves one checkpoint:
+    the old model.safetensors does not stay beside the new shards."""
+    from quantmla.cli import main
+
+    model, common = cli_model
+    out = tmp_path / "out"
+    int4 = [common[0], "4", *common[2:]]  # --content-bits 4
+    assert main(["calibrate", str(model), "--out", str(out), *int4, "--no-progress"]) == 0
+    assert (out / "model.safetensors").exists()
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--no-progress"]) == 2
+    assert "not written by a streamed calibration" in capsys.readouterr().err
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--overwrite", "--no-progress"]) == 0
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "fresh"), *common, "--stream", "--no-progress"]) == 0
+    assert _files(out) == _files(tmp_path / "fresh")
+    assert not (out / "model.safetensors").exists()
+    assert not [f for f in os.listdir(tmp_path) if "quantmla-" in f]  # no staging or old directory left
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["content"]["bits"] == 2
+
+
+def test_calibrate_refuses_an_existing_checkpoint_without_overwrite(cli_model, tmp_path, capsys, monkeypatch):
+    """One rule for calibrate with and without --stream: a directory holding a checkpoint is replaced
+    only with --overwrite (whole), and a bad --out is refused before the fit starts."""
+    from quantmla.calibration import api
+    from quantmla.cli import main
+
+    model, common = cli_model
+    out = tmp_path / "out"
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--no-progress"]) == 0
+    shards = [f for f in _files(out) if f.startswith("model-")]
+    assert shards
+    calls = []
+    real = api.calibrate
+    monkeypatch.setattr(api, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a checkpoint" in err and "--overwrite" in err and calls == []
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--overwrite", "--no-progress"]) == 0
+    assert calls == [1]
+    assert not any(f.startswith("model-") or f.endswith(".index.json") for f in _files(out))  # the shards went
+    assert (out / "model.safetensors").exists() and not (out / ".quantmla_stream").exists()
+    # an --out that cannot be written is refused before any work (here: below a regular file)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for extra in ([], ["--stream"]):
+        assert main(["calibrate", str(model), "--out", str(blocker / "sub"), *common, *extra, "--no-progress"]) == 2
+        assert "not writable" in capsys.readouterr().err
+    assert calls == [1]

@@ -23,6 +23,9 @@ def add_arguments(p):
                    help="calibration text: a text file, a .jsonl of {\"text\": ...}, or 'default' (training-split "
                         "Python sources, never the held-out evaluation packages)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint already in --out (the new one is written beside it and swapped in whole "
+                        "when complete); with --stream, also discard an earlier run's state there")
     p.add_argument("--method", default="quantmla", choices=("quantmla", "hadamard", "rtn"))
     p.add_argument("--paths", default="content,rope", help="paths to transform: content,rope | content | rope")
     p.add_argument("--seed", type=int, default=0)
@@ -49,8 +52,7 @@ def add_arguments(p):
 
 
 # the streaming options and their defaults: given without --stream they would be ignored silently
-_STREAM_ONLY = {"nproc": 1, "activations": "memory", "checkpoint_every": 1, "overwrite": False, "checksum": False,
-                "stream_report": None}
+_STREAM_ONLY = {"nproc": 1, "activations": "memory", "checkpoint_every": 1, "checksum": False, "stream_report": None}
 
 
 def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope_group: int, spec):
@@ -104,6 +106,7 @@ def run(args) -> int:
     from quantmla.calibration.api import calibrate
     from quantmla.calibration.checkpoint import save_quantized
     from quantmla.calibration.data import load_calibration_ids
+    from quantmla.calibration.outdir import check_output_dir, fresh_staging, holds_checkpoint, staging_dir, swap_in
     from quantmla.model.spec import load_spec
 
     t0 = time.perf_counter()
@@ -111,6 +114,7 @@ def run(args) -> int:
     spec.require_latent_cache()
     quant = cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
     refuse_calibrated(args.model)
+    check_output_dir(args.out, args.overwrite)  # before the fit, not after it
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
@@ -132,7 +136,12 @@ def run(args) -> int:
                        rope_weighting=args.rope_weighting, rope_center=not args.no_rope_center,
                        rope_spread=args.rope_spread, progress=progress,
                        verbose=not args.json)
-    out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
+    if holds_checkpoint(args.out):  # --overwrite: write beside the old checkpoint, then swap it in whole
+        save_quantized(model, tok, fresh_staging(args.out), report=report, dtype=getattr(torch, saved_dtype))
+        swap_in(staging_dir(args.out), args.out)
+        out = args.out
+    else:
+        out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
     if args.json:
         d = report.to_dict()
         d["out"] = str(out)

@@ -102,19 +102,20 @@ def calibrate_streamed_distributed(
               attn_implementation=attn_implementation, checksum=checksum, overwrite=overwrite)
 
     # rank 0 prepares (or validates, when resuming) the output directory first
-    err = None
+    err = work = None
     st = None
     if rank == 0:
         try:
             st = Streamer(source, output, calib_ids, quant, prepare=True, **kw)
+            work = st.state.output  # the output directory, or the staging one that replaces it
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             err = f"{type(e).__name__}: {e}"
-    err = _bcast(err, cdev)
+    err, work = _bcast((err, work), cdev)
     if err is not None:
         raise QuantMLAError(f"rank 0 could not start the streamed calibration: {err}")
     if rank != 0:
         kw["overwrite"] = False
-        st = Streamer(source, output, calib_ids, quant, prepare=False, **kw)
+        st = Streamer(source, output, calib_ids, quant, prepare=False, work_dir=work, **kw)
     st.fault = _fault
 
     plan = None

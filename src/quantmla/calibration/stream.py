@@ -54,10 +54,10 @@ from typing import Any
 import torch
 
 from quantmla.cache.config import QuantCacheConfig
+from quantmla.calibration.outdir import STATE_DIR, fresh_staging, holds_checkpoint, staging_dir, swap_in
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, is_mla_attention, spec_from_model
 
-STATE_DIR = ".quantmla_stream"
 FORMAT_VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
 EXTRA_UNIT = "extra"
@@ -994,6 +994,21 @@ def _layer_unit(i: int) -> str:
     return f"layer-{i:05d}"
 
 
+def choose_work_dir(output: str, overwrite: bool) -> str:
+    """Where a streamed run into `output` writes: `output` itself (a new run, or resuming one),
+    or, when `overwrite` replaces a checkpoint already there, a fresh staging directory beside it
+    (calibration/outdir.py) that finalize swaps in. A run killed while staging resumes there
+    when started again without `overwrite`."""
+    staged = staging_dir(output)
+    if overwrite:
+        return fresh_staging(output) if holds_checkpoint(output) else output
+    if os.path.isfile(os.path.join(output, STATE_DIR, "run.json")):
+        return output
+    if os.path.isfile(os.path.join(staged, STATE_DIR, "run.json")):
+        return staged
+    return output
+
+
 class RunState:
     """The output directory's state: run manifest, unit markers, activation checkpoints."""
 
@@ -1099,7 +1114,7 @@ class Streamer:
     def __init__(self, source, output, calib_ids: torch.Tensor, quant: QuantCacheConfig, *, method: str, seed: int,
                  batch_size: int, dtype, device, activations: str, checkpoint_every: int, fit_fn: FitFn | None,
                  fit_kwargs: dict | None, attn_implementation: str | None, checksum: bool, overwrite: bool,
-                 prepare: bool = True):
+                 prepare: bool = True, work_dir: str | None = None):
         if activations not in ("memory", "device", "disk"):
             raise QuantMLAError(f"activations must be 'memory', 'device' or 'disk', got {activations!r}")
         if calib_ids.dim() != 2:
@@ -1122,7 +1137,10 @@ class Streamer:
         self.fitter = make_fitter(self.spec, tuple(self.calib_ids.shape), quant, method, self.seed, self.fit_kwargs, fit_fn)
         # decoder layers of the model class (longcat_flash: num_layers, each with two MLA blocks)
         self.L = self.ckpt.num_layers = len(self.skel.base.layers)
-        self.state = RunState(output)
+        self.final = os.path.abspath(os.fspath(output))
+        if work_dir is None:
+            work_dir = choose_work_dir(self.final, overwrite) if prepare else self.final
+        self.state = RunState(work_dir)  # the final directory, or a staging one swapped in by finalize
         self.manifest = {
             "format_version": FORMAT_VERSION,
             "source_index": self.ckpt.index_digest(),
@@ -1139,7 +1157,7 @@ class Streamer:
         if prepare:
             self.state.prepare(self.manifest, overwrite)
         self.report = StreamReport(
-            output=self.state.output, num_layers=self.L, tokens=int(self.calib_ids.numel()),
+            output=self.final, num_layers=self.L, tokens=int(self.calib_ids.numel()),
             model_bytes=sum(self.ckpt.nbytes(n) for n in self.ckpt.weight_map),
             max_layer_bytes=max((sum(self.ckpt.nbytes(n) for n in self.ckpt.layer_names(i)) for i in range(self.L)), default=0),
             start_rss_bytes=rss_bytes(),
@@ -1317,6 +1335,8 @@ class Streamer:
         report = {**self.fitter.report_header(), "layers": layers, "streamed": True}
         atomic_write_json(os.path.join(self.state.output, "calibration_report.json"), report)
         atomic_write_json(os.path.join(self.state.dir, "complete.json"), {"units": units, "total_size": total})
+        if self.state.output != self.final:  # replacing an earlier checkpoint: swap the new one in whole
+            swap_in(self.state.output, self.final)
 
     def stats(self, i: int, slots, nbytes: int, **kw) -> LayerStats:
         st = LayerStats(layer=i, slots=list(slots), weight_bytes=nbytes, rss_bytes=rss_bytes(),

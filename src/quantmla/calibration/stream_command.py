@@ -36,7 +36,6 @@ def add_stream_arguments(p) -> None:
                    help="with --stream: where the calibration hidden states live (disk: file-backed, beyond RAM)")
     g.add_argument("--checkpoint-every", type=int, default=1,
                    help="with --stream: save the hidden states every k layers for resuming (0: never)")
-    g.add_argument("--overwrite", action="store_true", help="with --stream: discard an earlier run's state in --out")
     g.add_argument("--checksum", action="store_true", help="with --stream: sha256 of every shard in its done-marker")
     g.add_argument("--stream-report", default=None, help="with --stream: write per-layer time and memory (JSON) here")
 
@@ -115,6 +114,9 @@ def run_streamed(args) -> int:
     spec.require_latent_cache()
     quant = _quant(args, spec)  # checked against d_c / d_r before any weights are read, as calibrate does
     refuse_calibrated(args.model)
+    from quantmla.calibration.outdir import check_output_dir
+
+    check_output_dir(args.out, overwrite=True)  # writable, before any work (a checkpoint there is judged on resuming)
     ids = _ids(args)
     opts = _options(args)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
