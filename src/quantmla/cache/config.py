@@ -23,7 +23,9 @@ class QuantCacheConfig:
     rope_offsets: cache slot -> RoPE key offset c [d_r] (cache channel order), subtracted from every
     RoPE key before it is quantized and never added back: each query's logits all move by q_R·c,
     which softmax ignores, so attention is unchanged while the quantizer no longer spends its range
-    on the keys' common (mostly low-frequency) component. Learned by ``quantmla calibrate``."""
+    on the keys' common (mostly low-frequency) component. Learned by ``quantmla calibrate``;
+    rope_centring: False marks a calibration fitted on the keys as they are, without offsets (for
+    runtimes that ignore rope_offsets; written as ``"rope_centring": false``)."""
 
     content: PathFormat = field(default_factory=lambda: PathFormat(4, 64))
     rope: PathFormat = field(default_factory=lambda: PathFormat(4, 32))
@@ -31,6 +33,7 @@ class QuantCacheConfig:
     fp_window: int = 0
     method: str = "rtn"
     rope_offsets: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    rope_centring: bool = True
 
     def __post_init__(self):
         if self.fp_window < 0:
@@ -75,6 +78,7 @@ class QuantCacheConfig:
             "fp_window": self.fp_window,
             "method": self.method,
             **({"rope_offsets": {str(k): list(v) for k, v in self.rope_offsets.items()}} if self.rope_offsets else {}),
+            **({} if self.rope_centring else {"rope_centring": False}),
         }
 
     @classmethod
@@ -91,6 +95,7 @@ class QuantCacheConfig:
             fp_window=int(d.get("fp_window", 0)),
             method=d.get("method", "rtn"),
             rope_offsets={int(k): tuple(float(x) for x in v) for k, v in d.get("rope_offsets", {}).items()},
+            rope_centring=d.get("rope_centring", True) is not False,
         )
 
     @classmethod

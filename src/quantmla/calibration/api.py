@@ -117,6 +117,23 @@ def check_formats(spec, quant: QuantCacheConfig) -> None:
         f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
 
 
+def rope_centring(quant: QuantCacheConfig, slots, *, method: str, paths, rope_center: bool) -> bool:
+    """Whether a calibration with these options centres the RoPE keys: method quantmla, the RoPE
+    path among `paths` and quantized in some slot, and `rope_center`. Its checkpoint then carries an
+    offset for every slot; otherwise it is marked ``rope_centring: false`` and carries none."""
+    return bool(rope_center) and method == "quantmla" and "rope" in paths and \
+        any(quant.format_for(s).rope.quantized for s in slots)
+
+
+def slot_offsets(fitted: dict[int, list[float] | tuple[float, ...]], slots, d_r: int, centred: bool) -> dict:
+    """The checkpoint's rope_offsets: every slot's fitted offset [d_r], zeros for a slot where
+    centring did not beat plain RTN on held-out keys (the same cache contents as no offset), and
+    none at all when the calibration did not centre."""
+    if not centred:
+        return {}
+    return {int(s): tuple(float(x) for x in fitted.get(int(s), (0.0,) * d_r)) for s in sorted(slots)}
+
+
 def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
     """A copy of LayerData `d` whose RoPE keys (all of them, and the sampled ones) have the offset c
     removed; -> (copy, c [d_r]).
@@ -317,8 +334,10 @@ def calibrate(
     t_fit = time.perf_counter() - t0 - t_capture
 
     fuse_transforms(model, {k: v for k, v in transforms.items() if v.content is not None or v.rope is not None}, spec)
-    offsets = {r.slot: tuple(r.rope_offset) for r in reports if r.rope_offset is not None}
-    dataclasses.replace(quant, method=method, rope_offsets=offsets).attach(model)  # model.config.quantization_config
+    centred = rope_centring(quant, list(data), method=method, paths=paths, rope_center=rope_center)
+    offsets = slot_offsets({r.slot: r.rope_offset for r in reports if r.rope_offset is not None}, list(data), spec.d_r,
+                           centred)
+    dataclasses.replace(quant, method=method, rope_offsets=offsets, rope_centring=centred).attach(model)
     model.train(was_training)
     report = CalibrationReport(
         method=method, paths=paths, seed=seed, quant=model.config.quantization_config, tokens=int(calib_ids.numel()),

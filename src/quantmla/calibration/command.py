@@ -35,8 +35,10 @@ def add_arguments(p):
     p.add_argument("--rope-weighting", default="attention", choices=("attention", "uniform"),
                    help="weighting of the positional QK objective (see docs/calibration.md)")
     p.add_argument("--no-rope-center", action="store_true",
-                   help="do not centre the RoPE keys (by default their calibration mean is removed before they are "
-                        "quantized: softmax ignores a constant key offset, the quantizer's range shrinks)")
+                   help="fit without RoPE key offsets, for runtimes that ignore quantization_config's rope_offsets "
+                        "(marked \"rope_centring\": false). By default the keys' mean is removed before they are "
+                        "quantized: softmax ignores a constant key offset and the quantizer's range shrinks (README: "
+                        "which to choose)")
     p.add_argument("--rope-spread", type=float, default=0.0, metavar="F",
                    help="fraction (0..1) of the RoPE objective's keys moved to random positions of the model's "
                         "context before fitting: trades short-context perplexity for long-context robustness "

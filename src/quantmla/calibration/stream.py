@@ -729,6 +729,10 @@ class LayerFitter:
     def fit(self, slot: int, data: Any, module: torch.nn.Module) -> tuple[Any, dict]:
         raise NotImplementedError
 
+    def rope_centring(self, slots) -> bool:
+        """Whether this fit centres the RoPE keys (api.rope_centring); stand-in fits do not."""
+        return False
+
     def report_header(self) -> dict:
         return {"method": self.method, "seed": self.seed, "quant": dataclasses.replace(self.quant, method=self.method).to_dict(),
                 "tokens": self.shape[0] * self.shape[1]}
@@ -892,6 +896,11 @@ class ProjectFitter(LayerFitter):
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
         return lt, info
+
+    def rope_centring(self, slots) -> bool:
+        from quantmla.calibration.api import rope_centring
+
+        return rope_centring(self.quant, slots, method=self.method, paths=self.o["paths"], rope_center=self.o["rope_center"])
 
     def report_header(self) -> dict:
         h = super().report_header()
@@ -1305,13 +1314,20 @@ class Streamer:
                 total += h["data_offsets"][1] - h["data_offsets"][0]
         atomic_write_json(os.path.join(self.state.output, INDEX_NAME),
                           {"metadata": {"total_size": total, "quantmla_streamed": True}, "weight_map": dict(sorted(weight_map.items()))})
-        offsets = {}  # the fitted slots' RoPE key offsets (api.centre_rope_keys), from the layers' markers
+        fitted, slots = {}, []  # the slots' RoPE key offsets (api.centre_rope_keys), from the layers' markers
         for i in range(self.L):
             for slot, inf in self.state.read_marker(_layer_unit(i)).get("fit", {}).items():
+                slot = int(inf.get("slot", slot)) if isinstance(inf, dict) else int(slot)
+                slots.append(slot)
                 if isinstance(inf, dict) and inf.get("rope_offset") is not None:
-                    offsets[int(inf.get("slot", slot))] = tuple(float(x) for x in inf["rope_offset"])
+                    fitted[slot] = inf["rope_offset"]
+        from quantmla.calibration.api import slot_offsets
+
+        centred = self.fitter.rope_centring(slots)
+        offsets = slot_offsets(fitted, slots, self.spec.d_r, centred)
         cfg = dict(self.ckpt.config_dict)
-        cfg["quantization_config"] = dataclasses.replace(self.quant, method=self.method, rope_offsets=offsets).to_dict()
+        cfg["quantization_config"] = dataclasses.replace(self.quant, method=self.method, rope_offsets=offsets,
+                                                         rope_centring=centred).to_dict()
         if self.ckpt.has_fp8:
             for key in ("torch_dtype", "dtype"):
                 if key in cfg:
