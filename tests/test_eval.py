@@ -288,3 +288,15 @@ def test_eval_command_errors(tmp_path, capsys):
     assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
     assert main(["eval", str(llama), "--config", "INT5/INT4", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "accuracy.json").exists()
+
+
+def test_eval_shows_progress_while_calibrating(checkpoint, tmp_path, capsys):
+    """A calibrated row shows a progress bar while it calibrates ."""
+    from quantmla.cli import main
+
+    rc = main(["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "INT4/INT4",
+               "--method", "hadamard", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024",
+               "--calib-n", "4", "--content-group", "16", "--rope-group", "8", "--out", str(tmp_path / "res")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "capturing activations" in err

@@ -457,3 +457,15 @@ def test_calibrate_refuses_an_existing_checkpoint_without_overwrite(cli_model, t
         assert main(["calibrate", str(model), "--out", str(blocker / "sub"), *common, *extra, "--no-progress"]) == 2
         assert "not writable" in capsys.readouterr().err
     assert calls == [1]
+
+
+def test_stream_shows_progress_inside_a_layer(cli_model, tmp_path, capsys):
+    """--stream shows progress while a layer runs (its forward batches and its fit), not only after it."""
+    from quantmla.cli import main
+
+    model, common = cli_model
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "o"), *common, "--stream"]) == 0
+    cap = capsys.readouterr()
+    assert "layer 0: forward" in cap.err and "slot 0: fit" in cap.err and "layer   0 (rank 0)" in cap.out
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "q"), *common, "--stream", "--no-progress"]) == 0
+    assert "layer 0: forward" not in capsys.readouterr().err

@@ -117,6 +117,7 @@ def calibrate_streamed_distributed(
         kw["overwrite"] = False
         st = Streamer(source, output, calib_ids, quant, prepare=False, work_dir=work, **kw)
     st.fault = _fault
+    st.show_progress = st.fitter.show_progress = progress is not None and rank == 0
 
     plan = None
     if rank == 0:

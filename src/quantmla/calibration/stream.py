@@ -716,6 +716,7 @@ class LayerFitter:
                  fit_kwargs: dict | None = None):
         self.spec, self.shape, self.quant, self.method, self.seed = spec, tuple(shape), quant, method, int(seed)
         self.fit_kwargs = dict(fit_kwargs or {})
+        self.show_progress = False  # a progress bar over a layer's fit (set by the streamer)
 
     def begin(self, slot: int, module: torch.nn.Module) -> Any:
         raise NotImplementedError
@@ -888,10 +889,16 @@ class ProjectFitter(LayerFitter):
         d = to_device(d, self.store_device)  # data received from another rank arrives on the CPU
         secs = {"capture": self.capture_seconds.pop(slot, None)}
         t = time.perf_counter()
-        lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
-                            paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
-                            batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
-                            rope_searches=o["rope_searches"], rope_center=o["rope_center"], rope_spread=o["rope_spread"], pbar=None)
+        from tqdm.auto import tqdm
+
+        quantmla = self.method == "quantmla"
+        total = (o["steps"] if quantmla and "content" in o["paths"] else 0) + (1 if quantmla and "rope" in o["paths"] else 0)
+        with tqdm(total=total, desc=f"slot {slot}: fit", leave=False, disable=not self.show_progress or not total) as pbar:
+            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
+                                paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
+                                batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
+                                rope_searches=o["rope_searches"], rope_center=o["rope_center"],
+                                rope_spread=o["rope_spread"], pbar=pbar)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
@@ -1172,6 +1179,7 @@ class Streamer:
             start_rss_bytes=rss_bytes(),
         )
         self.fault: Callable[[str, int], None] | None = None
+        self.show_progress = False  # progress bars inside a layer (its forward batches, its fit's steps)
 
     # -- units -----------------------------------------------------------------------------------
     def raw_units(self) -> dict[str, list[str]]:
@@ -1272,8 +1280,11 @@ class Streamer:
             return pre
 
         handles = [m.register_forward_pre_hook(hook(slot), with_kwargs=True) for slot, (_, m) in mods.items()]
+        from tqdm.auto import tqdm
+
         try:
-            for s in range(0, N, self.batch_size):
+            for s in tqdm(range(0, N, self.batch_size), desc=f"layer {i}: forward", leave=False,
+                          disable=not self.show_progress):
                 cur["start"] = s
                 x = h_in.t[s : s + self.batch_size].to(self.device, self.dtype)
                 kw = self.skel.layer_kwargs(x.shape[0], S, i)
@@ -1411,6 +1422,7 @@ def calibrate_streamed(
                   device=device, activations=activations, checkpoint_every=checkpoint_every, fit_fn=fit_fn,
                   fit_kwargs=fit_kwargs, attn_implementation=attn_implementation, checksum=checksum, overwrite=overwrite)
     st.fault = _fault
+    st.show_progress = st.fitter.show_progress = progress is not None  # bars inside each layer, then its stats line
     st.write_raw_units()
     done = st.done_layers()
     need = [i for i in range(st.L) if i not in done]

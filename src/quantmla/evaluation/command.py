@@ -154,7 +154,7 @@ def run(args) -> int:
                 "retrieval_lengths": list(preset["lengths"]), "calib_rows": preset["calib_n"],
                 "content_group": args.content_group, "rope_group": args.rope_group, "seed": args.seed,
                 "quick": bool(args.quick), "device": args.device}
-    calib_kwargs = {"progress": False}
+    calib_kwargs = {"progress": True, "verbose": False}  # a progress bar while a row calibrates, no report table
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
     elif args.quick:
