@@ -13,12 +13,11 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration import calibrate
 from quantmla.calibration.distributed import assign_layers, calibrate_streamed_distributed, launch_local, spawn_call
-from quantmla.calibration.stream import (
-    STATE_DIR, KillAt, RunState, ShardedCheckpoint, Streamer, calibrate_streamed,
-    write_random_checkpoint,
-)
+from quantmla.calibration.stream import STATE_DIR, RunState, ShardedCheckpoint, Streamer, calibrate_streamed
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import FAMILIES, tiny_config
+
+from helpers.streaming import KillAt, standin_fit, write_random_checkpoint
 
 QUANT = QuantCacheConfig.of_bits(2, 4, 32, 16)
 # the real function-aligned fit, kept short: a few Adam steps, closed-form + grid RoPE search
@@ -103,7 +102,7 @@ def test_stream_forward_reproduces_the_model_layer_by_layer(family, tmp_path):
     with torch.no_grad():
         model(ids, use_cache=False)
     st = Streamer(tmp_path / "src", tmp_path / "out", ids, QUANT, method="identity", seed=0, batch_size=3, dtype=None,
-                  device="cpu", activations="memory", checkpoint_every=0, fit_fn=None, fit_kwargs=None,
+                  device="cpu", activations="memory", checkpoint_every=0, fit_fn=standin_fit, fit_kwargs=None,
                   attn_implementation="eager", checksum=False, overwrite=False)
     _, h = st.start(0)
     for i in range(st.L):
@@ -134,7 +133,7 @@ def test_layer_streamed_calibration_under_a_memory_cap(tmp_path):
     ids = _ids(n=4, length=32, vocab=512)
     # a fresh process, so its peak RSS is this run's alone
     code, rep = spawn_call(calibrate_streamed, str(tmp_path / "src"), str(tmp_path / "out"), ids, QUANT,
-                           method="random", seed=0, activations="disk")  # the seeded stand-in fit: fast
+                           method="random", seed=0, activations="disk", fit_fn=standin_fit)  # seeded, fast
     assert code == 0, code
     model_bytes, layer_bytes = info["bytes"], info["max_layer_bytes"]
     assert model_bytes > 18 * layer_bytes

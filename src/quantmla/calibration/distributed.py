@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.calibration.stream import (
-    LayerStats, StreamReport, Streamer, _stream_layers, nbytes_of, reset_peak_rss, to_device,
-)
+from quantmla.calibration.stream.memory import nbytes_of, reset_peak_rss, to_device
+from quantmla.calibration.stream.run import Streamer, _stream_layers
+from quantmla.calibration.stream.state import LayerStats, StreamReport
 from quantmla.errors import QuantMLAError
 
 

@@ -79,7 +79,7 @@ def fresh_staging(path: str | os.PathLike) -> str:
     return st
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -101,6 +101,6 @@ def swap_in(staging: str | os.PathLike, path: str | os.PathLike) -> None:
     if os.path.exists(path):
         os.rename(path, old)
     os.rename(staging, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
     if os.path.exists(old):
         shutil.rmtree(old)
