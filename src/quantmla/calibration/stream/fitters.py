@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from quantmla.cache.config import QuantCacheConfig
+from quantmla.calibration.options import CalibrationOptions
 from quantmla.calibration.stream.memory import to_device
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec
@@ -107,47 +108,30 @@ class ProjectFitter(LayerFitter):
     ``api.fit_layer`` — calibrate's own per-layer fit (generator ``seed·1000003 + slot``). Tests
     check the weights equal calibrate's.
 
-    fit_kwargs: calibrate's keyword arguments (paths, steps, rope_steps, lr, queries_per_seq,
-    rope_keys_per_seq, rope_weighting, rope_searches, rope_center, rope_spread, heldout_fraction, max_capture_bytes, device:
-    where the captured data lives and the fit runs, default CPU). ``batch_size`` is the streamer's
-    (capture batches and fit minibatches, as in calibrate)."""
-
-    OPTIONS = ("paths", "steps", "rope_steps", "lr", "batch_size", "queries_per_seq", "rope_keys_per_seq",
-               "rope_weighting", "rope_searches", "rope_center", "rope_spread", "heldout_fraction", "max_capture_bytes", "device")
-
-    @staticmethod
-    def defaults() -> dict:
-        """calibrate's own defaults, read from its signature (so the two cannot drift apart)."""
-        import inspect
-
-        from quantmla.calibration import api
-
-        params = inspect.signature(api.calibrate).parameters
-        return {k: params[k].default for k in ProjectFitter.OPTIONS if k in params}
+    fit_kwargs: the fields of calibrate's :class:`CalibrationOptions` (a dict or an instance;
+    method and seed are the streamer's). ``batch_size`` defaults to the streamer's (capture batches
+    and fit minibatches, as in calibrate); ``device``: where the captured data lives and the fit runs
+    (default CPU)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         from quantmla.calibration import api
         from quantmla.calibration import capture as cap
 
-        unknown = sorted(set(self.fit_kwargs) - set(self.OPTIONS) - {"progress", "verbose"})
-        if unknown:
-            raise QuantMLAError(f"unknown calibration options for streaming: {unknown}")
-        o = {**self.defaults(), **{k: v for k, v in self.fit_kwargs.items() if k in self.OPTIONS}}
-        o["rope_steps"] = o["steps"] if o["rope_steps"] is None else o["rope_steps"]
-        o["rope_searches"] = tuple(o["rope_searches"])
-        o["paths"] = api.check_options(self.quant, method=self.method, paths=o["paths"], rope_weighting=o["rope_weighting"],
-                                       rope_spread=o["rope_spread"])
+        given = {k: v for k, v in self.fit_kwargs.items() if k not in ("progress", "verbose")}
+        for k, mine in (("method", self.method), ("seed", self.seed)):
+            if k in given and given.pop(k) != mine:
+                raise QuantMLAError(f"fit_kwargs {k}={self.fit_kwargs[k]!r} differs from the streamed run's {k}={mine!r}")
+        self.o = o = CalibrationOptions.of(given, method=self.method, seed=self.seed).check()
         api.check_formats(self.spec, self.quant)
-        self.o = o
-        self.store_device = torch.device(o.get("device") or "cpu")
+        self.store_device = torch.device(o.device or "cpu")
         N, L = self.shape
         g = torch.Generator().manual_seed(self.seed)
-        self.fit_seqs, self.held_seqs = api.split_sequences(N, o["heldout_fraction"], g)
+        self.fit_seqs, self.held_seqs = api.split_sequences(N, o.heldout_fraction, g)
         # the positions capture_calibration_data samples (same generator), and its budget check
-        self.plan = cap.plan_capture(self.spec, (N, L), queries_per_seq=o["queries_per_seq"],
-                                     rope_keys_per_seq=o["rope_keys_per_seq"], seed=self.seed)
-        self.plan.check_budget(o["max_capture_bytes"], "max_capture_bytes")
+        self.plan = cap.plan_capture(self.spec, (N, L), queries_per_seq=o.queries_per_seq,
+                                     rope_keys_per_seq=o.rope_keys_per_seq, seed=self.seed)
+        self.plan.check_budget(o.max_capture_bytes, "max_capture_bytes")
         self.capture_bytes = self.plan.layer_bytes
         self.capture_seconds: dict[int, float] = {}  # slot -> time spent capturing (inside the forward)
 
@@ -178,13 +162,9 @@ class ProjectFitter(LayerFitter):
         from tqdm.auto import tqdm
 
         quantmla = self.method == "quantmla"
-        total = (o["steps"] if quantmla and "content" in o["paths"] else 0) + (1 if quantmla and "rope" in o["paths"] else 0)
+        total = (o.steps if quantmla and "content" in o.paths else 0) + (1 if quantmla and "rope" in o.paths else 0)
         with tqdm(total=total, desc=f"slot {slot}: fit", leave=False, disable=not self.show_progress or not total) as pbar:
-            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, method=self.method,
-                                paths=o["paths"], seed=self.seed, steps=o["steps"], rope_steps=o["rope_steps"], lr=o["lr"],
-                                batch_size=o["batch_size"], rope_weighting=o["rope_weighting"],
-                                rope_searches=o["rope_searches"], rope_center=o["rope_center"],
-                                rope_spread=o["rope_spread"], pbar=pbar)
+            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, o, pbar=pbar)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
@@ -193,12 +173,12 @@ class ProjectFitter(LayerFitter):
     def rope_centring(self, slots) -> bool:
         from quantmla.calibration.api import rope_centring
 
-        return rope_centring(self.quant, slots, method=self.method, paths=self.o["paths"], rope_center=self.o["rope_center"])
+        return rope_centring(self.quant, slots, method=self.method, paths=self.o.paths, rope_center=self.o.rope_center)
 
     def report_header(self) -> dict:
         h = super().report_header()
-        h.update(paths=list(self.o["paths"]), fit_sequences=len(self.fit_seqs), heldout_sequences=len(self.held_seqs),
-                 rope_weighting=self.o["rope_weighting"])
+        h.update(paths=list(self.o.paths), fit_sequences=len(self.fit_seqs), heldout_sequences=len(self.held_seqs),
+                 rope_weighting=self.o.rope_weighting)
         return h
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from quantmla.cache.config import QuantCacheConfig
+from quantmla.calibration.options import CalibrationOptions
 from quantmla.calibration.outdir import swap_in
 from quantmla.calibration.stream.activations import ActivationBuffer
 from quantmla.calibration.stream.files import (
@@ -86,6 +87,8 @@ class Streamer:
         self.batch_size = max(1, int(batch_size))
         self.device = torch.device(device)
         self.activations, self.checkpoint_every = activations, int(checkpoint_every)
+        if isinstance(fit_kwargs, CalibrationOptions):
+            fit_kwargs = {k: v for k, v in fit_kwargs.to_dict().items() if k not in ("method", "seed")}
         self.fit_kwargs = dict(fit_kwargs or {})
         if fit_fn is None:
             self.fit_kwargs.setdefault("batch_size", self.batch_size)  # calibrate's one batch_size
