@@ -1,4 +1,4 @@
-"""Layer-streamed, multi-process and resumable calibration (calibration/stream.py, distributed.py)."""
+"""Layer-streamed, multi-process and resumable calibration (calibration/stream/, distributed.py)."""
 
 from __future__ import annotations
 
