@@ -192,7 +192,11 @@ def run_point(p: dict, steps: int, device: str, threads: int | None, fit_device:
     if threads:
         torch.set_num_threads(threads)
     from quantmla.cache.config import QuantCacheConfig
-    from quantmla.calibration.stream import calibrate_streamed, rss_bytes, write_random_checkpoint
+    from quantmla.calibration.stream import calibrate_streamed
+    from quantmla.calibration.stream.memory import rss_bytes
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from helpers.streaming import write_random_checkpoint  # synthetic sharded checkpoints (test scaffolding)
 
     p = {**SWEEP_MOE, **p}
     cuda = str(device).startswith("cuda")

@@ -346,3 +346,20 @@ def test_fp_cache_logits_unchanged_by_quantmla_config(calibrated):
         a = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
         b = cal(ids, past_key_values=DynamicCache(config=cal.config), use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_options_one_object_for_every_run():
+    """calibrate, the streamed fitter and the CLI share CalibrationOptions: the same defaults, and an
+    unknown option is refused with the known ones named."""
+    from quantmla.calibration import CalibrationOptions
+    from quantmla.calibration.stream.fitters import ProjectFitter
+
+    spec = load_spec(tiny_model("deepseek_v3"))
+    fitter = ProjectFitter(spec, (8, 16), INT2_INT4, "quantmla", 0, {"batch_size": 4})
+    assert fitter.o == CalibrationOptions()
+    assert ProjectFitter(spec, (8, 16), INT2_INT4, "hadamard", 3, {"steps": 7}).o == \
+        CalibrationOptions.of(method="hadamard", seed=3, steps=7)
+    with pytest.raises(QuantMLAError, match=r"unknown calibration options \['stepz'\]; known: .*'steps'"):
+        calibrate(tiny_model("deepseek_v3"), _ids(4, 16, 0), INT2_INT4, stepz=3, progress=False)
+    with pytest.raises(QuantMLAError, match="seed=1 differs"):
+        ProjectFitter(spec, (8, 16), INT2_INT4, "quantmla", 0, {"seed": 1})

@@ -410,3 +410,15 @@ def test_from_json_regenerates_and_merges(tmp_path, capsys):
     table.write([_row("n", "BF16", "bf16", 3.0, 0.8, 96, data=dict(DATA, seq_len=128))], b, )
     assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 2
     assert "seq_len 64" in capsys.readouterr().err
+
+
+def test_eval_shows_progress_while_calibrating(checkpoint, tmp_path, capsys):
+    """A calibrated row shows a progress bar while it calibrates ."""
+    from quantmla.cli import main
+
+    rc = main(["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "INT4/INT4",
+               "--method", "hadamard", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024",
+               "--calib-n", "4", "--content-group", "16", "--rope-group", "8", "--out", str(tmp_path / "res")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "capturing activations" in err

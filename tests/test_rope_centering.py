@@ -96,7 +96,8 @@ def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
     quant = QuantCacheConfig.of_bits(16, 4, 64, 32)
     rep = calibrate(model, ev.calib_ids, quant, paths=("rope",), steps=20, progress=False, verbose=False)
     stored = QuantCacheConfig.from_model_config(model.config)
-    for l in rep.layers:  # never worse than RTN on held-out keys; an offset exactly where centring was chosen
+    assert set(stored.rope_offsets) == set(spec_slots := [l.slot for l in rep.layers]) and stored.centred
+    for l in rep.layers:  # never worse than RTN on held-out keys; a non-zero offset exactly where centring was chosen
         assert l.rope["after"] <= l.rope["before"], l.rope
         assert (stored.rope_offsets.get(l.slot) is not None) == l.rope["chosen"].endswith("+centred") == (l.rope_offset is not None)
     # the layers whose RoPE keys the error model flags (1 and 2: large low-frequency means) are centred
@@ -206,3 +207,25 @@ def test_sweep_scores_a_calibrated_variant_with_its_own_offsets(monkeypatch, tmp
                 "--out", str(tmp_path / "s.json")])
     assert len(seen) == 2  # BF16, then the calibrated variant
     assert seen[1].rope_offsets, "the calibrated variant was scored without its RoPE offsets"
+
+
+@pytest.mark.parametrize("options", [{"rope_center": False}, {"method": "rtn"}, {"method": "hadamard"},
+                                     {"paths": ("content",)}])
+def test_calibration_without_offsets_is_marked(options, tmp_path):
+    """A calibration that does not centre the RoPE keys says so in its quantization_config
+    ("rope_centring": false, no rope_offsets), so a loader can tell it from offsets that went missing;
+    a centring one carries an offset for every slot (zeros where centring did not help)."""
+    from quantmla.model.tiny import tiny_model
+
+    ids = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
+    model = tiny_model("deepseek_v3")
+    calibrate(model, ids, quant, steps=2, rope_searches=("closed",), progress=False, verbose=False, **options)
+    d = model.config.quantization_config
+    assert d["rope_centring"] is False and "rope_offsets" not in d
+    save_quantized(model, None, tmp_path / "q")
+    assert load_quantized(tmp_path / "q")[2].centred is False
+    centred = tiny_model("deepseek_v3")
+    calibrate(centred, ids, quant, steps=2, rope_searches=("closed",), progress=False, verbose=False)
+    d = centred.config.quantization_config
+    assert "rope_centring" not in d and sorted(map(int, d["rope_offsets"])) == list(load_spec(centred).mla_layers)

@@ -1,4 +1,4 @@
-"""Layer-streamed, multi-process and resumable calibration (calibration/stream.py, distributed.py)."""
+"""Layer-streamed, multi-process and resumable calibration (calibration/stream/, distributed.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration import calibrate
 from quantmla.calibration.distributed import assign_layers, calibrate_streamed_distributed, launch_local, spawn_call
-from quantmla.calibration.stream import (
-    STATE_DIR, KillAt, RunState, ShardedCheckpoint, Streamer, calibrate_streamed,
-    write_random_checkpoint,
-)
+from quantmla.calibration.stream import STATE_DIR, RunState, ShardedCheckpoint, Streamer, calibrate_streamed
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import FAMILIES, tiny_config
+
+from helpers.streaming import KillAt, standin_fit, write_random_checkpoint
 
 QUANT = QuantCacheConfig.of_bits(2, 4, 32, 16)
 # the real function-aligned fit, kept short: a few Adam steps, closed-form + grid RoPE search
@@ -103,7 +102,7 @@ def test_stream_forward_reproduces_the_model_layer_by_layer(family, tmp_path):
     with torch.no_grad():
         model(ids, use_cache=False)
     st = Streamer(tmp_path / "src", tmp_path / "out", ids, QUANT, method="identity", seed=0, batch_size=3, dtype=None,
-                  device="cpu", activations="memory", checkpoint_every=0, fit_fn=None, fit_kwargs=None,
+                  device="cpu", activations="memory", checkpoint_every=0, fit_fn=standin_fit, fit_kwargs=None,
                   attn_implementation="eager", checksum=False, overwrite=False)
     _, h = st.start(0)
     for i in range(st.L):
@@ -134,7 +133,7 @@ def test_layer_streamed_calibration_under_a_memory_cap(tmp_path):
     ids = _ids(n=4, length=32, vocab=512)
     # a fresh process, so its peak RSS is this run's alone
     code, rep = spawn_call(calibrate_streamed, str(tmp_path / "src"), str(tmp_path / "out"), ids, QUANT,
-                           method="random", seed=0, activations="disk")  # the seeded stand-in fit: fast
+                           method="random", seed=0, activations="disk", fit_fn=standin_fit)  # seeded, fast
     assert code == 0, code
     model_bytes, layer_bytes = info["bytes"], info["max_layer_bytes"]
     assert model_bytes > 18 * layer_bytes
@@ -400,3 +399,72 @@ def test_quantmla_calibrate_stream_equals_calibrate_streamed(cli_model, tmp_path
     # streaming options without --stream are refused rather than ignored
     assert main(["calibrate", str(model), "--out", str(tmp_path / "x"), *common, "--nproc", "2"]) == 2
     assert "--nproc: streaming options" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# the output directory holds exactly one checkpoint
+# ------------------------------------------------------------------------------------------------
+def _files(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def test_stream_overwrite_replaces_an_in_memory_checkpoint_whole(cli_model, tmp_path, capsys):
+    """--stream --overwrite into a directory holding a non-streamed calibration leaves one checkpoint:
+    the old model.safetensors does not stay beside the new shards."""
+    from quantmla.cli import main
+
+    model, common = cli_model
+    out = tmp_path / "out"
+    int4 = [common[0], "4", *common[2:]]  # --content-bits 4
+    assert main(["calibrate", str(model), "--out", str(out), *int4, "--no-progress"]) == 0
+    assert (out / "model.safetensors").exists()
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--no-progress"]) == 2
+    assert "not written by a streamed calibration" in capsys.readouterr().err
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--overwrite", "--no-progress"]) == 0
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "fresh"), *common, "--stream", "--no-progress"]) == 0
+    assert _files(out) == _files(tmp_path / "fresh")
+    assert not (out / "model.safetensors").exists()
+    assert not [f for f in os.listdir(tmp_path) if "quantmla-" in f]  # no staging or old directory left
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["content"]["bits"] == 2
+
+
+def test_calibrate_refuses_an_existing_checkpoint_without_overwrite(cli_model, tmp_path, capsys, monkeypatch):
+    """One rule for calibrate with and without --stream: a directory holding a checkpoint is replaced
+    only with --overwrite (whole), and a bad --out is refused before the fit starts."""
+    from quantmla.calibration import api
+    from quantmla.cli import main
+
+    model, common = cli_model
+    out = tmp_path / "out"
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--stream", "--no-progress"]) == 0
+    shards = [f for f in _files(out) if f.startswith("model-")]
+    assert shards
+    calls = []
+    real = api.calibrate
+    monkeypatch.setattr(api, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a checkpoint" in err and "--overwrite" in err and calls == []
+    assert main(["calibrate", str(model), "--out", str(out), *common, "--overwrite", "--no-progress"]) == 0
+    assert calls == [1]
+    assert not any(f.startswith("model-") or f.endswith(".index.json") for f in _files(out))  # the shards went
+    assert (out / "model.safetensors").exists() and not (out / ".quantmla_stream").exists()
+    # an --out that cannot be written is refused before any work (here: below a regular file)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for extra in ([], ["--stream"]):
+        assert main(["calibrate", str(model), "--out", str(blocker / "sub"), *common, *extra, "--no-progress"]) == 2
+        assert "not writable" in capsys.readouterr().err
+    assert calls == [1]
+
+
+def test_stream_shows_progress_inside_a_layer(cli_model, tmp_path, capsys):
+    """--stream shows progress while a layer runs (its forward batches and its fit), not only after it."""
+    from quantmla.cli import main
+
+    model, common = cli_model
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "o"), *common, "--stream"]) == 0
+    cap = capsys.readouterr()
+    assert "layer 0: forward" in cap.err and "slot 0: fit" in cap.err and "layer   0 (rank 0)" in cap.out
+    assert main(["calibrate", str(model), "--out", str(tmp_path / "q"), *common, "--stream", "--no-progress"]) == 0
+    assert "layer 0: forward" not in capsys.readouterr().err

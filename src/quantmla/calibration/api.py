@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.calibration.capture import WEIGHTINGS, capture_calibration_data
+from quantmla.calibration.capture import capture_calibration_data
 from quantmla.calibration.content import content_fn, fit_content
 from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant
-from quantmla.calibration.rope import SEARCHES, fit_rope
+from quantmla.calibration.options import METHODS, PATHS, CalibrationOptions
+from quantmla.calibration.rope import fit_rope
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec
 from quantmla.transforms.content import ContentTransform
 from quantmla.transforms.fuse import LayerTransform, fuse_transforms
 from quantmla.transforms.rope import RopeTransform, apply_pairs
 
-METHODS = ("quantmla", "hadamard", "rtn")
-PATHS = ("content", "rope")
+__all__ = ["METHODS", "PATHS", "CalibrationOptions", "CalibrationReport", "LayerReport", "calibrate", "fit_layer"]
 
 
 @dataclass
@@ -90,31 +90,32 @@ def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator)
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
-def check_options(quant: QuantCacheConfig, *, method: str, paths, rope_weighting: str,
-                  rope_spread: float = 0.0) -> tuple[str, ...]:
-    """calibrate's option checks (streamed calibration makes the same ones); -> paths as a tuple."""
-    if not 0.0 <= float(rope_spread) <= 1.0:
-        raise QuantMLAError(f"rope_spread is a fraction of the RoPE keys, between 0 and 1; got {rope_spread}")
-    if method not in METHODS:
-        raise QuantMLAError(f"unknown calibration method {method!r}; use one of {METHODS}")
-    paths = tuple(paths)
-    bad = [p for p in paths if p not in PATHS]
-    if bad or not paths:
-        raise QuantMLAError(f"paths must be a non-empty subset of {PATHS}, got {paths}")
-    if rope_weighting not in WEIGHTINGS:
-        raise QuantMLAError(f"rope_weighting must be one of {WEIGHTINGS}, got {rope_weighting!r}")
-    if not isinstance(quant, QuantCacheConfig):
-        raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
-    return paths
-
-
 def check_formats(spec, quant: QuantCacheConfig) -> None:
     """The model caches a latent and every layer's formats fit its d_c and d_r."""
+    if not isinstance(quant, QuantCacheConfig):
+        raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
     spec.require_latent_cache()
     for slot in spec.mla_layers:
         f = quant.format_for(slot)
         f.content.check_dim(spec.d_c, f"content path of layer {slot}")
         f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
+
+
+def rope_centring(quant: QuantCacheConfig, slots, *, method: str, paths, rope_center: bool) -> bool:
+    """Whether a calibration with these options centres the RoPE keys: method quantmla, the RoPE
+    path among `paths` and quantized in some slot, and `rope_center`. Its checkpoint then lists every
+    fitted slot under rope_offsets; otherwise it is marked ``"rope_centring": false`` and carries none."""
+    return bool(rope_center) and method == "quantmla" and "rope" in paths and \
+        any(quant.format_for(s).rope.quantized for s in slots)
+
+
+def slot_offsets(fitted: dict[int, list[float] | tuple[float, ...]], slots, centred: bool) -> dict:
+    """The checkpoint's rope_offsets (``QuantCacheConfig.rope_offsets``): every slot's fitted offset
+    [d_r], None for a slot where centring did not beat plain RTN on held-out keys (stored uncentred),
+    and no entry at all when the calibration did not centre (written as ``"rope_centring": false``)."""
+    if not centred:
+        return {}
+    return {int(s): (tuple(float(x) for x in fitted[int(s)]) if int(s) in fitted else None) for s in sorted(slots)}
 
 
 def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
@@ -182,21 +183,21 @@ def spread_key_positions(d, generator: torch.Generator, context: int | None = No
     return dc.replace(d, keys=keys, A=A)
 
 
-def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method: str, paths: tuple[str, ...],
-              seed: int, steps: int, rope_steps: int, lr: float, batch_size: int, rope_weighting: str,
-              rope_searches: tuple[str, ...], rope_center: bool = True, rope_spread: float = 0.0,
+def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: CalibrationOptions,
               pbar=None) -> tuple[LayerTransform, LayerReport]:
     """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
     the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
     This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
 
-    rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their mean
-    over the model's context, estimated from the fit sequences, becomes the slot's cache offset, see
-    :func:`centre_rope_keys`) and every fit, and the "after" figures, see the centred keys; "before"
-    is plain RTN."""
+    opts.rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their
+    mean over the model's context, estimated from the fit sequences, becomes the slot's cache offset,
+    see :func:`centre_rope_keys`) and every fit, and the "after" figures, see the centred keys;
+    "before" is plain RTN."""
+    method, paths, seed, rope_weighting = opts.method, opts.paths, opts.seed, opts.rope_weighting
+    rope_spread = opts.rope_spread
     slot = d.slot
     mu = None
-    if rope_center and method == "quantmla" and "rope" in paths and fmt.rope.quantized:
+    if opts.rope_center and method == "quantmla" and "rope" in paths and fmt.rope.quantized:
         if rope_spread > 0:
             d = spread_key_positions(d, torch.Generator().manual_seed(seed * 1000003 + slot + 7), fraction=rope_spread)
         d_rtn = d  # the keys as they are: RTN's "before"
@@ -208,15 +209,15 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *, method
     ct: ContentTransform | None = None
     rt: RopeTransform | None = None
     if "content" in paths:
-        cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=steps, lr=lr,
-                         batch_size=batch_size, generator=lg, pbar=pbar)
+        cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=opts.steps, lr=opts.lr,
+                         batch_size=opts.batch_size, generator=lg, pbar=pbar)
         rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
                        "candidates": cf.heldout, "train_curve": cf.curve}
         ct = None if cf.chosen == "rtn" else cf.transform
     if "rope" in paths:
         if method == "quantmla":
-            rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=rope_searches,
-                          steps=rope_steps, pbar=pbar)
+            rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
+                          steps=opts.fitted_rope_steps, pbar=pbar)
             rt = None if rf.chosen == "rtn" else rf.transform
             cands, chosen, before = dict(rf.heldout), rf.chosen, rf.heldout["rtn"]
             if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are
@@ -254,75 +255,63 @@ def calibrate(
     model: torch.nn.Module,
     calib_ids: torch.Tensor,
     quant: QuantCacheConfig,
+    options: CalibrationOptions | None = None,
     *,
-    method: str = "quantmla",
-    paths: tuple[str, ...] = PATHS,
-    seed: int = 0,
-    steps: int = 200,
-    rope_steps: int | None = None,
-    lr: float = 1e-2,
-    batch_size: int = 4,
-    queries_per_seq: int = 64,
-    rope_keys_per_seq: int = 128,
-    rope_weighting: str = "attention",
-    rope_searches: tuple[str, ...] = SEARCHES,
-    rope_center: bool = True,
-    rope_spread: float = 0.0,
-    heldout_fraction: float = 0.25,
-    max_capture_bytes: int = 2 << 30,
     progress: bool = True,
     verbose: bool | None = None,
-    device: torch.device | str | None = None,
+    **changes,
 ) -> CalibrationReport:
     """Calibrate `model` in place for the cache format `quant` and fuse the transforms.
 
     calib_ids: LongTensor [N, L] (N >= 2; a quarter of the sequences is held out). Sets
     ``model.config.quantization_config = quant.to_dict()`` with ``method`` recorded. Returns the
     per-layer held-out objectives before (RTN) and after. Deterministic for a given seed.
-    device: where captured activations live and the fits run (default: CPU).
+    options: a :class:`CalibrationOptions` (default: its defaults); keyword `changes` replace its
+    fields (``calibrate(model, ids, quant, method="hadamard", steps=50)``). progress: progress bars;
+    verbose: print the report table (default: as progress).
     """
-    paths = check_options(quant, method=method, paths=paths, rope_weighting=rope_weighting, rope_spread=rope_spread)
+    opts = CalibrationOptions.of(options, **changes).check()
     spec = load_spec(model)
     check_formats(spec, quant)
     verbose = progress if verbose is None else verbose
-    rope_steps = steps if rope_steps is None else rope_steps
+    method, paths, seed = opts.method, opts.paths, opts.seed
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(seed)  # every random choice below uses explicit generators
     calib_ids = torch.as_tensor(calib_ids)
-    fit_seqs, held_seqs = split_sequences(calib_ids.shape[0], heldout_fraction, g)
+    fit_seqs, held_seqs = split_sequences(calib_ids.shape[0], opts.heldout_fraction, g)
 
     was_training = model.training
     model.eval()
-    data = capture_calibration_data(model, spec, calib_ids, queries_per_seq=queries_per_seq,
-                                    rope_keys_per_seq=rope_keys_per_seq, batch_size=batch_size,
-                                    max_bytes=max_capture_bytes, seed=seed, progress=progress, store_device=device)
+    data = capture_calibration_data(model, spec, calib_ids, queries_per_seq=opts.queries_per_seq,
+                                    rope_keys_per_seq=opts.rope_keys_per_seq, batch_size=opts.batch_size,
+                                    max_bytes=opts.max_capture_bytes, seed=seed, progress=progress,
+                                    store_device=opts.device)
     t_capture = time.perf_counter() - t0
 
     from tqdm.auto import tqdm
 
     learn_content = method == "quantmla" and "content" in paths
-    total = len(data) * ((steps if learn_content else 0) + (1 if method == "quantmla" and "rope" in paths else 0))
-    pbar = tqdm(total=total, desc="calibrating", disable=not progress or total == 0, leave=False)
+    total = len(data) * ((opts.steps if learn_content else 0) + (1 if method == "quantmla" and "rope" in paths else 0))
+    pbar = tqdm(total=total, desc=f"calibrating ({method}, {len(data)} layers)", disable=not progress or total == 0,
+                leave=False)
     transforms: dict[int, LayerTransform] = {}
     reports: list[LayerReport] = []
     try:
         for slot, d in data.items():
-            transforms[slot], rep = fit_layer(
-                d, quant.format_for(slot), fit_seqs, held_seqs, method=method, paths=paths, seed=seed, steps=steps,
-                rope_steps=rope_steps, lr=lr, batch_size=batch_size, rope_weighting=rope_weighting,
-                rope_searches=rope_searches, rope_center=rope_center, rope_spread=rope_spread, pbar=pbar)
+            transforms[slot], rep = fit_layer(d, quant.format_for(slot), fit_seqs, held_seqs, opts, pbar=pbar)
             reports.append(rep)
     finally:
         pbar.close()
     t_fit = time.perf_counter() - t0 - t_capture
 
     fuse_transforms(model, {k: v for k, v in transforms.items() if v.content is not None or v.rope is not None}, spec)
-    offsets = {r.slot: None if r.rope_offset is None else tuple(r.rope_offset) for r in reports}  # None: uncentred
+    centred = rope_centring(quant, list(data), method=method, paths=paths, rope_center=opts.rope_center)
+    offsets = slot_offsets({r.slot: r.rope_offset for r in reports if r.rope_offset is not None}, list(data), centred)
     dataclasses.replace(quant, method=method, rope_offsets=offsets).attach(model)  # model.config.quantization_config
     model.train(was_training)
     report = CalibrationReport(
         method=method, paths=paths, seed=seed, quant=model.config.quantization_config, tokens=int(calib_ids.numel()),
-        fit_sequences=len(fit_seqs), heldout_sequences=len(held_seqs), rope_weighting=rope_weighting, layers=reports,
+        fit_sequences=len(fit_seqs), heldout_sequences=len(held_seqs), rope_weighting=opts.rope_weighting, layers=reports,
         seconds={"capture": t_capture, "fit": t_fit, "total": time.perf_counter() - t0},
     )
     if verbose:

@@ -18,7 +18,7 @@ Per layer and calibration sequence (length L) we keep:
 Memory is bounded: bytes per layer are estimated up front and the layers are captured in as many
 forward passes over the calibration data as ``max_bytes`` requires (a progress bar per pass).
 
-Per-layer entry points (used here and by layer-streamed calibration, calibration/stream.py):
+Per-layer entry points (used here and by layer-streamed calibration, calibration/stream/fitters.py):
 :func:`plan_capture` samples the query and key positions once per calibration set, and a
 :class:`LayerCapture` records one layer's inputs batch by batch into its :class:`LayerData`.
 """

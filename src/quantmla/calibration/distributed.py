@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.calibration.stream import (
-    LayerStats, StreamReport, Streamer, _stream_layers, nbytes_of, reset_peak_rss, to_device,
-)
+from quantmla.calibration.stream.memory import nbytes_of, reset_peak_rss, to_device
+from quantmla.calibration.stream.run import Streamer, _stream_layers
+from quantmla.calibration.stream.state import LayerStats, StreamReport
 from quantmla.errors import QuantMLAError
 
 
@@ -102,20 +102,22 @@ def calibrate_streamed_distributed(
               attn_implementation=attn_implementation, checksum=checksum, overwrite=overwrite)
 
     # rank 0 prepares (or validates, when resuming) the output directory first
-    err = None
+    err = work = None
     st = None
     if rank == 0:
         try:
             st = Streamer(source, output, calib_ids, quant, prepare=True, **kw)
+            work = st.state.output  # the output directory, or the staging one that replaces it
         except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
             err = f"{type(e).__name__}: {e}"
-    err = _bcast(err, cdev)
+    err, work = _bcast((err, work), cdev)
     if err is not None:
         raise QuantMLAError(f"rank 0 could not start the streamed calibration: {err}")
     if rank != 0:
         kw["overwrite"] = False
-        st = Streamer(source, output, calib_ids, quant, prepare=False, **kw)
+        st = Streamer(source, output, calib_ids, quant, prepare=False, work_dir=work, **kw)
     st.fault = _fault
+    st.show_progress = st.fitter.show_progress = progress is not None and rank == 0
 
     plan = None
     if rank == 0:

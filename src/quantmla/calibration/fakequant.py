@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.quant import PathFormat, fake_quant
+from quantmla.quant.groupwise import group_scales, grouped
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -24,27 +25,18 @@ def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fake_quant_lsq(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
-    """x [..., D] -> quantize-dequantize(x) in fp32, differentiable through the group scale/zero."""
+    """x [..., D] -> quantize-dequantize(x) in fp32, differentiable through the group scale/zero
+    (the stored format's own scale math, ``groupwise.group_scales``, with straight-through casts)."""
     if not fmt.quantized or fmt.mode == "fp8":
         return fake_quant(x.float(), fmt)
-    D = x.shape[-1]
-    fmt.check_dim(D)
-    xg = x.float().reshape(*x.shape[:-1], D // fmt.group_size, fmt.group_size)
+    xg = grouped(x, fmt)
     mdt = fmt.torch_meta_dtype
+    scale, zero = group_scales(xg, fmt, cast=lambda t: _cast_ste(t, mdt))
     qmax = 2**fmt.bits - 1
     if fmt.mode == "affine":
-        lo = xg.amin(-1, keepdim=True)
-        hi = xg.amax(-1, keepdim=True)
-        zero = _cast_ste(lo, mdt)
-        scale = _cast_ste((hi - zero) / qmax, mdt)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = _round_ste((xg - zero) / scale).clamp(0, qmax)
         out = q * scale + zero
     else:
-        amax = xg.abs().amax(-1, keepdim=True)
-        top = 2 ** (fmt.bits - 1) - 1
-        scale = _cast_ste(amax / top, mdt)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         mid = 2 ** (fmt.bits - 1)
         q = (_round_ste(xg / scale) + mid).clamp(0, qmax)
         out = (q - mid) * scale

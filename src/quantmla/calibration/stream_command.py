@@ -21,61 +21,26 @@ import os
 import sys
 import time
 
-
-def add_stream_arguments(p) -> None:
-    """The streaming options of ``quantmla calibrate`` (added once: calibrate's add_arguments calls this)."""
-    if "--stream" in getattr(p, "_option_string_actions", {}):  # already added
-        return
-    g = p.add_argument_group("streaming: models that do not fit in memory (docs/scaling.md)")
-    g.add_argument("--stream", action="store_true",
-                   help="calibrate layer by layer from the sharded safetensors checkpoint, never holding the whole model; "
-                        "resumes a killed run in the same --out")
-    g.add_argument("--nproc", type=int, default=1,
-                   help="with --stream: processes on this host (gloo on CPU, NCCL with --device cuda); torchrun works too")
-    g.add_argument("--activations", default="memory", choices=("memory", "device", "disk"),
-                   help="with --stream: where the calibration hidden states live (disk: file-backed, beyond RAM)")
-    g.add_argument("--checkpoint-every", type=int, default=1,
-                   help="with --stream: save the hidden states every k layers for resuming (0: never)")
-    g.add_argument("--overwrite", action="store_true", help="with --stream: discard an earlier run's state in --out")
-    g.add_argument("--checksum", action="store_true", help="with --stream: sha256 of every shard in its done-marker")
-    g.add_argument("--stream-report", default=None, help="with --stream: write per-layer time and memory (JSON) here")
+from quantmla.calibration.arguments import add_arguments as calibrate_arguments
+from quantmla.calibration.arguments import calibration_ids, preflight
 
 
 def add_arguments(p) -> None:
     """calibrate's options (which include the streaming group), with --stream implied."""
-    from quantmla.calibration.command import add_arguments as calibrate_arguments
-
     calibrate_arguments(p)
-    add_stream_arguments(p)  # no-op when calibrate already added them
     p.set_defaults(stream=True)
 
 
-def _quant(args, spec):
-    from quantmla.calibration.command import cli_cache_config
-
-    return cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
-
-
-def _ids(args):
-    from transformers import AutoTokenizer
-
-    from quantmla.calibration.data import load_calibration_ids
-    from quantmla.errors import QuantMLAError
-
-    try:
-        tok = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError, TypeError) as e:
-        raise QuantMLAError(f"{args.model}: no usable tokenizer ({e}); calibration text is tokenized with the checkpoint's own") from None
-    return load_calibration_ids(tok, args.calib, args.seq_len, args.calib_seqs)
-
-
 def _options(args) -> dict:
-    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
-    fit = {"paths": paths, "steps": args.steps, "rope_weighting": args.rope_weighting,
-           "rope_center": not getattr(args, "no_rope_center", False), "rope_spread": getattr(args, "rope_spread", 0.0)}
+    """calibrate_streamed's keyword arguments of the flags (the fit's: calibrate's CalibrationOptions)."""
+    import dataclasses
+
+    from quantmla.calibration.options import CalibrationOptions
+
+    fit = CalibrationOptions.from_args(args).check()
     if str(args.device) != "cpu":  # fit where the layers run ("cuda": each rank's own GPU)
-        fit["device"] = "cuda" if str(args.device).startswith("cuda") else args.device
-    return dict(method=args.method, seed=args.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,
+        fit = dataclasses.replace(fit, device="cuda" if str(args.device).startswith("cuda") else args.device)
+    return dict(method=fit.method, seed=fit.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,
                 checksum=args.checksum, overwrite=args.overwrite, fit_kwargs=fit)
 
 
@@ -104,19 +69,13 @@ def run_streamed(args) -> int:
     from quantmla.calibration.distributed import calibrate_streamed_distributed, launch_local, rank_summary
     from quantmla.calibration.stream import calibrate_streamed
     from quantmla.errors import QuantMLAError
-    from quantmla.model.spec import load_spec
 
     t0 = time.perf_counter()
     if getattr(args, "dtype", "auto") not in ("auto", None):
         raise QuantMLAError("--stream writes every tensor in the checkpoint's own dtype (calibration runs in fp32); drop --dtype")
-    from quantmla.calibration.command import refuse_calibrated
-
-    spec = load_spec(args.model)
-    spec.require_latent_cache()
-    quant = _quant(args, spec)  # checked against d_c / d_r before any weights are read, as calibrate does
-    refuse_calibrated(args.model)
-    ids = _ids(args)
     opts = _options(args)
+    _, quant = preflight(args, overwrite=True)  # a checkpoint already in --out is judged when the run starts (resume)
+    _, ids = calibration_ids(args)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = str(args.device).startswith("cuda")

@@ -307,7 +307,7 @@ def run(args) -> int:
             "seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],
             "retrieval_lengths": list(preset["lengths"]), "retrieval_formats": list(args.retrieval_formats),
             "seed": args.seed}
-    calib_kwargs = {"progress": False}
+    calib_kwargs = {"progress": True, "verbose": False}  # a progress bar while a row calibrates, no report table
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
     elif args.quick:

@@ -37,7 +37,8 @@ def check_finite(x: torch.Tensor, what: str = "activations") -> None:
         )
 
 
-def _grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+def grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
+    """x [..., D] -> fp32 [..., D / group_size, group_size]."""
     D = x.shape[-1]
     fmt.check_dim(D)
     return x.float().reshape(*x.shape[:-1], D // fmt.group_size, fmt.group_size)
@@ -49,19 +50,22 @@ def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=like.device)
 
 
-def _scales(xg: torch.Tensor, fmt: PathFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stored scale (and zero) per group, rounded to the meta dtype, as fp32 [..., G, 1]."""
+def group_scales(xg: torch.Tensor, fmt: PathFormat, cast=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored scale (and zero, affine formats) per group of xg [..., G, group_size], rounded to the
+    meta dtype, as fp32 [..., G, 1]. `cast(t)` rounds to the meta dtype (default ``t.to(meta).float()``;
+    calibration's fake quantizer passes a straight-through version)."""
     mdt = fmt.torch_meta_dtype
+    cast = cast or (lambda t: t.to(mdt).float())
     if fmt.mode == "affine":
         lo = xg.amin(-1, keepdim=True)
         hi = xg.amax(-1, keepdim=True)
-        zero = lo.to(mdt).float()
-        scale = ((hi - zero) / _divisor(xg, 2**fmt.bits - 1)).to(mdt).float()
+        zero = cast(lo)
+        scale = cast((hi - zero) / _divisor(xg, 2**fmt.bits - 1))
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
         return scale, zero
     amax = xg.abs().amax(-1, keepdim=True)
     top = FP8_MAX if fmt.mode == "fp8" else 2 ** (fmt.bits - 1) - 1
-    scale = (amax / _divisor(xg, top)).to(mdt).float()
+    scale = cast(amax / _divisor(xg, top))
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale, None
 
@@ -71,8 +75,8 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     if not fmt.quantized:
         raise ValueError("a 16-bit format stores values unquantized; nothing to quantize")
     check_finite(x)
-    xg = _grouped(x, fmt)
-    scale, zero = _scales(xg, fmt)
+    xg = grouped(x, fmt)
+    scale, zero = group_scales(xg, fmt)
     mdt = fmt.torch_meta_dtype
     if fmt.mode == "fp8":
         y = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
