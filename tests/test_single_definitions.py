@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from quantmla.cache.config import QuantCacheConfig, stored_cache_config
+from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.layout import CacheFormat, compression
 from quantmla.cache.paged import compression_report
 from quantmla.errors import QuantMLAError
@@ -40,7 +40,9 @@ def test_stored_cache_formats_from_a_config_object_or_its_json():
     assert QuantCacheConfig.from_model_config(fp8) is None
     assert QuantCacheConfig.from_model_config({"model_type": "x"}) is None
     assert QuantCacheConfig.from_model_config(PretrainedConfig(quantization_config=fp8["quantization_config"])) is None
-    assert stored_cache_config == QuantCacheConfig.from_model_config
+    import quantmla.cache.config as config
+
+    assert not hasattr(config, "stored_cache_config")  # one name for it
 
 
 def test_compression_report_ratio_is_the_layout_ratio():

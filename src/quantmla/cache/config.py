@@ -198,7 +198,7 @@ def resolve_cache_config(model_config, requested: QuantCacheConfig | None) -> Qu
     for; asking for different formats is an error (the transforms would not match). A plain
     checkpoint takes whatever is requested (round-to-nearest on the untransformed weights).
     """
-    stored = stored_cache_config(model_config)
+    stored = QuantCacheConfig.from_model_config(model_config)
     if requested is None:
         if stored is None:
             raise QuantMLAError(
@@ -223,7 +223,6 @@ def reconcile(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: str | 
     return replace(requested, rope_offsets=stored.rope_offsets)
 
 
-stored_cache_config = QuantCacheConfig.from_model_config  # the same function, under the name the commands import
 
 
 def same_formats(a: QuantCacheConfig, b: QuantCacheConfig) -> bool:

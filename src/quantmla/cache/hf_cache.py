@@ -18,12 +18,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from quantmla.cache.config import (
-    QuantCacheConfig,
-    centre_rope_keys,
-    reconcile,
-    stored_cache_config,
-)
+from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
 from quantmla.cache.layout import CacheFormat, TokenLayout
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, load_spec
@@ -249,7 +244,7 @@ def _stored_config(config) -> QuantCacheConfig | None:
         import json
 
         with open(os.path.join(os.fspath(config), "config.json")) as f:
-            return stored_cache_config(json.load(f))
+            return QuantCacheConfig.from_model_config(json.load(f))
     if isinstance(config, MLASpec):
         return None
-    return stored_cache_config(config)
+    return QuantCacheConfig.from_model_config(config)

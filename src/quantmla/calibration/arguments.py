@@ -74,11 +74,11 @@ def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope
 
 def refuse_calibrated(model_dir) -> None:
     """Refuse a checkpoint `quantmla calibrate` already wrote: new transforms would stack on the fused ones."""
-    from quantmla.cache.config import stored_cache_config
+    from quantmla.cache.config import QuantCacheConfig
     from quantmla.errors import QuantMLAError
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        stored = stored_cache_config(json.load(f))
+        stored = QuantCacheConfig.from_model_config(json.load(f))
     if stored is not None:
         raise QuantMLAError(
             f"{model_dir} is already calibrated ({stored.method}, {stored.describe()}); calibrating it again would "

@@ -159,7 +159,7 @@ def check_rows(path: str, spec, rows, args) -> None:
     evaluated only at the formats it was calibrated for, without calibrating it a second time."""
     import json
 
-    from quantmla.cache.config import QuantCacheConfig, check_matches, stored_cache_config
+    from quantmla.cache.config import QuantCacheConfig, check_matches
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation.harness import CALIBRATED
 
@@ -169,7 +169,7 @@ def check_rows(path: str, spec, rows, args) -> None:
         if r.config.rope.quantized and r.method != "kivi":
             r.config.rope.check_dim(spec.d_r, f"{r.config.name}: the RoPE path (--rope-group, qk_rope_head_dim {spec.d_r})")
     with open(os.path.join(path, "config.json")) as f:
-        stored = stored_cache_config(json.load(f))
+        stored = QuantCacheConfig.from_model_config(json.load(f))
     if stored is None:
         return
     stored.check_model(spec)  # its RoPE offsets and overrides fit this model (the cache will use them)

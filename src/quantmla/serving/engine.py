@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile, stored_cache_config
+from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.cache.paged import slot_of
 from quantmla.errors import QuantMLAError
@@ -123,7 +123,7 @@ class Engine:
                 "attention layer is MLA"
             )
         quant = config.quant or BF16_CONFIG
-        stored = stored_cache_config(model.config)
+        stored = QuantCacheConfig.from_model_config(model.config)
         if stored is not None and quant.quantizes:  # a calibrated model: its formats, always with its RoPE offsets
             quant = reconcile(stored, quant)
         quant.check_model(spec)
@@ -188,7 +188,7 @@ class Engine:
         check_weight_files(path)
         config = config or EngineConfig()
         if config.quant is None:  # the checkpoint's formats are read (and checked) before any weight
-            q = stored_cache_config(AutoConfig.from_pretrained(path))
+            q = QuantCacheConfig.from_model_config(AutoConfig.from_pretrained(path))
             if q is not None:
                 config = EngineConfig(**{**config.__dict__, "quant": q})
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to(device)

@@ -96,7 +96,7 @@ def run(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from quantmla.cache.config import QuantCacheConfig, resolve_cache_config, stored_cache_config
+    from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
     from quantmla.checks import check_device, check_output_file, check_positive
     from quantmla.cli import CLIError
     from quantmla.errors import QuantMLAError
@@ -121,7 +121,7 @@ def run(args) -> int:
     requested = None
     if args.content_bits is not None:
         requested = QuantCacheConfig.of_bits(args.content_bits, args.rope_bits, args.content_group, args.rope_group)
-    if requested is None and stored_cache_config(model_config) is None:
+    if requested is None and QuantCacheConfig.from_model_config(model_config) is None:
         quant = BF16_CONFIG
     else:
         quant = resolve_cache_config(model_config, requested)
