@@ -7,7 +7,7 @@ read through the quantized cache) of QuantMLA calibrated three ways:
 - offsets stripped: the same checkpoint read by a runtime that ignores ``rope_offsets``;
 - no centring: calibrated with ``--no-rope-center`` (``"rope_centring": false``), read as it is.
 
-    python bench/rope_offsets_cost.py --chunks 32 --calib-n 16 --out bench/results/rope_offsets_cost_cpu.json
+    python bench/rope_offsets_cost.py --chunks 32 --calib-n 16 --out bench/results/calibration/rope_offsets_cost_cpu.json
 """
 
 from __future__ import annotations
