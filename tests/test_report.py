@@ -21,7 +21,9 @@ def _rows():
 
 def test_report_nests_headings_and_shows_no_internal_sections(tmp_path):
     rows = _rows()
-    table_md = table.markdown(rows)
+    from quantmla.evaluation import claims
+
+    table_md = table.markdown(rows, claims.claim_lines)
     analysis_md = "# Dual-path error analysis: m\n\nsome text\n\n| a |\n|---|\n| 1 |\n"
     plots = [report.accuracy_plot(rows, str(tmp_path)), report.compression_plot(128, 32, str(tmp_path))]
     md = report.report_markdown("m", "Model: m.", table_md, analysis_md, plots, str(tmp_path), 12.0)
