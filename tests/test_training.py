@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quantmla.training import data as D
-from quantmla.training.families import FAMILIES, MODEL_NAMES, make_config
+from quantmla.training.families import FAMILIES, make_config, model_name
 from quantmla.training.tokenizer import (
     load_tokenizer,
     save_tokenizer,
@@ -208,7 +208,7 @@ def test_cli_trains_every_family_on_cpu(tmp_path):
     res = json.loads((tmp_path / "res.json").read_text())
     assert [m["family"] for m in res["models"]] == list(FAMILIES)
     for fam in FAMILIES:
-        d = out / MODEL_NAMES[fam]
+        d = out / model_name(fam, "tiny")  # sizes other than "ref" are written under their own names
         card = json.loads((d / "card.json").read_text())
         assert card["training"]["steps"] == 3 and card["params"] > 0
         assert np.isfinite(card["eval"]["bpb_code"]) and set(card["eval"]["retrieval"]) == {"256", "512"}

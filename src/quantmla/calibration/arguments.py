@@ -23,9 +23,10 @@ def add_arguments(p):
     p.add_argument("--overwrite", action="store_true",
                    help="replace a checkpoint already in --out (the new one is written beside it and swapped in whole "
                         "when complete); with --stream, also discard an earlier run's state there")
-    p.add_argument("--method", default="quantmla", choices=("quantmla", "hadamard", "rtn"))
+    p.add_argument("--method", default="quantmla", choices=("quantmla", "hadamard", "rtn"),
+                   help="quantmla: learned path transforms; hadamard: a fixed rotation of the content path; rtn: none")
     p.add_argument("--paths", default="content,rope", help="paths to transform: content,rope | content | rope")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (held-out split, initialization)")
     p.add_argument("--steps", type=int, default=200, help="Adam steps per layer (content; also the RoPE Adam search)")
     p.add_argument("--calib-seqs", type=int, default=16, help="calibration rows (a quarter is held out)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration row")
@@ -42,7 +43,7 @@ def add_arguments(p):
                         "(docs/calibration.md)")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype of the saved weights (auto: the checkpoint's own); calibration always runs in fp32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the fits run on (cpu, cuda)")
     p.add_argument("--json", action="store_true", help="print the calibration report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_stream_arguments(p)  # --stream and its options (their own help group)
