@@ -1,4 +1,4 @@
-"""Where a serving step spends its GPU time, per cache method (H200 diagnosis for issue #6).
+"""Where a serving step spends its GPU time, per cache method: kernel families and the step's parts.
 
     PYTHONPATH=src python3 bench/profile_serving.py --out $OUT/profile_serving.json
     PYTHONPATH=src python3 bench/profile_serving.py --phase prefill --batched-tokens 8192 --steps 4
@@ -7,11 +7,18 @@ Runs the serve-bench model (v2-lite geometry, random weights) under ``torch.prof
 method, the CUDA time of each kernel family per step and the wall time per step. ``--phase decode``
 (default): eager decode steps of ``--batch`` rows, profiled after every prompt is in. ``--phase
 prefill``: the job's first ``--steps`` steps, which are all prefill chunks of ``--batched-tokens``.
+Each method's ``parts`` split a step into attention, cache append, projections and MLP, sampling,
+other kernels and host time, with the bytes attention and the weights must read and the fraction of
+the device's copy bandwidth they reach (``copy_GBps``, measured first).
+
+    PYTHONPATH=src python3 bench/profile_serving.py --batch 32 --prompt 16384 --steps 6 --kv-budget-gib 20 \
+        --content-group 128 --rope-group 64 --batched-tokens 16384 --methods bf16 fp8 int4/int4 int2/int4
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -23,6 +30,51 @@ from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
 
 from common import record, save  # bench/common.py
+
+
+PARTS = (  # kernel name patterns of each part of a step, first match wins
+    ("attention", re.compile(r"mla_decode|_mla_combine|mla_prefill")),
+    ("cache append", re.compile(r"_append_kernel|_read_kernel")),
+    ("projections and MLP", re.compile(r"gemm|nvjet|cutlass|sm90_xmma|ampere_|matmul|cublas", re.I)),
+    ("sampling", re.compile(r"argmax|ArgMax|topk|sort|isfinite|softmax", re.I)),
+)
+
+
+def step_parts(fam: dict, engine, model, a, copy_gbps: float, wall_s: float) -> dict:
+    """The step's GPU time split into attention, cache append, projections and MLP, sampling and the
+    rest, with the bytes each part must read (attention: every cached token's record of every layer;
+    projections and MLP: every weight once) and the fraction of copy bandwidth it reaches; host time is
+    the wall time per step less the GPU time (the step is not overlapped)."""
+    parts = {name: 0.0 for name, _ in PARTS} | {"other": 0.0}
+    for k, us in fam.items():
+        parts[next((name for name, pat in PARTS if pat.search(k)), "other")] += us
+    context = a.prompt + a.steps / 2 + a.batch / 2  # mean cached tokens per row over the profiled steps
+    need = {"attention": a.batch * context * engine.bytes_per_token,
+            "projections and MLP": sum(p.numel() * p.element_size() for p in model.parameters())}
+    out = {}
+    for name, us in parts.items():
+        row = {"us_per_step": round(us, 1)}
+        if name in need and us > 0:
+            gbps = need[name] / (us * 1e-6) / 1e9
+            row.update(bytes_per_step=int(need[name]), GBps=round(gbps, 1), frac_copy=round(gbps / copy_gbps, 3))
+        out[name] = row
+    out["host"] = {"us_per_step": round(max(0.0, wall_s * 1e6 - sum(parts.values())), 1)}
+    return out
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy GB/s (bytes read + written), the ceiling the parts are measured against."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
 def main(argv=None) -> int:
@@ -42,11 +94,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
+    copy_gbps = copy_bandwidth(a.device)
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     cuda = a.device.startswith("cuda")
     acts = ([ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.shapes else [])) if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    res = {**record(), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    res = {**record(), "copy_GBps": copy_gbps, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "phase": a.phase,
            "max_num_batched_tokens": a.batched_tokens, "content_group": a.content_group, "rope_group": a.rope_group,
            "methods": {}}
@@ -82,7 +136,7 @@ def main(argv=None) -> int:
                     return
                 state["decode_steps"] += 1
                 state["tokens"] += sum(it.n for it in plan.items)
-                if a.phase == "prefill" and state["decode_steps"] == a.steps:
+                if state["decode_steps"] == a.steps:  # the window closes after --steps steps of the phase
                     sync()
                     state["wall"] = time.perf_counter() - state["t"]
                     state["prof"].__exit__(None, None, None)
@@ -91,12 +145,10 @@ def main(argv=None) -> int:
         e.observers.append(Window())
         e.generate(reqs)
         sync()
-        if a.phase == "prefill":
-            prof, wall = state.get("prof_done"), state["wall"]
-        else:
+        prof, wall = state.get("prof_done"), state["wall"]
+        if prof is None and state["prof"]:  # the job ended inside the window
             wall, prof = time.perf_counter() - state["t"], state["prof"]
-            if prof is not None:
-                prof.__exit__(None, None, None)
+            prof.__exit__(None, None, None)
         if not prof:
             print(f"{m}: no {a.phase} step profiled")
             continue
@@ -112,7 +164,8 @@ def main(argv=None) -> int:
         total = sum(fam.values())
         res["methods"][m] = {"format": q.describe(), "steps": n, "tokens_per_step": state["tokens"] / n,
                              "wall_ms_per_step": 1e3 * wall / n,
-                             "gpu_us_per_step": total, "top_us_per_step": dict(top)}
+                             "gpu_us_per_step": total, "top_us_per_step": dict(top),
+                             "parts": step_parts(fam, e, model, a, copy_gbps, wall / n)}
         if a.shapes and cuda:  # torch ops by input shapes: which call launches the costly kernels
             ops = [(ev.device_time_total / n, ev.count // n, ev.key, str(ev.input_shapes)[:160])
                    for ev in prof.key_averages(group_by_input_shape=True)
@@ -124,6 +177,9 @@ def main(argv=None) -> int:
               f"GPU kernels {total / 1e3:.2f} ms/step")
         for k, v in top:
             print(f"  {v:9.1f} us  {k}")
+        for k, v in res["methods"][m]["parts"].items():
+            extra = f"  {v['GBps']:8.0f} GB/s ({v['frac_copy']:.2f} of copy)" if "GBps" in v else ""
+            print(f"  part {k:22s} {v['us_per_step']:9.1f} us{extra}")
         for o in res["methods"][m].get("top_ops_by_shape", []):
             print(f"  {o['us_per_step']:9.1f} us  x{o['calls_per_step']:<4} {o['op']} {o['shapes']}")
         e.close()
