@@ -89,14 +89,15 @@ def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_si
 
 
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
-    """A cache method by name: "bf16", "fp8" (fp8_ds_mla) or "intC/intR" at the given group sizes."""
+    """A cache method by name: a named format of ``cache.layout.PRESETS`` ("bf16", "fp8" — fp8_ds_mla —,
+    "int4/int4", ...) or any "intC/intR", integer formats at the given group sizes."""
+    from quantmla.cache.layout import PRESETS, preset
+
     n = name.lower()
     if n == "bf16":
         return BF16_CONFIG
-    if n == "fp8":
-        from quantmla.cache.layout import preset
-
-        f = preset("fp8")
+    if n in PRESETS:
+        f = preset(n, content_group, rope_group)
         return QuantCacheConfig(content=f.content, rope=f.rope)
     try:
         c, r = n.split("/")
