@@ -56,6 +56,13 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     reports of offline sm_90 compiles and a first H200 run."""
     quant = method != "bf16"
     C = DecodeConfig
+    first = schedule.default_config(rows, PageLayout(TokenLayout(D_C, D_R, METHODS[method]), PAGE), "cuda" if DEV == "cuda" else "cpu")
+    if first.kernel == "cuda":  # the CUDA kernel, then the Triton tilings
+        return [first] + _triton_candidates(method, rows, quant, C)
+    return _triton_candidates(method, rows, quant, C)
+
+
+def _triton_candidates(method: str, rows: int, quant: bool, C) -> list[DecodeConfig]:
     if METHODS[method].content.mode == "fp8" and METHODS[method].content.quantized:  # the generic kernel
         if rows <= 16:
             return [

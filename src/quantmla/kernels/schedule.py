@@ -36,8 +36,10 @@ class DecodeConfig:
     """Tiling of the decode kernel. block_m: query rows (heads × query tokens) per program;
     block_n: tokens per tile; ctas_per_sm: programs the scheduler aims to keep per SM (it splits
     long sequences until there are about that many); min_chunk: fewest tokens a split covers;
-    kernel: "fused" (generated per format, codes exact in bf16, scales folded into scores and
-    probabilities; BF16 caches too) or "generic" (decode.py: tiles rebuilt to bf16 values);
+    kernel: "cuda" (kernels/cuda/mla_decode.cu: each tile built once in shared memory as 16-bit values
+    and read by both products; block_n 32, 8 warps, num_stages its cp.async stages), "fused" (Triton,
+    generated per format, codes exact in bf16, scales folded into scores and probabilities; BF16 caches
+    too) or "generic" (Triton, decode.py: tiles rebuilt to bf16 values);
     unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
     orient: "heads" (rows are the MMA M dimension) or "tokens" (the transposed problem: tokens and
     channels are M, so 16 heads still fill Hopper's 64-row wgmma);
@@ -55,7 +57,7 @@ class DecodeConfig:
     deq: int = 0
 
     def describe(self) -> str:
-        k = f"fused/{self.unpack}/{self.orient[0]}" if self.kernel == "fused" else f"generic/d{self.deq}"
+        k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": "cuda"}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
 
@@ -64,6 +66,13 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     bm = 16 if rows <= 16 else 32
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
+    if layout is not None and device is not None:
+        from quantmla.kernels import cuda
+
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
+        if plan is not None and cuda.build.nvcc() is not None:
+            return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS,
+                                num_stages=plan.stages, ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
     quant = layout is not None and layout.token.fmt.content.quantized
     if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
         # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
