@@ -76,7 +76,7 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     assert default_config(16, lay, "cpu").kernel != "cuda"
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
-            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"):
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         cfg = default_config(16, lay, "cuda")
     assert cfg.kernel == "cuda" and cfg.block_n == cuda.BLOCK_N and cfg.block_m == 16
 

@@ -68,9 +68,16 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
     if layout is not None and device is not None:
         from quantmla.kernels import cuda
+        from quantmla.kernels.cuda.build import nvcc
 
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
-        if plan is not None and cuda.build.nvcc() is not None:
+        if plan is not None and nvcc() is not None:
+            try:
+                cuda.prepare(plan, torch.device(device))  # built and loaded before any graph capture
+            except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
+                cuda.plan_reason[layout] = str(e).splitlines()[0]
+                plan = None
+        if plan is not None and nvcc() is not None:
             return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS,
                                 num_stages=plan.stages, ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
     quant = layout is not None and layout.token.fmt.content.quantized

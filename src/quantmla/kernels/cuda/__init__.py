@@ -162,6 +162,14 @@ def _assume_cuda() -> bool:
         return False
 
 
+def prepare(plan: DecodePlan, device: torch.device) -> None:
+    """Build and load `plan` now (not at the first launch, which may be inside a CUDA-graph capture)."""
+    from quantmla.kernels.cuda import driver
+    from quantmla.kernels.cuda.build import cubin_for
+
+    driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
+
+
 def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
     """Run the build of `plan` over grid (units, head blocks) on the current stream. `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
