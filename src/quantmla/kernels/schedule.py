@@ -153,7 +153,8 @@ def get_mla_metadata(
     num_sms: int | None = None,
     chunk_tokens: int | None = None,
 ) -> MLAMetadata:
-    """Split every sequence into work units so that about ``num_sms × ctas_per_sm`` programs run.
+    """Split every sequence into work units so that at most ``num_sms × ctas_per_sm`` programs run (one
+    wave: a second, partial wave would double the step's time), as many as the lengths allow.
 
     Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
     """
@@ -173,6 +174,9 @@ def get_mla_metadata(
     if chunk_tokens is None:
         target_units = max(1, (num_sms or _num_sms(device)) * cfg.ctas_per_sm // hb)
         chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
+        # no partial second wave: grow the chunk until the units fit in the programs that run at once
+        while sum(-(-t // chunk_tiles) for t in tiles) > target_units and chunk_tiles < max(tiles + [1]):
+            chunk_tiles += 1
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units: list[tuple[int, int, int, int]] = []
