@@ -70,7 +70,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         from quantmla.kernels import cuda
         from quantmla.kernels.cuda.build import nvcc
 
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device)) if cuda.chosen(layout, rows) else None
         if plan is not None and nvcc() is not None:
             try:
                 cuda.prepare(plan, torch.device(device))  # built and loaded before any graph capture

@@ -92,6 +92,15 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int) -> in
 plan_reason: dict = {}
 
 
+def chosen(layout: PageLayout, rows: int) -> bool:
+    """Whether the API's default takes this kernel, by the H200 measurements (bench/results/kernels/
+    decode_vs_peer_h200.json against decode_triton_h200.json): at 16 query rows it is the faster kernel in
+    every format; at 128 rows it is for integer content codes only (BF16 and FP8 run faster in Triton's
+    64-row tiles there)."""
+    fmt = layout.token.fmt.content
+    return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
+
+
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read."""
