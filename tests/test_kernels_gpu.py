@@ -107,13 +107,15 @@ def test_append_bit_exact_full_shape(name):
 
 
 def kernel_config(kernel, lay, H, SQ):
-    """None (the API's default: the CUDA kernel where nvcc is found) or the Triton kernel's default tiling."""
+    """The CUDA kernel's config, or the Triton kernel's default tiling."""
     if kernel == "cuda":
         from quantmla.kernels.cuda.build import nvcc
 
         if nvcc() is None:
             pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-        return None
+        from quantmla.kernels.schedule import cuda_config
+
+        return cuda_config(H * SQ, lay, "cuda")
     return _api().default_config(H * SQ, lay)  # no device: Triton's GPU tilings
 
 

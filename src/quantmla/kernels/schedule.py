@@ -68,18 +68,10 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
     if layout is not None and device is not None:
         from quantmla.kernels import cuda
-        from quantmla.kernels.cuda.build import nvcc
 
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device)) if cuda.chosen(layout, rows) else None
-        if plan is not None and nvcc() is not None:
-            try:
-                cuda.prepare(plan, torch.device(device))  # built and loaded before any graph capture
-            except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
-                cuda.plan_reason[layout] = str(e).splitlines()[0]
-                plan = None
-        if plan is not None and nvcc() is not None:
-            return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS,
-                                num_stages=plan.stages, ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
+        cfg = cuda_config(rows, layout, device) if cuda.chosen(layout, rows) else None
+        if cfg is not None:
+            return cfg
     quant = layout is not None and layout.token.fmt.content.quantized
     if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
         # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
@@ -95,6 +87,24 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128)
     # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
     return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
+
+
+def cuda_config(rows: int, layout: PageLayout, device: torch.device | str) -> DecodeConfig | None:
+    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph
+    capture); None where it cannot run here (the reason in ``kernels.cuda.plan_reason``)."""
+    from quantmla.kernels import cuda
+    from quantmla.kernels.cuda.build import nvcc
+
+    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
+    if plan is None or nvcc() is None:
+        return None
+    try:
+        cuda.prepare(plan, torch.device(device))
+    except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
+        cuda.plan_reason[layout] = str(e).splitlines()[0]
+        return None
+    return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS, num_stages=plan.stages,
+                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
 
 
 @dataclass

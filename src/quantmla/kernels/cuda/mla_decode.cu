@@ -146,6 +146,30 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
     }
+  } else if constexpr (KIND == 3 && GS % 16 == 0) {  // e4m3 values, 16 a step (one group): fp32 math, then T
+    constexpr int CPT = DIM / 16;
+    for (int i = tid; i < BN * CPT; i += NT) {
+      const int t = i / CPT, j = i % CPT;
+      uint32_t o8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (t < valid) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
+        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
+        const float sc = meta_f32<MB>(meta + t * FBM + (16 * j / GS) * meta_size<MB>());
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
+          const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+#if HALF
+          o8[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
+#else
+          o8[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+#endif
+        }
+      }
+      uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j);
+      dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
+      dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+    }
   } else if constexpr (KIND == 3) {  // e4m3 values, one scale per group: fp32 math, then T
     constexpr int WPT = DIM / 4;
     for (int i = tid; i < BN * WPT; i += NT) {
@@ -285,6 +309,18 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
   }
 }
 
+// A: copy `bytes` contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async
+__device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int bytes, int tid) {
+  for (int i = 16 * tid; i < bytes; i += 16 * NT) cp_async16(dst + i, src + i);
+}
+
+// A: copy rows of `width` bytes (a multiple of 16) into rows `pitch` bytes apart in shared memory
+template <int WIDTH, int PITCH>
+__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int tid) {
+  constexpr int C = WIDTH / 16;
+  for (int i = tid; i < rows * C; i += NT) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + (i / C) * WIDTH + 16 * (i % C));
+}
+
 // A: start copying tile `n0` (first token; a multiple of BN) of sequence row `bt_row` into `stage`
 __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __restrict__ pages, const int* bt_row,
                                            int n0, int tid) {
@@ -292,34 +328,13 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
   if constexpr (DIRECT) {  // raw bf16 rows straight into the padded tile layout
-    constexpr int CC = D_C * 2 / 16, CR = D_R * 2 / 16;
-    for (int i = tid; i < BN * (CC + CR); i += NT) {
-      const int t = i / (CC + CR), j = i % (CC + CR);
-      const uint8_t* src = j < CC ? pg + OFF_CC + (tok0 + t) * FB_CC + 16 * j
-                                  : pg + OFF_RC + (tok0 + t) * FB_RC + 16 * (j - CC);
-      const int col = j < CC ? 8 * j : D_C + 8 * (j - CC);
-      cp_async16(stage + (t * LDK + col) * 2, src);
-    }
-  } else {
-    constexpr int N0 = BN * FB_CC / 16, N1 = BN * FB_RC / 16, N2 = BN * FB_CM / 16, N3 = BN * FB_RM / 16;
-    for (int i = tid; i < N0 + N1 + N2 + N3; i += NT) {
-      const uint8_t* src;
-      uint8_t* dst;
-      if (i < N0) {
-        src = pg + OFF_CC + tok0 * FB_CC + 16 * i;
-        dst = stage + RAW_CC + 16 * i;
-      } else if (i < N0 + N1) {
-        src = pg + OFF_RC + tok0 * FB_RC + 16 * (i - N0);
-        dst = stage + RAW_RC + 16 * (i - N0);
-      } else if (i < N0 + N1 + N2) {
-        src = pg + OFF_CM + tok0 * FB_CM + 16 * (i - N0 - N1);
-        dst = stage + RAW_CM + 16 * (i - N0 - N1);
-      } else {
-        src = pg + OFF_RM + tok0 * FB_RM + 16 * (i - N0 - N1 - N2);
-        dst = stage + RAW_RM + 16 * (i - N0 - N1 - N2);
-      }
-      cp_async16(dst, src);
-    }
+    copy_rows<D_C * 2, LDK * 2>(stage, pg + OFF_CC + tok0 * FB_CC, BN, tid);
+    copy_rows<D_R * 2, LDK * 2>(stage + D_C * 2, pg + OFF_RC + tok0 * FB_RC, BN, tid);
+  } else {  // the four sections, each contiguous for the tile's tokens
+    copy_section(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, tid);
+    copy_section(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, tid);
+    copy_section(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, tid);
+    copy_section(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, tid);
   }
 }
 
