@@ -52,8 +52,8 @@ class DecodePlan:
     smem: int
 
     def describe(self) -> str:
-        m = dict(self.macros)
-        return f"cuda/{'f16' if m['HALF'] else 'bf16'}/M{self.block_m}N{BLOCK_N}w{NUM_WARPS}s{self.stages}c{self.ctas_per_sm}"
+        tile = "f16" if dict(self.macros)["HALF"] else "bf16"
+        return f"cuda/{tile}/M{self.block_m}N{BLOCK_N}w{NUM_WARPS}s{self.stages}c{self.ctas_per_sm}"
 
 
 def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:

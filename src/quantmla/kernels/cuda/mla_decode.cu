@@ -30,6 +30,15 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#ifndef BUILD_UNROLL  // build-loop unrolling and score-loop unrolling: tuning knobs (bench/decode_cuda_variants.py)
+#define BUILD_UNROLL 1
+#endif
+#ifndef QK_UNROLL
+#define QK_UNROLL 6
+#endif
+#define PRAGMA_(x) _Pragma(#x)
+#define UNROLL(n) PRAGMA_(unroll n)
+
 #if HALF
 typedef __half T;
 typedef __half2 T2;
@@ -207,6 +216,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       // of a 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16
       // 2^(10-o) (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
       constexpr int CPT = NB / 16;  // 16-byte chunks per token
+      UNROLL(BUILD_UNROLL)
       for (int i = tid; i < BN * CPT; i += NT) {
         const int t = i / CPT, j = i % CPT;
         if (t >= valid) {
@@ -472,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         const int mi = ot / (BN / 8), nj = ot % (BN / 8);
         const T* qa = sQ + (mi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8;
         const T* kb = tile + (nj * 8 + (lane & 7)) * LDK + (lane >> 3) * 8;
-#pragma unroll 6
+        UNROLL(QK_UNROLL)
         for (int kk = 0; kk < KSTEPS; kk += 2) {
           const int c0 = (ks * KSTEPS + kk) * 16;
           uint32_t a0[4], a1[4], bb[4];
