@@ -213,15 +213,16 @@ def get_mla_metadata(
 
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
-    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and up to
-    8 splits read per step (a [splits, rows, channels] tile of at most 4096 fp32)."""
+    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and as many
+    splits read per step as a [splits, rows, channels] tile of 4096 fp32 holds: a lone sequence's 264
+    splits merge in 3 steps, not 33 dependent ones (at 1 x 131072 the combine took 23 of 90 µs)."""
     block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
             block_d //= 2
         else:
             block_r //= 2
-    block_s = max(1, min(8, _next_pow2(max_splits), 4096 // (block_r * block_d)))
+    block_s = max(1, min(_next_pow2(max_splits), 4096 // (block_r * block_d)))
     return block_r, block_d, block_s
 
 
