@@ -97,3 +97,22 @@ def test_plans_compile_for_sm90(name, rows, tmp_path, monkeypatch):
     other = tuple((k, v + 1 if k == "SMEM_EXPECTED" else v) for k, v in p.macros)
     with pytest.raises(Exception, match="shared-memory"):
         build.compile_cubin(other, "sm_90a")
+
+
+def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
+    """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
+    QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""
+    from quantmla.errors import UnsupportedFormatError
+    from quantmla.kernels import api
+    from quantmla.kernels.schedule import DecodeConfig
+
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    pages = torch.zeros(2, lay.page_bytes, dtype=torch.uint8)  # CPU: no plan
+    out = torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16)
+    args = (None, None, pages, None, None, None, None, None, out, None, None, None, 0, 16, 1, 16, 1, 1.0)
+    cfg = DecodeConfig(block_m=16, block_n=32, kernel="cuda")
+    with pytest.warns(UserWarning, match="not a CUDA device"):
+        assert api._launch_cuda((1, 1), args, lay, cfg) is None
+    monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "cuda")
+    with pytest.raises(UnsupportedFormatError, match="not a CUDA device"):
+        api._launch_cuda((1, 1), args, lay, cfg)

@@ -61,7 +61,8 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     if not fmt.quantized:
         return _KIND["raw"], 16, dim, 3
     if fmt.mode == "fp8":
-        return (_KIND["fp8"], 8, fmt.group_size, _MB[fmt.meta_dtype]) if fmt.group_size % 4 == 0 else "fp8 groups < 4"
+        return (_KIND["fp8"], 8, fmt.group_size, _MB[fmt.meta_dtype]) if fmt.group_size % 16 == 0 else \
+            "fp8 groups not a multiple of 16"
     if fmt.bits not in (2, 4, 8):
         return f"{fmt.bits}-bit codes"
     if fmt.group_size % 4 or (dim * fmt.bits // 8) % 4:

@@ -155,7 +155,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
     }
-  } else if constexpr (KIND == 3 && GS % 16 == 0) {  // e4m3 values, 16 a step (one group): fp32 math, then T
+  } else if constexpr (KIND == 3) {  // e4m3 values, 16 a step (one group of GS >= 16): fp32 math, then T
     constexpr int CPT = DIM / 16;
     for (int i = tid; i < BN * CPT; i += NT) {
       const int t = i / CPT, j = i % CPT;
@@ -178,28 +178,6 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j);
       dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
       dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
-    }
-  } else if constexpr (KIND == 3) {  // e4m3 values, one scale per group: fp32 math, then T
-    constexpr int WPT = DIM / 4;
-    for (int i = tid; i < BN * WPT; i += NT) {
-      const int t = i / WPT, w = i % WPT;
-      uint2 out = make_uint2(0, 0);
-      if (t < valid) {
-        const uint32_t word = *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w);
-        const float s = meta_f32<MB>(meta + t * FBM + (4 * w / GS) * meta_size<MB>());
-        __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(word & 0xffff), __NV_E4M3);
-        __half2_raw h1 = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(word >> 16), __NV_E4M3);
-        float2 f0 = __half22float2(*reinterpret_cast<__half2*>(&h0));
-        float2 f1 = __half22float2(*reinterpret_cast<__half2*>(&h1));
-#if HALF
-        out.x = as_u32(__floats2half2_rn(f0.x * s, f0.y * s));
-        out.y = as_u32(__floats2half2_rn(f1.x * s, f1.y * s));
-#else
-        out.x = as_u32(__floats2bfloat162_rn(f0.x * s, f0.y * s));
-        out.y = as_u32(__floats2bfloat162_rn(f1.x * s, f1.y * s));
-#endif
-      }
-      *reinterpret_cast<uint2*>(tile + t * LDK + COL0 + 4 * w) = out;
     }
   } else {  // integer codes, planar: byte j holds channels j + k·NB in bits [k·b, (k+1)·b)
     constexpr int NB = DIM * BITS / 8;
