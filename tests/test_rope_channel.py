@@ -15,7 +15,15 @@ from quantmla.cache.rope_channel import (
     rope_scores_from_codes,
 )
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
-from quantmla.evaluation.harness import CALIBRATED, ROPE_CHANNEL, EvalData, RowSpec, evaluate_row, named_config
+from quantmla.evaluation.harness import (
+    CALIBRATED,
+    ROPE_CHANNEL,
+    EvalData,
+    RowSpec,
+    calibration_key,
+    evaluate_row,
+    named_config,
+)
 from quantmla.model.tiny import tiny_model
 from quantmla.quant import PathFormat, quantize_dequantize, unpack
 from quantmla.quant.groupwise import quantize
@@ -150,8 +158,8 @@ def test_harness_rows_wire_the_cache_and_share_a_calibration():
     data = EvalData(ppl=torch.randint(3, 128, (1, 16)), calib_ids=torch.randint(3, 128, (4, 16)), seq_len=16)
     calls, caches = [], []
 
-    def calib_fn(m, ids, quant, *, method, paths, seed):
-        calls.append((method, tuple(paths)))
+    def calib_fn(m, ids, quant, *, method, paths, seed, rope_page=0):
+        calls.append((method, tuple(paths), rope_page))
         from dataclasses import replace
 
         offs = {s: tuple(float(i) for i in range(m.config.qk_rope_head_dim)) for s in range(m.config.num_hidden_layers)}
@@ -164,13 +172,18 @@ def test_harness_rows_wire_the_cache_and_share_a_calibration():
     cfg = named_config("INT4/INT4", 16, 8)
     prepared = {}
     rows = {}
-    for method in ("quantmla", "quantmla-rope-channel", "quantmla-content-rope-channel"):
+    methods = ("quantmla", "quantmla-rope-channel", "quantmla-rope-channel-pagefit", "quantmla-content-rope-channel")
+    for method in methods:
         rows[method] = evaluate_row(model, None, RowSpec(cfg, method, rope_page=16), data, ppl_fn=ppl_fn,
                                     retrieval_fn=lambda *a, **k: None, calibrate_fn=calib_fn, prepared=prepared)
-    assert calls == [("quantmla", ("content", "rope")), ("quantmla", ("content",))]
-    plain, chan, content_only = caches
+    # quantmla-rope-channel reads the quantmla row's model; pagefit calibrates for its page; the ablation without RoPE
+    assert calls == [("quantmla", ("content", "rope"), 0), ("quantmla", ("content", "rope"), 16),
+                     ("quantmla", ("content",), 0)]
+    assert prepared[calibration_key(RowSpec(cfg, "quantmla"))][0] is prepared[
+        calibration_key(RowSpec(cfg, "quantmla-rope-channel"))][0]
+    plain, chan, pagefit, content_only = caches
     assert type(plain) is not RopeChannelCache and isinstance(chan, RopeChannelCache)
-    assert isinstance(content_only, RopeChannelCache)
+    assert isinstance(content_only, RopeChannelCache) and isinstance(pagefit, RopeChannelCache)
     layer = chan.mla_layers()[0]
     assert isinstance(layer, RopeChannelLayer) and layer.rope_channel == RopeChannelFormat(4, 16)
     assert torch.equal(layer.rope_offset, torch.arange(cache_dr := chan.spec.d_r, dtype=torch.float32))
@@ -183,3 +196,52 @@ def test_harness_rows_wire_the_cache_and_share_a_calibration():
     assert set(ROPE_CHANNEL) <= set(CALIBRATED)
     with pytest.raises(QuantMLAError, match="integer RoPE"):
         RowSpec(named_config("INT4/BF16"), "quantmla-rope-channel")
+
+
+def test_page_objective_matches_the_cache_round_trip():
+    """RopePageQK's forward is the quadratic form of the errors quantize_pages gives the kept keys; it
+    is blind to the pair scales (up to the fp16 metadata) but not to their phases."""
+    from quantmla.calibration.objectives import RopePageQK, page_fake_quant
+
+    fmt = RopeChannelFormat(4, 16)
+    n, L, d_r = 3, 48, 16
+    g = torch.Generator().manual_seed(5)
+    k = torch.stack([_keys(L, d_r, seed=s).float() for s in range(n)])
+    key_pos = torch.tensor([0, 3, 17, 40, 47])
+    B = torch.randn(n * 5, d_r, d_r, generator=g)
+    A = B @ B.transpose(1, 2)
+    torch.testing.assert_close(page_fake_quant(k, fmt), quantize_pages(k, fmt), rtol=0, atol=0)
+    obj = RopePageQK(k, key_pos, A, fmt, "rotate_half")
+    e = (quantize_pages(k, fmt) - k)[:, key_pos].reshape(-1, d_r)
+    keys = k[:, key_pos].reshape(-1, d_r)
+    want = torch.einsum("kd,kde,ke->", e, A, e) / torch.einsum("kd,kde,ke->", keys, A, keys)
+    torch.testing.assert_close(obj(), want)
+    P = d_r // 2
+    one = (torch.ones(P), torch.zeros(P))
+    torch.testing.assert_close(obj(one), want)
+    scaled = (torch.linspace(0.5, 4, P), torch.zeros(P))
+    torch.testing.assert_close(obj(scaled), want, rtol=2e-2, atol=0)
+    turned = (torch.cos(torch.full((P,), 0.7)), torch.sin(torch.full((P,), 0.7)))
+    assert abs(float(obj(turned)) - float(want)) > 1e-3 * float(want)
+    zr = torch.stack([one[0], scaled[0], turned[0]])
+    zi = torch.stack([one[1], scaled[1], turned[1]])
+    torch.testing.assert_close(obj.batch(zr, zi), torch.stack([obj(one), obj(scaled), obj(turned)]))
+
+
+def test_calibration_fits_the_rope_path_for_pages():
+    """calibrate(..., rope_page=P) fits, chooses and reports the RoPE path under per-page codes; the
+    fused model keeps its function; bad pages are refused up front."""
+    from quantmla.calibration import calibrate
+
+    model = tiny_model("deepseek_v3")
+    ids = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits
+    quant = QuantCacheConfig.of_bits(4, 4, 16, 8)
+    rep = calibrate(model, ids, quant, rope_page=8, steps=3, progress=False).to_dict()
+    for layer in rep["layers"]:
+        assert layer["joint"]["rope_page"] == 8
+        assert layer["rope"]["after"] <= layer["rope"]["before"]
+    torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
+    for bad in (12, -8):
+        with pytest.raises(QuantMLAError, match="rope_page"):
+            calibrate(tiny_model("deepseek_v3"), ids, quant, rope_page=bad, progress=False)

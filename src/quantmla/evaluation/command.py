@@ -35,7 +35,7 @@ def add_arguments(p):
                    help="cache configs: BF16, FP8, CONTENT/ROPE like INT4/INT4, INT2/INT4, INT4/BF16 (default: the grid)")
     p.add_argument("--method", nargs="+", default=None,
                    help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope quantmla-rope-channel "
-                        "quantmla-content-rope-channel (default: the grid)")
+                        "quantmla-rope-channel-pagefit quantmla-content-rope-channel (default: the grid)")
     p.add_argument("--out", default=None,
                    help="output directory for accuracy.json/.md (default out/eval, or out/eval-quick with --quick; "
                         "the committed table is results/, written only when named)")

@@ -11,9 +11,12 @@ are prepared for it:
     quantmla-rope     ablation: QuantMLA's transform on the RoPE path only (paths=("rope",))
     kivi              no transform; the RoPE key per channel over blocks of tokens (cache.kivi)
     quantmla-rope-channel
-                      QuantMLA's transforms of both paths (content transform, pair transform and
-                      centring), the RoPE key stored per channel per page of 64 tokens
-                      (cache.rope_channel: the scales fold into the query once per page)
+                      QuantMLA's calibrated model (content transform, pair transform and centring:
+                      the quantmla row's model), the RoPE key stored per channel per page of 64
+                      tokens (cache.rope_channel: the scales fold into the query once per page)
+    quantmla-rope-channel-pagefit
+                      ablation: the same cache, the RoPE path fitted for that grouping instead of
+                      per-token groups (calibration option rope_page)
     quantmla-content-rope-channel
                       ablation: QuantMLA's content transform only, the RoPE key untransformed and
                       uncentred, per channel per page (the KIVI grouping at the page size)
@@ -59,12 +62,16 @@ METHODS = {
     "quantmla-rope": "ablation: QuantMLA transform on the RoPE path only",
     "kivi": "KIVI-style per-channel RoPE keys (blocks of tokens), no transform",
     "quantmla-rope-channel": "QuantMLA transforms of both paths, RoPE keys per channel per page (scales folded into the query)",
+    "quantmla-rope-channel-pagefit": "ablation: quantmla-rope-channel with the RoPE transform fitted for the per-page grouping",
     "quantmla-content-rope-channel": "ablation: QuantMLA content transform, untransformed RoPE keys per channel per page",
 }
-ROPE_CHANNEL = ("quantmla-rope-channel", "quantmla-content-rope-channel")  # RoPE path per channel per page
+# RoPE path per channel per page (cache.rope_channel); PAGE_FITTED: calibrated for that grouping (rope_page)
+ROPE_CHANNEL = ("quantmla-rope-channel", "quantmla-rope-channel-pagefit", "quantmla-content-rope-channel")
+PAGE_FITTED = ("quantmla-rope-channel-pagefit",)
 CALIBRATED = {"hadamard": ("hadamard", ("content",)), "quantmla": ("quantmla", ("content", "rope")),
               "quantmla-content": ("quantmla", ("content",)), "quantmla-rope": ("quantmla", ("rope",)),
               "quantmla-rope-channel": ("quantmla", ("content", "rope")),
+              "quantmla-rope-channel-pagefit": ("quantmla", ("content", "rope")),
               "quantmla-content-rope-channel": ("quantmla", ("content",))}
 
 
@@ -397,6 +404,8 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
     algo, paths = CALIBRATED[row.method]
     quant = row.config.quant(row.method)
     kw = dict(calib_kwargs or {})
+    if row.method in PAGE_FITTED:
+        kw["rope_page"] = row.rope_page
     try:  # pass only the options this calibration API takes
         import inspect
 
@@ -412,19 +421,25 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
     return qc, report
 
 
+def calibration_key(row: RowSpec) -> tuple:
+    """What a row's calibrated model depends on: its formats, the calibration (CALIBRATED) and, for
+    PAGE_FITTED methods, the page the RoPE path was fitted for. Rows with equal keys share one model."""
+    return (row.config, CALIBRATED.get(row.method, row.method), row.rope_page if row.method in PAGE_FITTED else 0)
+
+
 def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpec | None = None, seed: int = 0,
                  ppl_fn=None, retrieval_fn=None, calibrate_fn=None, calib_kwargs: dict | None = None,
                  progress: Callable[[str], None] | None = None, prepared: dict | None = None) -> dict:
     """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy.
     `prepared`: a dict kept across rows of one model; calibrated models are stored there by (config,
-    calibration: CALIBRATED[method]) and reused by rows that differ only in their full-precision
+    calibration: :func:`calibration_key`) and reused by rows that differ only in their full-precision
     window or in how the cache stores what the same calibration produced (quantmla and
     quantmla-rope-channel read one calibrated model)."""
     spec = spec or load_spec(model)
     ppl_fn = ppl_fn or _ppl_fn()
     retrieval_fn = retrieval_fn or _retrieval_fn()
     t0 = time.time()
-    key = (row.config, CALIBRATED.get(row.method, row.method))
+    key = calibration_key(row)
     if prepared is not None and key in prepared:
         m, quant, report = prepared[key]
     else:
