@@ -1,5 +1,7 @@
 """Per-page per-channel RoPE codes (cache.rope_channel): round trip, bytes, folding the scale into the query."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def test_cache_layer_stores_centred_keys_per_page_any_chunking():
     want = quantize_pages(k - offset, fmt)
     for cuts in ((0, 37), (0, 5, 6, 19, 37), (0, 16, 17, 18, 37)):
         layer = RopeChannelLayer(PathFormat(4, 16), fmt, d_c, d_r, rope_offset=offset)
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             _, r = layer.update(lat[:, :, a:b], k[None, None, a:b])
         assert r.shape == (1, 1, 37, d_r)
         torch.testing.assert_close(r[0, 0], want, rtol=0, atol=0)
@@ -186,7 +188,8 @@ def test_harness_rows_wire_the_cache_and_share_a_calibration():
     assert isinstance(content_only, RopeChannelCache) and isinstance(pagefit, RopeChannelCache)
     layer = chan.mla_layers()[0]
     assert isinstance(layer, RopeChannelLayer) and layer.rope_channel == RopeChannelFormat(4, 16)
-    assert torch.equal(layer.rope_offset, torch.arange(cache_dr := chan.spec.d_r, dtype=torch.float32))
+    cache_dr = chan.spec.d_r
+    assert torch.equal(layer.rope_offset, torch.arange(cache_dr, dtype=torch.float32))
     assert content_only.mla_layers()[0].rope_offset is None
     want = RopeChannelLayout(chan.spec.d_c, cache_dr, PathFormat(4, 16), RopeChannelFormat(4, 16))
     assert rows["quantmla-rope-channel"]["bytes_per_token"] == want.bytes_per_token

@@ -58,8 +58,8 @@ from quantmla.errors import UnsupportedFormatError
 from quantmla.quant.format import BF16, PathFormat
 from quantmla.quant.groupwise import dequantize, quantize
 
-__all__ = ["RopeChannelFormat", "RopeChannelLayout", "RopeChannelLayer", "RopeChannelCache",
-           "quantize_pages", "rope_scores_from_codes"]
+__all__ = ["RopeChannelCache", "RopeChannelFormat", "RopeChannelLayer", "RopeChannelLayout", "quantize_pages",
+           "rope_scores_from_codes"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class RopeChannelFormat:
     def __post_init__(self):
         if self.mode == "fp8":
             raise UnsupportedFormatError("per-channel RoPE pages store integer codes; use mode 'affine' or 'symmetric'")
-        self.page_format  # validates bits, mode, page size (a power of two) and the meta dtype
+        _ = self.page_format  # validates bits, mode, page size (a power of two) and the meta dtype
 
     @property
     def page_format(self) -> PathFormat:
