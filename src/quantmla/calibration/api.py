@@ -22,9 +22,9 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration.capture import capture_calibration_data
 from quantmla.calibration.content import content_fn, fit_content
-from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant
+from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequant, rope_page_dequant
 from quantmla.calibration.options import METHODS, PATHS, CalibrationOptions
-from quantmla.calibration.rope import fit_rope
+from quantmla.calibration.rope import fit_rope, rope_objective
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec
 from quantmla.transforms.content import ContentTransform
@@ -192,8 +192,17 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
     opts.rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their
     mean over the model's context, estimated from the fit sequences, becomes the slot's cache offset,
     see :func:`centre_rope_keys`) and every fit, and the "after" figures, see the centred keys;
-    "before" is plain RTN."""
+    "before" is plain RTN.
+
+    opts.rope_page (> 0): the RoPE path is fitted, chosen and reported for keys stored per channel per
+    page of that many tokens (``cache.rope_channel``) with the bits, mode and meta dtype of fmt.rope,
+    instead of fmt.rope's per-token groups."""
     method, paths, seed, rope_weighting = opts.method, opts.paths, opts.seed, opts.rope_weighting
+    page = None
+    if opts.rope_page and fmt.rope.quantized:
+        from quantmla.cache.rope_channel import RopeChannelFormat
+
+        page = RopeChannelFormat(fmt.rope.bits, opts.rope_page, fmt.rope.mode, fmt.rope.meta_dtype)
     rope_spread = opts.rope_spread
     slot = d.slot
     mu = None
@@ -217,12 +226,11 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
     if "rope" in paths:
         if method == "quantmla":
             rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
-                          steps=opts.fitted_rope_steps, pbar=pbar)
+                          steps=opts.fitted_rope_steps, pbar=pbar, page=page)
             rt = None if rf.chosen == "rtn" else rf.transform
             cands, chosen, before = dict(rf.heldout), rf.chosen, rf.heldout["rtn"]
             if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are
-                held_m = torch.isin(d_rtn.key_seq, held_seqs.to(d_rtn.key_seq.device))
-                before = float(RopeQK(d_rtn.keys[held_m], d_rtn.A[rope_weighting][held_m], fmt.rope, d.rope_layout)())
+                before = float(rope_objective(d_rtn, fmt.rope, held_seqs, rope_weighting, page)())
                 # the fits' objectives are normalized by the uncentred keys' energy (key_ref), as `before` is
                 cands = {f"{k}+centred": v for k, v in cands.items()} | {"rtn": before}
                 chosen = f"{chosen}+centred"
@@ -243,6 +251,12 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
         "before": OutputDistortion(d_rtn, held_seqs)(c_rtn, lambda k: rope_dequant(k, None, fmt.rope, d.rope_layout)),
         "after": OutputDistortion(d, held_seqs)(c_new, lambda k: rope_dequant(k, z, fmt.rope, d.rope_layout)),
     }
+    if page is not None:  # the RoPE path as it is stored: per channel per page, RTN and the chosen transforms
+        rep.joint = {
+            "before": OutputDistortion(d_rtn, held_seqs)(c_rtn, lambda k: rope_page_dequant(k, None, page, d.rope_layout)),
+            "after": OutputDistortion(d, held_seqs)(c_new, lambda k: rope_page_dequant(k, z, page, d.rope_layout)),
+            "rope_page": page.page_size,
+        }
     if mu is not None:  # the offset in the cache's channels: the transformed mean key
         off = mu.double().cpu() if z is None else apply_pairs(mu.double().cpu()[None], z.cpu(), d.rope_layout)[0]
         rep.rope_offset = [float(x) for x in off]

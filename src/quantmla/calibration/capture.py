@@ -58,6 +58,7 @@ class LayerData:
     rope_phase: torch.Tensor | None = None
     max_positions: int | None = None
     key_ref: torch.Tensor | None = None  # the kept keys before centring: the RoPE objective's energy reference
+    key_pos: torch.Tensor | None = None  # [K] positions of the kept keys, the same in every sequence (keys = k_rope[:, key_pos])
 
     def finalize(self) -> None:
         for name in ("latent", "k_rope", "q_pos", "q_latent", "q_rope", "key_seq", "keys"):
@@ -195,6 +196,7 @@ def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key
     data.A["uniform"].append((a_unif * w).reshape(-1, view.spec.d_r, view.spec.d_r).to(dev))
     data.A["attention"].append((a_attn * w).reshape(-1, view.spec.d_r, view.spec.d_r).to(dev))
     data.keys.append(k_rope[:, key_pos].reshape(-1, view.spec.d_r).to(dev))
+    data.key_pos = key_pos.to(dev)
     data.key_seq.append((torch.arange(B, device=dev)[:, None] + seq_offset).expand(B, len(key_pos)).reshape(-1))
 
 

@@ -76,6 +76,19 @@ def rope_dequant(k_rope: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor] | to
     return apply_pairs(fake_quant_lsq(apply_pairs(k_rope, (zr, zi), layout), fmt), (zr / n2, -zi / n2), layout)
 
 
+def rope_page_dequant(k_rope: torch.Tensor, z, page, layout: str) -> torch.Tensor:
+    """k̂_R = Q_pages(k_R·M)·M⁻¹ for keys stored per channel per page (``cache.rope_channel``; any
+    length, the unfinished page as the cache quantizes it), z as in :func:`rope_dequant`; no gradient."""
+    from quantmla.cache.rope_channel import quantize_pages
+
+    if z is None:
+        return quantize_pages(k_rope, page)
+    zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
+    zr, zi = zr.float().to(k_rope.device), zi.float().to(k_rope.device)
+    n2 = zr * zr + zi * zi
+    return apply_pairs(quantize_pages(apply_pairs(k_rope, (zr, zi), layout), page), (zr / n2, -zi / n2), layout)
+
+
 class OutputDistortion:
     """Relative attention-output error on a set of sequences, with cached references."""
 
@@ -101,6 +114,77 @@ class OutputDistortion:
                 rl = rope_logits(self.data, c, rope_fn(self.data.k_rope[c]))
             err += float((attention_output(self.data, c, lat, before_o_proj=self.before, rope_logits_=rl) - ref).pow(2).sum())
         return err / max(self.energy, 1e-30)
+
+
+def page_fake_quant(k: torch.Tensor, fmt) -> torch.Tensor:
+    """k [..., T, d_r] through per-channel per-page codes (``cache.rope_channel.RopeChannelFormat`` `fmt`,
+    pages from token 0, T a multiple of the page size), differentiable through the LSQ fake quantizer:
+    forward equal to ``cache.rope_channel.quantize_pages``."""
+    T, d_r = k.shape[-2], k.shape[-1]
+    P = fmt.page_size
+    if T % P:
+        raise ValueError(f"page fake-quant needs whole pages: {T} tokens, pages of {P}")
+    pages = k.float().reshape(*k.shape[:-2], T // P, P, d_r).transpose(-1, -2)  # [..., n, d_r, P]
+    return fake_quant_lsq(pages, fmt.page_format).transpose(-1, -2).reshape(k.shape)
+
+
+class RopePageQK:
+    """The positional QK reconstruction objective of :class:`RopeQK` for RoPE keys stored per channel
+    per page (``cache.rope_channel``): a kept key's error depends on every key of its page, so the
+    round trip runs over whole sequences k_rope [n, L, d_r] (L a multiple of the page) and the
+    errors of the kept keys (positions `key_pos` [K] in every sequence, A [n·K, d_r, d_r] in the
+    same order as :attr:`LayerData.keys`) enter the same quadratic form:
+
+        D = Σ_u e(u)ᵀ A(u) e(u) / Σ_u k_R(u)ᵀ A(u) k_R(u),   e = Q_pages(k_R·M)·M⁻¹ − k_R  at the kept u.
+
+    Under affine per-channel codes the pair *scales* cancel (a channel's step scales with it) up to
+    the fp16 rounding of the metadata; the pair *phases* decide how each pair's spread within a page
+    splits between its two channels."""
+
+    def __init__(self, k_rope: torch.Tensor, key_pos: torch.Tensor, A: torch.Tensor, fmt, layout: str,
+                 ref: torch.Tensor | None = None):
+        self.k_rope, self.key_pos, self.A, self.fmt, self.layout = k_rope.float(), key_pos.to(k_rope.device), A, fmt, layout
+        L = k_rope.shape[1]
+        self.L = L - L % fmt.page_size  # whole pages only (the unfinished page of a calibration row is dropped)
+        self.keep = self.key_pos < self.L  # [K]
+        K = key_pos.numel()
+        self.sel = self.keep.repeat(k_rope.shape[0])  # [n·K]
+        keys = k_rope[:, self.key_pos].reshape(-1, k_rope.shape[-1])
+        r = keys if ref is None else ref
+        r, A_ = r[self.sel], A[self.sel]
+        self.A_kept = A_
+        self.energy = float(torch.einsum("kd,kde,ke->", r, A_, r).clamp_min(1e-30))
+        assert A.shape[0] == k_rope.shape[0] * K
+
+    def _error(self, k_hat: torch.Tensor) -> torch.Tensor:
+        """k_hat [..., n, L', d_r] -> Σ eᵀAe / energy over the kept keys."""
+        pos = self.key_pos[self.keep]
+        e = (k_hat[..., pos, :] - self.k_rope[:, pos]).flatten(-3, -2)  # [..., n·K', d_r]
+        ea = torch.einsum("...kd,kde->...ke", e, self.A_kept)
+        return (ea * e).sum(dim=(-1, -2)) / self.energy
+
+    def __call__(self, z=None) -> torch.Tensor:
+        k = self.k_rope[:, : self.L]
+        if z is None:
+            return self._error(page_fake_quant(k, self.fmt))
+        zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
+        zr, zi = zr.float().to(k.device), zi.float().to(k.device)
+        n2 = zr * zr + zi * zi
+        k_hat = apply_pairs(page_fake_quant(apply_pairs(k, (zr, zi), self.layout), self.fmt), (zr / n2, -zi / n2), self.layout)
+        return self._error(k_hat)
+
+    @torch.no_grad()
+    def batch(self, zr: torch.Tensor, zi: torch.Tensor) -> torch.Tensor:
+        """Objective of G candidates at once: zr, zi [G, P] -> [G]."""
+        out = []
+        k = self.k_rope[:, : self.L]
+        for g in range(0, zr.shape[0], 8):
+            r, i = zr[g : g + 8, None, None, :], zi[g : g + 8, None, None, :]
+            n2 = r * r + i * i
+            kh = apply_pairs(page_fake_quant(apply_pairs(k.unsqueeze(0), (r, i), self.layout), self.fmt),
+                             (r / n2, -i / n2), self.layout)
+            out.append(self._error(kh))
+        return torch.cat(out)
 
 
 class RopeQK:

@@ -27,7 +27,9 @@ class CalibrationOptions:
     rope_searches: the RoPE searches tried (calibration/rope.py). rope_center: remove the RoPE
     keys' context mean before they are quantized (the checkpoint then carries ``rope_offsets``;
     False: fitted without offsets, marked ``"rope_centring": false``). rope_spread: fraction
-    (0..1) of the RoPE objective's keys moved to random positions of the context.
+    (0..1) of the RoPE objective's keys moved to random positions of the context. rope_page: fit the
+    RoPE path for keys stored per channel per page of that many tokens (``cache.rope_channel``; 0: the
+    format's per-token groups).
     heldout_fraction: share of the sequences held out to choose and report transforms.
     max_capture_bytes: budget of captured activations per capture pass (bytes).
     device: where captured activations live and the fits run (None: the CPU)."""
@@ -45,6 +47,7 @@ class CalibrationOptions:
     rope_searches: tuple[str, ...] = SEARCHES
     rope_center: bool = True
     rope_spread: float = 0.0
+    rope_page: int = 0
     heldout_fraction: float = 0.25
     max_capture_bytes: int = 2 << 30
     device: str | None = None
@@ -79,6 +82,10 @@ class CalibrationOptions:
         """These options, or a QuantMLAError naming the bad one; run before any work."""
         if not 0.0 <= float(self.rope_spread) <= 1.0:
             raise QuantMLAError(f"rope_spread is a fraction of the RoPE keys, between 0 and 1; got {self.rope_spread}")
+        if int(self.rope_page) < 0 or (self.rope_page and self.rope_page & (self.rope_page - 1)):
+            raise QuantMLAError(f"rope_page is a page of tokens, a power of two (0: per-token groups); got {self.rope_page}")
+        if self.rope_page and self.rope_spread:
+            raise QuantMLAError("rope_spread moves the kept keys away from their pages; it cannot be combined with rope_page")
         if self.method not in METHODS:
             raise QuantMLAError(f"unknown calibration method {self.method!r}; use one of {METHODS}")
         bad = [p for p in self.paths if p not in PATHS]

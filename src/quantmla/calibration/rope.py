@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.calibration.capture import LayerData
-from quantmla.calibration.objectives import RopeQK
+from quantmla.calibration.objectives import RopePageQK, RopeQK
 from quantmla.quant import PathFormat
 from quantmla.transforms.rope import RopeTransform, pair_channels
 
@@ -115,17 +115,30 @@ def adam_search(obj: RopeQK, log_s: torch.Tensor, phase: torch.Tensor, steps: in
     return best[1], best[2], best[0]
 
 
+def rope_objective(data: LayerData, fmt: PathFormat, seqs: torch.Tensor, weighting: str, page=None):
+    """The positional QK objective on the kept keys of sequences `seqs` (sorted): per-token groups of
+    `fmt` (:class:`RopeQK`), or, with `page` (a ``cache.rope_channel.RopeChannelFormat``), the keys
+    stored per channel per page (:class:`RopePageQK`)."""
+    dev = data.keys.device
+    m = torch.isin(data.key_seq, seqs.to(dev))
+    A = data.A[weighting]
+    ref = None if data.key_ref is None else data.key_ref[m]
+    if page is None:
+        return RopeQK(data.keys[m], A[m], fmt, data.rope_layout, ref)
+    if data.key_pos is None:
+        raise ValueError("a per-page RoPE objective needs the kept keys' positions (LayerData.key_pos)")
+    return RopePageQK(data.k_rope[seqs.to(data.k_rope.device)], data.key_pos, A[m], page, data.rope_layout, ref)
+
+
 def fit_rope(data: LayerData, fmt: PathFormat, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, *,
              weighting: str = "attention", searches: tuple[str, ...] = SEARCHES, steps: int = 200,
-             grid_sweeps: int = 2, pbar=None) -> RopeFit:
+             grid_sweeps: int = 2, pbar=None, page=None) -> RopeFit:
+    """page: a ``cache.rope_channel.RopeChannelFormat``: fit for RoPE keys stored per channel per page
+    instead of the per-token groups of `fmt` (whose bits, mode and meta dtype it shares)."""
     P = data.k_rope.shape[-1] // 2
     dev = data.keys.device
-    fit_m = torch.isin(data.key_seq, fit_seqs.to(dev))
-    held_m = torch.isin(data.key_seq, held_seqs.to(dev))
-    A = data.A[weighting]
-    ref = data.key_ref
-    obj_fit = RopeQK(data.keys[fit_m], A[fit_m], fmt, data.rope_layout, None if ref is None else ref[fit_m])
-    obj_held = RopeQK(data.keys[held_m], A[held_m], fmt, data.rope_layout, None if ref is None else ref[held_m])
+    obj_fit = rope_objective(data, fmt, fit_seqs, weighting, page)
+    obj_held = rope_objective(data, fmt, held_seqs, weighting, page)
     zero = torch.zeros(P, device=dev)
     points: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"rtn": (zero, zero)}
     if fmt.quantized:

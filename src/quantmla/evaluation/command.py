@@ -34,7 +34,8 @@ def add_arguments(p):
     p.add_argument("--config", nargs="+", default=None,
                    help="cache configs: BF16, FP8, CONTENT/ROPE like INT4/INT4, INT2/INT4, INT4/BF16 (default: the grid)")
     p.add_argument("--method", nargs="+", default=None,
-                   help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope (default: the grid)")
+                   help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope quantmla-rope-channel "
+                        "quantmla-rope-channel-pagefit quantmla-content-rope-channel (default: the grid)")
     p.add_argument("--out", default=None,
                    help="output directory for accuracy.json/.md (default out/eval, or out/eval-quick with --quick; "
                         "the committed table is results/, written only when named)")
@@ -104,7 +105,7 @@ def rows_for(args):
     """Every RowSpec of this call: (configs x methods, or the default grid) x group settings x windows.
     BF16 rows (nothing grouped, nothing windowed) appear once."""
     from quantmla.errors import QuantMLAError
-    from quantmla.evaluation.harness import RowSpec, default_rows, named_config
+    from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows, named_config
 
     from quantmla.cli import CLIError
 
@@ -134,8 +135,9 @@ def rows_for(args):
                 except QuantMLAError as e:
                     raise type(e)(f"--config {c}: {e}") from None
                 for m in methods:
-                    if (m == "bf16") != (not cfg.quantized) or (m == "kivi" and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
-                        continue  # bf16 pairs only with the BF16 config; KIVI needs integer RoPE codes
+                    per_channel = m == "kivi" or m in ROPE_CHANNEL
+                    if (m == "bf16") != (not cfg.quantized) or (per_channel and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
+                        continue  # bf16 pairs only with the BF16 config; per-channel RoPE needs integer RoPE codes
                     add(RowSpec(cfg, m, block, 0 if m == "bf16" else window))
     if not rows:
         raise QuantMLAError(f"no valid (config, method) pair in {args.config} x {args.method}: BF16 goes with method "
@@ -275,7 +277,7 @@ def run(args) -> int:
     from quantmla.cli import CLIError
     from quantmla.evaluation import claims, table
     from quantmla.evaluation.datasets import REFERENCE_MODELS, models_root
-    from quantmla.evaluation.harness import check_model_dir, evaluate_row, load_eval_data, load_model
+    from quantmla.evaluation.harness import CALIBRATED, check_model_dir, evaluate_row, load_eval_data, load_model
 
     if args.from_json:
         return from_json(args)
@@ -337,7 +339,7 @@ def run(args) -> int:
             _log(f"{name}: all rows done")
             continue
         model, tok = load_model(mdir, device=args.device)
-        need_calib = any(r.method in ("hadamard", "quantmla", "quantmla-content", "quantmla-rope") for r in todo)
+        need_calib = any(r.method in CALIBRATED for r in todo)
         ev = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
                             retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
                             calib_n=preset["calib_n"] if need_calib else 0, formats=args.retrieval_formats, seed=args.seed,
@@ -345,7 +347,7 @@ def run(args) -> int:
         _log(f"{name}: {len(todo)} rows; ppl {tuple(ev.ppl.shape)} tokens, retrieval "
              + ", ".join(f"{L}:{len(s)}" for L, s in ev.retrieval.items())
              + "".join(f", line {L}:{len(s)}" for L, s in ev.line.items()))
-        prepared = {} if len(args.fp_window) > 1 else None  # one calibration serves every window
+        prepared = {}  # one calibration serves every window and every cache read of the same calibration
         for r in todo:
             t0 = time.time()
             row = evaluate_row(model, tok, r, ev, spec=specs[mdir], seed=args.seed, progress=_log,

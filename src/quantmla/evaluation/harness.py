@@ -10,6 +10,16 @@ are prepared for it:
     quantmla-content  ablation: QuantMLA's transform on the content path only (paths=("content",))
     quantmla-rope     ablation: QuantMLA's transform on the RoPE path only (paths=("rope",))
     kivi              no transform; the RoPE key per channel over blocks of tokens (cache.kivi)
+    quantmla-rope-channel
+                      QuantMLA's calibrated model (content transform, pair transform and centring:
+                      the quantmla row's model), the RoPE key stored per channel per page of 64
+                      tokens (cache.rope_channel: the scales fold into the query once per page)
+    quantmla-rope-channel-pagefit
+                      ablation: the same cache, the RoPE path fitted for that grouping instead of
+                      per-token groups (calibration option rope_page)
+    quantmla-content-rope-channel
+                      ablation: QuantMLA's content transform only, the RoPE key untransformed and
+                      uncentred, per channel per page (the KIVI grouping at the page size)
 
 Every figure is measured with every attention read going through the quantized cache, prefill
 included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
@@ -34,7 +44,8 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
 from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
-from quantmla.cache.layout import CacheFormat, TokenLayout
+from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat, TokenLayout
+from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec, load_spec
 from quantmla.quant.format import BF16, PathFormat
@@ -50,9 +61,18 @@ METHODS = {
     "quantmla-content": "ablation: QuantMLA transform on the content path only",
     "quantmla-rope": "ablation: QuantMLA transform on the RoPE path only",
     "kivi": "KIVI-style per-channel RoPE keys (blocks of tokens), no transform",
+    "quantmla-rope-channel": "QuantMLA transforms of both paths, RoPE keys per channel per page (scales folded into the query)",
+    "quantmla-rope-channel-pagefit": "ablation: quantmla-rope-channel with the RoPE transform fitted for the per-page grouping",
+    "quantmla-content-rope-channel": "ablation: QuantMLA content transform, untransformed RoPE keys per channel per page",
 }
+# RoPE path per channel per page (cache.rope_channel); PAGE_FITTED: calibrated for that grouping (rope_page)
+ROPE_CHANNEL = ("quantmla-rope-channel", "quantmla-rope-channel-pagefit", "quantmla-content-rope-channel")
+PAGE_FITTED = ("quantmla-rope-channel-pagefit",)
 CALIBRATED = {"hadamard": ("hadamard", ("content",)), "quantmla": ("quantmla", ("content", "rope")),
-              "quantmla-content": ("quantmla", ("content",)), "quantmla-rope": ("quantmla", ("rope",))}
+              "quantmla-content": ("quantmla", ("content",)), "quantmla-rope": ("quantmla", ("rope",)),
+              "quantmla-rope-channel": ("quantmla", ("content", "rope")),
+              "quantmla-rope-channel-pagefit": ("quantmla", ("content", "rope")),
+              "quantmla-content-rope-channel": ("quantmla", ("content",))}
 
 
 # -- cache configurations ---------------------------------------------------------------------------
@@ -139,12 +159,14 @@ def bf16_cache(model) -> QuantMLACache:
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One table row to compute: a cache config under a method (kivi_block: KIVI's token block)."""
+    """One table row to compute: a cache config under a method (kivi_block: KIVI's token block;
+    rope_page: the page of tokens whose RoPE channels share a scale, ROPE_CHANNEL methods)."""
 
     config: CacheConfig
     method: str
     kivi_block: int = 32
     fp_window: int = 0  # the newest tokens every method keeps unquantized (BF16 rows: none needed)
+    rope_page: int = DEFAULT_PAGE_SIZE
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -155,6 +177,9 @@ class RowSpec:
             raise QuantMLAError(f"config {self.config.name} quantizes nothing; use method bf16")
         if self.method == "kivi" and not (self.config.rope.quantized and self.config.rope.mode != "fp8"):
             raise QuantMLAError("the KIVI baseline needs an integer RoPE format (e.g. INT4/INT4)")
+        if self.method in ROPE_CHANNEL and not (self.config.rope.quantized and self.config.rope.mode != "fp8"):
+            raise QuantMLAError(f"method {self.method} stores integer RoPE codes per channel; it needs an integer "
+                                "RoPE format (e.g. INT4/INT4)")
         if self.fp_window < 0:
             raise QuantMLAError(f"the full-precision window must be >= 0 tokens, got {self.fp_window}")
 
@@ -166,10 +191,19 @@ class RowSpec:
         return KIVIFormat(self.config.content, self.config.rope.bits, self.kivi_block, self.config.rope.mode,
                           self.config.rope.meta_dtype, fp_residual=False)
 
+    def rope_channel_format(self) -> RopeChannelFormat:
+        """The RoPE path of a ROPE_CHANNEL row: the config's RoPE bits, mode and meta dtype, per channel
+        per page of `rope_page` tokens (the config's per-token RoPE group is what calibration fits for)."""
+        r = self.config.rope
+        return RopeChannelFormat(r.bits, self.rope_page, r.mode, r.meta_dtype)
+
     def bytes_per_token(self, spec: MLASpec) -> float:
-        """Per token per MLA layer: codes + scales + zero points (KIVI: block metadata amortized)."""
+        """Per token per MLA layer: codes + scales + zero points (KIVI: block metadata amortized;
+        ROPE_CHANNEL: page metadata amortized over the page)."""
         if self.method == "kivi":
             return KIVILayout(spec.d_c, spec.d_r, self.kivi_format()).bytes_per_token
+        if self.method in ROPE_CHANNEL:
+            return RopeChannelLayout(spec.d_c, spec.d_r, self.config.content, self.rope_channel_format()).bytes_per_token
         return TokenLayout(spec.d_c, spec.d_r, CacheFormat(self.config.content, self.config.rope)).bytes_per_token
 
     def cache_factory(self, quant: QuantCacheConfig | None = None) -> Callable | None:
@@ -180,10 +214,18 @@ class RowSpec:
             fmt, window = self.kivi_format(), self.fp_window
             return lambda model: KIVICache(model, fmt, fp_window=window)
         q = replace(quant or self.config.quant(self.method), fp_window=self.fp_window)
+        if self.method in ROPE_CHANNEL:
+            rfmt = self.rope_channel_format()
+            return lambda model: RopeChannelCache(model, q, rfmt)
         return lambda model: QuantMLACache(model, q)
 
     def describe(self) -> str:
-        d = self.kivi_format().describe() if self.method == "kivi" else self.config.describe()
+        if self.method == "kivi":
+            d = self.kivi_format().describe()
+        elif self.method in ROPE_CHANNEL:
+            d = f"content {self.config.content.describe()} + RoPE {self.rope_channel_format().describe()}"
+        else:
+            d = self.config.describe()
         return d + (f", newest {self.fp_window} tokens unquantized" if self.fp_window and self.method != "bf16" else "")
 
 
@@ -362,6 +404,8 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
     algo, paths = CALIBRATED[row.method]
     quant = row.config.quant(row.method)
     kw = dict(calib_kwargs or {})
+    if row.method in PAGE_FITTED:
+        kw["rope_page"] = row.rope_page
     try:  # pass only the options this calibration API takes
         import inspect
 
@@ -377,17 +421,25 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
     return qc, report
 
 
+def calibration_key(row: RowSpec) -> tuple:
+    """What a row's calibrated model depends on: its formats, the calibration (CALIBRATED) and, for
+    PAGE_FITTED methods, the page the RoPE path was fitted for. Rows with equal keys share one model."""
+    return (row.config, CALIBRATED.get(row.method, row.method), row.rope_page if row.method in PAGE_FITTED else 0)
+
+
 def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpec | None = None, seed: int = 0,
                  ppl_fn=None, retrieval_fn=None, calibrate_fn=None, calib_kwargs: dict | None = None,
                  progress: Callable[[str], None] | None = None, prepared: dict | None = None) -> dict:
     """Prepare a *copy* of `model` for `row`, then measure bits per byte and retrieval accuracy.
     `prepared`: a dict kept across rows of one model; calibrated models are stored there by (config,
-    method) and reused by rows that differ only in their full-precision window."""
+    calibration: :func:`calibration_key`) and reused by rows that differ only in their full-precision
+    window or in how the cache stores what the same calibration produced (quantmla and
+    quantmla-rope-channel read one calibrated model)."""
     spec = spec or load_spec(model)
     ppl_fn = ppl_fn or _ppl_fn()
     retrieval_fn = retrieval_fn or _retrieval_fn()
     t0 = time.time()
-    key = (row.config, row.method)
+    key = calibration_key(row)
     if prepared is not None and key in prepared:
         m, quant, report = prepared[key]
     else:
@@ -429,8 +481,12 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         "calibration_s": round(t_cal, 1) if row.method in CALIBRATED else None,
         "eval_s": round(time.time() - t1, 1),
     }
+    lay = None
     if row.method == "kivi":
         lay = KIVILayout(spec.d_c, spec.d_r, row.kivi_format())
+    elif row.method in ROPE_CHANNEL:
+        lay = RopeChannelLayout(spec.d_c, spec.d_r, row.config.content, row.rope_channel_format())
+    if lay is not None:
         row_out["bytes_per_token_at"] = {str(n): lay.bytes_per_token_at(n) for n in (data.seq_len, *RETRIEVAL_LENGTHS)}
     if report is not None:
         row_out["calibration"] = _summarize_report(report)

@@ -18,6 +18,9 @@ METHOD_STYLE = {  # method -> (label, colour, marker)
     "quantmla-content": ("QuantMLA, content path only", "tab:cyan", "v"),
     "quantmla-rope": ("QuantMLA, RoPE path only", "tab:purple", "<"),
     "quantmla": ("QuantMLA", "tab:red", "D"),
+    "quantmla-content-rope-channel": ("QuantMLA content + RoPE per channel per page", "tab:olive", ">"),
+    "quantmla-rope-channel-pagefit": ("QuantMLA (RoPE fitted per page), RoPE per channel per page", "tab:pink", "X"),
+    "quantmla-rope-channel": ("QuantMLA, RoPE per channel per page", "tab:brown", "P"),
 }
 
 

@@ -25,7 +25,8 @@ from quantmla.errors import QuantMLAError
 from quantmla.evaluation.harness import EVAL_MODE, METHODS, finite
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
-METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla"]
+METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla",
+                "quantmla-content-rope-channel", "quantmla-rope-channel-pagefit", "quantmla-rope-channel"]
 # what a row's bits per byte were measured on, and what its retrieval was measured on
 PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
 DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
