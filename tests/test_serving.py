@@ -124,6 +124,31 @@ def test_engine_triton_kernels_interpreted(v3):
         assert rep.exact + rep.ties == len(prompts)
 
 
+def test_engine_takes_the_decode_tiling_from_its_config(v3):
+    """EngineConfig.decode_config chooses the decode kernel's tiling (here a split floor of 32 tokens) for
+    eager steps and graph plans alike; the outputs are those of the default tiling."""
+    import dataclasses
+
+    from quantmla.kernels import api
+
+    asked = []
+
+    def floor_32(rows, layout, device):
+        asked.append(rows)
+        return dataclasses.replace(api.default_config(rows, layout, device), min_chunk=32)
+
+    prompts = _prompts((6, 21), seed=3)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    cfg = dict(quant=INT4, num_pages=12, backend="triton", cuda_graphs=False, max_num_batched_tokens=32)
+    with Engine(v3, EngineConfig(**cfg)) as eng:
+        ref = [o.output_ids for o in eng.generate(prompts, params)]
+    with Engine(v3, EngineConfig(**cfg, decode_config=floor_32)) as eng:
+        assert [o.output_ids for o in eng.generate(prompts, params)] == ref
+        assert asked and set(asked) == {v3.config.num_attention_heads}  # the job's decode steps asked it
+        plan = eng.backend.static_plan(2, 128)
+    assert all(md.config.min_chunk == 32 for md in plan.md.values())
+
+
 def test_engine_fp8_cache_through_interpreted_kernels(v3):
     """The FP8 cache (e4m3 latent with fp32 group scales, bf16 RoPE: fp8_ds_mla's record) behind the engine:
     append, prefill read-back and decode kernels, graph-step path emulated, preemption on the way."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import glob
 import json
@@ -61,11 +62,23 @@ def ds3(tmp_path_factory):
 # streamed == in memory
 # ------------------------------------------------------------------------------------------------
 def test_streamed_equals_in_memory_calibrate(ds3, tmp_path):
+    """... also with calibrate's fit under a timer (ProjectFitter.fit_timer: what benchmarks time each
+    path's fit with), which sees every layer's content and RoPE fit and changes nothing."""
+    from quantmla.calibration.stream.fitters import ProjectFitter
+
+    timed = []
+
+    class TimedFitter(ProjectFitter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.fit_timer = lambda path: contextlib.nullcontext(timed.append(path))
+
     ids = _ids()
     model = _load(ds3)
     rep_mem = calibrate(model, ids, QUANT, method="quantmla", seed=5, progress=False, verbose=False, **FAST)
     rep = calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="quantmla", seed=5, fit_kwargs=FAST,
-                             attn_implementation="eager")
+                             attn_implementation="eager", fit_fn=TimedFitter)
+    assert timed == ["content", "rope"] * 4
     assert {lr.content["chosen"] for lr in rep_mem.layers} - {"rtn"}, "the fit should pick a transform somewhere"
     streamed = _load(tmp_path / "out")
     assert _same_tensors(model.state_dict(), streamed.state_dict()) == []

@@ -12,6 +12,7 @@ where it beats its alternatives on held-out data).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -184,10 +185,12 @@ def spread_key_positions(d, generator: torch.Generator, context: int | None = No
 
 
 def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: CalibrationOptions,
-              pbar=None) -> tuple[LayerTransform, LayerReport]:
+              pbar=None, timer=None) -> tuple[LayerTransform, LayerReport]:
     """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
     the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
     This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
+    timer: None, or a function of a path's name ("content", "rope") giving a context manager that
+    the path's fit runs inside (what benchmarks time each fit with).
 
     opts.rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their
     mean over the model's context, estimated from the fit sequences, becomes the slot's cache offset,
@@ -208,16 +211,19 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
     rep = LayerReport(slot=slot)
     ct: ContentTransform | None = None
     rt: RopeTransform | None = None
+    timer = timer or (lambda path: contextlib.nullcontext())
     if "content" in paths:
-        cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=opts.steps, lr=opts.lr,
-                         batch_size=opts.batch_size, generator=lg, pbar=pbar)
+        with timer("content"):
+            cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=opts.steps, lr=opts.lr,
+                             batch_size=opts.batch_size, generator=lg, pbar=pbar)
         rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
                        "candidates": cf.heldout, "train_curve": cf.curve}
         ct = None if cf.chosen == "rtn" else cf.transform
     if "rope" in paths:
         if method == "quantmla":
-            rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
-                          steps=opts.fitted_rope_steps, pbar=pbar)
+            with timer("rope"):
+                rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
+                              steps=opts.fitted_rope_steps, pbar=pbar)
             rt = None if rf.chosen == "rtn" else rf.transform
             cands, chosen, before = dict(rf.heldout), rf.chosen, rf.heldout["rtn"]
             if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are

@@ -18,6 +18,7 @@ from quantmla.calibration.stream.memory import to_device
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec
 
+
 class LayerFitter:
     """Per-layer fitting in the three steps streaming needs:
 
@@ -111,7 +112,10 @@ class ProjectFitter(LayerFitter):
     fit_kwargs: the fields of calibrate's :class:`CalibrationOptions` (a dict or an instance;
     method and seed are the streamer's). ``batch_size`` defaults to the streamer's (capture batches
     and fit minibatches, as in calibrate); ``device``: where the captured data lives and the fit runs
-    (default CPU)."""
+    (default CPU). ``fit_timer``: passed to ``fit_layer`` as its ``timer`` (None; a subclass that
+    times each path's fit sets it)."""
+
+    fit_timer = None
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -164,7 +168,8 @@ class ProjectFitter(LayerFitter):
         quantmla = self.method == "quantmla"
         total = (o.steps if quantmla and "content" in o.paths else 0) + (1 if quantmla and "rope" in o.paths else 0)
         with tqdm(total=total, desc=f"slot {slot}: fit", leave=False, disable=not self.show_progress or not total) as pbar:
-            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, o, pbar=pbar)
+            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, o, pbar=pbar,
+                                timer=self.fit_timer)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs
