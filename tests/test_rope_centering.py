@@ -18,10 +18,10 @@ from quantmla.calibration.checkpoint import load_quantized, save_quantized
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec
 from quantmla.model.tiny import FAMILIES, tiny_model
-from quantmla.serving.check import compare
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import SamplingParams
 from quantmla.transforms.rope import apply_pairs
+from quantmla_lab.bench.serving.agreement import compare
 
 
 def _offsets(spec, scale=3.0, seed=0):
@@ -195,8 +195,8 @@ def test_spreading_keys_over_the_context_keeps_every_logit():
 
 def test_sweep_scores_a_calibrated_variant_with_its_own_offsets(monkeypatch, tmp_path):
     """calibration.sweep must read the cache through the calibrated config (RoPE offsets included)."""
-    from quantmla.calibration import sweep
     from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla_lab.bench.calibration import variants as sweep
 
     path = model_path(DEFAULT_MODEL)
     if not path.exists():

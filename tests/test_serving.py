@@ -11,7 +11,7 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import tiny_model
-from quantmla.serving.check import compare, engine_agreement, local_reference_models
+from quantmla_lab.bench.serving.agreement import compare, engine_agreement, local_reference_models
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
 
@@ -163,7 +163,7 @@ def test_engine_fp8_cache_through_interpreted_kernels(v3):
 
 
 def test_serve_bench_jobs_and_fp8_method():
-    from quantmla.serving.bench import JOBS, job_budgets_gib, method_config
+    from quantmla_lab.bench.serving.throughput import JOBS, job_budgets_gib, method_config
 
     assert method_config("fp8").describe() == "content FP8/g128 + RoPE BF16"
     assert JOBS["long"] == dict(requests=32, prompt=(16384, 24576), output=(1024, 1536))
@@ -288,7 +288,7 @@ def test_reference_model_matches_generate(path):
 def test_check_compares_the_engine_logic_apart_from_the_kernels():
     """serve-bench --check: for low bits it also runs the same engine on fp32 torch attention, so that a
     divergence of the kernels (bf16 operands) can be told from one of the scheduler, pages or quantizer."""
-    from quantmla.serving.serve_bench_command import run_check
+    from quantmla_lab.bench.serving.command import run_check
 
     lines = []
     res = run_check("cpu", 2e-2, lines.append, families=("deepseek_v2",), refs=[], methods=("int2/int4",))

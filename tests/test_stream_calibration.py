@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from helpers.streaming import KillAt, standin_fit
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration import calibrate
@@ -17,8 +18,7 @@ from quantmla.calibration.distributed import assign_layers, calibrate_streamed_d
 from quantmla.calibration.stream import STATE_DIR, RunState, ShardedCheckpoint, Streamer, calibrate_streamed
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import FAMILIES, tiny_config
-
-from helpers.streaming import KillAt, standin_fit, write_random_checkpoint
+from quantmla_lab.random_checkpoint import write_random_checkpoint
 
 QUANT = QuantCacheConfig.of_bits(2, 4, 32, 16)
 # the real function-aligned fit, kept short: a few Adam steps, closed-form + grid RoPE search
@@ -332,7 +332,7 @@ def cli_model(tmp_path_factory):
     """A tiny deepseek_v3 checkpoint with its own tokenizer, calibration text, and calibrate's
     options shared by the command-line tests."""
     from quantmla.model.tiny import tiny_model
-    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+    from quantmla_lab.training.tokenizer import save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("cli")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
