@@ -125,10 +125,12 @@ def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
         torch.testing.assert_close(dc.keys, d.keys - c)
     # the high-frequency pairs turn many times over a long context: their offset vanishes; the slowest keeps most of m
     assert abs(want[0]) < 0.05 * abs(m[0]) and abs(want[-1]) > 0.5 * abs(m[-1])
-    # no RoPE phase (or no context): the plain mean of the fit keys
+    # a context of 0 (calibrate's rope_center_context=0), or no RoPE phase: the plain mean of the fit keys
+    plain = d.k_rope[fit].reshape(-1, d_r).mean(0)
+    torch.testing.assert_close(centre_rope_keys(d, fit, context=0)[1], plain, rtol=1e-5, atol=1e-6)
     d.rope_phase = None
     _, c = centre_rope_keys(d, fit)
-    torch.testing.assert_close(c, d.k_rope[fit].reshape(-1, d_r).mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c, plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -62,8 +62,8 @@ def ds3(tmp_path_factory):
 # streamed == in memory
 # ------------------------------------------------------------------------------------------------
 def test_streamed_equals_in_memory_calibrate(ds3, tmp_path):
-    """... also with calibrate's fit under a timer (ProjectFitter.fit_timer: what benchmarks time each
-    path's fit with), which sees every layer's content and RoPE fit and changes nothing."""
+    """... also with a timer (ProjectFitter.timer: what benchmarks time the steps with), which sees every
+    batch's capture and every layer's content and RoPE fit, and changes nothing."""
     from quantmla.calibration.stream.fitters import ProjectFitter
 
     timed = []
@@ -71,14 +71,15 @@ def test_streamed_equals_in_memory_calibrate(ds3, tmp_path):
     class TimedFitter(ProjectFitter):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            self.fit_timer = lambda path: contextlib.nullcontext(timed.append(path))
+            self.timer = lambda step: contextlib.nullcontext(timed.append(step))
 
     ids = _ids()
     model = _load(ds3)
     rep_mem = calibrate(model, ids, QUANT, method="quantmla", seed=5, progress=False, verbose=False, **FAST)
     rep = calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="quantmla", seed=5, fit_kwargs=FAST,
                              attn_implementation="eager", fit_fn=TimedFitter)
-    assert timed == ["content", "rope"] * 4
+    batches = -(-len(ids) // 4)  # capture batches per layer (batch_size 4)
+    assert timed == (["capture"] * batches + ["content", "rope"]) * 4
     assert {lr.content["chosen"] for lr in rep_mem.layers} - {"rtn"}, "the fit should pick a transform somewhere"
     streamed = _load(tmp_path / "out")
     assert _same_tensors(model.state_dict(), streamed.state_dict()) == []

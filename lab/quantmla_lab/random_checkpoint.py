@@ -8,13 +8,12 @@ import os
 import torch
 
 from quantmla.calibration.stream.files import INDEX_NAME, ShardEntry, atomic_write_json, write_safetensors_streamed
-from quantmla.calibration.stream.memory import _tensor_bytes
-from quantmla.calibration.stream.source import _EXPERT_RE
+from quantmla.calibration.stream.source import EXPERT_RE
 
 
 def _split_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """Fused expert parameter -> per-expert tensors in transformers' saved (checkpoint) naming."""
-    m = _EXPERT_RE.match(name)
+    m = EXPERT_RE.match(name)
     if not m or t.dim() != 3:
         return {name: t}
     out = {}
@@ -76,7 +75,7 @@ def write_random_checkpoint(config, path: str, seed: int = 0, dtype: torch.dtype
         entries = [ShardEntry(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in sd.items()]
         write_safetensors_streamed(os.path.join(path, file), entries)
         module.to_empty(device="meta")
-        nb = sum(_tensor_bytes(t) for t in sd.values())
+        nb = sum(t.numel() * t.element_size() for t in sd.values())
         total += nb
         for n in sd:
             weight_map[n] = file
@@ -106,7 +105,7 @@ def write_random_checkpoint(config, path: str, seed: int = 0, dtype: torch.dtype
                                [ShardEntry(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in sd.items()])
     for n in sd:
         weight_map[n] = "model-extra.safetensors"
-    total += sum(_tensor_bytes(t) for t in sd.values())
+    total += sum(t.numel() * t.element_size() for t in sd.values())
     holder.to_empty(device="meta")
     config.save_pretrained(path)
     atomic_write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})

@@ -67,8 +67,8 @@ class CalibrationReport:
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
-        rows = [f"calibration: method={self.method} paths={','.join(self.paths)} seed={self.seed} "
-                f"tokens={self.tokens} (fit {self.fit_sequences} / held-out {self.heldout_sequences} sequences)",
+        rows = [(f"calibration: method={self.method} paths={','.join(self.paths)} seed={self.seed} "
+                 f"tokens={self.tokens} (fit {self.fit_sequences} / held-out {self.heldout_sequences} sequences)"),
                 "held-out objectives, before (RTN) -> after:",
                 f"{'slot':>4}  {'content out-err':>24} {'chosen':>9}  {'RoPE QK-err':>24} {'chosen':>14}  {'joint out-err':>22}"]
         for l in self.layers:
@@ -133,14 +133,14 @@ def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
         c_j = m_j · (1/context) Σ_s e^{iθ_j s},
 
     the mean key over the whole context (pairs that turn over it average to ~0; pairs that barely
-    turn keep their mean). context: default ``d.max_positions``; without a phase, the plain mean."""
+    turn keep their mean). context: default ``d.max_positions``; 0, or without a phase, the plain mean."""
     import dataclasses as dc
 
     k = d.k_rope[fit_seqs.to(d.k_rope.device)].double()  # [n, L, d_r]
     L, d_r = k.shape[1], k.shape[2]
-    context = context or d.max_positions
+    context = d.max_positions if context is None else context
     phase = d.rope_phase
-    if phase is None or context is None or phase.shape[0] < min(L, 2):
+    if phase is None or not context or phase.shape[0] < min(L, 2):
         mu = k.reshape(-1, d_r).mean(0)
     else:
         w = phase[:L].to(k.device)  # [L, P]
@@ -204,7 +204,7 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
         if rope_spread > 0:
             d = spread_key_positions(d, torch.Generator().manual_seed(seed * 1000003 + slot + 7), fraction=rope_spread)
         d_rtn = d  # the keys as they are: RTN's "before"
-        d, mu = centre_rope_keys(d, fit_seqs)
+        d, mu = centre_rope_keys(d, fit_seqs, context=opts.rope_center_context)
     else:
         d_rtn = d
     lg = torch.Generator().manual_seed(seed * 1000003 + slot)

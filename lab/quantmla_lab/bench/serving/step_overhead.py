@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from quantmla.kernels import api, schedule
+from quantmla.kernels import api
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.common import record, save
@@ -60,34 +60,30 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = min(1000, model.config.vocab_size)
     rows = []
-    default_config = api.default_config
     for m, b, k in itertools.product(a.methods, a.batches, a.min_chunks):
-        if k:  # the engine's decode plan and the kernels take their config from default_config
-            api.default_config = schedule.default_config = \
-                lambda *args, k=k, **kw: dataclasses.replace(default_config(*args, **kw), min_chunk=k)
-        try:
-            cfg = EngineConfig(quant=method_config(m, a.content_group, a.rope_group), kv_budget_bytes=4 << 30,
-                               max_num_seqs=b, max_num_batched_tokens=8192, max_model_len=a.prompt + a.new + 8)
-            e = Engine(model, cfg)
-            reqs = [Request(i, torch.randint(3, vocab, (a.prompt,), generator=g).tolist(),
-                            SamplingParams(max_new_tokens=a.new, ignore_eos=True)) for i in range(b)]
-            e.generate(reqs[:1] if b > 1 else reqs)  # warm-up: kernels compiled, graphs of small buckets captured
-            e.capture_graphs()
-            e.generate(reqs)
-            st = e.stats
-            wall = 1e3 * st.graph_decode_s / max(1, st.graph_steps)
-            bucket, graph = e.decode_graph(b)
-            gpu = replay_ms(graph)
-            floor = k or default_config(16, next(iter(e.backend.layouts.values())), "cuda").min_chunk
-            rows.append(dict(method=m, batch=b, min_chunk=floor, bucket=bucket, graph_steps=st.graph_steps,
-                             step_wall_ms=round(wall, 3), replay_gpu_ms=round(gpu, 3), host_ms=round(wall - gpu, 3)))
-            print(f"{m:10} batch {b:3} (bucket {bucket:3}) split floor {floor:3}: step wall {wall:6.3f} ms, graph GPU {gpu:6.3f} ms, "
-                  f"host {wall - gpu:6.3f} ms over {st.graph_steps} steps", flush=True)
-            e.close()
-            del e
-            torch.cuda.empty_cache()
-        finally:
-            api.default_config = schedule.default_config = default_config
+        # the engine's decode tiling (graph plans and eager steps): the API default, or it with split floor k
+        tiling = (lambda *args, k=k: dataclasses.replace(api.default_config(*args), min_chunk=k)) if k else None
+        cfg = EngineConfig(quant=method_config(m, a.content_group, a.rope_group), kv_budget_bytes=4 << 30,
+                           max_num_seqs=b, max_num_batched_tokens=8192, max_model_len=a.prompt + a.new + 8,
+                           decode_config=tiling)
+        e = Engine(model, cfg)
+        reqs = [Request(i, torch.randint(3, vocab, (a.prompt,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=a.new, ignore_eos=True)) for i in range(b)]
+        e.generate(reqs[:1] if b > 1 else reqs)  # warm-up: kernels compiled, graphs of small buckets captured
+        e.capture_graphs()
+        e.generate(reqs)
+        st = e.stats
+        wall = 1e3 * st.graph_decode_s / max(1, st.graph_steps)
+        bucket, graph = e.decode_graph(b)
+        gpu = replay_ms(graph)
+        floor = k or api.default_config(16, next(iter(e.backend.layouts.values())), "cuda").min_chunk
+        rows.append({"method": m, "batch": b, "min_chunk": floor, "bucket": bucket, "graph_steps": st.graph_steps,
+                     "step_wall_ms": round(wall, 3), "replay_gpu_ms": round(gpu, 3), "host_ms": round(wall - gpu, 3)})
+        print(f"{m:10} batch {b:3} (bucket {bucket:3}) split floor {floor:3}: step wall {wall:6.3f} ms, graph GPU {gpu:6.3f} ms, "
+              f"host {wall - gpu:6.3f} ms over {st.graph_steps} steps", flush=True)
+        e.close()
+        del e
+        torch.cuda.empty_cache()
     res = record(prompt=a.prompt, new=a.new, content_group=a.content_group, rope_group=a.rope_group, rows=rows)
     save(res, a.out)
     return 0
