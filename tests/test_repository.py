@@ -38,9 +38,8 @@ def _imports(tree: ast.Module, deferred: bool = False):
             todo += node.orelse if _is_type_checking(node.test) else node.body + node.orelse
         elif isinstance(node, ast.Try):
             todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
-        elif isinstance(node, (ast.With, ast.For, ast.While, ast.ClassDef)):
-            todo += node.body
-        elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        elif isinstance(node, (ast.With, ast.For, ast.While, ast.ClassDef)) or (
+                deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
             todo += node.body
 
 
@@ -146,7 +145,7 @@ def test_cycle_finder_sees_package_and_function_level_rules():
 
 # -- every path the README, the docs and the code name exists -----------------------------------------
 TOP = ("src", "lab", "docs", "bench", "models", "tests", "results", "scripts")  # bench/: none (old paths show up)
-PATH_RE = re.compile(r"(?<![\w./-])((?:%s)/[\w./*{},-]*[\w*}])" % "|".join(TOP))
+PATH_RE = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./*{},-]*[\w*}])")
 
 
 def _named_paths(text: str, files_only: bool = False):

@@ -74,7 +74,8 @@ def build_parser(commands=None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         if is_lab_command(name) and not lab_installed():
-            p = sub.add_parser(name, help=help_, description=f"{help_}. {lab_missing(name)}", formatter_class=HelpFormatter)
+            p = sub.add_parser(name, help=help_, description=f"{help_}. {lab_missing(name)}",
+                               formatter_class=HelpFormatter)
             p.set_defaults(_module=None)
             continue
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)

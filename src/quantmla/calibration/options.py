@@ -81,7 +81,8 @@ class CalibrationOptions:
     def check(self) -> CalibrationOptions:
         """These options, or a QuantMLAError naming the bad one; run before any work."""
         if self.rope_center_context is not None and int(self.rope_center_context) < 0:
-            raise QuantMLAError(f"rope_center_context is a number of positions (>= 0) or None, got {self.rope_center_context}")
+            raise QuantMLAError(f"rope_center_context is a number of positions (>= 0) or None, "
+                                f"got {self.rope_center_context}")
         if not 0.0 <= float(self.rope_spread) <= 1.0:
             raise QuantMLAError(f"rope_spread is a fraction of the RoPE keys, between 0 and 1; got {self.rope_spread}")
         if self.method not in METHODS:

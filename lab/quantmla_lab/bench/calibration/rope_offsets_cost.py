@@ -7,7 +7,8 @@ read through the quantized cache) of QuantMLA calibrated three ways:
 - offsets stripped: the same checkpoint read by a runtime that ignores ``rope_offsets``;
 - no centring: calibrated with ``--no-rope-center`` (``"rope_centring": false``), read as it is.
 
-    python -m quantmla_lab.bench.calibration.rope_offsets_cost --chunks 32 --calib-n 16 --out lab/results/calibration/rope_offsets_cost_cpu.json
+    python -m quantmla_lab.bench.calibration.rope_offsets_cost --chunks 32 --calib-n 16 \
+        --out lab/results/calibration/rope_offsets_cost_cpu.json
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
                                                       for k in ("centred", "offsets_stripped", "no_centring")), flush=True)
             rows.append(row)
     doc = {"question": "bits per byte of QuantMLA with RoPE offsets, with them ignored, and fitted without them",
-           "command": "python -m quantmla_lab.bench.calibration.rope_offsets_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python -m quantmla_lab.bench.calibration.rope_offsets_cost "
+                      + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
            "date": datetime.date.today().isoformat(), "chunks": a.chunks, "calib_rows": a.calib_n, "rows": rows}
     if a.out:

@@ -1,4 +1,4 @@
-"""``quantmla bench-kernel``: benchmark the low-bit MLA decode kernels on the GPU (see kernels/bench.py)."""
+"""``quantmla bench-kernel``: benchmark the low-bit MLA decode kernels on the GPU (see decode_speed.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Where a serve-bench ratio comes from: capacity, decode phase, prefill (issue #6 analysis).
 
-    python3 -m quantmla_lab.bench.serving.breakdown [lab/results/serving/budget_curve_h200.json] [--out lab/results/serving/breakdown.json]
+    python3 -m quantmla_lab.bench.serving.breakdown [lab/results/serving/budget_curve_h200.json] \
+        [--out lab/results/serving/breakdown.json]
 
 Reads a serve-bench result and prints, per KV budget and low-bit method against BF16:
 

@@ -1,6 +1,7 @@
 """Where the time of a CUDA-graph capture goes in a short `quantmla serve` job (H200, issue #6).
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.capture_cost models/qmla-ref-deepseek-v3 --out $OUT/capture_cost_h200.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.capture_cost models/qmla-ref-deepseek-v3 \
+        --out $OUT/capture_cost_h200.json
 
 Runs the job of ``lab/quantmla_lab/bench/serving/warm_vs_cold.py`` (48 prompts of 30–300 tokens, 96 new tokens each,
 2 MiB KV budget) once on a fresh engine per cache method, with every capture timed. A capture runs

@@ -1,6 +1,7 @@
 """Project serve-bench ratios to other jobs: the engine's own scheduler, step times fitted on the H200.
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.projection [lab/results/serving/budget_curve_h200.json] [--out lab/results/serving/projection.json]
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.projection [lab/results/serving/budget_curve_h200.json] \
+        [--out lab/results/serving/projection.json]
 
 1. Replays every run of a serve-bench result through ``serving.scheduler.Scheduler`` (same job, pages,
    token budget, watermark) without a model. The scheduler is deterministic, so the replay must give

@@ -1,7 +1,8 @@
 """Where a serving step spends its GPU time, per cache method: kernel families and the step's parts.
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --out $OUT/profile_serving.json
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens 8192 --steps 4
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens 8192 \
+        --steps 4
 
 Runs the serve-bench model (v2-lite geometry, random weights) under ``torch.profiler`` and prints, per
 method, the CUDA time of each kernel family per step and the wall time per step. ``--phase decode``
@@ -11,8 +12,8 @@ Each method's ``parts`` split a step into attention, cache append, projections a
 other kernels and host time, with the bytes attention and the weights must read and the fraction of
 the device's copy bandwidth they reach (``copy_GBps``, measured first).
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --batch 32 --prompt 16384 --steps 6 --kv-budget-gib 20 \
-        --content-group 128 --rope-group 64 --batched-tokens 16384 --methods bf16 fp8 int4/int4 int2/int4
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --batch 32 --prompt 16384 --steps 6 \
+        --kv-budget-gib 20 --content-group 128 --rope-group 64 --batched-tokens 16384 --methods bf16 fp8 int4/int4 int2/int4
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The same small job twice on one engine (cold: graphs captured as buckets are first used; warm: all
 captured), and once without CUDA graphs: how much of a short `quantmla serve` job is capture time.
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.warm_vs_cold models/qmla-ref-deepseek-v3 --out $OUT/serve_warm_cold.json
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.warm_vs_cold models/qmla-ref-deepseek-v3 --emulate --methods bf16 int4/int4  # CPU
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.warm_vs_cold models/qmla-ref-deepseek-v3 \
+        --out $OUT/serve_warm_cold.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.warm_vs_cold models/qmla-ref-deepseek-v3 --emulate \
+        --methods bf16 int4/int4  # CPU
 
 Also records what one full ``gc.collect()`` costs in this process (what a collection before every
 capture would add; the engine runs none, see ``quantmla.serving.graphs.no_gc``) and how many graphs
