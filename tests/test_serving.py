@@ -11,9 +11,9 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import tiny_model
-from quantmla_lab.bench.serving.agreement import compare, engine_agreement, local_reference_models
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
+from quantmla_lab.bench.serving.agreement import compare, engine_agreement, local_reference_models
 
 INT4 = QuantCacheConfig.of_bits(4, 4, 32, 16)
 INT2 = QuantCacheConfig.of_bits(2, 4, 32, 16)
@@ -139,7 +139,7 @@ def test_engine_takes_the_decode_tiling_from_its_config(v3):
 
     prompts = _prompts((6, 21), seed=3)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    cfg = dict(quant=INT4, num_pages=12, backend="triton", cuda_graphs=False, max_num_batched_tokens=32)
+    cfg = {"quant": INT4, "num_pages": 12, "backend": "triton", "cuda_graphs": False, "max_num_batched_tokens": 32}
     with Engine(v3, EngineConfig(**cfg)) as eng:
         ref = [o.output_ids for o in eng.generate(prompts, params)]
     with Engine(v3, EngineConfig(**cfg, decode_config=floor_32)) as eng:

@@ -59,7 +59,7 @@ def extract_docstrings(source: str, min_chars: int = 60) -> list[str]:
 
 def metadata_description(text: str) -> str:
     """The long description (body) of a ``METADATA`` file (headers stripped)."""
-    head, sep, body = text.partition("\n\n")
+    _, sep, body = text.partition("\n\n")
     return body.strip() if sep else ""
 
 
@@ -116,7 +116,7 @@ def split_corpus(
                 hprose.append(f)  # docstrings of held-out code are held-out prose
         elif f.kind in ("code", "doc"):
             train.append(f)
-    order = lambda f: _h(f"{seed}:{f.name}")  # noqa: E731
+    order = lambda f: _h(f"{seed}:{f.name}")
     train.sort(key=order)
     hcode.sort(key=order)
     hprose.sort(key=order)
