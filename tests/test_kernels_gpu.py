@@ -106,26 +106,81 @@ def test_append_bit_exact_full_shape(name):
     assert torch.equal(pages, ref), f"{(pages != ref).sum().item()} bytes differ"
 
 
-@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8"])
+def kernel_config(kernel, lay, H, SQ):
+    """The CUDA kernel's config, or the Triton kernel's default tiling."""
+    if kernel == "cuda":
+        from quantmla.kernels.cuda.build import nvcc
+
+        if nvcc() is None:
+            pytest.skip("no nvcc: the CUDA kernel cannot be built here")
+        from quantmla.kernels.schedule import cuda_config
+
+        return cuda_config(H * SQ, lay, "cuda")
+    return _api().default_config(H * SQ, lay)  # no device: Triton's GPU tilings
+
+
+def check_variant(md, kernel):
+    """The kernel asked for is the one that ran (a failed build would fall back with only a warning)."""
+    assert md.variant is not None and md.variant.startswith("cuda/") == (kernel == "cuda"), (md.variant, kernel)
+
+
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8", "fp8"])
 @pytest.mark.parametrize("H", [16, 32, 64, 128])
 @pytest.mark.parametrize("SQ", [1, 2, 4])
-def test_decode_full_shape(name, H, SQ):
+def test_decode_full_shape(kernel, name, H, SQ):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=H * 10 + SQ)
-    check_decode(lay, pages, bt, sl, H, SQ, seed=H + SQ)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + SQ, config=kernel_config(kernel, lay, H, SQ))
+    check_variant(md, kernel)
 
 
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
-def test_decode_other_formats(name):
+def test_decode_other_formats(kernel, name):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=5)
-    check_decode(lay, pages, bt, sl, 16, 1, seed=6)
-    check_decode(lay, pages, bt, sl, 128, 1, seed=7)
+    for H, seed in ((16, 6), (128, 7), (5, 8)):
+        check_variant(check_decode(lay, pages, bt, sl, H, 1, seed=seed, config=kernel_config(kernel, lay, H, 1)), kernel)
 
 
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("H", [16, 128])
-def test_decode_many_splits_and_one_split(H):
+def test_decode_many_splits_and_one_split(kernel, H):
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [20000, 3, 511], seed=H)
-    check_decode(lay, pages, bt, sl, H, 1, seed=1, chunk_tokens=64)  # ~300 splits, combine kernel
-    check_decode(lay, pages, bt, sl, H, 1, seed=2, chunk_tokens=1 << 20)  # no split: direct write
+    cfg = kernel_config(kernel, lay, H, 1)
+    check_decode(lay, pages, bt, sl, H, 1, seed=1, config=cfg, chunk_tokens=64)  # ~300 splits, combine kernel
+    check_decode(lay, pages, bt, sl, H, 1, seed=2, config=cfg, chunk_tokens=1 << 20)  # no split: direct write
+
+
+def fp64_error(lay, pages, bt, sl, H, seed, config):
+    """Relative error of the decode output against fp64 attention over the same dequantized cache."""
+    api = _api()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B = bt.shape[0]
+    qc = (torch.randn(B, H, D_C, generator=g, device="cuda") * 0.3).to(torch.bfloat16)
+    qr = (torch.randn(B, H, D_R, generator=g, device="cuda") * 0.3).to(torch.bfloat16)
+    scale = 1 / math.sqrt(192)
+    md = api.get_mla_metadata(sl, H, 1, lay, config=config)
+    out, _ = api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, scale, metadata=md)
+    lat, kr = gather_sequences(pages, lay, bt, sl)
+    ro, _ = __import__("quantmla.reference.absorbed", fromlist=["x"]).absorbed_attention(
+        qc.double().unsqueeze(1), qr.double().unsqueeze(1), lat.double(), kr.double(), scale, sl,
+        compute_dtype=torch.float64)
+    ro = ro.squeeze(1)
+    return ((out.double() - ro).norm() / ro.norm()).item(), md
+
+
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
+def test_decode_error_within_twice_bf16(kernel):
+    """Every format's kernel error (against fp64 over its own dequantized cache) is within 2x the BF16 path's:
+    the quantized formats' arithmetic adds no error of its own beyond the 16-bit rounding BF16 has."""
+    errs = {}
+    for name in ("bf16", "fp8", "int4/int4", "int2/int4"):
+        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
+        errs[name], md = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config(kernel, lay, 16, 1))
+        check_variant(md, kernel)
+    print(kernel, {k: f"{v:.2e}" for k, v in errs.items()})
+    for name, e in errs.items():
+        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
 
 
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])

@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out bash lab/scripts/kernels_on_h200.sh tests bench serving-shapes
 #
-# tests           the full-shape kernel tests (tests/test_kernels_gpu.py)      -> kernels/gpu_tests_h200.log
+# tests           the kernel tests on the GPU (full shapes, CUDA host side, interpreter tests) -> kernels/gpu_tests_h200.log
 # bench           `quantmla bench-kernel`: every format against BF16 at DeepSeek shapes, with the
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
@@ -29,7 +29,7 @@ tests() {
   } 2>&1 | tee "$log"
   local xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py -v -rA -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_cuda.py tests/test_kernels.py -q -rfs -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$log"
 }
 

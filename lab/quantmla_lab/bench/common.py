@@ -1,7 +1,7 @@
-"""What the bench scripts share: the header of a result record, saving it, and the short serving job.
+"""What the benchmarks share: the header of a result record, saving it, and the short serving job.
 
-Scripts run as ``PYTHONPATH=src:lab python3 bench/NAME.py``; their own folder is on ``sys.path``, so
-``from common import ...`` finds this module.
+The benchmarks run as modules, ``python3 -m quantmla_lab.bench.TOPIC.NAME`` (with the lab importable:
+an install, or ``PYTHONPATH=src:lab``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ run raise :class:`UnsupportedFormatError` before anything is launched.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -162,6 +162,12 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
     from quantmla.kernels import codegen
     from quantmla.kernels.decode import _mla_decode_kernel
 
+    if cfg.kernel == "cuda":
+        variant = _launch_cuda(grid, args, layout, cfg)
+        if variant is not None:
+            return variant
+        tcfg = default_config(args[15], layout)  # Triton's tiling of these rows, at the schedule's row block
+        cfg = tcfg if tcfg.block_m == cfg.block_m else replace(tcfg, block_m=cfg.block_m, kernel="generic")
     consts, _ = _layout_constexprs(layout)
     tries = []
     if cfg.kernel == "fused" and codegen.supported(layout):
@@ -189,6 +195,35 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
                 raise
             last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     raise QuantMLAError(f"the decode kernel did not compile for {cfg.describe()}: {last}")
+
+
+_CUDA_FAILED: dict = {}  # plan -> why its build failed (tried once per process)
+
+
+def _launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None:
+    """Run the CUDA C++ kernel (kernels/cuda) over the Triton kernel's arguments. Where it cannot (no plan
+    for this layout, rows and output dtype, or a build that failed) it warns and returns None, and the
+    Triton kernel runs; QUANTMLA_DECODE_KERNEL=cuda makes that an error."""
+    from quantmla.kernels import cuda
+
+    R, out, device = args[15], args[8], args[2].device
+    plan = cuda.decode_plan(layout, R, out.dtype, device)
+    if plan is None:
+        why = cuda.plan_reason.get(layout, "no plan")
+    elif plan.block_m != cfg.block_m:
+        why = f"its row block is {plan.block_m}, the schedule's {cfg.block_m}"
+    elif plan in _CUDA_FAILED:
+        why = _CUDA_FAILED[plan]
+    else:
+        try:
+            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
+            return plan.describe()
+        except QuantMLAError as e:
+            why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
+    if cuda.mode() == "cuda":
+        raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}")
+    warnings.warn(f"the CUDA decode kernel cannot run this call ({why}); the Triton kernel runs instead")
+    return None
 
 
 def mla_decode_with_kvcache(

@@ -36,8 +36,10 @@ class DecodeConfig:
     """Tiling of the decode kernel. block_m: query rows (heads × query tokens) per program;
     block_n: tokens per tile; ctas_per_sm: programs the scheduler aims to keep per SM (it splits
     long sequences until there are about that many); min_chunk: fewest tokens a split covers;
-    kernel: "fused" (generated per format, codes exact in bf16, scales folded into scores and
-    probabilities; BF16 caches too) or "generic" (decode.py: tiles rebuilt to bf16 values);
+    kernel: "cuda" (kernels/cuda/mla_decode.cu: each tile built once in shared memory as 16-bit values
+    and read by both products; block_n 32, 8 warps, num_stages its cp.async stages), "fused" (Triton,
+    generated per format, codes exact in bf16, scales folded into scores and probabilities; BF16 caches
+    too) or "generic" (Triton, decode.py: tiles rebuilt to bf16 values);
     unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
     orient: "heads" (rows are the MMA M dimension) or "tokens" (the transposed problem: tokens and
     channels are M, so 16 heads still fill Hopper's 64-row wgmma);
@@ -55,7 +57,7 @@ class DecodeConfig:
     deq: int = 0
 
     def describe(self) -> str:
-        k = f"fused/{self.unpack}/{self.orient[0]}" if self.kernel == "fused" else f"generic/d{self.deq}"
+        k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": "cuda"}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
 
@@ -64,6 +66,12 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     bm = 16 if rows <= 16 else 32
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
+    if layout is not None and device is not None:
+        from quantmla.kernels import cuda
+
+        cfg = cuda_config(rows, layout, device) if cuda.chosen(layout, rows) else None
+        if cfg is not None:
+            return cfg
     quant = layout is not None and layout.token.fmt.content.quantized
     if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
         # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
@@ -79,6 +87,24 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128)
     # many heads: 32-row blocks (mma.sync; 64-row wgmma tiles spill at d_c = 512), co-scheduled blocks share L2
     return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
+
+
+def cuda_config(rows: int, layout: PageLayout, device: torch.device | str) -> DecodeConfig | None:
+    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph
+    capture); None where it cannot run here (the reason in ``kernels.cuda.plan_reason``)."""
+    from quantmla.kernels import cuda
+    from quantmla.kernels.cuda.build import nvcc
+
+    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
+    if plan is None or nvcc() is None:
+        return None
+    try:
+        cuda.prepare(plan, torch.device(device))
+    except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
+        cuda.plan_reason[layout] = str(e).splitlines()[0]
+        return None
+    return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS, num_stages=plan.stages,
+                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
 
 
 @dataclass
@@ -137,7 +163,8 @@ def get_mla_metadata(
     num_sms: int | None = None,
     chunk_tokens: int | None = None,
 ) -> MLAMetadata:
-    """Split every sequence into work units so that about ``num_sms × ctas_per_sm`` programs run.
+    """Split every sequence into work units so that at most ``num_sms × ctas_per_sm`` programs run (one
+    wave: a second, partial wave would double the step's time), as many as the lengths allow.
 
     Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
     """
@@ -157,6 +184,9 @@ def get_mla_metadata(
     if chunk_tokens is None:
         target_units = max(1, (num_sms or _num_sms(device)) * cfg.ctas_per_sm // hb)
         chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
+        # no partial second wave: grow the chunk until the units fit in the programs that run at once
+        while sum(-(-t // chunk_tiles) for t in tiles) > target_units and chunk_tiles < max(tiles + [1]):
+            chunk_tiles += 1
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units: list[tuple[int, int, int, int]] = []
@@ -183,15 +213,16 @@ def get_mla_metadata(
 
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
-    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and up to
-    8 splits read per step (a [splits, rows, channels] tile of at most 4096 fp32)."""
+    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and as many
+    splits read per step as a [splits, rows, channels] tile of 4096 fp32 holds: a lone sequence's 264
+    splits merge in 3 steps, not 33 dependent ones (at 1 x 131072 the combine took 23 of 90 µs)."""
     block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
             block_d //= 2
         else:
             block_r //= 2
-    block_s = max(1, min(8, _next_pow2(max_splits), 4096 // (block_r * block_d)))
+    block_s = max(1, min(_next_pow2(max_splits), 4096 // (block_r * block_d)))
     return block_r, block_d, block_s
 
 

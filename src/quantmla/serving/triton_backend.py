@@ -73,7 +73,7 @@ class StaticDecodePlan:
             head_blocks = -(-H // cfg.block_m)
             target = max(1, schedule._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
             min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
-            S = max(1, min(-(-target // b), -(-max_len // min_span)))
+            S = max(1, min(target // b, -(-max_len // min_span)))  # b·S programs: one wave, not a partial second
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
                                          config=cfg, chunk_tokens=-(-max_len // S))
             S = proto.max_splits

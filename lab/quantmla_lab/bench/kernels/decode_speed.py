@@ -60,6 +60,17 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     reports of offline sm_90 compiles and a first H200 run."""
     quant = method != "bf16"
     C = DecodeConfig
+    layout = PageLayout(TokenLayout(D_C, D_R, METHODS[method]), PAGE)
+    first = schedule.default_config(rows, layout, "cuda" if DEV == "cuda" else "cpu")
+    if first.kernel == "cuda":  # the CUDA kernel (the API default), then the Triton tilings
+        return [first] + _triton_candidates(method, rows, quant, C)
+    cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
+    if cu is not None:  # the Triton default first, the CUDA kernel measured beside it
+        return [*_triton_candidates(method, rows, quant, C)[:1], cu, *_triton_candidates(method, rows, quant, C)[1:]]
+    return _triton_candidates(method, rows, quant, C)
+
+
+def _triton_candidates(method: str, rows: int, quant: bool, C) -> list[DecodeConfig]:
     if METHODS[method].content.mode == "fp8" and METHODS[method].content.quantized:  # the generic kernel
         if rows <= 16:
             return [

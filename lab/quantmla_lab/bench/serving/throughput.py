@@ -172,6 +172,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         "device": _device_name(s.device),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
+        "commit": _source_commit(),
         "settings": asdict(s),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "model": {"model_type": model.config.model_type, "params": n_params, "layers": model.config.num_hidden_layers,
@@ -344,3 +345,9 @@ def save(result: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def _source_commit() -> str | None:
+    from quantmla_lab.bench.kernels.decode_speed import source_commit
+
+    return source_commit()

@@ -1,0 +1,195 @@
+"""The CUDA C++ decode path (``mla_decode.cu``): one build per cache layout, cached on disk, launched on
+torch's current stream (so CUDA graphs capture it).
+
+    plan = decode_plan(layout, rows, out_dtype, device)   # None (with plan_reason) where it cannot run
+    launch_decode(plan, grid, args)                        # the same arguments as the Triton kernel
+
+A plan fixes the kernel's constants: the layout (section offsets, field bytes, formats), the 16-bit tile
+type (fp16 when every quantized path stores fp16 metadata and no path is raw BF16, else bf16), BM = 16·RM
+query rows per CTA, 8 warps, BN = 32 tokens per tile and the cp.async stages that fit two CTAs per SM
+(one where they do not). ``build.py`` compiles it with nvcc into a cubin under ``QUANTMLA_CUDA_CACHE``
+(default ``~/.cache/quantmla/cuda``); ``driver.py`` loads it through the CUDA driver API.
+
+``QUANTMLA_DECODE_KERNEL=triton`` turns this path off; ``=cuda`` makes a failed build an error instead
+of a fall back to Triton with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.cache.layout import PageLayout
+from quantmla.quant.format import PathFormat
+
+NUM_WARPS = 8
+BLOCK_N = 32
+SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
+SMEM_PER_CTA = 232448  # 227 KiB per block
+SMEM_RESERVED = 1024  # per CTA, by the runtime
+
+_KIND = {"raw": 0, "affine": 1, "symmetric": 2, "fp8": 3}
+_MB = {"float16": 2, "bfloat16": 3, "float32": 4}
+_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def mode() -> str:
+    """"auto" (default), "cuda" (errors instead of falling back) or "triton" (this path off)."""
+    m = os.environ.get("QUANTMLA_DECODE_KERNEL", "auto").strip().lower()
+    return m if m in ("auto", "cuda", "triton") else "auto"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The constants of one build (macros of mla_decode.cu) and its launch shape."""
+
+    macros: tuple[tuple[str, int], ...]
+    block_m: int
+    stages: int
+    ctas_per_sm: int
+    smem: int
+
+    def describe(self) -> str:
+        tile = "f16" if dict(self.macros)["HALF"] else "bf16"
+        return f"cuda/{tile}/M{self.block_m}N{BLOCK_N}w{NUM_WARPS}s{self.stages}c{self.ctas_per_sm}"
+
+
+def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
+    """(kind, bits, group, metadata code) of a path, or why the CUDA kernel cannot read it."""
+    if not fmt.quantized:
+        return _KIND["raw"], 16, dim, 3
+    if fmt.mode == "fp8":
+        return (_KIND["fp8"], 8, fmt.group_size, _MB[fmt.meta_dtype]) if fmt.group_size % 16 == 0 else \
+            "fp8 groups not a multiple of 16"
+    if fmt.bits not in (2, 4, 8):
+        return f"{fmt.bits}-bit codes"
+    if fmt.group_size % 4 or (dim * fmt.bits // 8) % 4:
+        return "groups or packed rows not a multiple of 4"
+    return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
+
+
+def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int) -> int:
+    """Dynamic shared memory of one CTA: the same map as mla_decode.cu (which asserts they agree)."""
+    tok = layout.token
+    fb = tok.field_bytes
+    ldk = tok.d_c + tok.d_r + 8
+
+    def a16(n: int) -> int:
+        return (n + 15) // 16 * 16
+
+    direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
+    raw = a16(a16(a16(a16(BLOCK_N * fb["content_codes"]) + BLOCK_N * fb["rope_codes"]) + BLOCK_N * fb["content_meta"])
+              + BLOCK_N * fb["rope_meta"])
+    raw = BLOCK_N * ldk * 2 if direct else raw
+    q = block_m * ldk * 2
+    kv = 0 if direct else BLOCK_N * ldk * 2
+    s = ksplit * block_m * (BLOCK_N + 4) * 4
+    p = block_m * (BLOCK_N + 8) * 2
+    return q + kv + stages * raw + s + p + 3 * block_m * 4
+
+
+plan_reason: dict = {}
+
+
+def chosen(layout: PageLayout, rows: int) -> bool:
+    """Whether the API's default takes this kernel, by the H200 measurements (lab/results/kernels/
+    decode_vs_peer_h200.json against decode_triton_h200.json): at 16 query rows it is the faster kernel in
+    every format; at 128 rows it is for integer content codes only (BF16 and FP8 run faster in Triton's
+    64-row tiles there)."""
+    fmt = layout.token.fmt.content
+    return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
+
+
+def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device) -> DecodePlan | None:
+    """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
+    is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read."""
+
+    def no(why: str) -> None:
+        plan_reason[layout] = why
+
+    if mode() == "triton":
+        return no("QUANTMLA_DECODE_KERNEL=triton")
+    if torch.device(device).type != "cuda":
+        return no("not a CUDA device")
+    if not torch.cuda.is_available() and not _assume_cuda():
+        return no("no CUDA device is available")
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return no("needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
+    tok = layout.token
+    if tok.d_c % (16 * NUM_WARPS) or tok.d_r % 16 or layout.page_size % BLOCK_N:
+        return no(f"d_c {tok.d_c} (multiple of {16 * NUM_WARPS}), d_r {tok.d_r} (of 16), page size "
+                  f"{layout.page_size} (of {BLOCK_N})")
+    if out_dtype not in _OUT:
+        return no(f"output dtype {out_dtype}")
+    paths = [_path(tok.fmt.content, tok.d_c), _path(tok.fmt.rope, tok.d_r)]
+    bad = [p for p in paths if isinstance(p, str)]
+    if bad:
+        return no(bad[0])
+    fb = tok.field_bytes
+    if any((BLOCK_N * fb[k]) % 16 for k in fb):
+        return no("a section of a 32-token tile is not whole 16-byte chunks")
+    (ck, cb, cg, cm), (rk, rb, rg, rm) = paths
+    # fp16 tile when every quantized path keeps fp16 metadata and none is raw bf16 or e4m3
+    half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
+    rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
+    block_m = 16 * rm_
+    ot = rm_ * (BLOCK_N // 8)
+    ksplit = NUM_WARPS // ot if ot < NUM_WARPS else 1
+    if (tok.d_c + tok.d_r) % (16 * ksplit):
+        ksplit = 1
+    if (ot * ksplit) % NUM_WARPS:
+        return no("score tiles do not split over the warps")
+    stages = ctas = 0
+    for want in (2, 1):
+        fits = [s for s in (4, 3, 2) if smem_bytes(layout, block_m, s, ksplit) + SMEM_RESERVED <= SMEM_PER_SM // want
+                and smem_bytes(layout, block_m, s, ksplit) <= SMEM_PER_CTA]
+        if fits:
+            stages, ctas = fits[0], want
+            break
+    if not stages:
+        return no("the tile does not fit in shared memory")
+    o = layout.offsets
+    smem = smem_bytes(layout, block_m, stages, ksplit)
+    macros = dict(
+        D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
+        C_KIND=ck, C_BITS=cb, C_GS=cg, C_MB=cm, R_KIND=rk, R_BITS=rb, R_GS=rg, R_MB=rm,
+        HALF=int(half), RM=rm_, NW=NUM_WARPS, BN=BLOCK_N, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
+        OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
+    )
+    return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
+
+
+def _assume_cuda() -> bool:
+    """Tests plan builds on machines without a GPU by patching torch.cuda.get_device_capability."""
+    try:
+        torch.cuda.get_device_capability(0)
+        return True
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
+
+
+def prepare(plan: DecodePlan, device: torch.device) -> None:
+    """Build and load `plan` now (not at the first launch, which may be inside a CUDA-graph capture)."""
+    from quantmla.kernels.cuda import driver
+    from quantmla.kernels.cuda.build import cubin_for
+
+    driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
+
+
+def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
+    """Run the build of `plan` over grid (units, head blocks) on the current stream. `args` are the
+    Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
+    stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
+    from quantmla.kernels.cuda import driver
+    from quantmla.kernels.cuda.build import cubin_for
+
+    qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
+    fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
+    ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
+    driver.launch(fn, grid, NUM_WARPS * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
+                  [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
+                                              ("i", int(causal)), ("f", float(scale))])

@@ -1,0 +1,78 @@
+"""nvcc builds of mla_decode.cu, one cubin per set of constants, cached on disk.
+
+The cache key is the source, the constants, the target architecture and nvcc's version, so an edited
+source or another toolkit never loads a stale cubin. Files are written under a temporary name and
+renamed, so concurrent processes never read half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantmla.errors import QuantMLAError
+
+SOURCE = Path(__file__).with_name("mla_decode.cu")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTMLA_CUDA_CACHE") or Path.home() / ".cache" / "quantmla" / "cuda")
+
+
+def nvcc() -> str | None:
+    """The nvcc on PATH, under CUDA_HOME, or in /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if not found and home and (Path(home) / "bin" / "nvcc").exists():
+            found = str(Path(home) / "bin" / "nvcc")
+    return found
+
+
+_VERSION: dict = {}
+
+
+def _nvcc_version(exe: str) -> str:
+    if exe not in _VERSION:
+        _VERSION[exe] = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    return _VERSION[exe]
+
+
+def arch_of(device: torch.device | str | int) -> str:
+    """sm_XY of a device (sm_90a on Hopper: its architecture-specific target)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | None = None,
+                  extra: tuple[str, ...] = ()) -> Path:
+    """Compile mla_decode.cu with `macros` for `arch` (e.g. "sm_90a") into the cache (or `out`)."""
+    exe = nvcc()
+    if exe is None:
+        raise QuantMLAError("the CUDA decode kernel needs nvcc (on PATH, CUDA_HOME or /usr/local/cuda); "
+                            "set QUANTMLA_DECODE_KERNEL=triton to use the Triton kernels instead")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + repr((macros, arch, extra)).encode() + _nvcc_version(exe).encode()).hexdigest()[:24]
+    path = out or cache_dir() / f"mla_decode_{arch}_{key}.cubin"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    code = arch.replace("sm_", "compute_")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        tmp_out = Path(tmp) / path.name
+        cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-gencode=arch={code},code={arch}", *extra,
+               *[f"-D{k}={v}" for k, v in macros], "-o", str(tmp_out), str(SOURCE)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise QuantMLAError(f"nvcc failed to build the CUDA decode kernel ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        os.replace(tmp_out, path)
+    return path
+
+
+def cubin_for(macros: tuple[tuple[str, int], ...], device: torch.device) -> Path:
+    return compile_cubin(macros, arch_of(device))

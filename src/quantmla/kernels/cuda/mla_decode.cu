@@ -1,0 +1,596 @@
+// Absorbed-MLA decode over the packed paged cache: CUDA C++ for sm_80 and later (built for the device's
+// own architecture; the H200 is sm_90).
+//
+// One CTA handles one work unit (sequence b, tokens [start, end), from kernels.schedule.get_mla_metadata)
+// for one block of BM = 16·RM query rows (r = i·H + h). Per tile of BN tokens (inside one page):
+//
+//   A  copy   the tile's four page sections (codes, metadata) into a shared-memory stage with cp.async,
+//             STAGES tiles ahead (16-byte copies; a tile's rows of one section are contiguous in the page)
+//   B  build  the tile once in shared memory as 16-bit values x = code·scale + zero, [BN, d_c + d_r]
+//             (a BF16 cache is copied straight into that layout and needs no build)
+//   C  QK     S = q_latent·cᵀ + q_rope·k_Rᵀ on the tensor cores (mma.sync m16n8k16, fp32 accumulate),
+//             the query block and the tile both read with ldmatrix
+//   D  soft   online softmax (base 2) per row, one warp per row, P written to shared memory as 16-bit
+//   E  PV     acc += P·c, each warp owning d_c / NW output channels of every row
+//
+// Both products read the one built tile: the latent is the key's first d_c channels and the value.
+// 16-bit type T: fp16 when every quantized path stores fp16 metadata and no path is raw BF16 (codes
+// become exact fp16 values with one lop3: (code | 0x6400) = 1024 + code, then one subtract and one
+// fma per pair), bf16 otherwise. In fp16 each query row is scaled by a power of two so that its
+// largest entry is below 2^13 (exact; undone on the scores), so no query overflows fp16.
+//
+// Everything about the layout comes in as macros from quantmla.kernels.cuda (one build per layout):
+//   D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
+//   C_KIND C_BITS C_GS C_MB  R_KIND R_BITS R_GS R_MB   (KIND 0 raw bf16, 1 affine, 2 symmetric, 3 e4m3;
+//                                                       MB: metadata bytes 2 fp16 / 3 bf16 / 4 fp32)
+//   HALF RM NW BN KSPLIT STAGES MIN_CTAS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#ifndef BUILD_UNROLL  // build-loop unrolling and score-loop unrolling: tuning knobs (lab/quantmla_lab/bench/kernels/decode_cuda_variants.py)
+#define BUILD_UNROLL 1
+#endif
+#ifndef QK_UNROLL
+#define QK_UNROLL 6
+#endif
+#define PRAGMA_(x) _Pragma(#x)
+#define UNROLL(n) PRAGMA_(unroll n)
+
+#if HALF
+typedef __half T;
+typedef __half2 T2;
+#define MMA_TYPE "f16"
+#else
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+#define MMA_TYPE "bf16"
+#endif
+
+constexpr int D = D_C + D_R;           // key width
+constexpr int LDK = D + 8;             // row pitch (elements) of the built tile and the query block
+constexpr int BM = 16 * RM;            // query rows per CTA
+constexpr int NT = 32 * NW;            // threads
+constexpr int LDS = BN + 4;            // fp32 score row pitch
+constexpr int LDP = BN + 8;            // 16-bit probability row pitch
+constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
+
+// the stage of one tile: its four sections, each 16-byte aligned
+__host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
+constexpr int RAW_CC = 0;
+constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
+constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
+constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
+constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + BN * FB_RM);
+
+// shared memory map (bytes)
+constexpr int SM_Q = 0;
+constexpr int SM_KV = SM_Q + BM * LDK * 2;
+constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : BN * LDK * 2);
+constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
+constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
+constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
+constexpr int SMEM_BYTES = SM_ROW + 3 * BM * 4;
+static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
+static_assert(!(HALF && (C_KIND == 0 || R_KIND == 0)), "raw BF16 paths need the bf16 tile");
+
+static_assert(D % (16 * KSPLIT) == 0, "key width must split into 16-channel steps");
+static_assert(BN % 16 == 0 && PS % BN == 0, "a tile is 16k tokens inside one page");
+static_assert(BM % NW == 0, "rows split evenly over the warps in the softmax");
+static_assert(D_C % (16 * NW) == 0, "output channels split over the warps in 16s");
+static_assert((RM * (BN / 8) * KSPLIT) % NW == 0, "score tiles split evenly over the warps");
+static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && (BN * FB_RM) % 16 == 0,
+              "each section of a tile is whole 16-byte chunks");
+
+// ---------------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// d += a·b, m16n8k16, a: 4 regs (16x16 row-major), b: 2 regs (16x8 col-major), d: 4 fp32
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ T2 as_t2(uint32_t u) { return *reinterpret_cast<T2*>(&u); }
+__device__ __forceinline__ uint32_t as_u32(T2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// one metadata value (fp16, bf16 or fp32 by MB) as fp32
+template <int MB>
+__device__ __forceinline__ float meta_f32(const uint8_t* p) {
+  if constexpr (MB == 4) return *reinterpret_cast<const float*>(p);
+  else if constexpr (MB == 3) return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+  else return __half2float(*reinterpret_cast<const __half*>(p));
+}
+template <int MB>
+__host__ __device__ constexpr int meta_size() { return MB == 4 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------------------------------
+// B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
+// ---------------------------------------------------------------------------------------------------
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0>
+__device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
+  if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
+    constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
+    for (int i = tid; i < BN * CH; i += NT) {
+      const int t = i / CH, j = i % CH;
+      uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
+    }
+  } else if constexpr (KIND == 3) {  // e4m3 values, 16 a step (one group of GS >= 16): fp32 math, then T
+    constexpr int CPT = DIM / 16;
+    for (int i = tid; i < BN * CPT; i += NT) {
+      const int t = i / CPT, j = i % CPT;
+      uint32_t o8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (t < valid) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
+        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
+        const float sc = meta_f32<MB>(meta + t * FBM + (16 * j / GS) * meta_size<MB>());
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
+          const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+#if HALF
+          o8[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
+#else
+          o8[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+#endif
+        }
+      }
+      uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j);
+      dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
+      dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+    }
+  } else {  // integer codes, planar: byte j holds channels j + k·NB in bits [k·b, (k+1)·b)
+    constexpr int NB = DIM * BITS / 8;
+    constexpr int K = 8 / BITS;
+    constexpr int WPT = NB / 4;  // 32-bit words per token
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    constexpr int F = KIND == 1 ? 2 : 1;  // metadata fields per group
+    constexpr int MS = meta_size<MB>();
+    constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
+    // fast path: T arithmetic on exact codes when the metadata is already in T's type
+    constexpr bool FAST = (HALF && MB == 2) || (!HALF && MB == 3 && BITS <= 4);
+    if constexpr (FAST && GS % 16 == 0 && NB % 16 == 0) {
+      // 16 bytes a step: 16 channels in each of the K planes, one group per plane. A code at bit offset o
+      // of a 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16
+      // 2^(10-o) (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
+      constexpr int CPT = NB / 16;  // 16-byte chunks per token
+      UNROLL(BUILD_UNROLL)
+      for (int i = tid; i < BN * CPT; i += NT) {
+        const int t = i / CPT, j = i % CPT;
+        if (t >= valid) {
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j + k * NB);
+            dst[0] = make_uint4(0, 0, 0, 0);
+            dst[1] = make_uint4(0, 0, 0, 0);
+          }
+          continue;
+        }
+        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
+        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t lo[4], hi[4];  // bytes (0, 1) and (2, 3) of each word, one per 16-bit half
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          lo[e] = __byte_perm(wv[e], 0, 0x4140);
+          hi[e] = __byte_perm(wv[e], 0, 0x4342);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int ch = 16 * j + k * NB;
+          const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
+#if HALF
+          constexpr int SH = 0;                            // codes stay at bit offset k·b
+          const int o = k * BITS;
+          const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
+          const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
+          const T2 s2 = __half2half2(*reinterpret_cast<const __half*>(mp));
+          const T2 z2 = F == 2 ? __half2half2(*reinterpret_cast<const __half*>(mp + MS)) : __float2half2_rn(0.0f);
+          const uint32_t m2 = (MASK << o) * 0x10001u;
+#else
+          const int SH = k * BITS;                         // shifted down to bit 0
+          const uint32_t magic = 0x43004300u;              // 128.0 in each bf16
+          const T2 off = __float2bfloat162_rn(128.0f + MID);
+          const T2 s2 = __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp));
+          const T2 z2 = F == 2 ? __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp + MS))
+                               : __float2bfloat162_rn(0.0f);
+          const uint32_t m2 = MASK * 0x10001u;
+#endif
+          uint32_t o8[8];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            o8[2 * e] = as_u32(__hfma2(__hsub2(as_t2(((lo[e] >> SH) & m2) | magic), off), s2, z2));
+            o8[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(((hi[e] >> SH) & m2) | magic), off), s2, z2));
+          }
+          uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch);
+          dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
+          dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+        }
+      }
+    } else
+    for (int i = tid; i < BN * WPT; i += NT) {
+      const int t = i / WPT, w = i % WPT;
+      const uint32_t word = t < valid ? *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w) : 0u;
+      const uint32_t lo = __byte_perm(word, 0, 0x4140);  // bytes 0, 1 -> the two 16-bit halves
+      const uint32_t hi = __byte_perm(word, 0, 0x4342);  // bytes 2, 3
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int ch = 4 * w + k * NB;  // first of the 4 channels of this plane
+        const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
+        uint2 out = make_uint2(0, 0);
+        if (t < valid) {
+          if constexpr (FAST) {
+#if HALF
+            const uint32_t magic = 0x64006400u;  // 1024.0 in each half
+            const T2 off = __float2half2_rn(1024.0f + MID);
+            const T2 s2 = __half2half2(*reinterpret_cast<const __half*>(mp));
+            const T2 z2 = F == 2 ? __half2half2(*reinterpret_cast<const __half*>(mp + MS)) : __float2half2_rn(0.0f);
+#else
+            const uint32_t magic = 0x43004300u;  // 128.0 in each bf16
+            const T2 off = __float2bfloat162_rn(128.0f + MID);
+            const T2 s2 = __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp));
+            const T2 z2 = F == 2 ? __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp + MS))
+                                 : __float2bfloat162_rn(0.0f);
+#endif
+            const uint32_t m2 = MASK | (MASK << 16);
+            const T2 c0 = __hsub2(as_t2(((lo >> (k * BITS)) & m2) | magic), off);  // exact small integers
+            const T2 c1 = __hsub2(as_t2(((hi >> (k * BITS)) & m2) | magic), off);
+            out.x = as_u32(__hfma2(c0, s2, z2));
+            out.y = as_u32(__hfma2(c1, s2, z2));
+          } else {
+            const float s = meta_f32<MB>(mp);
+            const float z = F == 2 ? meta_f32<MB>(mp + MS) : 0.0f;
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = (float)((word >> (8 * e + k * BITS)) & MASK) - MID;
+#if HALF
+            out.x = as_u32(__floats2half2_rn(fmaf(v[0], s, z), fmaf(v[1], s, z)));
+            out.y = as_u32(__floats2half2_rn(fmaf(v[2], s, z), fmaf(v[3], s, z)));
+#else
+            out.x = as_u32(__floats2bfloat162_rn(fmaf(v[0], s, z), fmaf(v[1], s, z)));
+            out.y = as_u32(__floats2bfloat162_rn(fmaf(v[2], s, z), fmaf(v[3], s, z)));
+#endif
+          }
+        }
+        *reinterpret_cast<uint2*>(tile + t * LDK + COL0 + ch) = out;
+      }
+    }
+  }
+}
+
+// A: copy `bytes` contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async
+__device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int bytes, int tid) {
+  for (int i = 16 * tid; i < bytes; i += 16 * NT) cp_async16(dst + i, src + i);
+}
+
+// A: copy rows of `width` bytes (a multiple of 16) into rows `pitch` bytes apart in shared memory
+template <int WIDTH, int PITCH>
+__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int tid) {
+  constexpr int C = WIDTH / 16;
+  for (int i = tid; i < rows * C; i += NT) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + (i / C) * WIDTH + 16 * (i % C));
+}
+
+// A: start copying tile `n0` (first token; a multiple of BN) of sequence row `bt_row` into `stage`
+__device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __restrict__ pages, const int* bt_row,
+                                           int n0, int tid) {
+  const int page = bt_row[n0 / PS];
+  const int tok0 = n0 % PS;
+  const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
+  if constexpr (DIRECT) {  // raw bf16 rows straight into the padded tile layout
+    copy_rows<D_C * 2, LDK * 2>(stage, pg + OFF_CC + tok0 * FB_CC, BN, tid);
+    copy_rows<D_R * 2, LDK * 2>(stage + D_C * 2, pg + OFF_RC + tok0 * FB_RC, BN, tid);
+  } else {  // the four sections, each contiguous for the tile's tokens
+    copy_section(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, tid);
+    copy_section(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, tid);
+    copy_section(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, tid);
+    copy_section(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, tid);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
+    const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
+    void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse,
+    int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* sQ = reinterpret_cast<T*>(smem + SM_Q);
+  float* sS = reinterpret_cast<float*>(smem + SM_S);
+  T* sP = reinterpret_cast<T*>(smem + SM_P);
+  float* sAlpha = reinterpret_cast<float*>(smem + SM_ROW);
+  float* sL = sAlpha + BM;
+  float* sQs = sL + BM;  // per row: the factor that undoes the query's power-of-two scaling
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int u = blockIdx.x;
+  const int hb = blockIdx.y;
+  const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
+  const int L = seq_lens[b];
+  const int* bt_row = block_table + (int64_t)b * stride_bt;
+  const int row0 = hb * BM;
+
+  // ---- the query block, as T, rows past R zero --------------------------------------------------------
+  for (int rr = warp; rr < BM; rr += NW) {
+    const int r = row0 + rr;
+    const int64_t qrow = (int64_t)b * R + r;
+    float amax = 0.0f;
+    if (r < R) {
+      for (int c = lane; c < D; c += 32) {
+        const float v = __bfloat162float(c < D_C ? qc[qrow * D_C + c] : qr[qrow * D_R + c - D_C]);
+        amax = fmaxf(amax, fabsf(v));
+      }
+    }
+    amax = warp_max(amax);
+    float scale = 1.0f;
+#if HALF
+    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
+      int e;
+      frexpf(amax / 8192.0f, &e);
+      scale = ldexpf(1.0f, -e);
+    }
+#endif
+    for (int c = lane; c < D; c += 32) {
+      float v = 0.0f;
+      if (r < R) v = __bfloat162float(c < D_C ? qc[qrow * D_C + c] : qr[qrow * D_R + c - D_C]) * scale;
+#if HALF
+      sQ[rr * LDK + c] = __float2half_rn(v);
+#else
+      sQ[rr * LDK + c] = __float2bfloat16_rn(v);
+#endif
+    }
+    if (lane == 0) sQs[rr] = 1.0f / scale;
+  }
+
+  // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1 ---------------------------------
+  constexpr int RPW = BM / NW;
+  float m_run[RPW], l_run[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.0f;
+  }
+  int limit[RPW];  // tokens a row may see (causal multi-query)
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int r = row0 + warp * RPW + i;
+    limit[i] = L - causal * (SQ - 1 - r / H);
+  }
+
+  // ---- PV accumulators: warp w owns channels [w·CPW, (w+1)·CPW) of every row ----------------------------
+  constexpr int CPW = D_C / NW;
+  constexpr int NT8 = CPW / 8;
+  float acc[RM][NT8][4];
+#pragma unroll
+  for (int mi = 0; mi < RM; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < NT8; ++nj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
+
+  const int ntiles = (end - start + BN - 1) / BN;
+  // prologue: STAGES - 1 tiles in flight
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) issue_tile(smem + SM_RAW + s * RAW_BYTES, pages, bt_row, start + s * BN, tid);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = start + it * BN;
+    const int valid = min(BN, end - n0);
+    uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
+    T* tile;
+    if constexpr (DIRECT) {
+      tile = reinterpret_cast<T*>(stage);
+      if (valid < BN) {  // rows past the sequence hold whatever the page held: zero them
+        for (int i = tid; i < (BN - valid) * (D / 8); i += NT) {
+          const int t = valid + i / (D / 8), j = i % (D / 8);
+          *reinterpret_cast<uint4*>(tile + t * LDK + 8 * j) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    } else {
+      tile = reinterpret_cast<T*>(smem + SM_KV);
+      build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, tid);
+      build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
+    }
+    // the next tile into the stage the previous iteration consumed
+    {
+      const int nxt = it + STAGES - 1;
+      if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, tid);
+      cp_async_commit();
+    }
+    __syncthreads();  // the tile is built
+
+    // ---- C: scores. Output tiles (m16 x n8) and K halves spread over the warps --------------------------
+    {
+      constexpr int OT = RM * (BN / 8);            // score tiles
+      constexpr int TPW = OT * KSPLIT / NW;        // tiles per warp
+      constexpr int KSTEPS = D / 16 / KSPLIT;      // 16-channel steps per warp
+      const int ks = warp % KSPLIT;
+      float sacc[TPW][2][4];
+#pragma unroll
+      for (int j = 0; j < TPW; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < TPW; ++j) {
+        const int ot = warp / KSPLIT + j * (NW / KSPLIT);
+        const int mi = ot / (BN / 8), nj = ot % (BN / 8);
+        const T* qa = sQ + (mi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8;
+        const T* kb = tile + (nj * 8 + (lane & 7)) * LDK + (lane >> 3) * 8;
+        UNROLL(QK_UNROLL)
+        for (int kk = 0; kk < KSTEPS; kk += 2) {
+          const int c0 = (ks * KSTEPS + kk) * 16;
+          uint32_t a0[4], a1[4], bb[4];
+          ldsm_x4(a0, qa + c0);
+          ldsm_x4(bb, kb + c0);  // two 16-channel steps of 8 tokens
+          mma16816(sacc[j][0], a0, bb[0], bb[1]);
+          if (kk + 1 < KSTEPS) {
+            ldsm_x4(a1, qa + c0 + 16);
+            mma16816(sacc[j][1], a1, bb[2], bb[3]);
+          }
+        }
+        float* dst = sS + (ks * BM + mi * 16 + (lane >> 2)) * LDS + nj * 8 + (lane & 3) * 2;
+        *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][0][0] + sacc[j][1][0], sacc[j][0][1] + sacc[j][1][1]);
+        *reinterpret_cast<float2*>(dst + 8 * LDS) =
+            make_float2(sacc[j][0][2] + sacc[j][1][2], sacc[j][0][3] + sacc[j][1][3]);
+      }
+    }
+    __syncthreads();
+
+    // ---- D: online softmax, one warp per row -----------------------------------------------------------
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      const int rr = warp * RPW + i;
+      const float qs = sQs[rr] * qk_scale_log2;
+      float s[BN / 32];
+      float mt = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < BN / 32; ++e) {
+        const int t = lane + 32 * e;
+        float v = 0.0f;
+#pragma unroll
+        for (int k2 = 0; k2 < KSPLIT; ++k2) v += sS[(k2 * BM + rr) * LDS + t];
+        const bool vis = t < valid && n0 + t < limit[i];
+        s[e] = vis ? v * qs : -INFINITY;
+        mt = fmaxf(mt, s[e]);
+      }
+      mt = warp_max(mt);
+      const float m_new = fmaxf(m_run[i], mt);
+      const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = fast_exp2(m_run[i] - m_safe);
+      float ps = 0.0f;
+#pragma unroll
+      for (int e = 0; e < BN / 32; ++e) {
+        const float p = s[e] == -INFINITY ? 0.0f : fast_exp2(s[e] - m_safe);
+        ps += p;
+#if HALF
+        sP[rr * LDP + lane + 32 * e] = __float2half_rn(p);
+#else
+        sP[rr * LDP + lane + 32 * e] = __float2bfloat16_rn(p);
+#endif
+      }
+      l_run[i] = l_run[i] * alpha + warp_sum(ps);
+      m_run[i] = m_new;
+      if (lane == 0) sAlpha[rr] = alpha;
+    }
+    __syncthreads();
+
+    // ---- E: acc = acc·alpha + P·c over this warp's channels --------------------------------------------
+#pragma unroll
+    for (int mi = 0; mi < RM; ++mi) {
+      const float a_lo = sAlpha[mi * 16 + (lane >> 2)], a_hi = sAlpha[mi * 16 + (lane >> 2) + 8];
+#pragma unroll
+      for (int nj = 0; nj < NT8; ++nj) {
+        acc[mi][nj][0] *= a_lo;
+        acc[mi][nj][1] *= a_lo;
+        acc[mi][nj][2] *= a_hi;
+        acc[mi][nj][3] *= a_hi;
+      }
+    }
+#pragma unroll
+    for (int k0 = 0; k0 < BN; k0 += 16) {
+      uint32_t pa[RM][4];
+#pragma unroll
+      for (int mi = 0; mi < RM; ++mi) ldsm_x4(pa[mi], sP + (mi * 16 + (lane & 15)) * LDP + k0 + (lane >> 4) * 8);
+#pragma unroll
+      for (int nj = 0; nj < NT8; nj += 2) {
+        uint32_t vb[4];  // tokens k0..k0+15 x channels (two n8 tiles), transposed on the way in
+        ldsm_x4_t(vb, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + warp * CPW + nj * 8 + (lane >> 4) * 8);
+#pragma unroll
+        for (int mi = 0; mi < RM; ++mi) {
+          mma16816(acc[mi][nj], pa[mi], vb[0], vb[1]);
+          mma16816(acc[mi][nj + 1], pa[mi], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int rr = warp * RPW + i;
+    if (lane == 0) {
+      sL[rr] = l_run[i];
+      const int r = row0 + rr;
+      if (r < R) {
+        const float lv = l_run[i] > 0.0f ? (m_run[i] + log2f(l_run[i])) * 0.6931471805599453f : -INFINITY;
+        if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
+        else part_lse[(int64_t)u * R + r] = lv;
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int mi = 0; mi < RM; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = mi * 16 + (lane >> 2) + 8 * h;
+      const int r = row0 + rr;
+      if (r >= R) continue;
+      const float l = sL[rr];
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
+#pragma unroll
+      for (int nj = 0; nj < NT8; ++nj) {
+        const int c = warp * CPW + nj * 8 + (lane & 3) * 2;
+        const float o0 = acc[mi][nj][2 * h] * inv, o1 = acc[mi][nj][2 * h + 1] * inv;
+        if (nsplit != 1) {
+          *reinterpret_cast<float2*>(part_out + orow * D_C + c) = make_float2(o0, o1);
+        } else {
+#if OUT_KIND == 0
+          *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + orow * D_C + c) =
+              __floats2bfloat162_rn(o0, o1);
+#elif OUT_KIND == 1
+          *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(out) + orow * D_C + c) = __floats2half2_rn(o0, o1);
+#else
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + orow * D_C + c) = make_float2(o0, o1);
+#endif
+        }
+      }
+    }
+  }
+}

@@ -1,0 +1,118 @@
+"""The CUDA decode path's host side, without a GPU: which build a layout gets (tile type, row block,
+stages that fit shared memory), why a layout is refused, and that every plan's source compiles with the
+host's shared-memory map (mla_decode.cu asserts it equals its own) where nvcc is installed.
+The kernel itself runs in tests/test_kernels_gpu.py."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
+from quantmla.kernels import cuda
+from quantmla.kernels.cuda import build
+from quantmla.quant import BF16, PathFormat
+
+CUDA = torch.device("cuda")
+
+
+def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64):
+    fmt = preset(name_or_fmt) if isinstance(name_or_fmt, str) else name_or_fmt
+    lay = PageLayout(TokenLayout(d_c, d_r, fmt), page)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        return lay, cuda.decode_plan(lay, rows, out, CUDA)
+
+
+@pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
+def test_tile_type(name, half):
+    """fp16 tiles only where every quantized path stores fp16 metadata and nothing is raw bf16 or e4m3."""
+    _, p = plan(name)
+    assert dict(p.macros)["HALF"] == half
+
+
+@pytest.mark.parametrize("rows,bm", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (128, 64), (512, 64)])
+def test_row_block(rows, bm):
+    _, p = plan("int4/int4", rows)
+    assert p.block_m == bm
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int4/int4", "int2/int4", "int8/int8"])
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_shared_memory_fits(name, rows):
+    lay, p = plan(name, rows)
+    assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
+    assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, dict(p.macros)["KSPLIT"])
+
+
+def test_two_ctas_per_sm_at_16_heads():
+    for name in ("bf16", "fp8", "int4/int4", "int2/int4"):
+        assert plan(name, 16)[1].ctas_per_sm == 2, name
+
+
+@pytest.mark.parametrize("fmt,page,why", [
+    (preset("int4/int4"), 16, "page size"),
+    (CacheFormat(PathFormat(3, 64), BF16), 64, "3-bit"),
+    (CacheFormat(PathFormat(4, 2), BF16), 64, "multiple of 4"),
+])
+def test_refused_layouts_say_why(fmt, page, why):
+    lay, p = plan(fmt, page=page)
+    assert p is None and why in cuda.plan_reason[lay]
+
+
+def test_off_switch_and_cpu():
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    assert cuda.decode_plan(lay, 16, torch.bfloat16, torch.device("cpu")) is None
+    with mock.patch.dict("os.environ", {"QUANTMLA_DECODE_KERNEL": "triton"}):
+        assert plan("int4/int4")[1] is None
+    with mock.patch("torch.cuda.get_device_capability", return_value=(7, 5)):
+        assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA) is None and "8.0" in cuda.plan_reason[lay]
+
+
+def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
+    from quantmla.kernels.schedule import default_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    assert default_config(16, lay, "cpu").kernel != "cuda"
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        cfg = default_config(16, lay, "cuda")
+    assert cfg.kernel == "cuda" and cfg.block_n == cuda.BLOCK_N and cfg.block_m == 16
+
+
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,rows", [("int4/int4", 16), ("fp8", 64),
+                                       (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
+                                                    PathFormat(8, 32, "symmetric")), 32)])
+def test_plans_compile_for_sm90(name, rows, tmp_path, monkeypatch):
+    """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
+    shared-memory size), the build is cached, and other constants give another build."""
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+    _, p = plan(name, rows)
+    path = build.compile_cubin(p.macros, "sm_90a")
+    assert path.exists() and path.stat().st_size > 10_000
+    mtime = path.stat().st_mtime_ns
+    assert build.compile_cubin(p.macros, "sm_90a") == path and path.stat().st_mtime_ns == mtime
+    other = tuple((k, v + 1 if k == "SMEM_EXPECTED" else v) for k, v in p.macros)
+    with pytest.raises(Exception, match="shared-memory"):
+        build.compile_cubin(other, "sm_90a")
+
+
+def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
+    """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
+    QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""
+    from quantmla.errors import UnsupportedFormatError
+    from quantmla.kernels import api
+    from quantmla.kernels.schedule import DecodeConfig
+
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    pages = torch.zeros(2, lay.page_bytes, dtype=torch.uint8)  # CPU: no plan
+    out = torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16)
+    args = (None, None, pages, None, None, None, None, None, out, None, None, None, 0, 16, 1, 16, 1, 1.0)
+    cfg = DecodeConfig(block_m=16, block_n=32, kernel="cuda")
+    with pytest.warns(UserWarning, match="not a CUDA device"):
+        assert api._launch_cuda((1, 1), args, lay, cfg) is None
+    monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "cuda")
+    with pytest.raises(UnsupportedFormatError, match="not a CUDA device"):
+        api._launch_cuda((1, 1), args, lay, cfg)
