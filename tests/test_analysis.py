@@ -194,7 +194,7 @@ def test_analyze_rejects_bad_groups_and_layers(v3_layers):
 
 def _checkpoint(root: Path) -> tuple[Path, Path]:
     from quantmla.evaluation.datasets import write_jsonl
-    from quantmla.training.tokenizer import train_tokenizer, wrap
+    from quantmla_lab.training.tokenizer import train_tokenizer, wrap
 
     std = Path(sysconfig.get_paths()["stdlib"])
     docs = [(std / n).read_text() for n in ("textwrap.py", "shlex.py", "fnmatch.py")]

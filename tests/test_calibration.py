@@ -282,7 +282,7 @@ def test_checkpoint_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint_with_tokenizer(tmp_path_factory):
-    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+    from quantmla_lab.training.tokenizer import save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("cli")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))

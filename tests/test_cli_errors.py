@@ -58,7 +58,7 @@ def ckpts(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from quantmla.cache.config import QuantCacheConfig
-    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+    from quantmla_lab.training.tokenizer import save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("cli_errors")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))

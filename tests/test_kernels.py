@@ -210,8 +210,8 @@ def test_metadata_covers_every_token_once():
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])
 def test_gpu_default_splits_at_small_batch(name, monkeypatch):
     """On the GPU a lone 1900-token sequence is cut into 128-token splits (15 programs, not 8 of 256:
-    bench/results/decode_splits/h200.json), and the sweep's first candidate is the API default."""
-    from quantmla.kernels import bench
+    lab/results/decode_splits/h200.json), and the sweep's first candidate is the API default."""
+    from quantmla_lab.bench.kernels import decode_speed as bench
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     layout = PageLayout(TokenLayout(512, 64, bench.METHODS[name]), 64)
@@ -280,7 +280,7 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
     monkeypatch.setattr(schedule, "_num_sms", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
     H = 4
     backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
-                                    kinds={"k": lay})
+                                    kinds={"k": lay}, decode_config=None)
     plan = StaticDecodePlan(backend, b=len(lens), max_len=4096)  # a pool far longer than the sequences
     plan.update(np.asarray(lens))
     md = plan.md["k"]

@@ -2,7 +2,7 @@
 torch writer; decode vs the fp32 torch reference at 16/32/64/128 heads, 1-4 query tokens, variable
 lengths (empty, 1, page boundaries, odd, long), NaN-poisoned outputs, fresh random inputs per case;
 the prefill kernel at DeepSeek head dims against fp64 (whole prompts, continued chunks, 16/128 heads).
-Skipped without CUDA. Run: TRITON_INTERPRET=0 PYTHONPATH=src pytest -v tests/test_kernels_gpu.py"""
+Skipped without CUDA. Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab pytest -v tests/test_kernels_gpu.py"""
 
 import math
 

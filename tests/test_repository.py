@@ -1,6 +1,8 @@
-"""The repository as a whole: the package's import graph has no cycles, every path that the README,
-the docs and the code name exists, and test modules leave the process environment alone at import."""
+"""The repository as a whole: the import graph of the library and the lab has no cycles, the library
+never imports the lab, every path that the README, the docs and the code name exists, and test modules
+leave the process environment alone at import."""
 
+import argparse
 import ast
 import re
 from pathlib import Path
@@ -8,11 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "src" / "quantmla"
+PKG = ROOT / "src" / "quantmla"  # the library
+LAB = ROOT / "lab" / "quantmla_lab"  # the lab: reference-model training and benchmarks
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    pkg = LAB if path.is_relative_to(LAB) else PKG
+    parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -34,17 +38,16 @@ def _imports(tree: ast.Module, deferred: bool = False):
             todo += node.orelse if _is_type_checking(node.test) else node.body + node.orelse
         elif isinstance(node, ast.Try):
             todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
-        elif isinstance(node, (ast.With, ast.For, ast.While, ast.ClassDef)):
-            todo += node.body
-        elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        elif isinstance(node, (ast.With, ast.For, ast.While, ast.ClassDef)) or (
+                deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
             todo += node.body
 
 
 def import_graph(deferred: bool = False) -> dict[str, set[str]]:
-    """quantmla module -> the quantmla modules importing it runs: each module it imports and, since
-    importing a.b.c first runs package a.b, each package above it that is not above the importer.
-    With `deferred`, the imports inside its functions count too."""
-    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    """quantmla / quantmla_lab module -> the modules of both that importing it runs: each module it
+    imports and, since importing a.b.c first runs package a.b, each package above it that is not above
+    the importer. With `deferred`, the imports inside its functions count too."""
+    modules = {_module_name(p): p for pkg in (PKG, LAB) for p in pkg.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
@@ -97,6 +100,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_import_graph_has_no_cycles():
     graph = import_graph()
     assert "quantmla.serving.engine" in graph and "quantmla.cache.config" in graph["quantmla.serving.engine"]
+    assert "quantmla.serving.engine" in graph["quantmla_lab.bench.serving.throughput"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -119,6 +123,17 @@ def test_no_import_cycles_through_function_level_imports():
     assert not gone, f"these cycles are gone: remove them from KNOWN_DEFERRED_CYCLES: {gone}"
 
 
+def test_the_library_imports_nothing_from_the_lab():
+    """src/quantmla never imports quantmla_lab, at import time or inside a function: the lab depends on
+    the library, not the other way round (the CLI names lab commands by module and imports them only
+    when run: tests below)."""
+    graph = import_graph(deferred=True)
+    assert any(d.startswith("quantmla.") for d in graph["quantmla_lab.training.train"])  # the graph sees both
+    wrong = {m: sorted(d for d in deps if d.split(".")[0] == "quantmla_lab")
+             for m, deps in graph.items() if m.split(".")[0] == "quantmla"}
+    assert not {m: d for m, d in wrong.items() if d}, f"library modules importing the lab: {wrong}"
+
+
 def test_cycle_finder_sees_package_and_function_level_rules():
     tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\ntry:\n    import c\nexcept ImportError:\n    import d\n"
                      "def f():\n    import e\nclass K:\n    import g\n")
@@ -129,8 +144,8 @@ def test_cycle_finder_sees_package_and_function_level_rules():
 
 
 # -- every path the README, the docs and the code name exists -----------------------------------------
-TOP = ("src", "docs", "bench", "models", "tests", "results", "scripts")
-PATH_RE = re.compile(r"(?<![\w./-])((?:%s)/[\w./*{},-]*[\w*}])" % "|".join(TOP))
+TOP = ("src", "lab", "docs", "bench", "models", "tests", "results", "scripts")  # bench/: none (old paths show up)
+PATH_RE = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./*{},-]*[\w*}])")
 
 
 def _named_paths(text: str, files_only: bool = False):
@@ -155,9 +170,8 @@ def _exists(p: str) -> bool:
 def _sources():
     yield ROOT / "README.md"
     yield from sorted((ROOT / "docs").rglob("*.md"))
-    yield from sorted((ROOT / "bench").glob("*.md"))
-    yield from sorted((ROOT / "bench" / "results").rglob("*.md"))
-    for folder in ("src", "bench", "scripts", "tests"):
+    yield from sorted((ROOT / "lab").rglob("*.md"))
+    for folder in ("src", "lab", "scripts", "tests"):
         for ext in ("*.py", "*.sh"):
             yield from sorted(p for p in (ROOT / folder).rglob(ext) if p != Path(__file__).resolve())
     yield ROOT / "Makefile"
@@ -246,10 +260,43 @@ def test_environment_check_sees_import_time_changes():
 
 # -- no fallbacks for modules that are part of the package ---------------------------------------------
 def test_a_subcommand_module_that_cannot_be_imported_is_an_error(monkeypatch):
-    """Every subcommand ships with the package: an import failure is a bug to see, not a subcommand
-    reported as unavailable."""
+    """Every subcommand ships with the package, a lab command with the lab: an import failure is a bug
+    to see, not a subcommand reported as unavailable."""
+    from quantmla import cli
+
+    for module in ("quantmla.no_such_module", "quantmla_lab.no_such_module"):
+        monkeypatch.setitem(cli.SUBCOMMANDS, "nothing", (module, "a subcommand that does not exist"))
+        with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+            cli.build_parser()
+        with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+            cli.main(["nothing"])
+
+
+def test_the_cli_imports_only_the_command_it_runs(monkeypatch, capsys):
     from quantmla import cli
 
     monkeypatch.setitem(cli.SUBCOMMANDS, "nothing", ("quantmla.no_such_module", "a subcommand that does not exist"))
-    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
-        cli.build_parser()
+    assert cli.main(["bytes", "--d-c", "512", "--d-r", "64"]) == 0
+    assert "INT4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "nothing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train-reference", "bench-kernel", "serve-bench"])
+def test_lab_commands_without_the_lab_say_where_it_lives(monkeypatch, capsys, command):
+    """The lab commands keep their names in the CLI; where the lab package is not importable, running
+    one (with any arguments, --help too) is a clean error that says it is a lab command and how to get it."""
+    from quantmla import cli
+
+    assert cli.is_lab_command(command) and cli.SUBCOMMANDS[command][0].startswith("quantmla_lab.")
+    assert cli.lab_installed()
+    monkeypatch.setattr(cli, "lab_installed", lambda: False)
+    for argv in ([command], [command, "--out", "x.json", "--requests", "3"], [command, "--help"]):
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert not out and "Traceback" not in err
+        assert f"quantmla {command}: error: `quantmla {command}` is a lab command" in err
+        assert "lab/" in err and "pip install -e ." in err and "PYTHONPATH=src:lab" in err
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert "is a lab command" in sub.choices[command].description  # `quantmla --help` still lists it

@@ -18,10 +18,10 @@ from quantmla.calibration.checkpoint import load_quantized, save_quantized
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec
 from quantmla.model.tiny import FAMILIES, tiny_model
-from quantmla.serving.check import compare
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import SamplingParams
 from quantmla.transforms.rope import apply_pairs
+from quantmla_lab.bench.serving.agreement import compare
 
 
 def _offsets(spec, scale=3.0, seed=0):
@@ -125,10 +125,12 @@ def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
         torch.testing.assert_close(dc.keys, d.keys - c)
     # the high-frequency pairs turn many times over a long context: their offset vanishes; the slowest keeps most of m
     assert abs(want[0]) < 0.05 * abs(m[0]) and abs(want[-1]) > 0.5 * abs(m[-1])
-    # no RoPE phase (or no context): the plain mean of the fit keys
+    # a context of 0 (calibrate's rope_center_context=0), or no RoPE phase: the plain mean of the fit keys
+    plain = d.k_rope[fit].reshape(-1, d_r).mean(0)
+    torch.testing.assert_close(centre_rope_keys(d, fit, context=0)[1], plain, rtol=1e-5, atol=1e-6)
     d.rope_phase = None
     _, c = centre_rope_keys(d, fit)
-    torch.testing.assert_close(c, d.k_rope[fit].reshape(-1, d_r).mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c, plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -195,8 +197,8 @@ def test_spreading_keys_over_the_context_keeps_every_logit():
 
 def test_sweep_scores_a_calibrated_variant_with_its_own_offsets(monkeypatch, tmp_path):
     """calibration.sweep must read the cache through the calibrated config (RoPE offsets included)."""
-    from quantmla.calibration import sweep
     from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla_lab.bench.calibration import variants as sweep
 
     path = model_path(DEFAULT_MODEL)
     if not path.exists():

@@ -62,7 +62,7 @@ def assert_clean_error(rc: int, err: str, command: str, *needles: str) -> None:
 def ckpts(tmp_path_factory):
     """Tiny checkpoints with a tokenizer: "mla" (plain, 512 positions), "cal" (calibrated for INT4/INT4,
     offsets on every slot)."""
-    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+    from quantmla_lab.training.tokenizer import save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("safety")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
@@ -385,11 +385,11 @@ def test_unwritable_output_refused_before_the_work(command, ckpts, tmp_path, cap
             "bench-kernel": ["--out", bad],
             "train-reference": ["--work", tmp_path / "w", "--out", bad, "--size", "tiny", "--device", "cpu"]}[command]
     if command == "bench-kernel":
-        import quantmla.kernels.bench as kb
+        import quantmla_lab.bench.kernels.decode_speed as kb
 
         monkeypatch.setattr(kb, "run_bench", lambda args: pytest.fail("the benchmark ran first"))
     if command == "train-reference":
-        import quantmla.training.command as tc
+        import quantmla_lab.training.command as tc
 
         monkeypatch.setattr(tc, "_prepare", lambda args: pytest.fail("training data was prepared first"))
     rc, out, err = run_cli(capsys, command, *argv)

@@ -11,9 +11,9 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import tiny_model
-from quantmla.serving.check import compare, engine_agreement, local_reference_models
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
+from quantmla_lab.bench.serving.agreement import compare, engine_agreement, local_reference_models
 
 INT4 = QuantCacheConfig.of_bits(4, 4, 32, 16)
 INT2 = QuantCacheConfig.of_bits(2, 4, 32, 16)
@@ -124,6 +124,31 @@ def test_engine_triton_kernels_interpreted(v3):
         assert rep.exact + rep.ties == len(prompts)
 
 
+def test_engine_takes_the_decode_tiling_from_its_config(v3):
+    """EngineConfig.decode_config chooses the decode kernel's tiling (here a split floor of 32 tokens) for
+    eager steps and graph plans alike; the outputs are those of the default tiling."""
+    import dataclasses
+
+    from quantmla.kernels import api
+
+    asked = []
+
+    def floor_32(rows, layout, device):
+        asked.append(rows)
+        return dataclasses.replace(api.default_config(rows, layout, device), min_chunk=32)
+
+    prompts = _prompts((6, 21), seed=3)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    cfg = {"quant": INT4, "num_pages": 12, "backend": "triton", "cuda_graphs": False, "max_num_batched_tokens": 32}
+    with Engine(v3, EngineConfig(**cfg)) as eng:
+        ref = [o.output_ids for o in eng.generate(prompts, params)]
+    with Engine(v3, EngineConfig(**cfg, decode_config=floor_32)) as eng:
+        assert [o.output_ids for o in eng.generate(prompts, params)] == ref
+        assert asked and set(asked) == {v3.config.num_attention_heads}  # the job's decode steps asked it
+        plan = eng.backend.static_plan(2, 128)
+    assert all(md.config.min_chunk == 32 for md in plan.md.values())
+
+
 def test_engine_fp8_cache_through_interpreted_kernels(v3):
     """The FP8 cache (e4m3 latent with fp32 group scales, bf16 RoPE: fp8_ds_mla's record) behind the engine:
     append, prefill read-back and decode kernels, graph-step path emulated, preemption on the way."""
@@ -138,7 +163,7 @@ def test_engine_fp8_cache_through_interpreted_kernels(v3):
 
 
 def test_serve_bench_jobs_and_fp8_method():
-    from quantmla.serving.bench import JOBS, job_budgets_gib, method_config
+    from quantmla_lab.bench.serving.throughput import JOBS, job_budgets_gib, method_config
 
     assert method_config("fp8").describe() == "content FP8/g128 + RoPE BF16"
     assert JOBS["long"] == dict(requests=32, prompt=(16384, 24576), output=(1024, 1536))
@@ -263,7 +288,7 @@ def test_reference_model_matches_generate(path):
 def test_check_compares_the_engine_logic_apart_from_the_kernels():
     """serve-bench --check: for low bits it also runs the same engine on fp32 torch attention, so that a
     divergence of the kernels (bf16 operands) can be told from one of the scheduler, pages or quantizer."""
-    from quantmla.serving.serve_bench_command import run_check
+    from quantmla_lab.bench.serving.command import run_check
 
     lines = []
     res = run_check("cpu", 2e-2, lines.append, families=("deepseek_v2",), refs=[], methods=("int2/int4",))

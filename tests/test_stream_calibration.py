@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import glob
 import json
@@ -9,6 +10,7 @@ import os
 
 import pytest
 import torch
+from helpers.streaming import KillAt, standin_fit
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.calibration import calibrate
@@ -16,8 +18,7 @@ from quantmla.calibration.distributed import assign_layers, calibrate_streamed_d
 from quantmla.calibration.stream import STATE_DIR, RunState, ShardedCheckpoint, Streamer, calibrate_streamed
 from quantmla.errors import QuantMLAError
 from quantmla.model.tiny import FAMILIES, tiny_config
-
-from helpers.streaming import KillAt, standin_fit, write_random_checkpoint
+from quantmla_lab.random_checkpoint import write_random_checkpoint
 
 QUANT = QuantCacheConfig.of_bits(2, 4, 32, 16)
 # the real function-aligned fit, kept short: a few Adam steps, closed-form + grid RoPE search
@@ -61,11 +62,24 @@ def ds3(tmp_path_factory):
 # streamed == in memory
 # ------------------------------------------------------------------------------------------------
 def test_streamed_equals_in_memory_calibrate(ds3, tmp_path):
+    """... also with a timer (ProjectFitter.timer: what benchmarks time the steps with), which sees every
+    batch's capture and every layer's content and RoPE fit, and changes nothing."""
+    from quantmla.calibration.stream.fitters import ProjectFitter
+
+    timed = []
+
+    class TimedFitter(ProjectFitter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.timer = lambda step: contextlib.nullcontext(timed.append(step))
+
     ids = _ids()
     model = _load(ds3)
     rep_mem = calibrate(model, ids, QUANT, method="quantmla", seed=5, progress=False, verbose=False, **FAST)
     rep = calibrate_streamed(ds3, tmp_path / "out", ids, QUANT, method="quantmla", seed=5, fit_kwargs=FAST,
-                             attn_implementation="eager")
+                             attn_implementation="eager", fit_fn=TimedFitter)
+    batches = -(-len(ids) // 4)  # capture batches per layer (batch_size 4)
+    assert timed == (["capture"] * batches + ["content", "rope"]) * 4
     assert {lr.content["chosen"] for lr in rep_mem.layers} - {"rtn"}, "the fit should pick a transform somewhere"
     streamed = _load(tmp_path / "out")
     assert _same_tensors(model.state_dict(), streamed.state_dict()) == []
@@ -319,7 +333,7 @@ def cli_model(tmp_path_factory):
     """A tiny deepseek_v3 checkpoint with its own tokenizer, calibration text, and calibrate's
     options shared by the command-line tests."""
     from quantmla.model.tiny import tiny_model
-    from quantmla.training.tokenizer import save_tokenizer, train_tokenizer
+    from quantmla_lab.training.tokenizer import save_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("cli")
     text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))

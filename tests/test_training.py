@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from quantmla.training import data as D
-from quantmla.training.families import FAMILIES, make_config, model_name
-from quantmla.training.tokenizer import (
+from quantmla_lab.training import data as D
+from quantmla_lab.training.families import FAMILIES, make_config, model_name
+from quantmla_lab.training.tokenizer import (
     load_tokenizer,
     save_tokenizer,
     token_byte_lengths,
@@ -71,7 +71,7 @@ def test_tokenizer_is_byte_level_and_loads_as_fast(tokenizer):
 
 def test_training_rows_tokenize_like_text(corpus, tokenizer):
     """A token-level retrieval row decodes to text that tokenizes back to the same ids."""
-    from quantmla.training.tasks import RowMaker
+    from quantmla_lab.training.tasks import RowMaker
 
     _, _, texts = corpus
     eos = tokenizer.eos_token_id
@@ -98,7 +98,7 @@ def test_training_rows_tokenize_like_text(corpus, tokenizer):
 
 
 def test_eval_samples(corpus, tokenizer):
-    from quantmla.training.tasks import make_eval_samples
+    from quantmla_lab.training.tasks import make_eval_samples
 
     _, split, _ = corpus
     pool = [t for t in (D.read_text(f) for f in split.heldout_code[:30]) if t]
@@ -189,7 +189,7 @@ def test_retrieval_accuracy_equals_greedy_decoding(tokenizer):
 @pytest.mark.slow
 def test_cli_trains_every_family_on_cpu(tmp_path):
     """`quantmla train-reference` end to end at tiny scale: a few steps of each family."""
-    from quantmla.training import command
+    from quantmla_lab.training import command
 
     p = argparse.ArgumentParser()
     command.add_arguments(p)
@@ -224,7 +224,7 @@ def test_cli_trains_every_family_on_cpu(tmp_path):
 def test_yarn_switch_restores_final_config():
     import transformers
 
-    from quantmla.training.families import set_rope, short_context_rope
+    from quantmla_lab.training.families import set_rope, short_context_rope
 
     cfg = make_config("deepseek_v3", 500, size="tiny")
     final = dict(cfg.rope_parameters)
@@ -256,7 +256,7 @@ def test_deepseek_geometry_size_has_deepseeks_cache_and_its_own_name(tmp_path, c
     """The fifth reference model's size: DeepSeek-V2-Lite's cache geometry (d_c 512, d_r 64, 16 heads, no
     query LoRA), deepseek_v2 only, written under its own directory name (never over the shipped model)."""
     from quantmla.cli import main
-    from quantmla.training.families import make_config, model_name
+    from quantmla_lab.training.families import make_config, model_name
 
     c = make_config("deepseek_v2", 3072, size="deepseek-geometry")
     assert (c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads, c.q_lora_rank) == (512, 64, 16, None)

@@ -5,23 +5,46 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from quantmla.errors import QuantMLAError
 
-# name -> (module, one-line help); each module is imported when the parser is built.
+# name -> (module, one-line help); a command's module is imported only when that command runs or its
+# arguments are shown (build_parser).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec": ("quantmla.model.command", "Show the MLA spec of a checkpoint or config"),
     "bytes": ("quantmla.cache.command", "Bytes per token per layer of cache formats"),
-    "train-reference": ("quantmla.training.command", "Train a small MLA reference model on real text"),
+    "train-reference": ("quantmla_lab.training.command", "Train a small MLA reference model on real text (lab)"),
     "analyze": ("quantmla.analysis.command", "Measure the dual-path error model per layer"),
     "calibrate": ("quantmla.calibration.command", "Learn and fuse path-specific transforms"),
     "eval": ("quantmla.evaluation.command", "Perplexity and retrieval under a quantized cache"),
-    "bench-kernel": ("quantmla.kernels.command", "Benchmark the low-bit MLA decode kernel (GPU)"),
+    "bench-kernel": ("quantmla_lab.bench.kernels.command", "Benchmark the low-bit MLA decode kernel (GPU, lab)"),
     "serve": ("quantmla.serving.serve_command", "Generate with a checkpoint on the paged low-bit cache"),
-    "serve-bench": ("quantmla.serving.serve_bench_command", "Whole-job throughput under cache pressure (GPU)"),
+    "serve-bench": ("quantmla_lab.bench.serving.command", "Whole-job throughput under cache pressure (GPU, lab)"),
     "demo": ("quantmla.demo", "The main job: calibrate, evaluate and report on the shipped model"),
 }
+
+# Lab commands (reference-model training, benchmarks) live in the lab package beside the library
+# (lab/quantmla_lab in the repository); the library itself never imports it.
+LAB_PACKAGE = "quantmla_lab"
+
+
+def lab_installed() -> bool:
+    """Whether the lab package can be imported here."""
+    return importlib.util.find_spec(LAB_PACKAGE) is not None
+
+
+def is_lab_command(name: str) -> bool:
+    return SUBCOMMANDS[name][0].startswith(LAB_PACKAGE + ".")
+
+
+def lab_missing(name: str) -> str:
+    """What a lab command says where the lab package is not importable."""
+    return (f"`quantmla {name}` is a lab command: it lives in the lab package {LAB_PACKAGE} (the folder lab/ of the "
+            "QuantMLA repository), which is not importable here. Run it from a checkout of the repository, "
+            "installed with `pip install -e .` (as `make setup` does) or with lab/ on the path beside src/ "
+            "(PYTHONPATH=src:lab).")
 
 
 class CLIError(Exception):
@@ -39,7 +62,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands=None) -> argparse.ArgumentParser:
+    """The parser of every subcommand. commands: the subcommands whose arguments it holds (importing
+    their modules; None: all); the others are listed with their help line only, as is a lab command
+    whose package is not importable (its description says where it lives)."""
     parser = argparse.ArgumentParser(
         prog="quantmla",
         description="QuantMLA: low-bit dual-path KV caching for Multi-Head Latent Attention models.",
@@ -47,8 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
+        if is_lab_command(name) and not lab_installed():
+            p = sub.add_parser(name, help=help_, description=f"{help_}. {lab_missing(name)}",
+                               formatter_class=HelpFormatter)
+            p.set_defaults(_module=None)
+            continue
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
+        if commands is not None and name not in commands:
+            continue
         p.add_argument("--threads", type=int, default=None,
                        help="CPU threads of this process (default: OMP_NUM_THREADS if set, else the CPUs it may use, "
                             "at most 8, so that several quantmla processes on one host do not oversubscribe it)")
@@ -56,11 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in argv (its first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    name = _command_of(words)
+    if name in SUBCOMMANDS and is_lab_command(name) and not lab_installed():
+        print(f"quantmla {name}: error: {lab_missing(name)}", file=sys.stderr)
+        return 2
+    parser = build_parser({name})  # only the command run is imported
+    args = parser.parse_args(words)
     # what result files record as their command: the arguments actually parsed, also when called as main([...])
-    args.command_line = "quantmla " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command_line = "quantmla " + " ".join(words)
     if args.command is None:
         parser.print_help()
         return 2

@@ -12,6 +12,7 @@ where it beats its alternatives on held-out data).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -66,8 +67,8 @@ class CalibrationReport:
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
-        rows = [f"calibration: method={self.method} paths={','.join(self.paths)} seed={self.seed} "
-                f"tokens={self.tokens} (fit {self.fit_sequences} / held-out {self.heldout_sequences} sequences)",
+        rows = [(f"calibration: method={self.method} paths={','.join(self.paths)} seed={self.seed} "
+                 f"tokens={self.tokens} (fit {self.fit_sequences} / held-out {self.heldout_sequences} sequences)"),
                 "held-out objectives, before (RTN) -> after:",
                 f"{'slot':>4}  {'content out-err':>24} {'chosen':>9}  {'RoPE QK-err':>24} {'chosen':>14}  {'joint out-err':>22}"]
         for l in self.layers:
@@ -132,14 +133,14 @@ def centre_rope_keys(d, fit_seqs: torch.Tensor, context: int | None = None):
         c_j = m_j · (1/context) Σ_s e^{iθ_j s},
 
     the mean key over the whole context (pairs that turn over it average to ~0; pairs that barely
-    turn keep their mean). context: default ``d.max_positions``; without a phase, the plain mean."""
+    turn keep their mean). context: default ``d.max_positions``; 0, or without a phase, the plain mean."""
     import dataclasses as dc
 
     k = d.k_rope[fit_seqs.to(d.k_rope.device)].double()  # [n, L, d_r]
     L, d_r = k.shape[1], k.shape[2]
-    context = context or d.max_positions
+    context = d.max_positions if context is None else context
     phase = d.rope_phase
-    if phase is None or context is None or phase.shape[0] < min(L, 2):
+    if phase is None or not context or phase.shape[0] < min(L, 2):
         mu = k.reshape(-1, d_r).mean(0)
     else:
         w = phase[:L].to(k.device)  # [L, P]
@@ -184,10 +185,12 @@ def spread_key_positions(d, generator: torch.Generator, context: int | None = No
 
 
 def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: CalibrationOptions,
-              pbar=None) -> tuple[LayerTransform, LayerReport]:
+              pbar=None, timer=None) -> tuple[LayerTransform, LayerReport]:
     """One layer's calibration from its captured data `d` (a LayerData) and CacheFormat `fmt`:
     the transforms to fuse (identity paths left None) and the layer's report (held-out figures).
     This is the whole per-layer work of :func:`calibrate` (streamed calibration calls it too).
+    timer: None, or a function of a path's name ("content", "rope") giving a context manager that
+    the path's fit runs inside (what benchmarks time each fit with).
 
     opts.rope_center (method quantmla, RoPE path quantized): the RoPE keys are centred first (their
     mean over the model's context, estimated from the fit sequences, becomes the slot's cache offset,
@@ -210,23 +213,26 @@ def fit_layer(d, fmt, fit_seqs: torch.Tensor, held_seqs: torch.Tensor, opts: Cal
         if rope_spread > 0:
             d = spread_key_positions(d, torch.Generator().manual_seed(seed * 1000003 + slot + 7), fraction=rope_spread)
         d_rtn = d  # the keys as they are: RTN's "before"
-        d, mu = centre_rope_keys(d, fit_seqs)
+        d, mu = centre_rope_keys(d, fit_seqs, context=opts.rope_center_context)
     else:
         d_rtn = d
     lg = torch.Generator().manual_seed(seed * 1000003 + slot)
     rep = LayerReport(slot=slot)
     ct: ContentTransform | None = None
     rt: RopeTransform | None = None
+    timer = timer or (lambda path: contextlib.nullcontext())
     if "content" in paths:
-        cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=opts.steps, lr=opts.lr,
-                         batch_size=opts.batch_size, generator=lg, pbar=pbar)
+        with timer("content"):
+            cf = fit_content(d, fmt.content, fit_seqs, held_seqs, method=method, steps=opts.steps, lr=opts.lr,
+                             batch_size=opts.batch_size, generator=lg, pbar=pbar)
         rep.content = {"before": cf.heldout["rtn"], "after": cf.heldout[cf.chosen], "chosen": cf.chosen,
                        "candidates": cf.heldout, "train_curve": cf.curve}
         ct = None if cf.chosen == "rtn" else cf.transform
     if "rope" in paths:
         if method == "quantmla":
-            rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
-                          steps=opts.fitted_rope_steps, pbar=pbar, page=page)
+            with timer("rope"):
+                rf = fit_rope(d, fmt.rope, fit_seqs, held_seqs, weighting=rope_weighting, searches=opts.rope_searches,
+                              steps=opts.fitted_rope_steps, pbar=pbar, page=page)
             rt = None if rf.chosen == "rtn" else rf.transform
             cands, chosen, before = dict(rf.heldout), rf.chosen, rf.heldout["rtn"]
             if mu is not None:  # the fits saw centred keys; "before" is RTN on the keys as they are

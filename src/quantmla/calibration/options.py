@@ -26,10 +26,11 @@ class CalibrationOptions:
     rope_weighting: weighting of the positional QK objective (``attention`` or ``uniform``).
     rope_searches: the RoPE searches tried (calibration/rope.py). rope_center: remove the RoPE
     keys' context mean before they are quantized (the checkpoint then carries ``rope_offsets``;
-    False: fitted without offsets, marked ``"rope_centring": false``). rope_spread: fraction
-    (0..1) of the RoPE objective's keys moved to random positions of the context. rope_page: fit the
-    RoPE path for keys stored per channel per page of that many tokens (``cache.rope_channel``; 0: the
-    format's per-token groups).
+    False: fitted without offsets, marked ``"rope_centring": false``). rope_center_context: the
+    positions the offset serves, 0 … n−1 (None: the model's max_position_embeddings; 0: the plain
+    mean of the calibration keys). rope_spread: fraction (0..1) of the RoPE objective's keys moved
+    to random positions of the context. rope_page: fit the RoPE path for keys stored per channel per
+    page of that many tokens (``cache.rope_channel``; 0: the format's per-token groups).
     heldout_fraction: share of the sequences held out to choose and report transforms.
     max_capture_bytes: budget of captured activations per capture pass (bytes).
     device: where captured activations live and the fits run (None: the CPU)."""
@@ -46,6 +47,7 @@ class CalibrationOptions:
     rope_weighting: str = "attention"
     rope_searches: tuple[str, ...] = SEARCHES
     rope_center: bool = True
+    rope_center_context: int | None = None
     rope_spread: float = 0.0
     rope_page: int = 0
     heldout_fraction: float = 0.25
@@ -59,7 +61,7 @@ class CalibrationOptions:
             object.__setattr__(self, "device", str(self.device))
 
     @classmethod
-    def of(cls, options: "CalibrationOptions | dict | None" = None, **changes) -> "CalibrationOptions":
+    def of(cls, options: CalibrationOptions | dict | None = None, **changes) -> CalibrationOptions:
         """`options` (an instance, a dict of fields, or None: the defaults) with `changes` applied;
         an unknown name is refused with the list of known ones."""
         if isinstance(options, cls):
@@ -78,8 +80,11 @@ class CalibrationOptions:
         """Adam steps of the RoPE search: rope_steps, or steps when unset."""
         return self.steps if self.rope_steps is None else self.rope_steps
 
-    def check(self) -> "CalibrationOptions":
+    def check(self) -> CalibrationOptions:
         """These options, or a QuantMLAError naming the bad one; run before any work."""
+        if self.rope_center_context is not None and int(self.rope_center_context) < 0:
+            raise QuantMLAError(f"rope_center_context is a number of positions (>= 0) or None, "
+                                f"got {self.rope_center_context}")
         if not 0.0 <= float(self.rope_spread) <= 1.0:
             raise QuantMLAError(f"rope_spread is a fraction of the RoPE keys, between 0 and 1; got {self.rope_spread}")
         if int(self.rope_page) < 0 or (self.rope_page and self.rope_page & (self.rope_page - 1)):
@@ -104,7 +109,7 @@ class CalibrationOptions:
         return d
 
     @classmethod
-    def from_args(cls, args) -> "CalibrationOptions":
+    def from_args(cls, args) -> CalibrationOptions:
         """The options of ``quantmla calibrate``'s command-line flags."""
         return cls(method=args.method, paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()),
                    seed=args.seed, steps=args.steps, rope_weighting=args.rope_weighting,

@@ -295,8 +295,8 @@ def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None,
     import hashlib
     import sysconfig
 
+    from quantmla.evaluation import corpus
     from quantmla.evaluation import datasets as DS
-    from quantmla.training import data as TD
 
     held: set[str] = set()
     held_docs: set[str] = set()
@@ -305,14 +305,14 @@ def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None,
     if man.exists():
         held = set(json.loads(man.read_text()).get("heldout_packages", []))
     if (root / "code.jsonl").exists():
-        held_docs = {TD.content_hash(t) for t in DS.load_texts("code", root)}
-    files = [f for f in TD.discover([("stdlib", sysconfig.get_paths()["stdlib"])])
+        held_docs = {corpus.content_hash(t) for t in DS.load_texts("code", root)}
+    files = [f for f in corpus.discover([("stdlib", sysconfig.get_paths()["stdlib"])])
              if f.kind == "code" and f"{f.group}/{f.package}" not in held and not f.package.startswith("test")]
     files.sort(key=lambda f: hashlib.sha256(f"{seed}:{f.name}".encode()).hexdigest())
     out, total = [], 0
     for f in files:
-        t = TD.read_text(f)
-        if t is None or TD.content_hash(t) in held_docs:
+        t = corpus.read_text(f)
+        if t is None or corpus.content_hash(t) in held_docs:
             continue
         out.append(t)
         total += len(t.encode())

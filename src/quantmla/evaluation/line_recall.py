@@ -1,6 +1,6 @@
 """Line recall: a retrieval format the reference models never trained on.
 
-The key retrieval of :mod:`quantmla.training.tasks` asks `<key> =`, the exact query form the models
+The key retrieval of :mod:`quantmla_lab.training.tasks` asks `<key> =`, the exact query form the models
 trained on. Line recall asks something no training row asked: a stretch of held-out code (about
 `length` tokens, whole lines) contains one line that appears nowhere else in it; the prompt ends
 with the first half of that line (cut before a space near its middle), and the answer is the rest of

@@ -14,7 +14,7 @@
   attention reads the keys/values *after* they went through ``cache.update``.
 - Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
   token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
-  counts its exact UTF-8 bytes (:func:`quantmla.training.tokenizer.token_byte_lengths`);
+  counts its exact UTF-8 bytes (:func:`quantmla.evaluation.tokens.token_byte_lengths`);
   special tokens (document separators) are neither predicted nor counted.
 
 Returns a dict: ``bits_per_byte``, ``bits_per_token``, ``bytes_per_token``, ``tokens``
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from quantmla.training.tokenizer import token_byte_lengths
+from quantmla.evaluation.tokens import token_byte_lengths
 
 _BYTE_LENGTHS: dict[int, torch.Tensor] = {}
 

@@ -3,7 +3,7 @@
 ``retrieval_accuracy(model, tokenizer, samples, cache_factory=...)``
 
 A sample is a dict with ``prompt`` and ``answer`` strings (see
-:mod:`quantmla.training.tasks` for the format), or with ``prompt_ids`` / ``answer_ids``.
+:mod:`quantmla_lab.training.tasks` for the format), or with ``prompt_ids`` / ``answer_ids``.
 Both strings are tokenized without special tokens and concatenated. One teacher-forced
 forward over ``prompt + answer`` (``[1, n_tokens]``, ``past_key_values=cache_factory(model)``,
 a fresh cache per sample, ``use_cache=True``); the sample is correct when, at every answer

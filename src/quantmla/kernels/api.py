@@ -421,7 +421,7 @@ class PrefillConfig:
 
 def default_prefill_config(n: int) -> PrefillConfig:
     """The fastest of six tilings on the H200 at 16 heads, d_n 128, d_r 64, d_v 128
-    (bench/results/prefill/attention_variants_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
+    (lab/results/prefill/attention_variants_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
     (0.16 ms at n = T = 1536, 0.19 ms at 2048), M128 N64 w8 s3 beyond (1.07 ms at 8192)."""
     if interpreting():
         return PrefillConfig(16, 16, 4, 1)

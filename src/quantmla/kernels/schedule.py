@@ -75,13 +75,13 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     quant = layout is not None and layout.token.fmt.content.quantized
     if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
         # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
-        # bench/results/decode_schedule/decode_schedule_h200.json
+        # lab/results/decode_schedule/decode_schedule_h200.json
         if bm == 16:
             return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic")
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic")
     if bm == 16:  # memory-bound: one head block; the fastest tilings of the H200 sweep, and splits of
         # 128 tokens, not 256: at 1-8 sequences of 1900 tokens a layer's decode is 15-20 % faster in every
-        # format, the same at 16 (bench/decode_splits.py, bench/results/decode_splits/h200.json)
+        # format, the same at 16 (lab/quantmla_lab/bench/kernels/decode_splits.py, lab/results/decode_splits/h200.json)
         if quant:
             return DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, min_chunk=128)
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, min_chunk=128)

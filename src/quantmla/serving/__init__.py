@@ -5,8 +5,8 @@
                                                                   kv_budget_bytes=2 << 30))
     outputs = engine.generate([Request(0, prompt_ids, SamplingParams(max_new_tokens=256))])
 
-``quantmla serve-bench`` measures whole-job throughput under a fixed KV byte budget (bench.py,
-serve_bench_command.py). ``Engine.observers`` takes :class:`EngineObserver` objects, told of every
+``quantmla serve-bench`` (a lab command: ``quantmla_lab.bench.serving``) measures whole-job throughput
+under a fixed KV byte budget. ``Engine.observers`` takes :class:`EngineObserver` objects, told of every
 step and CUDA-graph capture with host timings (graphs.py).
 """
 

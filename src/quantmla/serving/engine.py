@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,13 @@ from quantmla.quant.format import BF16
 from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
 from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
 from quantmla.serving.scheduler import (
-    Request, RequestOutput, SamplingParams, Scheduler, SchedulerStats, Sequence, StepPlan,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerStats,
+    Sequence,
+    StepPlan,
 )
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
@@ -50,7 +57,9 @@ class EngineConfig:
     block tables are a few bytes per page more). ``max_num_batched_tokens``: tokens per step
     (prefill chunk budget); ``max_num_seqs``: sequences per step; ``watermark``: fraction of pages
     admission leaves free; ``backend``: "auto", "torch" or "triton"; ``max_model_len``: longest
-    sequence (sets the CUDA-graph block-table width; default: what the pool holds)."""
+    sequence (sets the CUDA-graph block-table width; default: what the pool holds); ``decode_config``:
+    the Triton decode kernel's tiling per page layout, a function called as
+    ``kernels.api.default_config(rows, layout, device)`` is (None: that default)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -66,6 +75,7 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
     prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
+    decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
 
 
 @dataclass
@@ -96,14 +106,14 @@ class JobStats:
         return d
 
 
-def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype) -> AttentionBackend:
+def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, decode_config=None) -> AttentionBackend:
     device = torch.device(device)
     if name == "torch":
         return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
     if name in ("triton", "auto"):
         ok, why = triton_available(device, spec, formats, page_size)
         if ok:
-            return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype)
+            return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype, decode_config=decode_config)
         if name == "triton":
             raise QuantMLAError(f"the Triton attention backend cannot run here: {why}")
         return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
@@ -153,7 +163,8 @@ class Engine:
                 self.rope_offsets[s_] = c.to(self.device)
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
-        self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype)
+        self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
+                                    decode_config=config.decode_config)
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}

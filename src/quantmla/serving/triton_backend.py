@@ -59,7 +59,7 @@ class StaticDecodePlan:
     key tiles so that no tile straddles two splits, so the work follows the real lengths, not the
     graph's worst case (the pool's whole capacity)."""
 
-    def __init__(self, backend: "TritonPagedBackend", b: int, max_len: int):
+    def __init__(self, backend: TritonPagedBackend, b: int, max_len: int):
         from quantmla.kernels import schedule
 
         api = _kernels()
@@ -69,7 +69,7 @@ class StaticDecodePlan:
         self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per sequence, shortest span, tile)
         self.host: dict[tuple, torch.Tensor] = {}
         for kind, layout in backend.kinds.items():
-            cfg = api.default_config(H, layout, dev)
+            cfg = (backend.decode_config or api.default_config)(H, layout, dev)
             head_blocks = -(-H // cfg.block_m)
             target = max(1, schedule._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
             min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
@@ -101,7 +101,9 @@ class StaticDecodePlan:
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, spec, formats, num_pages, page_size, device, dtype):
+    def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None):
+        """decode_config: the decode tiling per page layout, called as ``kernels.api.default_config(rows,
+        layout, device)`` is (None: that default)."""
         api = _kernels()
         for slot, f in formats.items():
             api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
@@ -114,6 +116,7 @@ class TritonPagedBackend(AttentionBackend):
             self.kinds.setdefault(k, lay)
             self.kind_of[slot] = k
         self.graph_safe = self.device.type == "cuda"
+        self.decode_config = decode_config
 
     def write(self, slot, latent, k_rope, slot_mapping):
         _kernels().append_to_pages(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
@@ -127,7 +130,9 @@ class TritonPagedBackend(AttentionBackend):
             return meta.plan.md[kind]
         cache = meta.backend_state.setdefault("md", {})
         if kind not in cache:
-            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, self.spec.num_heads, 1, self.kinds[kind])
+            H, layout = self.spec.num_heads, self.kinds[kind]
+            cfg = None if self.decode_config is None else self.decode_config(H, layout, meta.seq_lens.device)
+            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg)
         return cache[kind]
 
     def decode(self, slot, q_lat, q_rope, meta):
@@ -148,4 +153,4 @@ class TritonPagedBackend(AttentionBackend):
         return api.mla_prefill_attention(q_nope, q_rope, kv, kr.to(kv.dtype), s.softmax_scale)
 
 
-__all__ = ["TritonPagedBackend", "StaticDecodePlan", "triton_available", "UnsupportedFormatError"]
+__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "triton_available"]

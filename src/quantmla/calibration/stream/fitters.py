@@ -4,6 +4,7 @@ fusing a layer's transforms."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -17,6 +18,7 @@ from quantmla.calibration.options import CalibrationOptions
 from quantmla.calibration.stream.memory import to_device
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import MLASpec
+
 
 class LayerFitter:
     """Per-layer fitting in the three steps streaming needs:
@@ -111,7 +113,12 @@ class ProjectFitter(LayerFitter):
     fit_kwargs: the fields of calibrate's :class:`CalibrationOptions` (a dict or an instance;
     method and seed are the streamer's). ``batch_size`` defaults to the streamer's (capture batches
     and fit minibatches, as in calibrate); ``device``: where the captured data lives and the fit runs
-    (default CPU)."""
+    (default CPU). ``timer``: None, or a function of a step's name giving a context manager that the
+    step runs inside: "capture" (one batch's capture, inside the layer's forward and its capture time)
+    and, through ``fit_layer``'s own ``timer``, "content" and "rope" (a path's fit); a subclass that
+    times the steps sets it."""
+
+    timer = None
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -142,7 +149,8 @@ class ProjectFitter(LayerFitter):
 
     def observe(self, state, hidden, position_embeddings, start):
         t0 = time.perf_counter()
-        state["capture"].record(hidden, position_embeddings, start)
+        with self.timer("capture") if self.timer else contextlib.nullcontext():
+            state["capture"].record(hidden, position_embeddings, start)
         state["seconds"] += time.perf_counter() - t0
 
     def end(self, state):
@@ -164,7 +172,8 @@ class ProjectFitter(LayerFitter):
         quantmla = self.method == "quantmla"
         total = (o.steps if quantmla and "content" in o.paths else 0) + (1 if quantmla and "rope" in o.paths else 0)
         with tqdm(total=total, desc=f"slot {slot}: fit", leave=False, disable=not self.show_progress or not total) as pbar:
-            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, o, pbar=pbar)
+            lt, rep = fit_layer(d, self.quant.format_for(slot), self.fit_seqs, self.held_seqs, o, pbar=pbar,
+                                timer=self.timer)
         secs["fit"] = time.perf_counter() - t
         info = json.loads(json.dumps(dc.asdict(rep), default=float))
         info["seconds"] = secs

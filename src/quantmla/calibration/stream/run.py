@@ -55,7 +55,7 @@ from quantmla.calibration.stream.activations import ActivationBuffer
 from quantmla.calibration.stream.files import (
     INDEX_NAME, ShardEntry, atomic_write_json, read_safetensors_header, write_safetensors_streamed,
 )
-from quantmla.calibration.stream.fitters import FitFn, _transform_to, fuse_layer, make_fitter
+from quantmla.calibration.stream.fitters import FitFn, ProjectFitter, _transform_to, fuse_layer, make_fitter
 from quantmla.calibration.stream.memory import WeightMeter, nbytes_of, peak_rss_bytes, reset_peak_rss, rss_bytes
 from quantmla.calibration.stream.source import ShardedCheckpoint, Skeleton
 from quantmla.calibration.stream.state import (
@@ -90,7 +90,7 @@ class Streamer:
         if isinstance(fit_kwargs, CalibrationOptions):
             fit_kwargs = {k: v for k, v in fit_kwargs.to_dict().items() if k not in ("method", "seed")}
         self.fit_kwargs = dict(fit_kwargs or {})
-        if fit_fn is None:
+        if fit_fn is None or (isinstance(fit_fn, type) and issubclass(fit_fn, ProjectFitter)):
             self.fit_kwargs.setdefault("batch_size", self.batch_size)  # calibrate's one batch_size
         self.checksum = checksum
         self.dtype = dtype = dtype or torch.float32
@@ -354,8 +354,9 @@ def calibrate_streamed(
     transforms are fitted for. method / seed / fit_kwargs: as for :func:`quantmla.calibration.calibrate`
     (fit_kwargs takes its keyword options: paths, steps, lr, queries_per_seq, ...); the result equals
     calibrate's on the same model, ids and seed. batch_size: sequences per forward (calibrate's
-    batch_size, also its fit minibatch). fit_fn: a custom :class:`LayerFitter` (instance or class) or
-    :data:`FitFn`. dtype: compute dtype (default float32, as ``quantmla calibrate``); weights are
+    batch_size, also its fit minibatch, for calibrate's fit and subclasses of its :class:`ProjectFitter`).
+    fit_fn: a custom :class:`LayerFitter` (instance or class) or :data:`FitFn`. dtype: compute dtype
+    (default float32, as ``quantmla calibrate``); weights are
     written in the checkpoint's own dtypes. device: where layers run.
     activations: where the [N, S, hidden] hidden states live — "memory" (CPU RAM), "device", or
     "disk" (file-backed, for calibration sets larger than RAM). checkpoint_every: save the hidden

@@ -143,7 +143,8 @@ class ShardedCheckpoint:
         return torch.bfloat16 if self.is_fp8_weight(name) else dt
 
 
-_EXPERT_RE = re.compile(r"^(?P<pre>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+# a fused expert parameter of transformers' MoE modules (checkpoints store it per expert)
+EXPERT_RE = re.compile(r"^(?P<pre>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 def _keep_fp32(model: torch.nn.Module) -> list[str]:
@@ -224,7 +225,7 @@ class Skeleton:
             if full in self.ckpt.weight_map:
                 loaded[k] = self._cast(full, self.ckpt.read(full))
                 continue
-            m = _EXPERT_RE.match(k)
+            m = EXPERT_RE.match(k)
             if m and v.dim() == 3:
                 loaded[k] = self._cast(full, self._merge_experts(prefix + m["pre"], m["proj"], v.shape[0]))
                 continue

@@ -94,7 +94,7 @@ plan_reason: dict = {}
 
 
 def chosen(layout: PageLayout, rows: int) -> bool:
-    """Whether the API's default takes this kernel, by the H200 measurements (bench/results/kernels/
+    """Whether the API's default takes this kernel, by the H200 measurements (lab/results/kernels/
     decode_vs_peer_h200.json against decode_triton_h200.json): at 16 query rows it is the faster kernel in
     every format; at 128 rows it is for integer content codes only (BF16 and FP8 run faster in Triton's
     64-row tiles there)."""

@@ -30,7 +30,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-#ifndef BUILD_UNROLL  // build-loop unrolling and score-loop unrolling: tuning knobs (bench/decode_cuda_variants.py)
+#ifndef BUILD_UNROLL  // build-loop unrolling and score-loop unrolling: tuning knobs (lab/quantmla_lab/bench/kernels/decode_cuda_variants.py)
 #define BUILD_UNROLL 1
 #endif
 #ifndef QK_UNROLL

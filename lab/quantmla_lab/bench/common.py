@@ -1,0 +1,56 @@
+"""What the benchmarks share: the header of a result record, saving it, and the short serving job.
+
+The benchmarks run as modules, ``python3 -m quantmla_lab.bench.TOPIC.NAME`` (with the lab importable:
+an install, or ``PYTHONPATH=src:lab``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+
+
+def record(**fields) -> dict:
+    """A result's header (device, UTC date, command line, torch version) followed by ``fields``."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    from quantmla_lab.bench.kernels.decode_speed import source_commit
+
+    return {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python3"] + sys.argv), "commit": source_commit(), "torch": torch.__version__, **fields}
+
+
+def save(res: dict, path: str | None) -> None:
+    """Write ``res`` as indented JSON to ``path`` (nothing when path is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def short_job_parser(doc: str) -> argparse.ArgumentParser:
+    """Arguments of the short-job scripts: a checkpoint, the job's size, its KV budget, the methods."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("model", help="a shipped checkpoint directory (models/qmla-ref-*)")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--new", type=int, default=96, help="new tokens per request")
+    p.add_argument("--budget-gib", type=float, default=0.002, help="KV budget (2 MiB)")
+    p.add_argument("--methods", nargs="+", default=["bf16", "int4/int4"])
+    return p
+
+
+def short_job(model_path: str, requests: int, new: int, device: str, seed: int = 0):
+    """The short `quantmla serve` job of the capture benchmarks: a shipped checkpoint in bf16 and
+    ``requests`` random prompts of 30–300 tokens, ``new`` new tokens each (EOS ignored)
+    -> (model, prompts, SamplingParams)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.serving.scheduler import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device).eval()
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(30, 300, (requests,), generator=g).tolist()
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    return model, prompts, SamplingParams(max_new_tokens=new, ignore_eos=True)

@@ -1,0 +1,550 @@
+"""Prepare the data, train one reference model, evaluate it and write its card.
+
+Stages (each one a function; :mod:`quantmla_lab.training.command` wires them to the CLI):
+
+- :func:`prepare` (once, shared by all families): discover the corpus, split it by package,
+  train the tokenizer, tokenize the training files into one ``uint16`` stream, and write the
+  held-out sets (code, prose, retrieval samples at 1K/2K/4K) with a manifest.
+- :func:`train_model` (one process per family): build the transformers model from
+  :func:`quantmla_lab.training.families.make_config`, train it (AdamW, bf16 autocast on CUDA,
+  1024-token rows first, then 4096-token rows; half of the rows carry a retrieval
+  task), save a bf16 ``from_pretrained`` directory with the tokenizer, then evaluate the
+  *saved* model (BF16 weights, BF16 ``DynamicCache``) and write ``card.json`` and
+  ``README.md``, including the small fp32 "slice" figures the CPU test recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quantmla_lab.training import data as D
+from quantmla_lab.training.families import MODEL_NAMES, describe, make_config, set_rope, short_context_rope
+from quantmla_lab.training.tokenizer import (
+    file_sha256,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
+
+RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+@dataclass
+class PrepareOptions:
+    vocab_size: int = 3072
+    max_train_bytes: int = 400_000_000
+    tokenizer_bytes: int = 24_000_000
+    heldout_fraction: float = 0.06
+    heldout_code_bytes: int = 320_000
+    heldout_prose_bytes: int = 200_000
+    retrieval_pool_bytes: int = 1_000_000
+    n_retrieval: int = 100
+    retrieval_lengths: tuple[int, ...] = RETRIEVAL_LENGTHS
+    seed: int = 0
+    workers: int = 16
+
+
+def _read_many(files: list[D.SourceFile], workers: int) -> list[str | None]:
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+        return list(ex.map(D.read_text, files))
+
+
+def prepare(
+    work: str | Path,
+    opts: PrepareOptions | None = None,
+    roots: list[tuple[str, str]] | None = None,
+    packages: list[str] | None = None,
+) -> dict:
+    """Build everything the training processes share under ``work``; returns the manifest."""
+    opts = opts or PrepareOptions()
+    work = Path(work)
+    (work / "heldout").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    files = D.discover(roots, packages)
+    split = D.split_corpus(files, heldout_fraction=opts.heldout_fraction)
+    _log(f"discovered {len(files)} files in {split.stats['packages']} packages; held out {split.heldout_packages}")
+
+    # training texts, in hash order, exact duplicates removed, up to max_train_bytes
+    train_texts: list[str] = []
+    train_names: list[str] = []
+    seen: set[str] = set()
+    total = 0
+    step = 2000
+    for i in range(0, len(split.train), step):
+        batch = split.train[i : i + step]
+        for f, text in zip(batch, _read_many(batch, opts.workers)):
+            if text is None:
+                continue
+            h = D.content_hash(text)
+            if h in seen:
+                continue
+            seen.add(h)
+            train_texts.append(text)
+            train_names.append(f.name)
+            total += len(text.encode("utf-8"))
+        if total >= opts.max_train_bytes:
+            break
+    _log(f"training text: {len(train_texts)} files, {total / 1e6:.1f} MB ({time.time() - t0:.1f}s)")
+
+    # held-out code: round-robin over held-out packages, never a training file's content
+    hcode, hnames, pool = [], [], []
+    code_bytes = pool_bytes = 0
+    rr = D.round_robin(split.heldout_code)
+    for f, text in zip(rr, _read_many(rr, opts.workers)):
+        if text is None or D.content_hash(text) in seen or len(text) < 500:
+            continue
+        if pool_bytes < opts.retrieval_pool_bytes:
+            pool.append(text)
+            pool_bytes += len(text)
+        if code_bytes < opts.heldout_code_bytes:
+            doc = D.truncate_at_line(text, 8000)
+            hcode.append({"text": doc, "source": f.name})
+            hnames.append(f.name)
+            code_bytes += len(doc.encode("utf-8"))
+        if code_bytes >= opts.heldout_code_bytes and pool_bytes >= opts.retrieval_pool_bytes:
+            break
+    # held-out prose: docstrings of held-out code, docs, package descriptions
+    hprose = []
+    prose_bytes = 0
+    rr = D.round_robin(split.heldout_prose)
+    for f, text in zip(rr, _read_many(rr, opts.workers)):
+        if text is None:
+            continue
+        if f.kind == "code":
+            doc = "\n\n".join(D.extract_docstrings(text))
+        elif f.kind == "metadata":
+            doc = D.metadata_description(text)
+        else:
+            doc = text
+        doc = D.truncate_at_line(doc.strip(), 4000)
+        if len(doc) < 300 or D.content_hash(doc) in seen:
+            continue
+        hprose.append({"text": doc, "source": f.name, "kind": "docstrings" if f.kind == "code" else f.kind})
+        prose_bytes += len(doc.encode("utf-8"))
+        if prose_bytes >= opts.heldout_prose_bytes:
+            break
+    _log(f"held-out: code {len(hcode)} docs {code_bytes / 1e3:.0f} KB, prose {len(hprose)} docs "
+         f"{prose_bytes / 1e3:.0f} KB, retrieval pool {pool_bytes / 1e3:.0f} KB")
+    if not hcode or not hprose or not pool:
+        raise RuntimeError("empty held-out set: raise --heldout-fraction or widen the corpus")
+
+    # tokenizer: trained on the first tokenizer_bytes of training text (hash order)
+    t1 = time.time()
+    sample, nb = [], 0
+    for t in train_texts:
+        sample.append(t)
+        nb += len(t)
+        if nb >= opts.tokenizer_bytes:
+            break
+    tok_raw = train_tokenizer(sample, opts.vocab_size, length=len(sample))
+    save_tokenizer(tok_raw, work / "tokenizer")
+    tok = load_tokenizer(work / "tokenizer")
+    _log(f"tokenizer: vocab {tok_raw.get_vocab_size()} trained on {nb / 1e6:.1f} MB ({time.time() - t1:.1f}s)")
+
+    # tokenize the training stream (EOS between documents)
+    t1 = time.time()
+    eos = tok.eos_token_id
+    parts = []
+    encode = getattr(tok_raw, "encode_batch_fast", tok_raw.encode_batch)
+    for i in range(0, len(train_texts), 4000):
+        for e in encode(train_texts[i : i + 4000], add_special_tokens=False):
+            parts.append(np.asarray(e.ids, dtype=np.uint16))
+            parts.append(np.asarray([eos], dtype=np.uint16))
+    stream = np.concatenate(parts)
+    np.save(work / "train_tokens.npy", stream)
+    _log(f"training stream: {len(stream) / 1e6:.1f} M tokens, {total / len(stream):.2f} bytes/token ({time.time() - t1:.1f}s)")
+
+    # held-out files and retrieval samples
+    from quantmla.evaluation.datasets import write_jsonl
+    from quantmla_lab.training.tasks import make_eval_samples
+
+    write_jsonl(work / "heldout" / "code.jsonl", hcode)
+    write_jsonl(work / "heldout" / "prose.jsonl", hprose)
+    t1 = time.time()
+    for L in opts.retrieval_lengths:
+        for kind, n_keys in (("retrieval", 4), ("passkey", 1)):
+            samples = make_eval_samples(tok, pool, L, opts.n_retrieval, seed=opts.seed, n_keys=n_keys, tag=kind)
+            write_jsonl(work / "heldout" / f"{kind}_{L}.jsonl.xz", samples)
+    _log(f"retrieval samples: {opts.n_retrieval} x {list(opts.retrieval_lengths)} x (4 keys, 1 key) ({time.time() - t1:.1f}s)")
+
+    corpus_id = D.content_hash("\n".join(train_names))
+    manifest = {
+        "options": asdict(opts),
+        "python": platform.python_version(),
+        "roots": [[g, p] for g, p in (roots or D.default_roots())],
+        "files_discovered": len(files),
+        "packages": split.stats["packages"],
+        "heldout_packages": split.heldout_packages,
+        "train_files": len(train_texts),
+        "train_bytes": total,
+        "train_tokens": int(len(stream)),
+        "train_file_list_sha256": corpus_id,
+        "heldout_code": {"docs": len(hcode), "bytes": code_bytes, "sources": sorted({h["source"].split("/")[1] for h in hcode})},
+        "heldout_prose": {"docs": len(hprose), "bytes": prose_bytes},
+        "retrieval": {"n": opts.n_retrieval, "lengths": list(opts.retrieval_lengths), "pool_bytes": pool_bytes,
+                      "n_keys": {"retrieval": 4, "passkey": 1}},
+        "tokenizer_sha256": file_sha256(work / "tokenizer" / "tokenizer.json"),
+        "seconds": round(time.time() - t0, 1),
+    }
+    (work / "heldout" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _log(f"prepare done in {manifest['seconds']}s")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- train
+
+
+@dataclass
+class TrainOptions:
+    size: str = "ref"
+    device: str = "cuda"
+    time_budget_s: float = 400.0
+    max_steps: int = 100_000
+    batch_tokens: int = 32768
+    short_len: int = 1024
+    long_len: int = 4096
+    short_frac: float = 0.3
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 250
+    weight_decay: float = 0.1
+    p_retrieval: float = 0.5
+    answer_weight: float = 3.0
+    seed: int = 0
+    log_every: int = 50
+    # evaluation
+    eval_seq_len: int = 2048
+    eval_retrieval_n: int = 100
+    slice_seq_len: int = 512
+    slice_chunks: int = 2
+    slice_retrieval: int = 2
+
+
+def _lr_at(opts: TrainOptions, step: int, progress: float) -> float:
+    warm = min(1.0, (step + 1) / max(1, opts.warmup_steps))
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return opts.lr * warm * (opts.min_lr_frac + (1 - opts.min_lr_frac) * cos)
+
+
+def _count_params(model) -> tuple[int, int]:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    emb = model.get_input_embeddings().weight.numel()
+    return total, total - emb
+
+
+def train_model(family: str, work: str | Path, out_dir: str | Path, opts: TrainOptions | None = None) -> dict:
+    """Train ``family`` on the data under ``work``; write a model directory with its card."""
+    import torch
+    import transformers
+
+    opts = opts or TrainOptions()
+    transformers.utils.logging.disable_progress_bar()
+    work, out_dir = Path(work), Path(out_dir)
+    dev = torch.device(opts.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(opts.seed)
+    fam_idx = sorted(MODEL_NAMES).index(family)
+    rng = np.random.default_rng([opts.seed, fam_idx])
+
+    tok = load_tokenizer(work / "tokenizer")
+    stream = np.load(work / "train_tokens.npy", mmap_mode="r")
+    stream = np.ascontiguousarray(stream)
+    from quantmla_lab.training.tasks import RowMaker
+
+    maker = RowMaker(tok, stream, answer_weight=opts.answer_weight)
+
+    config = make_config(family, vocab_size=len(tok), size=opts.size)
+    final_rope = dict(config.rope_parameters)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev)
+    n_params, n_nonemb = _count_params(model)
+    short_rope = short_context_rope(config)
+    phase = "short"
+    if short_rope is not None:
+        set_rope(model, short_rope)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=opts.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=cuda,
+    )
+    _log(f"{family}: {n_params / 1e6:.3f} M params ({n_nonemb / 1e6:.3f} M non-embedding), device {dev}")
+
+    model.train()
+    t0 = time.time()
+    step, tokens, progress = 0, 0, 0.0
+    loss_acc = torch.zeros((), device=dev)
+    n_acc = 0
+    history = []
+    short_steps = 0
+    while True:
+        elapsed = time.time() - t0
+        progress = max(step / opts.max_steps, elapsed / opts.time_budget_s)
+        if progress >= 1.0:
+            break
+        if phase == "short" and progress >= opts.short_frac:
+            phase = "long"
+            short_steps = step
+            if short_rope is not None:
+                set_rope(model, final_rope)
+        T = opts.short_len if phase == "short" else opts.long_len
+        B = max(1, opts.batch_tokens // T)
+        span = (64, T) if phase == "short" else (256, T)
+        ids_np, w_np = maker.batch(rng, B, T, opts.p_retrieval, span)
+        ids = torch.from_numpy(ids_np)
+        w = torch.from_numpy(w_np)
+        if cuda:
+            ids = ids.pin_memory().to(dev, non_blocking=True)
+            w = w.pin_memory().to(dev, non_blocking=True)
+        lr = _lr_at(opts, step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(input_ids=ids, use_cache=False).logits
+        ce = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        wt = w[:, 1:].reshape(-1)
+        loss = (ce * wt).sum() / wt.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_acc += loss.detach()
+        n_acc += 1
+        step += 1
+        tokens += B * T
+        if step % opts.log_every == 0:
+            avg = float(loss_acc) / n_acc  # one host sync per log interval
+            loss_acc.zero_()
+            n_acc = 0
+            el = time.time() - t0
+            history.append({"step": step, "loss": round(avg, 4), "tokens": tokens, "seconds": round(el, 1), "lr": lr, "T": T})
+            _log(f"{family} step {step} T={T} loss {avg:.4f} lr {lr:.2e} {tokens / el / 1e3:.0f}k tok/s")
+        del logits, ce, loss
+    if phase == "short" and short_rope is not None:
+        set_rope(model, final_rope)  # (only when training never reached the long phase)
+    if cuda:
+        torch.cuda.synchronize()
+    train_seconds = time.time() - t0
+    _log(f"{family}: trained {step} steps, {tokens / 1e6:.1f} M tokens in {train_seconds:.0f}s")
+
+    # save: bf16 weights + tokenizer
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
+    tok.save_pretrained(str(out_dir))
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+
+    training = {
+        "steps": step,
+        "short_phase_steps": short_steps,
+        "tokens": tokens,
+        "wall_time_s": round(train_seconds, 1),
+        "tokens_per_s": round(tokens / max(train_seconds, 1e-9)),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if cuda else None,
+        "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "options": asdict(opts),
+        "history": history,
+    }
+    card = evaluate_and_card(out_dir, work, family, training, opts, n_params, n_nonemb)
+    return card
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def slice_figures(model_dir: str | Path, heldout: str | Path, *, seq_len: int = 512, n_chunks: int = 2,
+                  n_retrieval: int = 2, device: str = "cpu", length: int = 1024) -> dict:
+    """The small fp32 check the CPU test recomputes: ``n_chunks`` code chunks of ``seq_len``
+    tokens and ``n_retrieval`` retrieval samples at 1K, bf16 weights computed in float32."""
+    import torch
+    import transformers
+
+    from quantmla.evaluation.datasets import load_retrieval, load_texts
+    from quantmla.evaluation.perplexity import bits_per_byte, token_chunks
+    from quantmla.evaluation.retrieval import retrieval_accuracy
+
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        tok = load_tokenizer(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+        chunks = token_chunks(tok, load_texts("code", heldout, limit=20), seq_len, max_chunks=n_chunks)
+        bpb = bits_per_byte(model, tok, chunks, seq_len=seq_len, device=device)
+        samples = load_retrieval(length, heldout, limit=n_retrieval)
+        ret = retrieval_accuracy(model, tok, samples, device=device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return {
+        "dtype": "float32 compute of the shipped bf16 weights, DynamicCache",
+        "seq_len": seq_len,
+        "code_chunks": n_chunks,
+        "bpb_code": bpb["bits_per_byte"],
+        "tokens": bpb["tokens"],
+        "bytes": bpb["bytes"],
+        "retrieval_length": length,
+        "retrieval_ids": [s["id"] for s in samples],
+        "retrieval_correct": ret["per_sample"],
+        "retrieval_min_margin": ret["min_margin"],
+        "retrieval_answer_logprob": ret["answer_logprob"],
+    }
+
+
+def evaluate_model(model_dir: str | Path, heldout: str | Path, *, device: str, seq_len: int = 2048,
+                   retrieval_n: int = 100, batch_size: int = 8, lengths=RETRIEVAL_LENGTHS) -> dict:
+    """Held-out figures of the saved model: BF16 weights, plain (BF16) DynamicCache."""
+    import torch
+    import transformers
+
+    from quantmla.evaluation.datasets import load_retrieval, load_texts
+    from quantmla.evaluation.perplexity import bits_per_byte
+    from quantmla.evaluation.retrieval import retrieval_accuracy
+
+    tok = load_tokenizer(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device)
+    res = {"dtype": "bfloat16 weights and activations", "cache": "transformers DynamicCache (BF16)", "seq_len": seq_len}
+    for kind in ("code", "prose"):
+        r = bits_per_byte(model, tok, load_texts(kind, heldout), seq_len=seq_len, device=device, batch_size=batch_size)
+        res[f"bpb_{kind}"] = round(r["bits_per_byte"], 4)
+        res[f"{kind}_tokens"] = r["tokens"]
+        res[f"{kind}_bytes"] = r["bytes"]
+    for kind in ("retrieval", "passkey"):
+        res[kind] = {}
+        for L in lengths:
+            samples = load_retrieval(L, heldout, limit=retrieval_n, kind=kind)
+            r = retrieval_accuracy(model, tok, samples, device=device)
+            res[kind][str(L)] = {"accuracy": r["accuracy"], "n": r["n"], "answer_logprob": round(r["answer_logprob"], 4),
+                                 "mean_tokens": round(r["mean_tokens"], 1)}
+    return res
+
+
+TARGETS = {"bpb_code_max": 1.5, "retrieval_2048_min": 0.9, "retrieval_4096_min": 0.8}
+
+
+def evaluate_and_card(out_dir: Path, work: Path, family: str, training: dict, opts: TrainOptions,
+                      n_params: int, n_nonemb: int) -> dict:
+    import transformers
+
+    t0 = time.time()
+    heldout = work / "heldout"
+    manifest = json.loads((work / "manifest.json").read_text())
+    lengths = tuple(manifest["retrieval"]["lengths"])
+    ev = evaluate_model(out_dir, heldout, device=opts.device, seq_len=opts.eval_seq_len,
+                        retrieval_n=opts.eval_retrieval_n, lengths=lengths)
+    sl = slice_figures(out_dir, heldout, seq_len=opts.slice_seq_len, n_chunks=opts.slice_chunks,
+                       n_retrieval=opts.slice_retrieval, device=opts.device, length=lengths[0])
+    config = transformers.AutoConfig.from_pretrained(str(out_dir))
+    size = (out_dir / "model.safetensors").stat().st_size
+    ret = ev["retrieval"]
+    passed = {"bpb_code<=1.5": ev["bpb_code"] <= TARGETS["bpb_code_max"]}
+    if "2048" in ret:
+        passed["retrieval_2048>=0.9"] = ret["2048"]["accuracy"] >= TARGETS["retrieval_2048_min"]
+    if "4096" in ret:
+        passed["retrieval_4096>=0.8"] = ret["4096"]["accuracy"] >= TARGETS["retrieval_4096_min"]
+    card = {
+        "name": out_dir.name,
+        "family": family,
+        "params": n_params,
+        "params_non_embedding": n_nonemb,
+        "safetensors_bytes": size,
+        "architecture": describe(config),
+        "training": {k: v for k, v in training.items() if k != "history"},
+        "data": {
+            "corpus": "Python standard library + site-packages of the training machine (.py, .md/.rst/.txt)",
+            "train_files": manifest["train_files"],
+            "train_bytes": manifest["train_bytes"],
+            "train_stream_tokens": manifest["train_tokens"],
+            "train_file_list_sha256": manifest["train_file_list_sha256"],
+            "heldout_packages": manifest["heldout_packages"],
+            "tokenizer_sha256": manifest["tokenizer_sha256"],
+            "retrieval_format": "eval.retrieval: 4 key lines `<adj>_<animal> = <5 digits>` at random line starts "
+            "of held-out code (3 distractors), prompt ends with `<key> =`, answer ` <digits>`; eval.passkey: the same "
+            "with a single key line; correct = every answer token is the argmax (= greedy decoding)",
+        },
+        "eval": ev,
+        "slice": sl,
+        "targets": passed,
+        "eval_seconds": round(time.time() - t0, 1),
+        "history": training.get("history", []),
+    }
+    (out_dir / "card.json").write_text(json.dumps(card, indent=1))
+    (out_dir / "README.md").write_text(render_readme(card))
+    _log(f"{family}: bpb code {ev['bpb_code']:.3f} prose {ev['bpb_prose']:.3f} retrieval "
+         + " ".join(f"{k}:{v['accuracy']:.2f}" for k, v in ret.items()) + " passkey "
+         + " ".join(f"{k}:{v['accuracy']:.2f}" for k, v in ev["passkey"].items()) + f" (eval {card['eval_seconds']}s)")
+    return card
+
+
+def render_readme(card: dict) -> str:
+    a, t, e = card["architecture"], card["training"], card["eval"]
+    ret = e["retrieval"]
+    lines = [
+        f"# {card['name']}",
+        "",
+        f"A small `{a['model_type']}` causal LM (Multi-Head Latent Attention) trained by QuantMLA on Python sources "
+        "and docs (standard library + installed packages) with synthetic key-value retrieval, as a reference "
+        "model for low-bit MLA KV caching. Not a general-purpose model.",
+        "",
+        f"- parameters: {card['params']:,} ({card['params_non_embedding']:,} without the tied embedding); "
+        f"`model.safetensors` {card['safetensors_bytes'] / 2**20:.2f} MiB (bf16)",
+        f"- MLA: hidden {a['hidden_size']}, {a['num_hidden_layers']} layers, {a['num_attention_heads']} heads, "
+        f"d_c {a['kv_lora_rank (d_c)']}, d_r {a['qk_rope_head_dim (d_r)']}, nope {a['qk_nope_head_dim']}, "
+        f"v {a['v_head_dim']}, q_lora {a['q_lora_rank']}, vocab {a['vocab_size']}",
+        f"- RoPE: {a['rope_layout']}; parameters {json.dumps(a['rope_parameters'])}",
+        f"- trained: {t['tokens']:,} tokens, {t['steps']} steps, {t['wall_time_s']} s on {t['device']} "
+        f"(torch {t['torch']}, transformers {t['transformers']})",
+        "",
+        f"Held-out (packages never trained on; bf16 weights, plain BF16 `DynamicCache`, {e['seq_len']}-token chunks):",
+        "",
+        "| bits/byte code | bits/byte prose | " + " | ".join(f"retrieval {k}" for k in ret) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in ret) + " |",
+        f"| {e['bpb_code']:.3f} | {e['bpb_prose']:.3f} | " + " | ".join(f"{v['accuracy']:.2f}" for v in ret.values()) + " |",
+        "",
+        "Retrieval: 4 key lines `<adj>_<animal> = <5 digits>` (one asked for, three distractors) at random line "
+        "starts of held-out code, the prompt ends with `<key> =`; correct when every answer token is the argmax. "
+        "With a single key line (passkey): " + ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in e["passkey"].items()) + ".",
+        "",
+        "Load: `AutoModelForCausalLM.from_pretrained(dir)`, `AutoTokenizer.from_pretrained(dir)`. "
+        "Figures and provenance: `card.json`. Reproduce: `lab/scripts/train_reference.sh` on one GPU.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def set_seed_everywhere(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))

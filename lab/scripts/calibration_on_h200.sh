@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Calibration on the GPU: does the streamed run over NCCL write the same files as one process, what do
+# the calibrated reference models score, and how does calibration time scale? One named step per
+# argument, in order:
+#
+#   OUT=/tmp/out bash lab/scripts/calibration_on_h200.sh streamed-nccl accuracy scaling
+#
+# streamed-nccl  `quantmla calibrate --stream` of qmla-ref-deepseek-v3 (INT4/INT4) in one process and over
+#                NCCL in two (needs 2 GPUs); the shards must be byte-identical
+#                                                   -> calibration_scaling/streamed_nccl_equality_h200.json
+# accuracy       the QuantMLA rows of all four reference models, merged into a copy of results/accuracy.json
+#                                                   -> accuracy/accuracy.json, accuracy/accuracy.md
+# scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
+#                                                   -> calibration_scaling/h200.json
+#
+# Files go under $OUT (default /tmp/out), named as in lab/results/ and results/.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/calibration_scaling" "$OUT/accuracy"
+export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
+M=models/qmla-ref-deepseek-v3
+WORK=$(mktemp -d)
+
+streamed-nccl() {
+  /usr/bin/time -f "stream 1 proc cuda: %e s wall" timeout 100 python3 -m quantmla.cli calibrate $M --content-bits 4 \
+    --rope-bits 4 --device cuda --stream --out "$WORK/s1" --no-progress > "$WORK/s1.log" 2>&1; tail -12 "$WORK/s1.log"
+  /usr/bin/time -f "stream 2 proc nccl: %e s wall" timeout 120 python3 -m quantmla.cli calibrate $M --content-bits 4 \
+    --rope-bits 4 --device cuda --stream --nproc 2 --out "$WORK/s2" --no-progress > "$WORK/s2.log" 2>&1
+  grep -v "unbatched P2P" "$WORK/s2.log" | tail -12
+  WORK="$WORK" python3 - <<'PY'
+import datetime, glob, hashlib, json, os, torch
+work = os.environ["WORK"]
+def digest(d):
+    return {os.path.basename(f): hashlib.sha256(open(f, "rb").read()).hexdigest()[:16]
+            for f in sorted(glob.glob(d + "/*.safetensors"))}
+def qc(d):
+    p = d + "/config.json"
+    return json.load(open(p))["quantization_config"] if os.path.exists(p) else None
+a, b, qa, qb = digest(work + "/s1"), digest(work + "/s2"), qc(work + "/s1"), qc(work + "/s2")
+r = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+     "command": "quantmla calibrate models/qmla-ref-deepseek-v3 --content-bits 4 --rope-bits 4 --device cuda --stream "
+                "[--nproc 2] (lab/scripts/calibration_on_h200.sh streamed-nccl)",
+     "stream_1proc": a, "stream_2proc_nccl": b, "shards_identical": a == b and len(a) > 1,
+     "config_identical": qa == qb and qa is not None, "rope_offsets_slots": sorted((qa or {}).get("rope_offsets", {}))}
+print(r)
+json.dump(r, open(os.environ.get("OUT", "/tmp/out") + "/calibration_scaling/streamed_nccl_equality_h200.json", "w"), indent=1)
+PY
+}
+
+accuracy() {
+  cp results/accuracy.json "$WORK/"
+  timeout 200 python3 -m quantmla.cli eval --all --config INT4/INT4 INT2/INT4 --method quantmla --device cuda \
+    --out "$WORK" 2>&1 | grep "bpb\|rror" | tail -12
+  cp "$WORK/accuracy.json" "$WORK/accuracy.md" "$OUT/accuracy/"
+}
+
+scaling() {
+  timeout 170 python3 -m quantmla_lab.bench.calibration.scaling --device cuda --in-process --with-dsv3 --time-limit 150 \
+    --out "$OUT/calibration_scaling/h200.json" 2>&1 | tail -14
+}
+
+for s in "$@"; do
+  echo "== $(date -u +%T) $s"
+  "$s"
+done

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Serving on the H200: does the engine agree with transformers, how much throughput does a low-bit cache
+# buy under a KV budget, and where does a step's time go? One named step per argument, in order:
+#
+#   OUT=/tmp/out bash lab/scripts/serving_on_h200.sh gpu-tests agreement budget-curve
+#
+# gpu-tests       the GPU cases of the read / graph-schedule / engine / observer tests      (log only)
+# agreement       `serve-bench --check-only`: greedy outputs against generate() on the shipped models
+#                 (bf16, int4/int4, int2/int4)                              -> agreement/check_h200.json
+# budget-curve    `serve-bench`, 64 requests, budgets 0.075-1 GiB, groups 128/64      -> serving/budget_curve_h200.json
+# point-0.1       the same job at 0.1 GiB only            -> serving/point_0.1gib_decode_splits_128_h200.json
+# job-shapes      `serve-bench` on the two job shapes the projection rates best for INT4/INT4
+#                                      -> serving/job_prompts_3072-4096_h200.json, serving/job_prompts_256-512_h200.json
+# serve-cli       `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (log only)
+# decode-profile  per-kernel GPU time of eager decode steps: batch 64 of 1536-token prompts (groups 64/32),
+#                 batch 1 and 8 of 1900 tokens (groups 128/64)             -> profile/decode_batch{64,1,8}_h200.json
+# prefill-profile per-kernel GPU time of prefill steps: 2048 and 8192 batched tokens, 1531-token chunks
+#                                                 -> prefill/profile_{2048,8192,1531}_tokens_h200.json
+# prefill-kernel  one chunk's prefill attention: the kernel's tilings against SDPA and plain matmuls
+#                                                                           -> prefill/attention_variants_h200.json
+# step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
+# step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
+# splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
+#                                                                           -> step_overhead/splits_256_vs_128_h200.json
+# decode-splits   decode kernel latency at batches 1-16 of 1900 tokens, by shortest split -> decode_splits/h200.json
+# capture-cost    each CUDA-graph capture of a short serve job timed, in a first and a second process
+#                 (the first compiles the Triton kernels on a fresh machine)
+#                                     -> capture_cost/fresh_machine_h200.json, capture_cost/triton_cache_warm_h200.json
+# warm-cold       one short job twice per engine (graphs captured on first use, then all captured) and
+#                 without graphs                                             -> capture_cost/warm_cold_h200.json
+#
+# Files go under $OUT/<topic>/ (default OUT=/tmp/out), named as in lab/results/; the console goes to
+# $OUT/console.log too.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,capture_cost}
+export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
+LOG="$OUT/console.log"
+M=models/qmla-ref-deepseek-v3
+GROUPS=(--content-group 128 --rope-group 64)
+quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
+
+gpu-tests() {
+  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py tests/test_kernels_gpu.py \
+    tests/test_engine_observers.py -k "read_matches or static_graph or on_gpu or prefill" 2>&1 | tail -5 | tee -a "$LOG"
+}
+
+agreement() {
+  timeout 150 python3 -m quantmla.cli serve-bench --check-only --check-families deepseek_v2 \
+    --check-methods bf16 int4/int4 int2/int4 --out "$OUT/agreement/check_h200.json" 2>&1 | tail -25 | tee -a "$LOG"
+}
+
+budget-curve() {
+  timeout 545 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 "${GROUPS[@]}" \
+    --max-batched-tokens 8192 --max-seconds 440 --out "$OUT/serving/budget_curve_h200.json" 2>&1 | quiet 24
+}
+
+point-0.1() {
+  timeout 300 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 "${GROUPS[@]}" --max-batched-tokens 8192 \
+    --out "$OUT/serving/point_0.1gib_decode_splits_128_h200.json" 2>&1 | quiet 8
+}
+
+job-shapes() {
+  timeout 280 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 3072 4096 --output-len 256 384 \
+    --budgets-gib 0.1817 "${GROUPS[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_3072-4096_h200.json" 2>&1 \
+    | quiet 6
+  timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 256 512 --output-len 256 384 \
+    --budgets-gib 0.0273 "${GROUPS[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_256-512_h200.json" 2>&1 \
+    | quiet 6
+}
+
+serve-cli() {
+  local work
+  work=$(mktemp -d)
+  python3 - <<'PY' > "$work/prompts.txt"
+import random
+random.seed(0)
+words = "the cache holds a latent and a rope key per token for every layer of the model".split()
+for i in range(48):
+    print(" ".join(random.choice(words) for _ in range(random.randint(20, 200))))
+PY
+  for fmt in "" "--content-bits 4 --rope-bits 4" "--content-bits 2 --rope-bits 4"; do
+    /usr/bin/time -f "serve [$fmt]: %e s wall" timeout 120 python3 -m quantmla.cli serve $M --prompts "$work/prompts.txt" \
+      --out "$work/out.jsonl" --kv-budget-gib 0.002 --max-new-tokens 96 $fmt --no-progress 2>&1 | grep -v "Loading" \
+      | tail -3 | tee -a "$LOG"
+    python3 -c "import json, sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(len(r), 'outputs,', sum(x['finish_reason']!='error' for x in r), 'ok,', sum(len(x['output_ids']) for x in r), 'tokens')" \
+      "$work/out.jsonl" | tee -a "$LOG"
+  done
+}
+
+decode-profile() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --methods bf16 int4/int4 --out "$OUT/profile/decode_batch64_h200.json" 2>&1 | quiet 60
+  for b in 1 8; do
+    timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --batch $b --prompt 1900 --steps 24 --methods bf16 int4/int4 "${GROUPS[@]}" \
+      --out "$OUT/profile/decode_batch${b}_h200.json" 2>&1 | quiet 40
+  done
+}
+
+prefill-profile() {
+  for T in 2048 8192; do
+    timeout 100 python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens $T --batch 16 --prompt 2048 \
+      --steps $((32768 / T / 2)) --methods bf16 int4/int4 "${GROUPS[@]}" --out "$OUT/prefill/profile_${T}_tokens_h200.json" 2>&1 \
+      | quiet 36
+  done
+  timeout 120 python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens 2048 --batch 6 --prompt 1531 --steps 3 \
+    --methods bf16 int4/int4 "${GROUPS[@]}" --shapes 25 --out "$OUT/prefill/profile_1531_tokens_h200.json" 2>&1 | quiet 90
+}
+
+prefill-kernel() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_anatomy --skip-anatomy --out "$OUT/prefill/attention_variants_h200.json" 2>&1 | quiet 12
+}
+
+step-anatomy() {
+  timeout 200 python3 -m quantmla_lab.bench.serving.step_anatomy --out "$OUT/step_overhead/step_anatomy_h200.json" 2>&1 | quiet 12
+}
+
+step-overhead() {
+  timeout 240 python3 -m quantmla_lab.bench.serving.step_overhead --out "$OUT/step_overhead/splits_128_h200.json" 2>&1 | quiet 6
+}
+
+splits-ab() {
+  timeout 300 python3 -m quantmla_lab.bench.serving.step_overhead --methods bf16 int4/int4 int2/int4 --batches 1 4 8 16 --min-chunks 256 128 \
+    --out "$OUT/step_overhead/splits_256_vs_128_h200.json" 2>&1 | quiet 26
+}
+
+decode-splits() {
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_splits --out "$OUT/decode_splits/h200.json" 2>&1 | quiet 22
+}
+
+capture-cost() {
+  timeout 200 python3 -m quantmla_lab.bench.serving.capture_cost $M --out "$OUT/capture_cost/fresh_machine_h200.json" 2>&1 | grep -v "Loading" \
+    | quiet 40
+  echo "-- again, in a new process: Triton's on-disk cache now holds every kernel" | tee -a "$LOG"
+  timeout 200 python3 -m quantmla_lab.bench.serving.capture_cost $M --out "$OUT/capture_cost/triton_cache_warm_h200.json" 2>&1 | grep -v "Loading" \
+    | quiet 40
+}
+
+warm-cold() {
+  timeout 200 python3 -m quantmla_lab.bench.serving.warm_vs_cold $M --out "$OUT/capture_cost/warm_cold_h200.json" 2>&1 | grep -v "Loading" \
+    | quiet 8
+}
+
+for s in "$@"; do
+  echo "== $(date -u +%T) $s" | tee -a "$LOG"
+  "$s"
+done
+echo "== $(date -u +%T) done" | tee -a "$LOG"
