@@ -4,7 +4,8 @@
 # reference model.
 #
 #   scripts/accuracy.sh                  full run on CPU (every row: BF16, FP8, RTN, KIVI, Hadamard,
-#                                        QuantMLA and its ablations, at groups 64/32 and 32/16)
+#                                        QuantMLA, its ablations and its RoPE-per-page row, at groups
+#                                        64/32 and 32/16)
 #   scripts/accuracy.sh --device cuda    the same on a GPU
 #   scripts/accuracy.sh --quick          CI-sized run into out/accuracy-quick/ (the committed files untouched)
 #

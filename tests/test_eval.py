@@ -143,7 +143,8 @@ def test_named_configs_and_rows():
     keys = {r.key for r in rows}
     assert ("BF16", "bf16") in keys and ("FP8", "rtn") in keys
     for cfg in ("INT4/INT4", "INT2/INT4"):
-        assert {m for c_, m in keys if c_ == cfg} == {"rtn", "kivi", "hadamard", "quantmla", "quantmla-content", "quantmla-rope"}
+        assert {m for c_, m in keys if c_ == cfg} == {"rtn", "kivi", "hadamard", "quantmla", "quantmla-content", "quantmla-rope",
+                                                      "quantmla-rope-channel"}
     assert len(default_rows(quick=True)) < len(rows)
 
 

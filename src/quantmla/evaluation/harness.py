@@ -231,7 +231,8 @@ class RowSpec:
 
 def default_rows(content_group: int = 64, rope_group: int = 32, quick: bool = False) -> list[RowSpec]:
     """The accuracy table's grid: BF16, FP8, content-only / RoPE-only INT4 (RTN), and for INT4/INT4 and
-    INT2/INT4 every baseline, QuantMLA and its ablations. quick: a CI-sized subset."""
+    INT2/INT4 every baseline, QuantMLA and its ablations, and QuantMLA with RoPE keys per channel per
+    page (it reads the QuantMLA row's calibration). quick: a CI-sized subset."""
     cfg = lambda n: named_config(n, content_group, rope_group)  # noqa: E731
     rows = [RowSpec(cfg("BF16"), "bf16"), RowSpec(cfg("FP8"), "rtn")]
     if quick:
@@ -239,7 +240,8 @@ def default_rows(content_group: int = 64, rope_group: int = 32, quick: bool = Fa
     rows += [RowSpec(cfg("INT4/BF16"), "rtn"), RowSpec(cfg("BF16/INT4"), "rtn")]
     for name in ("INT4/INT4", "INT2/INT4"):
         rows += [RowSpec(cfg(name), m, kivi_block=rope_group)
-                 for m in ("rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla")]
+                 for m in ("rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla",
+                           "quantmla-rope-channel")]
     return rows
 
 
