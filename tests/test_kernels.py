@@ -277,7 +277,7 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
 
     lens = [1, 40, 77, 130]
     lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
-    monkeypatch.setattr(schedule, "_num_sms", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
     H = 4
     backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
                                     kinds={"k": lay}, decode_config=None)

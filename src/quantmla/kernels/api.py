@@ -34,7 +34,7 @@ from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is he
     DecodeConfig,
     MLAMetadata,
     _next_pow2,
-    _num_sms,
+    num_sms_of,
     combine_blocks,
     decode_bytes,
     decode_flops,
@@ -325,7 +325,7 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
-        block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, _num_sms(device))
+        block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, num_sms_of(device))
         _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
             po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
             num_warps=4, num_stages=2,

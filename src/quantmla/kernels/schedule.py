@@ -144,7 +144,8 @@ class MLAMetadata:
 _SM_COUNT: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms_of(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached); 4 for the CPU interpreter."""
     if device.type != "cuda":
         return 4
     key = device.index if device.index is not None else torch.cuda.current_device()
@@ -182,7 +183,7 @@ def get_mla_metadata(
     hb = -(-rows // cfg.block_m)
     tiles = [-(-n // bn) for n in lens]
     if chunk_tokens is None:
-        target_units = max(1, (num_sms or _num_sms(device)) * cfg.ctas_per_sm // hb)
+        target_units = max(1, (num_sms or num_sms_of(device)) * cfg.ctas_per_sm // hb)
         chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
         # no partial second wave: grow the chunk until the units fit in the programs that run at once
         while sum(-(-t // chunk_tiles) for t in tiles) > target_units and chunk_tiles < max(tiles + [1]):

@@ -71,7 +71,7 @@ class StaticDecodePlan:
         for kind, layout in backend.kinds.items():
             cfg = (backend.decode_config or api.default_config)(H, layout, dev)
             head_blocks = -(-H // cfg.block_m)
-            target = max(1, schedule._num_sms(dev) * cfg.ctas_per_sm // head_blocks)
+            target = max(1, schedule.num_sms_of(dev) * cfg.ctas_per_sm // head_blocks)
             min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
             S = max(1, min(target // b, -(-max_len // min_span)))  # b·S programs: one wave, not a partial second
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,

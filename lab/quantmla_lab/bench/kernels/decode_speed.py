@@ -235,7 +235,7 @@ def load_peer(path: str):
             k = kv.unsqueeze(2)  # [pages, page, 1, 576]
             v = k[..., :dc]
             o = torch.empty(B, H, dc, dtype=qc.dtype, device=qc.device)
-            n = num_kv_splits or max(1, min(64, (2 * schedule._num_sms(torch.device(qc.device))) // max(1, B)))
+            n = num_kv_splits or max(1, min(64, (2 * schedule.num_sms_of(torch.device(qc.device))) // max(1, B)))
             logits = torch.empty(B, H, n, dc + 1, dtype=torch.float32, device=qc.device)
             page = kv.shape[1]
             run = lambda: mod.decode_attention_fwd(q, k, v, o, bt, sl, logits, n, scale, page)  # noqa: E731
