@@ -16,11 +16,11 @@ from quantmla.quant import BF16, PathFormat
 CUDA = torch.device("cuda")
 
 
-def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64):
+def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64, **tiling):
     fmt = preset(name_or_fmt) if isinstance(name_or_fmt, str) else name_or_fmt
     lay = PageLayout(TokenLayout(d_c, d_r, fmt), page)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        return lay, cuda.decode_plan(lay, rows, out, CUDA)
+        return lay, cuda.decode_plan(lay, rows, out, CUDA, **tiling)
 
 
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
@@ -43,6 +43,25 @@ def test_shared_memory_fits(name, rows):
     assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
     assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
     assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, dict(p.macros)["KSPLIT"])
+
+
+@pytest.mark.parametrize("nw,bn,rows", [(16, 32, 16), (16, 64, 16), (8, 64, 16), (16, 32, 64), (16, 64, 128)])
+def test_tilings(nw, bn, rows):
+    """Other tilings: every warp gets whole score tiles of one row block, and the map still fits."""
+    lay, p = plan("int4/int4", rows, num_warps=nw, block_n=bn)
+    m = dict(p.macros)
+    assert (p.num_warps, p.block_n) == (nw, bn) and f"N{bn}w{nw}" in p.describe()
+    tpw = (p.block_m // 16) * (bn // 8) * m["KSPLIT"] // nw
+    assert tpw >= 1 and (bn // 8) % tpw == 0 and (576 // 16) % m["KSPLIT"] == 0
+    assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], bn)
+
+
+def test_unknown_tiling_is_refused_with_its_reason():
+    lay, p = plan("int4/int4", num_warps=4)
+    assert p is None and "4 warps" in cuda.plan_reason[lay]
+    lay, p = plan("int4/int4", page=32, block_n=64)
+    assert p is None and "page size" in cuda.plan_reason[lay]
 
 
 def test_two_ctas_per_sm_at_16_heads():
@@ -82,14 +101,15 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("name,rows", [("int4/int4", 16), ("fp8", 64),
-                                       (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
-                                                    PathFormat(8, 32, "symmetric")), 32)])
-def test_plans_compile_for_sm90(name, rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,rows,tiling", [("int4/int4", 16, {}), ("fp8", 64, {}),
+                                              (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
+                                                           PathFormat(8, 32, "symmetric")), 32, {}),
+                                              ("int4/int4", 16, {"num_warps": 16, "block_n": 64})])
+def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
     """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
     shared-memory size), the build is cached, and other constants give another build."""
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    _, p = plan(name, rows)
+    _, p = plan(name, rows, **tiling)
     path = build.compile_cubin(p.macros, "sm_90a")
     assert path.exists() and path.stat().st_size > 10_000
     mtime = path.stat().st_mtime_ns

@@ -134,6 +134,23 @@ def test_decode_full_shape(kernel, name, H, SQ):
     check_variant(md, kernel)
 
 
+@pytest.mark.parametrize("tiling", [(16, 32), (16, 64), (8, 64)])
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "fp8"])
+@pytest.mark.parametrize("H,SQ", [(16, 1), (16, 3), (128, 1)])
+def test_decode_cuda_tilings(tiling, name, H, SQ):
+    """The CUDA kernel's other tilings (warps per CTA x tokens per tile) against the same fp64 oracle."""
+    from quantmla.kernels.cuda.build import nvcc
+    from quantmla.kernels.schedule import cuda_config
+
+    if nvcc() is None:
+        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=7 * H + SQ)
+    cfg = cuda_config(H * SQ, lay, "cuda", num_warps=tiling[0], block_n=tiling[1])
+    assert cfg is not None and (cfg.num_warps, cfg.block_n) == tiling
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 3 * SQ, config=cfg)
+    assert md.variant.startswith("cuda/") and f"N{tiling[1]}w{tiling[0]}" in md.variant, md.variant
+
+
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

@@ -89,13 +89,16 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
 
 
-def cuda_config(rows: int, layout: PageLayout, device: torch.device | str) -> DecodeConfig | None:
-    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph
-    capture); None where it cannot run here (the reason in ``kernels.cuda.plan_reason``)."""
+def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
+                block_n: int | None = None) -> DecodeConfig | None:
+    """The CUDA kernel's config for `rows` query rows (its default tiling, or `num_warps` x `block_n`),
+    built and loaded now (not inside a later graph capture); None where it cannot run here (the reason in
+    ``kernels.cuda.plan_reason``)."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
-    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device))
+    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), num_warps=num_warps or cuda.NUM_WARPS,
+                            block_n=block_n or cuda.BLOCK_N)
     if plan is None or nvcc() is None:
         return None
     try:
@@ -103,7 +106,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str) -> De
     except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
         cuda.plan_reason[layout] = str(e).splitlines()[0]
         return None
-    return DecodeConfig(block_m=plan.block_m, block_n=cuda.BLOCK_N, num_warps=cuda.NUM_WARPS, num_stages=plan.stages,
+    return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda")
 
 

@@ -1,6 +1,7 @@
 """Which build-time knobs of the CUDA decode kernel pay on this GPU? Times one decode call (CUDA-graph
 replay, L2 flushed) of the default plan and of variants that change one constant each: build-loop and
-score-loop unrolling, cp.async stages, CTAs per SM. Same tokens and queries for every variant.
+score-loop unrolling, cp.async stages, CTAs per SM, and the tiling (warps per CTA, tokens per tile,
+warps sharing a score tile's channels). Same tokens and queries for every variant.
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --out out/decode_cuda_variants.json
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 import torch
 
@@ -18,18 +20,20 @@ from quantmla.kernels import api, cuda, schedule
 from quantmla_lab.bench.kernels import decode_speed as bench
 
 
-def variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, cuda.DecodePlan]:
+TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per tile); the first is the default
+
+
+def knob_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, cuda.DecodePlan]:
+    """The default plan with one build-time knob changed: unrolling or cp.async stages."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
-        mm = {**m, **kw}
-        return dataclasses.replace(plan, macros=tuple(sorted(mm.items())))
+        return dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
 
-    out = {"default": plan, "build_unroll_2": with_(BUILD_UNROLL=2), "qk_unroll_full": with_(QK_UNROLL=18),
-           "qk_unroll_2": with_(QK_UNROLL=2)}
+    out = {"build_unroll_2": with_(BUILD_UNROLL=2), "qk_unroll_full": with_(QK_UNROLL=18), "qk_unroll_2": with_(QK_UNROLL=2)}
     for st in (2, 3, 4):
         if st != plan.stages:
-            smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"])
+            smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n)
             if plan.ctas_per_sm * (smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM:
                 out[f"stages_{st}"] = dataclasses.replace(with_(STAGES=st, SMEM_EXPECTED=smem), stages=st, smem=smem)
     return out
@@ -40,34 +44,64 @@ def main() -> None:
     ap.add_argument("--formats", default="int4/int4,bf16")
     ap.add_argument("--shapes", default="1x131072,32x16384")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--tilings", default=",".join(f"{w}x{n}" for w, n in TILINGS), help="warps x tokens per tile")
+    ap.add_argument("--knobs", action="store_true", help="also the unrolling and stage variants of the default plan")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    H, res = a.heads, {"device": torch.cuda.get_device_name(), "commit": bench.source_commit(), "rows": []}
+    H, dev = a.heads, torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(), "commit": bench.source_commit(), "command": " ".join(sys.argv),
+           "rows": []}
+    tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")]
+    scale = 0.07
     for name in a.formats.split(","):
         lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-        cfg = schedule.cuda_config(H, lay, "cuda")
-        plan = cuda.decode_plan(lay, H, torch.bfloat16, torch.device("cuda"))
         for shape in a.shapes.split(","):
             B, L = (int(x) for x in shape.split("x"))
             c = bench.Cache(lay, [L] * B, seed=B + L)
-            qc = torch.randn(B, 1, H, 512, device="cuda").to(torch.bfloat16)
-            qr = torch.randn(B, 1, H, 64, device="cuda").to(torch.bfloat16)
+            qc = torch.randn(B, 1, H, 512, device=dev).to(torch.bfloat16)
+            qr = torch.randn(B, 1, H, 64, device=dev).to(torch.bfloat16)
             out = torch.empty_like(qc)
-            lse = torch.empty(B, 1, H, device="cuda")
-            for vname, vp in variants(plan, lay).items():
+            lse = torch.empty(B, 1, H, device=dev)
+            ref = None
+
+            def row(vname, us, plan, **kw):
+                res["rows"].append({"format": name, "batch": B, "context": L, "variant": vname, "us": us,
+                                    "plan": plan.describe() if plan else None,
+                                    "macros": dict(plan.macros) if plan else None, **kw})
+                print(f"{name:10s} {B}x{L:<7d} {vname:22s} {us or float('nan'):8.1f} us  {kw}", flush=True)
+
+            for nw, bn in tilings:  # through the public API: schedule, decode and combine
+                cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
+                if cfg is None:
+                    row(f"w{nw}_n{bn}", None, None, skipped=cuda.plan_reason.get(lay))
+                    continue
+                plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, num_warps=nw, block_n=bn)
                 md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
-                po = torch.empty(md.num_units, H, 512, device="cuda")
-                pl = torch.empty(md.num_units, H, device="cuda")
-                args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, md.units, out, lse, po, pl,
-                        c.block_table.stride(0), H, 1, H, 1, 0.07 * 1.4426950408889634)
 
-                def run(vp=vp, args=args, md=md):
-                    cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, torch.device("cuda"))
+                def run(md=md):
+                    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, scale, metadata=md,
+                                                out=out, lse=lse)
 
+                out.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.float().clone()
+                diff = float((out.float() - ref).abs().max())
                 t, _ = bench.time_ms(run, 25, 100)
-                res["rows"].append({"format": name, "batch": B, "context": L, "variant": vname, "us": t * 1e3,
-                                    "stages": vp.stages, "macros": dict(vp.macros)})
-                print(f"{name:10s} {B}x{L:<7d} {vname:16s} {t * 1e3:8.1f} us", flush=True)
+                row(f"w{nw}_n{bn}", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff)
+                if a.knobs and (nw, bn) == tilings[0]:
+                    for vname, vp in knob_variants(plan, lay).items():
+                        po = torch.empty(md.num_units, H, 512, device=dev)
+                        pl = torch.empty(md.num_units, H, device=dev)
+                        args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, md.units, out, lse, po, pl,
+                                c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
+
+                        def run_knob(vp=vp, args=args, md=md):
+                            cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
+
+                        t, _ = bench.time_ms(run_knob, 25, 100)
+                        row(vname, t * 1e3, vp, decode_only=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

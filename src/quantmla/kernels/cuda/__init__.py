@@ -51,9 +51,17 @@ class DecodePlan:
     ctas_per_sm: int
     smem: int
 
+    @property
+    def block_n(self) -> int:
+        return dict(self.macros)["BN"]
+
+    @property
+    def num_warps(self) -> int:
+        return dict(self.macros)["NW"]
+
     def describe(self) -> str:
         tile = "f16" if dict(self.macros)["HALF"] else "bf16"
-        return f"cuda/{tile}/M{self.block_m}N{BLOCK_N}w{NUM_WARPS}s{self.stages}c{self.ctas_per_sm}"
+        return f"cuda/{tile}/M{self.block_m}N{self.block_n}w{self.num_warps}s{self.stages}c{self.ctas_per_sm}"
 
 
 def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
@@ -70,8 +78,8 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
-def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int) -> int:
-    """Dynamic shared memory of one CTA: the same map as mla_decode.cu (which asserts they agree)."""
+def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N) -> int:
+    """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
     tok = layout.token
     fb = tok.field_bytes
     ldk = tok.d_c + tok.d_r + 8
@@ -80,13 +88,14 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int) -> in
         return (n + 15) // 16 * 16
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
-    raw = a16(a16(a16(a16(BLOCK_N * fb["content_codes"]) + BLOCK_N * fb["rope_codes"]) + BLOCK_N * fb["content_meta"])
-              + BLOCK_N * fb["rope_meta"])
-    raw = BLOCK_N * ldk * 2 if direct else raw
+    bn = block_n
+    raw = a16(a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
+              + bn * fb["rope_meta"])
+    raw = bn * ldk * 2 if direct else raw
     q = block_m * ldk * 2
-    kv = 0 if direct else BLOCK_N * ldk * 2
-    s = ksplit * block_m * (BLOCK_N + 4) * 4
-    p = block_m * (BLOCK_N + 8) * 2
+    kv = 0 if direct else bn * ldk * 2
+    s = ksplit * block_m * (bn + 4) * 4
+    p = block_m * (bn + 8) * 2
     return q + kv + stages * raw + s + p + 3 * block_m * 4
 
 
@@ -102,9 +111,12 @@ def chosen(layout: PageLayout, rows: int) -> bool:
     return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
 
 
-def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device) -> DecodePlan | None:
+def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
+                num_warps: int = NUM_WARPS, block_n: int = BLOCK_N, ksplit: int | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
-    is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read."""
+    is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
+    `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
+    tile's channels; default: as many as leave no warp idle) are the kernel's tiling."""
 
     def no(why: str) -> None:
         plan_reason[layout] = why
@@ -118,9 +130,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if torch.cuda.get_device_capability(device) < (8, 0):
         return no("needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     tok = layout.token
-    if tok.d_c % (16 * NUM_WARPS) or tok.d_r % 16 or layout.page_size % BLOCK_N:
-        return no(f"d_c {tok.d_c} (multiple of {16 * NUM_WARPS}), d_r {tok.d_r} (of 16), page size "
-                  f"{layout.page_size} (of {BLOCK_N})")
+    nw, bn = num_warps, block_n
+    if nw not in (8, 16) or bn not in (32, 64):
+        return no(f"a tiling of {nw} warps and {bn}-token tiles (it has 8 or 16 warps, 32 or 64 tokens)")
+    if tok.d_c % (16 * nw) or tok.d_r % 16 or layout.page_size % bn:
+        return no(f"d_c {tok.d_c} (multiple of {16 * nw}), d_r {tok.d_r} (of 16), page size "
+                  f"{layout.page_size} (of {bn})")
     if out_dtype not in _OUT:
         return no(f"output dtype {out_dtype}")
     paths = [_path(tok.fmt.content, tok.d_c), _path(tok.fmt.rope, tok.d_r)]
@@ -128,36 +143,37 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if bad:
         return no(bad[0])
     fb = tok.field_bytes
-    if any((BLOCK_N * fb[k]) % 16 for k in fb):
-        return no("a section of a 32-token tile is not whole 16-byte chunks")
+    if any((bn * fb[k]) % 16 for k in fb):
+        return no(f"a section of a {bn}-token tile is not whole 16-byte chunks")
     (ck, cb, cg, cm), (rk, rb, rg, rm) = paths
     # fp16 tile when every quantized path keeps fp16 metadata and none is raw bf16 or e4m3
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
     block_m = 16 * rm_
-    ot = rm_ * (BLOCK_N // 8)
-    ksplit = NUM_WARPS // ot if ot < NUM_WARPS else 1
-    if (tok.d_c + tok.d_r) % (16 * ksplit):
-        ksplit = 1
-    if (ot * ksplit) % NUM_WARPS:
+    ot = rm_ * (bn // 8)
+    if ksplit is None:
+        ksplit = nw // ot if ot < nw else 1
+        if (tok.d_c + tok.d_r) % (16 * ksplit):
+            ksplit = 1
+    if (ot * ksplit) % nw or (tok.d_c + tok.d_r) % (16 * ksplit) or (bn // 8) % max(1, ot * ksplit // nw):
         return no("score tiles do not split over the warps")
     stages = ctas = 0
     for want in (2, 1):
-        fits = [s for s in (4, 3, 2) if smem_bytes(layout, block_m, s, ksplit) + SMEM_RESERVED <= SMEM_PER_SM // want
-                and smem_bytes(layout, block_m, s, ksplit) <= SMEM_PER_CTA]
+        fits = [s for s in (4, 3, 2) if smem_bytes(layout, block_m, s, ksplit, bn) + SMEM_RESERVED <= SMEM_PER_SM // want
+                and smem_bytes(layout, block_m, s, ksplit, bn) <= SMEM_PER_CTA]
         if fits:
             stages, ctas = fits[0], want
             break
     if not stages:
         return no("the tile does not fit in shared memory")
     o = layout.offsets
-    smem = smem_bytes(layout, block_m, stages, ksplit)
+    smem = smem_bytes(layout, block_m, stages, ksplit, bn)
     macros = dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_KIND=ck, C_BITS=cb, C_GS=cg, C_MB=cm, R_KIND=rk, R_BITS=rb, R_GS=rg, R_MB=rm,
-        HALF=int(half), RM=rm_, NW=NUM_WARPS, BN=BLOCK_N, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
+        HALF=int(half), RM=rm_, NW=nw, BN=bn, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
         OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
     )
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
@@ -190,6 +206,6 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
-    driver.launch(fn, grid, NUM_WARPS * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
+    driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
                                               ("i", int(causal)), ("f", float(scale))])

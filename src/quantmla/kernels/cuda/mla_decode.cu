@@ -81,6 +81,9 @@ static_assert(BN % 16 == 0 && PS % BN == 0, "a tile is 16k tokens inside one pag
 static_assert(BM % NW == 0, "rows split evenly over the warps in the softmax");
 static_assert(D_C % (16 * NW) == 0, "output channels split over the warps in 16s");
 static_assert((RM * (BN / 8) * KSPLIT) % NW == 0, "score tiles split evenly over the warps");
+constexpr int TPW = RM * (BN / 8) * KSPLIT / NW;  // score tiles per warp, adjacent in one row block
+constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
+static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && (BN * FB_RM) % 16 == 0,
               "each section of a tile is whole 16-byte chunks");
 
@@ -441,12 +444,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     }
     __syncthreads();  // the tile is built
 
-    // ---- C: scores. Output tiles (m16 x n8) and K halves spread over the warps --------------------------
+    // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
+    //      warp g·KSPLIT + ks their channel share ks; the query fragment is read once for all TPW tiles ------
     {
-      constexpr int OT = RM * (BN / 8);            // score tiles
-      constexpr int TPW = OT * KSPLIT / NW;        // tiles per warp
-      constexpr int KSTEPS = D / 16 / KSPLIT;      // 16-channel steps per warp
-      const int ks = warp % KSPLIT;
+      const int ks = warp % KSPLIT, ot0 = (warp / KSPLIT) * TPW;
+      const int mi = ot0 / (BN / 8), nj0 = ot0 % (BN / 8);
       float sacc[TPW][2][4];
 #pragma unroll
       for (int j = 0; j < TPW; ++j)
@@ -454,25 +456,25 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
+      const T* qa = sQ + (mi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8;
+      const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8;
+      UNROLL(QK_UNROLL)
+      for (int kk = 0; kk < KSTEPS; kk += 2) {
+        const int c0 = (ks * KSTEPS + kk) * 16;
+        uint32_t a0[4], a1[4];
+        ldsm_x4(a0, qa + c0);
+        if (kk + 1 < KSTEPS) ldsm_x4(a1, qa + c0 + 16);
+#pragma unroll
+        for (int j = 0; j < TPW; ++j) {
+          uint32_t bb[4];
+          ldsm_x4(bb, kb + j * 8 * LDK + c0);  // two 16-channel steps of 8 tokens
+          mma16816(sacc[j][0], a0, bb[0], bb[1]);
+          if (kk + 1 < KSTEPS) mma16816(sacc[j][1], a1, bb[2], bb[3]);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < TPW; ++j) {
-        const int ot = warp / KSPLIT + j * (NW / KSPLIT);
-        const int mi = ot / (BN / 8), nj = ot % (BN / 8);
-        const T* qa = sQ + (mi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8;
-        const T* kb = tile + (nj * 8 + (lane & 7)) * LDK + (lane >> 3) * 8;
-        UNROLL(QK_UNROLL)
-        for (int kk = 0; kk < KSTEPS; kk += 2) {
-          const int c0 = (ks * KSTEPS + kk) * 16;
-          uint32_t a0[4], a1[4], bb[4];
-          ldsm_x4(a0, qa + c0);
-          ldsm_x4(bb, kb + c0);  // two 16-channel steps of 8 tokens
-          mma16816(sacc[j][0], a0, bb[0], bb[1]);
-          if (kk + 1 < KSTEPS) {
-            ldsm_x4(a1, qa + c0 + 16);
-            mma16816(sacc[j][1], a1, bb[2], bb[3]);
-          }
-        }
-        float* dst = sS + (ks * BM + mi * 16 + (lane >> 2)) * LDS + nj * 8 + (lane & 3) * 2;
+        float* dst = sS + (ks * BM + mi * 16 + (lane >> 2)) * LDS + (nj0 + j) * 8 + (lane & 3) * 2;
         *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][0][0] + sacc[j][1][0], sacc[j][0][1] + sacc[j][1][1]);
         *reinterpret_cast<float2*>(dst + 8 * LDS) =
             make_float2(sacc[j][0][2] + sacc[j][1][2], sacc[j][0][3] + sacc[j][1][3]);
