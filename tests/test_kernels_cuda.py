@@ -42,7 +42,7 @@ def test_shared_memory_fits(name, rows):
     lay, p = plan(name, rows)
     assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
     assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
-    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, dict(p.macros)["KSPLIT"])
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, dict(p.macros)["KSPLIT"], p.block_n)
 
 
 @pytest.mark.parametrize("nw,bn,rows", [(16, 32, 16), (16, 64, 16), (8, 64, 16), (16, 32, 64), (16, 64, 128)])
@@ -136,3 +136,18 @@ def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "cuda")
     with pytest.raises(UnsupportedFormatError, match="not a CUDA device"):
         api._launch_cuda((1, 1), args, lay, cfg)
+
+
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+def test_an_edited_header_is_another_build(tmp_path, monkeypatch):
+    """The headers mla_decode.cu includes are part of the cache key: an edit never loads a stale cubin."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(build.SOURCE.parent, src, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(build, "SOURCE", src / build.SOURCE.name)
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path / "cache"))
+    _, p = plan("int4/int4", 16)
+    first = build.compile_cubin(p.macros, "sm_90a")
+    (src / "ptx.cuh").write_text((src / "ptx.cuh").read_text() + "\n// edited\n")
+    assert build.compile_cubin(p.macros, "sm_90a") != first

@@ -146,7 +146,12 @@ def test_decode_cuda_tilings(tiling, name, H, SQ):
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=7 * H + SQ)
     cfg = cuda_config(H * SQ, lay, "cuda", num_warps=tiling[0], block_n=tiling[1])
-    assert cfg is not None and (cfg.num_warps, cfg.block_n) == tiling
+    if cfg is None:  # 64-token BF16 tiles of 64 rows exceed shared memory: refused, with the reason
+        from quantmla.kernels.cuda import plan_reason
+
+        assert tiling[1] == 64 and "shared memory" in plan_reason[lay], plan_reason.get(lay)
+        return
+    assert (cfg.num_warps, cfg.block_n) == tiling
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 3 * SQ, config=cfg)
     assert md.variant.startswith("cuda/") and f"N{tiling[1]}w{tiling[0]}" in md.variant, md.variant
 

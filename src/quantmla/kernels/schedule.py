@@ -97,8 +97,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
-    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), num_warps=num_warps or cuda.NUM_WARPS,
-                            block_n=block_n or cuda.BLOCK_N)
+    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), num_warps=num_warps, block_n=block_n)
     if plan is None or nvcc() is None:
         return None
     try:

@@ -1,6 +1,6 @@
 """nvcc builds of mla_decode.cu, one cubin per set of constants, cached on disk.
 
-The cache key is the source, the constants, the target architecture and nvcc's version, so an edited
+The cache key is the source and the headers it includes, the constants, the target architecture and nvcc's version, so an edited
 source or another toolkit never loads a stale cubin. Files are written under a temporary name and
 renamed, so concurrent processes never read half a file.
 """
@@ -19,6 +19,7 @@ import torch
 from quantmla.errors import QuantMLAError
 
 SOURCE = Path(__file__).with_name("mla_decode.cu")
+HEADERS = ("ptx.cuh", "tile_build.cuh")  # included by SOURCE: part of every build's cache key
 
 
 def cache_dir() -> Path:
@@ -56,7 +57,7 @@ def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | No
     if exe is None:
         raise QuantMLAError("the CUDA decode kernel needs nvcc (on PATH, CUDA_HOME or /usr/local/cuda); "
                             "set QUANTMLA_DECODE_KERNEL=triton to use the Triton kernels instead")
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + b"".join(SOURCE.with_name(h).read_bytes() for h in HEADERS)
     key = hashlib.sha256(src + repr((macros, arch, extra)).encode() + _nvcc_version(exe).encode()).hexdigest()[:24]
     path = out or cache_dir() / f"mla_decode_{arch}_{key}.cubin"
     if path.exists():

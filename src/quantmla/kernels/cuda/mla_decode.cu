@@ -34,7 +34,7 @@
 #define BUILD_UNROLL 1
 #endif
 #ifndef QK_UNROLL
-#define QK_UNROLL 6
+#define QK_UNROLL 18
 #endif
 #define PRAGMA_(x) _Pragma(#x)
 #define UNROLL(n) PRAGMA_(unroll n)
@@ -84,221 +84,12 @@ static_assert((RM * (BN / 8) * KSPLIT) % NW == 0, "score tiles split evenly over
 constexpr int TPW = RM * (BN / 8) * KSPLIT / NW;  // score tiles per warp, adjacent in one row block
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
+constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
 static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && (BN * FB_RM) % 16 == 0,
               "each section of a tile is whole 16-byte chunks");
 
-// ---------------------------------------------------------------------------------------------------
-// PTX helpers
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-
-// d += a·b, m16n8k16, a: 4 regs (16x16 row-major), b: 2 regs (16x8 col-major), d: 4 fp32
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ T2 as_t2(uint32_t u) { return *reinterpret_cast<T2*>(&u); }
-__device__ __forceinline__ uint32_t as_u32(T2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// one metadata value (fp16, bf16 or fp32 by MB) as fp32
-template <int MB>
-__device__ __forceinline__ float meta_f32(const uint8_t* p) {
-  if constexpr (MB == 4) return *reinterpret_cast<const float*>(p);
-  else if constexpr (MB == 3) return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-  else return __half2float(*reinterpret_cast<const __half*>(p));
-}
-template <int MB>
-__host__ __device__ constexpr int meta_size() { return MB == 4 ? 4 : 2; }
-
-// ---------------------------------------------------------------------------------------------------
-// B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
-// ---------------------------------------------------------------------------------------------------
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0>
-__device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
-  if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
-    constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
-    for (int i = tid; i < BN * CH; i += NT) {
-      const int t = i / CH, j = i % CH;
-      uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
-    }
-  } else if constexpr (KIND == 3) {  // e4m3 values, 16 a step (one group of GS >= 16): fp32 math, then T
-    constexpr int CPT = DIM / 16;
-    for (int i = tid; i < BN * CPT; i += NT) {
-      const int t = i / CPT, j = i % CPT;
-      uint32_t o8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (t < valid) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
-        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
-        const float sc = meta_f32<MB>(meta + t * FBM + (16 * j / GS) * meta_size<MB>());
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
-          const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-#if HALF
-          o8[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
-#else
-          o8[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
-#endif
-        }
-      }
-      uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j);
-      dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
-      dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
-    }
-  } else {  // integer codes, planar: byte j holds channels j + k·NB in bits [k·b, (k+1)·b)
-    constexpr int NB = DIM * BITS / 8;
-    constexpr int K = 8 / BITS;
-    constexpr int WPT = NB / 4;  // 32-bit words per token
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    constexpr int F = KIND == 1 ? 2 : 1;  // metadata fields per group
-    constexpr int MS = meta_size<MB>();
-    constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
-    // fast path: T arithmetic on exact codes when the metadata is already in T's type
-    constexpr bool FAST = (HALF && MB == 2) || (!HALF && MB == 3 && BITS <= 4);
-    if constexpr (FAST && GS % 16 == 0 && NB % 16 == 0) {
-      // 16 bytes a step: 16 channels in each of the K planes, one group per plane. A code at bit offset o
-      // of a 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16
-      // 2^(10-o) (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
-      constexpr int CPT = NB / 16;  // 16-byte chunks per token
-      UNROLL(BUILD_UNROLL)
-      for (int i = tid; i < BN * CPT; i += NT) {
-        const int t = i / CPT, j = i % CPT;
-        if (t >= valid) {
-#pragma unroll
-          for (int k = 0; k < K; ++k) {
-            uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j + k * NB);
-            dst[0] = make_uint4(0, 0, 0, 0);
-            dst[1] = make_uint4(0, 0, 0, 0);
-          }
-          continue;
-        }
-        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
-        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t lo[4], hi[4];  // bytes (0, 1) and (2, 3) of each word, one per 16-bit half
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          lo[e] = __byte_perm(wv[e], 0, 0x4140);
-          hi[e] = __byte_perm(wv[e], 0, 0x4342);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const int ch = 16 * j + k * NB;
-          const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
-#if HALF
-          constexpr int SH = 0;                            // codes stay at bit offset k·b
-          const int o = k * BITS;
-          const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
-          const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
-          const T2 s2 = __half2half2(*reinterpret_cast<const __half*>(mp));
-          const T2 z2 = F == 2 ? __half2half2(*reinterpret_cast<const __half*>(mp + MS)) : __float2half2_rn(0.0f);
-          const uint32_t m2 = (MASK << o) * 0x10001u;
-#else
-          const int SH = k * BITS;                         // shifted down to bit 0
-          const uint32_t magic = 0x43004300u;              // 128.0 in each bf16
-          const T2 off = __float2bfloat162_rn(128.0f + MID);
-          const T2 s2 = __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp));
-          const T2 z2 = F == 2 ? __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp + MS))
-                               : __float2bfloat162_rn(0.0f);
-          const uint32_t m2 = MASK * 0x10001u;
-#endif
-          uint32_t o8[8];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            o8[2 * e] = as_u32(__hfma2(__hsub2(as_t2(((lo[e] >> SH) & m2) | magic), off), s2, z2));
-            o8[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(((hi[e] >> SH) & m2) | magic), off), s2, z2));
-          }
-          uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch);
-          dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
-          dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
-        }
-      }
-    } else
-    for (int i = tid; i < BN * WPT; i += NT) {
-      const int t = i / WPT, w = i % WPT;
-      const uint32_t word = t < valid ? *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w) : 0u;
-      const uint32_t lo = __byte_perm(word, 0, 0x4140);  // bytes 0, 1 -> the two 16-bit halves
-      const uint32_t hi = __byte_perm(word, 0, 0x4342);  // bytes 2, 3
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int ch = 4 * w + k * NB;  // first of the 4 channels of this plane
-        const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
-        uint2 out = make_uint2(0, 0);
-        if (t < valid) {
-          if constexpr (FAST) {
-#if HALF
-            const uint32_t magic = 0x64006400u;  // 1024.0 in each half
-            const T2 off = __float2half2_rn(1024.0f + MID);
-            const T2 s2 = __half2half2(*reinterpret_cast<const __half*>(mp));
-            const T2 z2 = F == 2 ? __half2half2(*reinterpret_cast<const __half*>(mp + MS)) : __float2half2_rn(0.0f);
-#else
-            const uint32_t magic = 0x43004300u;  // 128.0 in each bf16
-            const T2 off = __float2bfloat162_rn(128.0f + MID);
-            const T2 s2 = __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp));
-            const T2 z2 = F == 2 ? __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp + MS))
-                                 : __float2bfloat162_rn(0.0f);
-#endif
-            const uint32_t m2 = MASK | (MASK << 16);
-            const T2 c0 = __hsub2(as_t2(((lo >> (k * BITS)) & m2) | magic), off);  // exact small integers
-            const T2 c1 = __hsub2(as_t2(((hi >> (k * BITS)) & m2) | magic), off);
-            out.x = as_u32(__hfma2(c0, s2, z2));
-            out.y = as_u32(__hfma2(c1, s2, z2));
-          } else {
-            const float s = meta_f32<MB>(mp);
-            const float z = F == 2 ? meta_f32<MB>(mp + MS) : 0.0f;
-            float v[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = (float)((word >> (8 * e + k * BITS)) & MASK) - MID;
-#if HALF
-            out.x = as_u32(__floats2half2_rn(fmaf(v[0], s, z), fmaf(v[1], s, z)));
-            out.y = as_u32(__floats2half2_rn(fmaf(v[2], s, z), fmaf(v[3], s, z)));
-#else
-            out.x = as_u32(__floats2bfloat162_rn(fmaf(v[0], s, z), fmaf(v[1], s, z)));
-            out.y = as_u32(__floats2bfloat162_rn(fmaf(v[2], s, z), fmaf(v[3], s, z)));
-#endif
-          }
-        }
-        *reinterpret_cast<uint2*>(tile + t * LDK + COL0 + ch) = out;
-      }
-    }
-  }
-}
+#include "ptx.cuh"
+#include "tile_build.cuh"
 
 // A: copy `bytes` contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async
 __device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int bytes, int tid) {
@@ -382,6 +173,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     if (lane == 0) sQs[rr] = 1.0f / scale;
   }
 
+  // ---- the query fragments of this warp's row block and channel share, in registers when they fit ------
+  const int ks = warp % KSPLIT, ot0 = (warp / KSPLIT) * TPW;
+  const int qmi = ot0 / (BN / 8), nj0 = ot0 % (BN / 8);
+  const T* qa = sQ + (qmi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8 + ks * KSTEPS * 16;
+  uint32_t qf[QREG ? KSTEPS : 1][4];
+  if constexpr (QREG) {
+    __syncthreads();  // the query block is written
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qf[kk], qa + kk * 16);
+  }
+
   // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1 ---------------------------------
   constexpr int RPW = BM / NW;
   float m_run[RPW], l_run[RPW];
@@ -445,39 +247,47 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     __syncthreads();  // the tile is built
 
     // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
-    //      warp g·KSPLIT + ks their channel share ks; the query fragment is read once for all TPW tiles ------
+    //      warp g·KSPLIT + ks their channel share ks; the query fragments are read once for all TPW tiles
+    //      (once per kernel where they stay in registers) --------------------------------------------------
     {
-      const int ks = warp % KSPLIT, ot0 = (warp / KSPLIT) * TPW;
-      const int mi = ot0 / (BN / 8), nj0 = ot0 % (BN / 8);
-      float sacc[TPW][2][4];
+      constexpr int H2 = TPW == 1 ? 2 : 1;  // two accumulator chains per tile when a warp has one tile
+      float sacc[TPW][H2][4];
 #pragma unroll
       for (int j = 0; j < TPW; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < H2; ++h)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
-      const T* qa = sQ + (mi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8;
-      const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8;
+      const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
       UNROLL(QK_UNROLL)
       for (int kk = 0; kk < KSTEPS; kk += 2) {
-        const int c0 = (ks * KSTEPS + kk) * 16;
         uint32_t a0[4], a1[4];
-        ldsm_x4(a0, qa + c0);
-        if (kk + 1 < KSTEPS) ldsm_x4(a1, qa + c0 + 16);
+        if constexpr (QREG) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            a0[e] = qf[kk][e];
+            a1[e] = qf[kk + 1 < KSTEPS ? kk + 1 : kk][e];
+          }
+        } else {
+          ldsm_x4(a0, qa + kk * 16);
+          if (kk + 1 < KSTEPS) ldsm_x4(a1, qa + kk * 16 + 16);
+        }
 #pragma unroll
         for (int j = 0; j < TPW; ++j) {
           uint32_t bb[4];
-          ldsm_x4(bb, kb + j * 8 * LDK + c0);  // two 16-channel steps of 8 tokens
+          ldsm_x4(bb, kb + j * 8 * LDK + kk * 16);  // two 16-channel steps of 8 tokens
           mma16816(sacc[j][0], a0, bb[0], bb[1]);
-          if (kk + 1 < KSTEPS) mma16816(sacc[j][1], a1, bb[2], bb[3]);
+          if (kk + 1 < KSTEPS) mma16816(sacc[j][H2 - 1], a1, bb[2], bb[3]);
         }
       }
 #pragma unroll
       for (int j = 0; j < TPW; ++j) {
-        float* dst = sS + (ks * BM + mi * 16 + (lane >> 2)) * LDS + (nj0 + j) * 8 + (lane & 3) * 2;
-        *reinterpret_cast<float2*>(dst) = make_float2(sacc[j][0][0] + sacc[j][1][0], sacc[j][0][1] + sacc[j][1][1]);
-        *reinterpret_cast<float2*>(dst + 8 * LDS) =
-            make_float2(sacc[j][0][2] + sacc[j][1][2], sacc[j][0][3] + sacc[j][1][3]);
+        float* dst = sS + (ks * BM + qmi * 16 + (lane >> 2)) * LDS + (nj0 + j) * 8 + (lane & 3) * 2;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = H2 == 2 ? sacc[j][0][e] + sacc[j][H2 - 1][e] : sacc[j][0][e];
+        *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(dst + 8 * LDS) = make_float2(v[2], v[3]);
       }
     }
     __syncthreads();
