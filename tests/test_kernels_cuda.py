@@ -51,10 +51,18 @@ def test_tilings(nw, bn, rows):
     lay, p = plan("int4/int4", rows, num_warps=nw, block_n=bn)
     m = dict(p.macros)
     assert (p.num_warps, p.block_n) == (nw, bn) and f"N{bn}w{nw}" in p.describe()
-    tpw = (p.block_m // 16) * (bn // 8) * m["KSPLIT"] // nw
+    ws = (nw, bn, rows) == (16, 32, 16)  # warp-specialized: half the warps compute, two built tiles
+    assert m["WS"] == int(ws) and ("ws" in p.describe()) == ws
+    tpw = (p.block_m // 16) * (bn // 8) * m["KSPLIT"] // (nw // 2 if ws else nw)
     assert tpw >= 1 and (bn // 8) % tpw == 0 and (576 // 16) % m["KSPLIT"] == 0
-    assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
-    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], bn)
+    assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM and (p.ctas_per_sm == 1 or not ws)
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], bn, ws)
+
+
+def test_bf16_is_never_warp_specialized():
+    """A BF16 tile is copied straight in: no builder warps."""
+    _, p = plan("bf16", 16, num_warps=16, block_n=32)
+    assert dict(p.macros)["WS"] == 0
 
 
 def test_unknown_tiling_is_refused_with_its_reason():
@@ -104,7 +112,8 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 @pytest.mark.parametrize("name,rows,tiling", [("int4/int4", 16, {}), ("fp8", 64, {}),
                                               (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
-                                              ("int4/int4", 16, {"num_warps": 16, "block_n": 64})])
+                                              ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
+                                              ("int2/int4", 16, {"num_warps": 16, "block_n": 32})])
 def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
     """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
     shared-memory size), the build is cached, and other constants give another build."""

@@ -154,6 +154,7 @@ def test_decode_cuda_tilings(tiling, name, H, SQ):
     assert (cfg.num_warps, cfg.block_n) == tiling
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 3 * SQ, config=cfg)
     assert md.variant.startswith("cuda/") and f"N{tiling[1]}w{tiling[0]}" in md.variant, md.variant
+    assert ("ws" in md.variant) == (tiling == (16, 32) and name != "bf16" and H * SQ <= 16), md.variant
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])

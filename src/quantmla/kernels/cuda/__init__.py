@@ -60,8 +60,10 @@ class DecodePlan:
         return dict(self.macros)["NW"]
 
     def describe(self) -> str:
-        tile = "f16" if dict(self.macros)["HALF"] else "bf16"
-        return f"cuda/{tile}/M{self.block_m}N{self.block_n}w{self.num_warps}s{self.stages}c{self.ctas_per_sm}"
+        m = dict(self.macros)
+        tile = "f16" if m["HALF"] else "bf16"
+        ws = "ws" if m.get("WS") else ""
+        return f"cuda/{tile}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 
 def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
@@ -78,7 +80,8 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
-def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N) -> int:
+def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
+               ws: bool = False) -> int:
     """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
     tok = layout.token
     fb = tok.field_bytes
@@ -93,7 +96,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
               + bn * fb["rope_meta"])
     raw = bn * ldk * 2 if direct else raw
     q = block_m * ldk * 2
-    kv = 0 if direct else bn * ldk * 2
+    kv = 0 if direct else (2 if ws else 1) * bn * ldk * 2
     s = ksplit * block_m * (bn + 4) * 4
     p = block_m * (bn + 8) * 2
     return q + kv + stages * raw + s + p + 3 * block_m * 4
@@ -158,33 +161,39 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
     block_m = 16 * rm_
+    # 16 warps of 32-token tiles at 16 rows: warp-specialized (8 compute, 8 copy and build)
+    ws = nw == 16 and bn == 32 and block_m == 16 and any(k != _KIND["raw"] for k, _, _, _ in paths)
+    nwc = nw // 2 if ws else nw  # warps that compute
     ot = rm_ * (bn // 8)
     if ksplit is None:  # 16 rows: four channel shares, so a warp's query fragments fit in 36 registers
-        ksplit = nw // ot if ot < nw else 1
-        if block_m == 16 and (ot * 4) % nw == 0 and (bn // 8) % max(1, ot * 4 // nw) == 0:
+        ksplit = nwc // ot if ot < nwc else 1
+        if block_m == 16 and (ot * 4) % nwc == 0 and (bn // 8) % max(1, ot * 4 // nwc) == 0:
             ksplit = 4
         if (tok.d_c + tok.d_r) % (16 * ksplit):
             ksplit = 1
-    if (ot * ksplit) % nw or (tok.d_c + tok.d_r) % (16 * ksplit) or (bn // 8) % max(1, ot * ksplit // nw):
+    if (ot * ksplit) % nwc or (tok.d_c + tok.d_r) % (16 * ksplit) or (bn // 8) % max(1, ot * ksplit // nwc):
         return no("score tiles do not split over the warps")
     stages = ctas = 0
-    for want in (2, 1):
-        fits = [s for s in (4, 3, 2) if smem_bytes(layout, block_m, s, ksplit, bn) + SMEM_RESERVED <= SMEM_PER_SM // want
-                and smem_bytes(layout, block_m, s, ksplit, bn) <= SMEM_PER_CTA]
+
+    def size(s: int) -> int:
+        return smem_bytes(layout, block_m, s, ksplit, bn, ws)
+
+    for want in (1,) if ws else (2, 1):  # WS: 16 warps of up to 128 registers, one CTA per SM
+        fits = [s for s in (4, 3, 2) if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA]
         if fits:
             stages, ctas = fits[0], want
             break
     if not stages:
         return no("the tile does not fit in shared memory")
     o = layout.offsets
-    smem = smem_bytes(layout, block_m, stages, ksplit, bn)
+    smem = size(stages)
     macros = dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_KIND=ck, C_BITS=cb, C_GS=cg, C_MB=cm, R_KIND=rk, R_BITS=rb, R_GS=rg, R_MB=rm,
         HALF=int(half), RM=rm_, NW=nw, BN=bn, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
-        OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
+        WS=int(ws), OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
     )
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 

@@ -76,4 +76,6 @@ def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | No
 
 
 def cubin_for(macros: tuple[tuple[str, int], ...], device: torch.device) -> Path:
-    return compile_cubin(macros, arch_of(device))
+    """The cubin of `macros` for `device` (QUANTMLA_CUDA_LINEINFO=1: with source lines, for a profiler)."""
+    extra = ("-lineinfo",) if os.environ.get("QUANTMLA_CUDA_LINEINFO") == "1" else ()
+    return compile_cubin(macros, arch_of(device), extra=extra)

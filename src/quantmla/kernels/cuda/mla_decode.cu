@@ -11,7 +11,11 @@
 //   C  QK     S = q_latent·cᵀ + q_rope·k_Rᵀ on the tensor cores (mma.sync m16n8k16, fp32 accumulate),
 //             the query block and the tile both read with ldmatrix
 //   D  soft   online softmax (base 2) per row, one warp per row, P written to shared memory as 16-bit
-//   E  PV     acc += P·c, each warp owning d_c / NW output channels of every row
+//   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
+//
+// WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
+// (A, B) into two tiles in turn, so building tile i + 1 overlaps the products of tile i; named barriers
+// hand each tile over (built: 3 + buf, read: 5 + buf). Without WS every warp does every phase in turn.
 //
 // Both products read the one built tile: the latent is the key's first d_c channels and the value.
 // 16-bit type T: fp16 when every quantized path stores fp16 metadata and no path is raw BF16 (codes
@@ -23,7 +27,7 @@
 //   D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
 //   C_KIND C_BITS C_GS C_MB  R_KIND R_BITS R_GS R_MB   (KIND 0 raw bf16, 1 affine, 2 symmetric, 3 e4m3;
 //                                                       MB: metadata bytes 2 fp16 / 3 bf16 / 4 fp32)
-//   HALF RM NW BN KSPLIT STAGES MIN_CTAS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
+//   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -53,6 +57,12 @@ constexpr int D = D_C + D_R;           // key width
 constexpr int LDK = D + 8;             // row pitch (elements) of the built tile and the query block
 constexpr int BM = 16 * RM;            // query rows per CTA
 constexpr int NT = 32 * NW;            // threads
+#ifndef WS
+#define WS 0
+#endif
+constexpr int NWC = WS ? NW / 2 : NW;  // warps that compute (QK, softmax, PV); with WS the others copy and build
+constexpr int NTB = WS ? NT - 32 * NWC : NT;  // threads that copy and build
+constexpr int NBUF = WS ? 2 : 1;       // built tiles (WS: one built while the other is read)
 constexpr int LDS = BN + 4;            // fp32 score row pitch
 constexpr int LDP = BN + 8;            // 16-bit probability row pitch
 constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
@@ -68,7 +78,7 @@ constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + BN * FB_RM);
 // shared memory map (bytes)
 constexpr int SM_Q = 0;
 constexpr int SM_KV = SM_Q + BM * LDK * 2;
-constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : BN * LDK * 2);
+constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : NBUF * BN * LDK * 2);
 constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
@@ -78,10 +88,11 @@ static_assert(!(HALF && (C_KIND == 0 || R_KIND == 0)), "raw BF16 paths need the 
 
 static_assert(D % (16 * KSPLIT) == 0, "key width must split into 16-channel steps");
 static_assert(BN % 16 == 0 && PS % BN == 0, "a tile is 16k tokens inside one page");
-static_assert(BM % NW == 0, "rows split evenly over the warps in the softmax");
-static_assert(D_C % (16 * NW) == 0, "output channels split over the warps in 16s");
-static_assert((RM * (BN / 8) * KSPLIT) % NW == 0, "score tiles split evenly over the warps");
-constexpr int TPW = RM * (BN / 8) * KSPLIT / NW;  // score tiles per warp, adjacent in one row block
+static_assert(!(WS && DIRECT), "a BF16 tile is copied, not built: no builder warps");
+static_assert(BM % NWC == 0, "rows split evenly over the warps in the softmax");
+static_assert(D_C % (16 * NWC) == 0, "output channels split over the warps in 16s");
+static_assert((RM * (BN / 8) * KSPLIT) % NWC == 0, "score tiles split evenly over the warps");
+constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adjacent in one row block
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
@@ -93,14 +104,14 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 
 // A: copy `bytes` contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async
 __device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int bytes, int tid) {
-  for (int i = 16 * tid; i < bytes; i += 16 * NT) cp_async16(dst + i, src + i);
+  for (int i = 16 * tid; i < bytes; i += 16 * NTB) cp_async16(dst + i, src + i);
 }
 
 // A: copy rows of `width` bytes (a multiple of 16) into rows `pitch` bytes apart in shared memory
 template <int WIDTH, int PITCH>
 __device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int tid) {
   constexpr int C = WIDTH / 16;
-  for (int i = tid; i < rows * C; i += NT) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + (i / C) * WIDTH + 16 * (i % C));
+  for (int i = tid; i < rows * C; i += NTB) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + (i / C) * WIDTH + 16 * (i % C));
 }
 
 // A: start copying tile `n0` (first token; a multiple of BN) of sequence row `bt_row` into `stage`
@@ -173,34 +184,66 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     if (lane == 0) sQs[rr] = 1.0f / scale;
   }
 
+  __syncthreads();  // the query block is written
+
+  // ---- roles: with WS, warps [0, NWC) compute and the others copy and build; else every warp does both --
+  const bool computes = !WS || warp < NWC, builds = !WS || warp >= NWC;
+  const int btid = WS ? tid - 32 * NWC : tid;  // thread index among the builders
+  const int ntiles = (end - start + BN - 1) / BN;
+  // bar ids: 1 builders, 2 computers, 3 + buf tile built, 5 + buf tile read (WS only)
+  auto sync_computers = [&]() { if constexpr (WS) bar_sync(2, 32 * NWC); else __syncthreads(); };
+
+  if (builds) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // prologue: STAGES - 1 tiles in flight
+      if (s < ntiles) issue_tile(smem + SM_RAW + s * RAW_BYTES, pages, bt_row, start + s * BN, btid);
+      cp_async_commit();
+    }
+  }
+  if constexpr (WS) {
+    if (builds) {
+      for (int it = 0; it < ntiles; ++it) {
+        const int buf = it & 1, valid = min(BN, end - start - it * BN);
+        uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+        cp_async_wait<STAGES - 2>();
+        bar_sync(1, NTB);                            // the stage has landed for every builder
+        if (it >= 2) bar_sync(5 + buf, NT);          // the computers are done with this buffer
+        T* tile = reinterpret_cast<T*>(smem + SM_KV) + buf * BN * LDK;
+        build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, btid);
+        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, btid);
+        const int nxt = it + STAGES - 1;             // into the stage tile it - 1 was built from
+        if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, btid);
+        cp_async_commit();
+        bar_arrive(3 + buf, NT);                     // the tile is built
+      }
+      cp_async_wait<0>();
+      return;
+    }
+  }
+
   // ---- the query fragments of this warp's row block and channel share, in registers when they fit ------
   const int ks = warp % KSPLIT, ot0 = (warp / KSPLIT) * TPW;
   const int qmi = ot0 / (BN / 8), nj0 = ot0 % (BN / 8);
   const T* qa = sQ + (qmi * 16 + (lane & 15)) * LDK + (lane >> 4) * 8 + ks * KSTEPS * 16;
   uint32_t qf[QREG ? KSTEPS : 1][4];
   if constexpr (QREG) {
-    __syncthreads();  // the query block is written
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qf[kk], qa + kk * 16);
   }
 
   // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1 ---------------------------------
-  constexpr int RPW = BM / NW;
+  constexpr int RPW = BM / NWC;
   float m_run[RPW], l_run[RPW];
+  int limit[RPW];  // tokens a row may see (causal multi-query)
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {
     m_run[i] = -INFINITY;
     l_run[i] = 0.0f;
-  }
-  int limit[RPW];  // tokens a row may see (causal multi-query)
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const int r = row0 + warp * RPW + i;
-    limit[i] = L - causal * (SQ - 1 - r / H);
+    limit[i] = L - causal * (SQ - 1 - (row0 + warp * RPW + i) / H);
   }
 
   // ---- PV accumulators: warp w owns channels [w·CPW, (w+1)·CPW) of every row ----------------------------
-  constexpr int CPW = D_C / NW;
+  constexpr int CPW = D_C / NWC;
   constexpr int NT8 = CPW / 8;
   float acc[RM][NT8][4];
 #pragma unroll
@@ -210,42 +253,35 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
 
-  const int ntiles = (end - start + BN - 1) / BN;
-  // prologue: STAGES - 1 tiles in flight
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) issue_tile(smem + SM_RAW + s * RAW_BYTES, pages, bt_row, start + s * BN, tid);
-    cp_async_commit();
-  }
-
   for (int it = 0; it < ntiles; ++it) {
     const int n0 = start + it * BN;
     const int valid = min(BN, end - n0);
-    uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
     T* tile;
-    if constexpr (DIRECT) {
-      tile = reinterpret_cast<T*>(stage);
-      if (valid < BN) {  // rows past the sequence hold whatever the page held: zero them
-        for (int i = tid; i < (BN - valid) * (D / 8); i += NT) {
-          const int t = valid + i / (D / 8), j = i % (D / 8);
-          *reinterpret_cast<uint4*>(tile + t * LDK + 8 * j) = make_uint4(0, 0, 0, 0);
-        }
-      }
+    if constexpr (WS) {
+      tile = reinterpret_cast<T*>(smem + SM_KV) + (it & 1) * BN * LDK;
+      bar_sync(3 + (it & 1), NT);  // the builders have built it
     } else {
-      tile = reinterpret_cast<T*>(smem + SM_KV);
-      build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, tid);
-      build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
-    }
-    // the next tile into the stage the previous iteration consumed
-    {
-      const int nxt = it + STAGES - 1;
+      uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
+      if constexpr (DIRECT) {
+        tile = reinterpret_cast<T*>(stage);
+        if (valid < BN) {  // rows past the sequence hold whatever the page held: zero them
+          for (int i = tid; i < (BN - valid) * (D / 8); i += NT) {
+            const int t = valid + i / (D / 8), j = i % (D / 8);
+            *reinterpret_cast<uint4*>(tile + t * LDK + 8 * j) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      } else {
+        tile = reinterpret_cast<T*>(smem + SM_KV);
+        build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, tid);
+        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
+      }
+      const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
       if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, tid);
       cp_async_commit();
+      __syncthreads();  // the tile is built
     }
-    __syncthreads();  // the tile is built
-
     // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
     //      warp g·KSPLIT + ks their channel share ks; the query fragments are read once for all TPW tiles
     //      (once per kernel where they stay in registers) --------------------------------------------------
@@ -290,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         *reinterpret_cast<float2*>(dst + 8 * LDS) = make_float2(v[2], v[3]);
       }
     }
-    __syncthreads();
+    sync_computers();
 
     // ---- D: online softmax, one warp per row -----------------------------------------------------------
 #pragma unroll
@@ -328,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       m_run[i] = m_new;
       if (lane == 0) sAlpha[rr] = alpha;
     }
-    __syncthreads();
+    sync_computers();
 
     // ---- E: acc = acc·alpha + P·c over this warp's channels --------------------------------------------
 #pragma unroll
@@ -358,8 +394,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       }
     }
+    if constexpr (WS) {
+      if (it + 2 < ntiles) bar_arrive(5 + (it & 1), NT);  // the builders may build tile it + 2 here
+    }
   }
-  cp_async_wait<0>();
+  if constexpr (!WS) cp_async_wait<0>();
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
 #pragma unroll
@@ -375,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       }
     }
   }
-  __syncthreads();
+  sync_computers();
 #pragma unroll
   for (int mi = 0; mi < RM; ++mi) {
 #pragma unroll

@@ -59,3 +59,7 @@ __device__ __forceinline__ float meta_f32(const uint8_t* p) {
 }
 template <int MB>
 __host__ __device__ constexpr int meta_size() { return MB == 4 ? 4 : 2; }
+
+// named barriers: bar_sync waits until n threads arrived at barrier id; bar_arrive arrives without waiting
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }

@@ -1,5 +1,5 @@
 // B: the tile build of the CUDA decode kernel: one path's codes and metadata (a cp.async stage) into
-// 16-bit values in the shared-memory tile. Included by mla_decode.cu after its tile constants (BN, NT,
+// 16-bit values in the shared-memory tile. Included by mla_decode.cu after its tile constants (BN, NTB,
 // LDK, T, T2, HALF) and ptx.cuh.
 #pragma once
 // ---------------------------------------------------------------------------------------------------
@@ -9,34 +9,32 @@ template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0
 __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
   if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
     constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
-    for (int i = tid; i < BN * CH; i += NT) {
+    for (int i = tid; i < BN * CH; i += NTB) {
       const int t = i / CH, j = i % CH;
       uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
     }
-  } else if constexpr (KIND == 3) {  // e4m3 values, 16 a step (one group of GS >= 16): fp32 math, then T
-    constexpr int CPT = DIM / 16;
-    for (int i = tid; i < BN * CPT; i += NT) {
+  } else if constexpr (KIND == 3) {  // e4m3 values, 8 a step (one group of GS >= 8): fp32 math, then T
+    constexpr int CPT = DIM / 8;  // one 16-byte store a step: a quarter warp's stores are 128 contiguous bytes
+    for (int i = tid; i < BN * CPT; i += NTB) {
       const int t = i / CPT, j = i % CPT;
-      uint32_t o8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      uint32_t o4[4] = {0, 0, 0, 0};
       if (t < valid) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
-        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
-        const float sc = meta_f32<MB>(meta + t * FBM + (16 * j / GS) * meta_size<MB>());
+        const uint2 raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * j);
+        const uint32_t wv[2] = {raw.x, raw.y};
+        const float sc = meta_f32<MB>(meta + t * FBM + (8 * j / GS) * meta_size<MB>());
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
+        for (int e = 0; e < 4; ++e) {
           __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
           const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
 #if HALF
-          o8[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
+          o4[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
 #else
-          o8[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+          o4[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
 #endif
         }
       }
-      uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j);
-      dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
-      dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+      *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   } else {  // integer codes, planar: byte j holds channels j + k·NB in bits [k·b, (k+1)·b)
     constexpr int NB = DIM * BITS / 8;
@@ -48,34 +46,32 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
     constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
     // fast path: T arithmetic on exact codes when the metadata is already in T's type
     constexpr bool FAST = (HALF && MB == 2) || (!HALF && MB == 3 && BITS <= 4);
-    if constexpr (FAST && GS % 16 == 0 && NB % 16 == 0) {
-      // 16 bytes a step: 16 channels in each of the K planes, one group per plane. A code at bit offset o
-      // of a 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16
-      // 2^(10-o) (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
-      constexpr int CPT = NB / 16;  // 16-byte chunks per token
+    if constexpr (FAST && GS % 8 == 0 && NB % 8 == 0) {
+      // 8 bytes a step: 8 channels in each of the K planes, one group per plane, one 16-byte store per plane
+      // (a quarter warp's stores are 128 contiguous bytes: no bank conflict). A code at bit offset o of a
+      // 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o)
+      // (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
+      constexpr int CPT = NB / 8;  // 8-byte steps per token
       UNROLL(BUILD_UNROLL)
-      for (int i = tid; i < BN * CPT; i += NT) {
+      for (int i = tid; i < BN * CPT; i += NTB) {
         const int t = i / CPT, j = i % CPT;
         if (t >= valid) {
 #pragma unroll
-          for (int k = 0; k < K; ++k) {
-            uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 16 * j + k * NB);
-            dst[0] = make_uint4(0, 0, 0, 0);
-            dst[1] = make_uint4(0, 0, 0, 0);
-          }
+          for (int k = 0; k < K; ++k)
+            *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j + k * NB) = make_uint4(0, 0, 0, 0);
           continue;
         }
-        const uint4 raw = *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j);
-        const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t lo[4], hi[4];  // bytes (0, 1) and (2, 3) of each word, one per 16-bit half
+        const uint2 raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * j);
+        const uint32_t wv[2] = {raw.x, raw.y};
+        uint32_t lo[2], hi[2];  // bytes (0, 1) and (2, 3) of each word, one per 16-bit half
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < 2; ++e) {
           lo[e] = __byte_perm(wv[e], 0, 0x4140);
           hi[e] = __byte_perm(wv[e], 0, 0x4342);
         }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          const int ch = 16 * j + k * NB;
+          const int ch = 8 * j + k * NB;
           const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
 #if HALF
           constexpr int SH = 0;                            // codes stay at bit offset k·b
@@ -94,19 +90,17 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
                                : __float2bfloat162_rn(0.0f);
           const uint32_t m2 = MASK * 0x10001u;
 #endif
-          uint32_t o8[8];
+          uint32_t o4[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            o8[2 * e] = as_u32(__hfma2(__hsub2(as_t2(((lo[e] >> SH) & m2) | magic), off), s2, z2));
-            o8[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(((hi[e] >> SH) & m2) | magic), off), s2, z2));
+          for (int e = 0; e < 2; ++e) {
+            o4[2 * e] = as_u32(__hfma2(__hsub2(as_t2(((lo[e] >> SH) & m2) | magic), off), s2, z2));
+            o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(((hi[e] >> SH) & m2) | magic), off), s2, z2));
           }
-          uint4* dst = reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch);
-          dst[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
-          dst[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+          *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
         }
       }
     } else
-    for (int i = tid; i < BN * WPT; i += NT) {
+    for (int i = tid; i < BN * WPT; i += NTB) {
       const int t = i / WPT, w = i % WPT;
       const uint32_t word = t < valid ? *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w) : 0u;
       const uint32_t lo = __byte_perm(word, 0, 0x4140);  // bytes 0, 1 -> the two 16-bit halves
