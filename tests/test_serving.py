@@ -226,6 +226,27 @@ def test_requests_that_cannot_run_fail_alone(v3):
     assert eng.stats.failed == 4 and eng.stats.completed == 1
 
 
+def test_cached_prefix_starts_at_its_position_and_reads_the_pages_as_they_are(v3):
+    """A request with ``cached_prefix`` computes only from that position on and attends over what its
+    pages hold: after a job that wrote the same prompt into the same pages (a fresh job hands out the
+    lowest page ids first), it generates that job's tokens, as a decode row or as a later chunk."""
+    prompt = _prompts((40,), seed=4)[0]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    eng = Engine(v3, EngineConfig(quant=INT4, num_pages=20, page_size=16, backend="torch", keep_logits=True))
+    ref = eng.generate([Request("full", prompt, params)])[0]
+    assert eng.stats.scheduler.computed_tokens == 40 + 5
+    for cached in (39, 30):
+        got = eng.generate([Request("cached", prompt, params, cached_prefix=cached)])[0]
+        assert got.ok and got.output_ids == ref.output_ids
+        assert torch.allclose(torch.stack(got.logits), torch.stack(ref.logits), atol=1e-4)
+        assert eng.stats.scheduler.computed_tokens == 40 - cached + 5
+        assert eng.stats.scheduler.recomputed_tokens == 0
+    bad = eng.generate([Request("all", prompt, params, cached_prefix=40),
+                        Request("neg", prompt, params, cached_prefix=-1)])
+    eng.close()
+    assert all(o.finish_reason == "error" and "cached_prefix must lie in [0, 40)" in o.error for o in bad)
+
+
 def test_engine_stops_at_eos_and_restores_the_model(v3):
     prompts = _prompts((8,), seed=9)
     eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch"))

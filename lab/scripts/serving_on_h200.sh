@@ -14,6 +14,9 @@
 # serve-cli       `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (log only)
 # decode-profile  per-kernel GPU time of eager decode steps: batch 64 of 1536-token prompts (groups 64/32),
 #                 batch 1 and 8 of 1900 tokens (groups 128/64)             -> profile/decode_batch{64,1,8}_h200.json
+# step-grid       a decode step split into attention, cache append, projections and MLP, sampling and host time,
+#                 with bytes and fraction of copy bandwidth, at batches 1-64 x contexts 2K-64K x bf16, fp8,
+#                 int4/int4, int2/int4 (groups 128/64), one process            -> profile/step_grid_h200.json
 # prefill-profile per-kernel GPU time of prefill steps: 2048 and 8192 batched tokens, 1531-token chunks
 #                                                 -> prefill/profile_{2048,8192,1531}_tokens_h200.json
 # prefill-kernel  one chunk's prefill attention: the kernel's tilings against SDPA and plain matmuls
@@ -94,6 +97,11 @@ decode-profile() {
     timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --batch $b --prompt 1900 --steps 24 --methods bf16 int4/int4 "${GROUPS[@]}" \
       --out "$OUT/profile/decode_batch${b}_h200.json" 2>&1 | quiet 40
   done
+}
+
+step-grid() {
+  timeout 300 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 240 --out "$OUT/profile/step_grid_h200.json" \
+    2>&1 | quiet 56
 }
 
 prefill-profile() {

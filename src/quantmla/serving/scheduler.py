@@ -43,9 +43,16 @@ class SamplingParams:
 
 @dataclass
 class Request:
+    """A prompt (token ids) to continue. ``cached_prefix``: the first N prompt tokens count as already
+    written to the cache, 0 <= N < len(prompt): the sequence's first step computes tokens N onwards, and
+    its attention reads positions [0, N) from whatever its pages hold. A benchmark hook: it reaches a long
+    context at decode without prefilling it (the outputs are then not the model's on this prompt). A
+    preempted sequence recomputes its whole prompt."""
+
     request_id: object
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    cached_prefix: int = 0
 
 
 @dataclass
@@ -76,7 +83,7 @@ class Sequence:
         self.req, self.index = req, index
         self.tokens: list[int] = list(req.prompt)
         self.prompt_len = len(req.prompt)
-        self.num_computed = 0  # tokens whose cache entries are written
+        self.num_computed = req.cached_prefix  # tokens whose cache entries are written
         self.pages: list[int] = []
         self.status = WAITING
         self.preemptions = 0
@@ -85,7 +92,7 @@ class Sequence:
         self.error: str | None = None
         self.eos = eos
         self.logits: list | None = None
-        self.high = 0  # most tokens ever computed (recompute accounting)
+        self.high = self.num_computed  # most tokens ever computed (recompute accounting)
 
     @property
     def num_generated(self) -> int:
@@ -169,6 +176,9 @@ class Scheduler:
             return self._fail(seq, "empty prompt: a request needs at least one token")
         if p.max_new_tokens < 1:
             return self._fail(seq, f"max_new_tokens must be >= 1, got {p.max_new_tokens}")
+        if not 0 <= seq.req.cached_prefix < seq.prompt_len:
+            return self._fail(seq, f"cached_prefix must lie in [0, {seq.prompt_len}) for a prompt of {seq.prompt_len} "
+                                   f"tokens (the last prompt token is always computed), got {seq.req.cached_prefix}")
         need_tokens = seq.prompt_len + p.max_new_tokens - 1  # the last sampled token is never cached
         need = self.pages_for(need_tokens)
         if need > self.num_pages:

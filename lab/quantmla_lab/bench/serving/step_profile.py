@@ -39,17 +39,27 @@ PARTS = (  # kernel name patterns of each part of a step, first match wins
 )
 
 
-def step_parts(fam: dict, engine, model, a, copy_gbps: float, wall_s: float) -> dict:
-    """The step's GPU time split into attention, cache append, projections and MLP, sampling and the
-    rest, with the bytes each part must read (attention: every cached token's record of every layer;
-    projections and MLP: every weight once) and the fraction of copy bandwidth it reaches; host time is
-    the wall time per step less the GPU time (the step is not overlapped)."""
+def weight_bytes(model) -> int:
+    """Bytes of the weights one step reads: every parameter once, less the input embedding table, of
+    which a step reads only its tokens' rows (a table tied to the LM head is read whole, and counted)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def step_parts(fam: dict, engine, model, batch: int, context: float, copy_gbps: float, wall_s: float) -> dict:
+    """The step's GPU time (``fam``: µs per step by kernel name) split into attention, cache append,
+    projections and MLP, sampling and the rest, with the bytes each part must read (attention: ``batch``
+    rows of ``context`` cached tokens, mean over the steps, every layer's record; projections and MLP:
+    :func:`weight_bytes`) and the fraction of copy bandwidth (GB/s) it reaches; host time is the wall
+    time per step (``wall_s``, seconds) less the GPU time (the step is not overlapped). -> {part:
+    {us_per_step, bytes_per_step, GBps, frac_copy}}"""
     parts = {name: 0.0 for name, _ in PARTS} | {"other": 0.0}
     for k, us in fam.items():
         parts[next((name for name, pat in PARTS if pat.search(k)), "other")] += us
-    context = a.prompt + a.steps / 2 + a.batch / 2  # mean cached tokens per row over the profiled steps
-    need = {"attention": a.batch * context * engine.bytes_per_token,
-            "projections and MLP": sum(p.numel() * p.element_size() for p in model.parameters())}
+    need = {"attention": batch * context * engine.bytes_per_token, "projections and MLP": weight_bytes(model)}
     out = {}
     for name, us in parts.items():
         row = {"us_per_step": round(us, 1)}
@@ -62,18 +72,32 @@ def step_parts(fam: dict, engine, model, a, copy_gbps: float, wall_s: float) -> 
 
 
 def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy GB/s (bytes read + written), the ceiling the parts are measured against."""
-    if not device.startswith("cuda"):
-        return float("nan")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    """Copy GB/s (bytes read + written) of a 1 GiB device-to-device copy (64 MiB in host memory on the
+    CPU), the ceiling the parts are measured against."""
+    cuda = device.startswith("cuda")
+    src = torch.empty((1 << 30) if cuda else (1 << 26), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(10):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     return 2 * 10 * src.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def kernel_families(prof, steps: int, cuda: bool) -> dict[str, float]:
+    """µs per step (over ``steps`` profiled steps) of each kernel name (CUDA: its self device time) or op
+    name (CPU: its self CPU time) in a finished ``torch.profiler`` window, names cut at 90 characters."""
+    fam: dict[str, float] = {}
+    for ev in prof.key_averages():
+        # self device time: the kernels' own (a CPU op recorded with --shapes has none of its own)
+        us = (getattr(ev, "self_device_time_total", getattr(ev, "self_cuda_time_total", 0)) if cuda
+              else ev.self_cpu_time_total)
+        if us > 0:
+            fam[ev.key[:90]] = fam.get(ev.key[:90], 0.0) + us / steps
+    return fam
 
 
 def main(argv=None) -> int:
@@ -152,19 +176,14 @@ def main(argv=None) -> int:
             print(f"{m}: no {a.phase} step profiled")
             continue
         n = max(1, state["decode_steps"])
-        fam: dict[str, float] = {}
-        for ev in prof.key_averages():
-            # self device time: the kernels' own (a CPU op recorded with --shapes has none of its own)
-            us = getattr(ev, "self_device_time_total", getattr(ev, "self_cuda_time_total", 0)) if cuda else ev.self_cpu_time_total
-            if us <= 0:
-                continue
-            fam[ev.key[:90]] = fam.get(ev.key[:90], 0.0) + us / n
+        fam = kernel_families(prof, n, cuda)
         top = sorted(fam.items(), key=lambda kv: -kv[1])[:14]
         total = sum(fam.values())
+        context = a.prompt + a.steps / 2 + a.batch / 2  # mean cached tokens per row over the profiled steps
         res["methods"][m] = {"format": q.describe(), "steps": n, "tokens_per_step": state["tokens"] / n,
                              "wall_ms_per_step": 1e3 * wall / n,
                              "gpu_us_per_step": total, "top_us_per_step": dict(top),
-                             "parts": step_parts(fam, e, model, a, copy_gbps, wall / n)}
+                             "parts": step_parts(fam, e, model, a.batch, context, copy_gbps, wall / n)}
         if a.shapes and cuda:  # torch ops by input shapes: which call launches the costly kernels
             ops = [(ev.device_time_total / n, ev.count // n, ev.key, str(ev.input_shapes)[:160])
                    for ev in prof.key_averages(group_by_input_shape=True)

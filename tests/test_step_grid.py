@@ -1,0 +1,38 @@
+"""The decode step grid (``quantmla_lab.bench.serving.step_grid``) on the CPU at toy size: a point's parts
+add up to its step time, its bytes and roofline follow from them, and a point too large for the
+memory given is skipped with the reason; the table renders from the saved JSON."""
+
+import json
+import math
+
+from quantmla_lab.bench.serving import step_grid
+
+
+def test_step_grid_parts_sum_to_the_step_and_oversized_points_are_skipped(tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    # context 64 fits in 10 MiB; 2**20 tokens of 2 layers (about 80 MB of int4/int4 records) do not
+    step_grid.main(["--preset", "tiny", "--device", "cpu", "--content-group", "32", "--rope-group", "16",
+                    "--methods", "int4/int4", "--batches", "2", "--contexts", "64", str(1 << 20), "--warm", "2",
+                    "--steps", "2", "--memory-gib", str(10 / 1024), "--headroom-gib", "0", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert {"device", "date", "command", "commit"} <= set(res)
+    ok, big = res["points"]
+    assert ok["status"] == "ok" and (ok["batch"], ok["context"], ok["method"]) == (2, 64, "int4/int4")
+    assert ok["tokens_per_step"] == 2 and ok["mean_context"] == 64 + 2 + 0.5 and ok["step_us_unprofiled"] > 0
+    parts = ok["parts"]
+    assert list(parts) == list(step_grid.PART_NAMES)
+    total = sum(p["us_per_step"] for p in parts.values())
+    assert abs(total - ok["step_us"]) <= 0.01 * ok["step_us"] + 1.0
+    assert ok["gpu_us"] > 0 and parts["projections and MLP"]["us_per_step"] > 0
+    assert ok["bytes"]["weights"] > 0 and ok["bytes"]["cache"] > 0
+    floor = ok["roofline"]["floor_us"]
+    assert math.isclose(floor, (ok["bytes"]["weights"] + ok["bytes"]["cache"]) / (res["copy_GBps"] * 1e3), rel_tol=1e-3,
+                        abs_tol=1e-3)
+    assert math.isclose(ok["roofline"]["ratio"], ok["step_us"] / floor, rel_tol=1e-3)
+    assert big["status"] == "skipped" and big["context"] == 1 << 20 and big["reason"].startswith("needs ")
+    assert "of the device's" in big["reason"] and big["pool_bytes"] > 10 << 20
+
+    capsys.readouterr()
+    step_grid.main(["--from-json", str(out)])
+    table = capsys.readouterr().out
+    assert "| int4/int4 | 2 | 64 |" in table and f"| int4/int4 | 2 | {1 << 20} | skipped: needs" in table
