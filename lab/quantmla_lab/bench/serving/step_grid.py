@@ -278,24 +278,27 @@ def _frac(part: dict) -> str:
 
 def render(res: dict) -> str:
     """A markdown table of a grid result: per point, ms per step of each part, GB a step reads, the
-    fraction of copy bandwidth of attention and of the weights, and the roofline ratio."""
+    fraction of copy bandwidth of attention and of the weights, and the roofline ratio of the step's wall
+    time (eager: host time included) and of its GPU time (what a CUDA-graph replay approaches)."""
     lines = [f"Decode step parts, {res['device']}, copy {res['copy_GBps']:.0f} GB/s, groups "
              f"{res['content_group']}/{res['rope_group']}, {res['steps']} profiled steps "
              f"after {res['warm_steps']} (commit {res.get('commit')}, {res['date']})", "",
              "| method | batch | context | step ms | unprofiled | attention | cache append | proj + MLP | sampling "
-             "| other | host | weights GB | cache GB | attn / copy | weights / copy | roofline x |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| other | host | GPU ms | weights GB | cache GB | attn / copy | weights / copy | roofline x (wall) "
+             "| roofline x (GPU) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for pt in res["points"]:
         head = f"| {pt['method']} | {pt['batch']} | {pt['context']} |"
         if pt["status"] != "ok":
-            lines.append(head + f" {pt['status']}: {pt['reason']} |" + " |" * 12)
+            lines.append(head + f" {pt['status']}: {pt['reason']} |" + " |" * 14)
             continue
         p = pt["parts"]
         lines.append(head + " " + " | ".join(
             [_ms(pt["step_us"]), "" if pt.get("step_us_unprofiled") is None else _ms(pt["step_us_unprofiled"])]
-            + [_ms(p[k]["us_per_step"]) for k in PART_NAMES]
+            + [_ms(p[k]["us_per_step"]) for k in PART_NAMES] + [_ms(pt["gpu_us"])]
             + [f"{pt['bytes']['weights'] / 1e9:.2f}", f"{pt['bytes']['cache'] / 1e9:.2f}", _frac(p["attention"]),
-               _frac(p["projections and MLP"]), f"{pt['roofline']['ratio']:.2f}"]) + " |")
+               _frac(p["projections and MLP"]), f"{pt['roofline']['ratio']:.2f}",
+               f"{pt['roofline_gpu']['ratio']:.2f}"]) + " |")
     return "\n".join(lines)
 
 
