@@ -24,13 +24,13 @@ TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per t
 
 
 def knob_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, cuda.DecodePlan]:
-    """The default plan with one build-time knob changed: unrolling or cp.async stages."""
+    """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
         return dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
 
-    out = {"build_unroll_2": with_(BUILD_UNROLL=2), "qk_unroll_full": with_(QK_UNROLL=18), "qk_unroll_2": with_(QK_UNROLL=2)}
+    out = {"qk_unroll_6": with_(QK_UNROLL=6), "qk_unroll_2": with_(QK_UNROLL=2)}
     for st in (2, 3, 4):
         if st != plan.stages:
             smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n)

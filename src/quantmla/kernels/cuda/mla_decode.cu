@@ -34,9 +34,6 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-#ifndef BUILD_UNROLL  // build-loop unrolling and score-loop unrolling: tuning knobs (lab/quantmla_lab/bench/kernels/decode_cuda_variants.py)
-#define BUILD_UNROLL 1
-#endif
 #ifndef QK_UNROLL
 #define QK_UNROLL 18
 #endif
@@ -102,16 +99,26 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 #include "ptx.cuh"
 #include "tile_build.cuh"
 
-// A: copy `bytes` contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async
-__device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int bytes, int tid) {
-  for (int i = 16 * tid; i < bytes; i += 16 * NTB) cp_async16(dst + i, src + i);
+// A: copy BYTES contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async, unrolled
+template <int BYTES>
+__device__ __forceinline__ void copy_section(uint8_t* dst, const uint8_t* src, int tid) {
+  constexpr int C = BYTES / 16;
+#pragma unroll
+  for (int n = 0; n < (C + NTB - 1) / NTB; ++n) {
+    const int i = tid + n * NTB;
+    if (C % NTB == 0 || i < C) cp_async16(dst + 16 * i, src + 16 * i);
+  }
 }
 
-// A: copy rows of `width` bytes (a multiple of 16) into rows `pitch` bytes apart in shared memory
+// A: copy BN rows of WIDTH bytes (a multiple of 16) into rows PITCH bytes apart in shared memory
 template <int WIDTH, int PITCH>
-__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int rows, int tid) {
-  constexpr int C = WIDTH / 16;
-  for (int i = tid; i < rows * C; i += NTB) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + (i / C) * WIDTH + 16 * (i % C));
+__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int tid) {
+  constexpr int C = WIDTH / 16, N = BN * C;
+#pragma unroll
+  for (int n = 0; n < (N + NTB - 1) / NTB; ++n) {
+    const int i = tid + n * NTB;
+    if (N % NTB == 0 || i < N) cp_async16(dst + (i / C) * PITCH + 16 * (i % C), src + 16 * i);
+  }
 }
 
 // A: start copying tile `n0` (first token; a multiple of BN) of sequence row `bt_row` into `stage`
@@ -121,13 +128,13 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
   if constexpr (DIRECT) {  // raw bf16 rows straight into the padded tile layout
-    copy_rows<D_C * 2, LDK * 2>(stage, pg + OFF_CC + tok0 * FB_CC, BN, tid);
-    copy_rows<D_R * 2, LDK * 2>(stage + D_C * 2, pg + OFF_RC + tok0 * FB_RC, BN, tid);
+    copy_rows<D_C * 2, LDK * 2>(stage, pg + OFF_CC + tok0 * FB_CC, tid);
+    copy_rows<D_R * 2, LDK * 2>(stage + D_C * 2, pg + OFF_RC + tok0 * FB_RC, tid);
   } else {  // the four sections, each contiguous for the tile's tokens
-    copy_section(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, tid);
-    copy_section(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, tid);
-    copy_section(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, tid);
-    copy_section(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, tid);
+    copy_section<BN * FB_CC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
+    copy_section<BN * FB_RC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
+    copy_section<BN * FB_CM>(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, tid);
+    copy_section<BN * FB_RM>(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, tid);
   }
 }
 

@@ -52,8 +52,11 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       // 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o)
       // (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
       constexpr int CPT = NB / 8;  // 8-byte steps per token
-      UNROLL(BUILD_UNROLL)
-      for (int i = tid; i < BN * CPT; i += NTB) {
+      constexpr int STEPS = BN * CPT;
+#pragma unroll
+      for (int n = 0; n < (STEPS + NTB - 1) / NTB; ++n) {  // unrolled: a thread's steps are known here
+        const int i = tid + n * NTB;
+        if (STEPS % NTB != 0 && i >= STEPS) break;
         const int t = i / CPT, j = i % CPT;
         if (t >= valid) {
 #pragma unroll
@@ -78,18 +81,23 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
           const int o = k * BITS;
           const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
           const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
-          const T2 s2 = __half2half2(*reinterpret_cast<const __half*>(mp));
-          const T2 z2 = F == 2 ? __half2half2(*reinterpret_cast<const __half*>(mp + MS)) : __float2half2_rn(0.0f);
           const uint32_t m2 = (MASK << o) * 0x10001u;
 #else
           const int SH = k * BITS;                         // shifted down to bit 0
           const uint32_t magic = 0x43004300u;              // 128.0 in each bf16
           const T2 off = __float2bfloat162_rn(128.0f + MID);
-          const T2 s2 = __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp));
-          const T2 z2 = F == 2 ? __bfloat162bfloat162(*reinterpret_cast<const __nv_bfloat16*>(mp + MS))
-                               : __float2bfloat162_rn(0.0f);
           const uint32_t m2 = MASK * 0x10001u;
 #endif
+          uint32_t s2u, z2u = 0u;                          // scale and zero point, in both halves
+          if constexpr (F == 2 && FBM % 4 == 0) {          // one 32-bit load: (scale, zero) are adjacent
+            const uint32_t sz = *reinterpret_cast<const uint32_t*>(mp);
+            s2u = __byte_perm(sz, 0, 0x1010);
+            z2u = __byte_perm(sz, 0, 0x3232);
+          } else {
+            s2u = *reinterpret_cast<const uint16_t*>(mp) * 0x10001u;
+            if constexpr (F == 2) z2u = *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u;
+          }
+          const T2 s2 = as_t2(s2u), z2 = as_t2(z2u);
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
