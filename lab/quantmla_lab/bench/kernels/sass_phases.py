@@ -39,7 +39,7 @@ def phases(path: str, tokens: int) -> str:
     loop_bars = [i for i in bars if _num(data[i][execd]) == per_tile]
     names = ["up to the copy wait", "build + next copy", "QK", "softmax", "PV + after the loop"]
     cuts = [0] + [b + 1 for b in loop_bars] + [len(data)]
-    lines = [f"{path}: {sum(_num(r[execd]) for r in data) / tokens:.1f} warp instructions per token, "
+    lines = [f"{sum(_num(r[execd]) for r in data) / tokens:.1f} warp instructions per token, "
              f"{len(loop_bars)} barriers per tile", "",
              "| phase | stall samples | warp instr / token | top stalls |", "|---|---:|---:|---|"]
     for k in range(len(cuts) - 1):

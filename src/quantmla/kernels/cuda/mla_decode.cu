@@ -79,7 +79,8 @@ constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : NBUF * BN * LDK * 2);
 constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
-constexpr int SMEM_BYTES = SM_ROW + 3 * BM * 4;
+constexpr int SM_FLAG = SM_ROW + 3 * BM * 4; // per tile parity: whether any row's reference maximum moved
+constexpr int SMEM_BYTES = SM_FLAG + 16;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(!(HALF && (C_KIND == 0 || R_KIND == 0)), "raw BF16 paths need the bf16 tile");
 
@@ -150,8 +151,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   float* sAlpha = reinterpret_cast<float*>(smem + SM_ROW);
   float* sL = sAlpha + BM;
   float* sQs = sL + BM;  // per row: the factor that undoes the query's power-of-two scaling
+  int* sMoved = reinterpret_cast<int*>(smem + SM_FLAG);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid < 2) sMoved[tid] = 0;
   const int u = blockIdx.x;
   const int hb = blockIdx.y;
   const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
@@ -194,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   __syncthreads();  // the query block is written
 
   // ---- roles: with WS, warps [0, NWC) compute and the others copy and build; else every warp does both --
-  const bool computes = !WS || warp < NWC, builds = !WS || warp >= NWC;
+  const bool builds = !WS || warp >= NWC;  // with WS the others compute
   const int btid = WS ? tid - 32 * NWC : tid;  // thread index among the builders
   const int ntiles = (end - start + BN - 1) / BN;
   // bar ids: 1 builders, 2 computers, 3 + buf tile built, 5 + buf tile read (WS only)
@@ -335,7 +338,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     }
     sync_computers();
 
-    // ---- D: online softmax, one warp per row -----------------------------------------------------------
+    // ---- D: online softmax (base 2), one warp per row. A row's reference maximum moves only when the
+    //      tile's maximum exceeds it by more than 8 (P stays below 2^8), so most tiles rescale nothing ----
+    if (tid == 0) sMoved[(it + 1) & 1] = 0;  // the next tile's flag (the last tile that read it is done)
 #pragma unroll
     for (int i = 0; i < RPW; ++i) {
       const int rr = warp * RPW + i;
@@ -353,9 +358,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         mt = fmaxf(mt, s[e]);
       }
       mt = warp_max(mt);
-      const float m_new = fmaxf(m_run[i], mt);
-      const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = fast_exp2(m_run[i] - m_safe);
+      const bool moves = mt > m_run[i] + 8.0f;  // false while the row has seen nothing (both -inf)
+      const float m_use = moves ? mt : m_run[i];
+      const float m_safe = m_use == -INFINITY ? 0.0f : m_use;
+      const float alpha = moves ? fast_exp2(m_run[i] - m_safe) : 1.0f;
       float ps = 0.0f;
 #pragma unroll
       for (int e = 0; e < BN / 32; ++e) {
@@ -368,21 +374,26 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #endif
       }
       l_run[i] = l_run[i] * alpha + warp_sum(ps);
-      m_run[i] = m_new;
-      if (lane == 0) sAlpha[rr] = alpha;
+      m_run[i] = m_use;
+      if (lane == 0) {
+        sAlpha[rr] = alpha;
+        if (moves) sMoved[it & 1] = 1;
+      }
     }
     sync_computers();
 
     // ---- E: acc = acc·alpha + P·c over this warp's channels --------------------------------------------
+    if (sMoved[it & 1]) {  // some row's reference maximum moved: rescale the accumulators
 #pragma unroll
-    for (int mi = 0; mi < RM; ++mi) {
-      const float a_lo = sAlpha[mi * 16 + (lane >> 2)], a_hi = sAlpha[mi * 16 + (lane >> 2) + 8];
+      for (int mi = 0; mi < RM; ++mi) {
+        const float a_lo = sAlpha[mi * 16 + (lane >> 2)], a_hi = sAlpha[mi * 16 + (lane >> 2) + 8];
 #pragma unroll
-      for (int nj = 0; nj < NT8; ++nj) {
-        acc[mi][nj][0] *= a_lo;
-        acc[mi][nj][1] *= a_lo;
-        acc[mi][nj][2] *= a_hi;
-        acc[mi][nj][3] *= a_hi;
+        for (int nj = 0; nj < NT8; ++nj) {
+          acc[mi][nj][0] *= a_lo;
+          acc[mi][nj][1] *= a_lo;
+          acc[mi][nj][2] *= a_hi;
+          acc[mi][nj][3] *= a_hi;
+        }
       }
     }
 #pragma unroll
