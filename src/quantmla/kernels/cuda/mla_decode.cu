@@ -241,15 +241,21 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qf[kk], qa + kk * 16);
   }
 
-  // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1 ---------------------------------
+  // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1, RP at a time, LPR lanes a row;
+  //      a lane holds the state of row w·RPW + RP·i + lane / LPR -------------------------------------------
   constexpr int RPW = BM / NWC;
-  float m_run[RPW], l_run[RPW];
-  int limit[RPW];  // tokens a row may see (causal multi-query)
+  constexpr int RP = RPW % 2 == 0 ? 2 : 1;  // rows a pass: two rows share one shuffle per reduction step
+  constexpr int LPR = 32 / RP;              // lanes a row
+  constexpr int TPL = BN / LPR;             // consecutive tokens a lane
+  static_assert(TPL == 1 || TPL == 2 || TPL == 4, "a lane's scores are one vector load");
+  const int lrow = lane / LPR, lcol = lane % LPR;
+  float m_run[RPW / RP], l_run[RPW / RP];
+  int limit[RPW / RP];  // tokens a row may see (causal multi-query)
 #pragma unroll
-  for (int i = 0; i < RPW; ++i) {
+  for (int i = 0; i < RPW / RP; ++i) {
     m_run[i] = -INFINITY;
     l_run[i] = 0.0f;
-    limit[i] = L - causal * (SQ - 1 - (row0 + warp * RPW + i) / H);
+    limit[i] = L - causal * (SQ - 1 - (row0 + warp * RPW + RP * i + lrow) / H);
   }
 
   // ---- PV accumulators: warp w owns channels [w·CPW, (w+1)·CPW) of every row ----------------------------
@@ -338,44 +344,69 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     }
     sync_computers();
 
-    // ---- D: online softmax (base 2), one warp per row. A row's reference maximum moves only when the
+    // ---- D: online softmax (base 2), LPR lanes per row. A row's reference maximum moves only when the
     //      tile's maximum exceeds it by more than 8 (P stays below 2^8), so most tiles rescale nothing ----
     if (tid == 0) sMoved[(it + 1) & 1] = 0;  // the next tile's flag (the last tile that read it is done)
 #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-      const int rr = warp * RPW + i;
+    for (int i = 0; i < RPW / RP; ++i) {
+      const int rr = warp * RPW + RP * i + lrow, t0 = lcol * TPL;
       const float qs = sQs[rr] * qk_scale_log2;
-      float s[BN / 32];
+      float s[TPL];
+#pragma unroll
+      for (int e = 0; e < TPL; ++e) s[e] = 0.0f;
+#pragma unroll
+      for (int k2 = 0; k2 < KSPLIT; ++k2) {
+        const float* src = sS + (k2 * BM + rr) * LDS + t0;
+        if constexpr (TPL == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(src);
+          s[0] += v.x, s[1] += v.y, s[2] += v.z, s[3] += v.w;
+        } else if constexpr (TPL == 2) {
+          const float2 v = *reinterpret_cast<const float2*>(src);
+          s[0] += v.x, s[1] += v.y;
+        } else {
+          s[0] += src[0];
+        }
+      }
       float mt = -INFINITY;
 #pragma unroll
-      for (int e = 0; e < BN / 32; ++e) {
-        const int t = lane + 32 * e;
-        float v = 0.0f;
-#pragma unroll
-        for (int k2 = 0; k2 < KSPLIT; ++k2) v += sS[(k2 * BM + rr) * LDS + t];
-        const bool vis = t < valid && n0 + t < limit[i];
-        s[e] = vis ? v * qs : -INFINITY;
+      for (int e = 0; e < TPL; ++e) {
+        const int t = t0 + e;
+        s[e] = t < valid && n0 + t < limit[i] ? s[e] * qs : -INFINITY;
         mt = fmaxf(mt, s[e]);
       }
-      mt = warp_max(mt);
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
       const bool moves = mt > m_run[i] + 8.0f;  // false while the row has seen nothing (both -inf)
       const float m_use = moves ? mt : m_run[i];
       const float m_safe = m_use == -INFINITY ? 0.0f : m_use;
       const float alpha = moves ? fast_exp2(m_run[i] - m_safe) : 1.0f;
-      float ps = 0.0f;
+      float ps = 0.0f, p[TPL];
 #pragma unroll
-      for (int e = 0; e < BN / 32; ++e) {
-        const float p = s[e] == -INFINITY ? 0.0f : fast_exp2(s[e] - m_safe);
-        ps += p;
-#if HALF
-        sP[rr * LDP + lane + 32 * e] = __float2half_rn(p);
-#else
-        sP[rr * LDP + lane + 32 * e] = __float2bfloat16_rn(p);
-#endif
+      for (int e = 0; e < TPL; ++e) {
+        p[e] = s[e] == -INFINITY ? 0.0f : fast_exp2(s[e] - m_safe);
+        ps += p[e];
       }
-      l_run[i] = l_run[i] * alpha + warp_sum(ps);
+      T* dst = sP + rr * LDP + t0;
+      if constexpr (TPL == 1) {
+        *dst = T(p[0]);
+      } else {
+        uint32_t pk[TPL / 2];  // pairs of 16-bit probabilities
+#pragma unroll
+        for (int e = 0; e < TPL / 2; ++e) {
+#if HALF
+          pk[e] = as_u32(__floats2half2_rn(p[2 * e], p[2 * e + 1]));
+#else
+          pk[e] = as_u32(__floats2bfloat162_rn(p[2 * e], p[2 * e + 1]));
+#endif
+        }
+        if constexpr (TPL == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
+        else *reinterpret_cast<uint32_t*>(dst) = pk[0];
+      }
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      l_run[i] = l_run[i] * alpha + ps;
       m_run[i] = m_use;
-      if (lane == 0) {
+      if (lcol == 0) {
         sAlpha[rr] = alpha;
         if (moves) sMoved[it & 1] = 1;
       }
@@ -420,9 +451,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
 #pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const int rr = warp * RPW + i;
-    if (lane == 0) {
+  for (int i = 0; i < RPW / RP; ++i) {
+    const int rr = warp * RPW + RP * i + lrow;
+    if (lcol == 0) {
       sL[rr] = l_run[i];
       const int r = row0 + rr;
       if (r < R) {
