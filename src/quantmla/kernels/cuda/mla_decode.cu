@@ -390,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       if constexpr (TPL == 1) {
         *dst = T(p[0]);
       } else {
-        uint32_t pk[TPL / 2];  // pairs of 16-bit probabilities
+        uint32_t pk[TPL / 2 > 0 ? TPL / 2 : 1];  // pairs of 16-bit probabilities
 #pragma unroll
         for (int e = 0; e < TPL / 2; ++e) {
 #if HALF
