@@ -113,7 +113,8 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                               (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
-                                              ("int2/int4", 16, {"num_warps": 16, "block_n": 32})])
+                                              ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
+                                              ("bf16", 16, {"num_warps": 16, "block_n": 32})])  # one score a lane
 def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
     """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
     shared-memory size), the build is cached, and other constants give another build."""
