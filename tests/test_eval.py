@@ -314,6 +314,58 @@ def test_eval_command_end_to_end(checkpoint, tmp_path):
     assert rc == 0 and json.loads((out / "accuracy.json").read_text())["rows"] == doc["rows"]
 
 
+def _eval_args(*argv):
+    import argparse
+
+    from quantmla.evaluation.command import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_rows_run_in_the_order_given():
+    """--rows CONFIG:METHOD[:C/R]: rows in the order named, each at its own groups or at every --groups setting;
+    a pair that cannot run is an error (never skipped), and --rows excludes --config/--method."""
+    from quantmla.cli import CLIError
+    from quantmla.evaluation.command import rows_for
+
+    rows = rows_for(_eval_args("--groups", "128/32", "64/32", "--rows", "BF16:bf16", "INT4/INT4:quantmla:128/32",
+                               "INT4/INT4:rtn", "FP8:rtn", "INT2/INT4:kivi:g64/g32"))  # BF16, FP8: once
+    groups = lambda r: (r.config.content.group_size, r.config.rope.group_size)  # noqa: E731
+    assert [(r.config.name, r.method) for r in rows] == [
+        ("BF16", "bf16"), ("INT4/INT4", "quantmla"), ("INT4/INT4", "rtn"), ("INT4/INT4", "rtn"), ("FP8", "rtn"),
+        ("INT2/INT4", "kivi")]
+    assert [groups(r) for r in rows[1:4]] + [groups(rows[5])] == [(128, 32), (128, 32), (64, 32), (64, 32)]
+    assert rows[5].kivi_block == 32
+    windows = rows_for(_eval_args("--fp-window", "0", "16", "--rows", "BF16:bf16", "INT4/INT4:rtn"))
+    assert [r.fp_window for r in windows] == [0, 0, 16]
+    for argv, msg in ((["--rows", "INT4/INT4"], "give CONFIG:METHOD"), (["--rows", "INT4/INT4:rtn:64"], "CONTENT/ROPE"),
+                      (["--rows", "FP8:kivi"], "integer RoPE"), (["--rows", "INT4/INT4:bf16"], "reference"),
+                      (["--rows", "INT5/INT4:rtn"], "unsupported bit width 5"),
+                      (["--rows", "BF16:bf16", "--method", "rtn"], "leave out --config and --method")):
+        with pytest.raises((CLIError, QuantMLAError), match=msg):
+            rows_for(_eval_args(*argv))
+
+
+def test_eval_rows_end_to_end(checkpoint, tmp_path):
+    """--rows through the command; --calib-device reaches the calibration and its rows record it; --resume
+    skips the rows already there."""
+    from quantmla.cli import main
+
+    out = tmp_path / "res"
+    base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--seq-len", "64",
+            "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024", "--calib-n", "4", "--out", str(out)]
+    assert main(base + ["--calib-device", "cpu", "--rows", "INT4/INT4:rtn:16/8", "BF16:bf16", "INT4/INT4:kivi:32/16",
+                        "INT4/INT4:hadamard:16/8"]) == 0
+    doc = json.loads((out / "accuracy.json").read_text())
+    assert {(r["config"], r["method"], r["setup"].get("content_group")) for r in doc["rows"]} == {
+        ("INT4/INT4", "rtn", 16), ("BF16", "bf16", None), ("INT4/INT4", "kivi", 32), ("INT4/INT4", "hadamard", 16)}
+    assert [r["calibration"]["fit_device"] for r in doc["rows"] if "calibration" in r] == ["cpu"]
+    assert main(base + ["--resume", "--rows", "BF16:bf16", "INT4/INT4:rtn:16/8"]) == 0  # nothing new to run
+    assert json.loads((out / "accuracy.json").read_text())["rows"] == doc["rows"]
+
+
 def test_eval_output_rules(checkpoint, tmp_path, monkeypatch, capsys):
     """The default output is out/eval, outside the tracked tree; a run on other data settings is refused
     before any work, naming the settings; existing rows are replaced only with --replace-rows."""

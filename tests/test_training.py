@@ -8,6 +8,7 @@ import json
 import random
 import re
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,89 @@ def test_deepseek_geometry_size_has_deepseeks_cache_and_its_own_name(tmp_path, c
                "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
     assert rc == 2 and "--families deepseek_v2" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_prepare_reuses_a_shipped_tokenizer_and_heldout_set(tmp_path):
+    """prepare(tokenizer_from=, heldout_from=) keeps the given tokenizer and held-out set byte for byte,
+    holds out the set's packages (not the hash choice of this corpus), and says whether the training
+    files are the set's run's: the same corpus gives the same list, another corpus another."""
+    from quantmla_lab.training.tokenizer import file_sha256
+    from quantmla_lab.training.train import PrepareOptions, prepare
+
+    small = dict(vocab_size=400, max_train_bytes=2_000_000, tokenizer_bytes=500_000, heldout_fraction=0.3,
+                 heldout_code_bytes=6_000, heldout_prose_bytes=4_000, retrieval_pool_bytes=60_000, n_retrieval=2,
+                 retrieval_lengths=(256,), workers=2)
+    first = prepare(tmp_path / "a", PrepareOptions(**small), roots=STDLIB, packages=PACKAGES)
+    shipped = tmp_path / "a" / "heldout"
+    (tmp_path / "tok").mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tok" / f).write_bytes((tmp_path / "a" / "tokenizer" / f).read_bytes())
+    opts = PrepareOptions(**dict(small, tokenizer_bytes=1, heldout_fraction=0.0), tokenizer_from=str(tmp_path / "tok"),
+                          heldout_from=str(shipped))
+    again = prepare(tmp_path / "b", opts, roots=STDLIB, packages=PACKAGES)
+    assert again["same_train_files"] and again["same_tokenizer"]
+    assert again["heldout_packages"] == first["heldout_packages"]  # heldout_fraction 0 would hold out none
+    assert again["train_tokens"] == first["train_tokens"]
+    assert file_sha256(tmp_path / "b" / "tokenizer" / "tokenizer.json") == first["tokenizer_sha256"]
+    for f in shipped.iterdir():
+        assert (tmp_path / "b" / "heldout" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert np.array_equal(np.load(tmp_path / "a" / "train_tokens.npy"), np.load(tmp_path / "b" / "train_tokens.npy"))
+    trained = next(p for p in PACKAGES if f"stdlib/{p}" not in first["heldout_packages"])
+    other = prepare(tmp_path / "c", opts, roots=STDLIB, packages=[p for p in PACKAGES if p != trained])
+    assert not other["same_train_files"] and other["heldout_packages"] == first["heldout_packages"]
+
+
+def test_split_corpus_takes_a_fixed_heldout_list(corpus):
+    files, split, _ = corpus
+    held = ["stdlib/json", "stdlib/csv"]
+    fixed = D.split_corpus(files, heldout_fraction=0.3, min_package_bytes=1, heldout_packages=held)
+    assert fixed.heldout_packages == sorted(held)
+    assert {f"{f.group}/{f.package}" for f in fixed.heldout_code} == set(held)
+    assert not any(f"{f.group}/{f.package}" in held for f in fixed.train)
+    assert len(fixed.train) + len(fixed.heldout_code) >= len(split.train)
+
+
+def test_card_is_written_again_from_its_json(tmp_path):
+    """python -m quantmla_lab.training.card DIR: README.md from card.json alone; a model of another size
+    names its own script, and a model on reused data says whether its training files are the shipped ones'."""
+    from quantmla_lab.training.card import main
+
+    card = json.loads((Path(__file__).parents[1] / "models" / "qmla-ref-deepseek-v2" / "card.json").read_text())
+    (tmp_path / "card.json").write_text(json.dumps(card))
+    assert main([str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert text == (Path(__file__).parents[1] / "models" / "qmla-ref-deepseek-v2" / "README.md").read_text()
+    card["training"]["options"]["size"] = "deepseek-geometry"
+    card["data"].update(heldout_from="models/heldout", same_train_files=False)
+    (tmp_path / "card.json").write_text(json.dumps(card))
+    main([str(tmp_path)])
+    text = (tmp_path / "README.md").read_text()
+    assert "`lab/scripts/train_deepseek_geometry.sh` on one GPU" in text and "train_reference.sh" not in text
+    assert "(`models/heldout`)" in text and "another list than theirs" in text
+
+
+def test_deepseek_geometry_script_evaluates_the_table_rows_most_important_first():
+    """lab/scripts/train_deepseek_geometry.sh's eval rows: BF16, FP8, and RTN, KIVI-style, Hadamard, QuantMLA,
+    its two single-path ablations and quantmla-rope-channel at INT4/INT4 and INT2/INT4 in groups 128/32 and 64/32;
+    BF16, FP8 and the 128/32 rows of RTN, KIVI-style, QuantMLA and quantmla-rope-channel first (a call stopped at
+    its deadline keeps those), each quantmla-rope-channel row after the QuantMLA row whose calibration it reads."""
+    import subprocess
+
+    from quantmla.evaluation.command import add_arguments, rows_for
+
+    script = Path(__file__).parents[1] / "lab" / "scripts" / "train_deepseek_geometry.sh"
+    specs = subprocess.run(["bash", str(script), "rows"], capture_output=True, text=True, check=True).stdout.split()
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    rows = rows_for(p.parse_args(["--rows", *specs]))
+    key = lambda r: (r.config.name, r.method, r.config.content.group_size, r.config.rope.group_size)  # noqa: E731
+    methods = ("rtn", "kivi", "hadamard", "quantmla", "quantmla-content", "quantmla-rope", "quantmla-rope-channel")
+    grid = {(c, m, *g) for g in ((128, 32), (64, 32)) for c in ("INT4/INT4", "INT2/INT4") for m in methods}
+    assert [key(r)[:2] for r in rows[:2]] == [("BF16", "bf16"), ("FP8", "rtn")]
+    assert len(rows) == len(specs) == 2 + len(grid) and {key(r) for r in rows[2:]} == grid
+    first = {key(r) for r in rows[2:10]}
+    assert first == {k for k in grid if k[2] == 128 and k[1] in ("rtn", "kivi", "quantmla", "quantmla-rope-channel")}
+    order = [key(r) for r in rows]
+    for i, k in enumerate(order):
+        if k[1] == "quantmla-rope-channel":
+            assert (k[0], "quantmla", *k[2:]) in order[:i]

@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retrieval-lengths", default="1024,2048,4096", help="comma-separated retrieval lengths (tokens)")
     g.add_argument("--packages", default=None, help="restrict the corpus to these top-level packages (tests)")
     g.add_argument("--stdlib-only", action="store_true", help="corpus from the standard library only")
+    g.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                   help="use the tokenizer.json of this directory (a shipped model's) instead of fitting one")
+    g.add_argument("--heldout-from", default=None, metavar="DIR",
+                   help="use this held-out set (models/heldout) instead of building one: its packages are held out "
+                        "of training, and the run log says whether the training files equal its run's")
     g = p.add_argument_group("training")
     g.add_argument("--time-budget", type=float, default=400.0, help="seconds of training per model")
     g.add_argument("--max-steps", type=int, default=100_000, help="optimizer steps at most (--time-budget may stop it first)")
@@ -88,6 +93,8 @@ def _prepare(args) -> dict:
         retrieval_lengths=lengths,
         seed=args.seed,
         workers=min(16, os.cpu_count() or 1),
+        tokenizer_from=args.tokenizer_from,
+        heldout_from=args.heldout_from,
     )
     if args.size == "tiny":
         opts.heldout_code_bytes, opts.heldout_prose_bytes, opts.retrieval_pool_bytes = 6_000, 4_000, 60_000
@@ -129,7 +136,8 @@ def _train(args, family: str) -> dict:
 
 def _child_argv(args, family: str) -> list[str]:
     argv = [sys.executable, "-m", "quantmla.cli", "train-reference", "--stage", "train", "--family", family]
-    skip = {"stage", "families", "family", "results", "jobs", "reuse_data", "packages", "stdlib_only"}
+    skip = {"stage", "families", "family", "results", "jobs", "reuse_data", "packages", "stdlib_only", "tokenizer_from",
+            "heldout_from"}
     for k, v in vars(args).items():
         if k.startswith("_") or k in skip or k == "command" or v is None or v is False:
             continue

@@ -97,15 +97,21 @@ def split_corpus(
     min_package_bytes: int = 20_000,
     max_package_bytes: int = 8_000_000,
     seed: str = "quantmla-ref-v1",
+    heldout_packages: list[str] | None = None,
 ) -> Split:
-    """Hold out whole packages by hash; everything else is training material."""
+    """Hold out whole packages by hash; everything else is training material. ``heldout_packages``
+    (``"<group>/<package>"`` names, e.g. a shipped held-out set's manifest) fixes the held-out
+    packages instead: the hash choice depends on package sizes, which differ between machines."""
     sizes = package_sizes(files)
-    held = sorted(
-        key
-        for key, size in sizes.items()
-        if min_package_bytes <= size <= max_package_bytes
-        and (_h(f"{seed}:{key}") % 10_000) < heldout_fraction * 10_000
-    )
+    if heldout_packages is not None:
+        held = sorted(set(heldout_packages))
+    else:
+        held = sorted(
+            key
+            for key, size in sizes.items()
+            if min_package_bytes <= size <= max_package_bytes
+            and (_h(f"{seed}:{key}") % 10_000) < heldout_fraction * 10_000
+        )
     held_set = set(held)
     train, hcode, hprose = [], [], []
     for f in files:

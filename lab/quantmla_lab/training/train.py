@@ -4,7 +4,9 @@ Stages (each one a function; :mod:`quantmla_lab.training.command` wires them to 
 
 - :func:`prepare` (once, shared by all families): discover the corpus, split it by package,
   train the tokenizer, tokenize the training files into one ``uint16`` stream, and write the
-  held-out sets (code, prose, retrieval samples at 1K/2K/4K) with a manifest.
+  held-out sets (code, prose, retrieval samples at 1K/2K/4K) with a manifest. Given a shipped
+  tokenizer and held-out set (``PrepareOptions.tokenizer_from`` / ``heldout_from``), it uses them as
+  they are and builds only the training stream, so a new model trains on the shipped models' data.
 - :func:`train_model` (one process per family): build the transformers model from
   :func:`quantmla_lab.training.families.make_config`, train it (AdamW, bf16 autocast on CUDA,
   1024-token rows first, then 4096-token rows; half of the rows carry a retrieval
@@ -59,6 +61,8 @@ class PrepareOptions:
     retrieval_lengths: tuple[int, ...] = RETRIEVAL_LENGTHS
     seed: int = 0
     workers: int = 16
+    tokenizer_from: str | None = None  # a directory holding tokenizer.json: used as is, none is fitted
+    heldout_from: str | None = None  # a held-out set directory with its manifest: copied, its packages held out
 
 
 def _read_many(files: list[D.SourceFile], workers: int) -> list[str | None]:
@@ -66,43 +70,9 @@ def _read_many(files: list[D.SourceFile], workers: int) -> list[str | None]:
         return list(ex.map(D.read_text, files))
 
 
-def prepare(
-    work: str | Path,
-    opts: PrepareOptions | None = None,
-    roots: list[tuple[str, str]] | None = None,
-    packages: list[str] | None = None,
-) -> dict:
-    """Build everything the training processes share under ``work``; returns the manifest."""
-    opts = opts or PrepareOptions()
-    work = Path(work)
-    (work / "heldout").mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    files = D.discover(roots, packages)
-    split = D.split_corpus(files, heldout_fraction=opts.heldout_fraction)
-    _log(f"discovered {len(files)} files in {split.stats['packages']} packages; held out {split.heldout_packages}")
-
-    # training texts, in hash order, exact duplicates removed, up to max_train_bytes
-    train_texts: list[str] = []
-    train_names: list[str] = []
-    seen: set[str] = set()
-    total = 0
-    step = 2000
-    for i in range(0, len(split.train), step):
-        batch = split.train[i : i + step]
-        for f, text in zip(batch, _read_many(batch, opts.workers)):
-            if text is None:
-                continue
-            h = D.content_hash(text)
-            if h in seen:
-                continue
-            seen.add(h)
-            train_texts.append(text)
-            train_names.append(f.name)
-            total += len(text.encode("utf-8"))
-        if total >= opts.max_train_bytes:
-            break
-    _log(f"training text: {len(train_texts)} files, {total / 1e6:.1f} MB ({time.time() - t0:.1f}s)")
-
+def _build_heldout(split: D.Split, seen: set[str], opts: PrepareOptions):
+    """The held-out code and prose documents and the retrieval pool, from held-out packages only and
+    never a training file's content (``seen``: content hashes of the training files)."""
     # held-out code: round-robin over held-out packages, never a training file's content
     hcode, hnames, pool = [], [], []
     code_bytes = pool_bytes = 0
@@ -144,19 +114,92 @@ def prepare(
          f"{prose_bytes / 1e3:.0f} KB, retrieval pool {pool_bytes / 1e3:.0f} KB")
     if not hcode or not hprose or not pool:
         raise RuntimeError("empty held-out set: raise --heldout-fraction or widen the corpus")
+    return hcode, hprose, pool, code_bytes, prose_bytes, pool_bytes
 
-    # tokenizer: trained on the first tokenizer_bytes of training text (hash order)
-    t1 = time.time()
-    sample, nb = [], 0
-    for t in train_texts:
-        sample.append(t)
-        nb += len(t)
-        if nb >= opts.tokenizer_bytes:
+
+def prepare(
+    work: str | Path,
+    opts: PrepareOptions | None = None,
+    roots: list[tuple[str, str]] | None = None,
+    packages: list[str] | None = None,
+) -> dict:
+    """Build everything the training processes share under ``work``; returns the manifest.
+
+    With ``opts.heldout_from`` the held-out set is that directory's (copied to ``work/heldout``, its
+    manifest's packages held out of training, training files whose content is a held-out document
+    dropped); with ``opts.tokenizer_from`` the tokenizer is that directory's ``tokenizer.json``.
+    The manifest then says whether the training file list equals the one the held-out set's
+    manifest records (``same_train_files``)."""
+    opts = opts or PrepareOptions()
+    work = Path(work)
+    (work / "heldout").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    files = D.discover(roots, packages)
+    ref = None  # the manifest of the reused held-out set
+    held_docs: set[str] = set()
+    if opts.heldout_from:
+        import shutil
+
+        src = Path(opts.heldout_from)
+        ref = json.loads((src / "manifest.json").read_text())
+        shutil.rmtree(work / "heldout")
+        shutil.copytree(src, work / "heldout")
+        from quantmla.evaluation.datasets import load_texts
+
+        held_docs = {D.content_hash(t) for kind in ("code", "prose") for t in load_texts(kind, work / "heldout")}
+    split = D.split_corpus(files, heldout_fraction=opts.heldout_fraction,
+                           heldout_packages=ref["heldout_packages"] if ref else None)
+    _log(f"discovered {len(files)} files in {split.stats['packages']} packages; held out {split.heldout_packages}")
+
+    # training texts, in hash order, exact duplicates removed, up to max_train_bytes
+    train_texts: list[str] = []
+    train_names: list[str] = []
+    seen: set[str] = set()
+    total = 0
+    step = 2000
+    for i in range(0, len(split.train), step):
+        batch = split.train[i : i + step]
+        for f, text in zip(batch, _read_many(batch, opts.workers)):
+            if text is None:
+                continue
+            h = D.content_hash(text)
+            if h in seen:
+                continue
+            if held_docs and (h in held_docs or D.content_hash(D.truncate_at_line(text, 8000)) in held_docs):
+                continue  # a held-out document's content (held-out code is cut at 8000 characters)
+            seen.add(h)
+            train_texts.append(text)
+            train_names.append(f.name)
+            total += len(text.encode("utf-8"))
+        if total >= opts.max_train_bytes:
             break
-    tok_raw = train_tokenizer(sample, opts.vocab_size, length=len(sample))
-    save_tokenizer(tok_raw, work / "tokenizer")
-    tok = load_tokenizer(work / "tokenizer")
-    _log(f"tokenizer: vocab {tok_raw.get_vocab_size()} trained on {nb / 1e6:.1f} MB ({time.time() - t1:.1f}s)")
+    _log(f"training text: {len(train_texts)} files, {total / 1e6:.1f} MB ({time.time() - t0:.1f}s)")
+
+    if ref is None:
+        hcode, hprose, pool, code_bytes, prose_bytes, pool_bytes = _build_heldout(split, seen, opts)
+
+    # tokenizer: trained on the first tokenizer_bytes of training text (hash order), or the given one
+    t1 = time.time()
+    if opts.tokenizer_from:
+        from tokenizers import Tokenizer
+
+        (work / "tokenizer").mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (work / "tokenizer" / name).write_bytes((Path(opts.tokenizer_from) / name).read_bytes())
+        tok_raw = Tokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
+        tok = load_tokenizer(work / "tokenizer")
+        _log(f"tokenizer: vocab {tok_raw.get_vocab_size()} from {opts.tokenizer_from}")
+    else:
+        sample, nb = [], 0
+        for t in train_texts:
+            sample.append(t)
+            nb += len(t)
+            if nb >= opts.tokenizer_bytes:
+                break
+        tok_raw = train_tokenizer(sample, opts.vocab_size, length=len(sample))
+        save_tokenizer(tok_raw, work / "tokenizer")
+        tok = load_tokenizer(work / "tokenizer")
+        _log(f"tokenizer: vocab {tok_raw.get_vocab_size()} trained on {nb / 1e6:.1f} MB ({time.time() - t1:.1f}s)")
 
     # tokenize the training stream (EOS between documents)
     t1 = time.time()
@@ -171,6 +214,35 @@ def prepare(
     np.save(work / "train_tokens.npy", stream)
     _log(f"training stream: {len(stream) / 1e6:.1f} M tokens, {total / len(stream):.2f} bytes/token ({time.time() - t1:.1f}s)")
 
+    corpus_id = D.content_hash("\n".join(train_names))
+    tok_sha = file_sha256(work / "tokenizer" / "tokenizer.json")
+    manifest = {
+        "options": asdict(opts),
+        "python": platform.python_version(),
+        "roots": [[g, p] for g, p in (roots or D.default_roots())],
+        "files_discovered": len(files),
+        "packages": split.stats["packages"],
+        "heldout_packages": split.heldout_packages,
+        "train_files": len(train_texts),
+        "train_bytes": total,
+        "train_tokens": int(len(stream)),
+        "train_file_list_sha256": corpus_id,
+    }
+    if ref is not None:  # the reused held-out set: its figures, and whether the training data are its run's
+        manifest.update({
+            "same_train_files": corpus_id == ref.get("train_file_list_sha256"),
+            "heldout_code": ref["heldout_code"],
+            "heldout_prose": ref["heldout_prose"],
+            "retrieval": ref["retrieval"],
+            "tokenizer_sha256": tok_sha,
+            "same_tokenizer": tok_sha == ref.get("tokenizer_sha256"),
+            "seconds": round(time.time() - t0, 1),
+        })
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=1))  # work/heldout keeps its own
+        _log(f"prepare done in {manifest['seconds']}s; the training files "
+             + ("equal" if manifest["same_train_files"] else "differ from") + f" those of {opts.heldout_from}")
+        return manifest
+
     # held-out files and retrieval samples
     from quantmla.evaluation.datasets import write_jsonl
     from quantmla_lab.training.tasks import make_eval_samples
@@ -183,26 +255,14 @@ def prepare(
             samples = make_eval_samples(tok, pool, L, opts.n_retrieval, seed=opts.seed, n_keys=n_keys, tag=kind)
             write_jsonl(work / "heldout" / f"{kind}_{L}.jsonl.xz", samples)
     _log(f"retrieval samples: {opts.n_retrieval} x {list(opts.retrieval_lengths)} x (4 keys, 1 key) ({time.time() - t1:.1f}s)")
-
-    corpus_id = D.content_hash("\n".join(train_names))
-    manifest = {
-        "options": asdict(opts),
-        "python": platform.python_version(),
-        "roots": [[g, p] for g, p in (roots or D.default_roots())],
-        "files_discovered": len(files),
-        "packages": split.stats["packages"],
-        "heldout_packages": split.heldout_packages,
-        "train_files": len(train_texts),
-        "train_bytes": total,
-        "train_tokens": int(len(stream)),
-        "train_file_list_sha256": corpus_id,
+    manifest.update({
         "heldout_code": {"docs": len(hcode), "bytes": code_bytes, "sources": sorted({h["source"].split("/")[1] for h in hcode})},
         "heldout_prose": {"docs": len(hprose), "bytes": prose_bytes},
         "retrieval": {"n": opts.n_retrieval, "lengths": list(opts.retrieval_lengths), "pool_bytes": pool_bytes,
                       "n_keys": {"retrieval": 4, "passkey": 1}},
-        "tokenizer_sha256": file_sha256(work / "tokenizer" / "tokenizer.json"),
+        "tokenizer_sha256": tok_sha,
         "seconds": round(time.time() - t0, 1),
-    }
+    })
     (work / "heldout" / "manifest.json").write_text(json.dumps(manifest, indent=1))
     (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _log(f"prepare done in {manifest['seconds']}s")
@@ -451,6 +511,10 @@ def evaluate_model(model_dir: str | Path, heldout: str | Path, *, device: str, s
     return res
 
 
+REPRODUCE = {"deepseek-geometry": "`lab/scripts/train_deepseek_geometry.sh` on one GPU (trains and evaluates it in "
+                                   "one call; the weights are not in git)"}
+"""How to reproduce a model of a size other than "ref" (``lab/scripts/train_reference.sh`` on one GPU)."""
+
 TARGETS = {"bpb_code_max": 1.5, "retrieval_2048_min": 0.9, "retrieval_4096_min": 0.8}
 
 
@@ -490,6 +554,8 @@ def evaluate_and_card(out_dir: Path, work: Path, family: str, training: dict, op
             "train_file_list_sha256": manifest["train_file_list_sha256"],
             "heldout_packages": manifest["heldout_packages"],
             "tokenizer_sha256": manifest["tokenizer_sha256"],
+            **({"heldout_from": manifest["options"]["heldout_from"], "same_train_files": manifest["same_train_files"]}
+               if "same_train_files" in manifest else {}),
             "retrieval_format": "eval.retrieval: 4 key lines `<adj>_<animal> = <5 digits>` at random line starts "
             "of held-out code (3 distractors), prompt ends with `<key> =`, answer ` <digits>`; eval.passkey: the same "
             "with a single key line; correct = every answer token is the argmax (= greedy decoding)",
@@ -511,6 +577,14 @@ def evaluate_and_card(out_dir: Path, work: Path, family: str, training: dict, op
 def render_readme(card: dict) -> str:
     a, t, e = card["architecture"], card["training"], card["eval"]
     ret = e["retrieval"]
+    reproduce = REPRODUCE.get(t.get("options", {}).get("size"), "`lab/scripts/train_reference.sh` on one GPU")
+    data = card.get("data", {})
+    same = ""
+    if "same_train_files" in data:
+        same = (f" Tokenizer and held-out set: those of the shipped models (`{data['heldout_from']}`); training files "
+                + ("the same as theirs." if data["same_train_files"] else
+                   "another list than theirs (the training machine's packages differ; `card.json` gives this "
+                   "list's hash, the held-out manifest theirs)."))
     lines = [
         f"# {card['name']}",
         "",
@@ -538,7 +612,7 @@ def render_readme(card: dict) -> str:
         "With a single key line (passkey): " + ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in e["passkey"].items()) + ".",
         "",
         "Load: `AutoModelForCausalLM.from_pretrained(dir)`, `AutoTokenizer.from_pretrained(dir)`. "
-        "Figures and provenance: `card.json`. Reproduce: `lab/scripts/train_reference.sh` on one GPU.",
+        f"Figures and provenance: `card.json`. Reproduce: {reproduce}.{same}",
         "",
     ]
     return "\n".join(lines)

@@ -7,6 +7,8 @@ table <out>/accuracy.md (default out/eval, outside the tracked tree).
                                               the committed table: every row in one call
     quantmla eval --all --quick               CI-sized: few chunks and samples, a subset of rows
     quantmla eval models/qmla-ref-deepseek-v3 --config INT4/INT4 --method rtn quantmla
+    quantmla eval MODEL --groups 128/32 64/32 --rows BF16:bf16 INT4/INT4:quantmla:128/32 INT4/INT4:rtn
+                                              rows in the order given (a timed-out run keeps the first ones)
     quantmla eval --from-json results/accuracy.json --readme README.md
                                               the table and the README's summary block, from the JSON
     quantmla eval --from-json a/accuracy.json b/accuracy.json --out results
@@ -36,6 +38,9 @@ def add_arguments(p):
     p.add_argument("--method", nargs="+", default=None,
                    help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope quantmla-rope-channel "
                         "quantmla-rope-channel-pagefit quantmla-content-rope-channel (default: the grid)")
+    p.add_argument("--rows", nargs="+", default=None, metavar="CONFIG:METHOD[:C/R]",
+                   help="rows in this order, instead of --config x --method: e.g. BF16:bf16 INT4/INT4:quantmla:128/32; "
+                        "a row without C/R runs at each group setting (--groups, or --content-group/--rope-group)")
     p.add_argument("--out", default=None,
                    help="output directory for accuracy.json/.md (default out/eval, or out/eval-quick with --quick; "
                         "the committed table is results/, written only when named)")
@@ -52,6 +57,9 @@ def add_arguments(p):
                         "held-out code from its first half (never trained on), with a control that removes the line")
     p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --seq-len tokens, training text)")
     p.add_argument("--calib-steps", type=int, default=None, help="optimizer steps per layer of the learned transforms")
+    p.add_argument("--calib-device", default=None,
+                   help="where calibration keeps its captured activations and runs its fits (cpu, cuda; default: the "
+                        "CPU); the capture forward runs on --device")
     p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
     p.add_argument("--groups", nargs="+", default=None, metavar="C/R",
@@ -86,23 +94,26 @@ def _log(msg: str) -> None:
     print(f"[eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def group_settings(args) -> list[tuple[int, int]]:
-    """(content_group, rope_group) pairs from --groups C/R ..., else --content-group/--rope-group."""
+def parse_groups(text: str, flag: str = "--groups") -> tuple[int, int]:
+    """(content_group, rope_group), channels per group, from "C/R" such as "64/32" or "g64/g32"."""
     from quantmla.cli import CLIError
 
+    parts = text.lower().replace("g", "").split("/")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise CLIError(f"{flag} {text}: give CONTENT/ROPE channel counts such as 64/32")
+    return int(parts[0]), int(parts[1])
+
+
+def group_settings(args) -> list[tuple[int, int]]:
+    """(content_group, rope_group) pairs from --groups C/R ..., else --content-group/--rope-group."""
     if not args.groups:
         return [(args.content_group, args.rope_group)]
-    out = []
-    for g in args.groups:
-        parts = g.lower().replace("g", "").split("/")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise CLIError(f"--groups {g}: give CONTENT/ROPE channel counts such as 64/32")
-        out.append((int(parts[0]), int(parts[1])))
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(parse_groups(g) for g in args.groups))
 
 
 def rows_for(args):
-    """Every RowSpec of this call: (configs x methods, or the default grid) x group settings x windows.
+    """Every RowSpec of this call: (configs x methods, or the default grid) x group settings x windows,
+    or with --rows each named row (at its own group setting, or at each one) x windows, in that order.
     BF16 rows (nothing grouped, nothing windowed) appear once."""
     from quantmla.errors import QuantMLAError
     from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows, named_config
@@ -119,6 +130,23 @@ def rows_for(args):
             seen.add(key)
             rows.append(r)
 
+    if getattr(args, "rows", None):
+        if args.config is not None or args.method is not None:
+            raise CLIError("--rows names each row's config and method: leave out --config and --method")
+        for spec in args.rows:
+            parts = spec.split(":")
+            if len(parts) not in (2, 3):
+                raise CLIError(f"--rows {spec}: give CONFIG:METHOD or CONFIG:METHOD:C/R, "
+                               "such as INT4/INT4:quantmla:128/32")
+            settings = [parse_groups(parts[2], f"--rows {spec}, groups")] if len(parts) == 3 else group_settings(args)
+            for cg, rg in settings:
+                for w in args.fp_window:
+                    try:
+                        add(RowSpec(named_config(parts[0], cg, rg), parts[1], args.kivi_block or rg,
+                                    0 if parts[1] == "bf16" else w))
+                    except QuantMLAError as e:
+                        raise type(e)(f"--rows {spec}: {e}") from None
+        return rows
     for cg, rg in group_settings(args):
         block = args.kivi_block or rg
         for w in args.fp_window:
@@ -312,6 +340,8 @@ def run(args) -> int:
     calib_kwargs = {"progress": True, "verbose": False}  # a progress bar while a row calibrates, no report table
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
+    if args.calib_device is not None:
+        calib_kwargs["device"] = args.calib_device
     elif args.quick:
         calib_kwargs["steps"] = 20
     names = {m: os.path.basename(os.path.normpath(m)) for m in models}
@@ -356,6 +386,8 @@ def run(args) -> int:
             row["data"] = data
             row["setup"] = setup(r)
             row["device"] = _device_name(args.device)
+            if "calibration" in row:
+                row["calibration"]["fit_device"] = args.calib_device or "cpu"
             new_rows.append(row)
             _log(f"{name} {r.config.name} {r.method}: bpb {row['bits_per_byte']:.4f} retrieval "
                  + " ".join(f"{L}:{v['accuracy']:.2f}" for L, v in row["retrieval"].items())
