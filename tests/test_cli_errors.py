@@ -452,3 +452,24 @@ def test_serve_generates_what_generate_does(ckpts, tmp_path, capsys):
     assert rc == 1 and [r["finish_reason"] for r in rows][1:] == ["error", "error"]
     assert "can never fit" in rows[1]["error"] and "token ids must lie in [0, 300); this prompt has 100000" in rows[2]["error"]
     assert rows[0]["finish_reason"] in ("length", "eos") and "Traceback" not in err
+
+
+def test_calibrate_device_is_where_the_fits_run(ckpts, tmp_path, capsys, monkeypatch):
+    """`--device` moves the model and puts the captured activations and the fits there too (it used to
+    move only the model, so the fits ran on the CPU whatever the flag said)."""
+    import quantmla.calibration.api as api
+    from quantmla.errors import QuantMLAError
+
+    seen = {}
+
+    def spy(model, ids, quant, opts, **kw):
+        seen["device"], seen["model"] = opts.device, next(model.parameters()).device.type
+        raise QuantMLAError("stopped by the test")
+
+    monkeypatch.setattr(api, "calibrate", spy)
+    rc, out, err = run_cli(capsys, "calibrate", ckpts / "mla", "--content-group", "32", "--rope-group", "16",
+                           *calib_args(ckpts, tmp_path / "o"), "--device", "meta")
+    assert rc != 0 and "stopped by the test" in err and seen == {"device": "meta", "model": "meta"}
+    rc, out, err = run_cli(capsys, "calibrate", ckpts / "mla", "--content-group", "32", "--rope-group", "16",
+                           *calib_args(ckpts, tmp_path / "o2"))
+    assert seen["device"] is None and seen["model"] == "cpu"

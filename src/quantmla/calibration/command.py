@@ -5,6 +5,7 @@ several processes, resumable): calibration/stream_command.py, docs/scaling.md.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -34,6 +35,8 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     opts = CalibrationOptions.from_args(args).check()
+    if str(args.device) != "cpu":  # the captured activations and the fits live where the model runs
+        opts = dataclasses.replace(opts, device=str(args.device))
     _, quant = preflight(args, overwrite=args.overwrite)  # before the fit, not after it
     tok, ids = calibration_ids(args)
     saved_dtype = DTYPES[args.dtype]
