@@ -55,14 +55,14 @@ def main(argv=None) -> int:
                 layout = PageLayout(TokenLayout(bench.D_C, bench.D_R, bench.METHODS[m]), bench.PAGE)
                 default = api.default_config(heads, layout, "cuda")
                 cache = bench.Cache(layout, [L] * B, seed=B)
-                q = bench._queries(B, 1, heads)
+                q = bench.queries(B, 1, heads)
                 times = []
                 for tiling in tilings(m, heads):
                     for k in a.ctas:
                         cfg = replace(tiling, ctas_per_sm=k)
                         try:
                             md = api.get_mla_metadata(cache.seq_lens, heads, 1, layout, config=cfg)
-                            t, _ = bench._time_decode(cache, q, cfg, a)
+                            t, _ = bench.time_decode(cache, q, cfg, a)
                         except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
                             print(f"{m:10} H{heads} {B}x{L} {cfg.describe():44} failed: {type(e).__name__}", flush=True)
                             continue

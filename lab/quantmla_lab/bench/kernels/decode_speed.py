@@ -368,10 +368,10 @@ def run_bench(args) -> dict:
                 chosen[(m, H)] = ok_cands[0]
                 continue
             cache = Cache(layout, [sl_] * sb, seed=7)
-            q = _queries(sb, args.q_len, H)
+            q = queries(sb, args.q_len, H)
             best = None
             for cfg in ok_cands:
-                t, _ = _time_decode(cache, q, cfg, args)
+                t, _ = time_decode(cache, q, cfg, args)
                 res["sweep"].append({"method": m, "heads": H, "batch": sb, "context": sl_, "config": cfg.describe(), "ms": t * 1e3})
                 log(f"sweep {m:10s} H={H:3d} {sb}x{sl_} {cfg.describe():40s} {t * 1e6:9.1f} us", flush=True)
                 if best is None or t < best[0]:
@@ -393,7 +393,7 @@ def run_bench(args) -> dict:
     for H in heads:
         for B, L in shapes_of[H]:
             lens = [L] * B
-            q = _queries(B, args.q_len, H)
+            q = queries(B, args.q_len, H)
             flops = decode_flops(lens, H, args.q_len, D_C, D_R)
             bf16_bytes = decode_bytes(lens, bf16_layout, H, args.q_len)
             t_bf16 = t_peer = None
@@ -404,7 +404,7 @@ def run_bench(args) -> dict:
                 cache = Cache(PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE), lens, seed=B * 7 + L)
                 if m == "bf16" and peer is not None and args.q_len == 1:
                     t_peer = _time_peer(peer, cache, q, H, B, L, bf16_bytes, flops, copy, shape_rows, args)
-                t, graph = _time_decode(cache, q, chosen[(m, H)], args)
+                t, graph = time_decode(cache, q, chosen[(m, H)], args)
                 nbytes = decode_bytes(lens, cache.layout, H, args.q_len)
                 if m == "bf16":
                     t_bf16 = t
@@ -453,14 +453,17 @@ def _empty_cache():
         torch.cuda.empty_cache()
 
 
-def _queries(B, q_len, H):
+def queries(B, q_len, H):
+    """Random bf16 queries seeded by the shape: (q_latent [B, q_len, H, d_c], q_rope [B, q_len, H, d_r])."""
     g = torch.Generator(device=DEV).manual_seed(B * 1000 + H)
     qc = torch.randn(B, q_len, H, D_C, generator=g, device=DEV).to(torch.bfloat16)
     qr = torch.randn(B, q_len, H, D_R, generator=g, device=DEV).to(torch.bfloat16)
     return qc, qr
 
 
-def _time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]:
+def time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]:
+    """Median ms of one decode call of `cfg` over `cache` (a CUDA-graph replay where it captures), and
+    whether it was a replay."""
     qc, qr = q
     B, SQ, H, _ = qc.shape
     md = api.get_mla_metadata(cache.seq_lens, H, SQ, cache.layout, config=cfg)

@@ -42,12 +42,12 @@ def main(argv=None) -> int:
         tilings = [base] + [c for c in bench.candidates(m, a.heads)[1:3] if c.kernel == "fused" and c.orient == "heads"]
         for B in a.batches:
             cache = bench.Cache(layout, [a.context] * B, seed=B)
-            q = bench._queries(B, 1, a.heads)
+            q = bench.queries(B, 1, a.heads)
             for tiling in tilings:
                 for k in a.min_chunks:
                     cfg = replace(tiling, min_chunk=k)
                     md = api.get_mla_metadata(cache.seq_lens, a.heads, 1, layout, config=cfg)
-                    t, _ = bench._time_decode(cache, q, cfg, a)
+                    t, _ = bench.time_decode(cache, q, cfg, a)
                     rows.append(dict(method=m, batch=B, context=a.context, config=cfg.describe(), min_chunk=k,
                                      splits=md.max_splits, programs=md.num_units, us=round(t * 1e6, 2),
                                      default=(tiling == base and k == base.min_chunk)))
