@@ -57,9 +57,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       for (int n = 0; n < (STEPS + NTB - 1) / NTB; ++n) {  // unrolled: a thread's steps are known here
         const int i = tid + n * NTB;
         if (STEPS % NTB != 0 && i >= STEPS) break;
-        // a thread's column piece is the same at every step where the builders cover whole tokens
-        const int t = NTB % CPT == 0 ? tid / CPT + n * (NTB / CPT) : i / CPT;
-        const int j = NTB % CPT == 0 ? tid % CPT : i % CPT;
+        const int t = i / CPT, j = i % CPT;
         if (t >= valid) {
 #pragma unroll
           for (int k = 0; k < K; ++k)
