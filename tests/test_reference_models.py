@@ -89,7 +89,7 @@ def test_cards_meet_targets():
 @pytest.mark.parametrize("name", REFERENCE_MODELS)
 def test_card_slice_reproduces_on_cpu(name):
     """Recompute the card's fp32 slice (2 code chunks, 2 retrieval samples at 1K) on CPU."""
-    from quantmla_lab.training.train import slice_figures
+    from quantmla_lab.training.card import slice_figures
 
     card = _card(name)["slice"]
     torch.manual_seed(0)
