@@ -37,7 +37,7 @@ class DecodeConfig:
     block_n: tokens per tile; ctas_per_sm: programs the scheduler aims to keep per SM (it splits
     long sequences until there are about that many); min_chunk: fewest tokens a split covers;
     kernel: "cuda" (kernels/cuda/mla_decode.cu: each tile built once in shared memory as 16-bit values
-    and read by both products; block_n 32, 8 warps, num_stages its cp.async stages), "fused" (Triton,
+    and read by both products; block_n and num_warps its tiling, num_stages its cp.async stages), "fused" (Triton,
     generated per format, codes exact in bf16, scales folded into scores and probabilities; BF16 caches
     too) or "generic" (Triton, decode.py: tiles rebuilt to bf16 values);
     unpack: the fused kernel's code unpacking ("asm": inline PTX, once per tile; "tl": Triton ops);
