@@ -63,9 +63,10 @@ if [[ "$MODE" == rows ]]; then
   exit 0
 fi
 if [[ "$MODE" == unpack ]]; then
-  # CPU: DIR holds what a GPU call wrote. The model directory goes to models/NAME (git ignores its
-  # weights) and its README.md is written again from card.json; the run log goes to
-  # lab/results/training, the console to lab/results/logs, the accuracy rows to results/deepseek_geometry.
+  # CPU: DIR holds what a GPU call wrote. The model directory goes to models/NAME (git ignores it:
+  # a directory without its weights would pass for a model) and its README.md is written again from
+  # card.json; the card and the run log go to lab/results/training, the console to lab/results/logs,
+  # the accuracy rows to results/deepseek_geometry.
   back=${2:?usage: $0 unpack DIR}
   runs=lab/results/training logs=lab/results/logs
   if compgen -G "$back/model.tar.part-*" > /dev/null; then
@@ -79,6 +80,10 @@ if [[ "$MODE" == unpack ]]; then
   fi
   mkdir -p "$runs" "$logs" "$TABLE"
   if [[ -f "$back/training.json" ]]; then cp "$back/training.json" "$runs/deepseek_geometry_h200.json"; fi
+  if [[ -f "models/$NAME/card.json" ]]; then  # the card in git; the model directory is ignored whole
+    cp "models/$NAME/card.json" "$runs/deepseek_geometry_card.json"
+    cp "models/$NAME/README.md" "$runs/deepseek_geometry_card.md"
+  fi
   if [[ -f "$back/console.log" ]]; then
     cp "$back/console.log" "$logs/h200_$(date -r "$back/console.log" +%Y-%m-%dT%H%M).txt"
   fi
