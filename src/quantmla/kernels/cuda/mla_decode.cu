@@ -9,8 +9,11 @@
 //   B  build  the tile once in shared memory as 16-bit values x = code·scale + zero, [BN, d_c + d_r]
 //             (a BF16 cache is copied straight into that layout and needs no build)
 //   C  QK     S = q_latent·cᵀ + q_rope·k_Rᵀ on the tensor cores (mma.sync m16n8k16, fp32 accumulate),
-//             the query block and the tile both read with ldmatrix
-//   D  soft   online softmax (base 2) per row, one warp per row, P written to shared memory as 16-bit
+//             KSPLIT warps sharing a score tile's channels (their query fragments in registers when a
+//             share is at most 9 steps of 16), partial scores summed in the softmax
+//   D  soft   online softmax (base 2), two rows a pass on 16 lanes each where a warp owns an even number
+//             of rows; a row's reference maximum moves only by more than 2^8, so most tiles rescale
+//             nothing; P written to shared memory as 16-bit
 //   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
 //
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
