@@ -7,6 +7,9 @@
 # bench           `quantmla bench-kernel`: every format against BF16 at DeepSeek shapes, with the
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
+# tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
+# sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
+#                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -42,6 +45,21 @@ serving-shapes() {
   timeout 240 python3 -m quantmla.cli bench-kernel --heads 16 --methods int4/int4,int2/int4 \
     --shapes 64x1536,20x2048,6x2048,32x16384 --sweep-shape 64x1536 --out "$OUT/kernels/decode_serving_shapes_h200.json" 2>&1 \
     | grep -v "^check " | tail -30
+}
+
+tilings() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8,bf16 \
+    --shapes 1x131072,32x16384,8x16384 --tilings 8x32,16x32,16x64 --out "$OUT/kernels/decode_cuda_tilings_h200.json" 2>&1 | tail -40
+  timeout 100 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
+    --shapes 32x8192 --out "$OUT/kernels/decode_cuda_tilings_128h_h200.json" 2>&1 | tail -10
+}
+
+sass-phases() {
+  local rep=/tmp/quantmla_sass_prof
+  QUANTMLA_CUDA_LINEINFO=1 timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section WarpStateStats \
+    --section SourceCounters -f -o "$rep" python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 > /dev/null 2>&1
+  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
+  python3 -m quantmla_lab.bench.kernels.sass_phases "$rep.csv" --tokens 524288 | tee "$OUT/kernels/sass_phases_int4_32x16384_h200.txt"
 }
 
 for s in "${STEPS[@]}"; do
