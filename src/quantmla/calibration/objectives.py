@@ -68,12 +68,17 @@ def content_dequant(latent: torch.Tensor, t: torch.Tensor | None, t_inv: torch.T
 def rope_dequant(k_rope: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None,
                  fmt: PathFormat, layout: str) -> torch.Tensor:
     """k̂_R = Q_b(k_R·M)·M⁻¹ with M the per-pair scalars z = (re, im) or complex (None: identity)."""
+    return _through_pairs(k_rope, z, layout, lambda k: fake_quant_lsq(k, fmt))
+
+
+def _through_pairs(k_rope: torch.Tensor, z, layout: str, quantize) -> torch.Tensor:
+    """quantize(k_R·M)·M⁻¹ with M the per-pair scalars z = (re, im) or complex (None: quantize(k_R))."""
     if z is None:
-        return fake_quant_lsq(k_rope, fmt)
+        return quantize(k_rope)
     zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
     zr, zi = zr.float().to(k_rope.device), zi.float().to(k_rope.device)
     n2 = zr * zr + zi * zi
-    return apply_pairs(fake_quant_lsq(apply_pairs(k_rope, (zr, zi), layout), fmt), (zr / n2, -zi / n2), layout)
+    return apply_pairs(quantize(apply_pairs(k_rope, (zr, zi), layout)), (zr / n2, -zi / n2), layout)
 
 
 def rope_page_dequant(k_rope: torch.Tensor, z, page, layout: str) -> torch.Tensor:
@@ -81,12 +86,7 @@ def rope_page_dequant(k_rope: torch.Tensor, z, page, layout: str) -> torch.Tenso
     length, the unfinished page as the cache quantizes it), z as in :func:`rope_dequant`; no gradient."""
     from quantmla.cache.rope_channel import quantize_pages
 
-    if z is None:
-        return quantize_pages(k_rope, page)
-    zr, zi = (z.real, z.imag) if torch.is_tensor(z) and torch.is_complex(z) else z
-    zr, zi = zr.float().to(k_rope.device), zi.float().to(k_rope.device)
-    n2 = zr * zr + zi * zi
-    return apply_pairs(quantize_pages(apply_pairs(k_rope, (zr, zi), layout), page), (zr / n2, -zi / n2), layout)
+    return _through_pairs(k_rope, z, layout, lambda k: quantize_pages(k, page))
 
 
 class OutputDistortion:
