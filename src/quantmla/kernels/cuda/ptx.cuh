@@ -36,6 +36,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// (x & mask) | magic in one LOP3 (written as C, ptxas spends two: both constants cannot be immediates)
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t magic) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
+  return y;
+}
+
 __device__ __forceinline__ T2 as_t2(uint32_t u) { return *reinterpret_cast<T2*>(&u); }
 __device__ __forceinline__ uint32_t as_u32(T2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 

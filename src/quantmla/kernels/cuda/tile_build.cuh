@@ -57,7 +57,9 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       for (int n = 0; n < (STEPS + NTB - 1) / NTB; ++n) {  // unrolled: a thread's steps are known here
         const int i = tid + n * NTB;
         if (STEPS % NTB != 0 && i >= STEPS) break;
-        const int t = i / CPT, j = i % CPT;
+        // a thread's column piece is the same at every step where the builders cover whole tokens
+        const int t = NTB % CPT == 0 ? tid / CPT + n * (NTB / CPT) : i / CPT;
+        const int j = NTB % CPT == 0 ? tid % CPT : i % CPT;
         if (t >= valid) {
 #pragma unroll
           for (int k = 0; k < K; ++k)
@@ -88,21 +90,23 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
           const T2 off = __float2bfloat162_rn(128.0f + MID);
           const uint32_t m2 = MASK * 0x10001u;
 #endif
-          uint32_t s2u, z2u = 0u;                          // scale and zero point, in both halves
-          if constexpr (F == 2 && FBM % 4 == 0) {          // one 32-bit load: (scale, zero) are adjacent
-            const uint32_t sz = *reinterpret_cast<const uint32_t*>(mp);
-            s2u = __byte_perm(sz, 0, 0x1010);
-            z2u = __byte_perm(sz, 0, 0x3232);
+          T2 s2, z2;                                       // scale and zero point, in both halves
+          if constexpr (F == 2 && FBM % 4 == 0) {          // one 32-bit load: (scale, zero) are adjacent;
+            const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));  // the halves broadcast as
+#if HALF                                                   // operand selectors of the HFMA2
+            s2 = __low2half2(sz), z2 = __high2half2(sz);
+#else
+            s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
+#endif
           } else {
-            s2u = *reinterpret_cast<const uint16_t*>(mp) * 0x10001u;
-            if constexpr (F == 2) z2u = *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u;
+            s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
+            z2 = as_t2(F == 2 ? *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u : 0u);
           }
-          const T2 s2 = as_t2(s2u), z2 = as_t2(z2u);
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            o4[2 * e] = as_u32(__hfma2(__hsub2(as_t2(((lo[e] >> SH) & m2) | magic), off), s2, z2));
-            o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(((hi[e] >> SH) & m2) | magic), off), s2, z2));
+            o4[2 * e] = as_u32(__hfma2(__hsub2(as_t2(and_or(lo[e] >> SH, m2, magic)), off), s2, z2));
+            o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(and_or(hi[e] >> SH, m2, magic)), off), s2, z2));
           }
           *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
         }
