@@ -23,6 +23,7 @@ import os
 
 from quantmla.errors import QuantMLAError
 from quantmla.evaluation.harness import EVAL_MODE, METHODS, finite
+from quantmla.evaluation.intervals import paired_difference, wilson
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
 METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla-rope", "quantmla",
@@ -151,7 +152,8 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
 def relative(rows: list[dict]) -> list[dict]:
     """Adds bpb_increase_pct (against the BF16 row of the same model on identical perplexity data, else
     None), retrieval_delta_points (against a BF16 row on identical data, perplexity and retrieval; absent
-    otherwise) and compression_vs_bf16."""
+    otherwise) with retrieval_delta_ci, its 95 % paired interval in points where both rows kept their
+    per-sample outcomes (``intervals.paired_difference``), and compression_vs_bf16."""
     by_ppl: dict[tuple, dict] = {}
     by_all: dict[tuple, dict] = {}
     for r in rows:
@@ -161,12 +163,19 @@ def relative(rows: list[dict]) -> list[dict]:
     for r in rows:
         r.pop("bpb_increase_pct", None)
         r.pop("retrieval_delta_points", None)
+        r.pop("retrieval_delta_ci", None)
         b = by_ppl.get((r["model"], ppl_data_of(r)))
         r["bpb_increase_pct"] = None if b is None else 100.0 * (r["bits_per_byte"] / b["bits_per_byte"] - 1.0)
         b = by_all.get((r["model"], json.dumps(data_of(r), sort_keys=True)))
         if b is not None:
             r["retrieval_delta_points"] = {L: 100.0 * (v["accuracy"] - b["retrieval"][L]["accuracy"])
                                            for L, v in r["retrieval"].items() if L in b["retrieval"]}
+            paired = {L: paired_difference(v["per_sample"], b["retrieval"][L]["per_sample"])
+                      for L, v in r["retrieval"].items()
+                      if v.get("per_sample") and (b["retrieval"].get(L) or {}).get("per_sample")
+                      and len(v["per_sample"]) == len(b["retrieval"][L]["per_sample"])}
+            if paired and r is not b:
+                r["retrieval_delta_ci"] = {L: [100.0 * lo, 100.0 * hi] for L, (_, lo, hi) in paired.items()}
         if r.get("bf16_bytes_per_token"):
             r["compression_vs_bf16"] = r["bf16_bytes_per_token"] / r["bytes_per_token"]
     return rows
@@ -178,6 +187,16 @@ def _fmt_bytes(b: float) -> str:
 
 def _fmt_pct(x) -> str:
     return "—" if x is None else f"{x:+.2f}%"
+
+
+def _fmt_retrieval(v) -> str:
+    """'97.5 (n=200)', with its 95 % Wilson interval where the row kept the count of correct samples."""
+    if v is None:
+        return "—"
+    if v.get("correct") is None:
+        return f"{100 * v['accuracy']:.1f} (n={v['n']})"
+    lo, hi = wilson(v["correct"], v["n"])
+    return f"{100 * v['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] (n={v['n']})"
 
 
 def _len_name(L) -> str:
@@ -240,14 +259,22 @@ def markdown(rows: list[dict], claim_lines=None) -> str:
             cells = [r["config"], _setup_name(setup_of(r)), r["method"] + mark, _fmt_bytes(r["bytes_per_token"]),
                      f"{r['bits_per_byte']:.4f}", "—" if r["method"] == "bf16" else _fmt_pct(r.get("bpb_increase_pct"))]
             for L in lengths:
-                v = r["retrieval"].get(str(L))
-                cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} (n={v['n']})")
+                cells.append(_fmt_retrieval(r["retrieval"].get(str(L))))
             for L in line_lengths:
                 v = (r.get("retrieval_line") or {}).get(str(L))
                 cells.append("—" if v is None else f"{100 * v['accuracy']:.1f} ({100 * v['control_accuracy']:.1f}), n={v['n']}")
             if mixed:
                 cells.append(f"{chr(65 + datas.index(data_of(r)))}, {r.get('device', '?')}")
             out.append("| " + " | ".join(cells) + " |")
+        paired = [r for r in R if r.get("retrieval_delta_ci")]
+        if paired:
+            out += ["", "Retrieval against BF16 on the same samples: Δ points with the 95 % paired interval "
+                    "(Newcombe's hybrid score; an interval that holds 0 separates nothing)", ""]
+            for r in paired:
+                ci = r["retrieval_delta_ci"]
+                parts = [f"{_len_name(L)} {r['retrieval_delta_points'][L]:+.1f} [{ci[L][0]:+.1f}, {ci[L][1]:+.1f}]"
+                         for L in sorted(ci, key=int)]
+                out.append(f"- {r['config']} {_setup_name(setup_of(r))} {r['method']}: " + "; ".join(parts))
     claims = claim_lines(rows) if claim_lines else []
     if claims:
         out += ["", "## What the table shows", "", *claims]
