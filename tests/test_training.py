@@ -355,3 +355,32 @@ def test_deepseek_geometry_script_evaluates_the_table_rows_most_important_first(
     for i, k in enumerate(order):
         if k[1] == "quantmla-rope-channel":
             assert (k[0], "quantmla", *k[2:]) in order[:i]
+
+
+def test_extend_retrieval_keeps_the_first_samples(tmp_path):
+    """The held-out set's retrieval files grow to N: existing samples first and unchanged, new ids after them,
+    the manifest says what was added, and a second run adds nothing."""
+    from transformers import AutoTokenizer
+
+    from quantmla.evaluation.datasets import load_retrieval, load_texts, write_jsonl
+    from quantmla_lab.training.extend_retrieval import extend
+    from quantmla_lab.training.tasks import make_eval_samples
+
+    tok = AutoTokenizer.from_pretrained("models/qmla-ref-deepseek-v2")
+    docs = [{"text": t, "source": "x"} for t in load_texts("code")[:12]]
+    write_jsonl(tmp_path / "code.jsonl", docs)
+    old = {}
+    for kind, keys in (("retrieval", 4), ("passkey", 1)):
+        old[kind] = make_eval_samples(tok, [d["text"] for d in docs], 256, 2, seed=0, n_keys=keys, tag=kind)
+        write_jsonl(tmp_path / f"{kind}_256.jsonl.xz", old[kind])
+    (tmp_path / "manifest.json").write_text(json.dumps({"retrieval": {"n": 2, "lengths": [256]}}))
+    added = extend(tmp_path, tok, 5, log=lambda *_: None)
+    assert added == {"retrieval_256": 3, "passkey_256": 3}
+    for kind in ("retrieval", "passkey"):
+        got = load_retrieval(256, tmp_path, kind=kind)
+        assert got[:2] == old[kind] and len(got) == 5
+        assert [s["id"] for s in got[2:]] == [f"{kind[0]}256-{i:04d}" for i in (2, 3, 4)]
+        assert len({s["prompt"] for s in got}) == 5
+    m = json.loads((tmp_path / "manifest.json").read_text())["retrieval"]
+    assert m["n"] == 5 and m["extended"][0]["from"] == 2
+    assert extend(tmp_path, tok, 5, log=lambda *_: None) == {}
