@@ -81,6 +81,7 @@ def test_two_ctas_per_sm_at_16_heads():
     (preset("int4/int4"), 16, "page size"),
     (CacheFormat(PathFormat(3, 64), BF16), 64, "3-bit"),
     (CacheFormat(PathFormat(4, 2), BF16), 64, "multiple of 4"),
+    (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 64, "per-token groups, not a page's"),
 ])
 def test_refused_layouts_say_why(fmt, page, why):
     lay, p = plan(fmt, page=page)

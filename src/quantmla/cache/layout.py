@@ -9,8 +9,13 @@ Per token and layer the cache holds a *record*:
     RoPE meta      G_r × fields × 2 or 4 bytes
 
 A *page* stores ``page_size`` tokens as four sections, one per field above, each a contiguous
-``[page_size, field_bytes]`` array starting at a 16-byte aligned offset; the page size in bytes
-is rounded up to 16. A 16-bit path stores raw bf16 values as its "codes" and no metadata.
+``[page_size, field_bytes]`` array starting at a 16-byte aligned offset, then the per-page sections
+(``PAGE_SECTIONS``); the page size in bytes is rounded up to 16. A 16-bit path stores raw bf16
+values as its "codes" and no metadata.
+
+A RoPE path grouped per page (``PathFormat(grouping="page")``: one scale and zero point per channel
+group over the page's tokens, KIVI's key grouping at the page size) keeps no per-token metadata; its
+groups' metadata is the page's ``rope_page_meta`` section, ``[G_r, fields]`` in the meta dtype.
 
 The named formats (``PRESETS``, ``preset``) are defined here once; the kernel benchmark, the serving
 benchmark and the evaluation harness all take them from here. ``fp8`` is the cache users run on
@@ -27,6 +32,7 @@ from quantmla.quant.format import BF16, PathFormat
 ALIGN = 16
 DEFAULT_PAGE_SIZE = 64
 SECTIONS = ("content_codes", "rope_codes", "content_meta", "rope_meta")
+PAGE_SECTIONS = ("rope_page_meta",)
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -108,6 +114,11 @@ class TokenLayout:
     def __post_init__(self):
         self.fmt.content.check_dim(self.d_c, "content path")
         self.fmt.rope.check_dim(self.d_r, "RoPE path")
+        if self.fmt.content.per_page:
+            from quantmla.errors import UnsupportedFormatError
+
+            raise UnsupportedFormatError("per-page groups are a RoPE-path format (per-channel keys); the content "
+                                         "path takes per-token groups (grouping 'token')")
 
     @property
     def field_bytes(self) -> dict[str, int]:
@@ -120,13 +131,19 @@ class TokenLayout:
         }
 
     @property
+    def page_field_bytes(self) -> dict[str, int]:
+        """Bytes of each per-page section (0 where the RoPE metadata is per token)."""
+        return {"rope_page_meta": self.fmt.rope.page_meta_bytes(self.d_r)}
+
+    @property
     def bytes_per_token(self) -> int:
+        """The per-token record (per-page metadata not counted: see PageLayout.page_bytes)."""
         return sum(self.field_bytes.values())
 
 
 @dataclass(frozen=True)
 class PageLayout:
-    """Byte offsets of the four sections inside one page of `page_size` tokens."""
+    """Byte offsets of the four per-token sections and the per-page ones inside one page of `page_size` tokens."""
 
     token: TokenLayout
     page_size: int = DEFAULT_PAGE_SIZE
@@ -140,6 +157,9 @@ class PageLayout:
         for name in SECTIONS:
             offsets[name] = off
             off = align_up(off + self.page_size * self.token.field_bytes[name])
+        for name in PAGE_SECTIONS:
+            offsets[name] = off
+            off = align_up(off + self.token.page_field_bytes[name])
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "page_bytes", align_up(off))
 

@@ -23,7 +23,7 @@ import torch
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, compression
 from quantmla.errors import QuantMLAError
 from quantmla.quant.format import PathFormat
-from quantmla.quant.groupwise import Quantized, dequantize, quantize
+from quantmla.quant.groupwise import Quantized, dequantize, quantize, quantize_page
 
 __all__ = [
     "OutOfPagesError",
@@ -33,6 +33,7 @@ __all__ = [
     "slot_of",
     "slots_for",
     "encode_tokens",
+    "encode_page_rope",
     "decode_fields",
     "write_tokens",
     "read_fields",
@@ -265,19 +266,33 @@ def _decode_path(codes: torch.Tensor, meta: torch.Tensor, fmt: PathFormat, dim: 
 
 
 def encode_tokens(layout: PageLayout | TokenLayout, latent: torch.Tensor, k_rope: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The record bytes of tokens: section name -> uint8 [T, field_bytes]."""
+    """The record bytes of tokens: section name -> uint8 [T, field_bytes]. A RoPE path grouped per
+    page has no per-token record of its own (its codes depend on the page): see :func:`encode_page_rope`."""
     tok = layout.token if isinstance(layout, PageLayout) else layout
     fmt: CacheFormat = tok.fmt
     cc, cm = _encode_path(latent.reshape(-1, tok.d_c), fmt.content)
-    rc, rm = _encode_path(k_rope.reshape(-1, tok.d_r), fmt.rope)
-    return {"content_codes": cc, "rope_codes": rc, "content_meta": cm, "rope_meta": rm}
+    out = {"content_codes": cc, "content_meta": cm}
+    if not fmt.rope.per_page:
+        out["rope_codes"], out["rope_meta"] = _encode_path(k_rope.reshape(-1, tok.d_r), fmt.rope)
+    return out
+
+
+def encode_page_rope(layout: PageLayout | TokenLayout, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE bytes of one page grouped per page, from its first n tokens' keys k_rope [n, d_r]:
+    (codes uint8 [n, rope code bytes], page metadata uint8 [rope page-meta bytes])."""
+    tok = layout.token if isinstance(layout, PageLayout) else layout
+    q = quantize_page(k_rope.reshape(-1, tok.d_r), tok.fmt.rope)
+    return q.codes, q.meta.contiguous().view(torch.uint8).reshape(-1)
 
 
 def decode_fields(layout: PageLayout | TokenLayout, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`encode_tokens`: -> latent [T, d_c], k_rope [T, d_r] in fp32 (dequantized)."""
+    """Inverse of :func:`encode_tokens`: -> latent [T, d_c], k_rope [T, d_r] in fp32 (dequantized).
+    A RoPE path grouped per page reads each token's page metadata from ``fields["rope_page_meta"]``
+    ([T, page-meta bytes], as :func:`read_fields` gathers it)."""
     tok = layout.token if isinstance(layout, PageLayout) else layout
     c = _decode_path(fields["content_codes"], fields["content_meta"], tok.fmt.content, tok.d_c)
-    r = _decode_path(fields["rope_codes"], fields["rope_meta"], tok.fmt.rope, tok.d_r)
+    rope_meta = fields["rope_page_meta"] if tok.fmt.rope.per_page else fields["rope_meta"]
+    r = _decode_path(fields["rope_codes"], rope_meta, tok.fmt.rope, tok.d_r)
     return c, r
 
 
@@ -300,10 +315,16 @@ def _check_pages(pages: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     return pages.view(-1)
 
 
-def write_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+def write_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                 page_rope: dict[int, torch.Tensor] | None = None) -> None:
     """Quantize tokens and store their records at `slots` (int [T]; negative slots are skipped).
 
     pages: uint8 [num_pages, page_bytes] (one layer); latent [T, d_c], k_rope [T, d_r] (any float dtype).
+
+    A RoPE path grouped per page is quantized over each page's tokens: `page_rope` maps every page the
+    slots touch to the full-precision keys of its first n tokens [n, d_r] (the new ones included; an
+    unfinished page is quantized over the tokens it holds), and the page's RoPE codes and metadata are
+    rewritten from them. `k_rope` is not used then.
     """
     flat = _check_pages(pages, layout)
     slots = slots.reshape(-1).to(pages.device, torch.int64)
@@ -311,18 +332,55 @@ def write_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, l
     latent = latent.reshape(-1, layout.token.d_c).to(pages.device)[keep]
     k_rope = k_rope.reshape(-1, layout.token.d_r).to(pages.device)[keep]
     slots = slots[keep]
+    per_page = layout.token.fmt.rope.per_page
+    if per_page:
+        _check_page_rope(layout, slots, page_rope)
     if slots.numel() == 0:
         return
     for name, data in encode_tokens(layout, latent, k_rope).items():
         if data.shape[1]:
             flat[_byte_index(layout, name, slots)] = data
+    if per_page:
+        for page in sorted({int(p) for p in (slots // layout.page_size).tolist()}):
+            keys = page_rope[page].to(pages.device)
+            codes, meta = encode_page_rope(layout, keys)
+            own = page * layout.page_size + torch.arange(keys.shape[0], device=pages.device)
+            flat[_byte_index(layout, "rope_codes", own)] = codes
+            start = page * layout.page_bytes + layout.offsets["rope_page_meta"]
+            flat[start: start + meta.numel()] = meta
+
+
+def _check_page_rope(layout: PageLayout, slots: torch.Tensor, page_rope) -> None:
+    """Every page the slots write is in `page_rope`, with keys for at least the written offsets."""
+    if page_rope is None:
+        raise QuantMLAError(
+            f"the RoPE path {layout.token.fmt.rope.describe()} is grouped per page: pass page_rope, the "
+            "full-precision keys of each written page's tokens so far, to quantize the page over them")
+    need: dict[int, int] = {}
+    for s in slots.tolist():
+        p, o = divmod(int(s), layout.page_size)
+        need[p] = max(need.get(p, 0), o + 1)
+    for p, n in need.items():
+        keys = page_rope.get(p)
+        if keys is None or keys.dim() != 2 or keys.shape[1] != layout.token.d_r:
+            raise QuantMLAError(f"page_rope has no [n, {layout.token.d_r}] keys for page {p}, which these slots write")
+        if not n <= keys.shape[0] <= layout.page_size:
+            raise QuantMLAError(
+                f"page_rope[{p}] holds {keys.shape[0]} tokens; the slots write offset {n - 1} of that page "
+                f"(it needs between {n} and {layout.page_size} tokens)")
 
 
 def read_fields(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The raw record bytes of tokens at `slots`: section -> uint8 [T, field_bytes]."""
+    """The raw record bytes of tokens at `slots`: section -> uint8 [T, field_bytes], and each per-page
+    section as its token's page holds it, [T, page-field bytes]."""
     flat = _check_pages(pages, layout)
     slots = slots.reshape(-1).to(pages.device, torch.int64)
-    return {name: flat[_byte_index(layout, name, slots)] for name in layout.token.field_bytes}
+    out = {name: flat[_byte_index(layout, name, slots)] for name in layout.token.field_bytes}
+    for name, nb in layout.token.page_field_bytes.items():
+        if nb:
+            base = (slots // layout.page_size) * layout.page_bytes + layout.offsets[name]
+            out[name] = flat[base[:, None] + torch.arange(nb, device=slots.device, dtype=torch.int64)[None, :]]
+    return out
 
 
 def read_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

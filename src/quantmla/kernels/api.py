@@ -118,9 +118,11 @@ def _layout_constexprs(layout: PageLayout) -> dict:
     cb, cg, ca, cbf = _path_args(tok.fmt.content, tok.d_c, "content path")
     rb, rg, ra, rbf = _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
     o = layout.offsets
+    r_page = tok.fmt.rope.per_page
     return dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
-        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"],
+        OFF_RM=o["rope_page_meta"] if r_page else o["rope_meta"], R_PAGE=r_page,
         C_BITS=cb, C_GS=cg, C_AFFINE=ca, C_FP8=tok.fmt.content.mode == "fp8" and tok.fmt.content.quantized,
         C_MB=tok.fmt.content.meta_elem_bytes,
         R_BITS=rb, R_GS=rg, R_AFFINE=ra, R_FP8=tok.fmt.rope.mode == "fp8" and tok.fmt.rope.quantized,
@@ -349,6 +351,10 @@ def append_to_pages(
     ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync)."""
     check_layout_supported(layout)
     tok = layout.token
+    if tok.fmt.rope.per_page:
+        raise UnsupportedFormatError(
+            f"the append kernel writes per-token records; the RoPE path {tok.fmt.rope.describe()} is quantized over "
+            "each page's tokens: write it with cache.paged.write_tokens(..., page_rope=...)")
     xc = latent.reshape(-1, tok.d_c)
     xr = k_rope.reshape(-1, tok.d_r)
     slots = slots.reshape(-1)
@@ -364,6 +370,7 @@ def append_to_pages(
     from quantmla.kernels.append import _append_kernel
 
     consts, (cbf, rbf) = _layout_constexprs(layout)
+    consts.pop("R_PAGE")
     if xc.stride(-1) != 1:
         xc = xc.contiguous()
     if xr.stride(-1) != 1:

@@ -61,8 +61,11 @@ def chunks_of(fmt: PathFormat, dim: int) -> list[Chunk] | None:
 
 
 def supported(layout: PageLayout) -> bool:
-    """True when every chunk of both paths is at least 16 channels wide (tensor-core K minimum)."""
+    """True when every chunk of both paths is at least 16 channels wide (tensor-core K minimum) and the RoPE
+    metadata is per token."""
     tok = layout.token
+    if tok.fmt.rope.per_page:  # its scales are the page's, per channel: the generic kernel reads them
+        return False
     for fmt, dim in ((tok.fmt.content, tok.d_c), (tok.fmt.rope, tok.d_r)):
         if fmt.quantized and (fmt.mode not in ("affine", "symmetric") or fmt.bits not in (2, 4, 8) or fmt.meta_elem_bytes != 2):
             return False

@@ -78,11 +78,12 @@ def _path_tile(
     P8, PV, page, tok, tmask, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr,
+    MB: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr, PAGE_META: tl.constexpr = False,
 ):
     """The [BLOCK_N, D] bf16 tile of one path for tokens at (page, tok); masked tokens read as 0.
 
-    PV is the pages viewed in the path's MB-byte element type (bf16 values, or fp16/bf16/fp32 metadata)."""
+    PV is the pages viewed in the path's MB-byte element type (bf16 values, or fp16/bf16/fp32 metadata).
+    PAGE_META: the integer path's group metadata is the page's (at OFF_META), not the token's."""
     page8 = page * PAGE_BYTES
     pagev = page * (PAGE_BYTES // MB)  # the page's first element in PV
     if BITS == 16:
@@ -115,7 +116,7 @@ def _path_tile(
         MASK: tl.constexpr = (1 << BITS) - 1
         MID: tl.constexpr = 1 << (BITS - 1)
         cbase = page8 + OFF_CODES + tok * NB  # [N] byte offset of the token's codes
-        mbase = pagev + OFF_META // MB + tok * (G * F)  # [N] element offset of its metadata in PV
+        mbase = pagev + OFF_META // MB + tok * (0 if PAGE_META else G * F)  # [N] element offset of its metadata in PV
         if DEQ == 0:
             W: tl.constexpr = GS if GS < NB else NB  # channels of a plane in one group
             R: tl.constexpr = NB // W  # groups per plane
@@ -171,6 +172,7 @@ def _mla_decode_kernel(
     OFF_CC: tl.constexpr, OFF_RC: tl.constexpr, OFF_CM: tl.constexpr, OFF_RM: tl.constexpr,
     C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr, C_FP8: tl.constexpr, C_MB: tl.constexpr,
     R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
+    R_PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     hb = tl.program_id(0)
@@ -206,7 +208,7 @@ def _mla_decode_kernel(
         c = _path_tile(P8, PC16, page, tok, tmask, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8, C_MB,
                        BLOCK_N, DEQ, DOT_F32)
         kr = _path_tile(P8, PR16, page, tok, tmask, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_FP8, R_MB,
-                        BLOCK_N, DEQ, DOT_F32)
+                        BLOCK_N, DEQ, DOT_F32, R_PAGE)
         if DOT_F32:
             c = c.to(tl.float32)
             kr = kr.to(tl.float32)

@@ -18,7 +18,7 @@ def _read_path(
     OUT, stride_o, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, BLOCK_T: tl.constexpr,
+    MB: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_META: tl.constexpr = False,
 ):
     optr = OUT + t.to(tl.int64)[:, None] * stride_o + tl.arange(0, D)[None, :]
     page8 = page * PAGE_BYTES
@@ -45,7 +45,7 @@ def _read_path(
         # planar packing: byte j holds codes j + k·NB in bits [k·b, (k+1)·b)
         q = (packed.to(tl.int32)[:, None, :] >> sh[None, :, None]) & QMAX  # [T, K, NB]
         q = tl.reshape(q, [BLOCK_T, G, GS]).to(tl.float32)
-        mptr = PV + (pagev + OFF_META // MB + tok * (G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
+        mptr = PV + (pagev + OFF_META // MB + tok * (0 if PAGE_META else G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
         scale = tl.load(mptr, mask=ok[:, None], other=0.0).to(tl.float32)
         if AFFINE:
             zero = tl.load(mptr + 1, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -62,7 +62,7 @@ def _read_kernel(
     OFF_CC: tl.constexpr, OFF_RC: tl.constexpr, OFF_CM: tl.constexpr, OFF_RM: tl.constexpr,
     C_BITS: tl.constexpr, C_GS: tl.constexpr, C_AFFINE: tl.constexpr, C_FP8: tl.constexpr, C_MB: tl.constexpr,
     R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    R_PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
@@ -72,4 +72,4 @@ def _read_kernel(
     _read_path(OC, stride_oc, t, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8, C_MB,
                BLOCK_T)
     _read_path(OR, stride_or, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_FP8, R_MB,
-               BLOCK_T)
+               BLOCK_T, R_PAGE)

@@ -13,29 +13,41 @@ import torch
 from quantmla.errors import UnsupportedFormatError
 
 MODES = ("affine", "symmetric", "fp8")
+GROUPINGS = ("token", "page")
 INT_BITS = (2, 3, 4, 8)
 META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
 class PathFormat:
-    """Per-token channel-group quantization of one path (content latent or RoPE key).
+    """Channel-group quantization of one path (content latent or RoPE key).
 
     bits:       2, 3, 4 or 8 (integer codes), 8 with mode "fp8" (e4m3), or 16 (stored unquantized).
     group_size: channels sharing one scale (and zero point, for "affine").
     mode:       "affine" (x ≈ code·scale + zero), "symmetric" (x ≈ (code − 2^(b−1))·scale), "fp8".
     meta_dtype: dtype of the stored scale / zero point ("float16", "bfloat16" or "float32"; the
                 FP8 format users run on DeepSeek models, fp8_ds_mla, stores one fp32 scale per 128).
+    grouping:   "token": a group is `group_size` channels of one token (metadata per token);
+                "page": a group is `group_size` channels over the tokens of one page of the paged
+                cache (metadata per page: KIVI's per-channel keys at the page size; integer codes,
+                RoPE path only). The codes are packed per token either way.
     """
 
     bits: int = 4
     group_size: int = 64
     mode: str = "affine"
     meta_dtype: str = "float16"
+    grouping: str = "token"
 
     def __post_init__(self):
+        if self.grouping not in GROUPINGS:
+            raise UnsupportedFormatError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
         if self.bits == 16:
+            if self.grouping != "token":
+                raise UnsupportedFormatError("a 16-bit path stores raw values and has no groups; use grouping 'token'")
             return
+        if self.grouping == "page" and self.mode == "fp8":
+            raise UnsupportedFormatError("per-page groups store integer codes; use mode 'affine' or 'symmetric'")
         if self.mode not in MODES:
             raise UnsupportedFormatError(f"unknown quantization mode {self.mode!r}; use one of {MODES}")
         if self.mode == "fp8" and self.bits != 8:
@@ -91,30 +103,50 @@ class PathFormat:
         """Bytes of codes per token (16-bit: the raw bf16 values)."""
         return dim * 2 if not self.quantized else dim * self.bits // 8
 
-    def meta_bytes(self, dim: int) -> int:
-        return self.groups(dim) * self.meta_fields * self.meta_elem_bytes
+    @property
+    def per_page(self) -> bool:
+        """Metadata per page of the paged cache instead of per token."""
+        return self.grouping == "page"
 
-    def bytes_per_token(self, dim: int) -> int:
+    def meta_bytes(self, dim: int) -> int:
+        """Metadata bytes per token (0 where the metadata is per page)."""
+        return 0 if self.per_page else self.groups(dim) * self.meta_fields * self.meta_elem_bytes
+
+    def page_meta_bytes(self, dim: int) -> int:
+        """Metadata bytes per page (0 where the metadata is per token)."""
+        return self.groups(dim) * self.meta_fields * self.meta_elem_bytes if self.per_page else 0
+
+    def bytes_per_token(self, dim: int, page_size: int | None = None) -> float:
+        """Codes and metadata per token; per-page metadata counts as its share of a full page of
+        `page_size` tokens (needed for grouping "page")."""
+        if self.per_page:
+            if not page_size:
+                raise ValueError("bytes per token of a per-page format need the page size")
+            return self.code_bytes(dim) + self.page_meta_bytes(dim) / page_size
         return self.code_bytes(dim) + self.meta_bytes(dim)
 
     def describe(self) -> str:
         if not self.quantized:
             return "BF16"
         name = "FP8" if self.mode == "fp8" else f"INT{self.bits}"
-        return f"{name}/g{self.group_size}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s")
+        where = "·page" if self.per_page else ""
+        return f"{name}/g{self.group_size}{where}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["grouping"] == "token":  # the default: files written before per-page groups stay as they were
+            del d["grouping"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "path format") -> "PathFormat":
         """A format from its JSON form ({"bits": 4, "group_size": 64, ...}); `where` names it in errors."""
         if not isinstance(d, dict):
             raise UnsupportedFormatError(f"{where} must be an object like {{\"bits\": 4, \"group_size\": 64}}, got {d!r}")
-        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype"}
+        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype", "grouping"}
         if unknown:
             raise UnsupportedFormatError(f"{where}: unknown path-format fields {sorted(unknown)}")
-        for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str)):
+        for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str), ("grouping", str)):
             v = d.get(key)
             if key in d and (not isinstance(v, kind) or isinstance(v, bool)):
                 raise UnsupportedFormatError(

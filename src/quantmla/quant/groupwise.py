@@ -94,6 +94,31 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     return Quantized(codes, meta)
 
 
+def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
+    """One page's tokens x [n, D] -> packed codes uint8 [n, code_bytes] and metadata [G, fields] for a
+    per-page format (``fmt.grouping == "page"``): a group is `group_size` channels over the n tokens.
+    Scales and codes follow :func:`quantize`'s rules, so grouping the transposed page [G, group_size·n]
+    per token gives the same values."""
+    if not fmt.per_page or fmt.mode not in ("affine", "symmetric"):
+        raise ValueError(f"quantize_page takes a per-page integer format, got {fmt.describe()}")
+    check_finite(x)
+    n, D = x.shape
+    fmt.check_dim(D)
+    G, gs = D // fmt.group_size, fmt.group_size
+    xg = x.float().reshape(n, G, gs).transpose(0, 1).reshape(G, n * gs)  # a group's values, every token
+    scale, zero = group_scales(xg, fmt)  # [G, 1]
+    per_ch = lambda t: t.reshape(G, 1).expand(G, gs).reshape(1, D)  # noqa: E731  the group's value per channel
+    qmax = 2**fmt.bits - 1
+    if fmt.mode == "affine":
+        q = torch.round((x.float() - per_ch(zero)) / per_ch(scale)).clamp(0, qmax)
+        meta = torch.cat([scale, zero], dim=-1)
+    else:
+        mid = 2 ** (fmt.bits - 1)
+        q = (torch.round(x.float() / per_ch(scale)) + mid).clamp(0, qmax)
+        meta = scale
+    return Quantized(pack(q.to(torch.uint8), fmt.bits), meta.to(fmt.torch_meta_dtype))
+
+
 def dequantize(q: Quantized, fmt: PathFormat, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize`: -> [..., dim] in `dtype` (computed in fp32)."""
     meta = q.meta.float()

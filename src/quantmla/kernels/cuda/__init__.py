@@ -141,6 +141,8 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if torch.cuda.get_device_capability(device) < (8, 0):
         return no("needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     tok = layout.token
+    if tok.fmt.rope.per_page:
+        return no(f"RoPE path {tok.fmt.rope.describe()}: its build reads per-token groups, not a page's")
     nw, bn = num_warps or NUM_WARPS, block_n or BLOCK_N
     if nw not in (8, 16) or bn not in (32, 64):
         return no(f"a tiling of {nw} warps and {bn}-token tiles (it has 8 or 16 warps, 32 or 64 tokens)")

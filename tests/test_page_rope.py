@@ -1,0 +1,161 @@
+"""A RoPE path grouped per page (PathFormat(grouping="page")) in the paged cache: the layout's per-page
+section, the reference writer against the evaluation cache's per-page quantizer (cache.rope_channel), the
+read and decode kernels (TRITON_INTERPRET=1 on CPU) against the fp64 oracle, and clear errors."""
+
+import os
+
+import pytest
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.paged import PagePool, gather_sequences, read_tokens, write_tokens
+from quantmla.cache.rope_channel import RopeChannelFormat, quantize_pages
+from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.kernels import append_to_pages, get_mla_metadata, mla_decode_with_kvcache, read_from_pages
+from quantmla.quant import BF16, PathFormat
+from quantmla.reference.absorbed import absorbed_attention
+
+D_C, D_R, PAGE = 64, 32, 16
+PAGE_INT4 = PathFormat(4, 1, grouping="page")
+FORMATS = {
+    "int4/int4·page": CacheFormat(PathFormat(4, 32), PAGE_INT4),
+    "int2/int4·page g2": CacheFormat(PathFormat(2, 32), PathFormat(4, 2, grouping="page")),
+    "int4/int8s·page": CacheFormat(PathFormat(4, 16), PathFormat(8, 1, "symmetric", grouping="page")),
+    "bf16/int2·page": CacheFormat(BF16, PathFormat(2, 1, grouping="page")),
+}
+kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                             reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_layout_holds_the_page_metadata_once_per_page():
+    lay = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))), 64)
+    assert lay.token.field_bytes["rope_meta"] == 0
+    assert lay.token.page_field_bytes == {"rope_page_meta": 64 * 2 * 2}  # d_r channels x (scale, zero) x fp16
+    assert lay.offsets["rope_page_meta"] == lay.offsets["rope_meta"]  # the empty per-token section takes no bytes
+    assert lay.page_bytes == 64 * (256 + 32 + 16) + 256
+    per_token = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    assert lay.page_bytes == per_token.page_bytes  # at d_r 64: one page's channels cost what per-token g64 costs
+    f = PathFormat(4, 1, grouping="page")
+    assert PathFormat.from_dict(f.to_dict()) == f and "grouping" not in PathFormat(4, 64).to_dict()
+    assert f.bytes_per_token(64, page_size=64) == 32 + 4 and f.describe() == "INT4/g1·page"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(bits=8, group_size=1, mode="fp8", grouping="page"), "integer codes"),
+    (dict(bits=16, grouping="page"), "no groups"),
+    (dict(bits=4, group_size=1, grouping="sequence"), "grouping must be one of"),
+])
+def test_bad_per_page_formats_are_refused(bad, match):
+    with pytest.raises(UnsupportedFormatError, match=match):
+        PathFormat(**bad)
+
+
+def test_content_path_cannot_be_grouped_per_page():
+    with pytest.raises(UnsupportedFormatError, match="RoPE-path format"):
+        TokenLayout(64, 32, CacheFormat(PathFormat(4, 1, grouping="page"), PathFormat(4, 16)))
+
+
+def _fill(pool, lay, seqs, g, chunk=lambda i: 1):
+    """Write sequences token chunk by chunk, as a decode loop would: each write passes the full-precision
+    RoPE keys of every page it touches (the tokens so far). Returns {seq: (latent, k_rope)}."""
+    data = {}
+    for s, n in seqs.items():
+        x = torch.randn(n, lay.token.d_c, generator=g) * 2 + 0.3
+        k = torch.randn(n, lay.token.d_r, generator=g) * 3
+        k[:, 0] += 8 * torch.cos(0.05 * torch.arange(n))  # a large slowly turning channel pair
+        k[:, 1] += 8 * torch.sin(0.05 * torch.arange(n))
+        data[s] = (x, k)
+        pool.reserve(s, 0)  # an empty sequence still has a (page-less) row
+        done, i = 0, 0
+        while done < n:
+            m = min(chunk(i), n - done)
+            slots = pool.append_slots(s, m)
+            pages = pool.pages_of(s)
+            ps = lay.page_size
+            page_rope = {pages[p]: k[p * ps: min(done + m, (p + 1) * ps)]
+                         for p in range(done // ps, (done + m - 1) // ps + 1)}
+            write_tokens(pool.layer(0), lay, slots.to(pool.buffer.device), x[done: done + m].to(pool.buffer.device),
+                         k[done: done + m], page_rope=page_rope)
+            done, i = done + m, i + 1
+    return data
+
+
+@pytest.mark.parametrize("mode", ["affine", "symmetric"])
+def test_writer_matches_the_evaluation_cache_in_any_chunking(mode):
+    """Token by token or in uneven chunks, the pages hold exactly the keys that quantize_pages (the
+    evaluation cache's per-page quantizer) gives: an unfinished page is quantized over the tokens it holds."""
+    fmt = CacheFormat(PathFormat(4, 32), PathFormat(4, 1, mode, grouping="page"))
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    for n, chunk in ((37, lambda i: 1), (53, lambda i: (5, 16, 1, 9)[i % 4]), (32, lambda i: 32)):
+        g = torch.Generator().manual_seed(n)
+        pool = PagePool(lay, 8)
+        pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
+        pool.append_slots("other", 3)  # pages out of order
+        (x, k), = _fill(pool, lay, {0: n}, g, chunk).values()
+        bt, sl = pool.block_table([0]), pool.seq_lens([0])
+        _, kr = gather_sequences(pool.layer(0), lay, bt, sl)
+        want = quantize_pages(k, RopeChannelFormat(4, PAGE, mode))
+        assert torch.equal(kr[0], want), n
+        assert (kr[0] - k).abs().max() > 0  # quantized, not copied
+
+
+def test_writer_errors_name_what_is_missing():
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4·page"]), PAGE)
+    pool = PagePool(lay, 2)
+    slots = pool.append_slots(0, 3)
+    x, k = torch.zeros(3, D_C), torch.ones(3, D_R)
+    with pytest.raises(QuantMLAError, match="grouped per page: pass page_rope"):
+        write_tokens(pool.layer(0), lay, slots, x, k)
+    page = pool.pages_of(0)[0]
+    with pytest.raises(QuantMLAError, match="holds 2 tokens; the slots write offset 2"):
+        write_tokens(pool.layer(0), lay, slots, x, k, page_rope={page: k[:2]})
+    with pytest.raises(QuantMLAError, match="no \\[n, 32\\] keys for page"):
+        write_tokens(pool.layer(0), lay, slots, x, k, page_rope={page + 1: k})
+    with pytest.raises(UnsupportedFormatError, match="write_tokens"):
+        append_to_pages(pool.layer(0), lay, slots, x, k)
+
+
+@kernels
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_read_kernel_gives_the_reference_values(name):
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS[name]), PAGE)
+    g = torch.Generator().manual_seed(5)
+    pool = PagePool(lay, 8, device=DEV)
+    _fill(pool, lay, {0: 40, 1: 21}, g, lambda i: 3)
+    slots = torch.tensor([p * PAGE + o for s in (0, 1) for p in pool.pages_of(s) for o in range(PAGE)
+                          if (pool.pages_of(s).index(p) * PAGE + o) < pool.seq_len(s)], device=DEV)
+    ref_c, ref_r = read_tokens(pool.layer(0), lay, slots)
+    c, r = read_from_pages(pool.layer(0), lay, slots, dtype=torch.float32, block_t=8)
+    torch.testing.assert_close(c, ref_c, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r, ref_r, rtol=1e-6, atol=1e-6)
+
+
+@kernels
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("SQ", [1, 3])
+def test_decode_matches_the_fp64_oracle(name, SQ):
+    """Empty, length-1, odd and page-boundary lengths, a split sequence, NaN-poisoned outputs."""
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS[name]), PAGE)
+    g = torch.Generator().manual_seed(11 + SQ)
+    lens = [0, 1, 15, 16, 17, 77]
+    pool = PagePool(lay, sum(lay.pages_for(n) for n in lens) + 3, device=DEV)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
+    pool.append_slots("pad", 5)
+    _fill(pool, lay, dict(enumerate(lens)), g, lambda i: (1, 7, 16)[i % 3])
+    ids = list(range(len(lens)))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    B, H = len(lens), 4
+    qc = torch.randn(B, SQ, H, D_C, generator=g).to(DEV, torch.bfloat16)
+    qr = torch.randn(B, SQ, H, D_R, generator=g).to(DEV, torch.bfloat16)
+    out = torch.full((B, SQ, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((B, SQ, H), float("nan"), device=DEV)
+    md = get_mla_metadata(sl, H, SQ, lay, chunk_tokens=32)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md, out=out, lse=lse)
+    c, k = gather_sequences(pool.layer(0), lay, bt, sl)
+    ro, rl = absorbed_attention(qc.double(), qr.double(), c.double(), k.double(), 0.125, sl)
+    assert not torch.isnan(o).any() and not torch.isnan(l).any()
+    empty = torch.isinf(rl)
+    assert torch.equal(torch.isinf(l).cpu(), empty.cpu()) and torch.all(o.float()[empty] == 0)
+    assert ((o.double() - ro).norm() / ro.norm()) < 2e-2
+    assert (l.double() - rl)[~empty].abs().max().item() < 2e-2
