@@ -23,6 +23,19 @@ def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64, **t
         return lay, cuda.decode_plan(lay, rows, out, CUDA, **tiling)
 
 
+def test_page_metadata_plan_copies_the_page_section():
+    """A RoPE path grouped per page: the stage copies the page's metadata section (not per-token rows) and
+    the shared-memory map counts it once per tile."""
+    fmt = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))
+    lay, p = plan(fmt)
+    m = dict(p.macros)
+    assert m["R_PAGE"] == 1 and m["PMB_R"] == 64 * 2 * 2 and m["FB_RM"] == 0 and m["HALF"] == 1
+    assert m["OFF_RM"] == lay.offsets["rope_page_meta"]
+    _, q = plan("int4/int4")  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
+    smem = lambda pl: dict(pl.macros)["SMEM_EXPECTED"]  # noqa: E731
+    assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
+
+
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
 def test_tile_type(name, half):
     """fp16 tiles only where every quantized path stores fp16 metadata and nothing is raw bf16 or e4m3."""
@@ -81,7 +94,7 @@ def test_two_ctas_per_sm_at_16_heads():
     (preset("int4/int4"), 16, "page size"),
     (CacheFormat(PathFormat(3, 64), BF16), 64, "3-bit"),
     (CacheFormat(PathFormat(4, 2), BF16), 64, "multiple of 4"),
-    (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 64, "per-token groups, not a page's"),
+    (CacheFormat(PathFormat(8, 128, "fp8", "float32"), PathFormat(4, 1, grouping="page")), 64, "tile's 16-bit type"),
 ])
 def test_refused_layouts_say_why(fmt, page, why):
     lay, p = plan(fmt, page=page)
@@ -115,7 +128,10 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
-                                              ("bf16", 16, {"num_warps": 16, "block_n": 32})])  # one score a lane
+                                              ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
+                                              (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
+                                              (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
+                                                                                          grouping="page")), 64, {})])
 def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
     """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
     shared-memory size), the build is cached, and other constants give another build."""

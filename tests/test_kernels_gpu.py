@@ -29,6 +29,10 @@ FORMATS = {
     "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
     "int2/int8-sym-bf16": CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric")),
 }
+PAGE_FORMATS = {  # the RoPE path grouped per page: written by the reference writer (no append kernel)
+    "int4/int4-page": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")),
+    "int2/int4-page-sym-g2": CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric", grouping="page")),
+}
 LENS = [0, 1, 63, 64, 65, 1023, 4097, 9999]
 
 
@@ -57,7 +61,11 @@ def make_cache(fmt, lens, seed):
             slots = bt[b].long()[pos // PAGE] * PAGE + pos % PAGE
             x = torch.randn(n, D_C, generator=g, device="cuda") * 1.5 + 0.2
             r = torch.randn(n, D_R, generator=g, device="cuda") * 4
-            api.append_to_pages(pages, lay, slots, x.to(torch.bfloat16), r.to(torch.bfloat16))
+            if fmt.rope.per_page:  # whole pages at once: each page quantized over its tokens
+                page_rope = {int(bt[b, i]): r[i * PAGE: (i + 1) * PAGE].bfloat16().float() for i in range(p)}
+                write_tokens(pages, lay, slots, x.bfloat16().float(), r, page_rope=page_rope)
+            else:
+                api.append_to_pages(pages, lay, slots, x.to(torch.bfloat16), r.to(torch.bfloat16))
     return lay, pages, bt, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
@@ -163,6 +171,15 @@ def test_decode_other_formats(kernel, name):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=5)
     for H, seed in ((16, 6), (128, 7), (5, 8)):
         check_variant(check_decode(lay, pages, bt, sl, H, 1, seed=seed, config=kernel_config(kernel, lay, H, 1)), kernel)
+
+
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
+@pytest.mark.parametrize("name", list(PAGE_FORMATS))
+@pytest.mark.parametrize("H,SQ", [(16, 1), (16, 3), (128, 1)])
+def test_decode_page_rope(kernel, name, H, SQ):
+    """A RoPE path grouped per page (the page's channel scales and zero points) against the same oracle."""
+    lay, pages, bt, sl = make_cache(PAGE_FORMATS[name], LENS, seed=11 * H + SQ)
+    check_variant(check_decode(lay, pages, bt, sl, H, SQ, seed=H + SQ, config=kernel_config(kernel, lay, H, SQ)), kernel)
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])

@@ -75,6 +75,10 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
             "fp8 groups not a multiple of 16"
     if fmt.bits not in (2, 4, 8):
         return f"{fmt.bits}-bit codes"
+    if fmt.per_page:  # the 8-byte build steps read a page's (scale, zero) per channel pair
+        if (fmt.group_size != 1 and fmt.group_size % 2) or (dim * fmt.bits // 8) % 8:
+            return "per-page groups of an odd number of channels, or packed rows not a multiple of 8"
+        return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
     if fmt.group_size % 4 or (dim * fmt.bits // 8) % 4:
         return "groups or packed rows not a multiple of 4"
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
@@ -92,8 +96,8 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
-    raw = a16(a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
-              + bn * fb["rope_meta"])
+    rope_meta = tok.page_field_bytes["rope_page_meta"] if tok.fmt.rope.per_page else bn * fb["rope_meta"]
+    raw = a16(a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
     q = block_m * ldk * 2
     kv = 0 if direct else (2 if ws else 1) * bn * ldk * 2
@@ -141,8 +145,6 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if torch.cuda.get_device_capability(device) < (8, 0):
         return no("needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     tok = layout.token
-    if tok.fmt.rope.per_page:
-        return no(f"RoPE path {tok.fmt.rope.describe()}: its build reads per-token groups, not a page's")
     nw, bn = num_warps or NUM_WARPS, block_n or BLOCK_N
     if nw not in (8, 16) or bn not in (32, 64):
         return no(f"a tiling of {nw} warps and {bn}-token tiles (it has 8 or 16 warps, 32 or 64 tokens)")
@@ -161,6 +163,13 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     (ck, cb, cg, cm), (rk, rb, rg, rm) = paths
     # fp16 tile when every quantized path keeps fp16 metadata and none is raw bf16 or e4m3
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
+    r_page = tok.fmt.rope.per_page
+    if r_page and not ((half and rm == 2) or (not half and rm == 3 and rb <= 4)):
+        return no(f"RoPE path {tok.fmt.rope.describe()}: a page's metadata is read in the tile's 16-bit type "
+                  "(fp16 metadata with an fp16 tile, or bf16 metadata with codes of at most 4 bits)")
+    pmb = tok.page_field_bytes["rope_page_meta"]
+    if pmb % 16:
+        return no(f"the RoPE page metadata ({pmb} bytes) is not whole 16-byte chunks")
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
     block_m = 16 * rm_
     # 16 warps of 32-token tiles at 16 rows: warp-specialized (8 compute, 8 copy and build)
@@ -191,12 +200,15 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     smem = size(stages)
     macros = dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
-        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"],
+        OFF_RM=o["rope_page_meta"] if r_page else o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_KIND=ck, C_BITS=cb, C_GS=cg, C_MB=cm, R_KIND=rk, R_BITS=rb, R_GS=rg, R_MB=rm,
         HALF=int(half), RM=rm_, NW=nw, BN=bn, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
         WS=int(ws), OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
     )
+    if r_page:  # absent otherwise: the plans (and their builds) of per-token formats stay as they are
+        macros.update(R_PAGE=1, PMB_R=pmb)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 
 

@@ -31,6 +31,7 @@
 //   C_KIND C_BITS C_GS C_MB  R_KIND R_BITS R_GS R_MB   (KIND 0 raw bf16, 1 affine, 2 symmetric, 3 e4m3;
 //                                                       MB: metadata bytes 2 fp16 / 3 bf16 / 4 fp32)
 //   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
+//   R_PAGE PMB_R   (the RoPE path's metadata is the page's: PMB_R bytes at OFF_RM, copied with each tile)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -66,6 +67,11 @@ constexpr int NBUF = WS ? 2 : 1;       // built tiles (WS: one built while the o
 constexpr int LDS = BN + 4;            // fp32 score row pitch
 constexpr int LDP = BN + 8;            // 16-bit probability row pitch
 constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
+#ifndef R_PAGE
+#define R_PAGE 0
+#define PMB_R 0
+#endif
+constexpr int RM_BYTES = R_PAGE ? PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
 
 // the stage of one tile: its four sections, each 16-byte aligned
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
@@ -73,7 +79,7 @@ constexpr int RAW_CC = 0;
 constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
 constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
-constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + BN * FB_RM);
+constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + RM_BYTES);
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;
@@ -97,7 +103,7 @@ constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adja
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
-static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && (BN * FB_RM) % 16 == 0,
+static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && RM_BYTES % 16 == 0,
               "each section of a tile is whole 16-byte chunks");
 
 #include "ptx.cuh"
@@ -138,7 +144,7 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
     copy_section<BN * FB_CC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
     copy_section<BN * FB_RC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
     copy_section<BN * FB_CM>(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, tid);
-    copy_section<BN * FB_RM>(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, tid);
+    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), tid);
   }
 }
 
@@ -223,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         if (it >= 2) bar_sync(5 + buf, NT);          // the computers are done with this buffer
         T* tile = reinterpret_cast<T*>(smem + SM_KV) + buf * BN * LDK;
         build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, btid);
-        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, btid);
+        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, btid);
         const int nxt = it + STAGES - 1;             // into the stage tile it - 1 was built from
         if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, btid);
         cp_async_commit();
@@ -294,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       } else {
         tile = reinterpret_cast<T*>(smem + SM_KV);
         build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, tid);
-        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
+        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
       }
       const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
       if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, tid);

@@ -2,10 +2,40 @@
 // 16-bit values in the shared-memory tile. Included by mla_decode.cu after its tile constants (BN, NTB,
 // LDK, T, T2, HALF) and ptx.cuh.
 #pragma once
+
+// the (scale, zero) of the channel pair (c0, c0 + 1) from a page's metadata [G, F] (groups of GS channels
+// over the page's tokens), in T's two halves: one group for both channels when GS >= 2, one each when GS = 1
+template <int GS, int F, int MS>
+__device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& s2, T2& z2) {
+  if constexpr (GS == 1) {  // channel c0's fields, then c0 + 1's: (s0[, z0], s1[, z1])
+    if constexpr (F == 2) {
+      const uint2 w = *reinterpret_cast<const uint2*>(meta + c0 * 2 * MS);
+      s2 = as_t2(__byte_perm(w.x, w.y, 0x5410));
+      z2 = as_t2(__byte_perm(w.x, w.y, 0x7632));
+    } else {
+      s2 = as_t2(*reinterpret_cast<const uint32_t*>(meta + c0 * MS));
+      z2 = as_t2(0u);
+    }
+  } else {
+    const uint8_t* mp = meta + (c0 / GS) * F * MS;
+    if constexpr (F == 2) {
+      const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));
+#if HALF
+      s2 = __low2half2(sz), z2 = __high2half2(sz);
+#else
+      s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
+#endif
+    } else {
+      s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
+      z2 = as_t2(0u);
+    }
+  }
+}
 // ---------------------------------------------------------------------------------------------------
 // B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
 // ---------------------------------------------------------------------------------------------------
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0>
+// PM: the metadata is the page's, [G, F] (groups over the page's tokens), not the token's
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false>
 __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
   if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
     constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
@@ -46,8 +76,10 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
     constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
     // fast path: T arithmetic on exact codes when the metadata is already in T's type
     constexpr bool FAST = (HALF && MB == 2) || (!HALF && MB == 3 && BITS <= 4);
-    if constexpr (FAST && GS % 8 == 0 && NB % 8 == 0) {
-      // 8 bytes a step: 8 channels in each of the K planes, one group per plane, one 16-byte store per plane
+    static_assert(!PM || (FAST && NB % 8 == 0 && (GS == 1 || GS % 2 == 0)), "page metadata: the 8-byte build steps");
+    if constexpr (FAST && NB % 8 == 0 && (PM || GS % 8 == 0)) {
+      // 8 bytes a step: 8 channels in each of the K planes, one group per plane (a page's metadata: one
+      // (scale, zero) per channel pair), one 16-byte store per plane
       // (a quarter warp's stores are 128 contiguous bytes: no bank conflict). A code at bit offset o of a
       // 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o)
       // (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
@@ -91,7 +123,8 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
           const uint32_t m2 = MASK * 0x10001u;
 #endif
           T2 s2, z2;                                       // scale and zero point, in both halves
-          if constexpr (F == 2 && FBM % 4 == 0) {          // one 32-bit load: (scale, zero) are adjacent;
+          if constexpr (PM) {                              // per pair, below
+          } else if constexpr (F == 2 && FBM % 4 == 0) {   // one 32-bit load: (scale, zero) are adjacent;
             const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));  // the halves broadcast as
 #if HALF                                                   // operand selectors of the HFMA2
             s2 = __low2half2(sz), z2 = __high2half2(sz);
@@ -105,7 +138,9 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
+            if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e, s2, z2);
             o4[2 * e] = as_u32(__hfma2(__hsub2(as_t2(and_or(lo[e] >> SH, m2, magic)), off), s2, z2));
+            if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e + 2, s2, z2);
             o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(and_or(hi[e] >> SH, m2, magic)), off), s2, z2));
           }
           *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
