@@ -91,8 +91,9 @@ def append_read_case(name: str) -> None:
     xc = torch.zeros(4, D_C, dtype=torch.bfloat16)
     xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int64)
+    append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}  # per-token records only (as the API)
     compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4}, 4, 1)
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4}, 4, 1)
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
 
 

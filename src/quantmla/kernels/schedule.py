@@ -73,8 +73,11 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         if cfg is not None:
             return cfg
     quant = layout is not None and layout.token.fmt.content.quantized
-    if quant and layout.token.fmt.content.mode == "fp8":  # e4m3 tiles: the generic kernel, its fastest H200
-        # tilings over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
+    from quantmla.kernels import codegen
+
+    if quant and (layout.token.fmt.content.mode == "fp8" or not codegen.supported(layout)):
+        # the generic kernel (e4m3 tiles, or a layout the fused kernel cannot read): its fastest H200 tilings
+        # for FP8 over 1 x 131072 and 32 x 16384 (16 heads), 1 x 32768 and 32 x 8192 (128 heads) in
         # lab/results/decode_schedule/decode_schedule_h200.json
         if bm == 16:
             return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=2, min_chunk=128, kernel="generic")
