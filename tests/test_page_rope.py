@@ -159,3 +159,21 @@ def test_decode_matches_the_fp64_oracle(name, SQ):
     assert torch.equal(torch.isinf(l).cpu(), empty.cpu()) and torch.all(o.float()[empty] == 0)
     assert ((o.double() - ro).norm() / ro.norm()) < 2e-2
     assert (l.double() - rl)[~empty].abs().max().item() < 2e-2
+
+
+def test_per_token_caches_refuse_page_groups():
+    """Nothing quantizes a per-page format per token: the config, the engine's backends and quantize() say so."""
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.model.spec import load_spec
+    from quantmla.model.tiny import tiny_model
+    from quantmla.quant.groupwise import quantize
+    from quantmla.serving.backends import TorchPagedBackend
+
+    with pytest.raises(QuantMLAError, match="store per-token groups"):
+        QuantCacheConfig(PathFormat(4, 32), PAGE_INT4)
+    with pytest.raises(ValueError, match="quantize_page"):
+        quantize(torch.ones(2, 32), PAGE_INT4)
+    spec = load_spec(tiny_model("deepseek_v3"))
+    with pytest.raises(UnsupportedFormatError, match="group the RoPE path per page"):
+        TorchPagedBackend(spec, {0: CacheFormat(PathFormat(4, 16), PathFormat(4, 1, grouping="page"))}, 4, 16, "cpu",
+                          torch.float32)

@@ -54,6 +54,13 @@ class QuantCacheConfig:
     def __post_init__(self):
         if self.fp_window < 0:
             raise QuantMLAError(f"fp_window must be >= 0, got {self.fp_window}")
+        paged = [f for f in (self.content, self.rope, *(x for o in self.layer_overrides.values() for x in (o.content, o.rope)))
+                 if f.per_page]
+        if paged:
+            raise QuantMLAError(
+                f"{paged[0].describe()}: this config's caches (the transformers cache, the serving engine) store "
+                "per-token groups; RoPE groups per page are the paged layout's format (cache.paged.write_tokens with "
+                "page_rope) and the evaluation cache cache.rope_channel.RopeChannelCache (method quantmla-rope-channel)")
         for slot, c in self.rope_offsets.items():
             if c is not None and not all(math.isfinite(x) for x in c):
                 raise QuantMLAError(f"rope_offsets of cache slot {slot} hold NaN or Inf values: the quantization_config "

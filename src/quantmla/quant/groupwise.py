@@ -74,6 +74,8 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     """x: [..., D] float -> packed codes and metadata. Raises NonFiniteError on NaN/Inf."""
     if not fmt.quantized:
         raise ValueError("a 16-bit format stores values unquantized; nothing to quantize")
+    if fmt.per_page:
+        raise ValueError(f"{fmt.describe()} groups channels over a page's tokens, not per token: use quantize_page")
     check_finite(x)
     xg = grouped(x, fmt)
     scale, zero = group_scales(xg, fmt)

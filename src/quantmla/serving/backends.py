@@ -26,6 +26,7 @@ import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.cache.paged import PagePool, read_tokens, slot_of, write_tokens
+from quantmla.errors import UnsupportedFormatError
 from quantmla.model.spec import MLASpec
 from quantmla.model.view import MLAView
 from quantmla.reference.absorbed import absorbed_attention
@@ -75,6 +76,13 @@ class AttentionBackend:
 
     def __init__(self, spec: MLASpec, formats: dict[int, CacheFormat], num_pages: int, page_size: int,
                  device: torch.device | str, dtype: torch.dtype):
+        per_page = sorted(s for s, f in formats.items() if f.rope.per_page)
+        if per_page:
+            raise UnsupportedFormatError(
+                f"cache slots {per_page} group the RoPE path per page ({formats[per_page[0]].rope.describe()}); the engine "
+                "writes each token's record as it comes, and a page's RoPE groups need the page's full-precision keys "
+                "until it fills. Serve a per-token RoPE format (e.g. INT4/g64); per-page pages are written by "
+                "cache.paged.write_tokens(..., page_rope=...) and read by the decode kernels")
         self.spec, self.page_size = spec, page_size
         self.device, self.dtype = torch.device(device), dtype
         self.num_pages = num_pages  # usable pages; the pool has one more (page 0, the null page)
