@@ -3,6 +3,23 @@
 // LDK, T, T2, HALF) and ptx.cuh.
 #pragma once
 
+// one group's scale (and zero point) at mp, in both halves of T2. ADJ: (scale, zero) adjacent and 4-byte
+// aligned, one 32-bit load whose halves reach the HFMA2 as operand selectors (no PRMT)
+template <int F, int MS, bool ADJ>
+__device__ __forceinline__ void group_meta(const uint8_t* mp, T2& s2, T2& z2) {
+  if constexpr (F == 2 && ADJ) {
+    const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));
+#if HALF
+    s2 = __low2half2(sz), z2 = __high2half2(sz);
+#else
+    s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
+#endif
+  } else {
+    s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
+    z2 = as_t2(F == 2 ? *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u : 0u);
+  }
+}
+
 // the (scale, zero) of the channel pair (c0, c0 + 1) from a page's metadata [G, F] (groups of GS channels
 // over the page's tokens), in T's two halves: one group for both channels when GS >= 2, one each when GS = 1
 template <int GS, int F, int MS>
@@ -17,18 +34,7 @@ __device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& 
       z2 = as_t2(0u);
     }
   } else {
-    const uint8_t* mp = meta + (c0 / GS) * F * MS;
-    if constexpr (F == 2) {
-      const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));
-#if HALF
-      s2 = __low2half2(sz), z2 = __high2half2(sz);
-#else
-      s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
-#endif
-    } else {
-      s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
-      z2 = as_t2(0u);
-    }
+    group_meta<F, MS, true>(meta + (c0 / GS) * F * MS, s2, z2);
   }
 }
 // ---------------------------------------------------------------------------------------------------
@@ -123,18 +129,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
           const uint32_t m2 = MASK * 0x10001u;
 #endif
           T2 s2, z2;                                       // scale and zero point, in both halves
-          if constexpr (PM) {                              // per pair, below
-          } else if constexpr (F == 2 && FBM % 4 == 0) {   // one 32-bit load: (scale, zero) are adjacent;
-            const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));  // the halves broadcast as
-#if HALF                                                   // operand selectors of the HFMA2
-            s2 = __low2half2(sz), z2 = __high2half2(sz);
-#else
-            s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
-#endif
-          } else {
-            s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
-            z2 = as_t2(F == 2 ? *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u : 0u);
-          }
+          if constexpr (!PM) group_meta<F, MS, FBM % 4 == 0>(mp, s2, z2);  // a page's: per pair, below
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
