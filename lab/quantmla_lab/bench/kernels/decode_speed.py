@@ -22,13 +22,19 @@ from pathlib import Path
 import torch
 
 from quantmla.cache.layout import PRESETS, CacheFormat, PageLayout, TokenLayout, int_format
-from quantmla.cache.paged import compression_report, gather_sequences
+from quantmla.cache.paged import compression_report, gather_sequences, write_tokens
 from quantmla.kernels import api, schedule
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
+from quantmla.quant import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
 
 D_C, D_R, PAGE = 512, 64, 64
-METHODS: dict[str, CacheFormat] = {**PRESETS, "int4/int4-g64/g32": int_format(4, 4, 64, 32)}
+METHODS: dict[str, CacheFormat] = {
+    **PRESETS, "int4/int4-g64/g32": int_format(4, 4, 64, 32),
+    # the RoPE path per channel per page (one fp16 scale and zero point per channel of a 64-token page)
+    "int4/int4-page": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")),
+    "int2/int4-page": CacheFormat(PathFormat(2, 128), PathFormat(4, 1, grouping="page")),
+}
 DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
 """Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,
 128 heads (DeepSeek-V3) up to 256K."""
@@ -140,7 +146,12 @@ class Cache:
             else:
                 x = torch.randn(n, layout.token.d_c, generator=g, device=device, dtype=torch.bfloat16)
                 r = torch.randn(n, layout.token.d_r, generator=g, device=device, dtype=torch.bfloat16) * 2
-            api.append_to_pages(self.pages, layout, slots, x, r)
+            if layout.token.fmt.rope.per_page:  # no append kernel: the reference writer, a page over its tokens
+                bt = self.block_table[b].long()
+                page_rope = {int(bt[i]): r[i * PAGE: (i + 1) * PAGE].float() for i in range(pages_per[b])}
+                write_tokens(self.pages, layout, slots, x.float(), r, page_rope=page_rope)
+            else:
+                api.append_to_pages(self.pages, layout, slots, x, r)
 
 
 DEV = "cuda"
@@ -543,6 +554,8 @@ def _bench_append(methods, args) -> list[dict]:
     out = []
     for m in methods:
         layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
+        if layout.token.fmt.rope.per_page:  # written page by page (cache.paged.write_tokens), no append kernel
+            continue
         for T in (128, 8192) if DEV == "cuda" else (128,):
             pages = torch.zeros(layout.pages_for(T) + 1, layout.page_bytes, dtype=torch.uint8, device=DEV)
             slots = torch.randperm(T, device=DEV)
