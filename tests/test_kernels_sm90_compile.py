@@ -93,8 +93,41 @@ def append_read_case(name: str) -> None:
     slots = torch.zeros(4, dtype=torch.int64)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}  # per-token records only (as the API)
     compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4}, 4, 1)
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": True}, 4, 1)
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
+
+
+def page_rope_case(heads: int) -> None:
+    """A RoPE path per channel per page (INT4, one group per channel): the generic decode kernel reading the
+    page's metadata, the read kernel, and the append kernels (content, requantize a page, stage its keys)."""
+    from quantmla.cache.layout import CacheFormat
+    from quantmla.kernels.append import _append_kernel, _page_rope_kernel, _stage_rope_kernel
+    from quantmla.kernels.decode import _mla_decode_kernel
+    from quantmla.kernels.read import _read_kernel
+    from quantmla.quant import PathFormat
+
+    layout = PageLayout(TokenLayout(D_C, D_R, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))), PAGE)
+    cfg = api.default_config(heads, layout)  # no device: the GPU tilings
+    consts, (cbf, rbf) = api._layout_constexprs(layout)
+    assert consts["R_PAGE"] and cfg.kernel != "fused"
+    compile_sm90(_mla_decode_kernel, _decode_args(layout, heads),
+                 {**consts, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "DOT_F32": False, "DEQ": cfg.deq},
+                 cfg.num_warps, cfg.num_stages)
+    pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
+    _, pc, pr = api._views(pages, layout)
+    xc = torch.zeros(4, D_C, dtype=torch.bfloat16)
+    xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
+    slots = torch.zeros(4, dtype=torch.int64)
+    compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
+    append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}
+    compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": False}, 4, 1)
+    rows = torch.zeros(4, dtype=torch.int32)
+    stage = torch.zeros(2, PAGE, D_R, dtype=torch.bfloat16)
+    compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
+                 dict(D_R=D_R, PS=PAGE, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
+                      OFF_PM=layout.offsets["rope_page_meta"], BITS=4, GS=1, AFFINE=True, MB=2, META_BF16=False), 4, 1)
+    compile_sm90(_stage_rope_kernel, (xr, slots, rows, stage, 4, D_R, PAGE * D_R), dict(D_R=D_R, PS=PAGE), 1, 1)
 
 
 CASES = {
@@ -102,6 +135,7 @@ CASES = {
        [("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128)]},
     **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (128, 8)]},
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},
+    **{f"page rope H{h}": (page_rope_case, (h,)) for h in (16, 128)},
 }
 
 

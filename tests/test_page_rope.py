@@ -112,8 +112,6 @@ def test_writer_errors_name_what_is_missing():
         write_tokens(pool.layer(0), lay, slots, x, k, page_rope={page: k[:2]})
     with pytest.raises(QuantMLAError, match="no \\[n, 32\\] keys for page"):
         write_tokens(pool.layer(0), lay, slots, x, k, page_rope={page + 1: k})
-    with pytest.raises(UnsupportedFormatError, match="write_tokens"):
-        append_to_pages(pool.layer(0), lay, slots, x, k)
 
 
 @kernels
@@ -177,3 +175,69 @@ def test_per_token_caches_refuse_page_groups():
     with pytest.raises(UnsupportedFormatError, match="group the RoPE path per page"):
         TorchPagedBackend(spec, {0: CacheFormat(PathFormat(4, 16), PathFormat(4, 1, grouping="page"))}, 4, 16, "cpu",
                           torch.float32)
+
+
+def _append_steps(lay, lens, chunks, g, kernel=True):
+    """Pools written two ways from the same keys, several sequences per call (each one's tokens contiguous,
+    a padding slot between them): the append path with a stage, and the reference writer given each page's
+    keys. Returns both pools' bytes."""
+    from quantmla.kernels import api
+
+    pool_a, pool_b = PagePool(lay, 24, device=DEV), PagePool(lay, 24, device=DEV)
+    noise = torch.randint(0, 256, pool_a.data.shape, generator=g, dtype=torch.uint8).to(DEV)
+    pool_a.data.copy_(noise), pool_b.data.copy_(noise)
+    keys = {s: torch.randn(n, D_R, generator=g) * 3 for s, n in enumerate(lens)}
+    lat = {s: torch.randn(n, D_C, generator=g) for s, n in enumerate(lens)}
+    stage = torch.full((len(lens) + 2, PAGE, D_R), float("nan"), dtype=torch.bfloat16, device=DEV)
+    done = [0] * len(lens)
+    for step in range(max(len(c) for c in chunks)):
+        slots, rows, xs, ks, page_rope = [], [], [], [], {}
+        for s in range(len(lens)):
+            if step >= len(chunks[s]):
+                continue
+            m = chunks[s][step]
+            new_a = pool_a.append_slots(s, m)
+            pool_b.append_slots(s, m)
+            slots += [new_a, torch.tensor([-1])]
+            rows += [torch.full((m + 1,), s + 1)]
+            xs += [lat[s][done[s]: done[s] + m], torch.zeros(1, D_C)]
+            ks += [keys[s][done[s]: done[s] + m], torch.zeros(1, D_R)]
+            pages = pool_b.pages_of(s)
+            end = done[s] + m
+            for p in range(done[s] // PAGE, (end - 1) // PAGE + 1):
+                page_rope[pages[p]] = keys[s][p * PAGE: min(end, (p + 1) * PAGE)].bfloat16().float()
+            done[s] = end
+        slots, rows = torch.cat(slots).to(DEV), torch.cat(rows).to(DEV)
+        x, k = torch.cat(xs).to(DEV, torch.bfloat16), torch.cat(ks).to(DEV, torch.bfloat16)
+        if kernel:
+            api.append_to_pages(pool_a.layer(0), lay, slots, x, k, rope_stage=stage, stage_rows=rows)
+        else:
+            api._append_page_rope_torch(pool_a.layer(0), lay, slots, x.float(), k, stage, rows)
+        write_tokens(pool_b.layer(0), lay, slots, x.float(), k.float(), page_rope=page_rope)
+    return pool_a, pool_b
+
+
+@kernels
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("kernel", [True, False])
+def test_append_with_a_stage_is_bit_exact_with_the_reference_writer(name, kernel):
+    """Decode-like single tokens and prefill-like chunks that cross pages, two sequences per call: the append
+    path (stage + per-page requantization; the Triton kernels or their torch form) writes the same bytes as
+    the reference writer given each page's keys."""
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS[name]), PAGE)
+    g = torch.Generator().manual_seed(len(name))
+    chunks = [[5, 1, 1, 20, 1, 1, 16], [1, 1, 33, 1]]
+    a, b = _append_steps(lay, [sum(c) for c in chunks], chunks, g, kernel)
+    assert torch.equal(a.data.cpu(), b.data.cpu())
+
+
+@kernels
+def test_append_without_a_stage_says_what_it_needs():
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4·page"]), PAGE)
+    pool = PagePool(lay, 2, device=DEV)
+    slots = pool.append_slots(0, 2).to(DEV)
+    x, k = torch.zeros(2, D_C, device=DEV), torch.zeros(2, D_R, device=DEV)
+    with pytest.raises(QuantMLAError, match="pass rope_stage"):
+        append_to_pages(pool.layer(0), lay, slots, x, k)
+    with pytest.raises(QuantMLAError, match="rope_stage must be"):
+        append_to_pages(pool.layer(0), lay, slots, x, k, rope_stage=torch.zeros(2, 8, D_R), stage_rows=torch.zeros(2))

@@ -340,7 +340,7 @@ def mla_decode_with_kvcache(
 # --------------------------------------------------------------------------------------------------
 def append_to_pages(
     kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-    block_t: int | None = None,
+    block_t: int | None = None, *, rope_stage: torch.Tensor | None = None, stage_rows: torch.Tensor | None = None,
 ) -> None:
     """Quantize tokens and write them at `slots` (int [T]; negative slots are skipped).
 
@@ -348,13 +348,19 @@ def append_to_pages(
     over as many SMs; 4 beyond). A power of two.
 
     latent [..., d_c] and k_rope [..., d_r] flatten to T tokens (bf16, fp16 or fp32). Bit-exact with
-    ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync)."""
+    ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync).
+
+    A RoPE path grouped per page needs the full-precision keys of the pages being filled: `rope_stage`
+    [S, page_size, d_r] (the caller's, one row per sequence that is filling a page; bf16 or fp32) and
+    `stage_rows` int [T], each token's stage row. Each token's key goes to its row at its page offset,
+    then every page the call writes is requantized over its tokens so far (as ``write_tokens`` with
+    ``page_rope`` from the stage). A page's tokens must come contiguous and in position order within a
+    call, and its earlier tokens must have been staged in the same row."""
     check_layout_supported(layout)
     tok = layout.token
-    if tok.fmt.rope.per_page:
-        raise UnsupportedFormatError(
-            f"the append kernel writes per-token records; the RoPE path {tok.fmt.rope.describe()} is quantized over "
-            "each page's tokens: write it with cache.paged.write_tokens(..., page_rope=...)")
+    per_page = tok.fmt.rope.per_page
+    if per_page:
+        _check_stage(layout, rope_stage, stage_rows, slots.numel())
     xc = latent.reshape(-1, tok.d_c)
     xr = k_rope.reshape(-1, tok.d_r)
     slots = slots.reshape(-1)
@@ -363,11 +369,14 @@ def append_to_pages(
         raise QuantMLAError(f"latent has {T} tokens, k_rope {xr.shape[0]}, slots {slots.shape[0]}")
     pages, pc16, pr16 = _views(kv_pages, layout)
     if not _use_triton(kv_pages):
-        write_tokens(pages, layout, slots, xc, xr)
+        if per_page:
+            _append_page_rope_torch(pages, layout, slots, xc, xr, rope_stage, stage_rows)
+        else:
+            write_tokens(pages, layout, slots, xc, xr)
         return
     if T == 0:
         return
-    from quantmla.kernels.append import _append_kernel
+    from quantmla.kernels.append import _append_kernel, _page_rope_kernel, _stage_rope_kernel
 
     consts, (cbf, rbf) = _layout_constexprs(layout)
     consts.pop("R_PAGE")
@@ -381,8 +390,61 @@ def append_to_pages(
     if block_t < 1 or block_t & (block_t - 1):
         raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
     _append_kernel[(-(-T // block_t),)](
-        xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t, num_warps=4
+        xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t,
+        R_WRITE=not per_page, num_warps=4
     )
+    if per_page:  # requantize the pages from the call's keys and the stage's, then stage the unfinished pages' keys
+        rows = stage_rows.reshape(-1).to(device=kv_pages.device, dtype=torch.int32).contiguous()
+        f = tok.fmt.rope
+        _page_rope_kernel[(T,)](
+            xr, slots, rows, rope_stage, pages, pr16, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
+            PS=layout.page_size, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
+            OFF_PM=layout.offsets["rope_page_meta"], BITS=f.bits, GS=f.group_size, AFFINE=f.mode == "affine",
+            MB=f.meta_elem_bytes, META_BF16=rbf, num_warps=4,
+        )
+        _stage_rope_kernel[(T,)](xr, slots, rows, rope_stage, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
+                                 PS=layout.page_size, num_warps=1)
+
+
+def _check_stage(layout: PageLayout, rope_stage, stage_rows, T: int) -> None:
+    """The stage of a per-page RoPE path: [S, page_size, d_r] float, contiguous rows; one row index per token."""
+    tok = layout.token
+    if rope_stage is None or stage_rows is None:
+        raise QuantMLAError(
+            f"the RoPE path {tok.fmt.rope.describe()} is grouped per page: pass rope_stage [S, {layout.page_size}, "
+            f"{tok.d_r}] (the full-precision keys of the pages being filled) and stage_rows [T] (each token's row)")
+    if (rope_stage.dim() != 3 or tuple(rope_stage.shape[1:]) != (layout.page_size, tok.d_r)
+            or rope_stage.dtype not in (torch.bfloat16, torch.float32) or not rope_stage[0].is_contiguous()):
+        raise QuantMLAError(f"rope_stage must be a bf16 or fp32 [S, {layout.page_size}, {tok.d_r}] tensor with contiguous "
+                            f"rows, got {rope_stage.dtype} {tuple(rope_stage.shape)}")
+    if stage_rows.numel() != T:
+        raise QuantMLAError(f"stage_rows holds {stage_rows.numel()} rows for {T} tokens")
+
+
+def _append_page_rope_torch(pages, layout: PageLayout, slots, xc, xr, rope_stage, stage_rows) -> None:
+    """The CPU form of the per-page append: each page the call writes gets the reference writer over its keys
+    (the stage's earlier ones, the call's new ones), then the unfinished pages' new keys are staged."""
+    slots = slots.reshape(-1).to(torch.int64)
+    rows = stage_rows.reshape(-1).to(torch.int64)
+    ps = layout.page_size
+    new: dict[int, dict[int, int]] = {}  # page -> {offset: token index}
+    row_of = {}
+    for i, (s, r) in enumerate(zip(slots.tolist(), rows.tolist())):
+        if s >= 0:
+            new.setdefault(s // ps, {})[s % ps] = i
+            row_of[s // ps] = r
+    page_rope = {}
+    for p, toks in new.items():
+        n = max(toks) + 1
+        keys = rope_stage[row_of[p], :n].float()
+        for off, i in toks.items():
+            keys[off] = xr[i].float()
+        page_rope[p] = keys
+    write_tokens(pages, layout, slots, xc, xr, page_rope=page_rope)
+    for p, toks in new.items():
+        if max(toks) + 1 < ps:  # left unfinished: its keys are the next call's
+            for off, i in toks.items():
+                rope_stage[row_of[p], off] = xr[i].to(rope_stage.dtype)
 
 
 def read_from_pages(

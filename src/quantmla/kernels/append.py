@@ -1,4 +1,9 @@
-"""Triton kernel: quantize, pack and write tokens into their pages (prefill chunks or decode steps).
+"""Triton kernels: quantize, pack and write tokens into their pages (prefill chunks or decode steps).
+
+A RoPE path grouped per page is quantized over the page's tokens: ``_page_rope_kernel`` requantizes each
+page a call writes from the call's keys and the earlier ones of a stage the caller owns, then
+``_stage_rope_kernel`` keeps the keys of the pages left unfinished there (``kernels.api.append_to_pages(...,
+rope_stage=, stage_rows=)``).
 
 Bit-exact with the Python reference (``quant.groupwise.quantize`` + ``cache.paged.write_tokens``):
 the stored scale and zero are rounded to the metadata dtype first and the codes are computed against
@@ -104,7 +109,7 @@ def _append_kernel(
     C_BF16: tl.constexpr,
     R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
     R_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, R_WRITE: tl.constexpr = True,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tv = t < T
@@ -115,5 +120,99 @@ def _append_kernel(
     tok = slot % PS
     _write_path(XC, stride_xc, t, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8,
                 C_MB, C_BF16, BLOCK_T)
-    _write_path(XR, stride_xr, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE, R_FP8,
-                R_MB, R_BF16, BLOCK_T)
+    if R_WRITE:  # False: the RoPE path is grouped per page (_page_rope_kernel writes it)
+        _write_path(XR, stride_xr, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE,
+                    R_FP8, R_MB, R_BF16, BLOCK_T)
+
+
+@triton.jit(do_not_specialize=["T", "stride_xr", "stride_stage"])
+def _stage_rope_kernel(XR, SLOTS, ROWS, STAGE, T, stride_xr, stride_stage, D_R: tl.constexpr, PS: tl.constexpr):
+    """stage[row_i, slot_i % PS] = k_rope_i for every token whose page this call leaves unfinished (the token
+    at the page's last offset is not among the call's): the keys the next call's requantization of that page
+    reads. Runs after _page_rope_kernel, which may still read the rows' older keys."""
+    i = tl.program_id(0)
+    slot = tl.load(SLOTS + i).to(tl.int64)
+    if slot >= 0:
+        off = slot % PS
+        j = i + (PS - 1 - off)  # where the page's last token would stand in this call
+        tail = tl.load(SLOTS + j, mask=j < T, other=-1).to(tl.int64)
+        if tail != slot + (PS - 1 - off):
+            row = tl.load(ROWS + i).to(tl.int64)
+            d = tl.arange(0, D_R)
+            x = tl.load(XR + i.to(tl.int64) * stride_xr + d)
+            tl.store(STAGE + row * stride_stage + off * D_R + d, x.to(STAGE.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["T", "stride_xr", "stride_stage"])
+def _page_rope_kernel(
+    XR, SLOTS, ROWS, STAGE, P8, PR, T, stride_xr, stride_stage,
+    D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr, OFF_RC: tl.constexpr, OFF_PM: tl.constexpr,
+    BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, MB: tl.constexpr, META_BF16: tl.constexpr,
+):
+    """Requantize a page's RoPE path over its tokens so far: one program per token, active for the last token
+    of its page among this call's tokens (a page's tokens come contiguous and in position order). The page's
+    first n = offset + 1 keys are this call's tokens where they are among them, the stage's (earlier calls')
+    otherwise; it computes each group's (scale, zero) over them (groups of GS channels, every token) and
+    writes the n tokens' codes and the page's metadata, by the rules of ``quant.groupwise.quantize_page``
+    (rounded metadata, IEEE division, round half to even)."""
+    i = tl.program_id(0)
+    slot = tl.load(SLOTS + i).to(tl.int64)
+    nxt = tl.load(SLOTS + i + 1, mask=i + 1 < T, other=-1).to(tl.int64)
+    last = (slot >= 0) & ((nxt < 0) | (nxt // PS != slot // PS))
+    if last:
+        NB: tl.constexpr = D_R * BITS // 8
+        K: tl.constexpr = 8 // BITS
+        G: tl.constexpr = D_R // GS
+        QMAX: tl.constexpr = (1 << BITS) - 1
+        MID: tl.constexpr = 1 << (BITS - 1)
+        page = slot // PS
+        n = slot % PS + 1
+        row = tl.load(ROWS + i).to(tl.int64)
+        t = tl.arange(0, PS)
+        ok = t < n
+        d = tl.arange(0, D_R)
+        src = i - (n - 1) + t  # the call's token that would hold offset t of this page
+        here = ok & (src >= 0) & (tl.load(SLOTS + src, mask=ok & (src >= 0), other=-1).to(tl.int64) == page * PS + t)
+        x_new = tl.load(XR + src.to(tl.int64)[:, None] * stride_xr + d[None, :], mask=here[:, None], other=0.0)
+        x_old = tl.load(STAGE + row * stride_stage + t[:, None] * D_R + d[None, :], mask=(ok & ~here)[:, None], other=0.0)
+        x = tl.where(here[:, None], x_new.to(tl.float32), x_old.to(tl.float32))
+        x3 = tl.reshape(x, [PS, G, GS])
+        ok3 = tl.reshape(tl.broadcast_to(ok[:, None], [PS, D_R]), [PS, G, GS])
+        if AFFINE:
+            lo = tl.min(tl.min(tl.where(ok3, x3, float("inf")), 2), 0)
+            hi = tl.max(tl.max(tl.where(ok3, x3, float("-inf")), 2), 0)
+            if META_BF16:
+                zero = _bf16_rne(lo).to(tl.float32)
+                scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
+            else:
+                zero = lo.to(tl.float16).to(tl.float32)
+                scale = tl.math.div_rn(hi - zero, QMAX * 1.0).to(tl.float16).to(tl.float32)
+            scale = tl.where(scale > 0.0, scale, 1.0)
+            v = tl.math.div_rn(x3 - zero[None, :, None], scale[None, :, None])
+            v = tl.minimum(tl.maximum(v, -1.0), QMAX + 1.0)
+            q = (v + _RNE_MAGIC) - _RNE_MAGIC
+        else:
+            amax = tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0)
+            if META_BF16:
+                scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
+            else:
+                scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
+            scale = tl.where(scale > 0.0, scale, 1.0)
+            v = tl.math.div_rn(x3, scale[None, :, None])
+            v = tl.minimum(tl.maximum(v, -(MID + 1.0)), MID + 1.0)
+            q = ((v + _RNE_MAGIC) - _RNE_MAGIC) + MID
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
+        q3 = tl.reshape(q, [PS, K, NB])  # planar packing, as _write_path
+        packed = tl.sum(q3 << (tl.arange(0, K) * BITS)[None, :, None], 1)
+        cptr = P8 + page * PAGE_BYTES + OFF_RC + t[:, None] * NB + tl.arange(0, NB)[None, :]
+        tl.store(cptr, packed.to(tl.uint8), mask=ok[:, None])
+        F: tl.constexpr = 2 if AFFINE else 1
+        mptr = PR + page * (PAGE_BYTES // MB) + OFF_PM // MB + tl.arange(0, G) * F
+        if META_BF16:
+            tl.store(mptr, _bf16_rne(scale))
+            if AFFINE:
+                tl.store(mptr + 1, _bf16_rne(zero))
+        else:
+            tl.store(mptr, scale.to(tl.float16))
+            if AFFINE:
+                tl.store(mptr + 1, zero.to(tl.float16))
