@@ -36,6 +36,7 @@ __all__ = [
     "encode_page_rope",
     "decode_fields",
     "write_tokens",
+    "write_tokens_staged",
     "read_fields",
     "read_tokens",
     "gather_sequences",
@@ -368,6 +369,36 @@ def _check_page_rope(layout: PageLayout, slots: torch.Tensor, page_rope) -> None
             raise QuantMLAError(
                 f"page_rope[{p}] holds {keys.shape[0]} tokens; the slots write offset {n - 1} of that page "
                 f"(it needs between {n} and {layout.page_size} tokens)")
+
+
+def write_tokens_staged(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor,
+                        k_rope: torch.Tensor, rope_stage: torch.Tensor, stage_rows: torch.Tensor) -> None:
+    """``write_tokens`` for a RoPE path grouped per page, with the keys of earlier calls in a stage:
+    rope_stage [S, page_size, d_r] holds, in each sequence's row, the keys of the page it is filling;
+    stage_rows [T] is each token's row. Each page the call writes is quantized over its keys (the stage's
+    earlier ones, this call's new ones), then the new keys of the pages left unfinished are staged for the
+    next call. A page's tokens come in position order; the append kernels do the same on the GPU."""
+    slots = slots.reshape(-1).to(torch.int64)
+    rows = stage_rows.reshape(-1).to(torch.int64)
+    ps = layout.page_size
+    new: dict[int, dict[int, int]] = {}  # page -> {offset: token index}
+    row_of = {}
+    for i, (s, r) in enumerate(zip(slots.tolist(), rows.tolist())):
+        if s >= 0:
+            new.setdefault(s // ps, {})[s % ps] = i
+            row_of[s // ps] = r
+    page_rope = {}
+    for p, toks in new.items():
+        n = max(toks) + 1
+        keys = rope_stage[row_of[p], :n].float().clone()  # the stage row changes only below
+        for off, i in toks.items():
+            keys[off] = k_rope[i].float()
+        page_rope[p] = keys
+    write_tokens(pages, layout, slots, latent, k_rope, page_rope=page_rope)
+    for p, toks in new.items():
+        if max(toks) + 1 < ps:  # left unfinished: its keys are the next call's
+            for off, i in toks.items():
+                rope_stage[row_of[p], off] = k_rope[i].to(rope_stage.dtype)
 
 
 def read_fields(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens
+from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, write_tokens_staged
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
@@ -370,7 +370,7 @@ def append_to_pages(
     pages, pc16, pr16 = _views(kv_pages, layout)
     if not _use_triton(kv_pages):
         if per_page:
-            _append_page_rope_torch(pages, layout, slots, xc, xr, rope_stage, stage_rows)
+            write_tokens_staged(pages, layout, slots, xc, xr, rope_stage, stage_rows)
         else:
             write_tokens(pages, layout, slots, xc, xr)
         return
@@ -420,31 +420,6 @@ def _check_stage(layout: PageLayout, rope_stage, stage_rows, T: int) -> None:
     if stage_rows.numel() != T:
         raise QuantMLAError(f"stage_rows holds {stage_rows.numel()} rows for {T} tokens")
 
-
-def _append_page_rope_torch(pages, layout: PageLayout, slots, xc, xr, rope_stage, stage_rows) -> None:
-    """The CPU form of the per-page append: each page the call writes gets the reference writer over its keys
-    (the stage's earlier ones, the call's new ones), then the unfinished pages' new keys are staged."""
-    slots = slots.reshape(-1).to(torch.int64)
-    rows = stage_rows.reshape(-1).to(torch.int64)
-    ps = layout.page_size
-    new: dict[int, dict[int, int]] = {}  # page -> {offset: token index}
-    row_of = {}
-    for i, (s, r) in enumerate(zip(slots.tolist(), rows.tolist())):
-        if s >= 0:
-            new.setdefault(s // ps, {})[s % ps] = i
-            row_of[s // ps] = r
-    page_rope = {}
-    for p, toks in new.items():
-        n = max(toks) + 1
-        keys = rope_stage[row_of[p], :n].float()
-        for off, i in toks.items():
-            keys[off] = xr[i].float()
-        page_rope[p] = keys
-    write_tokens(pages, layout, slots, xc, xr, page_rope=page_rope)
-    for p, toks in new.items():
-        if max(toks) + 1 < ps:  # left unfinished: its keys are the next call's
-            for off, i in toks.items():
-                rope_stage[row_of[p], off] = xr[i].to(rope_stage.dtype)
 
 
 def read_from_pages(

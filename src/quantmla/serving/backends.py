@@ -4,7 +4,7 @@ A backend owns the engine's :class:`~quantmla.cache.paged.PagePool`: one ``uint8
 page_bytes]`` view per MLA cache slot in that slot's :class:`~quantmla.cache.layout.PageLayout`, page 0
 (``NULL_PAGE``) being the page that padded batch rows may write and read. Per layer and step the engine calls
 
-    write(slot, latent [N, d_c], k_rope [N, d_r], slot_mapping [N])          quantize-and-write
+    write(slot, latent [N, d_c], k_rope [N, d_r], slot_mapping [N], stage_rows)  quantize-and-write
     attend(slot, view, q_nope [N, H, d_n], q_rope [N, H, d_r], meta)         -> values [N, H, d_v]
 
 in that order, so every read — the current chunk's own tokens included — sees the quantized cache,
@@ -12,6 +12,11 @@ as ``QuantMLACache`` does. ``meta`` (:class:`AttnMeta`) lists the step's tokens 
 decode rows (one query per sequence, first in the flat batch) followed by prefill chunks. Decode
 rows attend in the absorbed form (``decode``: absorbed queries against the latent pages); prefill
 chunks as each backend's ``prefill`` chooses.
+
+A slot whose RoPE path is grouped per page (``PathFormat(grouping="page")``) also has a *stage*,
+``rope_stage[slot]`` fp32 ``[stage_rows, page_size, d_r]``: one row per sequence that is filling a page
+(row 0 is the null row of padded batch rows), holding that page's full-precision keys so far; the
+engine gives each token's row (``AttnMeta.stage_rows``) and each write requantizes the pages it touches.
 
 ``TorchPagedBackend`` is the pure-torch reference: it writes and reads records with the layout's
 torch reference (``cache.paged``) and runs the absorbed-attention oracle for both kinds of rows. The
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
-from quantmla.cache.paged import PagePool, read_tokens, slot_of, write_tokens
+from quantmla.cache.paged import PagePool, read_tokens, slot_of, write_tokens, write_tokens_staged
 from quantmla.errors import UnsupportedFormatError
 from quantmla.model.spec import MLASpec
 from quantmla.model.view import MLAView
@@ -54,6 +59,7 @@ class AttnMeta:
     chunks: list[PrefillChunk] = field(default_factory=list)
     max_seq_len: int = 0  # upper bound of seq_lens (a static bound under CUDA graphs)
     plan: object | None = None  # a backend's fixed-shape decode schedule (CUDA graphs), else None
+    stage_rows: torch.Tensor | None = None  # [N] int32: each token's row in the RoPE stage (per-page RoPE paths)
     backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
 
 
@@ -75,25 +81,31 @@ class AttentionBackend:
     graph_safe = False  # its write/attend can be captured in a CUDA graph
 
     def __init__(self, spec: MLASpec, formats: dict[int, CacheFormat], num_pages: int, page_size: int,
-                 device: torch.device | str, dtype: torch.dtype):
+                 device: torch.device | str, dtype: torch.dtype, stage_rows: int = 0):
         per_page = sorted(s for s, f in formats.items() if f.rope.per_page)
-        if per_page:
+        if per_page and stage_rows < 2:
             raise UnsupportedFormatError(
-                f"cache slots {per_page} group the RoPE path per page ({formats[per_page[0]].rope.describe()}); the engine "
-                "writes each token's record as it comes, and a page's RoPE groups need the page's full-precision keys "
-                "until it fills. Serve a per-token RoPE format (e.g. INT4/g64); per-page pages are written by "
-                "cache.paged.write_tokens(..., page_rope=...) and read by the decode kernels")
+                f"cache slots {per_page} group the RoPE path per page ({formats[per_page[0]].rope.describe()}): the "
+                "backend needs a RoPE stage of at least 2 rows (the null row and one per sequence filling a page)")
         self.spec, self.page_size = spec, page_size
         self.device, self.dtype = torch.device(device), dtype
         self.num_pages = num_pages  # usable pages; the pool has one more (page 0, the null page)
         self.layouts = {s: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size) for s, f in formats.items()}
         self.pool = PagePool(self.layouts, num_pages, device=self.device, null_page=True)
+        self.rope_stage = {s: torch.zeros(stage_rows, page_size, spec.d_r, dtype=torch.float32, device=self.device)
+                           for s in per_page}
 
     @staticmethod
     def bytes_per_page(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int) -> int:
         return sum(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size).page_bytes for f in formats.values())
 
-    def write(self, slot: int, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    @staticmethod
+    def stage_bytes(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int, stage_rows: int) -> int:
+        """Bytes of the RoPE stages of the per-page slots (fp32 [stage_rows, page_size, d_r] each)."""
+        return sum(stage_rows * page_size * spec.d_r * 4 for f in formats.values() if f.rope.per_page)
+
+    def write(self, slot: int, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor,
+              stage_rows: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def attend(self, slot: int, view: MLAView, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
@@ -145,8 +157,12 @@ class TorchPagedBackend(AttentionBackend):
 
     name = "torch"
 
-    def write(self, slot, latent, k_rope, slot_mapping):
-        write_tokens(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
+    def write(self, slot, latent, k_rope, slot_mapping, stage_rows=None):
+        if slot in self.rope_stage:
+            write_tokens_staged(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope,
+                                self.rope_stage[slot], stage_rows)
+        else:
+            write_tokens(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
 
     def decode(self, slot, q_lat, q_rope, meta):
         scale = self.spec.softmax_scale

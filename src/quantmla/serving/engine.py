@@ -45,6 +45,7 @@ from quantmla.serving.scheduler import (
     Sequence,
     StepPlan,
 )
+from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
 BF16_CONFIG = QuantCacheConfig(content=BF16, rope=BF16, method="bf16")
@@ -59,7 +60,10 @@ class EngineConfig:
     admission leaves free; ``backend``: "auto", "torch" or "triton"; ``max_model_len``: longest
     sequence (sets the CUDA-graph block-table width; default: what the pool holds); ``decode_config``:
     the Triton decode kernel's tiling per page layout, a function called as
-    ``kernels.api.default_config(rows, layout, device)`` is (None: that default)."""
+    ``kernels.api.default_config(rows, layout, device)`` is (None: that default); ``rope_pages``: store
+    the RoPE path per channel per page (one scale and zero point per channel of each page, the method
+    ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
+    stage of max_num_seqs rows per layer that the KV budget pays for."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -76,6 +80,7 @@ class EngineConfig:
     prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
     decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
+    rope_pages: bool = False
 
 
 @dataclass
@@ -106,17 +111,19 @@ class JobStats:
         return d
 
 
-def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, decode_config=None) -> AttentionBackend:
+def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, decode_config=None,
+                 stage_rows: int = 0) -> AttentionBackend:
     device = torch.device(device)
     if name == "torch":
-        return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
+        return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
     if name in ("triton", "auto"):
         ok, why = triton_available(device, spec, formats, page_size)
         if ok:
-            return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype, decode_config=decode_config)
+            return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype, decode_config=decode_config,
+                                      stage_rows=stage_rows)
         if name == "triton":
             raise QuantMLAError(f"the Triton attention backend cannot run here: {why}")
-        return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype)
+        return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
     raise QuantMLAError(f"unknown attention backend {name!r}; use auto, torch or triton")
 
 
@@ -141,13 +148,18 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
+        if config.rope_pages:
+            self.formats = {s: CacheFormat(f.content, page_grouped(f.rope)) for s, f in self.formats.items()}
+        stage_rows = config.max_num_seqs + 1 if config.rope_pages else 0  # a row per sequence, and the null row
+        self.stage = StageRows(stage_rows) if stage_rows else None
+        self.stage_bytes = AttentionBackend.stage_bytes(spec, self.formats, config.page_size, stage_rows)
         # RoPE key offsets (calibrated checkpoints): subtracted on write, softmax-invariant on read
         self.rope_offsets: dict[int, torch.Tensor] = {}
         self.page_bytes = AttentionBackend.bytes_per_page(spec, self.formats, config.page_size)
         if config.num_pages is not None:
             pool_pages = config.num_pages
         elif config.kv_budget_bytes is not None:
-            pool_pages = config.kv_budget_bytes // self.page_bytes
+            pool_pages = (config.kv_budget_bytes - self.stage_bytes) // self.page_bytes
         else:
             raise QuantMLAError("give the engine a KV budget: EngineConfig(kv_budget_bytes=...) or num_pages=...")
         if pool_pages < 1:
@@ -164,7 +176,7 @@ class Engine:
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
-                                    decode_config=config.decode_config)
+                                    decode_config=config.decode_config, stage_rows=stage_rows)
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
@@ -305,6 +317,9 @@ class Engine:
         ids_t = torch.from_numpy(np.concatenate(ids)).to(dev)
         pos_t = torch.from_numpy(np.concatenate(pos)).to(dev)
         meta = AttnMeta(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), num_decode=len(dec))
+        if self.stage is not None:
+            rows = np.concatenate([np.full(items[k].n, self.stage.row(items[k].seq), dtype=np.int32) for k in order])
+            meta.stage_rows = torch.from_numpy(rows).to(dev)
         if dec:
             width = max(len(items[k].seq.pages) for k in dec)
             bt = np.zeros((len(dec), width), dtype=np.int32)
@@ -474,6 +489,8 @@ class Engine:
                     raise RuntimeError("scheduler produced an empty step with unfinished requests")  # invariant
                 for o in self.observers:
                     o.step_begin(plan)
+                if self.stage is not None:
+                    self.stage.update(sched.running)
                 t1 = time.perf_counter()
                 g0, p0 = self.stats.graph_steps, self.stats.prefill_graph_steps
                 sampled, logits = self._execute(plan)  # returns after the sampled tokens reached the host
@@ -529,7 +546,7 @@ def _dispatch_forward(module, *args, **kwargs):
     q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
     k_rope = p["k_rope"][0]
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
-    engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping)
+    engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]
     return view.project_out(v[None].to(hidden.dtype)), None
 

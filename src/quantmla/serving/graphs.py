@@ -183,9 +183,9 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
         B, W, dev = cap, engine.max_pages_per_seq, engine.device
         pin = dev.type == "cuda"
-        self.host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(5, B, dtype=torch.int64, pin_memory=pin)
         self.host_bt = torch.zeros(B, W, dtype=torch.int32, pin_memory=pin)
-        self.buf = torch.zeros(4, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens
+        self.buf = torch.zeros(5, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens, stage rows
         self.buf[3].fill_(1)
         self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
@@ -195,7 +195,7 @@ class DecodeGraphs:
         e = self.e
         meta = AttnMeta(slot_mapping=self.buf[2, :b], num_decode=b, block_tables=self.bt[:b],
                         seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
-                        plan=plan)
+                        plan=plan, stage_rows=None if e.stage is None else self.buf[4, :b].to(torch.int32))
         logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
         return greedy(logits)
 
@@ -237,6 +237,7 @@ class DecodeGraphs:
             h[1, j] = p
             h[2, j] = slot_of(seq.pages, p, ps)
             h[3, j] = p + 1
+            h[4, j] = 0 if self.e.stage is None else self.e.stage.row(seq)
             bt[j, : len(seq.pages)] = seq.pages
         got = self.get(B)
         if got is None:
@@ -267,9 +268,9 @@ class PrefillGraphs:
         self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
         dev, pin = engine.device, engine.device.type == "cuda"
         N = buckets[-1]
-        self.host = torch.zeros(3, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host = torch.zeros(4, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, stage rows
         self.host_row = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-        self.buf = torch.zeros(3, N, dtype=torch.int64, device=dev)
+        self.buf = torch.zeros(4, N, dtype=torch.int64, device=dev)
         self.row = torch.zeros(1, dtype=torch.int64, device=dev)
         self.no_pages = torch.zeros(0, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple] = {}
@@ -279,7 +280,8 @@ class PrefillGraphs:
         e = self.e
         slots = self.buf[2, :n]
         meta = AttnMeta(slot_mapping=slots, num_decode=0,
-                        chunks=[PrefillChunk(0, n, n, self.no_pages, 0, slots=slots)])
+                        chunks=[PrefillChunk(0, n, n, self.no_pages, 0, slots=slots)],
+                        stage_rows=None if e.stage is None else self.buf[3, :n].to(torch.int32))
         logits = e._forward(self.buf[0, :n], self.buf[1, :n], meta, self.row)
         return greedy(logits)
 
@@ -313,6 +315,7 @@ class PrefillGraphs:
         h[0, :n] = item.seq.tokens[:n]
         h[1, :n] = p
         h[2, :n] = slot_of(item.seq.pages, p, ps)
+        h[3, :n] = 0 if self.e.stage is None else self.e.stage.row(item.seq)
         self.host_row[0] = n - 1
         got = self.get(B)
         if got is None:

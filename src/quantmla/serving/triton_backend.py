@@ -101,13 +101,13 @@ class StaticDecodePlan:
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None):
+    def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None, stage_rows: int = 0):
         """decode_config: the decode tiling per page layout, called as ``kernels.api.default_config(rows,
         layout, device)`` is (None: that default)."""
         api = _kernels()
         for slot, f in formats.items():
             api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
-        super().__init__(spec, formats, num_pages, page_size, device, dtype)
+        super().__init__(spec, formats, num_pages, page_size, device, dtype, stage_rows)
         # decode schedules differ by layout (block sizes); one per distinct layout
         self.kinds: dict[tuple, PageLayout] = {}
         self.kind_of: dict[int, tuple] = {}
@@ -118,8 +118,10 @@ class TritonPagedBackend(AttentionBackend):
         self.graph_safe = self.device.type == "cuda"
         self.decode_config = decode_config
 
-    def write(self, slot, latent, k_rope, slot_mapping):
-        _kernels().append_to_pages(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope)
+    def write(self, slot, latent, k_rope, slot_mapping, stage_rows=None):
+        stage = self.rope_stage.get(slot)
+        _kernels().append_to_pages(self.pool.layer(slot), self.layouts[slot], slot_mapping, latent, k_rope,
+                                   rope_stage=stage, stage_rows=None if stage is None else stage_rows)
 
     def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
         return StaticDecodePlan(self, b, max_len)

@@ -35,10 +35,11 @@ class AgreementReport:
         return {k: v for k, v in self.__dict__.items()} | {"ok": self.ok}
 
 
-def reference_generate(model, quant: QuantCacheConfig, prompt: list[int], max_new_tokens: int):
-    """-> (tokens, per-step fp32 logits [max_new, V]) of HF greedy decoding with QuantMLACache."""
+def reference_generate(model, quant: QuantCacheConfig, prompt: list[int], max_new_tokens: int, cache_factory=None):
+    """-> (tokens, per-step fp32 logits [max_new, V]) of HF greedy decoding with QuantMLACache (or the cache
+    ``cache_factory()`` makes, e.g. the RoPE-per-page RopeChannelCache for an engine with rope_pages)."""
     dev = next(model.parameters()).device
-    cache = QuantMLACache(model, quant)
+    cache = cache_factory() if cache_factory is not None else QuantMLACache(model, quant)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=dev), past_key_values=cache, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
@@ -49,10 +50,10 @@ def reference_generate(model, quant: QuantCacheConfig, prompt: list[int], max_ne
 
 
 def compare(model, quant: QuantCacheConfig, prompts: list[list[int]], engine_tokens: list[list[int]], max_new_tokens: int,
-            tie_tol: float = 1e-3) -> AgreementReport:
+            tie_tol: float = 1e-3, cache_factory=None) -> AgreementReport:
     rep = AgreementReport(requests=len(prompts))
     for i, (p, got) in enumerate(zip(prompts, engine_tokens)):
-        ref, scores = reference_generate(model, quant, p, max_new_tokens)
+        ref, scores = reference_generate(model, quant, p, max_new_tokens, cache_factory)
         j = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         if j is None and len(got) == len(ref):
             rep.exact += 1
@@ -78,8 +79,9 @@ def compare(model, quant: QuantCacheConfig, prompts: list[list[int]], engine_tok
 
 
 def engine_agreement(model, quant: QuantCacheConfig, prompts: list[list[int]], max_new_tokens: int, tie_tol: float = 1e-3,
-                     **engine_kw) -> tuple[AgreementReport, dict]:
-    """Run the engine on `prompts` (EOS ignored) and compare with the reference. -> (report, engine stats)."""
+                     cache_factory=None, **engine_kw) -> tuple[AgreementReport, dict]:
+    """Run the engine on `prompts` (EOS ignored) and compare with the reference (its cache from
+    ``cache_factory``, default QuantMLACache). -> (report, engine stats)."""
     from quantmla.serving.engine import Engine, EngineConfig
     from quantmla.serving.scheduler import SamplingParams
 
@@ -89,7 +91,7 @@ def engine_agreement(model, quant: QuantCacheConfig, prompts: list[list[int]], m
         stats = eng.stats.to_dict() | {"backend": eng.backend.name, "cuda_graphs": eng.use_graphs,
                                        "graph_error": eng.graph_error, "prefill_graphs": eng.use_prefill_graphs,
                                        "prefill_graph_error": eng.prefill_graph_error}
-    rep = compare(model, quant, prompts, [o.output_ids for o in outs], max_new_tokens, tie_tol)
+    rep = compare(model, quant, prompts, [o.output_ids for o in outs], max_new_tokens, tie_tol, cache_factory)
     return rep, stats
 
 
