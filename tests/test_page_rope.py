@@ -300,3 +300,26 @@ def test_engine_logits_are_the_evaluation_cache_logits():
             gap = max(gap, max(float((torch.as_tensor(o.logits[j]).float() - scores[j]).abs().max()) for j in range(n)))
         gaps[pages] = gap
     assert gaps[True] < 1e-4 and gaps[False] > 100 * gaps[True], gaps
+
+
+def test_engine_with_rope_pages_survives_preemption():
+    """A tight budget preempts sequences (their stage rows go back, a recompute takes new ones): the outputs
+    equal a roomy run's, through the padded decode and prefill step paths."""
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.model.tiny import tiny_model
+    from quantmla.serving.engine import Engine, EngineConfig
+    from quantmla.serving.scheduler import SamplingParams
+
+    model = tiny_model("deepseek_v3")
+    quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 3, 25, 50, 12)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    with Engine(model, EngineConfig(quant=quant, num_pages=100, page_size=16, backend="torch", rope_pages=True)) as e:
+        ref = e.generate(prompts, params)
+    with Engine(model, EngineConfig(quant=quant, num_pages=7, page_size=16, max_num_batched_tokens=20, backend="torch",
+                                    cuda_graphs="emulate", graph_buckets=(1, 2, 4), rope_pages=True, max_num_seqs=4)) as e:
+        got = e.generate(prompts, params)
+        assert e.stats.scheduler.preemptions > 0 and e.stats.graph_steps > 0 and e.stats.prefill_graph_steps > 0
+        assert sorted(e.stage._free) == [1, 2, 3, 4]  # every row back once the job is done
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]

@@ -14,7 +14,7 @@ rows attend in the absorbed form (``decode``: absorbed queries against the laten
 chunks as each backend's ``prefill`` chooses.
 
 A slot whose RoPE path is grouped per page (``PathFormat(grouping="page")``) also has a *stage*,
-``rope_stage[slot]`` fp32 ``[stage_rows, page_size, d_r]``: one row per sequence that is filling a page
+``rope_stage[slot]`` ``[stage_rows, page_size, d_r]`` in the model's dtype (fp32 unless bf16): one row per sequence that is filling a page
 (row 0 is the null row of padded batch rows), holding that page's full-precision keys so far; the
 engine gives each token's row (``AttnMeta.stage_rows``) and each write requantizes the pages it touches.
 
@@ -63,6 +63,11 @@ class AttnMeta:
     backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
 
 
+def stage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The RoPE stage holds the model's keys exactly: bf16 for a bf16 model, fp32 otherwise."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=None) -> torch.Tensor:
     """Causal absorbed attention of n queries (the last n of T positions) over one sequence:
     q [n, H, ·], cache [T, ·] -> o [n, H, d_c] fp32."""
@@ -92,17 +97,19 @@ class AttentionBackend:
         self.num_pages = num_pages  # usable pages; the pool has one more (page 0, the null page)
         self.layouts = {s: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size) for s, f in formats.items()}
         self.pool = PagePool(self.layouts, num_pages, device=self.device, null_page=True)
-        self.rope_stage = {s: torch.zeros(stage_rows, page_size, spec.d_r, dtype=torch.float32, device=self.device)
-                           for s in per_page}
+        sd = stage_dtype(dtype)
+        self.rope_stage = {s: torch.zeros(stage_rows, page_size, spec.d_r, dtype=sd, device=self.device) for s in per_page}
 
     @staticmethod
     def bytes_per_page(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int) -> int:
         return sum(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size).page_bytes for f in formats.values())
 
     @staticmethod
-    def stage_bytes(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int, stage_rows: int) -> int:
-        """Bytes of the RoPE stages of the per-page slots (fp32 [stage_rows, page_size, d_r] each)."""
-        return sum(stage_rows * page_size * spec.d_r * 4 for f in formats.values() if f.rope.per_page)
+    def stage_bytes(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int, stage_rows: int,
+                    dtype: torch.dtype) -> int:
+        """Bytes of the RoPE stages of the per-page slots ([stage_rows, page_size, d_r] each, stage_dtype(dtype))."""
+        size = stage_dtype(dtype).itemsize
+        return sum(stage_rows * page_size * spec.d_r * size for f in formats.values() if f.rope.per_page)
 
     def write(self, slot: int, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor,
               stage_rows: torch.Tensor | None = None) -> None:

@@ -152,7 +152,8 @@ class Engine:
             self.formats = {s: CacheFormat(f.content, page_grouped(f.rope)) for s, f in self.formats.items()}
         stage_rows = config.max_num_seqs + 1 if config.rope_pages else 0  # a row per sequence, and the null row
         self.stage = StageRows(stage_rows) if stage_rows else None
-        self.stage_bytes = AttentionBackend.stage_bytes(spec, self.formats, config.page_size, stage_rows)
+        self.stage_bytes = AttentionBackend.stage_bytes(spec, self.formats, config.page_size, stage_rows,
+                                                        next(model.parameters()).dtype)
         # RoPE key offsets (calibrated checkpoints): subtracted on write, softmax-invariant on read
         self.rope_offsets: dict[int, torch.Tensor] = {}
         self.page_bytes = AttentionBackend.bytes_per_page(spec, self.formats, config.page_size)
@@ -226,8 +227,9 @@ class Engine:
         return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
     def set_budget(self, kv_budget_bytes: int | None = None, num_pages: int | None = None) -> int:
-        """Use fewer pages of the pool (a smaller KV budget) for the next jobs; returns the page count."""
-        pages = num_pages if num_pages is not None else kv_budget_bytes // self.page_bytes
+        """Use fewer pages of the pool (a smaller KV budget, the RoPE stage included) for the next jobs; returns
+        the page count."""
+        pages = num_pages if num_pages is not None else (kv_budget_bytes - self.stage_bytes) // self.page_bytes
         if pages > self.pool_pages:
             raise QuantMLAError(f"budget of {pages} pages exceeds the pool's {self.pool_pages}; build a larger engine")
         if pages < 1:
@@ -481,6 +483,8 @@ class Engine:
             else:
                 sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))
+        if self.stage is not None:
+            self.stage.update([])  # sequence indices are the job's: no row stays with an earlier job's
         t0 = time.perf_counter()
         with torch.inference_mode():
             while sched.has_unfinished():
@@ -519,6 +523,8 @@ class Engine:
                     on_step(len(sched.finished), len(seqs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.stage is not None:
+            self.stage.update([])
         st = self.stats
         st.wall_s = time.perf_counter() - t0
         st.scheduler = sched.stats

@@ -38,8 +38,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help=f"cache methods: bf16, fp8, intC/intR (default: {' '.join(d.methods)}; fp8 only where its "
-                        "128-channel groups divide the model's d_c)")
+                   help=f"cache methods: bf16, fp8, intC/intR, intC/intR-page (RoPE keys per channel per page) "
+                        f"(default: {' '.join(d.methods)}; fp8 only where its 128-channel groups divide the model's d_c)")
     p.add_argument("--content-group", type=int, default=d.content_group, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=d.rope_group, help="RoPE channels per scale/zero group")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per cache page")
@@ -128,18 +128,20 @@ def check_methods(methods, args, d_c: int, d_r: int, flag: str = "--methods") ->
     from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
     from quantmla.errors import QuantMLAError, UnsupportedFormatError
     from quantmla.kernels.api import check_layout_supported
+    from quantmla.serving.rope_stage import page_grouped
     from quantmla_lab.bench.serving.throughput import method_config
 
     for m in methods:
         try:
-            q = method_config(m, args.content_group, args.rope_group)
+            q = method_config(m.removesuffix("-page"), args.content_group, args.rope_group)
             q.content.check_dim(d_c, f"content path (--content-group, kv_lora_rank {d_c})")
             q.rope.check_dim(d_r, f"RoPE path (--rope-group, qk_rope_head_dim {d_r})")
+            rope = page_grouped(q.rope) if m.endswith("-page") else q.rope  # EngineConfig.rope_pages
         except QuantMLAError as e:
             raise type(e)(f"{flag} {m}: {e}") from None
         if args.backend != "torch":
             try:
-                check_layout_supported(PageLayout(TokenLayout(d_c, d_r, CacheFormat(q.content, q.rope)), args.page_size))
+                check_layout_supported(PageLayout(TokenLayout(d_c, d_r, CacheFormat(q.content, rope)), args.page_size))
             except UnsupportedFormatError as e:
                 raise UnsupportedFormatError(
                     f"{flag} {m}: {e}; choose kernel formats such as bf16, int4/int4, int2/int4, int4/int8, or pass "

@@ -91,7 +91,9 @@ def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_si
 
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
     """A cache method by name: a named format of ``cache.layout.PRESETS`` ("bf16", "fp8" — fp8_ds_mla —,
-    "int4/int4", ...) or any "intC/intR", integer formats at the given group sizes."""
+    "int4/int4", ...) or any "intC/intR", integer formats at the given group sizes. In serve-bench a name
+    ending in "-page" (``int4/int4-page``) is that format with its RoPE keys per channel per page
+    (EngineConfig.rope_pages)."""
     from quantmla.cache.layout import PRESETS, preset
 
     n = name.lower()
@@ -196,10 +198,11 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
     budgets = sorted(s.budgets_gib)
     engines: dict[str, Engine] = {}
     for m in s.methods:
-        q = method_config(m, s.content_group, s.rope_group)
+        q = method_config(m.removesuffix("-page"), s.content_group, s.rope_group)
         cfg = EngineConfig(quant=q, kv_budget_bytes=int(max(budgets) * GIB), page_size=s.page_size,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                           watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len)
+                           watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len,
+                           rope_pages=m.endswith("-page"))
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
