@@ -8,6 +8,8 @@
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
 # tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
+# page-rope       the RoPE path per channel per page beside per-token groups (16 and 128 heads)
+#                                                                -> kernels/decode_page_rope_h200.json
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 #
@@ -52,6 +54,11 @@ tilings() {
     --shapes 1x131072,32x16384,8x16384 --tilings 8x32,16x32,16x64 --out "$OUT/kernels/decode_cuda_tilings_h200.json" 2>&1 | tail -40
   timeout 100 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
     --shapes 32x8192 --out "$OUT/kernels/decode_cuda_tilings_128h_h200.json" 2>&1 | tail -10
+}
+
+page-rope() {
+  timeout 240 python3 -m quantmla.cli bench-kernel --no-sweep --methods int4/int4,int4/int4-page,int2/int4,int2/int4-page \
+    --out "$OUT/kernels/decode_page_rope_h200.json" 2>&1 | grep -v "^check " | tail -30
 }
 
 sass-phases() {

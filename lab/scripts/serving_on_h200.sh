@@ -11,6 +11,10 @@
 # point-0.1       the same job at 0.1 GiB only            -> serving/point_0.1gib_decode_splits_128_h200.json
 # job-shapes      `serve-bench` on the two job shapes the projection rates best for INT4/INT4
 #                                      -> serving/job_prompts_3072-4096_h200.json, serving/job_prompts_256-512_h200.json
+# long, longest   the named jobs at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4
+#                                   -> serving/long_5.04gib_h200.json, serving/longest_14.95gib_h200.json
+# long-page       the long job with RoPE keys per channel per page (int4/int4-page, int2/int4-page)
+#                                                              -> serving/long_5.04gib_page_rope_h200.json
 # serve-cli       `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (log only)
 # decode-profile  per-kernel GPU time of eager decode steps: batch 64 of 1536-token prompts (groups 64/32),
 #                 batch 1 and 8 of 1900 tokens (groups 128/64)             -> profile/decode_batch{64,1,8}_h200.json
@@ -70,6 +74,21 @@ job-shapes() {
   timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 256 512 --output-len 256 384 \
     --budgets-gib 0.0273 "${GROUPS[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_256-512_h200.json" 2>&1 \
     | quiet 6
+}
+
+long() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 8
+}
+
+longest() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 14.95 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GROUPS[@]}" --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
+}
+
+long-page() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 int4/int4 int4/int4-page \
+    int2/int4-page "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_page_rope_h200.json" 2>&1 | quiet 8
 }
 
 serve-cli() {
