@@ -21,6 +21,37 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2
 
 
 @triton.jit
+def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr):
+    """(scale, zero) of groups spanning [lo, hi], rounded to the metadata dtype first (a constant group gets
+    scale 1), as ``quant.groupwise.group_scales``."""
+    if META_BF16:
+        zero = _bf16_rne(lo).to(tl.float32)
+        scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
+    else:
+        zero = lo.to(tl.float16).to(tl.float32)
+        scale = tl.math.div_rn(hi - zero, QMAX * 1.0).to(tl.float16).to(tl.float32)
+    return tl.where(scale > 0.0, scale, 1.0), zero
+
+
+@triton.jit
+def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr):
+    """The scale of symmetric groups of largest magnitude amax, rounded to the metadata dtype (0 -> 1)."""
+    if META_BF16:
+        scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
+    else:
+        scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
+    return tl.where(scale > 0.0, scale, 1.0)
+
+
+@triton.jit
+def _round_codes(v, QMAX: tl.constexpr):
+    """Codes of v = x / scale (affine: (x - zero) / scale; symmetric: x / scale + 2^(b-1), the offset added
+    after rounding by the caller): round half to even, clamped to [0, QMAX]."""
+    v = tl.minimum(tl.maximum(v, -(QMAX + 1.0)), QMAX + 1.0)
+    return (v + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
 def _write_path(
     X, stride_x, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
@@ -60,28 +91,11 @@ def _write_path(
         MID: tl.constexpr = 1 << (BITS - 1)
         xg = tl.reshape(x, [BLOCK_T, G, GS])
         if AFFINE:
-            lo = tl.min(xg, 2)
-            hi = tl.max(xg, 2)
-            if META_BF16:
-                zero = _bf16_rne(lo).to(tl.float32)
-                scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
-            else:
-                zero = lo.to(tl.float16).to(tl.float32)
-                scale = tl.math.div_rn(hi - zero, QMAX * 1.0).to(tl.float16).to(tl.float32)
-            scale = tl.where(scale > 0.0, scale, 1.0)
-            v = tl.math.div_rn(xg - zero[:, :, None], scale[:, :, None])
-            v = tl.minimum(tl.maximum(v, -1.0), QMAX + 1.0)
-            q = (v + _RNE_MAGIC) - _RNE_MAGIC
+            scale, zero = _affine_meta(tl.min(xg, 2), tl.max(xg, 2), QMAX, META_BF16)
+            q = _round_codes(tl.math.div_rn(xg - zero[:, :, None], scale[:, :, None]), QMAX)
         else:
-            amax = tl.max(tl.abs(xg), 2)
-            if META_BF16:
-                scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
-            else:
-                scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
-            scale = tl.where(scale > 0.0, scale, 1.0)
-            v = tl.math.div_rn(xg, scale[:, :, None])
-            v = tl.minimum(tl.maximum(v, -(MID + 1.0)), MID + 1.0)
-            q = ((v + _RNE_MAGIC) - _RNE_MAGIC) + MID
+            scale = _symmetric_scale(tl.max(tl.abs(xg), 2), MID, META_BF16)
+            q = _round_codes(tl.math.div_rn(xg, scale[:, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         # planar packing: byte j holds codes j + k·NB in bits [k·b, (k+1)·b)
         q3 = tl.reshape(q, [BLOCK_T, K, NB])
@@ -181,26 +195,11 @@ def _page_rope_kernel(
         if AFFINE:
             lo = tl.min(tl.min(tl.where(ok3, x3, float("inf")), 2), 0)
             hi = tl.max(tl.max(tl.where(ok3, x3, float("-inf")), 2), 0)
-            if META_BF16:
-                zero = _bf16_rne(lo).to(tl.float32)
-                scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
-            else:
-                zero = lo.to(tl.float16).to(tl.float32)
-                scale = tl.math.div_rn(hi - zero, QMAX * 1.0).to(tl.float16).to(tl.float32)
-            scale = tl.where(scale > 0.0, scale, 1.0)
-            v = tl.math.div_rn(x3 - zero[None, :, None], scale[None, :, None])
-            v = tl.minimum(tl.maximum(v, -1.0), QMAX + 1.0)
-            q = (v + _RNE_MAGIC) - _RNE_MAGIC
+            scale, zero = _affine_meta(lo, hi, QMAX, META_BF16)
+            q = _round_codes(tl.math.div_rn(x3 - zero[None, :, None], scale[None, :, None]), QMAX)
         else:
-            amax = tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0)
-            if META_BF16:
-                scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
-            else:
-                scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
-            scale = tl.where(scale > 0.0, scale, 1.0)
-            v = tl.math.div_rn(x3, scale[None, :, None])
-            v = tl.minimum(tl.maximum(v, -(MID + 1.0)), MID + 1.0)
-            q = ((v + _RNE_MAGIC) - _RNE_MAGIC) + MID
+            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0), MID, META_BF16)
+            q = _round_codes(tl.math.div_rn(x3, scale[None, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         q3 = tl.reshape(q, [PS, K, NB])  # planar packing, as _write_path
         packed = tl.sum(q3 << (tl.arange(0, K) * BITS)[None, :, None], 1)
