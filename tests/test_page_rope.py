@@ -245,9 +245,10 @@ def test_append_without_a_stage_says_what_it_needs():
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=kernels)])
 def test_engine_serves_rope_pages_as_the_evaluation_cache_reads_them(backend):
-    """EngineConfig(rope_pages=True): greedy outputs equal transformers generate() on RopeChannelCache (the
-    evaluation's per-page cache), prompts and outputs crossing pages, chunked prefill, several sequences a
-    step, the Triton backend through the padded (graph) step paths."""
+    """EngineConfig(rope_pages=True) runs end to end and its greedy outputs agree with transformers generate()
+    on RopeChannelCache (the evaluation's per-page cache): prompts and outputs crossing pages, chunked
+    prefill, several sequences a step, the Triton backend through the padded (graph) step paths. Greedy
+    tokens of the tiny model do not tell per-page from per-token RoPE groups; the logits test below does."""
     from quantmla.cache.config import QuantCacheConfig
     from quantmla.model.tiny import tiny_model
     from quantmla.serving.engine import Engine, EngineConfig

@@ -56,7 +56,7 @@ from quantmla.cache.kivi import KIVIFormat, _ChannelBlockStore
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.errors import UnsupportedFormatError
 from quantmla.quant.format import BF16, PathFormat
-from quantmla.quant.groupwise import dequantize, quantize
+from quantmla.quant.groupwise import dequantize_page, quantize_page
 
 __all__ = ["RopeChannelCache", "RopeChannelFormat", "RopeChannelLayer", "RopeChannelLayout", "quantize_pages",
            "rope_scores_from_codes"]
@@ -79,25 +79,30 @@ class RopeChannelFormat:
 
     @property
     def page_format(self) -> PathFormat:
-        """One channel of one page as a group: `page_size` values along the token axis."""
+        """One channel of one page as a group: `page_size` values along the token axis (the form the
+        calibration's straight-through fake quantizer takes)."""
         return PathFormat(self.bits, self.page_size, self.mode, self.meta_dtype)
+
+    @property
+    def path_format(self) -> PathFormat:
+        """The same codes as the paged cache's RoPE path format: one group per channel per page."""
+        return PathFormat(self.bits, 1, self.mode, self.meta_dtype, grouping="page")
 
     def block_format(self, content: PathFormat) -> KIVIFormat:
         """The same grouping as the KIVI-style store's (block = page, unfinished page quantized)."""
         return KIVIFormat(content, self.bits, self.page_size, self.mode, self.meta_dtype, fp_residual=False)
 
     def code_bytes(self, d_r: int) -> int:
-        """Packed codes of one token [bytes]."""
-        return d_r * self.bits // 8
+        """Packed codes of one token [bytes] (the paged layout's count)."""
+        return self.path_format.code_bytes(d_r)
 
     def page_meta_bytes(self, d_r: int) -> int:
-        """Metadata of one page: d_r channels × (scale[, zero]) [bytes]."""
-        f = self.page_format
-        return d_r * f.meta_fields * f.meta_elem_bytes
+        """Metadata of one page: d_r channels × (scale[, zero]) [bytes] (the paged layout's count)."""
+        return self.path_format.page_meta_bytes(d_r)
 
     def bytes_per_token(self, d_r: int) -> float:
         """Steady state: codes plus the page metadata amortized over the page [bytes]."""
-        return self.code_bytes(d_r) + self.page_meta_bytes(d_r) / self.page_size
+        return self.path_format.bytes_per_token(d_r, self.page_size)
 
     def describe(self) -> str:
         s = "" if self.mode == "affine" else "s"
@@ -158,9 +163,10 @@ def quantize_pages(k: torch.Tensor, fmt: RopeChannelFormat) -> torch.Tensor:
     x = k.float()
     if n * P != T:
         x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], n * P - T, d_r)], dim=-2)
-    pages = x.reshape(*x.shape[:-2], n, P, d_r).transpose(-1, -2).contiguous()  # [..., n, d_r, P]
-    deq = dequantize(quantize(pages, fmt.page_format), fmt.page_format, P, torch.float32)
-    return deq.transpose(-1, -2).reshape(*x.shape[:-2], n * P, d_r)[..., :T, :].to(k.dtype)
+    pages = x.reshape(*x.shape[:-2], n, P, d_r)
+    f = fmt.path_format
+    deq = dequantize_page(quantize_page(pages, f), f, d_r)  # the paged cache's quantizer
+    return deq.reshape(*x.shape[:-2], n * P, d_r)[..., :T, :].to(k.dtype)
 
 
 def rope_scores_from_codes(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -97,28 +97,47 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
 
 
 def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
-    """One page's tokens x [n, D] -> packed codes uint8 [n, code_bytes] and metadata [G, fields] for a
-    per-page format (``fmt.grouping == "page"``): a group is `group_size` channels over the n tokens.
-    Scales and codes follow :func:`quantize`'s rules, so grouping the transposed page [G, group_size·n]
-    per token gives the same values."""
+    """Pages of tokens x [..., n, D] -> packed codes uint8 [..., n, code_bytes] and metadata [..., G, fields] for
+    a per-page format (``fmt.grouping == "page"``): a group is `group_size` channels over a page's n tokens.
+    Scales and codes follow :func:`quantize`'s rules (grouping the transposed page [G, group_size·n] per token
+    gives the same values). The one quantizer of per-page groups: the paged cache's writer and the evaluation
+    cache (``cache.rope_channel.quantize_pages``) both use it."""
     if not fmt.per_page or fmt.mode not in ("affine", "symmetric"):
         raise ValueError(f"quantize_page takes a per-page integer format, got {fmt.describe()}")
     check_finite(x)
-    n, D = x.shape
+    *lead, n, D = x.shape
     fmt.check_dim(D)
     G, gs = D // fmt.group_size, fmt.group_size
-    xg = x.float().reshape(n, G, gs).transpose(0, 1).reshape(G, n * gs)  # a group's values, every token
-    scale, zero = group_scales(xg, fmt)  # [G, 1]
-    per_ch = lambda t: t.reshape(G, 1).expand(G, gs).reshape(1, D)  # noqa: E731  the group's value per channel
+    xf = x.float()
+    xg = xf.reshape(*lead, n, G, gs).movedim(-3, -2).reshape(*lead, G, n * gs)  # a group's values, every token
+    scale, zero = group_scales(xg, fmt)  # [..., G, 1]
+    scale_c, zero_c = (None if t is None else _per_channel(t, gs) for t in (scale, zero))
     qmax = 2**fmt.bits - 1
     if fmt.mode == "affine":
-        q = torch.round((x.float() - per_ch(zero)) / per_ch(scale)).clamp(0, qmax)
+        q = torch.round((xf - zero_c) / scale_c).clamp(0, qmax)
         meta = torch.cat([scale, zero], dim=-1)
     else:
         mid = 2 ** (fmt.bits - 1)
-        q = (torch.round(x.float() / per_ch(scale)) + mid).clamp(0, qmax)
+        q = (torch.round(xf / scale_c) + mid).clamp(0, qmax)
         meta = scale
     return Quantized(pack(q.to(torch.uint8), fmt.bits), meta.to(fmt.torch_meta_dtype))
+
+
+def dequantize_page(q: Quantized, fmt: PathFormat, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_page`: codes [..., n, code_bytes], metadata [..., G, fields] -> [..., n, dim]."""
+    codes = unpack(q.codes, fmt.bits, dim).float()
+    meta = q.meta.float()
+    scale = _per_channel(meta[..., 0:1], fmt.group_size)
+    if fmt.mode == "affine":
+        out = codes * scale + _per_channel(meta[..., 1:2], fmt.group_size)
+    else:
+        out = (codes - 2 ** (fmt.bits - 1)) * scale
+    return out.to(dtype)
+
+
+def _per_channel(t: torch.Tensor, gs: int) -> torch.Tensor:
+    """A per-group value [..., G, 1] as a per-channel row [..., 1, G·gs]."""
+    return t.expand(*t.shape[:-1], gs).reshape(*t.shape[:-2], 1, -1)
 
 
 def dequantize(q: Quantized, fmt: PathFormat, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

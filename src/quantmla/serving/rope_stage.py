@@ -15,10 +15,12 @@ from quantmla.quant.format import PathFormat
 
 def page_grouped(fmt: PathFormat) -> PathFormat:
     """The per-page form of an integer RoPE format: the same bits, mode and metadata dtype, one scale and
-    zero point per channel of each page."""
+    zero point per channel of each page (``RopeChannelFormat.path_format``, the evaluation's format)."""
+    from quantmla.cache.rope_channel import RopeChannelFormat
+
     if not fmt.quantized or fmt.mode not in ("affine", "symmetric"):
         raise QuantMLAError(f"RoPE keys per channel per page take integer codes; the RoPE path is {fmt.describe()}")
-    return PathFormat(fmt.bits, 1, fmt.mode, fmt.meta_dtype, grouping="page")
+    return RopeChannelFormat(fmt.bits, mode=fmt.mode, meta_dtype=fmt.meta_dtype).path_format
 
 
 class StageRows:

@@ -25,15 +25,14 @@ from quantmla.cache.layout import PRESETS, CacheFormat, PageLayout, TokenLayout,
 from quantmla.cache.paged import compression_report, gather_sequences, write_tokens
 from quantmla.kernels import api, schedule
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
-from quantmla.quant import PathFormat
+from quantmla.serving.rope_stage import page_grouped
 from quantmla.reference.absorbed import absorbed_attention
 
 D_C, D_R, PAGE = 512, 64, 64
 METHODS: dict[str, CacheFormat] = {
     **PRESETS, "int4/int4-g64/g32": int_format(4, 4, 64, 32),
     # the RoPE path per channel per page (one fp16 scale and zero point per channel of a 64-token page)
-    "int4/int4-page": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")),
-    "int2/int4-page": CacheFormat(PathFormat(2, 128), PathFormat(4, 1, grouping="page")),
+    **{f"{n}-page": CacheFormat(PRESETS[n].content, page_grouped(PRESETS[n].rope)) for n in ("int4/int4", "int2/int4")},
 }
 DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
 """Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,

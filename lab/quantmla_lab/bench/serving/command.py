@@ -129,14 +129,15 @@ def check_methods(methods, args, d_c: int, d_r: int, flag: str = "--methods") ->
     from quantmla.errors import QuantMLAError, UnsupportedFormatError
     from quantmla.kernels.api import check_layout_supported
     from quantmla.serving.rope_stage import page_grouped
-    from quantmla_lab.bench.serving.throughput import method_config
+    from quantmla_lab.bench.serving.throughput import method_config, rope_pages_method
 
     for m in methods:
         try:
-            q = method_config(m.removesuffix("-page"), args.content_group, args.rope_group)
+            base, rope_pages = rope_pages_method(m)
+            q = method_config(base, args.content_group, args.rope_group)
             q.content.check_dim(d_c, f"content path (--content-group, kv_lora_rank {d_c})")
             q.rope.check_dim(d_r, f"RoPE path (--rope-group, qk_rope_head_dim {d_r})")
-            rope = page_grouped(q.rope) if m.endswith("-page") else q.rope  # EngineConfig.rope_pages
+            rope = page_grouped(q.rope) if rope_pages else q.rope  # EngineConfig.rope_pages
         except QuantMLAError as e:
             raise type(e)(f"{flag} {m}: {e}") from None
         if args.backend != "torch":

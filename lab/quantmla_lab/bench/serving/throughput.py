@@ -89,6 +89,12 @@ def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_si
     return [round(n * per_request / GIB, 4) for n in holds if n <= j["requests"]]
 
 
+def rope_pages_method(name: str) -> tuple[str, bool]:
+    """A serve-bench method name -> (its format's name, whether its RoPE keys are per channel per page):
+    "int4/int4-page" -> ("int4/int4", True)."""
+    return (name[: -len("-page")], True) if name.endswith("-page") else (name, False)
+
+
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
     """A cache method by name: a named format of ``cache.layout.PRESETS`` ("bf16", "fp8" — fp8_ds_mla —,
     "int4/int4", ...) or any "intC/intR", integer formats at the given group sizes. In serve-bench a name
@@ -198,11 +204,12 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
     budgets = sorted(s.budgets_gib)
     engines: dict[str, Engine] = {}
     for m in s.methods:
-        q = method_config(m.removesuffix("-page"), s.content_group, s.rope_group)
+        base, rope_pages = rope_pages_method(m)
+        q = method_config(base, s.content_group, s.rope_group)
         cfg = EngineConfig(quant=q, kv_budget_bytes=int(max(budgets) * GIB), page_size=s.page_size,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len,
-                           rope_pages=m.endswith("-page"))
+                           rope_pages=rope_pages)
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
