@@ -10,6 +10,8 @@
 # tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
 # page-rope       the RoPE path per channel per page beside per-token groups (16 and 128 heads)
 #                                                                -> kernels/decode_page_rope_h200.json
+# breakdown       a decode call split into the decode kernel, the combine kernel and the rest; fixed cost
+#                 against cost per token                        -> kernels/decode_breakdown_h200.json
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 #
@@ -59,6 +61,11 @@ tilings() {
 page-rope() {
   timeout 240 python3 -m quantmla.cli bench-kernel --no-sweep --methods int4/int4,int4/int4-page,int2/int4,int2/int4-page \
     --out "$OUT/kernels/decode_page_rope_h200.json" 2>&1 | grep -v "^check " | tail -30
+}
+
+breakdown() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_breakdown --formats bf16,int4/int4 \
+    --shapes 1x131072,8x16384,32x16384,264x32,264x512 --out "$OUT/kernels/decode_breakdown_h200.json" 2>&1 | tail -20
 }
 
 sass-phases() {
