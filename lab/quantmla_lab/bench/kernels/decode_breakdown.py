@@ -79,9 +79,9 @@ def main() -> None:
                      tokens_per_unit=B * L / units, whole_us=whole * 1e3, graph=graph, decode_us=dec,
                      combine_us=comb, rest_us=whole * 1e3 - dec - comb, kernels=ks)
             rows.append(r)
-            print(f"{fmt:10s} {B:4d}x{L:<7d} units {units:4d} ({r['tokens_per_unit']:7.0f} tok) whole {r['whole_us']:7.1f}"
-                  f"  decode {dec:7.1f}  combine {comb:6.1f}  rest {r['rest_us']:6.1f} us", flush=True)
-            del c
+            print(f"{fmt:10s} {B:4d}x{L:<7d} units {units:4d} ({r['tokens_per_unit']:7.0f} tok)"
+                  f" whole {r['whole_us']:7.1f}  decode {dec:7.1f}  combine {comb:6.1f}  rest {r['rest_us']:6.1f} us",
+                  flush=True)
             torch.cuda.empty_cache()
     fits = {}
     for fmt in a.formats.split(","):
