@@ -238,6 +238,8 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
+    # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
+    qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),

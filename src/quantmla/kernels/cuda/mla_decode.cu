@@ -131,10 +131,9 @@ __device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, int 
   }
 }
 
-// A: start copying tile `n0` (first token; a multiple of BN) of sequence row `bt_row` into `stage`
-__device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __restrict__ pages, const int* bt_row,
-                                           int n0, int tid) {
-  const int page = bt_row[n0 / PS];
+// A: start copying tile `n0` (first token; a multiple of BN), which lies in page `page`, into `stage`
+__device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __restrict__ pages, int page, int n0,
+                                           int tid) {
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
   if constexpr (DIRECT) {  // raw bf16 rows straight into the padded tile layout
@@ -164,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < 2) sMoved[tid] = 0;
+  if (tid < BM) sAlpha[tid] = 0.0f;  // the query block's largest |q| per row starts at 0
   const int u = blockIdx.x;
   const int hb = blockIdx.y;
   const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
@@ -171,54 +171,86 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   const int* bt_row = block_table + (int64_t)b * stride_bt;
   const int row0 = hb * BM;
 
-  // ---- the query block, as T, rows past R zero --------------------------------------------------------
-  for (int rr = warp; rr < BM; rr += NW) {
-    const int r = row0 + rr;
-    const int64_t qrow = (int64_t)b * R + r;
-    float amax = 0.0f;
-    if (r < R) {
-      for (int c = lane; c < D; c += 32) {
-        const float v = __bfloat162float(c < D_C ? qc[qrow * D_C + c] : qr[qrow * D_R + c - D_C]);
-        amax = fmaxf(amax, fabsf(v));
-      }
-    }
-    amax = warp_max(amax);
-    float scale = 1.0f;
-#if HALF
-    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
-      int e;
-      frexpf(amax / 8192.0f, &e);
-      scale = ldexpf(1.0f, -e);
-    }
-#endif
-    for (int c = lane; c < D; c += 32) {
-      float v = 0.0f;
-      if (r < R) v = __bfloat162float(c < D_C ? qc[qrow * D_C + c] : qr[qrow * D_R + c - D_C]) * scale;
-#if HALF
-      sQ[rr * LDK + c] = __float2half_rn(v);
-#else
-      sQ[rr * LDK + c] = __float2bfloat16_rn(v);
-#endif
-    }
-    if (lane == 0) sQs[rr] = 1.0f / scale;
-  }
-
-  __syncthreads();  // the query block is written
-
   // ---- roles: with WS, warps [0, NWC) compute and the others copy and build; else every warp does both --
   const bool builds = !WS || warp >= NWC;  // with WS the others compute
   const int btid = WS ? tid - 32 * NWC : tid;  // thread index among the builders
   const int ntiles = (end - start + BN - 1) / BN;
   // bar ids: 1 builders, 2 computers, 3 + buf tile built, 5 + buf tile read (WS only)
   auto sync_computers = [&]() { if constexpr (WS) bar_sync(2, 32 * NWC); else __syncthreads(); };
+  auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };  // tile it's page
 
+  // ---- A, prologue: STAGES - 1 tiles start copying before the query block is read (their page numbers
+  //      read at once), so the two latencies overlap --------------------------------------------------------
   if (builds) {
+    int pg[STAGES - 1];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {  // prologue: STAGES - 1 tiles in flight
-      if (s < ntiles) issue_tile(smem + SM_RAW + s * RAW_BYTES, pages, bt_row, start + s * BN, btid);
+    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) issue_tile(smem + SM_RAW + s * RAW_BYTES, pages, pg[s], start + s * BN, btid);
       cp_async_commit();
     }
   }
+
+  // ---- the query block, as T, rows past R zero: every thread loads its 16-byte pieces at once. In fp16
+  //      each row is scaled by the power of two that brings its largest |q| below 2^13 (exact) ----------
+  {
+    constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // pieces: a row, in all, a thread
+    uint4 qv[QPT];
+#pragma unroll
+    for (int n = 0; n < QPT; ++n) {
+      const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
+      qv[n] = make_uint4(0, 0, 0, 0);
+      if ((QN % NT == 0 || i < QN) && r < R) {
+        const int64_t qrow = (int64_t)b * R + r;
+        qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
+      }
+    }
+#if HALF
+    unsigned* sAmax = reinterpret_cast<unsigned*>(sAlpha);  // per row, as fp32 bits (sAlpha is free until D)
+    __syncthreads();  // sAmax is zeroed
+#pragma unroll
+    for (int n = 0; n < QPT; ++n) {
+      const int i = tid + n * NT;
+      if (QN % NT != 0 && i >= QN) break;
+      const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+      uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
+      atomicMax(sAmax + i / QCH, m);
+    }
+    __syncthreads();  // every row's largest |q| is known
+#endif
+#pragma unroll
+    for (int n = 0; n < QPT; ++n) {
+      const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH);
+      if (QN % NT != 0 && i >= QN) break;
+#if HALF
+      const float amax = __uint_as_float(sAmax[rr]);
+      float scale = 1.0f;
+      if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
+        int e;
+        frexpf(amax / 8192.0f, &e);
+        scale = ldexpf(1.0f, -e);
+      }
+      const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+      uint32_t h[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+        h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
+      }
+      *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = make_uint4(h[0], h[1], h[2], h[3]);
+#else
+      const float scale = 1.0f;
+      *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = qv[n];
+#endif
+      if (c == 0) sQs[rr] = 1.0f / scale;
+    }
+  }
+
+  __syncthreads();  // the query block is written
+
   if constexpr (WS) {
     if (builds) {
       for (int it = 0; it < ntiles; ++it) {
@@ -231,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, btid);
         build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, btid);
         const int nxt = it + STAGES - 1;             // into the stage tile it - 1 was built from
-        if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, btid);
+        if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, btid);
         cp_async_commit();
         bar_arrive(3 + buf, NT);                     // the tile is built
       }
@@ -303,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
       }
       const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
-      if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, bt_row, start + nxt * BN, tid);
+      if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
       cp_async_commit();
       __syncthreads();  // the tile is built
     }
