@@ -11,10 +11,9 @@
 # point-0.1       the same job at 0.1 GiB only            -> serving/point_0.1gib_decode_splits_128_h200.json
 # job-shapes      `serve-bench` on the two job shapes the projection rates best for INT4/INT4
 #                                      -> serving/job_prompts_3072-4096_h200.json, serving/job_prompts_256-512_h200.json
-# long, longest   the named jobs at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4
-#                                   -> serving/long_5.04gib_h200.json, serving/longest_14.95gib_h200.json
-# long-page       the long job with RoPE keys per channel per page (int4/int4-page, int2/int4-page)
-#                                                              -> serving/long_5.04gib_page_rope_h200.json
+# long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
+#                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
+# longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json
 # serve-cli       `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (log only)
 # decode-profile  per-kernel GPU time of eager decode steps: batch 64 of 1536-token prompts (groups 64/32),
 #                 batch 1 and 8 of 1900 tokens (groups 128/64)             -> profile/decode_batch{64,1,8}_h200.json
@@ -77,18 +76,13 @@ job-shapes() {
 }
 
 long() {
-  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
-    "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 8
+  timeout 480 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
+    int4/int4-page int2/int4-page "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
 }
 
 longest() {
   timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 14.95 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GROUPS[@]}" --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
-}
-
-long-page() {
-  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 int4/int4 int4/int4-page \
-    int2/int4-page "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_page_rope_h200.json" 2>&1 | quiet 8
 }
 
 serve-cli() {
