@@ -10,6 +10,10 @@
 #                                                   -> calibration_scaling/streamed_nccl_equality_h200.json
 # accuracy       the QuantMLA rows of all four reference models, merged into a copy of results/accuracy.json
 #                                                   -> accuracy/accuracy.json, accuracy/accuracy.md
+# ablations      the DeepSeek-groups table's remaining rows (FP8; RTN and the single-path ablations at INT4/INT4
+#                and INT2/INT4), five models side by side (the DeepSeek-geometry model must be unpacked in
+#                models/), merged with results/deepseek_groups/accuracy.json
+#                                                   -> deepseek_groups/accuracy.json, deepseek_groups/accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -53,6 +57,25 @@ accuracy() {
   timeout 200 python3 -m quantmla.cli eval --all --config INT4/INT4 INT2/INT4 --method quantmla --device cuda \
     --out "$WORK" 2>&1 | grep "bpb\|rror" | tail -12
   cp "$WORK/accuracy.json" "$WORK/accuracy.md" "$OUT/accuracy/"
+}
+
+ablations() {
+  local rows=(FP8:rtn INT4/INT4:rtn INT4/INT4:quantmla-content INT4/INT4:quantmla-rope INT4/INT4:quantmla-content-rope-channel
+              INT2/INT4:rtn INT2/INT4:quantmla-content INT2/INT4:quantmla-rope INT2/INT4:quantmla-content-rope-channel)
+  local m pids=() jsons=()
+  for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite deepseek-v2-deepseek-geometry; do
+    local groups=32/16
+    [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
+    OMP_NUM_THREADS=3 timeout 500 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "${rows[@]}" --groups $groups \
+      --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/ablations/$m" > "$WORK/ablations_$m.log" 2>&1 &
+    pids+=($!)
+    jsons+=("$WORK/ablations/$m/accuracy.json")
+  done
+  wait "${pids[@]}"
+  grep -h "bpb\|rror" "$WORK"/ablations_*.log | tail -50
+  mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
+  python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
+  cp "$WORK"/ablations_*.log "$OUT/deepseek_groups/"
 }
 
 scaling() {

@@ -43,7 +43,7 @@ mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,c
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 LOG="$OUT/console.log"
 M=models/qmla-ref-deepseek-v3
-GROUPS=(--content-group 128 --rope-group 64)
+GRP=(--content-group 128 --rope-group 64)
 quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
 
 gpu-tests() {
@@ -57,32 +57,32 @@ agreement() {
 }
 
 budget-curve() {
-  timeout 545 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 "${GROUPS[@]}" \
+  timeout 545 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.075 0.1 0.125 0.25 0.5 1 "${GRP[@]}" \
     --max-batched-tokens 8192 --max-seconds 440 --out "$OUT/serving/budget_curve_h200.json" 2>&1 | quiet 24
 }
 
 point-0.1() {
-  timeout 300 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 "${GROUPS[@]}" --max-batched-tokens 8192 \
+  timeout 300 python3 -m quantmla.cli serve-bench --requests 64 --budgets-gib 0.1 "${GRP[@]}" --max-batched-tokens 8192 \
     --out "$OUT/serving/point_0.1gib_decode_splits_128_h200.json" 2>&1 | quiet 8
 }
 
 job-shapes() {
   timeout 280 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 3072 4096 --output-len 256 384 \
-    --budgets-gib 0.1817 "${GROUPS[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_3072-4096_h200.json" 2>&1 \
+    --budgets-gib 0.1817 "${GRP[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_3072-4096_h200.json" 2>&1 \
     | quiet 6
   timeout 200 python3 -m quantmla.cli serve-bench --requests 64 --prompt-len 256 512 --output-len 256 384 \
-    --budgets-gib 0.0273 "${GROUPS[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_256-512_h200.json" 2>&1 \
+    --budgets-gib 0.0273 "${GRP[@]}" --max-batched-tokens 8192 --out "$OUT/serving/job_prompts_256-512_h200.json" 2>&1 \
     | quiet 6
 }
 
 long() {
   timeout 480 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
-    int4/int4-page int2/int4-page "${GROUPS[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
+    int4/int4-page int2/int4-page "${GRP[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
 }
 
 longest() {
   timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 14.95 --methods bf16 fp8 int4/int4 int2/int4 \
-    "${GROUPS[@]}" --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
+    "${GRP[@]}" --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
 }
 
 serve-cli() {
@@ -107,7 +107,7 @@ PY
 decode-profile() {
   timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --methods bf16 int4/int4 --out "$OUT/profile/decode_batch64_h200.json" 2>&1 | quiet 60
   for b in 1 8; do
-    timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --batch $b --prompt 1900 --steps 24 --methods bf16 int4/int4 "${GROUPS[@]}" \
+    timeout 150 python3 -m quantmla_lab.bench.serving.step_profile --batch $b --prompt 1900 --steps 24 --methods bf16 int4/int4 "${GRP[@]}" \
       --out "$OUT/profile/decode_batch${b}_h200.json" 2>&1 | quiet 40
   done
 }
@@ -120,11 +120,11 @@ step-grid() {
 prefill-profile() {
   for T in 2048 8192; do
     timeout 100 python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens $T --batch 16 --prompt 2048 \
-      --steps $((32768 / T / 2)) --methods bf16 int4/int4 "${GROUPS[@]}" --out "$OUT/prefill/profile_${T}_tokens_h200.json" 2>&1 \
+      --steps $((32768 / T / 2)) --methods bf16 int4/int4 "${GRP[@]}" --out "$OUT/prefill/profile_${T}_tokens_h200.json" 2>&1 \
       | quiet 36
   done
   timeout 120 python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens 2048 --batch 6 --prompt 1531 --steps 3 \
-    --methods bf16 int4/int4 "${GROUPS[@]}" --shapes 25 --out "$OUT/prefill/profile_1531_tokens_h200.json" 2>&1 | quiet 90
+    --methods bf16 int4/int4 "${GRP[@]}" --shapes 25 --out "$OUT/prefill/profile_1531_tokens_h200.json" 2>&1 | quiet 90
 }
 
 prefill-kernel() {
