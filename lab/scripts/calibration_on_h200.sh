@@ -60,13 +60,13 @@ accuracy() {
 }
 
 ablations() {
-  local rows=(FP8:rtn INT4/INT4:rtn INT4/INT4:quantmla-content INT4/INT4:quantmla-rope INT4/INT4:quantmla-content-rope-channel
-              INT2/INT4:rtn INT2/INT4:quantmla-content INT2/INT4:quantmla-rope INT2/INT4:quantmla-content-rope-channel)
+  local rows=(FP8:rtn INT4/INT4:rtn INT2/INT4:rtn INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope INT4/INT4:quantmla-content
+              INT2/INT4:quantmla-content INT4/INT4:quantmla-content-rope-channel INT2/INT4:quantmla-content-rope-channel)
   local m pids=() jsons=()
   for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite deepseek-v2-deepseek-geometry; do
     local groups=32/16
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
-    OMP_NUM_THREADS=3 timeout 500 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "${rows[@]}" --groups $groups \
+    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "${rows[@]}" --groups $groups \
       --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/ablations/$m" > "$WORK/ablations_$m.log" 2>&1 &
     pids+=($!)
     jsons+=("$WORK/ablations/$m/accuracy.json")
