@@ -22,6 +22,8 @@
 #                 int4/int4, int2/int4 (groups 128/64), one process            -> profile/step_grid_h200.json
 # prefill-profile per-kernel GPU time of prefill steps: 2048 and 8192 batched tokens, 1531-token chunks
 #                                                 -> prefill/profile_{2048,8192,1531}_tokens_h200.json
+# prefill-rates   prefill at the long job's shape (4 prompts of 20480 tokens, 16384 batched tokens): tokens/s and
+#                 TFLOP/s of the dense and attention parts against a bf16 matmul    -> prefill/rates_long_h200.json
 # prefill-kernel  one chunk's prefill attention: the kernel's tilings against SDPA and plain matmuls
 #                                                                           -> prefill/attention_variants_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -115,6 +117,12 @@ decode-profile() {
 step-grid() {
   timeout 300 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 240 --out "$OUT/profile/step_grid_h200.json" \
     2>&1 | quiet 56
+}
+
+prefill-rates() {
+  timeout 200 python3 -m quantmla_lab.bench.serving.step_profile --phase prefill --batched-tokens 16384 --batch 4 \
+    --prompt 20480 --steps 4 --kv-budget-gib 8 --methods bf16 int4/int4 "${GRP[@]}" \
+    --out "$OUT/prefill/rates_long_h200.json" 2>&1 | quiet 40
 }
 
 prefill-profile() {

@@ -10,7 +10,11 @@ method, the CUDA time of each kernel family per step and the wall time per step.
 prefill``: the job's first ``--steps`` steps, which are all prefill chunks of ``--batched-tokens``.
 Each method's ``parts`` split a step into attention, cache append, projections and MLP, sampling,
 other kernels and host time, with the bytes attention and the weights must read and the fraction of
-the device's copy bandwidth they reach (``copy_GBps``, measured first).
+the device's copy bandwidth they reach (``copy_GBps``, measured first). In the prefill phase each method
+also gets ``prefill``: tokens/s and TFLOP/s of the dense part (the layers' linear maps over the chunk's
+tokens, kv_b_proj over the context it reads back, the LM head over sampled rows) and of the attention
+part (causal, non-absorbed: d_qk + d_v multiply-adds per query, key and head), against a bf16 matmul's
+rate measured first (``matmul_bf16_TFLOPs``).
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_profile --batch 32 --prompt 16384 --steps 6 \
         --kv-budget-gib 20 --content-group 128 --rope-group 64 --batched-tokens 16384 --methods bf16 fp8 int4/int4 int2/int4
@@ -71,6 +75,43 @@ def step_parts(fam: dict, engine, model, batch: int, context: float, copy_gbps: 
     return out
 
 
+def matmul_rate(device: str) -> float:
+    """TFLOP/s of an 8192^3 bf16 matmul (median of 20 after 5), the dense rate prefill is measured against."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ a
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for e0, e1 in ev:
+        e0.record()
+        a @ a
+        e1.record()
+    torch.cuda.synchronize()
+    ms = sorted(e0.elapsed_time(e1) for e0, e1 in ev)[len(ev) // 2]
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def prefill_flops(model, items) -> dict[str, float]:
+    """FLOPs of one prefill step of ``items`` (start, n, sample) per sequence: ``dense`` (every decoder
+    layer's linear maps over the n new tokens, kv_b_proj over the start + n context tokens the chunk
+    reads back, the LM head over sampled rows) and ``attention`` (causal, non-absorbed: a query at
+    position p meets p + 1 keys, 2·(d_qk + d_v) FLOPs per pair and head)."""
+    c = model.config
+    layers = model.model.layers
+    lin = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear)
+              and not m.__class__.__name__.endswith("Embedding"))
+    kvb = sum(layer.self_attn.kv_b_proj.weight.numel() for layer in layers)
+    head = model.get_output_embeddings().weight.numel()
+    d_qk, d_v, H = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.num_attention_heads
+    dense = attn = 0.0
+    for start, n, sample in items:
+        dense += 2.0 * (lin - kvb) * n + 2.0 * kvb * (start + n) + (2.0 * head if sample else 0.0)
+        pairs = n * start + n * (n + 1) / 2
+        attn += 2.0 * (d_qk + d_v) * H * pairs * len(layers)
+    return {"dense": dense, "attention": attn}
+
+
 def copy_bandwidth(device: str) -> float:
     """Copy GB/s (bytes read + written) of a 1 GiB device-to-device copy (64 MiB in host memory on the
     CPU), the ceiling the parts are measured against."""
@@ -118,12 +159,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     model = build_bench_model(a.preset, a.device, torch.bfloat16, 0)
     copy_gbps = copy_bandwidth(a.device)
-    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    mm = matmul_rate(a.device) if a.phase == "prefill" else None
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s" + (f", bf16 matmul {mm:.0f} TFLOP/s" if mm else ""), flush=True)
     cuda = a.device.startswith("cuda")
     acts = ([ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.shapes else [])) if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    res = {**record(), "copy_GBps": copy_gbps, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    res = {**record(), "copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": mm, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "phase": a.phase,
            "max_num_batched_tokens": a.batched_tokens, "content_group": a.content_group, "rope_group": a.rope_group,
            "methods": {}}
@@ -138,7 +180,8 @@ def main(argv=None) -> int:
         reqs = [Request(i, torch.randint(3, model.config.vocab_size, (a.prompt,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=a.steps + a.batch + 2, ignore_eos=True)) for i in range(a.batch)]
         # the profiled window starts at the first step of the phase asked for (an engine observer)
-        state = {"prof": None, "decode_steps": 0, "t": 0.0, "wall": 0.0, "tokens": 0}
+        state = {"prof": None, "decode_steps": 0, "t": 0.0, "wall": 0.0, "tokens": 0,
+                 "flops": {"dense": 0.0, "attention": 0.0}}
 
         class Window(EngineObserver):
             def mine(self, plan) -> bool:
@@ -159,6 +202,9 @@ def main(argv=None) -> int:
                     return
                 state["decode_steps"] += 1
                 state["tokens"] += sum(it.n for it in plan.items)
+                items = [(it.start, it.n, it.sample) for it in plan.items]
+                for k, v in prefill_flops(model, items).items():
+                    state["flops"][k] += v
                 if state["decode_steps"] == a.steps:  # the window closes after --steps steps of the phase
                     sync()
                     state["wall"] = time.perf_counter() - state["t"]
@@ -184,6 +230,19 @@ def main(argv=None) -> int:
                              "wall_ms_per_step": 1e3 * wall / n,
                              "gpu_us_per_step": total, "top_us_per_step": dict(top),
                              "parts": step_parts(fam, e, model, a.batch, context, copy_gbps, wall / n)}
+        if a.phase == "prefill":  # rates of the dense and attention parts
+            parts = res["methods"][m]["parts"]
+            t_dense = parts["projections and MLP"]["us_per_step"] * 1e-6
+            t_attn = parts["attention"]["us_per_step"] * 1e-6
+            fl = {k: v / n for k, v in state["flops"].items()}
+            pre = {"tokens_per_s": state["tokens"] / wall,
+                   "gpu_tokens_per_s": state["tokens"] / n / (total * 1e-6),
+                   "dense_TFLOP_per_step": fl["dense"] / 1e12, "attention_TFLOP_per_step": fl["attention"] / 1e12,
+                   "dense_TFLOPs": fl["dense"] / t_dense / 1e12 if t_dense else None,
+                   "attention_TFLOPs": fl["attention"] / t_attn / 1e12 if t_attn else None}
+            if mm and pre["dense_TFLOPs"]:
+                pre["dense_frac_of_matmul"] = pre["dense_TFLOPs"] / mm
+            res["methods"][m]["prefill"] = pre
         if a.shapes and cuda:  # torch ops by input shapes: which call launches the costly kernels
             ops = [(ev.device_time_total / n, ev.count // n, ev.key, str(ev.input_shapes)[:160])
                    for ev in prof.key_averages(group_by_input_shape=True)
@@ -198,6 +257,12 @@ def main(argv=None) -> int:
         for k, v in res["methods"][m]["parts"].items():
             extra = f"  {v['GBps']:8.0f} GB/s ({v['frac_copy']:.2f} of copy)" if "GBps" in v else ""
             print(f"  part {k:22s} {v['us_per_step']:9.1f} us{extra}")
+        if "prefill" in res["methods"][m]:
+            pre = res["methods"][m]["prefill"]
+            frac = pre.get("dense_frac_of_matmul", float("nan"))
+            print(f"  prefill {pre['tokens_per_s']:.0f} tok/s (GPU only {pre['gpu_tokens_per_s']:.0f}); dense "
+                  f"{pre['dense_TFLOPs'] or 0:.0f} TFLOP/s ({frac:.2f} of the matmul), "
+                  f"attention {pre['attention_TFLOPs'] or 0:.0f} TFLOP/s")
         for o in res["methods"][m].get("top_ops_by_shape", []):
             print(f"  {o['us_per_step']:9.1f} us  x{o['calls_per_step']:<4} {o['op']} {o['shapes']}")
         e.close()
