@@ -42,6 +42,7 @@ FORMATS = {
     "int8/int2": CacheFormat(PathFormat(8, 64), PathFormat(2, 16)),  # RoPE chunks < 16: generic kernel
     "fp8": CacheFormat(PathFormat(8, 32, "fp8", "float32"), BF16),  # fp8_ds_mla's record: fp32 scales, bf16 RoPE
     "fp8/fp8-f16meta": CacheFormat(PathFormat(8, 16, "fp8"), PathFormat(8, 16, "fp8", "bfloat16")),
+    "int2/int8-sym-clipped": CacheFormat(PathFormat(2, 32, clip=0.875), PathFormat(8, 16, "symmetric", clip=0.9375)),
 }
 
 

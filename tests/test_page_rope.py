@@ -22,6 +22,8 @@ FORMATS = {
     "int2/int4·page g2": CacheFormat(PathFormat(2, 32), PathFormat(4, 2, grouping="page")),
     "int4/int8s·page": CacheFormat(PathFormat(4, 16), PathFormat(8, 1, "symmetric", grouping="page")),
     "bf16/int2·page": CacheFormat(BF16, PathFormat(2, 1, grouping="page")),
+    "int2 clipped/int4·page g2 clipped": CacheFormat(PathFormat(2, 32, clip=0.875),
+                                                     PathFormat(4, 2, grouping="page", clip=0.9375)),
 }
 kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                              reason="needs CUDA or TRITON_INTERPRET=1")

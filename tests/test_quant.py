@@ -118,6 +118,9 @@ def test_non_finite_input_is_a_clear_error(bad):
         (dict(bits=4, mode="nf4"), "unknown quantization mode"),
         (dict(bits=4, mode="fp8"), "fp8"),
         (dict(bits=4, meta_dtype="float64"), "meta_dtype"),
+        (dict(bits=2, clip=0.85), "1 - 2\\^-k"),
+        (dict(bits=8, mode="fp8", clip=0.875), "integer codes"),
+        (dict(bits=16, clip=0.875), "no range to clip"),
     ],
 )
 def test_bad_formats_are_clear_errors(kw, match):
@@ -128,3 +131,47 @@ def test_bad_formats_are_clear_errors(kw, match):
 def test_group_must_divide_dim():
     with pytest.raises(UnsupportedFormatError, match="does not divide"):
         quantize(torch.randn(2, 48), PathFormat(4, 32))
+
+
+@pytest.mark.parametrize("mode", ["affine", "symmetric"])
+@pytest.mark.parametrize("clip", [0.5, 0.75, 0.875, 0.9375])
+def test_clip_shrinks_each_groups_range_and_saturates_beyond_it(mode, clip):
+    """A clipped format spans clip of each group's range (affine: centred on the range's middle; symmetric:
+    clip x the largest magnitude): the end codes dequantize at the clipped ends, values beyond them saturate."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 32, generator=g) * 3 + 1
+    fmt = PathFormat(2, 16, mode, clip=clip)
+    y = quantize_dequantize(x, fmt).reshape(64, 2, 16)
+    xg = x.reshape(64, 2, 16)
+    if mode == "affine":  # codes 0..3 span [lo + t, hi - t]; both ends are reached (values beyond saturate)
+        lo, hi = xg.amin(-1), xg.amax(-1)
+        t = (hi - lo) * (1 - clip) / 2
+        ends = (lo + t, hi - t)
+        tol = (hi - lo) * 2**-9 + 1e-6  # the fp16 rounding of the stored scale and zero
+        assert ((y.amin(-1) - ends[0]).abs() <= tol).all() and ((y.amax(-1) - ends[1]).abs() <= tol).all()
+    else:  # levels (code - 2)·s with s = clip·amax: the top level is clip·amax, every value above it saturates there
+        top = xg.abs().amax(-1) * clip
+        tol = top * 2**-9 + 1e-6
+        ends = (-2 * top, top)
+        above = xg >= top[..., None]
+        assert above.any() and ((y - top[..., None]).abs() <= tol[..., None])[above].all()
+    assert ((y >= ends[0][..., None] - tol[..., None]) & (y <= ends[1][..., None] + tol[..., None])).all()
+    q = quantize(x, fmt)
+    assert q.codes.shape == quantize(x, PathFormat(2, 16, mode)).codes.shape  # the stored record is unchanged
+
+
+def test_clip_lowers_int2_error_on_gaussian_groups():
+    """Two-bit codes of Gaussian groups: a range of 0.875 of min..max has a lower mean squared error than the
+    full range (outer levels nearer the bulk), which is what the clip is for."""
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    err = {c: (quantize_dequantize(x, PathFormat(2, 32, clip=c)) - x).pow(2).mean().item() for c in (1.0, 0.875)}
+    assert err[0.875] < 0.9 * err[1.0], err
+
+
+def test_clip_is_kept_by_the_format_json():
+    f = PathFormat(2, 32, clip=0.875)
+    assert PathFormat.from_dict(f.to_dict()) == f and f.describe() == "INT2/g32·clip0.875" and f.clip_exp == 3
+    assert "clip" not in PathFormat(2, 32).to_dict() and PathFormat(2, 32).clip_exp == 0
+    assert PathFormat.from_dict({"bits": 2, "group_size": 32, "clip": 1}).clip == 1.0
+    with pytest.raises(UnsupportedFormatError, match="clip must be a number"):
+        PathFormat.from_dict({"bits": 2, "group_size": 32, "clip": "0.875"})

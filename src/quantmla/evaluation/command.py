@@ -64,6 +64,9 @@ def add_arguments(p):
     p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
     p.add_argument("--groups", nargs="+", default=None, metavar="C/R",
                    help="several group settings in one call, e.g. 64/32 32/16 (overrides --content-group/--rope-group)")
+    p.add_argument("--content-clip", type=float, default=1.0, metavar="CLIP",
+                   help="share of each content group's range its integer codes span (0.875: 1/16 of the range "
+                        "clipped at each end), for every row, baselines included; 1 - 2^-k (default 1)")
     p.add_argument("--fp-window", type=int, nargs="+", default=[0], metavar="N",
                    help="newest tokens kept unquantized, the same for every method (KIVI's unfinished block included); "
                         "several values run each")
@@ -114,12 +117,14 @@ def group_settings(args) -> list[tuple[int, int]]:
 def rows_for(args):
     """Every RowSpec of this call: (configs x methods, or the default grid) x group settings x windows,
     or with --rows each named row (at its own group setting, or at each one) x windows, in that order.
-    BF16 rows (nothing grouped, nothing windowed) appear once."""
-    from quantmla.errors import QuantMLAError
-    from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows, named_config
-
+    BF16 rows (nothing grouped, nothing windowed) appear once. --content-clip sets every row's integer
+    content path's clip (``PathFormat.clip``), baselines included."""
     from quantmla.cli import CLIError
+    from quantmla.quant.format import CLIPS
 
+    clip = getattr(args, "content_clip", 1.0)
+    if clip not in CLIPS:
+        raise CLIError(f"--content-clip {clip:g}: choose one of {', '.join(f'{c:g}' for c in CLIPS)} (1 - 2^-k)")
     if any(w < 0 for w in args.fp_window):
         raise CLIError(f"--fp-window {' '.join(map(str, args.fp_window))}: windows are token counts >= 0")
     rows, seen = [], set()
@@ -129,6 +134,22 @@ def rows_for(args):
         if key not in seen:
             seen.add(key)
             rows.append(r)
+
+    rows = _rows(args, add, rows)
+    if clip != 1.0:  # every row's integer content path, baselines included
+        from dataclasses import replace
+
+        rows = [r if not (r.config.content.quantized and r.config.content.mode != "fp8") else
+                replace(r, config=replace(r.config, content=replace(r.config.content, clip=clip))) for r in rows]
+    return rows
+
+
+def _rows(args, add, rows):
+    """rows_for's rows before the content clip (see there)."""
+    from quantmla.errors import QuantMLAError
+    from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows, named_config
+
+    from quantmla.cli import CLIError
 
     if getattr(args, "rows", None):
         if args.config is not None or args.method is not None:
@@ -349,8 +370,9 @@ def run(args) -> int:
     def setup(r) -> dict:
         if r.method == "bf16":
             return {}
+        clip = {"content_clip": r.config.content.clip} if r.config.content.clip != 1.0 else {}  # absent: the full range
         return {"content_group": r.config.content.group_size if r.config.content.quantized else None,
-                "rope_group": r.config.rope.group_size if r.config.rope.quantized else None,
+                "rope_group": r.config.rope.group_size if r.config.rope.quantized else None, **clip,
                 "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
                 "calib_steps": calib_kwargs.get("steps", "default")}
 

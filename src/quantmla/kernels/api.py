@@ -391,7 +391,7 @@ def append_to_pages(
         raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
     _append_kernel[(-(-T // block_t),)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t,
-        R_WRITE=not per_page, num_warps=4
+        R_WRITE=not per_page, C_CLIP=tok.fmt.content.clip_exp, R_CLIP=tok.fmt.rope.clip_exp, num_warps=4
     )
     if per_page:  # requantize the pages from the call's keys and the stage's, then stage the unfinished pages' keys
         rows = stage_rows.reshape(-1).to(device=kv_pages.device, dtype=torch.int32).contiguous()
@@ -400,7 +400,7 @@ def append_to_pages(
             xr, slots, rows, rope_stage, pages, pr16, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
             PS=layout.page_size, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
             OFF_PM=layout.offsets["rope_page_meta"], BITS=f.bits, GS=f.group_size, AFFINE=f.mode == "affine",
-            MB=f.meta_elem_bytes, META_BF16=rbf, num_warps=4,
+            MB=f.meta_elem_bytes, META_BF16=rbf, CLIP=f.clip_exp, num_warps=4,
         )
         _stage_rope_kernel[(T,)](xr, slots, rows, rope_stage, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
                                  PS=layout.page_size, num_warps=1)

@@ -21,9 +21,14 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2
 
 
 @triton.jit
-def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr):
+def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0):
     """(scale, zero) of groups spanning [lo, hi], rounded to the metadata dtype first (a constant group gets
-    scale 1), as ``quant.groupwise.group_scales``."""
+    scale 1), as ``quant.groupwise.group_scales``. CLIP = k > 0: the range shrinks by 2^-(k+1) of its width at
+    each end (the format's clip 1 - 2^-k; the product is exact, so a fused multiply-add rounds alike)."""
+    if CLIP > 0:
+        t = (hi - lo) * (0.5 ** (CLIP + 1))
+        lo = lo + t
+        hi = hi - t
     if META_BF16:
         zero = _bf16_rne(lo).to(tl.float32)
         scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
@@ -34,8 +39,11 @@ def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr):
-    """The scale of symmetric groups of largest magnitude amax, rounded to the metadata dtype (0 -> 1)."""
+def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0):
+    """The scale of symmetric groups of largest magnitude amax, rounded to the metadata dtype (0 -> 1); CLIP = k > 0
+    scales amax by the format's clip 1 - 2^-k first."""
+    if CLIP > 0:
+        amax = amax - amax * (0.5 ** CLIP)
     if META_BF16:
         scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
     else:
@@ -56,7 +64,7 @@ def _write_path(
     X, stride_x, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, META_BF16: tl.constexpr, BLOCK_T: tl.constexpr,
+    MB: tl.constexpr, META_BF16: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr = 0,
 ):
     """Quantize and store one path of BLOCK_T tokens; PV is the pages in the path's MB-byte element type."""
     x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
@@ -91,10 +99,10 @@ def _write_path(
         MID: tl.constexpr = 1 << (BITS - 1)
         xg = tl.reshape(x, [BLOCK_T, G, GS])
         if AFFINE:
-            scale, zero = _affine_meta(tl.min(xg, 2), tl.max(xg, 2), QMAX, META_BF16)
+            scale, zero = _affine_meta(tl.min(xg, 2), tl.max(xg, 2), QMAX, META_BF16, CLIP)
             q = _round_codes(tl.math.div_rn(xg - zero[:, :, None], scale[:, :, None]), QMAX)
         else:
-            scale = _symmetric_scale(tl.max(tl.abs(xg), 2), MID, META_BF16)
+            scale = _symmetric_scale(tl.max(tl.abs(xg), 2), MID, META_BF16, CLIP)
             q = _round_codes(tl.math.div_rn(xg, scale[:, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         # planar packing: byte j holds codes j + k·NB in bits [k·b, (k+1)·b)
@@ -123,7 +131,7 @@ def _append_kernel(
     C_BF16: tl.constexpr,
     R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
     R_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr, R_WRITE: tl.constexpr = True,
+    BLOCK_T: tl.constexpr, R_WRITE: tl.constexpr = True, C_CLIP: tl.constexpr = 0, R_CLIP: tl.constexpr = 0,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tv = t < T
@@ -133,10 +141,10 @@ def _append_kernel(
     page = slot // PS
     tok = slot % PS
     _write_path(XC, stride_xc, t, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8,
-                C_MB, C_BF16, BLOCK_T)
+                C_MB, C_BF16, BLOCK_T, C_CLIP)
     if R_WRITE:  # False: the RoPE path is grouped per page (_page_rope_kernel writes it)
         _write_path(XR, stride_xr, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE,
-                    R_FP8, R_MB, R_BF16, BLOCK_T)
+                    R_FP8, R_MB, R_BF16, BLOCK_T, R_CLIP)
 
 
 @triton.jit(do_not_specialize=["T", "stride_xr", "stride_stage"])
@@ -162,6 +170,7 @@ def _page_rope_kernel(
     XR, SLOTS, ROWS, STAGE, P8, PR, T, stride_xr, stride_stage,
     D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr, OFF_RC: tl.constexpr, OFF_PM: tl.constexpr,
     BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, MB: tl.constexpr, META_BF16: tl.constexpr,
+    CLIP: tl.constexpr = 0,
 ):
     """Requantize a page's RoPE path over its tokens so far: one program per token, active for the last token
     of its page among this call's tokens (a page's tokens come contiguous and in position order). The page's
@@ -195,10 +204,10 @@ def _page_rope_kernel(
         if AFFINE:
             lo = tl.min(tl.min(tl.where(ok3, x3, float("inf")), 2), 0)
             hi = tl.max(tl.max(tl.where(ok3, x3, float("-inf")), 2), 0)
-            scale, zero = _affine_meta(lo, hi, QMAX, META_BF16)
+            scale, zero = _affine_meta(lo, hi, QMAX, META_BF16, CLIP)
             q = _round_codes(tl.math.div_rn(x3 - zero[None, :, None], scale[None, :, None]), QMAX)
         else:
-            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0), MID, META_BF16)
+            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0), MID, META_BF16, CLIP)
             q = _round_codes(tl.math.div_rn(x3, scale[None, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         q3 = tl.reshape(q, [PS, K, NB])  # planar packing, as _write_path

@@ -6,6 +6,7 @@ ones the cache layout, the Cache subclass, the page pool and the kernels all use
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -14,6 +15,7 @@ from quantmla.errors import UnsupportedFormatError
 
 MODES = ("affine", "symmetric", "fp8")
 GROUPINGS = ("token", "page")
+CLIPS = (1.0, 0.96875, 0.9375, 0.875, 0.75, 0.5)  # 1 - 2^-k: a power-of-two shrink rounds alike on every device
 INT_BITS = (2, 3, 4, 8)
 META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -31,6 +33,11 @@ class PathFormat:
                 "page": a group is `group_size` channels over the tokens of one page of the paged
                 cache (metadata per page: KIVI's per-channel keys at the page size; integer codes,
                 RoPE path only). The codes are packed per token either way.
+    clip:       the share of a group's range its codes span (integer codes): affine groups' [lo, hi]
+                shrinks by (1 − clip)/2 of its width at each end, symmetric groups' largest magnitude
+                by the factor clip, before the scale is set; values beyond saturate at the end codes.
+                1 (the full range) or 1 − 2^-k (CLIPS), so the writers round alike on every device.
+                Only writers read it: the stored bytes and their reading are the same for every clip.
     """
 
     bits: int = 4
@@ -38,11 +45,14 @@ class PathFormat:
     mode: str = "affine"
     meta_dtype: str = "float16"
     grouping: str = "token"
+    clip: float = 1.0
 
     def __post_init__(self):
         if self.grouping not in GROUPINGS:
             raise UnsupportedFormatError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
         if self.bits == 16:
+            if self.clip != 1.0:
+                raise UnsupportedFormatError("a 16-bit path stores raw values and has no range to clip; use clip 1")
             if self.grouping != "token":
                 raise UnsupportedFormatError("a 16-bit path stores raw values and has no groups; use grouping 'token'")
             return
@@ -60,6 +70,10 @@ class PathFormat:
             raise UnsupportedFormatError(f"group_size must be a power of two >= 1, got {self.group_size}")
         if self.meta_dtype not in META_DTYPES:
             raise UnsupportedFormatError(f"meta_dtype must be one of {tuple(META_DTYPES)}, got {self.meta_dtype!r}")
+        if self.clip not in CLIPS or isinstance(self.clip, bool):
+            raise UnsupportedFormatError(f"clip must be one of {CLIPS} (1 - 2^-k), got {self.clip!r}")
+        if self.clip != 1.0 and self.mode == "fp8":
+            raise UnsupportedFormatError("clip applies to integer codes; an fp8 path keeps clip 1")
 
     # -- derived sizes (per token, for a path of `dim` channels) -----------------------------------
     @property
@@ -72,6 +86,11 @@ class PathFormat:
         if not self.quantized:
             return 0
         return 2 if self.mode == "affine" else 1
+
+    @property
+    def clip_exp(self) -> int:
+        """k with clip = 1 − 2^-k (0 for the full range)."""
+        return 0 if self.clip == 1.0 else round(-math.log2(1.0 - self.clip))
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:
@@ -130,12 +149,15 @@ class PathFormat:
             return "BF16"
         name = "FP8" if self.mode == "fp8" else f"INT{self.bits}"
         where = "·page" if self.per_page else ""
-        return f"{name}/g{self.group_size}{where}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s")
+        clip = "" if self.clip == 1.0 else f"·clip{self.clip:g}"
+        return f"{name}/g{self.group_size}{where}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s") + clip
 
     def to_dict(self) -> dict:
         d = asdict(self)
         if d["grouping"] == "token":  # the default: files written before per-page groups stay as they were
             del d["grouping"]
+        if d["clip"] == 1.0:  # likewise for the full range
+            del d["clip"]
         return d
 
     @classmethod
@@ -143,7 +165,7 @@ class PathFormat:
         """A format from its JSON form ({"bits": 4, "group_size": 64, ...}); `where` names it in errors."""
         if not isinstance(d, dict):
             raise UnsupportedFormatError(f"{where} must be an object like {{\"bits\": 4, \"group_size\": 64}}, got {d!r}")
-        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype", "grouping"}
+        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype", "grouping", "clip"}
         if unknown:
             raise UnsupportedFormatError(f"{where}: unknown path-format fields {sorted(unknown)}")
         for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str), ("grouping", str)):
@@ -152,7 +174,9 @@ class PathFormat:
                 raise UnsupportedFormatError(
                     f"{where}: {key} must be {'an integer' if kind is int else 'a string'}, got {v!r} "
                     f"({type(v).__name__}); write it as {'a JSON number without quotes, e.g. 4' if kind is int else 'a JSON string'}")
-        return cls(**d)
+        if "clip" in d and (not isinstance(d["clip"], (int, float)) or isinstance(d["clip"], bool)):
+            raise UnsupportedFormatError(f"{where}: clip must be a number such as 0.875, got {d['clip']!r}")
+        return cls(**{**d, **({"clip": float(d["clip"])} if "clip" in d else {})})
 
 
 BF16 = PathFormat(bits=16)

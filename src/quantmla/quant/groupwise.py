@@ -56,14 +56,20 @@ def group_scales(xg: torch.Tensor, fmt: PathFormat, cast=None) -> tuple[torch.Te
     calibration's fake quantizer passes a straight-through version)."""
     mdt = fmt.torch_meta_dtype
     cast = cast or (lambda t: t.to(mdt).float())
+    k = fmt.clip_exp  # clip = 1 - 2^-k: shrinking by a power of two of the width rounds once, on any device
     if fmt.mode == "affine":
         lo = xg.amin(-1, keepdim=True)
         hi = xg.amax(-1, keepdim=True)
+        if k:
+            t = (hi - lo) * 2.0 ** -(k + 1)  # (1 - clip) / 2 of the width, exact
+            lo, hi = lo + t, hi - t
         zero = cast(lo)
         scale = cast((hi - zero) / _divisor(xg, 2**fmt.bits - 1))
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
         return scale, zero
     amax = xg.abs().amax(-1, keepdim=True)
+    if k:
+        amax = amax - amax * 2.0**-k
     top = FP8_MAX if fmt.mode == "fp8" else 2 ** (fmt.bits - 1) - 1
     scale = cast(amax / _divisor(xg, top))
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
