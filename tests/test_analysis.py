@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from quantmla.analysis.error_model import (
-    LayerStats,
     LayerTensors,
     _to_out,
     measure,
@@ -23,7 +22,7 @@ from quantmla.analysis.run import analyze_model, collect_layer_tensors
 from quantmla.model.capture import capture_attention_inputs
 from quantmla.model.spec import load_spec
 from quantmla.model.tiny import tiny_model
-from quantmla.quant.format import BF16, PathFormat
+from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import quantize_dequantize
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache
 from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout, _ChannelBlockStore
 from quantmla.cache.layout import CacheFormat, TokenLayout

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 

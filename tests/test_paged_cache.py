@@ -14,7 +14,7 @@ from quantmla.cache.paged import (
     slots_for,
     write_tokens,
 )
-from quantmla.quant import BF16, PathFormat, quantize_dequantize
+from quantmla.quant import PathFormat, quantize_dequantize
 
 INT4 = CacheFormat(PathFormat(4, 128), PathFormat(4, 64))
 INT2 = CacheFormat(PathFormat(2, 128), PathFormat(4, 64))

@@ -1,11 +1,9 @@
 """The README states what the code does: its accuracy block is the one the results generate, and its
 Python snippets run as written (on CPU, with fewer new tokens)."""
 
-import os
 import re
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

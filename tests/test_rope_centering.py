@@ -20,7 +20,6 @@ from quantmla.model.spec import load_spec
 from quantmla.model.tiny import FAMILIES, tiny_model
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.scheduler import SamplingParams
-from quantmla.transforms.rope import apply_pairs
 from quantmla_lab.bench.serving.agreement import compare
 
 
@@ -96,7 +95,7 @@ def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
     quant = QuantCacheConfig.of_bits(16, 4, 64, 32)
     rep = calibrate(model, ev.calib_ids, quant, paths=("rope",), steps=20, progress=False, verbose=False)
     stored = QuantCacheConfig.from_model_config(model.config)
-    assert set(stored.rope_offsets) == set(spec_slots := [l.slot for l in rep.layers]) and stored.centred
+    assert set(stored.rope_offsets) == {l.slot for l in rep.layers} and stored.centred
     for l in rep.layers:  # never worse than RTN on held-out keys; a non-zero offset exactly where centring was chosen
         assert l.rope["after"] <= l.rope["before"], l.rope
         assert (stored.rope_offsets.get(l.slot) is not None) == l.rope["chosen"].endswith("+centred") == (l.rope_offset is not None)

@@ -3,7 +3,6 @@ QuantMLACache (torch backend and the Triton kernels under TRITON_INTERPRET=1), p
 recompute, requests that can never fit, and the serve-bench command at toy size."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from quantmla.errors import NotMLAError
 from quantmla.model.spec import ExpandedCacheFamilyError, load_spec
-from quantmla.model.tiny import FAMILIES, tiny_config, tiny_model
+from quantmla.model.tiny import FAMILIES, tiny_model
 
 EXPECTED_LAYOUTS = {
     "deepseek_v2": ("interleaved", "interleaved"),

@@ -71,7 +71,7 @@ def stage_dtype(dtype: torch.dtype) -> torch.dtype:
 def dense_attention(q_lat, q_rope, latent, k_rope, scale: float, compute_dtype=None) -> torch.Tensor:
     """Causal absorbed attention of n queries (the last n of T positions) over one sequence:
     q [n, H, ·], cache [T, ·] -> o [n, H, d_c] fp32."""
-    n, T = q_lat.shape[0], latent.shape[0]
+    T = latent.shape[0]
     if compute_dtype is None:
         compute_dtype = torch.float32 if latent.is_cuda else torch.float64
     o, _ = absorbed_attention(q_lat[None], q_rope[None], latent[None], k_rope[None], scale,
