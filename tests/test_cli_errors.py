@@ -138,6 +138,17 @@ def test_calibrate_json_parses(ckpts, tmp_path, capsys):
     assert d["method"] == "quantmla" and d["out"] == str(tmp_path / "o") and len(d["layers"]) == 2
 
 
+def test_calibrate_stores_the_content_clip(ckpts, tmp_path, capsys):
+    """--content-clip reaches the checkpoint's cache config (and so every cache and engine that loads it)."""
+    from quantmla.cache.config import QuantCacheConfig
+
+    rc, _, _ = run_cli(capsys, "calibrate", ckpts / "mla", "--content-bits", "2", "--content-group", "32",
+                       "--rope-group", "16", "--content-clip", "0.875", *calib_args(ckpts, tmp_path / "o"))
+    assert rc == 0
+    stored = QuantCacheConfig.from_model_config(json.loads((tmp_path / "o" / "config.json").read_text()))
+    assert stored.content.clip == 0.875 and stored.rope.clip == 1.0
+
+
 # -- a) a model path that does not exist --------------------------------------------------------------
 
 
@@ -258,6 +269,8 @@ def test_gpu_commands_without_a_gpu(command, tmp_path, capsys, monkeypatch):
                                  "group_size 64 does not divide its 32 channels", "pick a group size that divides 32"]),
     (["--rope-group", "32"], ["--rope-group 32", r"RoPE path \(qk_rope_head_dim 16\)", "pick a group size that divides 16"]),
     (["--content-group", "24"], ["--content-group 24", "group_size must be a power of two"]),
+    (["--content-clip", "0.85"], ["--content-clip 0.85", r"clip must be one of .*1 - 2\^-k"]),
+    (["--content-bits", "16", "--content-clip", "0.875"], ["--content-clip 0.875", "no range to clip"]),
 ])
 def test_calibrate_unsupported_format(flags, needles, ckpts, tmp_path, capsys):
     opts = {"--content-group": "32", "--rope-group": "16"}  # formats that fit d_c 32, d_r 16 ...

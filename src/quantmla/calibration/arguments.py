@@ -16,6 +16,9 @@ def add_arguments(p):
     p.add_argument("--rope-bits", type=int, default=4, help="RoPE key bits (2, 3, 4, 8; 16 = unquantized)")
     p.add_argument("--content-group", type=int, default=64, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=32, help="RoPE channels per scale/zero group")
+    p.add_argument("--content-clip", type=float, default=1.0, metavar="CLIP",
+                   help="share of each content group's range the integer codes span, 1 - 2^-k (0.875 clips 1/16 of "
+                        "the range at each end; default 1: min to max); the transform is fitted under it")
     p.add_argument("--calib", default="default",
                    help="calibration text: a text file, a .jsonl of {\"text\": ...}, or 'default' (training-split "
                         "Python sources, never the held-out evaluation packages)")
@@ -53,7 +56,8 @@ def add_arguments(p):
 _STREAM_ONLY = {"nproc": 1, "activations": "memory", "checkpoint_every": 1, "checksum": False, "stream_report": None}
 
 
-def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope_group: int, spec):
+def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope_group: int, spec,
+                     content_clip: float = 1.0):
     """The QuantCacheConfig of the command-line flags, checked against the model's dims before any
     weights are read; errors name the flag to change."""
     from quantmla.cache.config import QuantCacheConfig
@@ -63,9 +67,10 @@ def cli_cache_config(content_bits: int, rope_bits: int, content_group: int, rope
     fmts = []
     for name, bits, group, dim, dim_name in (("content", content_bits, content_group, spec.d_c, "kv_lora_rank"),
                                              ("rope", rope_bits, rope_group, spec.d_r, "qk_rope_head_dim")):
-        flags = f"--{name}-bits {bits} --{name}-group {group}"
+        clip = content_clip if name == "content" else 1.0
+        flags = f"--{name}-bits {bits} --{name}-group {group}" + (f" --content-clip {clip:g}" if clip != 1.0 else "")
         try:
-            fmt = PathFormat(bits, group)
+            fmt = PathFormat(bits, group, clip=clip)
             fmt.check_dim(dim, f"the {'content' if name == 'content' else 'RoPE'} path ({dim_name} {dim})")
         except UnsupportedFormatError as e:
             raise UnsupportedFormatError(f"{flags}: {e}") from None
@@ -126,7 +131,8 @@ def preflight(args, overwrite: bool):
 
     spec = load_spec(args.model)  # FileNotFoundError / NotMLAError before any weights are read
     spec.require_latent_cache()
-    quant = cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec)
+    quant = cli_cache_config(args.content_bits, args.rope_bits, args.content_group, args.rope_group, spec,
+                             args.content_clip)
     refuse_calibrated(args.model)
     check_output_dir(args.out, overwrite)
     return spec, quant

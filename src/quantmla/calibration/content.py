@@ -6,8 +6,8 @@ point (or at RTN where that fits the calibration data better) and trained with A
 LSQ-style fake quantizer. The candidate with the lowest error on held-out calibration sequences
 is kept, so the result is never worse than its starting point on data it was not fitted on.
 
-Clipping ratios are not searched: the cache's quantizer sets each group's range from the token's
-own min / max at run time, so a clip learned here would need a new runtime format field.
+A clipped range (``PathFormat.clip``) is part of the format: the fake quantizer applies it as the cache
+does, so the transform is fitted under it; this fit does not choose it.
 """
 
 from __future__ import annotations
