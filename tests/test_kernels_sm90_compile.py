@@ -93,7 +93,8 @@ def append_read_case(name: str) -> None:
     slots = torch.zeros(4, dtype=torch.int64)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}  # per-token records only (as the API)
     compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": True}, 4, 1)
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": True,
+                  "C_CLIP": 0, "R_CLIP": 2}, 4, 1)
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
 
 
@@ -121,12 +122,13 @@ def page_rope_case(heads: int) -> None:
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}
     compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": False}, 4, 1)
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": False, "C_CLIP": 3, "R_CLIP": 0}, 4, 1)
     rows = torch.zeros(4, dtype=torch.int32)
     stage = torch.zeros(2, PAGE, D_R, dtype=torch.bfloat16)
     compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
                  dict(D_R=D_R, PS=PAGE, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
-                      OFF_PM=layout.offsets["rope_page_meta"], BITS=4, GS=1, AFFINE=True, MB=2, META_BF16=False), 4, 1)
+                      OFF_PM=layout.offsets["rope_page_meta"], BITS=4, GS=1, AFFINE=True, MB=2, META_BF16=False,
+                      CLIP=4), 4, 1)
     compile_sm90(_stage_rope_kernel, (xr, slots, rows, stage, 4, D_R, PAGE * D_R), dict(D_R=D_R, PS=PAGE), 1, 1)
 
 
