@@ -1,0 +1,33 @@
+"""The prefill FLOP count of ``quantmla_lab.bench.serving.step_profile`` against torch's own count of a
+forward pass of the serve-bench model (tiny preset, CPU): the dense part is every matmul of the model,
+and the attention part is the causal half of what eager attention multiplies."""
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from quantmla_lab.bench.serving.step_profile import prefill_flops
+from quantmla_lab.bench.serving.throughput import build_bench_model
+
+
+def test_prefill_flops_agree_with_torch_flop_counter():
+    model = build_bench_model("tiny", "cpu", torch.float32, 0)
+    c = model.config
+    n = 24
+    ids = torch.randint(3, c.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as fc:
+        model(ids, logits_to_keep=1)  # one sampled row: the LM head over one token
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    f = prefill_flops(model, [(0, n, True)])
+    assert f["dense"] == counts["aten.mm"]  # the linear maps (kv_b_proj over the n tokens) and the LM head
+    # eager attention multiplies all n x n pairs (the mask comes after); the count is the causal n (n + 1) / 2,
+    # and the rotary table's product (inv_freq x positions) is the only other batched matmul
+    d_qk, d_v, H, L = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.num_attention_heads, c.num_hidden_layers
+    full = 2 * (d_qk + d_v) * H * n * n * L
+    assert counts["aten.bmm"] == full + 2 * (c.qk_rope_head_dim // 2) * n
+    assert f["attention"] == full * (n + 1) / (2 * n)
+    # a chunk of n tokens after 100 cached ones: kv_b_proj reads 100 + n tokens back, query p meets p + 1 keys
+    g = prefill_flops(model, [(100, n, False)])
+    kvb = sum(layer.self_attn.kv_b_proj.weight.numel() for layer in model.model.layers)
+    head = model.get_output_embeddings().weight.numel()
+    assert g["dense"] == f["dense"] - 2 * head + 2 * kvb * 100
+    assert g["attention"] == 2 * (d_qk + d_v) * H * L * (n * 100 + n * (n + 1) / 2)
