@@ -99,8 +99,7 @@ def prefill_flops(model, items) -> dict[str, float]:
     position p meets p + 1 keys, 2·(d_qk + d_v) FLOPs per pair and head)."""
     c = model.config
     layers = model.model.layers
-    lin = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear)
-              and not m.__class__.__name__.endswith("Embedding"))
+    lin = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     kvb = sum(layer.self_attn.kv_b_proj.weight.numel() for layer in layers)
     head = model.get_output_embeddings().weight.numel()
     d_qk, d_v, H = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.num_attention_heads
@@ -165,7 +164,8 @@ def main(argv=None) -> int:
     acts = ([ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.shapes else [])) if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    res = {**record(), "copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": mm, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    res = {**record(), "copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": mm,
+           "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "phase": a.phase,
            "max_num_batched_tokens": a.batched_tokens, "content_group": a.content_group, "rope_group": a.rope_group,
            "methods": {}}
