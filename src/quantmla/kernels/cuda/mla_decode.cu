@@ -4,10 +4,13 @@
 // One CTA handles one work unit (sequence b, tokens [start, end), from kernels.schedule.get_mla_metadata)
 // for one block of BM = 16·RM query rows (r = i·H + h). Per tile of BN tokens (inside one page):
 //
-//   A  copy   the tile's four page sections (codes, metadata) into a shared-memory stage with cp.async,
-//             STAGES tiles ahead (16-byte copies; a tile's rows of one section are contiguous in the page)
+//   A  copy   the tile's four page sections (codes, metadata) into a shared-memory stage, STAGES tiles
+//             ahead (a tile's rows of one section are contiguous in the page). On sm_90 one thread issues
+//             a bulk copy per section that completes on the stage's mbarrier (a BF16 tile: one warp, two
+//             copies a row); before sm_90 every thread issues 16-byte cp.async copies
 //   B  build  the tile once in shared memory as 16-bit values x = code·scale + zero, [BN, d_c + d_r]
-//             (a BF16 cache is copied straight into that layout and needs no build)
+//             (a BF16 cache is copied straight into that layout and needs no build); a tile whose tokens
+//             are all in the sequence is built without row checks
 //   C  QK     S = q_latent·cᵀ + q_rope·k_Rᵀ on the tensor cores (mma.sync m16n8k16, fp32 accumulate),
 //             KSPLIT warps sharing a score tile's channels (their query fragments in registers when a
 //             share is at most 9 steps of 16), partial scores summed in the softmax
@@ -89,10 +92,13 @@ constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
 constexpr int SM_FLAG = SM_ROW + 3 * BM * 4; // per tile parity: whether any row's reference maximum moved
-constexpr int SMEM_BYTES = SM_FLAG + 16;
+constexpr int SM_BAR = SM_FLAG + 16;          // per stage: the mbarrier its bulk copies complete on (sm_90)
+constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(!(HALF && (C_KIND == 0 || R_KIND == 0)), "raw BF16 paths need the bf16 tile");
 
+static_assert(PAGE_BYTES % 16 == 0 && OFF_CC % 16 == 0 && OFF_RC % 16 == 0 && OFF_CM % 16 == 0 && OFF_RM % 16 == 0,
+              "pages and their sections start on 16-byte boundaries (the copies move 16-byte pieces)");
 static_assert(D % (16 * KSPLIT) == 0, "key width must split into 16-channel steps");
 static_assert(BN % 16 == 0 && PS % BN == 0, "a tile is 16k tokens inside one page");
 static_assert(!(WS && DIRECT), "a BF16 tile is copied, not built: no builder warps");
@@ -147,6 +153,40 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   }
 }
 
+// A (sm_90): the same tile as bulk copies that complete on `bar`, issued by one warp: the four sections
+// by lane 0 (one copy each); a BF16 tile's rows by every lane (two copies a row)
+__device__ __forceinline__ void issue_tile_bulk(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages,
+                                                int page, int n0, int lane) {
+  const int tok0 = n0 % PS;
+  const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
+  if constexpr (DIRECT) {
+    if (lane == 0) mbar_expect_tx(bar, BN * D * 2);
+    __syncwarp();
+#pragma unroll
+    for (int t = lane; t < BN; t += 32) {
+      bulk_g2s(stage + t * LDK * 2, pg + OFF_CC + (tok0 + t) * FB_CC, D_C * 2, bar);
+      bulk_g2s(stage + t * LDK * 2 + D_C * 2, pg + OFF_RC + (tok0 + t) * FB_RC, D_R * 2, bar);
+    }
+  } else if (lane == 0) {
+    mbar_expect_tx(bar, BN * FB_CC + BN * FB_RC + BN * FB_CM + RM_BYTES);
+    bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
+    bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
+    bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
+    bulk_g2s(stage + RAW_RM, pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), RM_BYTES, bar);
+  }
+}
+
+// B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
+template <bool FULL>
+__device__ __forceinline__ void build_tile(const uint8_t* stage, T* tile, int valid, int id) {
+  build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL>(stage + RAW_CC, stage + RAW_CM, tile, valid, id);
+  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL>(stage + RAW_RC, stage + RAW_RM, tile, valid, id);
+}
+__device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, int valid, int id) {
+  if (valid == BN) build_tile<true>(stage, tile, valid, id);
+  else build_tile<false>(stage, tile, valid, id);
+}
+
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
@@ -160,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   float* sL = sAlpha + BM;
   float* sQs = sL + BM;  // per row: the factor that undoes the query's power-of-two scaling
   int* sMoved = reinterpret_cast<int*>(smem + SM_FLAG);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < 2) sMoved[tid] = 0;
@@ -181,7 +222,24 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 
   // ---- A, prologue: STAGES - 1 tiles start copying before the query block is read (their page numbers
   //      read at once), so the two latencies overlap --------------------------------------------------------
-  if (builds) {
+  // BULK: one warp (the first that builds) issues every copy; it holds the page of the next tile to issue
+  const bool issuer = BULK && warp == (WS ? NWC : 0);
+  int pg_next = 0;
+  if (issuer) {
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
+      mbar_fence_init();
+    }
+    __syncwarp();
+    int pg[STAGES - 1];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
+    pg_next = page_of(STAGES - 1);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN, lane);
+  } else if (!BULK && builds) {
     int pg[STAGES - 1];
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
@@ -191,6 +249,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       cp_async_commit();
     }
   }
+  // BULK: the issuer starts tile it + STAGES - 1 once every reader is done with the stage it goes into
+  auto issue_next = [&](int it) {
+    const int nxt = it + STAGES - 1;
+    if (nxt < ntiles) issue_tile_bulk(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                      start + nxt * BN, lane);
+    pg_next = page_of(nxt + 1);  // read now, used one tile later
+  };
 
   // ---- the query block, as T, rows past R zero: every thread loads its 16-byte pieces at once. In fp16
   //      each row is scaled by the power of two that brings its largest |q| below 2^13 (exact) ----------
@@ -256,18 +321,21 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       for (int it = 0; it < ntiles; ++it) {
         const int buf = it & 1, valid = min(BN, end - start - it * BN);
         uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-        cp_async_wait<STAGES - 2>();
+        if constexpr (BULK) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+        else cp_async_wait<STAGES - 2>();
         bar_sync(1, NTB);                            // the stage has landed for every builder
+        if (issuer) issue_next(it);                  // into the stage tile it - 1 was built from
         if (it >= 2) bar_sync(5 + buf, NT);          // the computers are done with this buffer
         T* tile = reinterpret_cast<T*>(smem + SM_KV) + buf * BN * LDK;
-        build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, btid);
-        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, btid);
-        const int nxt = it + STAGES - 1;             // into the stage tile it - 1 was built from
-        if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, btid);
-        cp_async_commit();
+        build_tile_any(stage, tile, valid, btid);
+        if constexpr (!BULK) {
+          const int nxt = it + STAGES - 1;           // into the stage tile it - 1 was built from
+          if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, btid);
+          cp_async_commit();
+        }
         bar_arrive(3 + buf, NT);                     // the tile is built
       }
-      cp_async_wait<0>();
+      if constexpr (!BULK) cp_async_wait<0>();
       return;
     }
   }
@@ -319,8 +387,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       bar_sync(3 + (it & 1), NT);  // the builders have built it
     } else {
       uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-      cp_async_wait<STAGES - 2>();
+      if constexpr (BULK) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      else cp_async_wait<STAGES - 2>();
       __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
+      if (issuer) issue_next(it);  // into the stage of tile it - 1 (built, or for BF16 read, by every thread)
       if constexpr (DIRECT) {
         tile = reinterpret_cast<T*>(stage);
         if (valid < BN) {  // rows past the sequence hold whatever the page held: zero them
@@ -331,12 +401,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       } else {
         tile = reinterpret_cast<T*>(smem + SM_KV);
-        build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0>(stage + RAW_CC, stage + RAW_CM, tile, valid, tid);
-        build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE>(stage + RAW_RC, stage + RAW_RM, tile, valid, tid);
+        build_tile_any(stage, tile, valid, tid);
       }
-      const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
-      if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
-      cp_async_commit();
+      if constexpr (!BULK) {
+        const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
+        if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
+        cp_async_commit();
+      }
       __syncthreads();  // the tile is built
     }
     // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
@@ -488,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       if (it + 2 < ntiles) bar_arrive(5 + (it & 1), NT);  // the builders may build tile it + 2 here
     }
   }
-  if constexpr (!WS) cp_async_wait<0>();
+  if constexpr (!WS && !BULK) cp_async_wait<0>();
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
 #pragma unroll

@@ -40,14 +40,15 @@ __device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& 
 // ---------------------------------------------------------------------------------------------------
 // B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
 // ---------------------------------------------------------------------------------------------------
-// PM: the metadata is the page's, [G, F] (groups over the page's tokens), not the token's
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false>
+// PM: the metadata is the page's, [G, F] (groups over the page's tokens), not the token's. FULL: every
+// token of the tile is in the sequence (no row is checked against `valid`)
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false, bool FULL = false>
 __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
   if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
     constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
     for (int i = tid; i < BN * CH; i += NTB) {
       const int t = i / CH, j = i % CH;
-      uint4 v = t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
+      uint4 v = FULL || t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
     }
   } else if constexpr (KIND == 3) {  // e4m3 values, 8 a step (one group of GS >= 8): fp32 math, then T
@@ -55,7 +56,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
     for (int i = tid; i < BN * CPT; i += NTB) {
       const int t = i / CPT, j = i % CPT;
       uint32_t o4[4] = {0, 0, 0, 0};
-      if (t < valid) {
+      if (FULL || t < valid) {
         const uint2 raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * j);
         const uint32_t wv[2] = {raw.x, raw.y};
         const float sc = meta_f32<MB>(meta + t * FBM + (8 * j / GS) * meta_size<MB>());
@@ -98,7 +99,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         // a thread's column piece is the same at every step where the builders cover whole tokens
         const int t = NTB % CPT == 0 ? tid / CPT + n * (NTB / CPT) : i / CPT;
         const int j = NTB % CPT == 0 ? tid % CPT : i % CPT;
-        if (t >= valid) {
+        if (!FULL && t >= valid) {
 #pragma unroll
           for (int k = 0; k < K; ++k)
             *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j + k * NB) = make_uint4(0, 0, 0, 0);
@@ -144,7 +145,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
     } else
     for (int i = tid; i < BN * WPT; i += NTB) {
       const int t = i / WPT, w = i % WPT;
-      const uint32_t word = t < valid ? *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w) : 0u;
+      const uint32_t word = FULL || t < valid ? *reinterpret_cast<const uint32_t*>(codes + t * FB + 4 * w) : 0u;
       const uint32_t lo = __byte_perm(word, 0, 0x4140);  // bytes 0, 1 -> the two 16-bit halves
       const uint32_t hi = __byte_perm(word, 0, 0x4342);  // bytes 2, 3
 #pragma unroll
@@ -152,7 +153,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         const int ch = 4 * w + k * NB;  // first of the 4 channels of this plane
         const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
         uint2 out = make_uint2(0, 0);
-        if (t < valid) {
+        if (FULL || t < valid) {
           if constexpr (FAST) {
 #if HALF
             const uint32_t magic = 0x64006400u;  // 1024.0 in each half
