@@ -12,6 +12,8 @@
 #                                                                -> kernels/decode_page_rope_h200.json
 # breakdown       a decode call split into the decode kernel, the combine kernel and the rest; fixed cost
 #                 against cost per token                        -> kernels/decode_breakdown_h200.json
+# ncu-sections    Nsight Compute's throughput, memory, scheduler and warp-state sections of one decode call, INT4/INT4
+#                 and BF16 at 16 heads, 32 x 16384      -> kernels/ncu_sections_{int4,bf16}_32x16384_h200.txt
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 #
@@ -66,6 +68,18 @@ page-rope() {
 breakdown() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_breakdown --formats bf16,int4/int4 \
     --shapes 1x131072,8x16384,32x16384,264x32,264x512 --out "$OUT/kernels/decode_breakdown_h200.json" 2>&1 | tail -20
+}
+
+ncu-sections() {
+  local f
+  for f in int4/int4 bf16; do
+    timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section InstructionStats --section Occupancy \
+      python3 -m quantmla_lab.bench.kernels.decode_once "$f" 16 32 16384 2>&1 | grep -v "^==PROF==" \
+      > "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt"
+    grep -i "shared\|throughput\|issue\|duration" "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt" | head -20
+  done
 }
 
 sass-phases() {

@@ -115,6 +115,9 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 #include "ptx.cuh"
 #include "tile_build.cuh"
 #include "tile_copy.cuh"
+// bulk copies on sm_90 for tiles that are built (a BF16 tile's rows land in the padded tile itself, where
+// 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies)
+constexpr bool BULK_TILES = BULK && !DIRECT;
 
 // B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
 template <bool FULL>
@@ -162,8 +165,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 
   // ---- A, prologue: STAGES - 1 tiles start copying before the query block is read (their page numbers
   //      read at once), so the two latencies overlap --------------------------------------------------------
-  // BULK: one warp (the first that builds) issues every copy; it holds the page of the next tile to issue
-  const bool issuer = BULK && warp == (WS ? NWC : 0);
+  // BULK_TILES: one warp (the first that builds) issues every copy; it holds the page of the next tile
+  const bool issuer = BULK_TILES && warp == (WS ? NWC : 0);
   int pg_next = 0;
   if (issuer) {
     if (lane == 0) {
@@ -179,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
       if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN, lane);
-  } else if (!BULK && builds) {
+  } else if (!BULK_TILES && builds) {
     int pg[STAGES - 1];
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
@@ -189,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       cp_async_commit();
     }
   }
-  // BULK: the issuer starts tile it + STAGES - 1 once every reader is done with the stage it goes into
+  // BULK_TILES: the issuer starts tile it + STAGES - 1 once every reader is done with the stage it goes into
   auto issue_next = [&](int it) {
     const int nxt = it + STAGES - 1;
     if (nxt < ntiles) issue_tile_bulk(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
@@ -261,21 +264,21 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       for (int it = 0; it < ntiles; ++it) {
         const int buf = it & 1, valid = min(BN, end - start - it * BN);
         uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-        if constexpr (BULK) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+        if constexpr (BULK_TILES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
         else cp_async_wait<STAGES - 2>();
         bar_sync(1, NTB);                            // the stage has landed for every builder
         if (issuer) issue_next(it);                  // into the stage tile it - 1 was built from
         if (it >= 2) bar_sync(5 + buf, NT);          // the computers are done with this buffer
         T* tile = reinterpret_cast<T*>(smem + SM_KV) + buf * BN * LDK;
         build_tile_any(stage, tile, valid, btid);
-        if constexpr (!BULK) {
+        if constexpr (!BULK_TILES) {
           const int nxt = it + STAGES - 1;           // into the stage tile it - 1 was built from
           if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, btid);
           cp_async_commit();
         }
         bar_arrive(3 + buf, NT);                     // the tile is built
       }
-      if constexpr (!BULK) cp_async_wait<0>();
+      if constexpr (!BULK_TILES) cp_async_wait<0>();
       return;
     }
   }
@@ -327,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       bar_sync(3 + (it & 1), NT);  // the builders have built it
     } else {
       uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-      if constexpr (BULK) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      if constexpr (BULK_TILES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       else cp_async_wait<STAGES - 2>();
       __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
       if (issuer) issue_next(it);  // into the stage of tile it - 1 (built, or for BF16 read, by every thread)
@@ -343,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         tile = reinterpret_cast<T*>(smem + SM_KV);
         build_tile_any(stage, tile, valid, tid);
       }
-      if constexpr (!BULK) {
+      if constexpr (!BULK_TILES) {
         const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
         if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
         cp_async_commit();
@@ -499,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       if (it + 2 < ntiles) bar_arrive(5 + (it & 1), NT);  // the builders may build tile it + 2 here
     }
   }
-  if constexpr (!WS && !BULK) cp_async_wait<0>();
+  if constexpr (!WS && !BULK_TILES) cp_async_wait<0>();
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
 #pragma unroll

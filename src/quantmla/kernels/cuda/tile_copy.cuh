@@ -41,21 +41,13 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   }
 }
 
-// A (sm_90): the same tile as bulk copies that complete on `bar`, issued by one warp: the four sections
-// by lane 0 (one copy each); a BF16 tile's rows by every lane (two copies a row)
+// A (sm_90): the same tile as four bulk copies (one a section) by lane 0 of the issuing warp, completing on
+// `bar` (a built tile's stage: not for a BF16 tile, whose rows land in the padded tile)
 __device__ __forceinline__ void issue_tile_bulk(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages,
                                                 int page, int n0, int lane) {
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
-  if constexpr (DIRECT) {
-    if (lane == 0) mbar_expect_tx(bar, BN * D * 2);
-    __syncwarp();
-#pragma unroll
-    for (int t = lane; t < BN; t += 32) {
-      bulk_g2s(stage + t * LDK * 2, pg + OFF_CC + (tok0 + t) * FB_CC, D_C * 2, bar);
-      bulk_g2s(stage + t * LDK * 2 + D_C * 2, pg + OFF_RC + (tok0 + t) * FB_RC, D_R * 2, bar);
-    }
-  } else if (lane == 0) {
+  if (!DIRECT && lane == 0) {
     mbar_expect_tx(bar, BN * FB_CC + BN * FB_RC + BN * FB_CM + RM_BYTES);
     bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
     bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
