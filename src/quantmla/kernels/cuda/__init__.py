@@ -101,7 +101,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
     raw = bn * ldk * 2 if direct else raw
     q = block_m * ldk * 2
     kv = 0 if direct else (2 if ws else 1) * bn * ldk * 2
-    s = ksplit * block_m * (bn + 4) * 4
+    s = ksplit * block_m * (bn + 8) * 4
     p = block_m * (bn + 8) * 2
     return q + kv + stages * raw + s + p + 3 * block_m * 4 + 16 + 8 * stages  # + an mbarrier per stage
 

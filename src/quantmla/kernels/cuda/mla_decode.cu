@@ -67,7 +67,7 @@ constexpr int NT = 32 * NW;            // threads
 constexpr int NWC = WS ? NW / 2 : NW;  // warps that compute (QK, softmax, PV); with WS the others copy and build
 constexpr int NTB = WS ? NT - 32 * NWC : NT;  // threads that copy and build
 constexpr int NBUF = WS ? 2 : 1;       // built tiles (WS: one built while the other is read)
-constexpr int LDS = BN + 4;            // fp32 score row pitch
+constexpr int LDS = BN + 8;            // fp32 score row pitch (8 rows' float2 fragment stores hit distinct banks)
 constexpr int LDP = BN + 8;            // 16-bit probability row pitch
 constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
 #ifndef R_PAGE

@@ -97,7 +97,12 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         const int i = tid + n * NTB;
         if (STEPS % NTB != 0 && i >= STEPS) break;
         // a thread's column piece is the same at every step where the builders cover whole tokens
-        const int t = NTB % CPT == 0 ? tid / CPT + n * (NTB / CPT) : i / CPT;
+        const int u = NTB % CPT == 0 ? tid / CPT + n * (NTB / CPT) : i / CPT;
+        // a quarter warp's 16-byte stores (8 lanes) cover 8 / CPT tokens: CPT rows apart, so that their
+        // pieces fall in distinct banks (rows are 16 bytes apart mod 128 in the padded tile)
+        constexpr bool SPREAD = CPT < 8 && 8 % CPT == 0;
+        constexpr int R = SPREAD ? 8 / CPT : 1;
+        const int t = SPREAD ? 8 * (u / R / CPT) + (u / R) % CPT + (u % R) * CPT : u;
         const int j = NTB % CPT == 0 ? tid % CPT : i % CPT;
         if (!FULL && t >= valid) {
 #pragma unroll
