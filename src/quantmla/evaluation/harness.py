@@ -80,11 +80,15 @@ CALIBRATED = {"hadamard": ("hadamard", ("content",)), "quantmla": ("quantmla", (
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """A named cache format. `content` / `rope` per-token formats (BF16 = unquantized)."""
+    """A named cache format. `content` / `rope` per-token formats (BF16 = unquantized). mix: an average
+    of that many content bits per value over the MLA layers, each layer storing `content` (the low
+    width) or `mix_high`, chosen by the error model (``calibration.bits``); 0 = every layer `content`."""
 
     name: str
     content: PathFormat = BF16
     rope: PathFormat = BF16
+    mix: float = 0.0
+    mix_high: PathFormat | None = None
 
     @property
     def quantized(self) -> bool:
@@ -94,7 +98,36 @@ class CacheConfig:
         return QuantCacheConfig(content=self.content, rope=self.rope, method=method)
 
     def describe(self) -> str:
-        return CacheFormat(self.content, self.rope).describe()
+        d = CacheFormat(self.content, self.rope).describe()
+        return d + (f", content {self.mix_high.describe()} in the layers the error model picks for an average of "
+                    f"{self.mix:g} content bits" if self.mix else "")
+
+    def bytes_per_token(self, d_c: int, d_r: int) -> float:
+        """Per token per MLA layer (a mix: the nominal average of its two widths at its average bits)."""
+        low = TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token
+        if not self.mix:
+            return low
+        high = TokenLayout(d_c, d_r, CacheFormat(self.mix_high, self.rope)).bytes_per_token
+        return low + (high - low) * (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
+
+    def overrides(self, model, calib_ids: torch.Tensor, seed: int = 0) -> dict:
+        """The layer overrides of a mix for `model` (the error model on calib_ids); {} for a uniform config."""
+        if not self.mix:
+            return {}
+        from quantmla.calibration.bits import allocate_content_bits, content_sensitivity
+
+        sens = content_sensitivity(model, calib_ids, self.content, self.mix_high, seed=seed)
+        return allocate_content_bits(sens, self.mix, self.content, self.mix_high, self.rope)
+
+
+def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
+    """MIX<avg>/INT<r>: content INT2 or INT4 per layer for an average of avg_bits (between 2 and 4)."""
+    from quantmla.calibration.bits import check_widths
+
+    low, high = PathFormat(2, content_group), PathFormat(4, content_group)
+    check_widths(low, high, avg_bits)
+    r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
+    return CacheConfig(f"MIX{avg_bits:g}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}", low, r, avg_bits, high)
 
 
 def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
@@ -117,12 +150,19 @@ PRESETS: dict[str, Callable[[int, int], CacheConfig]] = {"BF16": lambda cg, rg: 
 
 
 def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    """A preset name (PRESETS: "BF16", "FP8"; any case) or "<C>/<R>" with C, R in INT2, INT3, INT4, INT8,
-    BF16 (content / RoPE)."""
+    """A preset name (PRESETS: "BF16", "FP8"; any case), "<C>/<R>" with C, R in INT2, INT3, INT4, INT8,
+    BF16 (content / RoPE), or "MIX<a>/<R>": content INT2 or INT4 per layer for an average of a bits."""
     up = name.upper()
     if up in PRESETS:
         return PRESETS[up](content_group, rope_group)
     parts = up.split("/")
+    if len(parts) == 2 and parts[0].startswith("MIX") and parts[1][3:].isdigit() and parts[1].startswith("INT"):
+        try:
+            avg = float(parts[0][3:])
+        except ValueError:
+            raise QuantMLAError(f"unknown cache config {name!r}: MIX takes an average of content bits, "
+                                "e.g. MIX3/INT4") from None
+        return mix_config(avg, int(parts[1][3:]), content_group, rope_group)
     bits = []
     for p in parts:
         if p == "BF16":
@@ -180,6 +220,9 @@ class RowSpec:
         if self.method in ROPE_CHANNEL and not (self.config.rope.quantized and self.config.rope.mode != "fp8"):
             raise QuantMLAError(f"method {self.method} stores integer RoPE codes per channel; it needs an integer "
                                 "RoPE format (e.g. INT4/INT4)")
+        if self.config.mix and self.method in ("kivi", "bf16"):
+            raise QuantMLAError(f"config {self.config.name} sets content bits per layer; method {self.method} "
+                                "stores one format for every layer (use rtn, hadamard or a quantmla method)")
         if self.fp_window < 0:
             raise QuantMLAError(f"the full-precision window must be >= 0 tokens, got {self.fp_window}")
 
@@ -203,8 +246,10 @@ class RowSpec:
         if self.method == "kivi":
             return KIVILayout(spec.d_c, spec.d_r, self.kivi_format()).bytes_per_token
         if self.method in ROPE_CHANNEL:
-            return RopeChannelLayout(spec.d_c, spec.d_r, self.config.content, self.rope_channel_format()).bytes_per_token
-        return TokenLayout(spec.d_c, spec.d_r, CacheFormat(self.config.content, self.config.rope)).bytes_per_token
+            per_channel = RopeChannelLayout(spec.d_c, spec.d_r, self.config.content, self.rope_channel_format())
+            return per_channel.bytes_per_token + self.config.bytes_per_token(spec.d_c, spec.d_r) - \
+                TokenLayout(spec.d_c, spec.d_r, CacheFormat(self.config.content, self.config.rope)).bytes_per_token
+        return self.config.bytes_per_token(spec.d_c, spec.d_r)
 
     def cache_factory(self, quant: QuantCacheConfig | None = None) -> Callable | None:
         """model -> a fresh transformers Cache."""
@@ -397,14 +442,19 @@ def prepare(model, row: RowSpec, calib_ids: torch.Tensor | None, seed: int = 0, 
             calib_kwargs: dict | None = None) -> tuple[QuantCacheConfig | None, dict | None]:
     """Prepare `model` in place for `row` (calibrate when the method needs it).
     Returns (the QuantCacheConfig the cache uses, the calibration report or None)."""
+    if row.config.mix and calib_ids is None:
+        raise QuantMLAError(f"config {row.config.name} chooses content bits per layer from calibration data (calib_ids)")
+    mixed = row.config.overrides(model, calib_ids, seed) if row.config.mix else {}
     if row.method not in CALIBRATED:
-        return (row.config.quant(row.method) if row.method not in ("bf16", "kivi") else None), None
+        if row.method in ("bf16", "kivi"):
+            return None, None
+        return replace(row.config.quant(row.method), layer_overrides=mixed), None
     if calib_ids is None:
         raise QuantMLAError(f"method {row.method} needs calibration data (calib_ids)")
     if calibrate_fn is None:
         calibrate_fn = calibration_api()
     algo, paths = CALIBRATED[row.method]
-    quant = row.config.quant(row.method)
+    quant = replace(row.config.quant(row.method), layer_overrides=mixed)
     kw = dict(calib_kwargs or {})
     if row.method in PAGE_FITTED:
         kw["rope_page"] = row.rope_page
