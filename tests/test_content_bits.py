@@ -51,7 +51,8 @@ def test_mix_row_stores_each_layer_at_its_width():
     assert (cfg.content.bits, cfg.mix_high.bits, cfg.mix) == (2, 4, 3.0)
     row = RowSpec(cfg, "rtn")
     lo, hi = (named_config(n, 16, 8) for n in ("INT2/INT4", "INT4/INT4"))
-    assert row.bytes_per_token(spec) == (RowSpec(lo, "rtn").bytes_per_token(spec) + RowSpec(hi, "rtn").bytes_per_token(spec)) / 2
+    ends = [RowSpec(c, "rtn").bytes_per_token(spec) for c in (lo, hi)]
+    assert row.bytes_per_token(spec) == sum(ends) / 2
     quant, _ = prepare(model, row, ids)
     high = set(quant.layer_overrides)
     assert len(high) == round(len(spec.mla_layers) / 2) and high <= set(spec.mla_layers)
