@@ -8,6 +8,8 @@
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
 # tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
+# phases          the default 16-row plan without its tile build, score products or output products (times only):
+#                 each phase's share of a call              -> kernels/decode_cuda_phases_h200.json
 # page-rope       the RoPE path per channel per page beside per-token groups (16 and 128 heads)
 #                                                                -> kernels/decode_page_rope_h200.json
 # breakdown       a decode call split into the decode kernel, the combine kernel and the rest; fixed cost
@@ -58,6 +60,11 @@ tilings() {
     --shapes 1x131072,32x16384,8x16384 --tilings 8x32,16x32,16x64 --out "$OUT/kernels/decode_cuda_tilings_h200.json" 2>&1 | tail -40
   timeout 100 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
     --shapes 32x8192 --out "$OUT/kernels/decode_cuda_tilings_128h_h200.json" 2>&1 | tail -10
+}
+
+phases() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,bf16 \
+    --shapes 1x131072,32x16384 --tilings 8x32 --phases --out "$OUT/kernels/decode_cuda_phases_h200.json" 2>&1 | tail -12
 }
 
 page-rope() {

@@ -1,7 +1,8 @@
 """Which build-time knobs of the CUDA decode kernel pay on this GPU? Times one decode call (CUDA-graph
 replay, L2 flushed) of the default plan and of variants that change one constant each: build-loop and
 score-loop unrolling, cp.async stages, CTAs per SM, and the tiling (warps per CTA, tokens per tile,
-warps sharing a score tile's channels). Same tokens and queries for every variant.
+warps sharing a score tile's channels). `--phases` times the default plan without its tile build, score
+products or output products (results wrong, times only). Same tokens and queries for every variant.
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --out out/decode_cuda_variants.json
 """
@@ -23,14 +24,18 @@ from quantmla_lab.bench.kernels import decode_speed as bench
 TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per tile); the first is the default
 
 
-def knob_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, cuda.DecodePlan]:
-    """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages."""
+def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = False) -> dict[str, cuda.DecodePlan]:
+    """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages; with
+    `phases`, instead the plan with the tile build, the score products or the output products left out."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
         return dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
 
     out = {"qk_unroll_6": with_(QK_UNROLL=6), "qk_unroll_2": with_(QK_UNROLL=2)}
+    if phases:  # timing only (wrong results): a phase's share of a call is the default's time less these
+        return {"no_build": with_(SKIP_BUILD=1), "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
+                "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1)}
     for st in (2, 3, 4):
         if st != plan.stages:
             smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n)
@@ -46,6 +51,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tilings", default=",".join(f"{w}x{n}" for w, n in TILINGS), help="warps x tokens per tile")
     ap.add_argument("--knobs", action="store_true", help="also the unrolling and stage variants of the default plan")
+    ap.add_argument("--phases", action="store_true",
+                    help="also the default plan without its build, score or output products (timing only)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -90,8 +97,8 @@ def main() -> None:
                 diff = float((out.float() - ref).abs().max())
                 t, _ = bench.time_ms(run, 25, 100)
                 row(f"w{nw}_n{bn}", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff)
-                if a.knobs and (nw, bn) == tilings[0]:
-                    for vname, vp in knob_variants(plan, lay).items():
+                if (a.knobs or a.phases) and (nw, bn) == tilings[0]:
+                    for vname, vp in knob_variants(plan, lay, phases=a.phases).items():
                         po = torch.empty(md.num_units, H, 512, device=dev)
                         pl = torch.empty(md.num_units, H, device=dev)
                         args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, md.units, out, lse, po, pl,

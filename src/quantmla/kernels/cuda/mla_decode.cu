@@ -41,6 +41,17 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+// SKIP_BUILD, SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): leave the tile build, the
+// score products or the output products out, so that a phase's share of the time is a difference
+#ifndef SKIP_BUILD
+#define SKIP_BUILD 0
+#endif
+#ifndef SKIP_QK
+#define SKIP_QK 0
+#endif
+#ifndef SKIP_PV
+#define SKIP_PV 0
+#endif
 #ifndef QK_UNROLL
 #define QK_UNROLL 18
 #endif
@@ -344,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       } else {
         tile = reinterpret_cast<T*>(smem + SM_KV);
-        build_tile_any(stage, tile, valid, tid);
+        if constexpr (!SKIP_BUILD) build_tile_any(stage, tile, valid, tid);
       }
       if constexpr (!BULK_TILES) {
         const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
@@ -367,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
       const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
       UNROLL(QK_UNROLL)
-      for (int kk = 0; kk < KSTEPS; kk += 2) {
+      for (int kk = 0; kk < (SKIP_QK ? 0 : KSTEPS); kk += 2) {
         uint32_t a0[4], a1[4];
         if constexpr (QREG) {
 #pragma unroll
@@ -483,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       }
     }
 #pragma unroll
-    for (int k0 = 0; k0 < BN; k0 += 16) {
+    for (int k0 = 0; k0 < (SKIP_PV ? 0 : BN); k0 += 16) {
       uint32_t pa[RM][4];
 #pragma unroll
       for (int mi = 0; mi < RM; ++mi) ldsm_x4(pa[mi], sP + (mi * 16 + (lane & 15)) * LDP + k0 + (lane >> 4) * 8);
