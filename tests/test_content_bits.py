@@ -65,3 +65,19 @@ def test_mix_row_stores_each_layer_at_its_width():
         named_config("MIXx/INT4")
     with pytest.raises(QuantMLAError, match="not between"):
         named_config("MIX4/INT4")
+
+
+def test_mix_row_records_its_allocation():
+    """An evaluated MIX row says which slots stored which width (the allocation depends on the data)."""
+    from quantmla.evaluation.harness import EvalData, evaluate_row
+
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3")
+    spec = load_spec(model)
+    ids = torch.randint(3, 128, (4, 24))
+    data = EvalData(ppl=ids[:1], seq_len=24, retrieval={}, calib_ids=ids)
+    row = RowSpec(named_config("MIX3/INT4", 16, 8), "rtn")
+    out = evaluate_row(model, None, row, data, spec=spec, ppl_fn=lambda *a, **k: {"bits_per_byte": 1.0})
+    bits = out["content_bits_by_slot"]
+    assert sorted(int(s) for s in bits) == sorted(spec.mla_layers) and sorted(bits.values()).count(4) == len(bits) // 2
+    assert "in the layers the error model picks" in out["format"]

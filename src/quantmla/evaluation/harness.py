@@ -269,6 +269,8 @@ class RowSpec:
             d = self.kivi_format().describe()
         elif self.method in ROPE_CHANNEL:
             d = f"content {self.config.content.describe()} + RoPE {self.rope_channel_format().describe()}"
+            if self.config.mix:
+                d += self.config.describe()[len(CacheFormat(self.config.content, self.config.rope).describe()):]
         else:
             d = self.config.describe()
         return d + (f", newest {self.fp_window} tokens unquantized" if self.fp_window and self.method != "bf16" else "")
@@ -528,6 +530,8 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         "retrieval": retr,
         **({"retrieval_line": line} if line else {}),
         "bytes_per_token": row.bytes_per_token(spec),
+        **({"content_bits_by_slot": {str(s): quant.format_for(s).content.bits for s in spec.mla_layers}}
+           if row.config.mix and quant is not None else {}),
         "bf16_bytes_per_token": spec.bytes_per_token_bf16(),
         "eval_mode": EVAL_MODE,
         "calibration_s": round(t_cal, 1) if row.method in CALIBRATED else None,
