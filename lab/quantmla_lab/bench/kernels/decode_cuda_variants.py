@@ -35,8 +35,7 @@ def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = Fals
     out = {"qk_unroll_6": with_(QK_UNROLL=6), "qk_unroll_2": with_(QK_UNROLL=2)}
     if phases:  # timing only (wrong results): a phase's share of a call is the default's time less these
         return {"no_build": with_(SKIP_BUILD=1), "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
-                "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1),
-                "l2_prefetch_0": with_(PF_TILES=0), "l2_prefetch_8": with_(PF_TILES=8)}
+                "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1)}
     for st in (2, 3, 4):
         if st != plan.stages:
             smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n)

@@ -43,10 +43,6 @@
 
 // SKIP_BUILD, SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): leave the tile build, the
 // score products or the output products out, so that a phase's share of the time is a difference
-// PF_TILES: with bulk copies, the tiles after those in the stages that the issuer prefetches into L2
-#ifndef PF_TILES
-#define PF_TILES 4
-#endif
 #ifndef SKIP_BUILD
 #define SKIP_BUILD 0
 #endif
@@ -182,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   //      read at once), so the two latencies overlap --------------------------------------------------------
   // BULK_TILES: one warp (the first that builds) issues every copy; it holds the page of the next tile
   const bool issuer = BULK_TILES && warp == (WS ? NWC : 0);
-  int pg_next = 0, pf_next = 0;  // the pages of the next tile to copy and of the next to prefetch
+  int pg_next = 0;
   if (issuer) {
     if (lane == 0) {
 #pragma unroll
@@ -197,15 +193,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
       if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN, lane);
-    if constexpr (PF_TILES > 0) {
-      int pf[PF_TILES > 0 ? PF_TILES : 1];
-#pragma unroll
-      for (int p = 0; p < PF_TILES; ++p) pf[p] = page_of(STAGES - 1 + p);
-      pf_next = page_of(STAGES - 1 + PF_TILES);
-#pragma unroll
-      for (int p = 0; p < PF_TILES; ++p)
-        if (STAGES - 1 + p < ntiles) prefetch_tile_l2(pages, pf[p], start + (STAGES - 1 + p) * BN, lane);
-    }
   } else if (!BULK_TILES && builds) {
     int pg[STAGES - 1];
 #pragma unroll
@@ -222,11 +209,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     if (nxt < ntiles) issue_tile_bulk(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
                                       start + nxt * BN, lane);
     pg_next = page_of(nxt + 1);  // read now, used one tile later
-    if constexpr (PF_TILES > 0) {
-      const int pf = nxt + PF_TILES;
-      if (pf < ntiles) prefetch_tile_l2(pages, pf_next, start + pf * BN, lane);
-      pf_next = page_of(pf + 1);
-    }
   };
 
   // ---- the query block, as T, rows past R zero: every thread loads its 16-byte pieces at once. In fp16

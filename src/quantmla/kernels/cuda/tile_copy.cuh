@@ -41,18 +41,6 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   }
 }
 
-// A (sm_90): a later tile's four sections into L2 (lane 0), so that its copy into a stage finds them there
-__device__ __forceinline__ void prefetch_tile_l2(const uint8_t* __restrict__ pages, int page, int n0, int lane) {
-  const int tok0 = n0 % PS;
-  const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
-  if (!DIRECT && lane == 0) {
-    bulk_prefetch_l2(pg + OFF_CC + tok0 * FB_CC, BN * FB_CC);
-    bulk_prefetch_l2(pg + OFF_RC + tok0 * FB_RC, BN * FB_RC);
-    bulk_prefetch_l2(pg + OFF_CM + tok0 * FB_CM, BN * FB_CM);
-    bulk_prefetch_l2(pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), RM_BYTES);
-  }
-}
-
 // A (sm_90): the same tile as four bulk copies (one a section) by lane 0 of the issuing warp, completing on
 // `bar` (a built tile's stage: not for a BF16 tile, whose rows land in the padded tile)
 __device__ __forceinline__ void issue_tile_bulk(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages,
