@@ -25,8 +25,9 @@ Every figure is measured with every attention read going through the quantized c
 included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
 method (none by default); KIVI's unfinished block (< block tokens) is quantized per channel over the
 tokens it holds unless the window covers it, so no method gets full-precision tokens the others lack.
-Cache formats are named by CONTENT/ROPE bits or by a preset (PRESETS: "BF16", "FP8" — DeepSeek's
-fp8_ds_mla layout); a preset added there runs in every grid under its name.
+Cache formats are named by CONTENT/ROPE bits, by MIX<a>/ROPE (content bits per layer) or by a preset
+(PRESETS: "BF16", "FP8" — DeepSeek's fp8_ds_mla layout); a preset added there runs in every grid under
+its name. The configurations live in evaluation/configs.py.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat, TokenLayout
 from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
+from quantmla.evaluation.configs import PRESETS, CacheConfig, int_config, mix_config, named_config  # noqa: F401
 from quantmla.model.spec import MLASpec, load_spec
-from quantmla.quant.format import BF16, PathFormat
+from quantmla.quant.format import BF16
 
 EVAL_MODE = "every read quantized incl. prefill"
 RETRIEVAL_LENGTHS = (1024, 2048, 4096)
@@ -75,107 +77,7 @@ CALIBRATED = {"hadamard": ("hadamard", ("content",)), "quantmla": ("quantmla", (
               "quantmla-content-rope-channel": ("quantmla", ("content",))}
 
 
-# -- cache configurations ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """A named cache format. `content` / `rope` per-token formats (BF16 = unquantized). mix: an average
-    of that many content bits per value over the MLA layers, each layer storing `content` (the low
-    width) or `mix_high`, chosen by the error model (``calibration.bits``); 0 = every layer `content`."""
-
-    name: str
-    content: PathFormat = BF16
-    rope: PathFormat = BF16
-    mix: float = 0.0
-    mix_high: PathFormat | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.content.quantized or self.rope.quantized
-
-    def quant(self, method: str = "rtn") -> QuantCacheConfig:
-        return QuantCacheConfig(content=self.content, rope=self.rope, method=method)
-
-    def describe(self) -> str:
-        d = CacheFormat(self.content, self.rope).describe()
-        return d + (f", content {self.mix_high.describe()} in the layers the error model picks for an average of "
-                    f"{self.mix:g} content bits" if self.mix else "")
-
-    def bytes_per_token(self, d_c: int, d_r: int) -> float:
-        """Per token per MLA layer (a mix: the nominal average of its two widths at its average bits)."""
-        low = TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token
-        if not self.mix:
-            return low
-        high = TokenLayout(d_c, d_r, CacheFormat(self.mix_high, self.rope)).bytes_per_token
-        return low + (high - low) * (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
-
-    def overrides(self, model, calib_ids: torch.Tensor, seed: int = 0) -> dict:
-        """The layer overrides of a mix for `model` (the error model on calib_ids); {} for a uniform config."""
-        if not self.mix:
-            return {}
-        from quantmla.calibration.bits import allocate_content_bits, content_sensitivity
-
-        sens = content_sensitivity(model, calib_ids, self.content, self.mix_high, seed=seed)
-        return allocate_content_bits(sens, self.mix, self.content, self.mix_high, self.rope)
-
-
-def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    """MIX<avg>/INT<r>: content INT2 or INT4 per layer for an average of avg_bits (between 2 and 4)."""
-    from quantmla.calibration.bits import check_widths
-
-    low, high = PathFormat(2, content_group), PathFormat(4, content_group)
-    check_widths(low, high, avg_bits)
-    r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
-    return CacheConfig(f"MIX{avg_bits:g}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}", low, r, avg_bits, high)
-
-
-def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    c = BF16 if content_bits == 16 else PathFormat(content_bits, content_group)
-    r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
-    name = f"{'BF16' if content_bits == 16 else f'INT{content_bits}'}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}"
-    return CacheConfig(name, c, r)
-
-
-def _fp8(content_group: int, rope_group: int) -> CacheConfig:
-    """fp8_ds_mla (``cache.layout.FP8_DS_MLA``: e4m3 latent, one fp32 scale per 128 channels, bf16 RoPE),
-    the cache users run on DeepSeek models; its layout is fixed, whatever the group settings."""
-    from quantmla.cache.layout import FP8_DS_MLA
-
-    return CacheConfig("FP8", FP8_DS_MLA.content, FP8_DS_MLA.rope)
-
-
-# named cache formats beyond CONTENT/ROPE bit pairs: name -> (content_group, rope_group) -> CacheConfig
-PRESETS: dict[str, Callable[[int, int], CacheConfig]] = {"BF16": lambda cg, rg: CacheConfig("BF16"), "FP8": _fp8}
-
-
-def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    """A preset name (PRESETS: "BF16", "FP8"; any case), "<C>/<R>" with C, R in INT2, INT3, INT4, INT8,
-    BF16 (content / RoPE), or "MIX<a>/<R>": content INT2 or INT4 per layer for an average of a bits."""
-    up = name.upper()
-    if up in PRESETS:
-        return PRESETS[up](content_group, rope_group)
-    parts = up.split("/")
-    if len(parts) == 2 and parts[0].startswith("MIX") and parts[1][3:].isdigit() and parts[1].startswith("INT"):
-        try:
-            avg = float(parts[0][3:])
-        except ValueError:
-            raise QuantMLAError(f"unknown cache config {name!r}: MIX takes an average of content bits, "
-                                "e.g. MIX3/INT4") from None
-        return mix_config(avg, int(parts[1][3:]), content_group, rope_group)
-    bits = []
-    for p in parts:
-        if p == "BF16":
-            bits.append(16)
-        elif p.startswith("INT") and p[3:].isdigit():
-            bits.append(int(p[3:]))
-        else:
-            bits = []
-            break
-    if len(parts) != 2 or len(bits) != 2:
-        raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, or CONTENT/ROPE like INT4/INT4, INT2/INT4, BF16/INT4")
-    return int_config(bits[0], bits[1], content_group, rope_group)
-
+# -- cache configurations: evaluation/configs.py ----------------------------------------------------
 
 class _BF16Layer(QuantMLALayer):
     """An unquantized MLA cache layer that stores (and so reads back) its inputs rounded to bf16."""
