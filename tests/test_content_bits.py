@@ -51,8 +51,9 @@ def test_mix_row_stores_each_layer_at_its_width():
     assert (cfg.content.bits, cfg.mix_high.bits, cfg.mix) == (2, 4, 3.0)
     row = RowSpec(cfg, "rtn")
     lo, hi = (named_config(n, 16, 8) for n in ("INT2/INT4", "INT4/INT4"))
-    ends = [RowSpec(c, "rtn").bytes_per_token(spec) for c in (lo, hi)]
-    assert row.bytes_per_token(spec) == sum(ends) / 2
+    for method in ("rtn", "quantmla-rope-channel"):  # per-token RoPE groups, and RoPE per channel per page
+        ends = [RowSpec(c, method).bytes_per_token(spec) for c in (lo, hi)]
+        assert RowSpec(cfg, method).bytes_per_token(spec) == sum(ends) / 2
     quant, _ = prepare(model, row, ids)
     high = set(quant.layer_overrides)
     assert len(high) == round(len(spec.mla_layers) / 2) and high <= set(spec.mla_layers)

@@ -43,12 +43,16 @@ class CacheConfig:
                     f"{self.mix:g} content bits" if self.mix else "")
 
     def bytes_per_token(self, d_c: int, d_r: int) -> float:
-        """Per token per MLA layer (a mix: the nominal average of its two widths at its average bits)."""
-        low = TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token
+        """Per token per MLA layer (a mix: nominal, at its average bits)."""
+        return TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token + self.mix_extra_bytes(d_c)
+
+    def mix_extra_bytes(self, d_c: int) -> float:
+        """Content bytes per token a mix adds over `content` in every layer (codes and metadata, nominal: the
+        share of high-width layers its average bits give); 0 for a uniform config."""
         if not self.mix:
-            return low
-        high = TokenLayout(d_c, d_r, CacheFormat(self.mix_high, self.rope)).bytes_per_token
-        return low + (high - low) * (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
+            return 0.0
+        lo, hi = (f.code_bytes(d_c) + f.meta_bytes(d_c) for f in (self.content, self.mix_high))
+        return (hi - lo) * (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
 
     def overrides(self, model, calib_ids: torch.Tensor, seed: int = 0) -> dict:
         """The layer overrides of a mix for `model` (the error model on calib_ids); {} for a uniform config."""
@@ -73,7 +77,8 @@ def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_gr
 def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
     c = BF16 if content_bits == 16 else PathFormat(content_bits, content_group)
     r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
-    name = f"{'BF16' if content_bits == 16 else f'INT{content_bits}'}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}"
+    width = lambda b: "BF16" if b == 16 else f"INT{b}"  # noqa: E731
+    name = f"{width(content_bits)}/{width(rope_bits)}"
     return CacheConfig(name, c, r)
 
 
@@ -113,5 +118,6 @@ def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> Ca
             bits = []
             break
     if len(parts) != 2 or len(bits) != 2:
-        raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, or CONTENT/ROPE like INT4/INT4, INT2/INT4, BF16/INT4")
+        raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, CONTENT/ROPE like INT4/INT4, "
+                            "INT2/INT4, BF16/INT4, or MIX<average content bits>/ROPE like MIX3/INT4")
     return int_config(bits[0], bits[1], content_group, rope_group)

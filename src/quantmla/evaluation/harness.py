@@ -45,7 +45,7 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache, QuantMLALayer
 from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
-from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat, TokenLayout
+from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
 from quantmla.evaluation.configs import PRESETS, CacheConfig, int_config, mix_config, named_config  # noqa: F401
@@ -149,8 +149,7 @@ class RowSpec:
             return KIVILayout(spec.d_c, spec.d_r, self.kivi_format()).bytes_per_token
         if self.method in ROPE_CHANNEL:
             per_channel = RopeChannelLayout(spec.d_c, spec.d_r, self.config.content, self.rope_channel_format())
-            return per_channel.bytes_per_token + self.config.bytes_per_token(spec.d_c, spec.d_r) - \
-                TokenLayout(spec.d_c, spec.d_r, CacheFormat(self.config.content, self.config.rope)).bytes_per_token
+            return per_channel.bytes_per_token + self.config.mix_extra_bytes(spec.d_c)
         return self.config.bytes_per_token(spec.d_c, spec.d_r)
 
     def cache_factory(self, quant: QuantCacheConfig | None = None) -> Callable | None:

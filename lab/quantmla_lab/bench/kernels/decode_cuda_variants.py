@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import sys
 
@@ -56,8 +57,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
-    res = {"device": torch.cuda.get_device_name(), "commit": bench.source_commit(), "command": " ".join(sys.argv),
-           "rows": []}
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "rows": []}
     tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")]
     scale = 0.07
     for name in a.formats.split(","):
