@@ -31,9 +31,39 @@ def test_page_metadata_plan_copies_the_page_section():
     m = dict(p.macros)
     assert m["R_PAGE"] == 1 and m["PMB_R"] == 64 * 2 * 2 and m["FB_RM"] == 0 and m["HALF"] == 1
     assert m["OFF_RM"] == lay.offsets["rope_page_meta"]
-    _, q = plan("int4/int4")  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
+    _, q = plan("int4/int4", fragments=False)  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
     smem = lambda pl: dict(pl.macros)["SMEM_EXPECTED"]  # noqa: E731
     assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
+                                  CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric"))])
+def test_fragments_plan_has_no_built_tile(name):
+    """2- and 4-bit codes with fp16 metadata at 16 rows read the stage's codes straight into the mma
+    fragments: no built tile in shared memory, code rows padded to an odd number of 16-byte chunks."""
+    lay, p = plan(name)
+    _, q = plan(name, fragments=False)
+    m = dict(p.macros)
+    assert m["REG"] == 1 and "REG" not in dict(q.macros) and "/frag/" in p.describe()
+    assert (m["NW"], m["BN"], m["KSPLIT"], m["RM"]) == (8, 32, 4, 1)
+    fb = lay.token.field_bytes
+    pad = sum(32 * 16 for k in ("content_codes", "rope_codes") if (fb[k] // 16) % 2 == 0)
+    tile = 32 * (512 + 64 + 8) * 2
+    assert p.smem == q.smem - tile + p.stages * pad if p.stages == q.stages else p.smem < q.smem
+
+
+@pytest.mark.parametrize("name,rows,why", [("int4/int8", 16, "2- or 4-bit"), ("bf16", 16, "2- or 4-bit"),
+                                           ("fp8", 16, "2- or 4-bit"), ("int4/int4", 32, "16-row plan"),
+                                           (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
+                                                        PathFormat(4, 32, "symmetric")), 16, "fp16 metadata"),
+                                           (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16,
+                                            "per-token metadata")])
+def test_fragments_refused_with_reason(name, rows, why):
+    """Where the fragments path cannot read a layout the default builds the tile; asking for it says why."""
+    lay, p = plan(name, rows)
+    assert p is not None and "REG" not in dict(p.macros)
+    _, f = plan(name, rows, fragments=True)
+    assert f is None and why in cuda.plan_reason[lay]
 
 
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
@@ -55,7 +85,8 @@ def test_shared_memory_fits(name, rows):
     lay, p = plan(name, rows)
     assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
     assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
-    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, dict(p.macros)["KSPLIT"], p.block_n)
+    m = dict(p.macros)
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], p.block_n, fragments=bool(m.get("REG")))
 
 
 @pytest.mark.parametrize("nw,bn,rows", [(16, 32, 16), (16, 64, 16), (8, 64, 16), (16, 32, 64), (16, 64, 128)])
@@ -128,6 +159,7 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
+                                              ("int2/int4", 16, {}), ("int4/int4", 16, {"fragments": False}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -19,7 +19,8 @@ import torch
 from quantmla.errors import QuantMLAError
 
 SOURCE = Path(__file__).with_name("mla_decode.cu")
-HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh")  # included by SOURCE: part of every build's cache key
+# the headers SOURCE includes: part of every build's cache key
+HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh")
 
 
 def cache_dir() -> Path:

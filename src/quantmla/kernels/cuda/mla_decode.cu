@@ -19,6 +19,10 @@
 //             nothing; P written to shared memory as 16-bit
 //   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
 //
+// REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata): no B, and C and E read the stage's codes,
+// expanding them in registers straight into the mma operands (tile_frag.cuh): per token the tile's 3.3 KB
+// of shared-memory traffic becomes its codes read twice (about 0.6 KB). The stage's code rows are padded.
+//
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
 // (A, B) into two tiles in turn, so building tile i + 1 overlaps the products of tile i; named barriers
 // hand each tile over (built: 3 + buf, read: 5 + buf). Without WS every warp does every phase in turn.
@@ -35,6 +39,7 @@
 //                                                       MB: metadata bytes 2 fp16 / 3 bf16 / 4 fp32)
 //   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
 //   R_PAGE PMB_R   (the RoPE path's metadata is the page's: PMB_R bytes at OFF_RM, copied with each tile)
+//   REG            (1: the fragments path above)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -85,20 +90,27 @@ constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied s
 #define R_PAGE 0
 #define PMB_R 0
 #endif
+#ifndef REG
+#define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
+#endif
 constexpr int RM_BYTES = R_PAGE ? PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
 
-// the stage of one tile: its four sections, each 16-byte aligned
+// the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
+// apart, an odd number of 16-byte chunks, so that 8 rows' pieces at one column fall in distinct banks
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
+__host__ __device__ constexpr int odd_chunks(int n) { return (n / 16) % 2 ? n : n + 16; }
+constexpr int PCC = REG ? odd_chunks(FB_CC) : FB_CC;
+constexpr int PRC = REG ? odd_chunks(FB_RC) : FB_RC;
 constexpr int RAW_CC = 0;
-constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
-constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
+constexpr int RAW_RC = align16(RAW_CC + BN * PCC);
+constexpr int RAW_CM = align16(RAW_RC + BN * PRC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + RM_BYTES);
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;
 constexpr int SM_KV = SM_Q + BM * LDK * 2;
-constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : NBUF * BN * LDK * 2);
+constexpr int SM_RAW = SM_KV + (DIRECT || REG ? 0 : NBUF * BN * LDK * 2);
 constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
@@ -120,15 +132,21 @@ constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adja
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
+constexpr int CPW = D_C / NWC;                    // E: output channels a warp owns
+constexpr int NT8 = CPW / 8;                      // E: its m16n8 output tiles
+static_assert(!REG || (FB_CC % 16 == 0 && FB_RC % 16 == 0), "fragments: code rows of whole 16-byte chunks");
 static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && RM_BYTES % 16 == 0,
               "each section of a tile is whole 16-byte chunks");
 
 #include "ptx.cuh"
 #include "tile_build.cuh"
 #include "tile_copy.cuh"
+#include "tile_frag.cuh"
+#include "query_io.cuh"
 // bulk copies on sm_90 for tiles that are built (a BF16 tile's rows land in the padded tile itself, where
-// 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies)
-constexpr bool BULK_TILES = BULK && !DIRECT;
+// 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies; REG's
+// code rows land padded too)
+constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
 
 // B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
 template <bool FULL>
@@ -211,63 +229,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     pg_next = page_of(nxt + 1);  // read now, used one tile later
   };
 
-  // ---- the query block, as T, rows past R zero: every thread loads its 16-byte pieces at once. In fp16
-  //      each row is scaled by the power of two that brings its largest |q| below 2^13 (exact) ----------
-  {
-    constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // pieces: a row, in all, a thread
-    uint4 qv[QPT];
-#pragma unroll
-    for (int n = 0; n < QPT; ++n) {
-      const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
-      qv[n] = make_uint4(0, 0, 0, 0);
-      if ((QN % NT == 0 || i < QN) && r < R) {
-        const int64_t qrow = (int64_t)b * R + r;
-        qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
-      }
-    }
-#if HALF
-    unsigned* sAmax = reinterpret_cast<unsigned*>(sAlpha);  // per row, as fp32 bits (sAlpha is free until D)
-    __syncthreads();  // sAmax is zeroed
-#pragma unroll
-    for (int n = 0; n < QPT; ++n) {
-      const int i = tid + n * NT;
-      if (QN % NT != 0 && i >= QN) break;
-      const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-      uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
-#pragma unroll
-      for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
-      atomicMax(sAmax + i / QCH, m);
-    }
-    __syncthreads();  // every row's largest |q| is known
-#endif
-#pragma unroll
-    for (int n = 0; n < QPT; ++n) {
-      const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH);
-      if (QN % NT != 0 && i >= QN) break;
-#if HALF
-      const float amax = __uint_as_float(sAmax[rr]);
-      float scale = 1.0f;
-      if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
-        int e;
-        frexpf(amax / 8192.0f, &e);
-        scale = ldexpf(1.0f, -e);
-      }
-      const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-      uint32_t h[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-        h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
-      }
-      *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = make_uint4(h[0], h[1], h[2], h[3]);
-#else
-      const float scale = 1.0f;
-      *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = qv[n];
-#endif
-      if (c == 0) sQs[rr] = 1.0f / scale;
-    }
-  }
-
+  // ---- the query block, as T (query_io.cuh) ----------------------------------------------------------
+  load_query_block(qc, qr, sQ, sAlpha, sQs, b, R, row0, tid);
   __syncthreads();  // the query block is written
 
   if constexpr (WS) {
@@ -322,8 +285,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   }
 
   // ---- PV accumulators: warp w owns channels [w·CPW, (w+1)·CPW) of every row ----------------------------
-  constexpr int CPW = D_C / NWC;
-  constexpr int NT8 = CPW / 8;
   float acc[RM][NT8][4];
 #pragma unroll
   for (int mi = 0; mi < RM; ++mi)
@@ -335,7 +296,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   for (int it = 0; it < ntiles; ++it) {
     const int n0 = start + it * BN;
     const int valid = min(BN, end - n0);
-    T* tile;
+    const uint8_t* cur = smem + SM_RAW + (it % STAGES) * RAW_BYTES;  // REG: the stage the products read
+    T* tile = nullptr;
     if constexpr (WS) {
       tile = reinterpret_cast<T*>(smem + SM_KV) + (it & 1) * BN * LDK;
       bar_sync(3 + (it & 1), NT);  // the builders have built it
@@ -353,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
             *reinterpret_cast<uint4*>(tile + t * LDK + 8 * j) = make_uint4(0, 0, 0, 0);
           }
         }
-      } else {
+      } else if constexpr (!REG) {
         tile = reinterpret_cast<T*>(smem + SM_KV);
         if constexpr (!SKIP_BUILD) build_tile_any(stage, tile, valid, tid);
       }
@@ -362,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
         cp_async_commit();
       }
-      __syncthreads();  // the tile is built
+      if constexpr (!REG) __syncthreads();  // the tile is built (REG: the products read the stage itself)
     }
     // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
     //      warp g·KSPLIT + ks their channel share ks; the query fragments are read once for all TPW tiles
@@ -376,6 +338,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         for (int h = 0; h < H2; ++h)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
+#if REG
+      if constexpr (!SKIP_QK) scores_frag(cur, qf, sacc, ks, nj0, lane);
+#else
       const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
       UNROLL(QK_UNROLL)
       for (int kk = 0; kk < (SKIP_QK ? 0 : KSTEPS); kk += 2) {
@@ -398,6 +363,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
           if (kk + 1 < KSTEPS) mma16816(sacc[j][H2 - 1], a1, bb[2], bb[3]);
         }
       }
+#endif
 #pragma unroll
       for (int j = 0; j < TPW; ++j) {
         float* dst = sS + (ks * BM + qmi * 16 + (lane >> 2)) * LDS + (nj0 + j) * 8 + (lane & 3) * 2;
@@ -493,6 +459,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       }
     }
+#if REG
+    if (!SKIP_PV && valid == BN) output_frag<true>(cur, sP, acc, warp, lane, valid);
+    else if (!SKIP_PV) output_frag<false>(cur, sP, acc, warp, lane, valid);
+#else
 #pragma unroll
     for (int k0 = 0; k0 < (SKIP_PV ? 0 : BN); k0 += 16) {
       uint32_t pa[RM][4];
@@ -509,6 +479,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       }
     }
+#endif
     if constexpr (WS) {
       if (it + 2 < ntiles) bar_arrive(5 + (it & 1), NT);  // the builders may build tile it + 2 here
     }
@@ -542,20 +513,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
 #pragma unroll
       for (int nj = 0; nj < NT8; ++nj) {
-        const int c = warp * CPW + nj * 8 + (lane & 3) * 2;
-        const float o0 = acc[mi][nj][2 * h] * inv, o1 = acc[mi][nj][2 * h + 1] * inv;
-        if (nsplit != 1) {
-          *reinterpret_cast<float2*>(part_out + orow * D_C + c) = make_float2(o0, o1);
-        } else {
-#if OUT_KIND == 0
-          *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(out) + orow * D_C + c) =
-              __floats2bfloat162_rn(o0, o1);
-#elif OUT_KIND == 1
-          *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(out) + orow * D_C + c) = __floats2half2_rn(o0, o1);
+#if REG
+        const int c = out_channel(warp, nj, (lane & 3) * 2);  // the next column's channel is c + BPT
+        constexpr int CS = BPT;
 #else
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + orow * D_C + c) = make_float2(o0, o1);
+        const int c = warp * CPW + nj * 8 + (lane & 3) * 2;
+        constexpr int CS = 1;
 #endif
-        }
+        const float o0 = acc[mi][nj][2 * h] * inv, o1 = acc[mi][nj][2 * h + 1] * inv;
+        if (nsplit != 1) store_pair<CS>(part_out + orow * D_C + c, o0, o1);
+        else store_pair<CS>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
       }
     }
   }

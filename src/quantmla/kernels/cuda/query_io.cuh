@@ -1,0 +1,89 @@
+// The query block in and the output out, for the CUDA decode kernel. Included by mla_decode.cu after its
+// tile constants, ptx.cuh and (with REG) tile_frag.cuh.
+#pragma once
+
+// the query block of rows [row0, row0 + BM) of sequence b into sQ [BM, LDK] as T, rows past R zero: every
+// thread loads its 16-byte pieces at once. In fp16 each row is scaled by the power of two that brings its
+// largest |q| below 2^13 (exact); sQs[row] gets the factor that undoes it. sAlpha [BM] must be zero (it
+// holds each row's largest |q| meanwhile). REG: columns in the fragments' order (frag_column)
+__device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr,
+                                                 T* sQ, float* sAlpha, float* sQs, int b, int R, int row0, int tid) {
+  constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // pieces: a row, in all, a thread
+  uint4 qv[QPT];
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
+    qv[n] = make_uint4(0, 0, 0, 0);
+    if ((QN % NT == 0 || i < QN) && r < R) {
+      const int64_t qrow = (int64_t)b * R + r;
+      qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
+    }
+  }
+#if HALF
+  unsigned* sAmax = reinterpret_cast<unsigned*>(sAlpha);  // per row, as fp32 bits (sAlpha is free until D)
+  __syncthreads();  // sAmax is zeroed
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT;
+    if (QN % NT != 0 && i >= QN) break;
+    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+    uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
+    atomicMax(sAmax + i / QCH, m);
+  }
+  __syncthreads();  // every row's largest |q| is known
+#endif
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH);
+    if (QN % NT != 0 && i >= QN) break;
+#if HALF
+    const float amax = __uint_as_float(sAmax[rr]);
+    float scale = 1.0f;
+    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
+      int e;
+      frexpf(amax / 8192.0f, &e);
+      scale = ldexpf(1.0f, -e);
+    }
+    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+    uint32_t h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+      h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
+    }
+    const uint4 v = make_uint4(h[0], h[1], h[2], h[3]);
+#else
+    const float scale = 1.0f;
+    const uint4 v = qv[n];
+#endif
+#if REG  // the columns the fragments read (channel pairs stay adjacent)
+    const uint32_t pr[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint32_t*>(sQ + rr * LDK + frag_column(c + 2 * e)) = pr[e];
+#else
+    *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = v;
+#endif
+    if (c == 0) sQs[rr] = 1.0f / scale;
+  }
+}
+
+#if OUT_KIND == 0
+typedef __nv_bfloat16 OutT;
+#elif OUT_KIND == 1
+typedef __half OutT;
+#else
+typedef float OutT;
+#endif
+__device__ __forceinline__ void put2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void put2(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void put2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+// two output values, of channels c and c + CS where p points at c (one 4- or 8-byte store where CS = 1)
+template <int CS, typename O>
+__device__ __forceinline__ void store_pair(O* p, float a, float b) {
+  if constexpr (CS == 1) put2(p, a, b);
+  else p[0] = O(a), p[CS] = O(b);
+}
