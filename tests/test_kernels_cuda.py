@@ -31,7 +31,7 @@ def test_page_metadata_plan_copies_the_page_section():
     m = dict(p.macros)
     assert m["R_PAGE"] == 1 and m["PMB_R"] == 64 * 2 * 2 and m["FB_RM"] == 0 and m["HALF"] == 1
     assert m["OFF_RM"] == lay.offsets["rope_page_meta"]
-    _, q = plan("int4/int4", fragments=False)  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
+    _, q = plan("int4/int4")  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
     smem = lambda pl: dict(pl.macros)["SMEM_EXPECTED"]  # noqa: E731
     assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
 
@@ -39,10 +39,11 @@ def test_page_metadata_plan_copies_the_page_section():
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4", CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
                                   CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric"))])
 def test_fragments_plan_has_no_built_tile(name):
-    """2- and 4-bit codes with fp16 metadata at 16 rows read the stage's codes straight into the mma
-    fragments: no built tile in shared memory, code rows padded to an odd number of 16-byte chunks."""
-    lay, p = plan(name)
-    _, q = plan(name, fragments=False)
+    """Asked for, 2- and 4-bit codes with fp16 metadata at 16 rows read the stage's codes straight into
+    the mma fragments: no built tile in shared memory, code rows padded to an odd number of 16-byte chunks.
+    The default builds the tile."""
+    lay, p = plan(name, fragments=True)
+    _, q = plan(name)
     m = dict(p.macros)
     assert m["REG"] == 1 and "REG" not in dict(q.macros) and "/frag/" in p.describe()
     assert (m["NW"], m["BN"], m["KSPLIT"], m["RM"]) == (8, 32, 4, 1)
@@ -59,7 +60,7 @@ def test_fragments_plan_has_no_built_tile(name):
                                            (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16,
                                             "per-token metadata")])
 def test_fragments_refused_with_reason(name, rows, why):
-    """Where the fragments path cannot read a layout the default builds the tile; asking for it says why."""
+    """Where the fragments path cannot read a layout, asking for it says why (the default builds the tile)."""
     lay, p = plan(name, rows)
     assert p is not None and "REG" not in dict(p.macros)
     _, f = plan(name, rows, fragments=True)
@@ -159,7 +160,7 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
-                                              ("int2/int4", 16, {}), ("int4/int4", 16, {"fragments": False}),
+                                              ("int2/int4", 16, {"fragments": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -28,6 +28,7 @@ FORMATS = {
     "int4/int8": CacheFormat(PathFormat(4, 128), PathFormat(8, 64)),
     "int4/int4-g64/g32": CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
     "int2/int8-sym-bf16": CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric")),
+    "int2/int4-sym": CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric")),
 }
 PAGE_FORMATS = {  # the RoPE path grouped per page: written by the reference writer (no append kernel)
     "int4/int4-page": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")),
@@ -186,6 +187,23 @@ def test_decode_cuda_tilings(tiling, name, H, SQ):
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 3 * SQ, config=cfg)
     assert md.variant.startswith("cuda/") and f"N{tiling[1]}w{tiling[0]}" in md.variant, md.variant
     assert ("ws" in md.variant) == (tiling == (16, 32) and name != "bf16" and H * SQ <= 16), md.variant
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32", "int2/int4-sym"])
+@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3)])
+def test_decode_cuda_fragments(name, H, SQ):
+    """The codes read straight into the products' operands (no built tile) against the same fp64 oracle;
+    the garbage bytes past a partial last tile (the pages start random) never reach the output."""
+    from quantmla.kernels.cuda.build import nvcc
+    from quantmla.kernels.schedule import cuda_config
+
+    if nvcc() is None:
+        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=11 * H + SQ)
+    cfg = cuda_config(H * SQ, lay, "cuda", fragments=True)
+    assert cfg is not None and cfg.fragments, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 5 * SQ, config=cfg)
+    assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])

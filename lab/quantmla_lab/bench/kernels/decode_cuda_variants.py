@@ -28,18 +28,19 @@ TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per t
 def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = False) -> dict[str, cuda.DecodePlan]:
     """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages; with
     `phases`, instead the plan with the tile build, the score products or the output products left out.
-    Where the default reads the codes into the products' fragments, also the plan that builds a tile."""
+    Where the layout allows it, also the plan that reads the codes straight into the products' fragments."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
         return dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
 
     out = {"qk_unroll_6": with_(QK_UNROLL=6), "qk_unroll_2": with_(QK_UNROLL=2)}
-    if m.get("REG"):  # the default (no built tile) beside the built tile, both the decode kernel alone
-        out = {"fragments": plan, "built_tile": cuda.decode_plan(layout, plan.block_m, torch.bfloat16,
-                                                                 torch.device("cuda"), fragments=False), **out}
+    frag = cuda.decode_plan(layout, plan.block_m, torch.bfloat16, torch.device("cuda"), fragments=True)
+    if frag is not None:  # the built tile (the default) beside the codes read into the fragments, decode kernels alone
+        out = {"built_tile": plan, "fragments": frag, **out}
     if phases:  # timing only (wrong results): a phase's share of a call is the default's time less these
-        return {**{k: out[k] for k in ("fragments", "built_tile") if k in out}, "no_build": with_(SKIP_BUILD=1), "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
+        return {**{k: out[k] for k in ("built_tile", "fragments") if k in out}, "no_build": with_(SKIP_BUILD=1),
+                "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
                 "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1)}
     for st in (2, 3, 4):
         if st != plan.stages:

@@ -123,7 +123,8 @@ def chosen(layout: PageLayout, rows: int) -> bool:
     return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
 
 
-def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: int, ksplit: int, ws: bool) -> str | None:
+def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: int, ksplit: int,
+                     ws: bool) -> str | None:
     """Why the fragments path (no built tile: the products expand the codes in registers, tile_frag.cuh)
     cannot read `layout` in this tiling, or None where it can."""
     tok = layout.token
@@ -149,8 +150,10 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
-    tile's channels) are the kernel's tiling; `fragments` takes the path without a built tile (default:
-    wherever it can read the layout; True: None where it cannot). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
+    tile's channels) are the kernel's tiling; `fragments=True` takes the path without a built tile (None
+    where it cannot read the layout). It is not the default: on the H200 it is slower than building the tile
+    (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
+    lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
     rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
     at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
     if num_warps is None and block_n is None:
@@ -215,7 +218,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     why_not = fragments_reason(layout, block_m, nw, bn, ksplit, ws)
     if fragments and why_not:
         return no(f"fragments: {why_not}")
-    reg = fragments is not False and why_not is None
+    reg = bool(fragments) and why_not is None
     stages = ctas = 0
 
     def size(s: int) -> int:
