@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section WarpStateStats \\
         python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384
 
-Arguments: cache format, heads, batch, context. Three calls run (the profiler skips two with -s 2);
+Arguments: cache format, heads, batch, context; `--fragments` runs the CUDA kernel's plan that reads the
+codes straight into the products' operands instead. Three calls run (the profiler skips two with -s 2);
 the pages are in random order and written by the append kernel, as in decode_speed.
 """
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("heads", type=int)
     ap.add_argument("batch", type=int)
     ap.add_argument("context", type=int)
+    ap.add_argument("--fragments", action="store_true", help="the CUDA plan without a built tile")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_once needs a CUDA GPU")
@@ -31,7 +33,14 @@ def main() -> None:
     c = decode_speed.Cache(lay, [a.context] * a.batch, seed=1, device="cuda")
     qc = torch.randn(a.batch, a.heads, 512, device="cuda").to(torch.bfloat16)
     qr = torch.randn(a.batch, a.heads, 64, device="cuda").to(torch.bfloat16)
-    md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay)
+    cfg = None
+    if a.fragments:
+        from quantmla.kernels.schedule import cuda_config
+
+        cfg = cuda_config(a.heads, lay, "cuda", fragments=True)
+        if cfg is None:
+            raise SystemExit(f"no fragments plan for {a.format} at {a.heads} heads")
+    md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay, config=cfg)
     for _ in range(3):
         api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md)
     torch.cuda.synchronize()
