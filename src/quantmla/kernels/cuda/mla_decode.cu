@@ -16,7 +16,8 @@
 //             share is at most 9 steps of 16), partial scores summed in the softmax
 //   D  soft   online softmax (base 2), two rows a pass on 16 lanes each where a warp owns an even number
 //             of rows; a row's reference maximum moves only by more than 2^8, so most tiles rescale
-//             nothing; P written to shared memory as 16-bit
+//             nothing, and one warp vote tells when: only then are the rows' maxima reduced. Each lane keeps
+//             its share of a row's sum to the end. P written to shared memory as 16-bit
 //   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
 //
 // REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata): no B, and C and E read the stage's codes,
@@ -406,9 +407,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         s[e] = t < valid && n0 + t < limit[i] ? s[e] * qs : -INFINITY;
         mt = fmaxf(mt, s[e]);
       }
+      // one vote first: the rows' maxima are reduced only where some lane's exceeds its reference by 8
+      // (false while the row has seen nothing: both -inf); a warp's rows take the same branch
+      const bool any = __any_sync(0xffffffffu, mt > m_run[i] + 8.0f);
+      if (any) {
 #pragma unroll
-      for (int o = LPR / 2; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-      const bool moves = mt > m_run[i] + 8.0f;  // false while the row has seen nothing (both -inf)
+        for (int o = LPR / 2; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      }
+      const bool moves = any && mt > m_run[i] + 8.0f;
       const float m_use = moves ? mt : m_run[i];
       const float m_safe = m_use == -INFINITY ? 0.0f : m_use;
       const float alpha = moves ? fast_exp2(m_run[i] - m_safe) : 1.0f;
@@ -434,9 +440,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         if constexpr (TPL == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
         else *reinterpret_cast<uint32_t*>(dst) = pk[0];
       }
-#pragma unroll
-      for (int o = LPR / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-      l_run[i] = l_run[i] * alpha + ps;
+      l_run[i] = l_run[i] * alpha + ps;  // this lane's share of the row's sum (reduced in the epilogue)
       m_run[i] = m_use;
       if (lcol == 0) {
         sAlpha[rr] = alpha;
@@ -490,6 +494,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
   for (int i = 0; i < RPW / RP; ++i) {
     const int rr = warp * RPW + RP * i + lrow;
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], o);
     if (lcol == 0) {
       sL[rr] = l_run[i];
       const int r = row0 + rr;
