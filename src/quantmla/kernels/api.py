@@ -21,8 +21,6 @@ run raise :class:`UnsupportedFormatError` before anything is launched.
 
 from __future__ import annotations
 
-import os
-
 import warnings
 from dataclasses import dataclass, replace
 
@@ -331,21 +329,11 @@ def mla_decode_with_kvcache(
         from quantmla.kernels.decode import _mla_combine_kernel
 
         block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, num_sms_of(device))
-        # on sm_90 a programmatic dependent launch: the combine is scheduled while the decode kernel finishes
-        pdl = {"USE_GDC": True, "launch_pdl": True} if _pdl(device) else {}
         _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
             po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
-            num_warps=4, num_stages=2, **pdl,
+            num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
-
-
-def _pdl(device: torch.device) -> bool:
-    """Whether kernels after the decode kernel launch as programmatic dependents (a CUDA device of compute
-    capability 9.0 or later, not the interpreter; QUANTMLA_PDL=0 turns it off)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("QUANTMLA_PDL") == "0":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -240,15 +240,11 @@ def _mla_decode_kernel(
 @triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(
     PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr = False,
+    BLOCK_S: tl.constexpr,
 ):
     """Merge the split partials of sequences with more than one unit (others were written directly).
     Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits, and each
-    reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps.
-    USE_GDC (a programmatic dependent launch, sm_90): the programs start while the decode kernel's last
-    CTAs run, and wait here until it has finished and its writes are visible."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     db = tl.program_id(2)

@@ -490,10 +490,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   }
   if constexpr (!WS && !BULK_TILES) cp_async_wait<0>();
 
-  // the combine kernel (a programmatic dependent launch on sm_90) may be scheduled now; it waits for the
-  // whole grid to finish before it reads anything
-  grid_launch_dependents();
-
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
 #pragma unroll
   for (int i = 0; i < RPW / RP; ++i) {

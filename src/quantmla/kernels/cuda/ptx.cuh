@@ -112,11 +112,3 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 #endif
 }
-
-// programmatic dependent launch (sm_90): the kernels launched after this grid as its dependents may be
-// scheduled once every CTA has executed this (or exited); they wait for the grid's completion themselves
-__device__ __forceinline__ void grid_launch_dependents() {
-#if BULK
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
