@@ -31,7 +31,7 @@ def test_page_metadata_plan_copies_the_page_section():
     m = dict(p.macros)
     assert m["R_PAGE"] == 1 and m["PMB_R"] == 64 * 2 * 2 and m["FB_RM"] == 0 and m["HALF"] == 1
     assert m["OFF_RM"] == lay.offsets["rope_page_meta"]
-    _, q = plan("int4/int4", double_buffer=bool(dict(p.macros).get("DB")))  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
+    _, q = plan("int4/int4")  # per-token g64 RoPE metadata: 4 B a token, 128 B a 32-token tile
     smem = lambda pl: dict(pl.macros)["SMEM_EXPECTED"]  # noqa: E731
     assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
 
@@ -43,7 +43,7 @@ def test_fragments_plan_has_no_built_tile(name):
     the mma fragments: no built tile in shared memory, code rows padded to an odd number of 16-byte chunks.
     The default builds the tile."""
     lay, p = plan(name, fragments=True)
-    _, q = plan(name, double_buffer=False)
+    _, q = plan(name)
     m = dict(p.macros)
     assert m["REG"] == 1 and "REG" not in dict(q.macros) and "/frag/" in p.describe()
     assert (m["NW"], m["BN"], m["KSPLIT"], m["RM"]) == (8, 32, 4, 1)
@@ -67,32 +67,6 @@ def test_fragments_refused_with_reason(name, rows, why):
     assert f is None and why in cuda.plan_reason[lay]
 
 
-@pytest.mark.parametrize("name,db", [("int4/int4", True), ("int2/int4", True), ("int4/int8", True), ("bf16", False),
-                                     ("fp8", False)])
-def test_two_content_tiles(name, db):
-    """At 16 rows on sm_90 the content is built into two tiles in turn (three CTA barriers a tile) where two
-    CTAs per SM still fit with three stages or more; the query block then lies in the second tile. A BF16
-    cache has no built tile; FP8's larger stages do not fit twice."""
-    lay, p = plan(name)
-    m = dict(p.macros)
-    assert bool(m.get("DB")) == db and ("/db/" in p.describe()) == db
-    if db:
-        assert p.ctas_per_sm == 2 and p.stages >= 3
-        tile = 32 * (512 + 64 + 8) * 2
-        two = 2 * 32 * (512 + 8) * 2 + 32 * (64 + 8) * 2
-        assert p.smem == cuda.smem_bytes(lay, 16, p.stages, m["KSPLIT"], fragments=False) - tile + two - 16 * 584 * 2
-        _, q = plan(name, double_buffer=False)
-        assert "DB" not in dict(q.macros) and q.stages >= p.stages
-    _, big = plan(name, 128)  # query fragments re-read from shared memory: one tile
-    assert "DB" not in dict(big.macros)
-    lay8 = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):  # no bulk copies
-        p8 = cuda.decode_plan(lay8, 16, torch.bfloat16, CUDA)
-        assert "DB" not in dict(p8.macros)
-        assert cuda.decode_plan(lay8, 16, torch.bfloat16, CUDA, double_buffer=True) is None
-        assert "two content tiles" in cuda.plan_reason[lay8]
-
-
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
 def test_tile_type(name, half):
     """fp16 tiles only where every quantized path stores fp16 metadata and nothing is raw bf16 or e4m3."""
@@ -113,8 +87,7 @@ def test_shared_memory_fits(name, rows):
     assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
     assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
     m = dict(p.macros)
-    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], p.block_n, fragments=bool(m.get("REG")),
-                                     double_buffer=bool(m.get("DB")))
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], p.block_n, fragments=bool(m.get("REG")))
 
 
 @pytest.mark.parametrize("nw,bn,rows", [(16, 32, 16), (16, 64, 16), (8, 64, 16), (16, 32, 64), (16, 64, 128)])
@@ -188,7 +161,6 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
                                               ("int2/int4", 16, {"fragments": True}),
-                                              ("int4/int4", 16, {"double_buffer": False}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -63,7 +63,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else "/db" if m.get("DB") else ""
+        frag = "/frag" if m.get("REG") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 
@@ -86,7 +86,7 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
 
 
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
-               ws: bool = False, fragments: bool = False, double_buffer: bool = False) -> int:
+               ws: bool = False, fragments: bool = False) -> int:
     """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
     tok = layout.token
     fb = tok.field_bytes
@@ -104,10 +104,8 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
     codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
-    q = 0 if double_buffer else block_m * ldk * 2  # two content tiles: the query block lies in the second
+    q = block_m * ldk * 2
     kv = 0 if direct or fragments else (2 if ws else 1) * bn * ldk * 2
-    if double_buffer:
-        kv = 2 * bn * (tok.d_c + 8) * 2 + bn * (tok.d_r + 8) * 2
     s = ksplit * block_m * (bn + 8) * 4
     p = block_m * (bn + 8) * 2
     return q + kv + stages * raw + s + p + 3 * block_m * 4 + 16 + 8 * stages  # + an mbarrier per stage
@@ -148,22 +146,20 @@ def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, double_buffer: bool | None = None) -> DecodePlan | None:
+                fragments: bool | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling; `fragments=True` takes the path without a built tile (None
     where it cannot read the layout). It is not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
-    lab/results/kernels/decode_cuda_fragments_h200.json). `double_buffer` builds the content into two
-    tiles in turn (three CTA barriers a tile instead of four; default: where it fits two CTAs per SM with
-    three stages or more, on sm_90; False: one tile). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
+    lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
     rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
     at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
     if num_warps is None and block_n is None:
         for nw, bn in ((16, 64), (NUM_WARPS, BLOCK_N)) if rows > 16 else ((NUM_WARPS, BLOCK_N),):
             plan = decode_plan(layout, rows, out_dtype, device, num_warps=nw, block_n=bn, ksplit=ksplit,
-                               fragments=fragments, double_buffer=double_buffer)
+                               fragments=fragments)
             if plan is not None:
                 return plan
         return None
@@ -177,8 +173,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         return no("not a CUDA device")
     if not torch.cuda.is_available() and not _assume_cuda():
         return no("no CUDA device is available")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
+    if torch.cuda.get_device_capability(device) < (8, 0):
         return no("needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     tok = layout.token
     nw, bn = num_warps or NUM_WARPS, block_n or BLOCK_N
@@ -224,28 +219,18 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if fragments and why_not:
         return no(f"fragments: {why_not}")
     reg = bool(fragments) and why_not is None
-    direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
-    # two content tiles in turn (three CTA barriers a tile): sm_90's bulk copies, a built tile, the query
-    # fragments in registers, and still two CTAs per SM with at least three stages
-    db_can = not (ws or direct or reg) and capability >= (9, 0) and (tok.d_c + tok.d_r) // 16 // ksplit <= 9
-    if double_buffer and not db_can:
-        return no("two content tiles: sm_90, a built tile without warp specialization, query fragments in registers")
     stages = ctas = 0
-    db = False
-    for db in (True, False) if db_can and double_buffer is not False else (False,):
 
-        def size(s: int, db: bool = db) -> int:
-            return smem_bytes(layout, block_m, s, ksplit, bn, ws, reg, db)
+    def size(s: int) -> int:
+        return smem_bytes(layout, block_m, s, ksplit, bn, ws, reg)
 
-        for want in (1,) if ws else (2, 1):  # WS: 16 warps of up to 128 registers, one CTA per SM
-            fits = [s for s in (4, 3, 2) if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA]
-            if fits and (not db or (want == 2 and fits[0] >= 3)):
-                stages, ctas = fits[0], want
-                break
-        if stages or double_buffer:
+    for want in (1,) if ws else (2, 1):  # WS: 16 warps of up to 128 registers, one CTA per SM
+        fits = [s for s in (4, 3, 2) if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA]
+        if fits:
+            stages, ctas = fits[0], want
             break
     if not stages:
-        return no("the tile does not fit in shared memory" + (" twice" if double_buffer else ""))
+        return no("the tile does not fit in shared memory")
     o = layout.offsets
     smem = size(stages)
     macros = dict(
@@ -261,8 +246,6 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         macros.update(R_PAGE=1, PMB_R=pmb)
     if reg:
         macros.update(REG=1)
-    if db:
-        macros.update(DB=1)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 
 

@@ -94,10 +94,6 @@ constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied s
 #ifndef REG
 #define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
 #endif
-#ifndef DB
-#define DB 0  // 1: two content tiles in turn and a RoPE tile, three CTA barriers a tile instead of four
-#endif
-constexpr int LDC = D_C + 8, LDR = D_R + 8;  // DB: row pitches of the content tiles and the RoPE tile
 constexpr int RM_BYTES = R_PAGE ? PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
 
 // the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
@@ -113,11 +109,9 @@ constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + RM_BYTES);
 
 // shared memory map (bytes)
-// DB: the query block lies in the second content tile (read into registers before that tile is first built)
-constexpr int SM_KV = DB ? 0 : BM * LDK * 2;
-constexpr int SM_Q = DB ? BN * LDC * 2 : 0;
-constexpr int KV_BYTES = DIRECT || REG ? 0 : DB ? 2 * BN * LDC * 2 + BN * LDR * 2 : NBUF * BN * LDK * 2;
-constexpr int SM_RAW = SM_KV + KV_BYTES;
+constexpr int SM_Q = 0;
+constexpr int SM_KV = SM_Q + BM * LDK * 2;
+constexpr int SM_RAW = SM_KV + (DIRECT || REG ? 0 : NBUF * BN * LDK * 2);
 constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
@@ -126,8 +120,6 @@ constexpr int SM_BAR = SM_FLAG + 16;          // per stage: the mbarrier its bul
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(!(HALF && (C_KIND == 0 || R_KIND == 0)), "raw BF16 paths need the bf16 tile");
-static_assert(!DB || (!WS && !DIRECT && !REG && BM * LDK <= BN * LDC),
-              "two content tiles: the built-tile plans without warp specialization");
 
 static_assert(PAGE_BYTES % 16 == 0 && OFF_CC % 16 == 0 && OFF_RC % 16 == 0 && OFF_CM % 16 == 0 && OFF_RM % 16 == 0,
               "pages and their sections start on 16-byte boundaries (the copies move 16-byte pieces)");
@@ -141,7 +133,6 @@ constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adja
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
-static_assert(!DB || QREG, "two content tiles: the query block's space is the second tile's after the prologue");
 constexpr int CPW = D_C / NWC;                    // E: output channels a warp owns
 constexpr int NT8 = CPW / 8;                      // E: its m16n8 output tiles
 static_assert(!REG || (FB_CC % 16 == 0 && FB_RC % 16 == 0), "fragments: code rows of whole 16-byte chunks");
@@ -159,19 +150,14 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
 
 // B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
-// (the content into ctile, the RoPE keys into rtile: one [BN, LDK] tile, or with DB a content tile and the
-// RoPE tile)
 template <bool FULL>
-__device__ __forceinline__ void build_tile(const uint8_t* stage, T* ctile, T* rtile, int valid, int id) {
-  constexpr int PC = DB ? LDC : LDK, PR = DB ? LDR : LDK, R0 = DB ? 0 : D_C;
-  build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL, PC>(stage + RAW_CC, stage + RAW_CM, ctile,
-                                                                                valid, id);
-  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, R0, R_PAGE, FULL, PR>(stage + RAW_RC, stage + RAW_RM, rtile,
-                                                                                  valid, id);
+__device__ __forceinline__ void build_tile(const uint8_t* stage, T* tile, int valid, int id) {
+  build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL>(stage + RAW_CC, stage + RAW_CM, tile, valid, id);
+  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL>(stage + RAW_RC, stage + RAW_RM, tile, valid, id);
 }
-__device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* ctile, T* rtile, int valid, int id) {
-  if (valid == BN) build_tile<true>(stage, ctile, rtile, valid, id);
-  else build_tile<false>(stage, ctile, rtile, valid, id);
+__device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, int valid, int id) {
+  if (valid == BN) build_tile<true>(stage, tile, valid, id);
+  else build_tile<false>(stage, tile, valid, id);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
@@ -259,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         if (issuer) issue_next(it);                  // into the stage tile it - 1 was built from
         if (it >= 2) bar_sync(5 + buf, NT);          // the computers are done with this buffer
         T* tile = reinterpret_cast<T*>(smem + SM_KV) + buf * BN * LDK;
-        build_tile_any(stage, tile, tile, valid, btid);
+        build_tile_any(stage, tile, valid, btid);
         if constexpr (!BULK_TILES) {
           const int nxt = it + STAGES - 1;           // into the stage tile it - 1 was built from
           if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, btid);
@@ -312,7 +298,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     const int n0 = start + it * BN;
     const int valid = min(BN, end - n0);
     const uint8_t* cur = smem + SM_RAW + (it % STAGES) * RAW_BYTES;  // REG: the stage the products read
-    T* const rtile = reinterpret_cast<T*>(smem + SM_KV + 2 * BN * LDC * 2);  // DB: the RoPE tile
     T* tile = nullptr;
     if constexpr (WS) {
       tile = reinterpret_cast<T*>(smem + SM_KV) + (it & 1) * BN * LDK;
@@ -321,9 +306,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       uint8_t* stage = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       if constexpr (BULK_TILES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       else cp_async_wait<STAGES - 2>();
-      // the stage has landed for every thread; the last tile's PV is done with the tile (DB with bulk copies:
-      // each thread waited on the stage's mbarrier itself, and the tile built now was last read two tiles ago)
-      if constexpr (!(DB && BULK_TILES)) __syncthreads();
+      __syncthreads();  // the stage has landed for every thread; the last tile's PV is done with the tile
       if (issuer) issue_next(it);  // into the stage of tile it - 1 (built, or for BF16 read, by every thread)
       if constexpr (DIRECT) {
         tile = reinterpret_cast<T*>(stage);
@@ -334,8 +317,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
           }
         }
       } else if constexpr (!REG) {
-        tile = reinterpret_cast<T*>(smem + SM_KV) + (DB ? (it & 1) * BN * LDC : 0);
-        if constexpr (!SKIP_BUILD) build_tile_any(stage, tile, DB ? rtile : tile, valid, tid);
+        tile = reinterpret_cast<T*>(smem + SM_KV);
+        if constexpr (!SKIP_BUILD) build_tile_any(stage, tile, valid, tid);
       }
       if constexpr (!BULK_TILES) {
         const int nxt = it + STAGES - 1;  // the next tile into the stage the previous iteration consumed
@@ -359,9 +342,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #if REG
       if constexpr (!SKIP_QK) scores_frag(cur, qf, sacc, ks, nj0, lane);
 #else
-#if !DB
       const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
-#endif
       UNROLL(QK_UNROLL)
       for (int kk = 0; kk < (SKIP_QK ? 0 : KSTEPS); kk += 2) {
         uint32_t a0[4], a1[4];
@@ -378,12 +359,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
         for (int j = 0; j < TPW; ++j) {
           uint32_t bb[4];
-#if DB  // a lane's 8 channels lie in the content tile or the RoPE tile
-          const int kr = (nj0 + j) * 8 + (lane & 7), kc = ks * KSTEPS * 16 + kk * 16 + (lane >> 3) * 8;
-          ldsm_x4(bb, kc < D_C ? tile + kr * LDC + kc : rtile + kr * LDR + kc - D_C);
-#else
           ldsm_x4(bb, kb + j * 8 * LDK + kk * 16);  // two 16-channel steps of 8 tokens
-#endif
           mma16816(sacc[j][0], a0, bb[0], bb[1]);
           if (kk + 1 < KSTEPS) mma16816(sacc[j][H2 - 1], a1, bb[2], bb[3]);
         }
@@ -499,8 +475,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
       for (int nj = 0; nj < NT8; nj += 2) {
         uint32_t vb[4];  // tokens k0..k0+15 x channels (two n8 tiles), transposed on the way in
-        ldsm_x4_t(vb, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * (DB ? LDC : LDK) + warp * CPW + nj * 8 +
-                          (lane >> 4) * 8);
+        ldsm_x4_t(vb, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + warp * CPW + nj * 8 + (lane >> 4) * 8);
 #pragma unroll
         for (int mi = 0; mi < RM; ++mi) {
           mma16816(acc[mi][nj], pa[mi], vb[0], vb[1]);

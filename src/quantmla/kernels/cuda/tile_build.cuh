@@ -38,19 +38,18 @@ __device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& 
   }
 }
 // ---------------------------------------------------------------------------------------------------
-// B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, P] tile)
+// B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
 // ---------------------------------------------------------------------------------------------------
 // PM: the metadata is the page's, [G, F] (groups over the page's tokens), not the token's. FULL: every
-// token of the tile is in the sequence (no row is checked against `valid`). P: the tile's row pitch
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false, bool FULL = false,
-          int P = LDK>
+// token of the tile is in the sequence (no row is checked against `valid`)
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false, bool FULL = false>
 __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
   if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
     constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
     for (int i = tid; i < BN * CH; i += NTB) {
       const int t = i / CH, j = i % CH;
       uint4 v = FULL || t < valid ? *reinterpret_cast<const uint4*>(codes + t * FB + 16 * j) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(tile + t * P + COL0 + 8 * j) = v;
+      *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = v;
     }
   } else if constexpr (KIND == 3) {  // e4m3 values, 8 a step (one group of GS >= 8): fp32 math, then T
     constexpr int CPT = DIM / 8;  // one 16-byte store a step: a quarter warp's stores are 128 contiguous bytes
@@ -72,7 +71,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
 #endif
         }
       }
-      *reinterpret_cast<uint4*>(tile + t * P + COL0 + 8 * j) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
+      *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   } else {  // integer codes, planar: byte j holds channels j + k·NB in bits [k·b, (k+1)·b)
     constexpr int NB = DIM * BITS / 8;
@@ -108,7 +107,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         if (!FULL && t >= valid) {
 #pragma unroll
           for (int k = 0; k < K; ++k)
-            *reinterpret_cast<uint4*>(tile + t * P + COL0 + 8 * j + k * NB) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j + k * NB) = make_uint4(0, 0, 0, 0);
           continue;
         }
         const uint2 raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * j);
@@ -145,7 +144,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
             if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e + 2, s2, z2);
             o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(and_or(hi[e] >> SH, m2, magic)), off), s2, z2));
           }
-          *reinterpret_cast<uint4*>(tile + t * P + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
+          *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
         }
       }
     } else
@@ -193,7 +192,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
 #endif
           }
         }
-        *reinterpret_cast<uint2*>(tile + t * P + COL0 + ch) = out;
+        *reinterpret_cast<uint2*>(tile + t * LDK + COL0 + ch) = out;
       }
     }
   }
