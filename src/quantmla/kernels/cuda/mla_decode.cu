@@ -20,9 +20,11 @@
 //             its share of a row's sum to the end. P written to shared memory as 16-bit
 //   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
 //
-// REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata): no B, and C and E read the stage's codes,
-// expanding them in registers straight into the mma operands (tile_frag.cuh): per token the tile's 3.3 KB
-// of shared-memory traffic becomes its codes read twice (about 0.6 KB). The stage's code rows are padded.
+// REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata, built only when asked for): no B, and C and
+// E read the stage's codes, expanding them in registers straight into the mma operands (tile_frag.cuh).
+// Per token the tile's 3.3 KB of shared-memory traffic becomes its codes read twice, at the price of two
+// expansions instead of one: on the H200 it issues 1.6x the instructions and runs slower (docs/kernels.md).
+// The stage's code rows are padded, so it is copied by cp.async.
 //
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
 // (A, B) into two tiles in turn, so building tile i + 1 overlaps the products of tile i; named barriers
