@@ -20,6 +20,25 @@ __device__ __forceinline__ void group_meta(const uint8_t* mp, T2& s2, T2& z2) {
   }
 }
 
+// one pair of integer codes at bit offset o of each 16-bit half of x (other bits masked off), as the exact
+// values (code - offset)·s2 + z2 in T (offset: 0 affine, 2^(b-1) symmetric). A code at bit offset o reads
+// as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o) (no shift needed),
+// bf16 2^7 for o = 0 (the codes are shifted down first)
+template <int BITS, int KIND>
+__device__ __forceinline__ uint32_t expand_pair(uint32_t x, int o, T2 s2, T2 z2) {
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
+#if HALF
+  const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
+  const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
+  const uint32_t v = and_or(x, (MASK << o) * 0x10001u, magic);
+#else
+  const T2 off = __float2bfloat162_rn(128.0f + MID);
+  const uint32_t v = and_or(x >> o, MASK * 0x10001u, 0x43004300u);  // 128.0 in each bf16
+#endif
+  return as_u32(__hfma2(__hsub2(as_t2(v), off), s2, z2));
+}
+
 // the (scale, zero) of the channel pair (c0, c0 + 1) from a page's metadata [G, F] (groups of GS channels
 // over the page's tokens), in T's two halves: one group for both channels when GS >= 2, one each when GS = 1
 template <int GS, int F, int MS>
@@ -86,10 +105,8 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
     static_assert(!PM || (FAST && NB % 8 == 0 && (GS == 1 || GS % 2 == 0)), "page metadata: the 8-byte build steps");
     if constexpr (FAST && NB % 8 == 0 && (PM || GS % 8 == 0)) {
       // 8 bytes a step: 8 channels in each of the K planes, one group per plane (a page's metadata: one
-      // (scale, zero) per channel pair), one 16-byte store per plane
-      // (a quarter warp's stores are 128 contiguous bytes: no bank conflict). A code at bit offset o of a
-      // 16-bit half reads as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o)
-      // (no shift needed), bf16 2^(7-o) for o = 0 (other planes are shifted down first).
+      // (scale, zero) per channel pair), one 16-byte store per plane (a quarter warp's stores are 128
+      // contiguous bytes: no bank conflict); each pair of codes expands in expand_pair.
       constexpr int CPT = NB / 8;  // 8-byte steps per token
       constexpr int STEPS = BN * CPT;
 #pragma unroll
@@ -122,27 +139,15 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         for (int k = 0; k < K; ++k) {
           const int ch = 8 * j + k * NB;
           const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
-#if HALF
-          constexpr int SH = 0;                            // codes stay at bit offset k·b
-          const int o = k * BITS;
-          const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
-          const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
-          const uint32_t m2 = (MASK << o) * 0x10001u;
-#else
-          const int SH = k * BITS;                         // shifted down to bit 0
-          const uint32_t magic = 0x43004300u;              // 128.0 in each bf16
-          const T2 off = __float2bfloat162_rn(128.0f + MID);
-          const uint32_t m2 = MASK * 0x10001u;
-#endif
           T2 s2, z2;                                       // scale and zero point, in both halves
           if constexpr (!PM) group_meta<F, MS, FBM % 4 == 0>(mp, s2, z2);  // a page's: per pair, below
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e, s2, z2);
-            o4[2 * e] = as_u32(__hfma2(__hsub2(as_t2(and_or(lo[e] >> SH, m2, magic)), off), s2, z2));
+            o4[2 * e] = expand_pair<BITS, KIND>(lo[e], k * BITS, s2, z2);
             if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e + 2, s2, z2);
-            o4[2 * e + 1] = as_u32(__hfma2(__hsub2(as_t2(and_or(hi[e] >> SH, m2, magic)), off), s2, z2));
+            o4[2 * e + 1] = expand_pair<BITS, KIND>(hi[e], k * BITS, s2, z2);
           }
           *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
         }

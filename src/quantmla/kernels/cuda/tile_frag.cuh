@@ -1,6 +1,6 @@
 // C and E without a built tile (REG): each warp reads the integer codes of a stage and expands them in
 // registers straight into the B operands of mma.sync m16n8k16, value = (code - offset)·scale + zero in the
-// tile's 16-bit type (the same operations, so the same values, as the built tile). Included by
+// tile's 16-bit type (expand_pair: the same operations, so the same values, as the built tile). Included by
 // mla_decode.cu after its tile constants and ptx.cuh, for the 16-row plan (8 warps, 32-token tiles, four
 // channel shares) with fp16 metadata on both paths.
 //
@@ -44,15 +44,6 @@ __device__ __forceinline__ int frag_column(int c) {
 // E: the channel of column col (0..7) of the warp's output tile j = e·CK + plane
 __device__ __forceinline__ int out_channel(int warp, int j, int col) {
   return (j % CK) * NBC + warp * 8 * BPT + col * BPT + j / CK;
-}
-
-// one pair of codes at bit offset o (of each 16-bit half of x) as (code - offset)·s2 + z2
-template <int BITS, int KIND>
-__device__ __forceinline__ uint32_t expand_pair(uint32_t x, int o, T2 s2, T2 z2) {
-  constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
-  const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o): bit o weighs 1
-  const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
-  return as_u32(__hfma2(__hsub2(as_t2(and_or(x, (((1u << BITS) - 1u) << o) * 0x10001u, magic)), off), s2, z2));
 }
 
 // C: this warp's scores of token tiles nj0, nj0 + 1 over its channel share ks, from the stage
