@@ -113,3 +113,27 @@ def test_one_calibration_serves_every_window():
         evaluate_row(model, None, RowSpec(named_config("INT4/INT4", 16, 8), "quantmla", fp_window=w), data,
                      ppl_fn=ppl_fn, retrieval_fn=lambda *a, **k: None, calibrate_fn=calib_fn, prepared=prepared)
     assert calls == ["quantmla"] and windows == [0, 8]
+
+
+def test_byte_lengths_are_never_a_collected_tokenizers():
+    """A tokenizer that reuses a collected tokenizer's id gets its own byte lengths, not the stale ones (a
+    stale entry of another vocabulary once made bits per byte index past its lengths)."""
+    import weakref
+
+    from transformers import AutoTokenizer
+
+    from quantmla.evaluation import perplexity
+    from quantmla.evaluation.datasets import model_path
+    from quantmla.evaluation.tokens import token_byte_lengths
+
+    tok = AutoTokenizer.from_pretrained(model_path())
+
+    class Gone:
+        pass
+
+    gone = Gone()  # as if a collected tokenizer with a 300-token vocabulary had had this id
+    perplexity._BYTE_LENGTHS[id(tok)] = (weakref.ref(gone), torch.zeros(300, dtype=torch.int64))
+    del gone
+    got = perplexity._byte_lengths(tok)
+    assert torch.equal(got, torch.from_numpy(token_byte_lengths(tok))) and len(got) == len(tok)
+    assert perplexity._byte_lengths(tok) is got  # kept while the tokenizer lives

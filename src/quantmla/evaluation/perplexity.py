@@ -24,20 +24,29 @@ Returns a dict: ``bits_per_byte``, ``bits_per_token``, ``bytes_per_token``, ``to
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from quantmla.evaluation.tokens import token_byte_lengths
 
-_BYTE_LENGTHS: dict[int, torch.Tensor] = {}
+_BYTE_LENGTHS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def _byte_lengths(tokenizer) -> torch.Tensor:
-    key = id(tokenizer)
-    if key not in _BYTE_LENGTHS:
-        _BYTE_LENGTHS[key] = torch.from_numpy(token_byte_lengths(tokenizer))
-    return _BYTE_LENGTHS[key]
+    """``int64 [vocab]``: the UTF-8 bytes of each token, kept per live tokenizer. The entry remembers the
+    tokenizer itself (a weak reference): a later tokenizer that reuses a collected one's ``id`` gets its
+    own lengths, never the stale ones."""
+    hit = _BYTE_LENGTHS.get(id(tokenizer))
+    if hit is not None and hit[0]() is tokenizer:
+        return hit[1]
+    lengths = torch.from_numpy(token_byte_lengths(tokenizer))
+    try:
+        _BYTE_LENGTHS[id(tokenizer)] = (weakref.ref(tokenizer), lengths)
+    except TypeError:  # a tokenizer without weak references is not cached
+        pass
+    return lengths
 
 
 def token_chunks(tokenizer, texts: Sequence[str], seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
