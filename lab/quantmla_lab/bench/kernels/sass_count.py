@@ -3,11 +3,18 @@ the build step's opcodes (LOP3, PRMT, HADD2, HFMA2). The plan is made for sm_90 
 by nvcc into the build cache, and read back with cuobjdump (from PATH or Triton's bundled copy).
 
     python -m quantmla_lab.bench.kernels.sass_count int4/int4 int2/int4 --rows 16
+
+`--fragments` takes the plan that reads the codes straight into the products' operands. `--dump DIR`
+writes each plan's instructions (`DIR/<format>_<rows>[_fragments].sass`, without their encodings), so
+that two source trees' builds can be compared with `diff -r`. A format is a preset name or a
+`CacheFormat` JSON string, e.g. '{"content": {"bits": 2, "group_size": 64, "mode": "symmetric",
+"meta_dtype": "bfloat16"}, "rope": {"bits": 8, "group_size": 32, "mode": "symmetric"}}'.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -17,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from quantmla.cache.layout import PageLayout, TokenLayout, preset
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
 from quantmla.kernels import cuda
 from quantmla.kernels.cuda.build import compile_cubin
 
@@ -36,15 +43,25 @@ def cuobjdump() -> str:
     raise SystemExit("cuobjdump is not on PATH and this Triton bundles none")
 
 
-def count(name: str, rows: int, d_c: int = 512, d_r: int = 64) -> dict:
-    layout = PageLayout(TokenLayout(d_c, d_r, preset(name)), 64)
+def _format(name: str) -> CacheFormat:
+    return CacheFormat.from_dict(json.loads(name)) if name.lstrip().startswith("{") else preset(name)
+
+
+def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
+          dump: Path | None = None) -> dict:
+    layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"))
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     cubin = compile_cubin(plan.macros, "sm_90a")
     tool = cuobjdump()
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        tag = re.sub(r"[^A-Za-z0-9]+", "_", layout.token.fmt.describe()).strip("_")
+        lines = [ln.split(";")[0].strip() for ln in sass.splitlines() if re.match(r"^\s+/\*[0-9a-f]{4}\*/", ln)]
+        (dump / f"{tag}_{rows}{'_fragments' if fragments else ''}.sass").write_text("\n".join(lines) + "\n")
     ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     reg = re.search(r"REG:(\d+)", res)
@@ -59,9 +76,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("formats", nargs="+", help="named formats (cache.layout.PRESETS)")
     p.add_argument("--rows", type=int, default=16, help="query rows per sequence (heads x query tokens)")
+    p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
+    p.add_argument("--dump", type=Path, help="write each plan's instructions into this folder")
     a = p.parse_args(argv)
     for name in a.formats:
-        r = count(name, a.rows)
+        r = count(name, a.rows, fragments=a.fragments, dump=a.dump)
         print("  ".join(f"{k} {v}" for k, v in r.items()), flush=True)
     return 0
 
