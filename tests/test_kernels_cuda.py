@@ -53,31 +53,6 @@ def test_fragments_plan_has_no_built_tile(name):
     assert p.smem == q.smem - tile + p.stages * pad if p.stages == q.stages else p.smem < q.smem
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8"])
-def test_query_in_ring_keeps_more_tiles_in_flight(name):
-    """With the query block over the ring's last stages, the 16-row plan holds more stages at two CTAs per
-    SM, and the query block covers whole stages that the prologue leaves for later."""
-    lay, p = plan(name, query_in_ring=True)
-    _, q = plan(name)
-    m = dict(p.macros)
-    assert m["QRING"] == 1 and "QRING" not in dict(q.macros) and "/qring/" in p.describe()
-    assert p.ctas_per_sm == q.ctas_per_sm == 2 and p.stages > q.stages
-    assert 1 <= cuda.query_slots(lay, 16) < p.stages
-    assert p.smem == cuda.smem_bytes(lay, 16, p.stages, m["KSPLIT"], query_in_ring=True)
-    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
-
-
-@pytest.mark.parametrize("name,rows,kw", [("bf16", 16, {}), ("int4/int4", 64, {}), ("int4/int4", 16, {"fragments": True}),
-                                          ("int4/int4", 16, {"num_warps": 16, "block_n": 32})])
-def test_query_in_ring_refused_with_reason(name, rows, kw):
-    """A BF16 tile (copied, not built), query fragments that do not stay in registers, the fragments path and
-    warp specialization cannot lay the query block over the ring: refused, with the reason kept."""
-    lay, p = plan(name, rows, query_in_ring=True, **kw)
-    assert p is None and "query_in_ring" in cuda.plan_reason[lay]
-    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
-        assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, query_in_ring=True) is None
-
-
 @pytest.mark.parametrize("name,rows,why", [("int4/int8", 16, "2- or 4-bit"), ("bf16", 16, "2- or 4-bit"),
                                            ("fp8", 16, "2- or 4-bit"), ("int4/int4", 32, "16-row plan"),
                                            (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
@@ -186,8 +161,6 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
                                               ("int2/int4", 16, {"fragments": True}),
-                                              ("int4/int4", 16, {"query_in_ring": True}),
-                                              ("fp8", 16, {"query_in_ring": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -206,24 +206,6 @@ def test_decode_cuda_fragments(name, H, SQ):
     assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8", "int4/int4-g64/g32", "int2/int4-sym"])
-@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3)])
-def test_decode_cuda_query_in_ring(name, H, SQ):
-    """The query block laid over the copy ring's last stages (which take tiles once the query fragments are
-    in registers) against the same fp64 oracle, a long sequence split many ways and a single split among them."""
-    from quantmla.kernels.cuda.build import nvcc
-    from quantmla.kernels.schedule import cuda_config
-
-    if nvcc() is None:
-        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    lay, pages, bt, sl = make_cache(FORMATS[name], LENS + [5000], seed=13 * H + SQ)
-    cfg = cuda_config(H * SQ, lay, "cuda", query_in_ring=True)
-    assert cfg is not None and cfg.query_in_ring, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=cfg)
-    assert "/qring/" in md.variant, md.variant
-    check_decode(lay, pages, bt, sl, H, SQ, seed=H + 9 * SQ, config=cfg, chunk_tokens=1 << 20)  # one split each
-
-
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

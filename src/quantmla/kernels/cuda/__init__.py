@@ -63,7 +63,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else "/qring" if m.get("QRING") else ""
+        frag = "/frag" if m.get("REG") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 
@@ -86,9 +86,8 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
 
 
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
-               ws: bool = False, fragments: bool = False, query_in_ring: bool = False) -> int:
-    """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree).
-    `query_in_ring`: the query block lies in the last stages of the ring (QRING), not beside it."""
+               ws: bool = False, fragments: bool = False) -> int:
+    """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
     tok = layout.token
     fb = tok.field_bytes
     ldk = tok.d_c + tok.d_r + 8
@@ -109,16 +108,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
     kv = 0 if direct or fragments else (2 if ws else 1) * bn * ldk * 2
     s = ksplit * block_m * (bn + 8) * 4
     p = block_m * (bn + 8) * 2
-    q = 0 if query_in_ring else q
     return q + kv + stages * raw + s + p + 3 * block_m * 4 + 16 + 8 * stages  # + an mbarrier per stage
-
-
-def query_slots(layout: PageLayout, block_m: int, block_n: int = BLOCK_N) -> int:
-    """Stages of a built tile's ring that the query block covers when it lies in the ring (QRING)."""
-    one = smem_bytes(layout, block_m, 1, 1, block_n, query_in_ring=True) - smem_bytes(layout, block_m, 0, 1, block_n,
-                                                                                     query_in_ring=True) - 8
-    q = block_m * (layout.token.d_c + layout.token.d_r + 8) * 2
-    return -(-q // one)
 
 
 plan_reason: dict = {}
@@ -156,8 +146,7 @@ def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, stages: int | None = None,
-                query_in_ring: bool | None = None) -> DecodePlan | None:
+                fragments: bool | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
@@ -166,15 +155,11 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
     lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
     rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
-    at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json).
-    `stages` fixes the ring's stages (default: the most of 4, 3, 2 that fit, of 8 to 2 with the query in the
-    ring); `query_in_ring=True` lays the query
-    block over the ring's last stages (sm_90 plans of a built tile whose query fragments stay in registers), so
-    that a CTA keeps more tiles in flight in the same shared memory."""
+    at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
     if num_warps is None and block_n is None:
         for nw, bn in ((16, 64), (NUM_WARPS, BLOCK_N)) if rows > 16 else ((NUM_WARPS, BLOCK_N),):
             plan = decode_plan(layout, rows, out_dtype, device, num_warps=nw, block_n=bn, ksplit=ksplit,
-                               fragments=fragments, stages=stages, query_in_ring=query_in_ring)
+                               fragments=fragments)
             if plan is not None:
                 return plan
         return None
@@ -234,26 +219,17 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if fragments and why_not:
         return no(f"fragments: {why_not}")
     reg = bool(fragments) and why_not is None
-    direct = ck == _KIND["raw"] and rk == _KIND["raw"]
-    qreg = (tok.d_c + tok.d_r) // 16 // ksplit <= 9  # the query fragments stay in registers
-    ring_ok = (torch.cuda.get_device_capability(device) >= (9, 0) and qreg and not (direct or reg or ws))
-    if query_in_ring and not ring_ok:
-        return no("query_in_ring: sm_90, a built tile read by bulk copies, the query fragments in registers")
-    qring = bool(query_in_ring)
-    qslots = query_slots(layout, block_m, bn) if qring else 0
-    ctas = 0
+    stages = ctas = 0
 
     def size(s: int) -> int:
-        return smem_bytes(layout, block_m, s, ksplit, bn, ws, reg, qring)
+        return smem_bytes(layout, block_m, s, ksplit, bn, ws, reg)
 
-    want_stages = (stages,) if stages else tuple(range(8, 1, -1)) if qring else (4, 3, 2)
     for want in (1,) if ws else (2, 1):  # WS: 16 warps of up to 128 registers, one CTA per SM
-        fits = [s for s in want_stages if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA
-                and s > qslots]
+        fits = [s for s in (4, 3, 2) if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA]
         if fits:
             stages, ctas = fits[0], want
             break
-    if not ctas:
+    if not stages:
         return no("the tile does not fit in shared memory")
     o = layout.offsets
     smem = size(stages)
@@ -270,8 +246,6 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         macros.update(R_PAGE=1, PMB_R=pmb)
     if reg:
         macros.update(REG=1)
-    if qring:
-        macros.update(QRING=1)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 
 

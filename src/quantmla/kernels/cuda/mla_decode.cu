@@ -110,18 +110,11 @@ constexpr int RAW_CM = align16(RAW_RC + BN * PRC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + RM_BYTES);
 
-// shared memory map (bytes). QRING: the query block lies in the stage ring's last QSLOTS stages, which take
-// tiles only once every warp holds its query fragments in registers (so a CTA keeps QSLOTS more tiles in flight)
-#ifndef QRING
-#define QRING 0
-#endif
-constexpr int Q_BYTES = BM * LDK * 2;
-constexpr int QSLOTS = QRING ? (Q_BYTES + RAW_BYTES - 1) / RAW_BYTES : 0;
-constexpr int TILE_BYTES = DIRECT || REG ? 0 : NBUF * BN * LDK * 2;
-constexpr int SM_RAW = QRING ? 0 : Q_BYTES + TILE_BYTES;      // without QRING: query block, tile, ring
-constexpr int SM_Q = QRING ? (STAGES - QSLOTS) * RAW_BYTES : 0;
-constexpr int SM_KV = QRING ? STAGES * RAW_BYTES : Q_BYTES;
-constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES + (QRING ? TILE_BYTES : 0);
+// shared memory map (bytes)
+constexpr int SM_Q = 0;
+constexpr int SM_KV = SM_Q + BM * LDK * 2;
+constexpr int SM_RAW = SM_KV + (DIRECT || REG ? 0 : NBUF * BN * LDK * 2);
+constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
 constexpr int SM_FLAG = SM_ROW + 3 * BM * 4; // per tile parity: whether any row's reference maximum moved
@@ -142,8 +135,6 @@ constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adja
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
-static_assert(!QRING || (QREG && !WS && !DIRECT && !REG && QSLOTS < STAGES),
-              "QRING: query fragments in registers, built tiles, a stage outside the query block");
 constexpr int CPW = D_C / NWC;                    // E: output channels a warp owns
 constexpr int NT8 = CPW / 8;                      // E: its m16n8 output tiles
 static_assert(!REG || (FB_CC % 16 == 0 && FB_RC % 16 == 0), "fragments: code rows of whole 16-byte chunks");
@@ -159,9 +150,6 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 // 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies; REG's
 // code rows land padded too)
 constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
-#if defined(__CUDA_ARCH__)
-static_assert(!QRING || BULK_TILES, "QRING: the bulk copies of sm_90");
-#endif
 
 // B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
 template <bool FULL>
@@ -209,9 +197,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 
   // ---- A, prologue: STAGES - 1 tiles start copying before the query block is read (their page numbers
   //      read at once), so the two latencies overlap --------------------------------------------------------
-  // BULK_TILES: one warp (the first that builds) issues every copy; it holds the page of the next tile.
-  // QRING: the prologue fills the stages outside the query block, the rest follow the query fragments
-  constexpr int PRO = QRING ? STAGES - QSLOTS : STAGES - 1;
+  // BULK_TILES: one warp (the first that builds) issues every copy; it holds the page of the next tile
   const bool issuer = BULK_TILES && warp == (WS ? NWC : 0);
   int pg_next = 0;
   if (issuer) {
@@ -221,12 +207,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       mbar_fence_init();
     }
     __syncwarp();
-    int pg[PRO];
+    int pg[STAGES - 1];
 #pragma unroll
-    for (int s = 0; s < PRO; ++s) pg[s] = page_of(s);
+    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
     pg_next = page_of(STAGES - 1);
 #pragma unroll
-    for (int s = 0; s < PRO; ++s)
+    for (int s = 0; s < STAGES - 1; ++s)
       if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN, lane);
   } else if (!BULK_TILES && builds) {
     int pg[STAGES - 1];
@@ -282,15 +268,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   if constexpr (QREG) {
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qf[kk], qa + kk * 16);
-  }
-  if constexpr (QRING) {  // every warp holds its query fragments: the query block's stages take tiles now
-    fence_proxy_async();  // the query block's generic writes and reads, before the copies that overwrite it
-    __syncthreads();
-    if (issuer) {
-#pragma unroll
-      for (int s = PRO; s < STAGES - 1; ++s)
-        if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, page_of(s), start + s * BN, lane);
-    }
   }
 
   // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1, RP at a time, LPR lanes a row;

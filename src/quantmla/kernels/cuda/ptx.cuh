@@ -105,12 +105,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 #endif
 }
-// order this thread's earlier generic-proxy accesses of shared memory before later bulk copies into it
-__device__ __forceinline__ void fence_proxy_async() {
-#if BULK
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 // copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
 #if BULK
