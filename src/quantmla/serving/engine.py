@@ -45,6 +45,7 @@ from quantmla.serving.scheduler import (
     Sequence,
     StepPlan,
 )
+from quantmla.serving import norms
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
@@ -63,7 +64,9 @@ class EngineConfig:
     ``kernels.api.default_config(rows, layout, device)`` is (None: that default); ``rope_pages``: store
     the RoPE path per channel per page (one scale and zero point per channel of each page, the method
     ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
-    stage of max_num_seqs rows per layer that the KV budget pays for."""
+    stage of max_num_seqs rows per layer that the KV budget pays for. ``fused_norms``: inside steps on CUDA,
+    the model's RMSNorm modules run as one Triton kernel a call where a probe shows they compute the same
+    (``serving/norms.py``; ``Engine.norms`` says which)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -81,6 +84,7 @@ class EngineConfig:
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
     decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
     rope_pages: bool = False
+    fused_norms: bool = True
 
 
 @dataclass
@@ -182,6 +186,7 @@ class Engine:
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
         self._patch()
+        self.norms = norms.attach(model, self, lambda: _ACTIVE[0]) if config.fused_norms else {}
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
@@ -260,6 +265,7 @@ class Engine:
                 module.__dict__.pop("forward", None)
                 module.__dict__.pop("_quantmla_serving", None)
         self._patched.clear()
+        norms.detach(self.model, self)
         self._graphs = self._prefill = None  # frees the graphs now: they hold references back to the engine
 
     def __enter__(self):
