@@ -113,3 +113,19 @@ def test_engine_reports_its_norms_and_restores_them():
     assert all(v == "not on a CUDA device" for v in eng.norms.values())
     eng.close()
     assert not any("forward" in m.__dict__ for m in norms.rms_norm_modules(model).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_gpu_fuses_every_norm_and_matches_generate():
+    """On CUDA every RMSNorm of the MLA families is fused, and greedy outputs still equal generate()'s."""
+    from quantmla_lab.bench.serving.agreement import engine_agreement
+
+    model = tiny_model("deepseek_v3", first_k_dense_replace=2).cuda()
+    eng = Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=8, page_size=16))
+    assert eng.norms and all(v == "fused" for v in eng.norms.values()), eng.norms
+    eng.close()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 40, 1)]
+    rep, st = engine_agreement(model, BF16_CONFIG, prompts, 16, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
+    assert st["graph_steps"] > 0 and rep.ok, rep.details
