@@ -3,7 +3,7 @@
     y = weight * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype)        (x.float() inside, as theirs)
 
 In a decode step the model's RMSNorm modules (two a layer, three with the latent's, one more with q_lora) run as
-seven small kernels each (casts, pow, mean, add, rsqrt, two products); here one reads x and writes y.
+eight small kernels each (two casts, pow, mean, add, rsqrt, two products); here one reads x and writes y.
 """
 
 from __future__ import annotations

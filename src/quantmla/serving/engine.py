@@ -1,7 +1,8 @@
 """``Engine``: offline continuous-batching generation of an MLA checkpoint on the low-bit paged cache.
 
 The model stays the model: embeddings, norms, MLPs/MoE, the LM head and the RoPE tables run as its
-own modules. Only each MLA attention module's ``forward`` is replaced (while a step runs) by one
+own modules (on CUDA the RMSNorm modules' arithmetic runs as one kernel a call: ``serving/norms.py``).
+Only each MLA attention module's ``forward`` is replaced (while a step runs) by one
 that projects through :class:`~quantmla.model.view.MLAView`, writes the step's (latent, RoPE key)
 into its paged pool — quantized — and attends over the pool through the attention backend (decode
 rows absorbed, prefill chunks as the backend chooses; both return per-head values), then applies the

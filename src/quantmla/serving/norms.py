@@ -1,8 +1,8 @@
 """The model's RMSNorm modules as one kernel a call inside engine steps (``kernels.norm.rms_norm``).
 
 A decode step of a 27-layer DeepSeek-V2-Lite model calls RMSNorm 82 times, and each call of the transformers
-module is seven small kernels (a cast, pow, mean, add, rsqrt and two products): on the H200 about 1.4 ms of a
-4 to 9 ms step. While an engine that asked for it runs a step, each such module's forward runs the fused
+module is eight small kernels (two casts, pow, mean, add, rsqrt and two products): on the H200 about 1 ms of a
+3 to 9 ms step. While an engine that asked for it runs a step, each such module's forward runs the fused
 kernel instead; outside steps (``generate()``, other engines) the module's own forward runs.
 
 A module is fused only where its own forward, on a probe input of its dtype and device, gives what the kernel
