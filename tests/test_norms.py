@@ -76,10 +76,10 @@ class _Engine:
 
 
 def test_attach_fuses_inside_steps_only_and_detach_restores():
-    """Inside a step of an attached engine the kernel runs (checked by a norm whose weight changes after the
-    probe would give the kernel's answer either way, so the dispatch is observed through a counter); outside
-    steps and for other engines the module's own forward; a norm that computes something else keeps its own
-    forward and says why; detach gives every module its forward back."""
+    """Inside a step of an attached engine the kernel runs (both give the same answer, so the dispatch is
+    observed through a counter on the kernel); outside steps and for other engines the module's own forward;
+    a norm that computes something else keeps its own forward and says why; detach gives every module its
+    forward back."""
     model = nn.ModuleDict({"good": _norm(64, torch.float32), "other": OnePlusRMSNorm(64).to(DEV)})
     eng, stranger, active = _Engine(), _Engine(), [None]
     report = norms.attach(model, eng, lambda: active[0], cpu=True)
