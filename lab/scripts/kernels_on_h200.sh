@@ -20,6 +20,8 @@
 #                                                         -> kernels/ncu_sections_int4_fragments_32x16384_h200.txt
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
+# smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
+#                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -105,6 +107,15 @@ sass-phases() {
     --section SourceCounters -f -o "$rep" python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 > /dev/null 2>&1
   ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
   python3 -m quantmla_lab.bench.kernels.sass_phases "$rep.csv" --tokens 524288 | tee "$OUT/kernels/sass_phases_int4_32x16384_h200.txt"
+}
+
+smem-wavefronts() {
+  local rep=/tmp/quantmla_smem_prof f="$OUT/kernels/shared_wavefronts_int4_32x16384_h200.txt"
+  QUANTMLA_CUDA_LINEINFO=1 timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SourceCounters \
+    -f -o "$rep" python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 > /dev/null 2>&1
+  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
+  { echo "$(nvidia-smi --query-gpu=name --format=csv,noheader), $(date -u +%F), commit ${QUANTMLA_COMMIT:-?}, INT4/INT4 16 heads 32 x 16384"
+    python3 -m quantmla_lab.bench.kernels.shared_wavefronts "$rep.csv" --tokens 524288; } | tee "$f"
 }
 
 for s in "${STEPS[@]}"; do

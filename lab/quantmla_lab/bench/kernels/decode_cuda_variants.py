@@ -55,6 +55,28 @@ def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = Fals
     return out
 
 
+OCCUPANCY = (  # (name, tokens per tile, CTAs per SM, stages, query fragments in registers)
+    ("bn32_c2_qsmem", 32, 2, 4, False), ("bn16_c2", 16, 2, 4, True), ("bn16_c3_qsmem", 16, 3, 3, False),
+    ("bn16_c3_s2_qsmem", 16, 3, 2, False), ("bn16_c4_qsmem", 16, 4, 2, False))
+
+
+def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, tuple[cuda.DecodePlan, int, int]]:
+    """The default 16-row plan at other tile sizes and CTAs per SM (more warps per SM to hide latency, where
+    registers and shared memory allow: the query fragments read from shared memory every tile instead of
+    kept in registers): name -> (plan, tokens per tile, CTAs per SM). Timing experiments (the API does not
+    take them): each runs over work units scheduled for its own tile and CTAs per SM."""
+    m = dict(plan.macros)
+    out = {}
+    for name, bn, ctas, stages, qreg in OCCUPANCY:
+        smem = cuda.smem_bytes(layout, plan.block_m, stages, m["KSPLIT"], bn)
+        if ctas * (smem + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM:
+            continue
+        mac = {**m, "BN": bn, "MIN_CTAS": ctas, "STAGES": stages, "SMEM_EXPECTED": smem, **({} if qreg else {"QREG_MAX": 0})}
+        out[name] = (dataclasses.replace(plan, macros=tuple(sorted(mac.items())), stages=stages, ctas_per_sm=ctas,
+                                         smem=smem), bn, ctas)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="int4/int4,bf16")
@@ -64,6 +86,8 @@ def main() -> None:
     ap.add_argument("--knobs", action="store_true", help="also the unrolling and stage variants of the default plan")
     ap.add_argument("--phases", action="store_true",
                     help="also the default plan without its build, score or output products (timing only)")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="also the default plan at 16-token tiles and 3 or 4 CTAs per SM (decode kernel alone)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -120,6 +144,20 @@ def main() -> None:
 
                         t, _ = bench.time_ms(run_knob, 25, 100)
                         row(vname, t * 1e3, vp, decode_only=True)
+                if a.occupancy and (nw, bn) == tilings[0]:
+                    for vname, (vp, vbn, vctas) in occupancy_variants(plan, lay).items():
+                        vmd = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(
+                            cfg, block_n=vbn, ctas_per_sm=vctas))
+                        po = torch.empty(vmd.num_units, H, 512, device=dev)
+                        pl = torch.empty(vmd.num_units, H, device=dev)
+                        args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
+                                c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
+
+                        def run_occ(vp=vp, args=args, vmd=vmd):
+                            cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
+
+                        t, _ = bench.time_ms(run_occ, 25, 100)
+                        row(vname, t * 1e3, vp, decode_only=True, units=vmd.num_units)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

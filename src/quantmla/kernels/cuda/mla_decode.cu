@@ -142,7 +142,10 @@ static_assert((RM * (BN / 8) * KSPLIT) % NWC == 0, "score tiles split evenly ove
 constexpr int TPW = RM * (BN / 8) * KSPLIT / NWC;  // score tiles per warp, adjacent in one row block
 constexpr int KSTEPS = D / 16 / KSPLIT;           // 16-channel steps per warp
 static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
-constexpr bool QREG = KSTEPS <= 9;                // the query fragments stay in registers (36 of them)
+#ifndef QREG_MAX
+#define QREG_MAX 9  // the most 16-channel steps whose query fragments a warp keeps in registers
+#endif
+constexpr bool QREG = KSTEPS <= QREG_MAX;         // the query fragments stay in registers (36 of them)
 constexpr int CPW = D_C / NWC;                    // E: output channels a warp owns
 constexpr int NT8 = CPW / 8;                      // E: its m16n8 output tiles
 static_assert(!REG || (FB_CC % 16 == 0 && FB_RC % 16 == 0), "fragments: code rows of whole 16-byte chunks");
