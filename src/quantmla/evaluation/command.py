@@ -34,7 +34,9 @@ def add_arguments(p):
     p.add_argument("--all", action="store_true", help="every reference model present under models/, the full grid")
     p.add_argument("--quick", action="store_true", help="CI-sized run: few chunks and samples, a subset of rows")
     p.add_argument("--config", nargs="+", default=None,
-                   help="cache configs: BF16, FP8, CONTENT/ROPE like INT4/INT4, INT2/INT4, INT4/BF16 (default: the grid)")
+                   help="cache configs: BF16, FP8, CONTENT/ROPE like INT4/INT4, INT2/INT4, INT4/BF16, MIX<a>/INT4 (content "
+                        "INT2 or INT4 per layer, a bits on average; MIX2.5@g64/INT4: the INT4 layers at content "
+                        "group 64) (default: the grid)")
     p.add_argument("--method", nargs="+", default=None,
                    help="methods: bf16 rtn kivi hadamard quantmla quantmla-content quantmla-rope quantmla-rope-channel "
                         "quantmla-rope-channel-pagefit quantmla-content-rope-channel (default: the grid)")
@@ -217,6 +219,8 @@ def check_rows(path: str, spec, rows, args) -> None:
     for r in rows:
         if r.config.content.quantized:
             r.config.content.check_dim(spec.d_c, f"{r.config.name}: the content path (--content-group, kv_lora_rank {spec.d_c})")
+        if r.config.mix:  # a MIX row's INT4 layers (MIX<a>@g<G>/...: their own group)
+            r.config.check_dims(spec.d_c)
         if r.config.rope.quantized and r.method != "kivi":
             r.config.rope.check_dim(spec.d_r, f"{r.config.name}: the RoPE path (--rope-group, qk_rope_head_dim {spec.d_r})")
     with open(os.path.join(path, "config.json")) as f:

@@ -4,6 +4,7 @@
     named_config("INT4/INT4", 32, 16)   # content INT4/g32, RoPE INT4/g16
     named_config("FP8")                 # fp8_ds_mla, the cache users run on DeepSeek models
     named_config("MIX3/INT4", 32, 16)   # content INT2 or INT4 per layer, 3 bits on average
+    named_config("MIX2.5@g64/INT4", 32, 16)  # the same, the INT4 layers' content at group 64
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ class CacheConfig:
         """Per token per MLA layer (a mix: nominal, at its average bits)."""
         return TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token + self.mix_extra_bytes(d_c)
 
+    def check_dims(self, d_c: int, where: str = "") -> None:
+        """Raise UnsupportedFormatError unless every content format of this config (a mix: both widths)
+        can store `d_c` channels (its group divides them)."""
+        where = where or self.name
+        if self.content.quantized:
+            self.content.check_dim(d_c, f"{where}: the content path (kv_lora_rank {d_c})")
+        if self.mix:
+            self.mix_high.check_dim(d_c, f"{where}: the content path of the {self.mix_high.describe()} layers "
+                                         f"(kv_lora_rank {d_c})")
+
     def mix_extra_bytes(self, d_c: int) -> float:
         """Content bytes per token a mix adds over `content` in every layer (codes and metadata, nominal: the
         share of high-width layers its average bits give); 0 for a uniform config."""
@@ -59,19 +70,36 @@ class CacheConfig:
         if not self.mix:
             return {}
         from quantmla.calibration.bits import allocate_content_bits, content_sensitivity
+        from quantmla.model.spec import load_spec
 
+        self.check_dims(load_spec(model).d_c)  # before the error model's capture
         sens = content_sensitivity(model, calib_ids, self.content, self.mix_high, seed=seed)
         return allocate_content_bits(sens, self.mix, self.content, self.mix_high, self.rope)
 
 
-def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
-    """MIX<avg>/INT<r>: content INT2 or INT4 per layer for an average of avg_bits (between 2 and 4)."""
+def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_group: int = 32,
+               high_group: int | None = None) -> CacheConfig:
+    """MIX<avg>/INT<r>: content INT2 or INT4 per layer for an average of avg_bits (between 2 and 4).
+    high_group: the INT4 layers' content group; None: content_group, as the INT2 layers. Given, the
+    name says it, MIX<avg>@g<high_group>/INT<r> (also when it equals content_group)."""
     from quantmla.calibration.bits import check_widths
 
-    low, high = PathFormat(2, content_group), PathFormat(4, content_group)
+    label = f"MIX{avg_bits:g}" + ("" if high_group is None else f"@g{high_group}")
+    if high_group is not None:
+        check_high_group(high_group, label)
+    low, high = PathFormat(2, content_group), PathFormat(4, content_group if high_group is None else high_group)
     check_widths(low, high, avg_bits)
     r = BF16 if rope_bits == 16 else PathFormat(rope_bits, rope_group)
-    return CacheConfig(f"MIX{avg_bits:g}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}", low, r, avg_bits, high)
+    return CacheConfig(f"{label}/{'BF16' if rope_bits == 16 else f'INT{rope_bits}'}", low, r, avg_bits, high)
+
+
+def check_high_group(group: int, where: str = "MIX") -> None:
+    """A MIX row's own content group for its INT4 layers: a power of two of at least 4 channels (the
+    CUDA decode kernel reads groups of whole multiples of 4 channels). Whether it divides the model's
+    latent rank is checked against the model (CacheConfig.check_dims)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 4 or group & (group - 1):
+        raise QuantMLAError(f"{where}: the INT4 layers' content group must be a power of two of at least 4 channels "
+                            f"(4, 8, 16, 32, 64, ...), got {group!r}")
 
 
 def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
@@ -96,18 +124,27 @@ PRESETS: dict[str, Callable[[int, int], CacheConfig]] = {"BF16": lambda cg, rg: 
 
 def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
     """A preset name (PRESETS: "BF16", "FP8"; any case), "<C>/<R>" with C, R in INT2, INT3, INT4, INT8,
-    BF16 (content / RoPE), or "MIX<a>/<R>": content INT2 or INT4 per layer for an average of a bits."""
+    BF16 (content / RoPE), or "MIX<a>/<R>": content INT2 or INT4 per layer for an average of a bits, both
+    at `content_group`; "MIX<a>@g<G>/<R>": the INT4 layers' content at group G."""
     up = name.upper()
     if up in PRESETS:
         return PRESETS[up](content_group, rope_group)
     parts = up.split("/")
     if len(parts) == 2 and parts[0].startswith("MIX") and parts[1][3:].isdigit() and parts[1].startswith("INT"):
+        avg_text, at, group_text = parts[0][3:].partition("@")
         try:
-            avg = float(parts[0][3:])
+            avg = float(avg_text)
         except ValueError:
             raise QuantMLAError(f"unknown cache config {name!r}: MIX takes an average of content bits, "
-                                "e.g. MIX3/INT4") from None
-        return mix_config(avg, int(parts[1][3:]), content_group, rope_group)
+                                "e.g. MIX3/INT4 (MIX2.5@g64/INT4: the INT4 layers' content at group 64)") from None
+        high_group = None
+        if at:
+            g = group_text.removeprefix("G")
+            if not g.isdigit():
+                raise QuantMLAError(f"unknown cache config {name!r}: after @ give the INT4 layers' content group in "
+                                    "channels, e.g. MIX2.5@g64/INT4")
+            high_group = int(g)
+        return mix_config(avg, int(parts[1][3:]), content_group, rope_group, high_group)
     bits = []
     for p in parts:
         if p == "BF16":
@@ -119,5 +156,6 @@ def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> Ca
             break
     if len(parts) != 2 or len(bits) != 2:
         raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, CONTENT/ROPE like INT4/INT4, "
-                            "INT2/INT4, BF16/INT4, or MIX<average content bits>/ROPE like MIX3/INT4")
+                            "INT2/INT4, BF16/INT4, or MIX<average content bits>/ROPE like MIX3/INT4 (MIX2.5@g64/INT4: "
+                            "the INT4 layers' content at group 64)")
     return int_config(bits[0], bits[1], content_group, rope_group)

@@ -25,9 +25,9 @@ Every figure is measured with every attention read going through the quantized c
 included (EVAL_MODE). A row's `fp_window` keeps its newest tokens unquantized, the same for every
 method (none by default); KIVI's unfinished block (< block tokens) is quantized per channel over the
 tokens it holds unless the window covers it, so no method gets full-precision tokens the others lack.
-Cache formats are named by CONTENT/ROPE bits, by MIX<a>/ROPE (content bits per layer) or by a preset
-(PRESETS: "BF16", "FP8" — DeepSeek's fp8_ds_mla layout); a preset added there runs in every grid under
-its name. The configurations live in evaluation/configs.py.
+Cache formats are named by CONTENT/ROPE bits, by MIX<a>/ROPE (content bits per layer; MIX<a>@g<G>/ROPE:
+the INT4 layers' content at group G) or by a preset (PRESETS: "BF16", "FP8" — DeepSeek's fp8_ds_mla
+layout); a preset added there runs in every grid under its name. The configurations live in evaluation/configs.py.
 """
 
 from __future__ import annotations
@@ -431,7 +431,8 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         "retrieval": retr,
         **({"retrieval_line": line} if line else {}),
         "bytes_per_token": row.bytes_per_token(spec),
-        **({"content_bits_by_slot": {str(s): quant.format_for(s).content.bits for s in spec.mla_layers}}
+        **({"content_bits_by_slot": {str(s): quant.format_for(s).content.bits for s in spec.mla_layers},
+            "content_format_by_slot": {str(s): quant.format_for(s).content.describe() for s in spec.mla_layers}}
            if row.config.mix and quant is not None else {}),
         "bf16_bytes_per_token": spec.bytes_per_token_bf16(),
         "eval_mode": EVAL_MODE,
