@@ -67,32 +67,6 @@ def test_fragments_refused_with_reason(name, rows, why):
     assert f is None and why in cuda.plan_reason[lay]
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
-                                  CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric"))])
-def test_scores_from_codes_plan(name):
-    """Asked for, 2- and 4-bit codes with fp16 metadata at 16 rows have the scores read the stage's codes
-    (QKC): the stage is copied as it is (bulk copies, no padded rows) and shared memory is the default's."""
-    _, p = plan(name, scores_from_codes=True)
-    _, q = plan(name)
-    m = dict(p.macros)
-    assert m["QKC"] == 1 and "REG" not in m and "QKC" not in dict(q.macros) and "/qkc/" in p.describe()
-    assert (m["NW"], m["BN"], m["KSPLIT"], m["RM"]) == (8, 32, 4, 1) and p.smem == q.smem
-
-
-@pytest.mark.parametrize("name,rows,why", [("int4/int8", 16, "2- or 4-bit"), ("fp8", 16, "2- or 4-bit"),
-                                           ("int4/int4", 32, "16-row plan"),
-                                           (CacheFormat(PathFormat(4, 32), PathFormat(4, 16)), 16, "64-channel quads"),
-                                           (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16,
-                                            "per-token metadata")])
-def test_scores_from_codes_refused_with_reason(name, rows, why):
-    """Where the scores cannot read a layout's codes, asking for it says why; with the fragments path, too."""
-    lay, p = plan(name, rows)
-    _, f = plan(name, rows, scores_from_codes=True)
-    assert p is not None and f is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
-    _, both = plan("int4/int4", 16, scores_from_codes=True, fragments=True)
-    assert both is None
-
-
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
 def test_tile_type(name, half):
     """fp16 tiles only where every quantized path stores fp16 metadata and nothing is raw bf16 or e4m3."""
@@ -187,7 +161,6 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
                                               ("int2/int4", 16, {"fragments": True}),
-                                              ("int4/int4", 16, {"scores_from_codes": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -206,40 +206,6 @@ def test_decode_cuda_fragments(name, H, SQ):
     assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32", "int2/int4-sym"])
-@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3)])
-def test_decode_cuda_scores_from_codes(name, H, SQ):
-    """The scores read the codes as fp16 subnormals (each group's scale and zero point on the accumulators)
-    against the same fp64 oracle; garbage bytes past a partial last tile never reach the output."""
-    from quantmla.kernels.cuda.build import nvcc
-    from quantmla.kernels.schedule import cuda_config
-
-    if nvcc() is None:
-        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
-    cfg = cuda_config(H * SQ, lay, "cuda", scores_from_codes=True)
-    assert cfg is not None and cfg.scores_from_codes, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=cfg)
-    assert md.variant.startswith("cuda/f16/qkc/"), md.variant
-
-
-def test_decode_scores_from_codes_error_within_twice_bf16():
-    """The scores from the codes keep every integer format within 2x the BF16 path's fp64 error (the zero
-    points' row terms and the scales act in fp32, so no cancellation reaches 16 bits)."""
-    from quantmla.kernels.cuda.build import nvcc
-    from quantmla.kernels.schedule import cuda_config
-
-    if nvcc() is None:
-        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
-    ref, _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
-    for name in ("int4/int4", "int2/int4", "int2/int4-sym"):
-        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
-        err, md = fp64_error(lay, pages, bt, sl, 16, 22, cuda_config(16, lay, "cuda", scores_from_codes=True))
-        print(name, md.variant, f"{err:.2e} (BF16 {ref:.2e})")
-        assert md.variant.startswith("cuda/f16/qkc/") and err <= 2 * ref, (name, err, ref)
-
-
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

@@ -28,8 +28,7 @@ TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per t
 def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = False) -> dict[str, cuda.DecodePlan]:
     """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages; with
     `phases`, instead the plan with the tile build, the score products or the output products left out.
-    Where the layout allows it, also the plans that read the codes straight into the products' fragments,
-    and into the scores' fragments only."""
+    Where the layout allows it, also the plan that reads the codes straight into the products' fragments."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
@@ -39,12 +38,8 @@ def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = Fals
     frag = cuda.decode_plan(layout, plan.block_m, torch.bfloat16, torch.device("cuda"), fragments=True)
     if frag is not None:  # the built tile (the default) beside the codes read into the fragments, decode kernels alone
         out = {"built_tile": plan, "fragments": frag, **out}
-    qkc = cuda.decode_plan(layout, plan.block_m, torch.bfloat16, torch.device("cuda"), scores_from_codes=True)
-    if qkc is not None:  # the scores from the codes, the output from a tile of the content only
-        out = {"built_tile": plan, "scores_from_codes": qkc, **out}
     if phases:  # timing only (wrong results): a phase's share of a call is the default's time less these
-        return {**{k: out[k] for k in ("built_tile", "fragments", "scores_from_codes") if k in out},
-                "no_build": with_(SKIP_BUILD=1),
+        return {**{k: out[k] for k in ("built_tile", "fragments") if k in out}, "no_build": with_(SKIP_BUILD=1),
                 "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
                 "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1)}
     for st in (2, 3, 4):
@@ -71,7 +66,9 @@ def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, t
         smem = cuda.smem_bytes(layout, plan.block_m, stages, m["KSPLIT"], bn)
         if ctas * (smem + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM:
             continue
-        mac = {**m, "BN": bn, "MIN_CTAS": ctas, "STAGES": stages, "SMEM_EXPECTED": smem, **({} if qreg else {"QREG_MAX": 0})}
+        mac = {**m, "BN": bn, "MIN_CTAS": ctas, "STAGES": stages, "SMEM_EXPECTED": smem}
+        if not qreg:
+            mac["QREG_MAX"] = 0
         out[name] = (dataclasses.replace(plan, macros=tuple(sorted(mac.items())), stages=stages, ctas_per_sm=ctas,
                                          smem=smem), bn, ctas)
     return out

@@ -3,7 +3,8 @@ the SourceCounters section) of one call and prints, per instruction kind, the sh
 (one wavefront is one cycle of an SM's shared-memory bandwidth, 128 bytes), the ideal count without bank
 conflicts and the excess, in all and per cached token.
 
-    ncu --section SourceCounters -k regex:mla_decode -c 1 -s 2 -o rep python3 -m quantmla_lab.bench.kernels.decode_once ...
+    ncu --section SourceCounters -k regex:mla_decode -c 1 -s 2 -o rep \
+        python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384
     ncu --import rep.ncu-rep --page source --csv --print-source sass > rep.csv
     python3 -m quantmla_lab.bench.kernels.shared_wavefronts rep.csv --tokens 524288
 """

@@ -63,7 +63,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else "/qkc" if m.get("QKC") else ""
+        frag = "/frag" if m.get("REG") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 
@@ -144,46 +144,22 @@ def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: 
     return None
 
 
-def scores_from_codes_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: int, ksplit: int,
-                             ws: bool) -> str | None:
-    """Why the scores cannot read `layout`'s codes straight into their operands (tile_scores.cuh) in this
-    tiling, or None where they can."""
-    tok = layout.token
-    c, r = tok.fmt.content, tok.fmt.rope
-    fb = tok.field_bytes
-    if (block_m, num_warps, block_n, ksplit, ws) != (16, 8, 32, 4, False):
-        return "the 16-row plan only (8 warps, 32-token tiles, four channel shares)"
-    if tok.d_r != 64 or tok.d_c != 512:
-        return f"d_c {tok.d_c}, d_r {tok.d_r}: 512 and 64 channels"
-    for f in (c, r):
-        if not f.quantized or f.mode not in ("affine", "symmetric") or f.bits not in (2, 4) or f.per_page:
-            return f"{f.describe()}: 2- or 4-bit integer codes with per-token metadata"
-        if f.meta_dtype != "float16":
-            return f"{f.describe()}: fp16 metadata"
-    if c.group_size % 64 or r.group_size % 16:
-        return f"content groups of whole 64-channel quads, RoPE groups of whole 16-channel steps (g{c.group_size}/g{r.group_size})"
-    if any(f.mode == "affine" and fb[k] % 4 for f, k in ((c, "content_meta"), (r, "rope_meta"))):
-        return "affine metadata rows of whole (scale, zero) pairs"
-    return None
-
-
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, scores_from_codes: bool | None = None) -> DecodePlan | None:
+                fragments: bool | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling; `fragments=True` takes the path without a built tile (None
     where it cannot read the layout). It is not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
-    lab/results/kernels/decode_cuda_fragments_h200.json). `scores_from_codes=True` builds the content only and
-    has the scores read the codes as fp16 subnormals (tile_scores.cuh; None where it cannot). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
+    lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
     rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
     at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
     if num_warps is None and block_n is None:
         for nw, bn in ((16, 64), (NUM_WARPS, BLOCK_N)) if rows > 16 else ((NUM_WARPS, BLOCK_N),):
             plan = decode_plan(layout, rows, out_dtype, device, num_warps=nw, block_n=bn, ksplit=ksplit,
-                               fragments=fragments, scores_from_codes=scores_from_codes)
+                               fragments=fragments)
             if plan is not None:
                 return plan
         return None
@@ -243,10 +219,6 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if fragments and why_not:
         return no(f"fragments: {why_not}")
     reg = bool(fragments) and why_not is None
-    qkc_not = scores_from_codes_reason(layout, block_m, nw, bn, ksplit, ws)
-    if scores_from_codes and (qkc_not or reg):
-        return no(f"scores from codes: {qkc_not or 'not with the fragments path'}")
-    qkc = bool(scores_from_codes) and qkc_not is None
     stages = ctas = 0
 
     def size(s: int) -> int:
@@ -274,8 +246,6 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         macros.update(R_PAGE=1, PMB_R=pmb)
     if reg:
         macros.update(REG=1)
-    if qkc:
-        macros.update(QKC=1)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 
 

@@ -20,7 +20,7 @@ from quantmla.errors import QuantMLAError
 
 SOURCE = Path(__file__).with_name("mla_decode.cu")
 # the headers SOURCE includes: part of every build's cache key
-HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "tile_scores.cuh", "query_io.cuh")
+HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh")
 
 
 def cache_dir() -> Path:

@@ -26,10 +26,6 @@
 // expansions instead of one: on the H200 it issues 1.6x the instructions and runs slower (docs/kernels.md).
 // The stage's code rows are padded, so it is copied by cp.async.
 //
-// QKC (the 16-row plan with 2- or 4-bit codes and fp16 metadata, built only when asked for): C reads the
-// stage's codes as exact fp16 subnormals straight into its B operands, each group's scale and zero point
-// acting once per token on fp32 accumulators (tile_scores.cuh); B builds the content path only, for E.
-//
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
 // (A, B) into two tiles in turn, so building tile i + 1 overlaps the products of tile i; named barriers
 // hand each tile over (built: 3 + buf, read: 5 + buf). Without WS every warp does every phase in turn.
@@ -47,7 +43,6 @@
 //   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
 //   R_PAGE PMB_R   (the RoPE path's metadata is the page's: PMB_R bytes at OFF_RM, copied with each tile)
 //   REG            (1: the fragments path above)
-//   QKC            (1: the scores from the codes, above)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -101,9 +96,6 @@ constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied s
 #ifndef REG
 #define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
 #endif
-#ifndef QKC
-#define QKC 0  // 1: the scores read the stage's codes; the tile holds the content only (tile_scores.cuh)
-#endif
 constexpr int RM_BYTES = R_PAGE ? PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
 
 // the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
@@ -156,7 +148,6 @@ static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) %
 #include "tile_build.cuh"
 #include "tile_copy.cuh"
 #include "tile_frag.cuh"
-#include "tile_scores.cuh"
 #include "query_io.cuh"
 // bulk copies on sm_90 for tiles that are built (a BF16 tile's rows land in the padded tile itself, where
 // 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies; REG's
@@ -167,8 +158,7 @@ constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
 template <bool FULL>
 __device__ __forceinline__ void build_tile(const uint8_t* stage, T* tile, int valid, int id) {
   build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL>(stage + RAW_CC, stage + RAW_CM, tile, valid, id);
-  if constexpr (!QKC)  // QKC: the scores read the RoPE codes themselves
-    build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL>(stage + RAW_RC, stage + RAW_RM, tile, valid, id);
+  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL>(stage + RAW_RC, stage + RAW_RM, tile, valid, id);
 }
 __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, int valid, int id) {
   if (valid == BN) build_tile<true>(stage, tile, valid, id);
@@ -282,9 +272,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qf[kk], qa + kk * 16);
   }
-#if QKC
-  const QuerySums qsum = load_query_sums(sQ, ks, lane);  // the zero points' row terms
-#endif
 
   // ---- running softmax state: warp w owns rows w·RPW .. w·RPW + RPW - 1, RP at a time, LPR lanes a row;
   //      a lane holds the state of row w·RPW + RP·i + lane / LPR -------------------------------------------
@@ -359,8 +346,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
 #if REG
       if constexpr (!SKIP_QK) scores_frag(cur, qf, sacc, ks, nj0, lane);
-#elif QKC
-      if constexpr (!SKIP_QK) scores_codes(cur, qf, sacc, qsum, ks, nj0, lane);
 #else
       const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
       UNROLL(QK_UNROLL)
