@@ -14,6 +14,10 @@
 #                and INT2/INT4), five models side by side (the DeepSeek-geometry model must be unpacked in
 #                models/), merged with results/deepseek_groups/accuracy.json
 #                                                   -> deepseek_groups/accuracy.json, deepseek_groups/accuracy.md
+# budget-mix     the DeepSeek-groups table's row MIX2.5@g64/INT4:quantmla-rope-channel (INT2/INT4 with the layer the
+#                error model picks at INT4/g64: the baselines' 72 B per token), the four shipped models side by side,
+#                merged with results/deepseek_groups/accuracy.json
+#                                                   -> deepseek_groups/accuracy.json, deepseek_groups/accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -76,6 +80,22 @@ ablations() {
   mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
   python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
   cp "$WORK"/ablations_*.log "$OUT/deepseek_groups/"
+}
+
+budget-mix() {
+  local m pids=() jsons=()
+  for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite; do
+    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows MIX2.5@g64/INT4:quantmla-rope-channel \
+      --groups 32/16 --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/budget_mix/$m" \
+      > "$WORK/budget_mix_$m.log" 2>&1 &
+    pids+=($!)
+    jsons+=("$WORK/budget_mix/$m/accuracy.json")
+  done
+  wait "${pids[@]}"
+  grep -h "bpb\|rror" "$WORK"/budget_mix_*.log | tail -20
+  mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
+  python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
+  cp "$WORK"/budget_mix_*.log "$OUT/deepseek_groups/"
 }
 
 scaling() {
