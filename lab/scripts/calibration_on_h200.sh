@@ -63,39 +63,35 @@ accuracy() {
   cp "$WORK/accuracy.json" "$WORK/accuracy.md" "$OUT/accuracy/"
 }
 
-ablations() {
-  local rows=(FP8:rtn INT4/INT4:rtn INT2/INT4:rtn INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope INT4/INT4:quantmla-content
-              INT2/INT4:quantmla-content INT4/INT4:quantmla-content-rope-channel INT2/INT4:quantmla-content-rope-channel)
-  local m pids=() jsons=()
-  for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite deepseek-v2-deepseek-geometry; do
+# `quantmla eval` of NAME's rows (the arguments after NAME) on the GPU, one process per model side by side
+# (MODELS, default the four shipped ones; the DeepSeek-geometry model at groups 128/32), merged with
+# results/deepseek_groups/accuracy.json into $OUT/deepseek_groups with each model's log NAME_<model>.log
+side_by_side() {
+  local name=$1 m pids=() jsons=()
+  shift
+  for m in ${MODELS:-deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite}; do
     local groups=32/16
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
-    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "${rows[@]}" --groups $groups \
-      --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/ablations/$m" > "$WORK/ablations_$m.log" 2>&1 &
+    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" --groups $groups \
+      --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/$name/$m" > "$WORK/${name}_$m.log" 2>&1 &
     pids+=($!)
-    jsons+=("$WORK/ablations/$m/accuracy.json")
+    jsons+=("$WORK/$name/$m/accuracy.json")
   done
   wait "${pids[@]}"
-  grep -h "bpb\|rror" "$WORK"/ablations_*.log | tail -50
+  grep -h "bpb\|rror" "$WORK"/"${name}"_*.log | tail -50
   mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
   python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
-  cp "$WORK"/ablations_*.log "$OUT/deepseek_groups/"
+  mkdir -p "$OUT/deepseek_groups" && cp "$WORK"/"${name}"_*.log "$OUT/deepseek_groups/"
+}
+
+ablations() {
+  MODELS="deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite deepseek-v2-deepseek-geometry" side_by_side ablations \
+    FP8:rtn INT4/INT4:rtn INT2/INT4:rtn INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope INT4/INT4:quantmla-content \
+    INT2/INT4:quantmla-content INT4/INT4:quantmla-content-rope-channel INT2/INT4:quantmla-content-rope-channel
 }
 
 budget-mix() {
-  local m pids=() jsons=()
-  for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite; do
-    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows MIX2.5@g64/INT4:quantmla-rope-channel \
-      --groups 32/16 --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/budget_mix/$m" \
-      > "$WORK/budget_mix_$m.log" 2>&1 &
-    pids+=($!)
-    jsons+=("$WORK/budget_mix/$m/accuracy.json")
-  done
-  wait "${pids[@]}"
-  grep -h "bpb\|rror" "$WORK"/budget_mix_*.log | tail -20
-  mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
-  python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
-  cp "$WORK"/budget_mix_*.log "$OUT/deepseek_groups/"
+  side_by_side budget_mix MIX2.5@g64/INT4:quantmla-rope-channel
 }
 
 scaling() {

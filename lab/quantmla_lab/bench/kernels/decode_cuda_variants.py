@@ -129,32 +129,24 @@ def main() -> None:
                 diff = float((out.float() - ref).abs().max())
                 t, _ = bench.time_ms(run, 25, 100)
                 row(f"w{nw}_n{bn}", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff)
+                def time_decode(vp: cuda.DecodePlan, vmd) -> float:
+                    """The decode kernel of plan vp alone (no combine) over vmd's units, µs."""
+                    po = torch.empty(vmd.num_units, H, 512, device=dev)
+                    pl = torch.empty(vmd.num_units, H, device=dev)
+                    args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
+                            c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
+                    t, _ = bench.time_ms(lambda: cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev),
+                                         25, 100)
+                    return t * 1e3
+
                 if (a.knobs or a.phases) and (nw, bn) == tilings[0]:
                     for vname, vp in knob_variants(plan, lay, phases=a.phases).items():
-                        po = torch.empty(md.num_units, H, 512, device=dev)
-                        pl = torch.empty(md.num_units, H, device=dev)
-                        args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, md.units, out, lse, po, pl,
-                                c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
-
-                        def run_knob(vp=vp, args=args, md=md):
-                            cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
-
-                        t, _ = bench.time_ms(run_knob, 25, 100)
-                        row(vname, t * 1e3, vp, decode_only=True)
+                        row(vname, time_decode(vp, md), vp, decode_only=True)
                 if a.occupancy and (nw, bn) == tilings[0]:
                     for vname, (vp, vbn, vctas) in occupancy_variants(plan, lay).items():
                         vmd = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(
                             cfg, block_n=vbn, ctas_per_sm=vctas))
-                        po = torch.empty(vmd.num_units, H, 512, device=dev)
-                        pl = torch.empty(vmd.num_units, H, device=dev)
-                        args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
-                                c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
-
-                        def run_occ(vp=vp, args=args, vmd=vmd):
-                            cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
-
-                        t, _ = bench.time_ms(run_occ, 25, 100)
-                        row(vname, t * 1e3, vp, decode_only=True, units=vmd.num_units)
+                        row(vname, time_decode(vp, vmd), vp, decode_only=True, units=vmd.num_units)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
