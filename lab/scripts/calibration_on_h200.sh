@@ -18,6 +18,9 @@
 #                error model picks at INT4/g64: the baselines' 72 B per token), the four shipped models side by side,
 #                merged with results/deepseek_groups/accuracy.json
 #                                                   -> deepseek_groups/accuracy.json, deepseek_groups/accuracy.md
+# retrieval-600  key retrieval with 600 samples per length (the held-out set's first 200 and 400 more): BF16,
+#                INT4/INT4 quantmla-rope-channel and KIVI-style, MIX2.5@g64/INT4 quantmla-rope-channel, four
+#                shipped models side by side, groups 32/16          -> retrieval_600/accuracy.json, accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -64,24 +67,27 @@ accuracy() {
 }
 
 # `quantmla eval` of NAME's rows (the arguments after NAME) on the GPU, one process per model side by side
-# (MODELS, default the four shipped ones; the DeepSeek-geometry model at groups 128/32), merged with
-# results/deepseek_groups/accuracy.json into $OUT/deepseek_groups with each model's log NAME_<model>.log
+# (MODELS, default the four shipped ones; the DeepSeek-geometry model at groups 128/32), N retrieval samples per
+# length (default 200), merged with MERGE (default results/deepseek_groups/accuracy.json; empty: none) into
+# $OUT/DEST (default deepseek_groups) with each model's log NAME_<model>.log
 side_by_side() {
-  local name=$1 m pids=() jsons=()
+  local name=$1 m pids=() jsons=() dest=${DEST:-deepseek_groups} merge=${MERGE-results/deepseek_groups/accuracy.json}
   shift
   for m in ${MODELS:-deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite}; do
     local groups=32/16
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
-    OMP_NUM_THREADS=3 timeout 470 python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" --groups $groups \
-      --retrieval-n 200 --device cuda --calib-device cuda --out "$WORK/$name/$m" > "$WORK/${name}_$m.log" 2>&1 &
+    OMP_NUM_THREADS=3 timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" \
+      --groups $groups --retrieval-n "${N:-200}" --device cuda --calib-device cuda --out "$WORK/$name/$m" \
+      > "$WORK/${name}_$m.log" 2>&1 &
     pids+=($!)
     jsons+=("$WORK/$name/$m/accuracy.json")
   done
   wait "${pids[@]}"
   grep -h "bpb\|rror" "$WORK"/"${name}"_*.log | tail -50
-  mkdir -p "$WORK/merged" && cp results/deepseek_groups/accuracy.json "$WORK/merged/"
-  python3 -m quantmla.cli eval --from-json "$WORK/merged/accuracy.json" "${jsons[@]}" --out "$OUT/deepseek_groups" | tail -3
-  mkdir -p "$OUT/deepseek_groups" && cp "$WORK"/"${name}"_*.log "$OUT/deepseek_groups/"
+  mkdir -p "$WORK/merged_$name"
+  [ -n "$merge" ] && cp "$merge" "$WORK/merged_$name/accuracy.json" && jsons=("$WORK/merged_$name/accuracy.json" "${jsons[@]}")
+  python3 -m quantmla.cli eval --from-json "${jsons[@]}" --out "$OUT/$dest" | tail -3
+  mkdir -p "$OUT/$dest" && cp "$WORK"/"${name}"_*.log "$OUT/$dest/"
 }
 
 ablations() {
@@ -92,6 +98,11 @@ ablations() {
 
 budget-mix() {
   side_by_side budget_mix MIX2.5@g64/INT4:quantmla-rope-channel
+}
+
+retrieval-600() {
+  N=600 DEST=retrieval_600 MERGE= EVAL_TIMEOUT=540 side_by_side retrieval_600 BF16:bf16 \
+    INT4/INT4:quantmla-rope-channel INT4/INT4:kivi MIX2.5@g64/INT4:quantmla-rope-channel
 }
 
 scaling() {
