@@ -19,7 +19,7 @@
 #                merged with results/deepseek_groups/accuracy.json
 #                                                   -> deepseek_groups/accuracy.json, deepseek_groups/accuracy.md
 # retrieval-600  key retrieval with 600 samples per length (the held-out set's first 200 and 400 more): BF16,
-#                INT4/INT4 quantmla-rope-channel and KIVI-style, MIX2.5@g64/INT4 quantmla-rope-channel, four
+#                INT4/INT4 quantmla-rope-channel, MIX2.5@g64/INT4 quantmla-rope-channel, INT4/INT4 KIVI-style, four
 #                shipped models side by side, groups 32/16          -> retrieval_600/accuracy.json, accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
@@ -101,8 +101,8 @@ budget-mix() {
 }
 
 retrieval-600() {
-  N=600 DEST=retrieval_600 MERGE= EVAL_TIMEOUT=540 side_by_side retrieval_600 BF16:bf16 \
-    INT4/INT4:quantmla-rope-channel INT4/INT4:kivi MIX2.5@g64/INT4:quantmla-rope-channel
+  N=600 DEST=retrieval_600 MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-500} side_by_side retrieval_600 BF16:bf16 \
+    INT4/INT4:quantmla-rope-channel MIX2.5@g64/INT4:quantmla-rope-channel INT4/INT4:kivi
 }
 
 scaling() {
