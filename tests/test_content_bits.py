@@ -239,14 +239,17 @@ def test_paged_engine_serves_layers_of_different_content_groups():
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or TRITON_INTERPRET=1")
 def test_kernels_serve_layers_of_different_content_groups():
-    """The same per-layer formats through the Triton append and decode kernels (one layout kind per slot,
-    the padded graph step paths): greedy outputs agree with generate() on RopeChannelCache."""
+    """The same per-layer formats through the append and decode kernels (one layout kind per slot, the padded
+    graph step paths): greedy outputs agree with generate() on RopeChannelCache. Interpreted on CPU; on a GPU
+    (TRITON_INTERPRET=0) the model and the engine run on it, with the kernels the API chooses there."""
     from quantmla.cache.config import QuantCacheConfig
     from quantmla.cache.layout import CacheFormat
     from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat
     from quantmla_lab.bench.serving.agreement import engine_agreement
 
     model = tiny_model("deepseek_v3")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        model = model.cuda()
     quant = QuantCacheConfig(content=PathFormat(2, 8), rope=PathFormat(4, 8),
                              layer_overrides={1: CacheFormat(PathFormat(4, 32), PathFormat(4, 8))})
     g = torch.Generator().manual_seed(0)
