@@ -217,10 +217,7 @@ def check_rows(path: str, spec, rows, args) -> None:
     from quantmla.evaluation.harness import CALIBRATED
 
     for r in rows:
-        if r.config.content.quantized:
-            r.config.content.check_dim(spec.d_c, f"{r.config.name}: the content path (--content-group, kv_lora_rank {spec.d_c})")
-        if r.config.mix:  # a MIX row's INT4 layers (MIX<a>@g<G>/...: their own group)
-            r.config.check_dims(spec.d_c)
+        r.config.check_dims(spec.d_c)  # every content format (a MIX row's INT4 layers: their own group)
         if r.config.rope.quantized and r.method != "kivi":
             r.config.rope.check_dim(spec.d_r, f"{r.config.name}: the RoPE path (--rope-group, qk_rope_head_dim {spec.d_r})")
     with open(os.path.join(path, "config.json")) as f:

@@ -52,7 +52,7 @@ class CacheConfig:
         can store `d_c` channels (its group divides them)."""
         where = where or self.name
         if self.content.quantized:
-            self.content.check_dim(d_c, f"{where}: the content path (kv_lora_rank {d_c})")
+            self.content.check_dim(d_c, f"{where}: the content path (--content-group, kv_lora_rank {d_c})")
         if self.mix:
             self.mix_high.check_dim(d_c, f"{where}: the content path of the {self.mix_high.describe()} layers "
                                          f"(kv_lora_rank {d_c})")
@@ -94,12 +94,12 @@ def mix_config(avg_bits: float, rope_bits: int, content_group: int = 64, rope_gr
 
 
 def check_high_group(group: int, where: str = "MIX") -> None:
-    """A MIX row's own content group for its INT4 layers: a power of two of at least 4 channels (the
-    CUDA decode kernel reads groups of whole multiples of 4 channels). Whether it divides the model's
-    latent rank is checked against the model (CacheConfig.check_dims)."""
-    if isinstance(group, bool) or not isinstance(group, int) or group < 4 or group & (group - 1):
-        raise QuantMLAError(f"{where}: the INT4 layers' content group must be a power of two of at least 4 channels "
-                            f"(4, 8, 16, 32, 64, ...), got {group!r}")
+    """A MIX row's own content group for its INT4 layers: at least 4 channels (the CUDA decode kernel reads
+    groups of whole multiples of 4 channels); PathFormat requires a power of two, and whether it divides
+    the model's latent rank is checked against the model (CacheConfig.check_dims)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 4:
+        raise QuantMLAError(f"{where}: the INT4 layers' content group must be at least 4 channels (a power of two: "
+                            f"4, 8, 16, 32, 64, ...), got {group!r}")
 
 
 def int_config(content_bits: int, rope_bits: int, content_group: int = 64, rope_group: int = 32) -> CacheConfig:
