@@ -142,6 +142,45 @@ def test_off_switch_and_cpu():
         assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA) is None and "8.0" in cuda.plan_reason[lay]
 
 
+@pytest.mark.parametrize("name,stages", [("int4/int4", 4), ("int2/int4", 6)])
+def test_tokens_m_plan(name, stages):
+    """Tokens as the MMA's M dimension: its own source, 4 warps of 64-token tiles, the most stages that keep
+    two CTAs per SM, and the shared-memory map of mla_decode_tm.cu."""
+    lay, p = plan(name, tokens_m=True)
+    m = dict(p.macros)
+    assert build.source_of(p.macros) == build.SOURCE_TM and build.source_of(plan(name)[1].macros) == build.SOURCE
+    assert (m["TM"], m["NW"], m["BN"], p.block_m, p.ctas_per_sm, p.stages) == (1, 4, 64, 16, 2, stages)
+    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, stages)
+    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM < 2 * (cuda.smem_bytes_tm(lay, stages + 1) + cuda.SMEM_RESERVED) \
+        or stages == cuda.TM_MAX_STAGES
+    assert (m["C_BITS"], m["C_GS"], m["R_BITS"], m["R_GS"]) == (lay.token.fmt.content.bits, 128, 4, 64)
+    assert p.describe().startswith("cuda/f16/tm/M16N64w4")
+
+
+@pytest.mark.parametrize("fmt,rows,d_c,why", [
+    ("int4/int4", 32, 512, "at most 16"),
+    ("bf16", 16, 512, "2- or 4-bit affine"),
+    ("fp8", 16, 512, "2- or 4-bit affine"),
+    ("int4/int8", 16, 512, "2- or 4-bit affine"),
+    (CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64)), 16, 512, "2- or 4-bit affine"),
+    (CacheFormat(PathFormat(4, 128, meta_dtype="bfloat16"), PathFormat(4, 64)), 16, 512, "fp16 metadata"),
+    (CacheFormat(PathFormat(4, 32), PathFormat(4, 32)), 16, 512, "multiple of 64"),
+    (CacheFormat(PathFormat(4, 128), PathFormat(4, 16)), 16, 512, "whole number of code planes"),
+    (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16, 128, "DeepSeek's geometry"),
+])
+def test_tokens_m_refused_with_reason(fmt, rows, d_c, why):
+    """Where the tokens-as-M kernel cannot read a layout, asking for it gives no plan and says why."""
+    lay, p = plan(fmt, rows, d_c=d_c, d_r=64 if d_c == 512 else 32, tokens_m=True)
+    assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
+
+
+def test_tokens_m_needs_sm90():
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+        assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True) is None
+    assert "9.0" in cuda.plan_reason[lay]
+
+
 def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     from quantmla.kernels.schedule import default_config
 
@@ -161,6 +200,9 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
                                               ("int2/int4", 16, {"fragments": True}),
+                                              ("int4/int4", 16, {"tokens_m": True}),
+                                              ("int2/int4", 4, {"tokens_m": True}),
+                                              (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16, {"tokens_m": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -206,6 +206,52 @@ def test_decode_cuda_fragments(name, H, SQ):
     assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
+def tokens_m_config(lay, rows):
+    from quantmla.kernels.cuda.build import nvcc
+    from quantmla.kernels.schedule import cuda_config
+
+    if nvcc() is None:
+        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
+    cfg = cuda_config(rows, lay, "cuda", tokens_m=True)
+    assert cfg is not None and cfg.tokens_m, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32"])
+@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
+def test_decode_cuda_tokens_m(name, H, SQ):
+    """Tokens as the MMA's M dimension (mla_decode_tm.cu) against the same fp32 oracle: NaN-poisoned outputs,
+    lengths 0, 1, odd and across pages, causal multi-token rows; the garbage bytes past a partial last tile
+    (the pages start random) never reach the output."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ))
+    assert md.variant.startswith("cuda/f16/tm/"), md.variant
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_decode_cuda_tokens_m_splits(name):
+    """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=17)
+    cfg = tokens_m_config(lay, 16)
+    check_decode(lay, pages, bt, sl, 16, 1, seed=1, config=cfg, chunk_tokens=64)
+    check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
+
+
+def test_decode_cuda_tokens_m_error_within_twice_bf16():
+    """Against fp64 over its own dequantized cache, each format's tokens-as-M error is within 2x the BF16
+    path's (the default CUDA kernel on a BF16 cache)."""
+    errs = {}
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
+    errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
+    for name in ("int4/int4", "int2/int4"):
+        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
+        errs[name], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16))
+        assert md.variant.startswith("cuda/f16/tm/"), md.variant
+    print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
+    for name, e in errs.items():
+        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
+
+
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

@@ -22,6 +22,8 @@
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 # smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
 #                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
+# tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
+#                 the default plan's     -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -116,6 +118,15 @@ smem-wavefronts() {
   ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
   { echo "$(nvidia-smi --query-gpu=name --format=csv,noheader), $(date -u +%F), commit ${QUANTMLA_COMMIT:-?}, INT4/INT4 16 heads 32 x 16384"
     python3 -m quantmla_lab.bench.kernels.shared_wavefronts "$rep.csv" --tokens 524288; } | tee "$f"
+}
+
+tokens-m() {
+  local log="$OUT/kernels/tokens_m_gpu_tests_h200.log"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider -s \
+    -k "tokens_m or (decode_full_shape and cuda and int4 and 16-1)" 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
+    --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -20
 }
 
 for s in "${STEPS[@]}"; do

@@ -45,7 +45,9 @@ class DecodeConfig:
     channels are M, so 16 heads still fill Hopper's 64-row wgmma);
     deq: the generic kernel's tile rebuild (0: shifts + one reshape; 1: per-channel indexing);
     fragments: the CUDA kernel reads the codes straight into the products' operands, with no built tile
-    (kernels/cuda/tile_frag.cuh; the 16-row plan with 2- or 4-bit codes and fp16 metadata)."""
+    (kernels/cuda/tile_frag.cuh; the 16-row plan with 2- or 4-bit codes and fp16 metadata);
+    tokens_m: the CUDA kernel with tokens as the MMA's M dimension (kernels/cuda/mla_decode_tm.cu; up to 16 rows,
+    2- or 4-bit affine codes with fp16 metadata, d_c 512 and d_r 64)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -58,9 +60,10 @@ class DecodeConfig:
     orient: str = "heads"
     deq: int = 0
     fragments: bool = False
+    tokens_m: bool = False
 
     def describe(self) -> str:
-        cuda = "cuda/frag" if self.fragments else "cuda"
+        cuda = "cuda/frag" if self.fragments else "cuda/tm" if self.tokens_m else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
@@ -97,16 +100,16 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
-                block_n: int | None = None, fragments: bool = False) -> DecodeConfig | None:
+                block_n: int | None = None, fragments: bool = False, tokens_m: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows (its default tiling, or `num_warps` x `block_n`;
-    `fragments`: the codes read straight into the products' operands),
+    `fragments`: the codes read straight into the products' operands; `tokens_m`: the tokens-as-M kernel),
     built and loaded now (not inside a later graph capture); None where it cannot run here (the reason in
     ``kernels.cuda.plan_reason``)."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
     plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), num_warps=num_warps, block_n=block_n,
-                            fragments=fragments)
+                            fragments=fragments, tokens_m=tokens_m)
     if plan is None or nvcc() is None:
         return None
     try:
@@ -115,7 +118,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         cuda.plan_reason[layout] = str(e).splitlines()[0]
         return None
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
-                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments)
+                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
+                        tokens_m=bool(dict(plan.macros).get("TM")))
 
 
 @dataclass

@@ -85,6 +85,8 @@ def main() -> None:
                     help="also the default plan without its build, score or output products (timing only)")
     ap.add_argument("--occupancy", action="store_true",
                     help="also the default plan at 16-token tiles and 3 or 4 CTAs per SM (decode kernel alone)")
+    ap.add_argument("--tokens-m", action="store_true",
+                    help="also the tokens-as-M kernel (mla_decode_tm.cu): the whole call and its decode kernel alone")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -147,6 +149,25 @@ def main() -> None:
                         vmd = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(
                             cfg, block_n=vbn, ctas_per_sm=vctas))
                         row(vname, time_decode(vp, vmd), vp, decode_only=True, units=vmd.num_units)
+            if a.tokens_m:  # tokens as the MMA's M dimension: the whole call, then its decode kernel alone
+                cfg = schedule.cuda_config(H, lay, dev, tokens_m=True)
+                if cfg is None:
+                    row("tokens_m", None, None, skipped=cuda.plan_reason.get(lay))
+                    continue
+                plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True)
+                md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
+
+                def run_tm(md=md):
+                    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, scale, metadata=md,
+                                                out=out, lse=lse)
+
+                out.fill_(float("nan"))
+                run_tm()
+                torch.cuda.synchronize()
+                diff = float((out.float() - ref).abs().max()) if ref is not None else None
+                t, _ = bench.time_ms(run_tm, 25, 100)
+                row("tokens_m", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
+                row("tokens_m_decode", time_decode(plan, md), plan, decode_only=True, units=md.num_units)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -63,7 +63,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else ""
+        frag = "/frag" if m.get("REG") else "/tm" if m.get("TM") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 
@@ -144,18 +144,97 @@ def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: 
     return None
 
 
+TM_BLOCK_N, TM_WARPS, TM_MAX_STAGES = 64, 4, 6
+
+
+def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
+    """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
+    place into its A operand) cannot read `layout` for `rows` query rows, or None where it can."""
+    tok = layout.token
+    c, r = tok.fmt.content, tok.fmt.rope
+    if rows > 16:
+        return f"{rows} query rows: it takes at most 16 (heads x query tokens)"
+    if (tok.d_c, tok.d_r) != (512, 64):
+        return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
+    for f, name in ((c, "content"), (r, "RoPE")):
+        if not f.quantized or f.mode != "affine" or f.bits not in (2, 4) or f.per_page or f.meta_dtype != "float16":
+            return f"{name} path {f.describe()}: 2- or 4-bit affine codes with per-token fp16 metadata"
+    if c.group_size % 64:
+        return f"content groups of {c.group_size}: a multiple of 64 channels"
+    if r.group_size % (tok.d_r * r.bits // 8) or tok.d_r % r.group_size:
+        return f"RoPE groups of {r.group_size}: a whole number of code planes ({tok.d_r * r.bits // 8} channels)"
+    if layout.page_size % TM_BLOCK_N:
+        return f"page size {layout.page_size}: a multiple of {TM_BLOCK_N}"
+    return None
+
+
+def smem_bytes_tm(layout: PageLayout, stages: int) -> int:
+    """Dynamic shared memory of one tokens-as-M CTA, bytes: the map of mla_decode_tm.cu (which asserts it)."""
+    tok = layout.token
+    fb = tok.field_bytes
+    a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    bn, bm, cg = TM_BLOCK_N, 16, tok.d_c // tok.fmt.content.group_size
+    ng = cg + tok.d_r // tok.fmt.rope.group_size
+    stage = a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
+    stage = a16(stage + bn * fb["rope_meta"])
+    head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + cg * bm * (bn + 8) * 2)
+    return head + stages * stage + TM_WARPS * bm * (1 + cg) * 4 + 8 * stages
+
+
+def _tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
+    """The tokens-as-M build for `layout`: the most stages (up to TM_MAX_STAGES) at two CTAs per SM."""
+    why = tokens_m_reason(layout, rows)
+    if why:
+        return why
+    fits = [s for s in range(TM_MAX_STAGES, 2, -1) if 2 * (smem_bytes_tm(layout, s) + SMEM_RESERVED) <= SMEM_PER_SM]
+    if not fits:
+        return "the stages do not fit two CTAs per SM in shared memory"
+    tok, o = layout.token, layout.offsets
+    fb = tok.field_bytes
+    stages = fits[0]
+    smem = smem_bytes_tm(layout, stages)
+    macros = dict(
+        TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
+        C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
+        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
+        SMEM_EXPECTED=smem,
+    )
+    return DecodePlan(tuple(sorted(macros.items())), 16, stages, 2, smem)
+
+
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None) -> DecodePlan | None:
+                fragments: bool | None = None, tokens_m: bool | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling; `fragments=True` takes the path without a built tile (None
-    where it cannot read the layout). It is not the default: on the H200 it is slower than building the tile
+    where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it
+    cannot read the layout, the reason from `tokens_m_reason`). Fragments are not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
     lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
     rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
     at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
+    if tokens_m:
+        if mode() == "triton":
+            plan_reason[layout] = "QUANTMLA_DECODE_KERNEL=triton"
+            return None
+        if torch.device(device).type != "cuda" or (not torch.cuda.is_available() and not _assume_cuda()):
+            plan_reason[layout] = "not a CUDA device"
+            return None
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            plan_reason[layout] = "tokens as M: needs compute capability 9.0 (bulk copies)"
+            return None
+        if out_dtype not in _OUT:
+            plan_reason[layout] = f"output dtype {out_dtype}"
+            return None
+        plan = _tokens_m_plan(layout, rows, out_dtype)
+        if isinstance(plan, str):
+            plan_reason[layout] = f"tokens as M: {plan}"
+            return None
+        return plan
     if num_warps is None and block_n is None:
         for nw, bn in ((16, 64), (NUM_WARPS, BLOCK_N)) if rows > 16 else ((NUM_WARPS, BLOCK_N),):
             plan = decode_plan(layout, rows, out_dtype, device, num_warps=nw, block_n=bn, ksplit=ksplit,

@@ -19,8 +19,14 @@ import torch
 from quantmla.errors import QuantMLAError
 
 SOURCE = Path(__file__).with_name("mla_decode.cu")
-# the headers SOURCE includes: part of every build's cache key
-HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh")
+SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's M dimension (plans with TM=1)
+# the headers the sources include: part of every build's cache key
+HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh")
+
+
+def source_of(macros: tuple[tuple[str, int], ...]) -> Path:
+    """The kernel source a plan's constants build: mla_decode_tm.cu where TM=1, else mla_decode.cu."""
+    return SOURCE_TM if dict(macros).get("TM") else SOURCE
 
 
 def cache_dir() -> Path:
@@ -53,12 +59,13 @@ def arch_of(device: torch.device | str | int) -> str:
 
 def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | None = None,
                   extra: tuple[str, ...] = ()) -> Path:
-    """Compile mla_decode.cu with `macros` for `arch` (e.g. "sm_90a") into the cache (or `out`)."""
+    """Compile the plan's source (`source_of`) with `macros` for `arch` (e.g. "sm_90a") into the cache (or `out`)."""
     exe = nvcc()
     if exe is None:
         raise QuantMLAError("the CUDA decode kernel needs nvcc (on PATH, CUDA_HOME or /usr/local/cuda); "
                             "set QUANTMLA_DECODE_KERNEL=triton to use the Triton kernels instead")
-    src = SOURCE.read_bytes() + b"".join(SOURCE.with_name(h).read_bytes() for h in HEADERS)
+    source = source_of(macros)
+    src = source.read_bytes() + b"".join(source.with_name(h).read_bytes() for h in HEADERS)
     key = hashlib.sha256(src + repr((macros, arch, extra)).encode() + _nvcc_version(exe).encode()).hexdigest()[:24]
     path = out or cache_dir() / f"mla_decode_{arch}_{key}.cubin"
     if path.exists():
@@ -68,7 +75,7 @@ def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | No
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_out = Path(tmp) / path.name
         cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-gencode=arch={code},code={arch}", *extra,
-               *[f"-D{k}={v}" for k, v in macros], "-o", str(tmp_out), str(SOURCE)]
+               *[f"-D{k}={v}" for k, v in macros], "-o", str(tmp_out), str(source)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise QuantMLAError(f"nvcc failed to build the CUDA decode kernel ({' '.join(cmd)}):\n{r.stderr.strip()}")

@@ -1,0 +1,532 @@
+// Absorbed-MLA decode over the packed paged cache with tokens as the MMA's M dimension (sm_80 and later;
+// bulk copies on sm_90). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
+//
+// One CTA of 4 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile of
+// BN = 64 tokens (one page section each, bulk-copied STAGES - 1 tiles ahead by one thread):
+//
+//   scores  Sᵀ[token, row] = K·Qᵀ: warp w owns tokens 16w .. 16w + 15 over all 576 channels. The A operand
+//           (16 tokens x 16 channels) is the stage's codes masked in place: a code at bit offset o of a
+//           16-bit half is the exact fp16 subnormal code·2^(o-24), one AND a register. The B operand is the
+//           query block, stored once per CTA in the codes' channel order. Each 64-channel block lies in one
+//           metadata group, so its products sum on their own accumulators and the token's scale folds in
+//           once per block, in fp32; the zero points act through the query's per-group sums.
+//   softmax base 2, in registers: a row's reference maximum moves only when a tile exceeds it by more than
+//           2^8 (one CTA vote a tile; only then are the rows' maxima exchanged). P·scale of each content
+//           group (fp16) goes to shared memory; P·zero is summed per group in fp32.
+//   output  Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ: warp w owns 128 channels (a quarter of every code plane's
+//           bytes). The A operand pairs two tokens' codes of one channel with one byte permute; the B operand
+//           is the group's P·scale. The zero points' sums and the codes' 2^(24-o) join in the epilogue.
+//
+// Per token the stage's codes are read twice from shared memory (once a product) and nothing is built.
+//
+// Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED (and TM, NW, BN, HALF: fixed here)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+typedef __half T;
+typedef __half2 T2;
+#define MMA_TYPE "f16"
+
+#include "ptx.cuh"
+#include "out_io.cuh"
+
+static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
+constexpr int BM = 16;                 // query rows per CTA
+constexpr int NT = 32 * NW;
+constexpr int D = D_C + D_R;
+constexpr int NPC = 8 / C_BITS;        // planes of a content byte
+constexpr int NPR = 8 / R_BITS;        // planes of a RoPE byte
+constexpr int CG = D_C / C_GS;         // content groups
+constexpr int RG = D_R / R_GS;         // RoPE groups
+constexpr int NG = CG + RG;
+constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
+constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
+constexpr int LDQ = D + 8;             // query block row pitch (halves): 8 rows' ldmatrix pieces in distinct banks
+constexpr int LDP = BN + 8;            // P·scale row pitch (halves)
+constexpr int BW = FB_CC / 4;          // output: content bytes a warp owns per token
+constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
+constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
+static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
+static_assert(C_BITS == 2 || C_BITS == 4, "2- or 4-bit content codes");
+static_assert(R_BITS == 2 || R_BITS == 4, "2- or 4-bit RoPE codes");
+static_assert(C_GS % 64 == 0, "a 64-channel block of one content plane lies in one group");
+static_assert(R_GS % FB_RC == 0 && D_R % R_GS == 0, "a RoPE plane lies in one group");
+static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "affine fp16 metadata: (scale, zero) per group");
+static_assert(OMB == 8 && BT % 4 == 0, "a warp's output channels are 8 m16 blocks");
+static_assert(PS % BN == 0, "a tile lies inside one page");
+
+__host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
+constexpr int RAW_CC = 0;
+constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
+constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
+constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
+constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
+constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
+
+// shared memory map (bytes)
+constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
+constexpr int SM_QSUM = SM_Q + BM * LDQ * 2;             // [NG, BM] fp32: Σ_group q · qk_scale·log2 e
+constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale·log2 e / the row's fp16 scaling
+constexpr int SM_P = SM_QF + BM * 4;                     // [CG, BM, LDP] fp16: P·scale, tokens in the output's k order
+constexpr int SM_RAW = align16(SM_P + CG * BM * LDP * 2);
+constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NW, BM, 1 + CG] fp32: cross-warp reductions
+constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stage
+constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
+static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
+
+// the position (halves) of channel c in a query row: k-step · 16 + k, as the scores' A operand reads the codes
+__device__ __forceinline__ int q_position(int c) {
+  int kstep, j;
+  if (c < D_C) {  // plane p byte j; thread t of a row reads 16-byte chunk 4m + t, word s: kstep (m·4 + s)·NPC + p
+    const int p = c / FB_CC;
+    j = c % FB_CC;
+    const int chunk = j >> 4, m = chunk >> 2;
+    kstep = (m * 4 + ((j >> 2) & 3)) * NPC + p;
+    j = (chunk & 3) * 4 + (j & 3);  // (thread, byte of the word)
+  } else {        // RoPE: thread t reads RW words at byte 4·RW·t: kstep CKS + s·NPR + p
+    const int cr = c - D_C, p = cr / FB_RC;
+    j = cr % FB_RC;
+    const int t = j / (4 * RW), s = (j / 4) % RW;
+    kstep = CKS + s * NPR + p;
+    j = t * 4 + (j & 3);
+  }
+  const int t = j >> 2, i = j & 3;  // bytes 0, 2 of a word -> k 2t, 2t + 1; bytes 1, 3 (shifted down) -> 2t + 8, 2t + 9
+  return kstep * 16 + 2 * t + (i >> 1) + 8 * (i & 1);
+}
+
+// the query block of rows [row0, row0 + BM) into sQ (fp16, each row scaled by the power of two that brings its
+// largest |q| below 2^13), its per-group sums into sQsum and each row's score factor into sQf
+__device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr,
+                                              T* sQ, float* sQsum, float* sQf, unsigned* sAmax, int b, int R, int row0,
+                                              float qk_scale_log2, int tid) {
+  constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;
+  if (tid < BM) sAmax[tid] = 0u;
+  uint4 qv[QPT];
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
+    qv[n] = make_uint4(0, 0, 0, 0);
+    if ((QN % NT == 0 || i < QN) && r < R) {
+      const int64_t qrow = (int64_t)b * R + r;
+      qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
+    }
+  }
+  // the per-group sums, one (group, row) a thread, from global memory (fp32, in channel order: deterministic)
+  for (int i = tid; i < NG * BM; i += NT) {
+    const int grp = i / BM, rr = i % BM, r = row0 + rr;
+    float s = 0.0f;
+    if (r < R) {
+      const int64_t qrow = (int64_t)b * R + r;
+      const __nv_bfloat16* src = grp < CG ? qc + qrow * D_C + grp * C_GS : qr + qrow * D_R + (grp - CG) * R_GS;
+      const int n = grp < CG ? C_GS : R_GS;
+      for (int c = 0; c < n; c += 8) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + c));
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+          s += f.x + f.y;
+        }
+      }
+    }
+    sQsum[grp * BM + rr] = s * qk_scale_log2;
+  }
+  __syncthreads();  // sAmax is zeroed
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT;
+    if (QN % NT != 0 && i >= QN) break;
+    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+    uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
+    atomicMax(sAmax + i / QCH, m);
+  }
+  __syncthreads();  // every row's largest |q| is known
+#pragma unroll
+  for (int n = 0; n < QPT; ++n) {
+    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH);
+    if (QN % NT != 0 && i >= QN) break;
+    const float amax = __uint_as_float(sAmax[rr]);
+    float scale = 1.0f;
+    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
+      int e;
+      frexpf(amax / 8192.0f, &e);
+      scale = ldexpf(1.0f, -e);
+    }
+    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+      sQ[rr * LDQ + q_position(c + 2 * e)] = __float2half_rn(f.x * scale);
+      sQ[rr * LDQ + q_position(c + 2 * e + 1)] = __float2half_rn(f.y * scale);
+    }
+    if (c == 0) sQf[rr] = qk_scale_log2 / scale;
+  }
+}
+
+// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar`
+__device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages, int page,
+                                            int n0) {
+  const int tok0 = n0 % PS;
+  const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
+#if BULK
+  mbar_expect_tx(bar, TILE_BYTES);
+  bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
+  bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
+  bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
+  bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
+#endif
+}
+
+// the (scale, zero) of group grp of a token's metadata row, fp32
+__device__ __forceinline__ float2 meta_sz(const uint8_t* row, int grp) {
+  return __half22float2(*reinterpret_cast<const __half2*>(row + 4 * grp));
+}
+
+// plane p's codes of the byte pairs (0, 2) of x, as exact fp16 subnormals in each half
+template <int BITS>
+__device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
+  return x & ((((1u << BITS) - 1u) << (p * BITS)) * 0x10001u);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
+    const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
+    void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse,
+    int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  T* sQ = reinterpret_cast<T*>(smem + SM_Q);
+  float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
+  float* sQf = reinterpret_cast<float*>(smem + SM_QF);
+  T* sP = reinterpret_cast<T*>(smem + SM_P);
+  float* sRed = reinterpret_cast<float*>(smem + SM_RED);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int u = blockIdx.x, row0 = blockIdx.y * BM;
+  const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
+  const int L = seq_lens[b];
+  const int* bt_row = block_table + (int64_t)b * stride_bt;
+  const int ntiles = (end - start + BN - 1) / BN;
+  auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
+
+  // ---- copies first (their page numbers read at once), then the query block ---------------------------
+  int pg_next = 0;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
+    mbar_fence_init();
+    int pg[STAGES - 1];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
+    pg_next = page_of(STAGES - 1);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < ntiles) issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN);
+  }
+  load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<unsigned*>(sRed), b, R, row0, qk_scale_log2, tid);
+  __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
+
+  // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
+  float qf[4], qsum[NG][4], ref[4], l_run[4], zacc[CG][4];
+  int limit[4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+    qf[ri] = sQf[row];
+#pragma unroll
+    for (int grp = 0; grp < NG; ++grp) qsum[grp][ri] = sQsum[grp * BM + row];
+    ref[ri] = -INFINITY;
+    l_run[ri] = 0.0f;
+#pragma unroll
+    for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] = 0.0f;
+    limit[ri] = L - causal * (SQ - 1 - (row0 + row) / H);
+  }
+  float oacc[OMB][2][4];
+#pragma unroll
+  for (int mb = 0; mb < OMB; ++mb)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) oacc[mb][nb][e] = 0.0f;
+  // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
+  const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
+  const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = start + it * BN, valid = min(BN, end - n0);
+    const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+    mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+
+    // ---- scores of tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8) -----------------------------------
+    float sc[2][4];
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nb][e] = 0.0f;
+    const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
+    const uint8_t* mh = ml + 8 * FB_CM;
+#pragma unroll
+    for (int m = 0; m < FB_CC / 64; ++m) {
+      const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
+      const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
+      const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+      float acc[NPC][2][4];
+#pragma unroll
+      for (int p = 0; p < NPC; ++p)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
+#pragma unroll
+        for (int p = 0; p < NPC; ++p) {
+          const uint32_t a[4] = {plane<C_BITS>(xl[s], p), plane<C_BITS>(xh[s], p), plane<C_BITS>(l8, p),
+                                 plane<C_BITS>(h8, p)};
+          uint32_t q[4];
+          ldsm_x4(q, qa + ((m * 4 + s) * NPC + p) * 16);
+          mma16816(acc[p][0], a, q[0], q[1]);
+          mma16816(acc[p][1], a, q[2], q[3]);
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) {  // fold this block's group scale (and the codes' 2^(24 - o)) per token
+        const int grp = (p * FB_CC + 64 * m) / C_GS;
+        const float f = (float)(1 << (24 - p * C_BITS));
+        const float s_lo = meta_sz(ml, grp).x * f, s_hi = meta_sz(mh, grp).x * f;
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
+          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
+          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
+          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
+        }
+      }
+    }
+    {  // the RoPE key: RW words a thread at byte 4·RW·t of each row
+      const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+      const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
+      uint32_t xl[RW], xh[RW];
+#pragma unroll
+      for (int s = 0; s < RW; ++s) {
+        xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
+        xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+      }
+      float acc[NPR][2][4];
+#pragma unroll
+      for (int p = 0; p < NPR; ++p)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < RW; ++s) {
+        const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
+#pragma unroll
+        for (int p = 0; p < NPR; ++p) {
+          const uint32_t a[4] = {plane<R_BITS>(xl[s], p), plane<R_BITS>(xh[s], p), plane<R_BITS>(l8, p),
+                                 plane<R_BITS>(h8, p)};
+          uint32_t q[4];
+          ldsm_x4(q, qa + (CKS + s * NPR + p) * 16);
+          mma16816(acc[p][0], a, q[0], q[1]);
+          mma16816(acc[p][1], a, q[2], q[3]);
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < NPR; ++p) {
+        const int grp = p * FB_RC / R_GS;
+        const float f = (float)(1 << (24 - p * R_BITS));
+        const float s_lo = meta_sz(rml, grp).x * f, s_hi = meta_sz(rml + 8 * FB_RM, grp).x * f;
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
+          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
+          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
+          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
+        }
+      }
+      // the zero points through the query's group sums; base-2 scaled scores, -inf past the sequence
+      float z_lo[NG], z_hi[NG];
+#pragma unroll
+      for (int grp = 0; grp < NG; ++grp) {
+        z_lo[grp] = grp < CG ? meta_sz(ml, grp).y : meta_sz(rml, grp - CG).y;
+        z_hi[grp] = grp < CG ? meta_sz(mh, grp).y : meta_sz(rml + 8 * FB_RM, grp - CG).y;
+      }
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ri = 2 * nb + (e & 1), tok = tok_lo + 8 * (e >> 1);
+          float v = sc[nb][e] * qf[ri];
+#pragma unroll
+          for (int grp = 0; grp < NG; ++grp) v = fmaf(e < 2 ? z_lo[grp] : z_hi[grp], qsum[grp][ri], v);
+          sc[nb][e] = tok < valid && n0 + tok < limit[ri] ? v : -INFINITY;
+        }
+    }
+
+    // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
+    bool exceeds = false;
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) exceeds |= sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
+    const bool moved = __syncthreads_or(exceeds);
+    if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
+      const int nxt = it + STAGES - 1;
+      if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                    start + nxt * BN);
+      pg_next = page_of(nxt + 1);
+    }
+    if (moved) {  // the tile's row maxima across the CTA; a row moves where it exceeds its reference by 8
+      float mx[4];
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int nb = ri >> 1, e = ri & 1;
+        mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
+        if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+        float tm = sRed[row];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+        if (tm > ref[ri] + 8.0f) {
+          const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
+          ref[ri] = tm;
+          l_run[ri] *= alpha;
+#pragma unroll
+          for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
+#pragma unroll
+          for (int mb = 0; mb < OMB; ++mb) {
+            oacc[mb][ri >> 1][ri & 1] *= alpha;
+            oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
+          }
+        }
+      }
+    }
+
+    // ---- P = 2^(s - ref); P·scale per content group into sP at the tokens' output k positions -------------
+    {
+      const int kpos = 16 * warp + 2 * (g >> 1) + 8 * (g & 1);  // tok_lo; tok_lo + 8 is the next half
+      float2 szl[CG], szh[CG];
+#pragma unroll
+      for (int grp = 0; grp < CG; ++grp) szl[grp] = meta_sz(ml, grp), szh[grp] = meta_sz(mh, grp);
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e;
+        const float m_safe = ref[ri] == -INFINITY ? 0.0f : ref[ri];
+        const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
+        const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
+        l_run[ri] += plo + phi;
+#pragma unroll
+        for (int grp = 0; grp < CG; ++grp) {
+          // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
+          const float ps_lo = plo == 0.0f ? 0.0f : plo * szl[grp].x, ps_hi = phi == 0.0f ? 0.0f : phi * szh[grp].x;
+          zacc[grp][ri] += (plo == 0.0f ? 0.0f : plo * szl[grp].y) + (phi == 0.0f ? 0.0f : phi * szh[grp].y);
+          *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
+        }
+      }
+    }
+    __syncthreads();  // P·scale of the whole tile is written
+
+    // ---- output: warp w's 128 channels; per 16 tokens, thread t pairs tokens (2t, 2t + 8) and (2t + 1, 2t + 9)
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
+      uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
+#pragma unroll
+      for (int k = 0; k < BT / 4; ++k) {
+        wa[k] = reinterpret_cast<const uint32_t*>(base)[k];
+        wb[k] = reinterpret_cast<const uint32_t*>(base + 8 * FB_CC)[k];
+        wc[k] = reinterpret_cast<const uint32_t*>(base + FB_CC)[k];
+        wd[k] = reinterpret_cast<const uint32_t*>(base + 9 * FB_CC)[k];
+      }
+      uint32_t pb[NPC][4];
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) {
+        const int grp = (p * FB_CC + BW * warp) / C_GS;
+        ldsm_x4(pb[p], sP + (grp * BM + 8 * ((lane >> 3) >> 1) + (lane & 7)) * LDP + 16 * j + 8 * ((lane >> 3) & 1));
+      }
+#pragma unroll
+      for (int z = 0; z < BT / 2; ++z) {  // byte pair (2z, 2z + 1) of the thread's bytes: channels rows g, g + 8
+        const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
+        const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
+        const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
+#pragma unroll
+        for (int p = 0; p < NPC; ++p) {
+          const uint32_t a[4] = {plane<C_BITS>(zab, p), plane<C_BITS>(zab8, p), plane<C_BITS>(zcd, p),
+                                 plane<C_BITS>(zcd8, p)};
+          const int mb = p * (BT / 2) + z;
+          mma16816(oacc[mb][0], a, pb[p][0], pb[p][1]);
+          mma16816(oacc[mb][1], a, pb[p][2], pb[p][3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
+  __syncthreads();  // every warp is done with sRed's tile maxima
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+    float v[1 + CG];
+    v[0] = l_run[ri];
+#pragma unroll
+    for (int grp = 0; grp < CG; ++grp) v[1 + grp] = zacc[grp][ri];
+#pragma unroll
+    for (int k = 0; k < 1 + CG; ++k) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+      if (g == 0) sRed[(warp * BM + row) * (1 + CG) + k] = v[k];
+    }
+  }
+  __syncthreads();
+  float lsum[4], zsum[CG][4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+    lsum[ri] = 0.0f;
+#pragma unroll
+    for (int grp = 0; grp < CG; ++grp) zsum[grp][ri] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
+#pragma unroll
+      for (int grp = 0; grp < CG; ++grp) zsum[grp][ri] += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
+    }
+    const int r = row0 + row;
+    if (warp == 0 && g == 0 && r < R) {
+      const float lv = lsum[ri] > 0.0f ? (ref[ri] + log2f(lsum[ri])) * 0.6931471805599453f : -INFINITY;
+      if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
+      else part_lse[(int64_t)u * R + r] = lv;
+    }
+  }
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e, r = row0 + row;
+    if (r >= R) continue;
+    const float inv = lsum[ri] > 0.0f ? 1.0f / lsum[ri] : 0.0f;
+    const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
+#pragma unroll
+    for (int mb = 0; mb < OMB; ++mb) {
+      const int p = mb / (BT / 2), z = mb % (BT / 2);
+      const int c = p * FB_CC + BW * warp + BT * g + 2 * z;  // channels c (row g) and c + 1 (row g + 8)
+      const int grp = (p * FB_CC + BW * warp) / C_GS;
+      const float f = (float)(1 << (24 - p * C_BITS));
+      const float o0 = (oacc[mb][nb][e] * f + zsum[grp][ri]) * inv;
+      const float o1 = (oacc[mb][nb][e + 2] * f + zsum[grp][ri]) * inv;
+      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
+      else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
+    }
+  }
+}
