@@ -168,6 +168,16 @@ def main() -> None:
                 t, _ = bench.time_ms(run_tm, 25, 100)
                 row("tokens_m", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
                 row("tokens_m_decode", time_decode(plan, md), plan, decode_only=True, units=md.num_units)
+                m = dict(plan.macros)
+                for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),
+                                  ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
+                    vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
+                    row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
+                if not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
+                    md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,
+                                                                                                  num_stages=p3.stages))
+                    row("tokens_m_c3_decode", time_decode(p3, md3), p3, decode_only=True, units=md3.num_units)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

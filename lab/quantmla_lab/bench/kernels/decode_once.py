@@ -4,7 +4,7 @@
         python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384
 
 Arguments: cache format, heads, batch, context; `--fragments` runs the CUDA kernel's plan that reads the
-codes straight into the products' operands instead. Three calls run (the profiler skips two with -s 2);
+codes straight into the products' operands instead, `--tokens-m` the kernel with tokens as the MMA's M dimension. Three calls run (the profiler skips two with -s 2);
 the pages are in random order and written by the append kernel, as in decode_speed.
 """
 
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("batch", type=int)
     ap.add_argument("context", type=int)
     ap.add_argument("--fragments", action="store_true", help="the CUDA plan without a built tile")
+    ap.add_argument("--tokens-m", action="store_true", help="the CUDA kernel with tokens as the MMA's M dimension")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_once needs a CUDA GPU")
@@ -40,6 +41,12 @@ def main() -> None:
         cfg = cuda_config(a.heads, lay, "cuda", fragments=True)
         if cfg is None:
             raise SystemExit(f"no fragments plan for {a.format} at {a.heads} heads")
+    if a.tokens_m:
+        from quantmla.kernels.schedule import cuda_config
+
+        cfg = cuda_config(a.heads, lay, "cuda", tokens_m=True)
+        if cfg is None:
+            raise SystemExit(f"no tokens-as-M plan for {a.format} at {a.heads} heads")
     md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay, config=cfg)
     for _ in range(3):
         api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md)

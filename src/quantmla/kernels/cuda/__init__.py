@@ -181,14 +181,16 @@ def smem_bytes_tm(layout: PageLayout, stages: int) -> int:
     return head + stages * stage + TM_WARPS * bm * (1 + cg) * 4 + 8 * stages
 
 
-def _tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
-    """The tokens-as-M build for `layout`: the most stages (up to TM_MAX_STAGES) at two CTAs per SM."""
+def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2) -> DecodePlan | str:
+    """The tokens-as-M build for `layout` (or why there is none): the most stages (2 to TM_MAX_STAGES) that fit
+    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
-    fits = [s for s in range(TM_MAX_STAGES, 2, -1) if 2 * (smem_bytes_tm(layout, s) + SMEM_RESERVED) <= SMEM_PER_SM]
+    fits = [s for s in range(TM_MAX_STAGES, 1, -1)
+            if ctas_per_sm * (smem_bytes_tm(layout, s) + SMEM_RESERVED) <= SMEM_PER_SM]
     if not fits:
-        return "the stages do not fit two CTAs per SM in shared memory"
+        return f"the stages do not fit {ctas_per_sm} CTAs per SM in shared memory"
     tok, o = layout.token, layout.offsets
     fb = tok.field_bytes
     stages = fits[0]
@@ -199,9 +201,9 @@ def _tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
-        SMEM_EXPECTED=smem,
+        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm,
     )
-    return DecodePlan(tuple(sorted(macros.items())), 16, stages, 2, smem)
+    return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
@@ -230,7 +232,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         if out_dtype not in _OUT:
             plan_reason[layout] = f"output dtype {out_dtype}"
             return None
-        plan = _tokens_m_plan(layout, rows, out_dtype)
+        plan = tokens_m_plan(layout, rows, out_dtype)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None

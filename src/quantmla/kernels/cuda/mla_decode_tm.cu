@@ -33,6 +33,17 @@ typedef __half2 T2;
 #include "ptx.cuh"
 #include "out_io.cuh"
 
+// SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): leave the score or the output products out
+#ifndef SKIP_QK
+#define SKIP_QK 0
+#endif
+#ifndef SKIP_PV
+#define SKIP_PV 0
+#endif
+#ifndef MIN_CTAS
+#define MIN_CTAS 2
+#endif
+
 static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
@@ -76,6 +87,7 @@ constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NW, BM, 1 + CG] fp3
 constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
+static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
 
 // the position (halves) of channel c in a query row: k-step · 16 + k, as the scores' A operand reads the codes
 __device__ __forceinline__ int q_position(int c) {
@@ -98,10 +110,12 @@ __device__ __forceinline__ int q_position(int c) {
 }
 
 // the query block of rows [row0, row0 + BM) into sQ (fp16, each row scaled by the power of two that brings its
-// largest |q| below 2^13), its per-group sums into sQsum and each row's score factor into sQf
+// largest |q| below 2^13), its per-group sums into sQsum and each row's score factor into sQf. Each thread
+// loads its 16-byte pieces (8 channels: two words of the codes' order) at once; the pieces' sums meet in sPart
+// and are added in channel order (deterministic)
 __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr,
-                                              T* sQ, float* sQsum, float* sQf, unsigned* sAmax, int b, int R, int row0,
-                                              float qk_scale_log2, int tid) {
+                                              T* sQ, float* sQsum, float* sQf, float* sPart, unsigned* sAmax, int b,
+                                              int R, int row0, float qk_scale_log2, int tid) {
   constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;
   if (tid < BM) sAmax[tid] = 0u;
   uint4 qv[QPT];
@@ -114,26 +128,6 @@ __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ 
       qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
     }
   }
-  // the per-group sums, one (group, row) a thread, from global memory (fp32, in channel order: deterministic)
-  for (int i = tid; i < NG * BM; i += NT) {
-    const int grp = i / BM, rr = i % BM, r = row0 + rr;
-    float s = 0.0f;
-    if (r < R) {
-      const int64_t qrow = (int64_t)b * R + r;
-      const __nv_bfloat16* src = grp < CG ? qc + qrow * D_C + grp * C_GS : qr + qrow * D_R + (grp - CG) * R_GS;
-      const int n = grp < CG ? C_GS : R_GS;
-      for (int c = 0; c < n; c += 8) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + c));
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-          s += f.x + f.y;
-        }
-      }
-    }
-    sQsum[grp * BM + rr] = s * qk_scale_log2;
-  }
   __syncthreads();  // sAmax is zeroed
 #pragma unroll
   for (int n = 0; n < QPT; ++n) {
@@ -141,28 +135,44 @@ __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ 
     if (QN % NT != 0 && i >= QN) break;
     const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
     uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
+    float sum = 0.0f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
+    for (int e = 0; e < 4; ++e) {
+      m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+      sum += f.x + f.y;
+    }
     atomicMax(sAmax + i / QCH, m);
+    sPart[i] = sum;
   }
-  __syncthreads();  // every row's largest |q| is known
+  __syncthreads();  // every row's largest |q| and every piece's sum are known
+  for (int i = tid; i < NG * BM; i += NT) {  // one (group, row) a thread
+    const int grp = i / BM, rr = i % BM;
+    const int p0 = grp < CG ? grp * (C_GS / 8) : (D_C + (grp - CG) * R_GS) / 8, np = (grp < CG ? C_GS : R_GS) / 8;
+    float s = 0.0f;
+    for (int k = 0; k < np; ++k) s += sPart[rr * QCH + p0 + k];
+    sQsum[grp * BM + rr] = s * qk_scale_log2;
+  }
 #pragma unroll
   for (int n = 0; n < QPT; ++n) {
     const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH);
     if (QN % NT != 0 && i >= QN) break;
-    const float amax = __uint_as_float(sAmax[rr]);
-    float scale = 1.0f;
-    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
-      int e;
-      frexpf(amax / 8192.0f, &e);
-      scale = ldexpf(1.0f, -e);
-    }
+    // the exact power of two 2^-(E - 12) that brings a row whose largest |q| is 2^E·1.m (> 2^13) below 2^13
+    const unsigned abits = sAmax[rr];
+    const float scale = __uint_as_float(abits) > 8192.0f ? __uint_as_float((127u - ((abits >> 23) - 127u - 12u)) << 23) : 1.0f;
     const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
+    uint32_t h[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-      sQ[rr * LDQ + q_position(c + 2 * e)] = __float2half_rn(f.x * scale);
-      sQ[rr * LDQ + q_position(c + 2 * e + 1)] = __float2half_rn(f.y * scale);
+      h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
+    }
+    // channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9), q = q_position(c + 4v)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      T* dst = sQ + rr * LDQ + q_position(c + 4 * v);
+      *reinterpret_cast<uint32_t*>(dst) = __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
+      *reinterpret_cast<uint32_t*>(dst + 8) = __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
     }
     if (c == 0) sQf[rr] = qk_scale_log2 / scale;
   }
@@ -193,7 +203,7 @@ __device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
   return x & ((((1u << BITS) - 1u) << (p * BITS)) * 0x10001u);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
     void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse,
@@ -228,7 +238,8 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
     for (int s = 0; s < STAGES - 1; ++s)
       if (s < ntiles) issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN);
   }
-  load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<unsigned*>(sRed), b, R, row0, qk_scale_log2, tid);
+  load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), b, R, row0,
+                qk_scale_log2, tid);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
 
   // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
@@ -283,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
+      for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
         const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
 #pragma unroll
         for (int p = 0; p < NPC; ++p) {
@@ -326,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
 #pragma unroll
-      for (int s = 0; s < RW; ++s) {
+      for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
         const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
 #pragma unroll
         for (int p = 0; p < NPR; ++p) {
@@ -441,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
 
     // ---- output: warp w's 128 channels; per 16 tokens, thread t pairs tokens (2t, 2t + 8) and (2t + 1, 2t + 9)
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
+    for (int j = 0; j < (SKIP_PV ? 0 : BN / 16); ++j) {
       const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
       uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
 #pragma unroll
@@ -491,19 +502,13 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
     }
   }
   __syncthreads();
-  float lsum[4], zsum[CG][4];
+  float lsum[4];
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
     lsum[ri] = 0.0f;
 #pragma unroll
-    for (int grp = 0; grp < CG; ++grp) zsum[grp][ri] = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
-#pragma unroll
-      for (int grp = 0; grp < CG; ++grp) zsum[grp][ri] += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
-    }
+    for (int w = 0; w < NW; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
     const int r = row0 + row;
     if (warp == 0 && g == 0 && r < R) {
       const float lv = lsum[ri] > 0.0f ? (ref[ri] + log2f(lsum[ri])) * 0.6931471805599453f : -INFINITY;
@@ -511,6 +516,13 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
       else part_lse[(int64_t)u * R + r] = lv;
     }
   }
+  // Σ P·zero of a row's group over the warps (the group of a warp's channels depends on the warp: read in place)
+  auto zsum = [&](int grp, int row) {
+    float z = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
+    return z;
+  };
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e, r = row0 + row;
@@ -523,8 +535,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2) mla_decode(
       const int c = p * FB_CC + BW * warp + BT * g + 2 * z;  // channels c (row g) and c + 1 (row g + 8)
       const int grp = (p * FB_CC + BW * warp) / C_GS;
       const float f = (float)(1 << (24 - p * C_BITS));
-      const float o0 = (oacc[mb][nb][e] * f + zsum[grp][ri]) * inv;
-      const float o1 = (oacc[mb][nb][e + 2] * f + zsum[grp][ri]) * inv;
+      const float zs = zsum(grp, row);
+      const float o0 = (oacc[mb][nb][e] * f + zs) * inv;
+      const float o1 = (oacc[mb][nb][e + 2] * f + zs) * inv;
       if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
     }
