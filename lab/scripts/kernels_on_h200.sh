@@ -129,9 +129,10 @@ tokens-m() {
     --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -40
   timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section SchedulerStats \
     --section WarpStateStats --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 --tokens-m 2>&1 | grep -v "^==PROF==" \
     > "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt"
-  grep -i "stall\|issue\|duration\|throughput\|warp cycles\|eligible" "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt" | head -40
+  grep -i "stalled\|duration\|issued warp\|eligible warps\|dram throughput" "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt" | head -40
 }
 
 for s in "${STEPS[@]}"; do

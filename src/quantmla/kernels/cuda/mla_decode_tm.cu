@@ -203,6 +203,187 @@ __device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
   return x & ((((1u << BITS) - 1u) << (p * BITS)) * 0x10001u);
 }
 
+// scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
+// 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
+                                            const int (&limit)[4], int tok_lo, int t, int valid, int n0, float (&sc)[2][4]) {
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[nb][e] = 0.0f;
+  const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
+  const uint8_t* mh = ml + 8 * FB_CM;
+  constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
+  float acc[NPC][2][4];
+#pragma unroll
+  for (int m = 0; m < FB_CC / 64; ++m) {
+    if (m % MPG == 0) {
+#pragma unroll
+      for (int p = 0; p < NPC; ++p)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
+    }
+    const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
+    const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
+    const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
+      const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) {
+        const uint32_t a[4] = {plane<C_BITS>(xl[s], p), plane<C_BITS>(xh[s], p), plane<C_BITS>(l8, p),
+                               plane<C_BITS>(h8, p)};
+        uint32_t q[4];
+        ldsm_x4(q, qa + ((m * 4 + s) * NPC + p) * 16);
+        mma16816(acc[p][0], a, q[0], q[1]);
+        mma16816(acc[p][1], a, q[2], q[3]);
+      }
+    }
+    if (m % MPG == MPG - 1) {
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
+        const int grp = (p * FB_CC + 64 * m) / C_GS;
+        const float f = (float)(1 << (24 - p * C_BITS));
+        const float s_lo = meta_sz(ml, grp).x * f, s_hi = meta_sz(mh, grp).x * f;
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
+          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
+          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
+          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
+        }
+      }
+    }
+  }
+  // the RoPE key: RW words a thread at byte 4·RW·t of each row
+  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+  const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
+  uint32_t xl[RW], xh[RW];
+#pragma unroll
+  for (int s = 0; s < RW; ++s) {
+    xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
+    xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+  }
+  float racc[NPR][2][4];
+#pragma unroll
+  for (int p = 0; p < NPR; ++p)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) racc[p][nb][e] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
+    const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
+#pragma unroll
+    for (int p = 0; p < NPR; ++p) {
+      const uint32_t a[4] = {plane<R_BITS>(xl[s], p), plane<R_BITS>(xh[s], p), plane<R_BITS>(l8, p), plane<R_BITS>(h8, p)};
+      uint32_t q[4];
+      ldsm_x4(q, qa + (CKS + s * NPR + p) * 16);
+      mma16816(racc[p][0], a, q[0], q[1]);
+      mma16816(racc[p][1], a, q[2], q[3]);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < NPR; ++p) {
+    const int grp = p * FB_RC / R_GS;
+    const float f = (float)(1 << (24 - p * R_BITS));
+    const float s_lo = meta_sz(rml, grp).x * f, s_hi = meta_sz(rml + 8 * FB_RM, grp).x * f;
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      sc[nb][0] = fmaf(racc[p][nb][0], s_lo, sc[nb][0]);
+      sc[nb][1] = fmaf(racc[p][nb][1], s_lo, sc[nb][1]);
+      sc[nb][2] = fmaf(racc[p][nb][2], s_hi, sc[nb][2]);
+      sc[nb][3] = fmaf(racc[p][nb][3], s_hi, sc[nb][3]);
+    }
+  }
+  // the zero points through the query's group sums; base-2 scaled scores, -inf past the sequence
+  float z_lo[NG], z_hi[NG];
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    z_lo[grp] = grp < CG ? meta_sz(ml, grp).y : meta_sz(rml, grp - CG).y;
+    z_hi[grp] = grp < CG ? meta_sz(mh, grp).y : meta_sz(rml + 8 * FB_RM, grp - CG).y;
+  }
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = 2 * nb + (e & 1), tok = tok_lo + 8 * (e >> 1);
+      float v = sc[nb][e] * qf[ri];
+#pragma unroll
+      for (int grp = 0; grp < NG; ++grp) v = fmaf(e < 2 ? z_lo[grp] : z_hi[grp], qsum[grp][ri], v);
+      sc[nb][e] = tok < valid && n0 + tok < limit[ri] ? v : -INFINITY;
+    }
+}
+
+// P = 2^(s - ref) of one tile: the rows' sums and Σ P·zero per content group in registers, P·scale per content
+// group into sP [CG, BM, LDP] at the tokens' output k positions (tokens tok_lo and tok_lo + 8 side by side)
+__device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[2][4], const float (&ref)[4],
+                                                   float (&l_run)[4], float (&zacc)[CG][4], int warp, int g, int t,
+                                                   int tok_lo) {
+  const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
+  const uint8_t* mh = ml + 8 * FB_CM;
+  const int kpos = 16 * warp + 2 * (g >> 1) + 8 * (g & 1);
+  float2 szl[CG], szh[CG];
+#pragma unroll
+  for (int grp = 0; grp < CG; ++grp) szl[grp] = meta_sz(ml, grp), szh[grp] = meta_sz(mh, grp);
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e;
+    const float m_safe = ref[ri] == -INFINITY ? 0.0f : ref[ri];
+    const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
+    const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
+    l_run[ri] += plo + phi;
+#pragma unroll
+    for (int grp = 0; grp < CG; ++grp) {
+      // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
+      const float ps_lo = plo == 0.0f ? 0.0f : plo * szl[grp].x, ps_hi = phi == 0.0f ? 0.0f : phi * szh[grp].x;
+      zacc[grp][ri] += (plo == 0.0f ? 0.0f : plo * szl[grp].y) + (phi == 0.0f ? 0.0f : phi * szh[grp].y);
+      *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
+    }
+  }
+}
+
+// the output products of one tile (stage st): warp w's 128 channels; per 16 tokens, thread t pairs the codes of
+// tokens (2t, 2t + 8) and (2t + 1, 2t + 9), channel rows g and g + 8 of each m16 block
+__device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, float (&oacc)[OMB][2][4], int warp, int g,
+                                            int t, int lane) {
+#pragma unroll
+  for (int j = 0; j < BN / 16; ++j) {
+    const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
+    uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
+    if constexpr (BT == 8) {
+      const uint2 va = *reinterpret_cast<const uint2*>(base), vb = *reinterpret_cast<const uint2*>(base + 8 * FB_CC);
+      const uint2 vc = *reinterpret_cast<const uint2*>(base + FB_CC), vd = *reinterpret_cast<const uint2*>(base + 9 * FB_CC);
+      wa[0] = va.x, wa[BT / 8] = va.y, wb[0] = vb.x, wb[BT / 8] = vb.y;
+      wc[0] = vc.x, wc[BT / 8] = vc.y, wd[0] = vd.x, wd[BT / 8] = vd.y;
+    } else {
+      wa[0] = *reinterpret_cast<const uint32_t*>(base), wb[0] = *reinterpret_cast<const uint32_t*>(base + 8 * FB_CC);
+      wc[0] = *reinterpret_cast<const uint32_t*>(base + FB_CC), wd[0] = *reinterpret_cast<const uint32_t*>(base + 9 * FB_CC);
+    }
+    uint32_t pb[NPC][4];
+#pragma unroll
+    for (int p = 0; p < NPC; ++p) {
+      const int grp = (p * FB_CC + BW * warp) / C_GS;
+      ldsm_x4(pb[p], sP + (grp * BM + 8 * ((lane >> 3) >> 1) + (lane & 7)) * LDP + 16 * j + 8 * ((lane >> 3) & 1));
+    }
+#pragma unroll
+    for (int z = 0; z < BT / 2; ++z) {  // byte pair (2z, 2z + 1) of the thread's bytes: channel rows g, g + 8
+      const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
+      const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
+      const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) {
+        const uint32_t a[4] = {plane<C_BITS>(zab, p), plane<C_BITS>(zab8, p), plane<C_BITS>(zcd, p), plane<C_BITS>(zcd8, p)};
+        const int mb = p * (BT / 2) + z;
+        mma16816(oacc[mb][0], a, pb[p][0], pb[p][1]);
+        mma16816(oacc[mb][1], a, pb[p][2], pb[p][3]);
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
     const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
@@ -268,126 +449,26 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
   const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
 
-  for (int it = 0; it < ntiles; ++it) {
+  // Tile it: the output products of tile it - 1 and the scores of tile it in one block without a barrier (the
+  // two are independent, so their instructions interleave); then one vote, P of tile it, and a barrier.
+  // A stage is read by the scores of its tile and by the output one iteration later.
+  for (int it = 0; it <= ntiles; ++it) {
+    const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
-    mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
-
-    // ---- scores of tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8) -----------------------------------
     float sc[2][4];
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nb][e] = 0.0f;
-    const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
-    const uint8_t* mh = ml + 8 * FB_CM;
-#pragma unroll
-    for (int m = 0; m < FB_CC / 64; ++m) {
-      const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
-      const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
-      const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-      float acc[NPC][2][4];
-#pragma unroll
-      for (int p = 0; p < NPC; ++p)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
-#pragma unroll
-      for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
-        const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
-#pragma unroll
-        for (int p = 0; p < NPC; ++p) {
-          const uint32_t a[4] = {plane<C_BITS>(xl[s], p), plane<C_BITS>(xh[s], p), plane<C_BITS>(l8, p),
-                                 plane<C_BITS>(h8, p)};
-          uint32_t q[4];
-          ldsm_x4(q, qa + ((m * 4 + s) * NPC + p) * 16);
-          mma16816(acc[p][0], a, q[0], q[1]);
-          mma16816(acc[p][1], a, q[2], q[3]);
-        }
-      }
-#pragma unroll
-      for (int p = 0; p < NPC; ++p) {  // fold this block's group scale (and the codes' 2^(24 - o)) per token
-        const int grp = (p * FB_CC + 64 * m) / C_GS;
-        const float f = (float)(1 << (24 - p * C_BITS));
-        const float s_lo = meta_sz(ml, grp).x * f, s_hi = meta_sz(mh, grp).x * f;
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
-          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
-          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
-          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
-        }
-      }
+    if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
+    if (scores) {
+      mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
-    {  // the RoPE key: RW words a thread at byte 4·RW·t of each row
-      const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
-      const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
-      uint32_t xl[RW], xh[RW];
-#pragma unroll
-      for (int s = 0; s < RW; ++s) {
-        xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
-        xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
-      }
-      float acc[NPR][2][4];
-#pragma unroll
-      for (int p = 0; p < NPR; ++p)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
-#pragma unroll
-      for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
-        const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
-#pragma unroll
-        for (int p = 0; p < NPR; ++p) {
-          const uint32_t a[4] = {plane<R_BITS>(xl[s], p), plane<R_BITS>(xh[s], p), plane<R_BITS>(l8, p),
-                                 plane<R_BITS>(h8, p)};
-          uint32_t q[4];
-          ldsm_x4(q, qa + (CKS + s * NPR + p) * 16);
-          mma16816(acc[p][0], a, q[0], q[1]);
-          mma16816(acc[p][1], a, q[2], q[3]);
-        }
-      }
-#pragma unroll
-      for (int p = 0; p < NPR; ++p) {
-        const int grp = p * FB_RC / R_GS;
-        const float f = (float)(1 << (24 - p * R_BITS));
-        const float s_lo = meta_sz(rml, grp).x * f, s_hi = meta_sz(rml + 8 * FB_RM, grp).x * f;
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
-          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
-          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
-          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
-        }
-      }
-      // the zero points through the query's group sums; base-2 scaled scores, -inf past the sequence
-      float z_lo[NG], z_hi[NG];
-#pragma unroll
-      for (int grp = 0; grp < NG; ++grp) {
-        z_lo[grp] = grp < CG ? meta_sz(ml, grp).y : meta_sz(rml, grp - CG).y;
-        z_hi[grp] = grp < CG ? meta_sz(mh, grp).y : meta_sz(rml + 8 * FB_RM, grp - CG).y;
-      }
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ri = 2 * nb + (e & 1), tok = tok_lo + 8 * (e >> 1);
-          float v = sc[nb][e] * qf[ri];
-#pragma unroll
-          for (int grp = 0; grp < NG; ++grp) v = fmaf(e < 2 ? z_lo[grp] : z_hi[grp], qsum[grp][ri], v);
-          sc[nb][e] = tok < valid && n0 + tok < limit[ri] ? v : -INFINITY;
-        }
-    }
-
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
     bool exceeds = false;
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) exceeds |= sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
+      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
     const bool moved = __syncthreads_or(exceeds);
+    if (!scores) break;
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
@@ -425,64 +506,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
         }
       }
     }
-
-    // ---- P = 2^(s - ref); P·scale per content group into sP at the tokens' output k positions -------------
-    {
-      const int kpos = 16 * warp + 2 * (g >> 1) + 8 * (g & 1);  // tok_lo; tok_lo + 8 is the next half
-      float2 szl[CG], szh[CG];
-#pragma unroll
-      for (int grp = 0; grp < CG; ++grp) szl[grp] = meta_sz(ml, grp), szh[grp] = meta_sz(mh, grp);
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e;
-        const float m_safe = ref[ri] == -INFINITY ? 0.0f : ref[ri];
-        const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
-        const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
-        l_run[ri] += plo + phi;
-#pragma unroll
-        for (int grp = 0; grp < CG; ++grp) {
-          // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
-          const float ps_lo = plo == 0.0f ? 0.0f : plo * szl[grp].x, ps_hi = phi == 0.0f ? 0.0f : phi * szh[grp].x;
-          zacc[grp][ri] += (plo == 0.0f ? 0.0f : plo * szl[grp].y) + (phi == 0.0f ? 0.0f : phi * szh[grp].y);
-          *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
-        }
-      }
-    }
+    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, ref, l_run, zacc, warp, g, t, tok_lo);
     __syncthreads();  // P·scale of the whole tile is written
-
-    // ---- output: warp w's 128 channels; per 16 tokens, thread t pairs tokens (2t, 2t + 8) and (2t + 1, 2t + 9)
-#pragma unroll
-    for (int j = 0; j < (SKIP_PV ? 0 : BN / 16); ++j) {
-      const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
-      uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
-#pragma unroll
-      for (int k = 0; k < BT / 4; ++k) {
-        wa[k] = reinterpret_cast<const uint32_t*>(base)[k];
-        wb[k] = reinterpret_cast<const uint32_t*>(base + 8 * FB_CC)[k];
-        wc[k] = reinterpret_cast<const uint32_t*>(base + FB_CC)[k];
-        wd[k] = reinterpret_cast<const uint32_t*>(base + 9 * FB_CC)[k];
-      }
-      uint32_t pb[NPC][4];
-#pragma unroll
-      for (int p = 0; p < NPC; ++p) {
-        const int grp = (p * FB_CC + BW * warp) / C_GS;
-        ldsm_x4(pb[p], sP + (grp * BM + 8 * ((lane >> 3) >> 1) + (lane & 7)) * LDP + 16 * j + 8 * ((lane >> 3) & 1));
-      }
-#pragma unroll
-      for (int z = 0; z < BT / 2; ++z) {  // byte pair (2z, 2z + 1) of the thread's bytes: channels rows g, g + 8
-        const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
-        const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
-        const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
-#pragma unroll
-        for (int p = 0; p < NPC; ++p) {
-          const uint32_t a[4] = {plane<C_BITS>(zab, p), plane<C_BITS>(zab8, p), plane<C_BITS>(zcd, p),
-                                 plane<C_BITS>(zcd8, p)};
-          const int mb = p * (BT / 2) + z;
-          mma16816(oacc[mb][0], a, pb[p][0], pb[p][1]);
-          mma16816(oacc[mb][1], a, pb[p][2], pb[p][3]);
-        }
-      }
-    }
   }
 
   // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
