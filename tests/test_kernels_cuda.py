@@ -187,10 +187,15 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     assert default_config(16, lay, "cpu").kernel != "cuda"
+    fp8 = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        cfg = default_config(16, lay, "cuda")
-    assert cfg.kernel == "cuda" and cfg.block_n == cuda.BLOCK_N and cfg.block_m == 16
+        cfg, other = default_config(16, lay, "cuda"), default_config(16, fp8, "cuda")
+        built = default_config(32, lay, "cuda")
+    # integer codes at 16 rows: tokens as the MMA's M dimension; FP8, and more rows: the built tile
+    assert cfg.kernel == "cuda" and cfg.tokens_m and cfg.block_n == cuda.TM_BLOCK_N and cfg.block_m == 16
+    assert other.kernel == "cuda" and not other.tokens_m and other.block_n == cuda.BLOCK_N
+    assert built.kernel == "cuda" and not built.tokens_m and built.block_m == 32
 
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")

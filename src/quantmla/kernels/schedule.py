@@ -100,20 +100,29 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
-                block_n: int | None = None, fragments: bool = False, tokens_m: bool = False) -> DecodeConfig | None:
-    """The CUDA kernel's config for `rows` query rows (its default tiling, or `num_warps` x `block_n`;
-    `fragments`: the codes read straight into the products' operands; `tokens_m`: the tokens-as-M kernel),
-    built and loaded now (not inside a later graph capture); None where it cannot run here (the reason in
-    ``kernels.cuda.plan_reason``)."""
+                block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None) -> DecodeConfig | None:
+    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
+    None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
+    where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata at d_c 512, d_r 64:
+    on the H200 it is 1.0 to 1.4x faster than the built tile, lab/results/kernels/decode_tokens_m_h200.json),
+    else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
+    plan, `tokens_m=True` for the tokens-as-M kernel only, `tokens_m=False` for the built tile only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
-    plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), num_warps=num_warps, block_n=block_n,
-                            fragments=fragments, tokens_m=tokens_m)
+    dev = torch.device(device)
+    plan = None
+    if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True)
+        if plan is None and tokens_m:
+            return None
+    if plan is None:
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
+                                fragments=fragments)
     if plan is None or nvcc() is None:
         return None
     try:
-        cuda.prepare(plan, torch.device(device))
+        cuda.prepare(plan, dev)
     except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
         cuda.plan_reason[layout] = str(e).splitlines()[0]
         return None
