@@ -111,15 +111,12 @@ def main() -> None:
                                     "macros": dict(plan.macros) if plan else None, **kw})
                 print(f"{name:10s} {B}x{L:<7d} {vname:22s} {us or float('nan'):8.1f} us  {kw}", flush=True)
 
-            for nw, bn in tilings:  # through the public API: schedule, decode and combine
-                cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
-                if cfg is None:
-                    row(f"w{nw}_n{bn}", None, None, skipped=cuda.plan_reason.get(lay))
-                    continue
-                plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, num_warps=nw, block_n=bn)
-                md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
+            def time_call(md) -> tuple[float, float]:
+                """One decode call through the public API (schedule, decode and combine) over md's units, into a
+                NaN-poisoned output: (µs, largest difference from the first config's output)."""
+                nonlocal ref
 
-                def run(md=md):
+                def run():
                     api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, scale, metadata=md,
                                                 out=out, lse=lse)
 
@@ -129,18 +126,27 @@ def main() -> None:
                 if ref is None:
                     ref = out.float().clone()
                 diff = float((out.float() - ref).abs().max())
-                t, _ = bench.time_ms(run, 25, 100)
-                row(f"w{nw}_n{bn}", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff)
-                def time_decode(vp: cuda.DecodePlan, vmd) -> float:
-                    """The decode kernel of plan vp alone (no combine) over vmd's units, µs."""
-                    po = torch.empty(vmd.num_units, H, 512, device=dev)
-                    pl = torch.empty(vmd.num_units, H, device=dev)
-                    args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
-                            c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
-                    t, _ = bench.time_ms(lambda: cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev),
-                                         25, 100)
-                    return t * 1e3
+                return bench.time_ms(run, 25, 100)[0] * 1e3, diff
 
+            def time_decode(vp: cuda.DecodePlan, vmd) -> float:
+                """The decode kernel of plan vp alone (no combine) over vmd's units, µs."""
+                po = torch.empty(vmd.num_units, H, 512, device=dev)
+                pl = torch.empty(vmd.num_units, H, device=dev)
+                args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
+                        c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
+                t, _ = bench.time_ms(lambda: cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev),
+                                     25, 100)
+                return t * 1e3
+
+            for nw, bn in tilings:
+                cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
+                if cfg is None:
+                    row(f"w{nw}_n{bn}", None, None, skipped=cuda.plan_reason.get(lay))
+                    continue
+                plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, num_warps=nw, block_n=bn)
+                md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
+                us, diff = time_call(md)
+                row(f"w{nw}_n{bn}", us, plan, units=md.num_units, max_abs_diff_vs_first=diff)
                 if (a.knobs or a.phases) and (nw, bn) == tilings[0]:
                     for vname, vp in knob_variants(plan, lay, phases=a.phases).items():
                         row(vname, time_decode(vp, md), vp, decode_only=True)
@@ -156,17 +162,8 @@ def main() -> None:
                     continue
                 plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True)
                 md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
-
-                def run_tm(md=md):
-                    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, scale, metadata=md,
-                                                out=out, lse=lse)
-
-                out.fill_(float("nan"))
-                run_tm()
-                torch.cuda.synchronize()
-                diff = float((out.float() - ref).abs().max()) if ref is not None else None
-                t, _ = bench.time_ms(run_tm, 25, 100)
-                row("tokens_m", t * 1e3, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
+                us, diff = time_call(md)
+                row("tokens_m", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
                 row("tokens_m_decode", time_decode(plan, md), plan, decode_only=True, units=md.num_units)
                 m = dict(plan.macros)
                 for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),

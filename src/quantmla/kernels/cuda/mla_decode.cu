@@ -165,11 +165,7 @@ __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, in
   else build_tile<false>(stage, tile, valid, id);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
-    const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
-    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
-    void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse,
-    int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2) {
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
   extern __shared__ __align__(16) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sS = reinterpret_cast<float*>(smem + SM_S);
@@ -210,13 +206,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
       mbar_fence_init();
     }
     __syncwarp();
-    int pg[STAGES - 1];
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
-    pg_next = page_of(STAGES - 1);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < ntiles) issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN, lane);
+    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+      issue_tile_bulk(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN, lane);
+    });
   } else if (!BULK_TILES && builds) {
     int pg[STAGES - 1];
 #pragma unroll

@@ -89,6 +89,8 @@ constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
 
+#include "query_pieces.cuh"
+
 // the position (halves) of channel c in a query row: k-step · 16 + k, as the scores' A operand reads the codes
 __device__ __forceinline__ int q_position(int c) {
   int kstep, j;
@@ -119,30 +121,20 @@ __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ 
   constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;
   if (tid < BM) sAmax[tid] = 0u;
   uint4 qv[QPT];
-#pragma unroll
-  for (int n = 0; n < QPT; ++n) {
-    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
-    qv[n] = make_uint4(0, 0, 0, 0);
-    if ((QN % NT == 0 || i < QN) && r < R) {
-      const int64_t qrow = (int64_t)b * R + r;
-      qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
-    }
-  }
+  load_query_pieces(qc, qr, qv, b, R, row0, tid);
   __syncthreads();  // sAmax is zeroed
 #pragma unroll
   for (int n = 0; n < QPT; ++n) {
     const int i = tid + n * NT;
     if (QN % NT != 0 && i >= QN) break;
     const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-    uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
     float sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
       sum += f.x + f.y;
     }
-    atomicMax(sAmax + i / QCH, m);
+    atomicMax(sAmax + i / QCH, piece_amax_bits(qv[n]));
     sPart[i] = sum;
   }
   __syncthreads();  // every row's largest |q| and every piece's sum are known
@@ -160,13 +152,8 @@ __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ 
     // the exact power of two 2^-(E - 12) that brings a row whose largest |q| is 2^E·1.m (> 2^13) below 2^13
     const unsigned abits = sAmax[rr];
     const float scale = __uint_as_float(abits) > 8192.0f ? __uint_as_float((127u - ((abits >> 23) - 127u - 12u)) << 23) : 1.0f;
-    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-    uint32_t h[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-      h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
-    }
+    const uint4 hv = piece_to_half(qv[n], scale);
+    const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w};
     // channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9), q = q_position(c + 4v)
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
@@ -203,6 +190,43 @@ __device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
   return x & ((((1u << BITS) - 1u) << (p * BITS)) * 0x10001u);
 }
 
+// sc += acc·(s_lo, s_hi): a group's products folded into the scores with the scale of token tok_lo (rows
+// c0, c1 of an accumulator) and of tok_lo + 8 (rows c2, c3)
+__device__ __forceinline__ void fold_scale(float (&sc)[2][4], const float (&acc)[2][4], float s_lo, float s_hi) {
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) {
+    sc[nb][0] = fmaf(acc[nb][0], s_lo, sc[nb][0]);
+    sc[nb][1] = fmaf(acc[nb][1], s_lo, sc[nb][1]);
+    sc[nb][2] = fmaf(acc[nb][2], s_hi, sc[nb][2]);
+    sc[nb][3] = fmaf(acc[nb][3], s_hi, sc[nb][3]);
+  }
+}
+
+template <int NP>
+__device__ __forceinline__ void zero_acc(float (&acc)[NP][2][4]) {
+#pragma unroll
+  for (int p = 0; p < NP; ++p)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
+}
+
+// one word of each of the scores' two tokens (xl: tok_lo, xh: tok_lo + 8) into the products of its NP planes:
+// plane p is k-step kstep0 + p of the query block (its bytes 0, 2 give k 2t, 2t + 1, bytes 1, 3 k 2t + 8, 2t + 9)
+template <int BITS, int NP>
+__device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl, uint32_t xh, const T* qa, int kstep0) {
+  const uint32_t l8 = xl >> 8, h8 = xh >> 8;
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    const uint32_t a[4] = {plane<BITS>(xl, p), plane<BITS>(xh, p), plane<BITS>(l8, p), plane<BITS>(h8, p)};
+    uint32_t q[4];
+    ldsm_x4(q, qa + (kstep0 + p) * 16);
+    mma16816(acc[p][0], a, q[0], q[1]);
+    mma16816(acc[p][1], a, q[2], q[3]);
+  }
+}
+
 // scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
 // 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
 __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
@@ -217,43 +241,18 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
   float acc[NPC][2][4];
 #pragma unroll
   for (int m = 0; m < FB_CC / 64; ++m) {
-    if (m % MPG == 0) {
-#pragma unroll
-      for (int p = 0; p < NPC; ++p)
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
-    }
+    if (m % MPG == 0) zero_acc(acc);
     const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
     const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
     const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
 #pragma unroll
-    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
-      const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
-#pragma unroll
-      for (int p = 0; p < NPC; ++p) {
-        const uint32_t a[4] = {plane<C_BITS>(xl[s], p), plane<C_BITS>(xh[s], p), plane<C_BITS>(l8, p),
-                               plane<C_BITS>(h8, p)};
-        uint32_t q[4];
-        ldsm_x4(q, qa + ((m * 4 + s) * NPC + p) * 16);
-        mma16816(acc[p][0], a, q[0], q[1]);
-        mma16816(acc[p][1], a, q[2], q[3]);
-      }
-    }
+    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
     if (m % MPG == MPG - 1) {
 #pragma unroll
       for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
         const int grp = (p * FB_CC + 64 * m) / C_GS;
         const float f = (float)(1 << (24 - p * C_BITS));
-        const float s_lo = meta_sz(ml, grp).x * f, s_hi = meta_sz(mh, grp).x * f;
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          sc[nb][0] = fmaf(acc[p][nb][0], s_lo, sc[nb][0]);
-          sc[nb][1] = fmaf(acc[p][nb][1], s_lo, sc[nb][1]);
-          sc[nb][2] = fmaf(acc[p][nb][2], s_hi, sc[nb][2]);
-          sc[nb][3] = fmaf(acc[p][nb][3], s_hi, sc[nb][3]);
-        }
+        fold_scale(sc, acc[p], meta_sz(ml, grp).x * f, meta_sz(mh, grp).x * f);
       }
     }
   }
@@ -267,36 +266,14 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
     xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
   }
   float racc[NPR][2][4];
+  zero_acc(racc);
 #pragma unroll
-  for (int p = 0; p < NPR; ++p)
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) racc[p][nb][e] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
-    const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
-#pragma unroll
-    for (int p = 0; p < NPR; ++p) {
-      const uint32_t a[4] = {plane<R_BITS>(xl[s], p), plane<R_BITS>(xh[s], p), plane<R_BITS>(l8, p), plane<R_BITS>(h8, p)};
-      uint32_t q[4];
-      ldsm_x4(q, qa + (CKS + s * NPR + p) * 16);
-      mma16816(racc[p][0], a, q[0], q[1]);
-      mma16816(racc[p][1], a, q[2], q[3]);
-    }
-  }
+  for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
 #pragma unroll
   for (int p = 0; p < NPR; ++p) {
     const int grp = p * FB_RC / R_GS;
     const float f = (float)(1 << (24 - p * R_BITS));
-    const float s_lo = meta_sz(rml, grp).x * f, s_hi = meta_sz(rml + 8 * FB_RM, grp).x * f;
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-      sc[nb][0] = fmaf(racc[p][nb][0], s_lo, sc[nb][0]);
-      sc[nb][1] = fmaf(racc[p][nb][1], s_lo, sc[nb][1]);
-      sc[nb][2] = fmaf(racc[p][nb][2], s_hi, sc[nb][2]);
-      sc[nb][3] = fmaf(racc[p][nb][3], s_hi, sc[nb][3]);
-    }
+    fold_scale(sc, racc[p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
   }
   // the zero points through the query's group sums; base-2 scaled scores, -inf past the sequence
   float z_lo[NG], z_hi[NG];
@@ -384,11 +361,7 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
-    const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,
-    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,
-    void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse,
-    int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2) {
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
   extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
@@ -411,13 +384,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
-    int pg[STAGES - 1];
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) pg[s] = page_of(s);
-    pg_next = page_of(STAGES - 1);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < ntiles) issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg[s], start + s * BN);
+    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
+    });
   }
   load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), b, R, row0,
                 qk_scale_log2, tid);

@@ -112,3 +112,17 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 #endif
 }
+
+// the page numbers of the first S - 1 tiles read at once (page_of(it)), then their copies started
+// (issue(s, page) for s < ntiles); returns the page of tile S - 1, which the next issue needs
+template <int S, class PageOf, class Issue>
+__device__ __forceinline__ int start_tiles(int ntiles, PageOf page_of, Issue issue) {
+  int pg[S - 1];
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) pg[s] = page_of(s);
+  const int next = page_of(S - 1);
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s)
+    if (s < ntiles) issue(s, pg[s]);
+  return next;
+}

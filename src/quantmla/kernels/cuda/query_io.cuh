@@ -2,6 +2,8 @@
 // tile constants, ptx.cuh and (with REG) tile_frag.cuh.
 #pragma once
 
+#include "query_pieces.cuh"
+
 // the query block of rows [row0, row0 + BM) of sequence b into sQ [BM, LDK] as T, rows past R zero: every
 // thread loads its 16-byte pieces at once. In fp16 each row is scaled by the power of two that brings its
 // largest |q| below 2^13 (exact); sQs[row] gets the factor that undoes it. sAlpha [BM] must be zero (it
@@ -10,15 +12,7 @@ __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict
                                                  T* sQ, float* sAlpha, float* sQs, int b, int R, int row0, int tid) {
   constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // pieces: a row, in all, a thread
   uint4 qv[QPT];
-#pragma unroll
-  for (int n = 0; n < QPT; ++n) {
-    const int i = tid + n * NT, rr = i / QCH, c = 8 * (i % QCH), r = row0 + rr;
-    qv[n] = make_uint4(0, 0, 0, 0);
-    if ((QN % NT == 0 || i < QN) && r < R) {
-      const int64_t qrow = (int64_t)b * R + r;
-      qv[n] = __ldg(reinterpret_cast<const uint4*>(c < D_C ? qc + qrow * D_C + c : qr + qrow * D_R + c - D_C));
-    }
-  }
+  load_query_pieces(qc, qr, qv, b, R, row0, tid);
 #if HALF
   unsigned* sAmax = reinterpret_cast<unsigned*>(sAlpha);  // per row, as fp32 bits (sAlpha is free until D)
   __syncthreads();  // sAmax is zeroed
@@ -26,11 +20,7 @@ __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict
   for (int n = 0; n < QPT; ++n) {
     const int i = tid + n * NT;
     if (QN % NT != 0 && i >= QN) break;
-    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-    uint32_t m = 0;  // |bf16| as fp32 bits: positive floats order as their bits
-#pragma unroll
-    for (int e = 0; e < 4; ++e) m = max(m, max((w[e] << 16) & 0x7fffffffu, w[e] & 0x7fff0000u));
-    atomicMax(sAmax + i / QCH, m);
+    atomicMax(sAmax + i / QCH, piece_amax_bits(qv[n]));
   }
   __syncthreads();  // every row's largest |q| is known
 #endif
@@ -46,14 +36,7 @@ __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict
       frexpf(amax / 8192.0f, &e);
       scale = ldexpf(1.0f, -e);
     }
-    const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
-    uint32_t h[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-      h[e] = as_u32(__floats2half2_rn(f.x * scale, f.y * scale));
-    }
-    const uint4 v = make_uint4(h[0], h[1], h[2], h[3]);
+    const uint4 v = piece_to_half(qv[n], scale);
 #else
     const float scale = 1.0f;
     const uint4 v = qv[n];
