@@ -126,7 +126,9 @@ tokens-m() {
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider -s \
     -k "tokens_m or (decode_full_shape and cuda and int4 and 16-1)" 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
   timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -40
+    --shapes ${TM_SHAPES:-1x131072,8x16384,32x16384,64x4096} --tilings 8x32 --tokens-m \
+    --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -50
+  [ -n "${NO_NCU:-}" ] && return
   timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section SchedulerStats \
     --section WarpStateStats --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

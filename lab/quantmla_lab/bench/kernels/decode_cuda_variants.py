@@ -170,6 +170,13 @@ def main() -> None:
                                   ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
                     vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
                     row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                for st in range(2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
+                    smem = cuda.smem_bytes_tm(lay, st)
+                    vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
+                                             stages=st, smem=smem)
+                    row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                    vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), "SKIP_QK": 1, "SKIP_PV": 1}.items())))
+                    row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                 p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
                 if not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,
