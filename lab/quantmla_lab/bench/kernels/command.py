@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "decode_attention_fwd, or one defining quantmla_peer_decode); never committed")
     p.add_argument("--sweep-shape", default="32x16384", help="batch x context the config sweep is timed on")
     p.add_argument("--no-sweep", action="store_true", help="use the default config of each method")
+    p.add_argument("--flush", choices=("write", "read"), default="write",
+                   help="how L2 is emptied before each timed call: 'write' zeroes a 256 MB buffer (triton's do_bench; "
+                        "its dirty lines are written back during the call), 'read' reads one (no write-back)")
     p.add_argument("--warmup-ms", type=int, default=25, help="warmup time per measurement (ms)")
     p.add_argument("--rep-ms", type=int, default=100, help="timed repetitions per measurement (ms)")
     p.add_argument("--out", default="out/bench-kernel/decode.json", help="where the JSON (and the PNG beside it) go")

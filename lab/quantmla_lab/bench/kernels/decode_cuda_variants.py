@@ -87,11 +87,14 @@ def main() -> None:
                     help="also the default plan at 16-token tiles and 3 or 4 CTAs per SM (decode kernel alone)")
     ap.add_argument("--tokens-m", action="store_true",
                     help="also the tokens-as-M kernel (mla_decode_tm.cu): the whole call and its decode kernel alone")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
+    bench.FLUSH = a.flush
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "rows": []}
+        timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "flush": a.flush, "rows": []}
     tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")]
     scale = 0.07
     for name in a.formats.split(","):
