@@ -24,6 +24,8 @@
 #                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
 # tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
 #                 the default plan's     -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
+# tokens-m-timeline  each CTA's clocks through one call of it (prologue, first tile, tiles, epilogue), INT4/INT4 and
+#                 INT2/INT4 at 1 x 131072 and 32 x 16384                  -> kernels/decode_tokens_m_timeline_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -135,6 +137,11 @@ tokens-m() {
     python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 --tokens-m 2>&1 | grep -v "^==PROF==" \
     > "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt"
   grep -i "stalled\|duration\|issued warp\|eligible warps\|dram throughput" "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt" | head -40
+}
+
+tokens-m-timeline() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
+    --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
 }
 
 for s in "${STEPS[@]}"; do

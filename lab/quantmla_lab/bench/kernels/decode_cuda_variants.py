@@ -87,6 +87,8 @@ def main() -> None:
                     help="also the default plan at 16-token tiles and 3 or 4 CTAs per SM (decode kernel alone)")
     ap.add_argument("--tokens-m", action="store_true",
                     help="also the tokens-as-M kernel (mla_decode_tm.cu): the whole call and its decode kernel alone")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --tokens-m: each CTA's clocks through one call (prologue, first tile, tiles, epilogue)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--out", required=True)
@@ -141,6 +143,35 @@ def main() -> None:
                                      25, 100)
                 return t * 1e3
 
+            def timeline(plan: cuda.DecodePlan, vmd) -> dict:
+                """One call of the plan built with TIMELINE=1 (each CTA's clocks at entry, after the query block, at
+                its first tile, after its tiles, at the end): medians and extremes, µs (clock64 at the SM clock
+                that globaltimer gives over the whole CTA)."""
+                vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
+                po = torch.zeros(vmd.num_units, H, 512, device=dev)
+                pl = torch.empty(vmd.num_units, H, device=dev)
+                args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
+                        c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
+                for _ in range(3):
+                    cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
+                torch.cuda.synchronize()
+                w = po.view(vmd.num_units, -1)[:, :24].contiguous().view(torch.int64).cpu()  # 12 words a unit
+                gt, ck = w[:, 0:10:2].double(), w[:, 1:10:2].double()
+                ghz = float(((ck[:, 4] - ck[:, 0]) / (gt[:, 4] - gt[:, 0]).clamp(min=1)).median())  # cycles per ns
+                us = lambda x: x / ghz / 1e3  # noqa: E731
+                med = lambda x: float(x.median())  # noqa: E731
+                start = (gt[:, 0] - gt[:, 0].min()) / 1e3
+                end = (gt[:, 4] - gt[:, 0].min()) / 1e3
+                return {"clock_GHz": ghz, "ctas": vmd.num_units, "sms": int(w[:, 10].unique().numel()),
+                        "tiles_per_unit_median": med(w[:, 11].double()),
+                        "start_us_median": med(start), "start_us_max": float(start.max()),
+                        "end_us_median": med(end), "end_us_max": float(end.max()),
+                        "prologue_us_median": us(med(ck[:, 1] - ck[:, 0])),
+                        "first_tile_wait_us_median": us(med(ck[:, 2] - ck[:, 1])),
+                        "tiles_us_median": us(med(ck[:, 3] - ck[:, 2])),
+                        "epilogue_us_median": us(med(ck[:, 4] - ck[:, 3])),
+                        "cta_us_median": us(med(ck[:, 4] - ck[:, 0])), "cta_us_max": us(float((ck[:, 4] - ck[:, 0]).max()))}
+
             for nw, bn in tilings:
                 cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
                 if cfg is None:
@@ -168,20 +199,23 @@ def main() -> None:
                 us, diff = time_call(md)
                 row("tokens_m", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
                 row("tokens_m_decode", time_decode(plan, md), plan, decode_only=True, units=md.num_units)
-                m = dict(plan.macros)
-                for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),
-                                  ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
-                    vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
-                    row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                for st in range(2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
-                    smem = cuda.smem_bytes_tm(lay, st)
-                    vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
-                                             stages=st, smem=smem)
-                    row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                    vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), "SKIP_QK": 1, "SKIP_PV": 1}.items())))
-                    row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                if not a.timeline:  # the phase, stage and occupancy variants
+                    m = dict(plan.macros)
+                    for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),
+                                      ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
+                        row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                    for st in range(2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
+                        smem = cuda.smem_bytes_tm(lay, st)
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
+                                                 stages=st, smem=smem)
+                        row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                        vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), "SKIP_QK": 1, "SKIP_PV": 1}.items())))
+                        row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                if a.timeline:
+                    row("tokens_m_timeline", None, plan, **timeline(plan, md))
                 p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
-                if not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
+                if not a.timeline and not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,
                                                                                                   num_stages=p3.stages))
                     row("tokens_m_c3_decode", time_decode(p3, md3), p3, decode_only=True, units=md3.num_units)

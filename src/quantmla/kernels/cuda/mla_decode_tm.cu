@@ -43,6 +43,20 @@ typedef __half2 T2;
 #ifndef MIN_CTAS
 #define MIN_CTAS 2
 #endif
+// TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
+// %globaltimer and clock64 at entry, after the query block, at its first tile, after the tile loop and at the
+// end, and the SM it ran on, into the first 16 words of its unit's partial output
+#ifndef TIMELINE
+#define TIMELINE 0
+#endif
+__device__ __forceinline__ void mark(uint64_t (&tl)[10], int i) {
+  if constexpr (TIMELINE) {
+    uint64_t g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    tl[2 * i] = g;
+    tl[2 * i + 1] = (uint64_t)clock64();
+  }
+}
 
 static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
 constexpr int BM = 16;                 // query rows per CTA
@@ -372,6 +386,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int u = blockIdx.x, row0 = blockIdx.y * BM;
+  uint64_t tl[10] = {};  // TIMELINE: (globaltimer ns, clock64) at the five marks
+  mark(tl, 0);
   const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
   const int L = seq_lens[b];
   const int* bt_row = block_table + (int64_t)b * stride_bt;
@@ -391,6 +407,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), b, R, row0,
                 qk_scale_log2, tid);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
+  mark(tl, 1);
 
   // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
   float qf[4], qsum[NG][4], ref[4], l_run[4], zacc[CG][4];
@@ -428,6 +445,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      if (it == 0) mark(tl, 2);
       tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
@@ -479,6 +497,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     __syncthreads();  // P·scale of the whole tile is written
   }
 
+  mark(tl, 3);
   // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
   __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
@@ -534,6 +553,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const float o1 = (oacc[mb][nb][e + 2] * f + zs) * inv;
       if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
+    }
+  }
+  if constexpr (TIMELINE) {
+    mark(tl, 4);
+    __syncthreads();
+    if (tid == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      uint64_t* dst = reinterpret_cast<uint64_t*>(part_out + (int64_t)u * R * D_C);
+#pragma unroll
+      for (int i = 0; i < 10; ++i) dst[i] = tl[i];
+      dst[10] = smid;
+      dst[11] = (uint64_t)ntiles;
     }
   }
 }
