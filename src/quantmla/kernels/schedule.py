@@ -104,7 +104,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata at d_c 512, d_r 64:
-    on the H200 it is 1.0 to 1.4x faster than the built tile, lab/results/kernels/decode_tokens_m_h200.json),
+    on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4
+    at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
     plan, `tokens_m=True` for the tokens-as-M kernel only, `tokens_m=False` for the built tile only."""
     from quantmla.kernels import cuda
