@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantmla.evaluation.datasets import RETRIEVAL_LENGTHS
 from quantmla_lab.training.families import describe
 from quantmla_lab.training.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from quantmla_lab.training.train import TrainOptions
+    from quantmla_lab.training.options import TrainOptions
 
-RETRIEVAL_LENGTHS = (1024, 2048, 4096)
 
 
 def log(msg: str) -> None:

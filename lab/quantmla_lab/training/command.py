@@ -81,7 +81,8 @@ def _device(args) -> str:
 
 def _prepare(args) -> dict:
     from quantmla_lab.training import data as D
-    from quantmla_lab.training.train import PrepareOptions, prepare
+    from quantmla_lab.training.options import PrepareOptions
+    from quantmla_lab.training.train import prepare
 
     lengths = tuple(int(x) for x in args.retrieval_lengths.split(","))
     opts = PrepareOptions(
@@ -106,7 +107,7 @@ def _prepare(args) -> dict:
 
 
 def _train_options(args):
-    from quantmla_lab.training.train import TrainOptions
+    from quantmla_lab.training.options import TrainOptions
 
     return TrainOptions(
         size=args.size,

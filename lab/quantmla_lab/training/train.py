@@ -24,15 +24,16 @@ import platform
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from quantmla_lab.training import data as D
-from quantmla_lab.training.card import RETRIEVAL_LENGTHS, evaluate_and_card
+from quantmla_lab.training.card import evaluate_and_card
 from quantmla_lab.training.card import log as _log
 from quantmla_lab.training.families import MODEL_NAMES, make_config, set_rope, short_context_rope
+from quantmla_lab.training.options import PrepareOptions, TrainOptions
 from quantmla_lab.training.tokenizer import (
     file_sha256,
     load_tokenizer,
@@ -42,23 +43,6 @@ from quantmla_lab.training.tokenizer import (
 
 
 # ----------------------------------------------------------------------------- prepare
-
-
-@dataclass
-class PrepareOptions:
-    vocab_size: int = 3072
-    max_train_bytes: int = 400_000_000
-    tokenizer_bytes: int = 24_000_000
-    heldout_fraction: float = 0.06
-    heldout_code_bytes: int = 320_000
-    heldout_prose_bytes: int = 200_000
-    retrieval_pool_bytes: int = 1_000_000
-    n_retrieval: int = 100
-    retrieval_lengths: tuple[int, ...] = RETRIEVAL_LENGTHS
-    seed: int = 0
-    workers: int = 16
-    tokenizer_from: str | None = None  # a directory holding tokenizer.json: used as is, none is fitted
-    heldout_from: str | None = None  # a held-out set directory with its manifest: copied, its packages held out
 
 
 def _read_many(files: list[D.SourceFile], workers: int) -> list[str | None]:
@@ -266,32 +250,6 @@ def prepare(
 
 
 # ----------------------------------------------------------------------------- train
-
-
-@dataclass
-class TrainOptions:
-    size: str = "ref"
-    device: str = "cuda"
-    time_budget_s: float = 400.0
-    max_steps: int = 100_000
-    batch_tokens: int = 32768
-    short_len: int = 1024
-    long_len: int = 4096
-    short_frac: float = 0.3
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1
-    warmup_steps: int = 250
-    weight_decay: float = 0.1
-    p_retrieval: float = 0.5
-    answer_weight: float = 3.0
-    seed: int = 0
-    log_every: int = 50
-    # evaluation
-    eval_seq_len: int = 2048
-    eval_retrieval_n: int = 100
-    slice_seq_len: int = 512
-    slice_chunks: int = 2
-    slice_retrieval: int = 2
 
 
 def _lr_at(opts: TrainOptions, step: int, progress: float) -> float:

@@ -27,7 +27,7 @@ REFERENCE_MODELS = (
     "qmla-ref-glm4-moe-lite",
 )
 DEFAULT_MODEL = "qmla-ref-deepseek-v3"
-RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+RETRIEVAL_LENGTHS = (1024, 2048, 4096)  # tokens of context of the held-out key-retrieval samples
 
 
 def models_root() -> Path:

@@ -49,11 +49,11 @@ from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
 from quantmla.evaluation.configs import PRESETS, CacheConfig, int_config, mix_config, named_config  # noqa: F401
+from quantmla.evaluation.datasets import RETRIEVAL_LENGTHS
 from quantmla.model.spec import MLASpec, load_spec
 from quantmla.quant.format import BF16
 
 EVAL_MODE = "every read quantized incl. prefill"
-RETRIEVAL_LENGTHS = (1024, 2048, 4096)
 
 METHODS = {
     "bf16": "BF16 reference: the cache stored in bf16, no quantization",
