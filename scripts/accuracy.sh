@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 quick=0
 for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
 models=$(python -c "
-from quantmla.evaluation.datasets import REFERENCE_MODELS, models_root
+from quantmla.corpus.datasets import REFERENCE_MODELS, models_root
 print(' '.join(n for n in REFERENCE_MODELS if (models_root() / n / 'config.json').exists()))")
 if [ -z "$models" ]; then echo "no reference model under models/ (run quantmla train-reference)" >&2; exit 2; fi
 if [ $quick = 1 ]; then

@@ -192,7 +192,7 @@ def test_analyze_rejects_bad_groups_and_layers(v3_layers):
 
 
 def _checkpoint(root: Path) -> tuple[Path, Path]:
-    from quantmla.evaluation.datasets import write_jsonl
+    from quantmla.corpus.datasets import write_jsonl
     from quantmla_lab.training.tokenizer import train_tokenizer, wrap
 
     std = Path(sysconfig.get_paths()["stdlib"])

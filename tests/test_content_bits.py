@@ -108,7 +108,7 @@ def test_mix_high_group_is_parsed_and_named():
 def test_mix_at_group_64_stores_the_baselines_bytes(model):
     """On the shipped models (d_c 128, d_r 32, g32/g16) the one INT4 layer in four at group 64 spends the
     6 B a token that RoPE keys per channel per page save: 72 B, the INT2/INT4 baselines' bytes."""
-    from quantmla.evaluation.datasets import models_root
+    from quantmla.corpus.datasets import models_root
 
     spec = load_spec(str(models_root() / model))
     assert (spec.d_c, spec.d_r, len(spec.mla_layers)) == (128, 32, 4)
@@ -151,7 +151,7 @@ def test_a_high_group_that_does_not_divide_d_c_fails_before_the_error_model(monk
 def test_eval_refuses_a_high_group_that_does_not_divide_d_c_before_loading(tmp_path, capsys, monkeypatch):
     from quantmla.cli import main
     from quantmla.evaluation import harness
-    from quantmla.evaluation.datasets import models_root
+    from quantmla.corpus.datasets import models_root
 
     monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("weights were read"))
     out = tmp_path / "out"

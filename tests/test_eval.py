@@ -273,7 +273,7 @@ def test_table_refuses_mixed_data_and_silent_replacement(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from quantmla.evaluation.datasets import write_jsonl
+    from quantmla.corpus.datasets import write_jsonl
     from quantmla_lab.training.tasks import make_eval_samples
     from quantmla_lab.training.tokenizer import train_tokenizer, wrap
 

@@ -59,7 +59,7 @@ def test_line_recall_samples():
     """A line asked for is unique in the context, its answer appears nowhere else, the control lacks the line."""
     from transformers import AutoTokenizer
 
-    from quantmla.evaluation.datasets import model_path
+    from quantmla.corpus.datasets import model_path
 
     tok = AutoTokenizer.from_pretrained(model_path())
     samples = make_line_samples(tok, _docs(), 1024, 6, seed=0)
@@ -78,7 +78,7 @@ def test_line_recall_samples():
 def test_eval_line_format(tmp_path):
     """`quantmla eval --retrieval-formats line` writes line-recall accuracy and its control per length."""
     from quantmla.cli import main
-    from quantmla.evaluation.datasets import model_path, write_jsonl
+    from quantmla.corpus.datasets import model_path, write_jsonl
 
     write_jsonl(tmp_path / "heldout" / "code.jsonl", [{"text": d} for d in _docs()])
     rc = main(["eval", str(model_path()), "--heldout", str(tmp_path / "heldout"), "--config", "BF16", "--method", "bf16",
@@ -123,7 +123,7 @@ def test_byte_lengths_are_never_a_collected_tokenizers():
     from transformers import AutoTokenizer
 
     from quantmla.evaluation import perplexity
-    from quantmla.evaluation.datasets import model_path
+    from quantmla.corpus.datasets import model_path
     from quantmla.evaluation.tokens import token_byte_lengths
 
     tok = AutoTokenizer.from_pretrained(model_path())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantmla.evaluation.datasets import REFERENCE_MODELS, heldout_root, load_retrieval, load_texts, models_root
+from quantmla.corpus.datasets import REFERENCE_MODELS, heldout_root, load_retrieval, load_texts, models_root
 
 ROOT = models_root()
 FAMILY = {
@@ -108,7 +108,7 @@ def test_card_slice_reproduces_on_cpu(name):
 
 
 def test_default_model_is_a_reference_model():
-    from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla.corpus.datasets import DEFAULT_MODEL, model_path
 
     assert DEFAULT_MODEL in REFERENCE_MODELS
     assert Path(model_path()).is_dir()

@@ -84,7 +84,7 @@ def test_offsets_round_trip_and_clear_errors(tmp_path):
 def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
     """On the shipped deepseek-v3-like reference: the held-out RoPE objective never ends above plain
     RTN's, and the slots with large common RoPE-key components get an offset."""
-    from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla.corpus.datasets import DEFAULT_MODEL, model_path
     from quantmla.evaluation.harness import load_eval_data, load_model
 
     path = model_path(DEFAULT_MODEL)
@@ -196,7 +196,7 @@ def test_spreading_keys_over_the_context_keeps_every_logit():
 
 def test_sweep_scores_a_calibrated_variant_with_its_own_offsets(monkeypatch, tmp_path):
     """calibration.sweep must read the cache through the calibrated config (RoPE offsets included)."""
-    from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla.corpus.datasets import DEFAULT_MODEL, model_path
     from quantmla_lab.bench.calibration import variants as sweep
 
     path = model_path(DEFAULT_MODEL)

@@ -362,7 +362,7 @@ def test_extend_retrieval_keeps_the_first_samples(tmp_path):
     the manifest says what was added, and a second run adds nothing."""
     from transformers import AutoTokenizer
 
-    from quantmla.evaluation.datasets import load_retrieval, load_texts, write_jsonl
+    from quantmla.corpus.datasets import load_retrieval, load_texts, write_jsonl
     from quantmla_lab.training.extend_retrieval import extend
     from quantmla_lab.training.tasks import make_eval_samples
 

@@ -33,7 +33,7 @@ def _sub(module: str, argv: list[str]):
 
 
 def run(args) -> int:
-    from quantmla.evaluation.datasets import DEFAULT_MODEL, model_path
+    from quantmla.corpus.datasets import DEFAULT_MODEL, model_path
     from quantmla.model.spec import load_spec
 
     t0 = time.time()

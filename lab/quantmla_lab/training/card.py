@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantmla.evaluation.datasets import RETRIEVAL_LENGTHS
+from quantmla.corpus.datasets import RETRIEVAL_LENGTHS
 from quantmla_lab.training.families import describe
 from quantmla_lab.training.tokenizer import load_tokenizer
 
@@ -36,7 +36,7 @@ def slice_figures(model_dir: str | Path, heldout: str | Path, *, seq_len: int = 
     import torch
     import transformers
 
-    from quantmla.evaluation.datasets import load_retrieval, load_texts
+    from quantmla.corpus.datasets import load_retrieval, load_texts
     from quantmla.evaluation.perplexity import bits_per_byte, token_chunks
     from quantmla.evaluation.retrieval import retrieval_accuracy
 
@@ -73,7 +73,7 @@ def evaluate_model(model_dir: str | Path, heldout: str | Path, *, device: str, s
     import torch
     import transformers
 
-    from quantmla.evaluation.datasets import load_retrieval, load_texts
+    from quantmla.corpus.datasets import load_retrieval, load_texts
     from quantmla.evaluation.perplexity import bits_per_byte
     from quantmla.evaluation.retrieval import retrieval_accuracy
 

@@ -1,4 +1,4 @@
-"""Deterministic splits of the corpus (:mod:`quantmla.evaluation.corpus`: the Python standard library
+"""Deterministic splits of the corpus (:mod:`quantmla.corpus.sources`: the Python standard library
 and the installed packages, code, docs and ``METADATA`` descriptions) for the reference models.
 
 Determinism. Every choice is a function of *relative* paths and contents, never of the
@@ -23,7 +23,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 # the corpus reader, shared with the library (its default calibration text is read the same way)
-from quantmla.evaluation.corpus import (  # noqa: F401
+from quantmla.corpus.sources import (  # noqa: F401
     CODE_SUFFIXES,
     DOC_SUFFIXES,
     MAX_FILE_BYTES,

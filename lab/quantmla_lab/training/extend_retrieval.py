@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quantmla.evaluation.datasets import load_retrieval, load_texts, write_jsonl
+from quantmla.corpus.datasets import load_retrieval, load_texts, write_jsonl
 
 KINDS = (("retrieval", 4), ("passkey", 1))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantmla.evaluation.datasets import RETRIEVAL_LENGTHS
+from quantmla.corpus.datasets import RETRIEVAL_LENGTHS
 
 
 @dataclass

@@ -124,7 +124,7 @@ def prepare(
         ref = json.loads((src / "manifest.json").read_text())
         shutil.rmtree(work / "heldout")
         shutil.copytree(src, work / "heldout")
-        from quantmla.evaluation.datasets import load_texts
+        from quantmla.corpus.datasets import load_texts
 
         held_docs = {D.content_hash(t) for kind in ("code", "prose") for t in load_texts(kind, work / "heldout")}
     split = D.split_corpus(files, heldout_fraction=opts.heldout_fraction,
@@ -224,7 +224,7 @@ def prepare(
         return manifest
 
     # held-out files and retrieval samples
-    from quantmla.evaluation.datasets import write_jsonl
+    from quantmla.corpus.datasets import write_jsonl
     from quantmla_lab.training.tasks import make_eval_samples
 
     write_jsonl(work / "heldout" / "code.jsonl", hcode)

@@ -92,7 +92,7 @@ def run(args) -> int:
     from quantmla.analysis.run import analyze_model, json_clean
     from quantmla.checks import check_output_dir
     from quantmla.errors import QuantMLAError
-    from quantmla.evaluation import datasets as DS
+    from quantmla.corpus import datasets as DS
     from quantmla.evaluation.command import resolve_model
     from quantmla.evaluation.harness import check_model_dir, load_model
     from quantmla.evaluation.perplexity import token_chunks

@@ -42,7 +42,7 @@ def read_documents(source: str | Path) -> list[str]:
 
 
 def default_documents(max_bytes: int = 400_000) -> list[str]:
-    from quantmla.evaluation.harness import calibration_texts
+    from quantmla.corpus.calibration_text import calibration_texts
 
     return calibration_texts(max_bytes=max_bytes)
 

@@ -90,7 +90,7 @@ def add_arguments(p):
 def resolve_model(name: str) -> str:
     if os.path.isdir(name) or os.sep in name or name.startswith("."):
         return name
-    from quantmla.evaluation.datasets import models_root
+    from quantmla.corpus.datasets import models_root
 
     return str(models_root() / name)
 
@@ -251,7 +251,7 @@ def check_rows(path: str, spec, rows, args) -> None:
 def check_settings(preset: dict, args, specs: dict) -> None:
     """Bad sizes and lengths beyond a model's positions are refused before any weights are read."""
     from quantmla.cli import CLIError
-    from quantmla.evaluation import datasets as DS
+    from quantmla.corpus import datasets as DS
 
     for k, flag, lo in (("ppl_chunks", "--ppl-chunks", 1), ("retrieval_n", "--retrieval-n", 1), ("seq_len", "--seq-len", 2),
                         ("calib_n", "--calib-n", 1)):
@@ -326,7 +326,7 @@ def run(args) -> int:
     from quantmla.checks import check_output_dir
     from quantmla.cli import CLIError
     from quantmla.evaluation import claims, table
-    from quantmla.evaluation.datasets import REFERENCE_MODELS, models_root
+    from quantmla.corpus.datasets import REFERENCE_MODELS, models_root
     from quantmla.evaluation.harness import CALIBRATED, check_model_dir, evaluate_row, load_eval_data, load_model
 
     if args.from_json:
@@ -353,7 +353,7 @@ def run(args) -> int:
         check_rows(m, spec, rows, args)
     check_settings(preset, args, specs)
     out = args.out or ("out/eval-quick" if args.quick else "out/eval")
-    from quantmla.evaluation.datasets import heldout_root
+    from quantmla.corpus.datasets import heldout_root
 
     data = {"heldout": os.path.basename(os.path.normpath(str(heldout_root(args.heldout)))), "kind": args.kind,
             "seq_len": preset["seq_len"], "ppl_chunks": preset["ppl_chunks"], "retrieval_n": preset["retrieval_n"],

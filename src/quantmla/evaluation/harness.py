@@ -33,7 +33,6 @@ layout); a preset added there runs in every grid under its name. The configurati
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -49,7 +48,8 @@ from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
 from quantmla.evaluation.configs import PRESETS, CacheConfig, int_config, mix_config, named_config  # noqa: F401
-from quantmla.evaluation.datasets import RETRIEVAL_LENGTHS
+from quantmla.corpus.calibration_text import calibration_texts
+from quantmla.corpus.datasets import RETRIEVAL_LENGTHS
 from quantmla.model.spec import MLASpec, load_spec
 from quantmla.quant.format import BF16
 
@@ -239,50 +239,16 @@ class EvalData:
     source: str = ""
 
 
-def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None, seed: str = "quantmla-calib") -> list[str]:
-    """Calibration text: Python standard-library sources (training material of the reference
-    models), never from a held-out package, never a held-out document; deterministic order."""
-    import hashlib
-    import sysconfig
-
-    from quantmla.evaluation import corpus
-    from quantmla.evaluation import datasets as DS
-
-    held: set[str] = set()
-    held_docs: set[str] = set()
-    root = DS.heldout_root(heldout_root)
-    man = root / "manifest.json"
-    if man.exists():
-        held = set(json.loads(man.read_text()).get("heldout_packages", []))
-    if (root / "code.jsonl").exists():
-        held_docs = {corpus.content_hash(t) for t in DS.load_texts("code", root)}
-    files = [f for f in corpus.discover([("stdlib", sysconfig.get_paths()["stdlib"])])
-             if f.kind == "code" and f"{f.group}/{f.package}" not in held and not f.package.startswith("test")]
-    files.sort(key=lambda f: hashlib.sha256(f"{seed}:{f.name}".encode()).hexdigest())
-    out, total = [], 0
-    for f in files:
-        t = corpus.read_text(f)
-        if t is None or corpus.content_hash(t) in held_docs:
-            continue
-        out.append(t)
-        total += len(t.encode())
-        if total >= max_bytes:
-            break
-    if not out:
-        raise QuantMLAError("no calibration text found (the Python standard library sources are missing)")
-    return out
-
-
 def load_eval_data(tokenizer, *, heldout_root: str | None = None, seq_len: int = 512, ppl_chunks: int | None = None,
                    retrieval_n: int | None = None, lengths: Iterable[int] = RETRIEVAL_LENGTHS, kind: str = "code",
                    calib_n: int = 16, calib_len: int | None = None, formats: Iterable[str] = ("key",),
                    seed: int = 0) -> EvalData:
-    """The shipped held-out sets (:mod:`quantmla.evaluation.datasets`): `kind` ("code" or "prose")
+    """The shipped held-out sets (:mod:`quantmla.corpus.datasets`): `kind` ("code" or "prose")
     documents cut into `ppl_chunks` chunks of `seq_len` tokens, `retrieval_n` retrieval samples per
     length and format (`formats`: "key" the shipped key lookups, "line" line recall built from the
     held-out code), and `calib_n` calibration rows of `calib_len` tokens from training text.
     Raises QuantMLAError when the held-out set cannot give what is asked (never a smaller set)."""
-    from quantmla.evaluation import datasets as DS
+    from quantmla.corpus import datasets as DS
     from quantmla.evaluation.perplexity import token_chunks
 
     root = DS.heldout_root(heldout_root)

@@ -26,7 +26,7 @@ import torch
 
 from quantmla.cache.hf_cache import QuantMLACache
 from quantmla.calibration import calibrate
-from quantmla.evaluation.datasets import REFERENCE_MODELS, model_path
+from quantmla.corpus.datasets import REFERENCE_MODELS, model_path
 from quantmla.evaluation.harness import bf16_cache, load_eval_data, load_model, named_config
 from quantmla.evaluation.perplexity import bits_per_byte
 

@@ -99,7 +99,7 @@ def local_reference_models(root: str | None = None) -> list[str]:
     """Checkpoint directories under models/ (from_pretrained dirs with a config.json)."""
     import os
 
-    from quantmla.evaluation.datasets import models_root
+    from quantmla.corpus.datasets import models_root
 
     root = root or str(models_root())
     root = os.path.abspath(root)

@@ -5,7 +5,7 @@ installed packages (``site-packages``): source files (``*.py``) and documentatio
 A file is named ``<group>/<relpath>`` where ``group`` is ``stdlib`` or ``site``; its *package* is the
 first path component (``numpy/...`` -> ``numpy``, ``six.py`` -> ``six``). Every choice made from the
 corpus is a function of these relative names and of contents, never of the absolute location, the
-walk order or a clock. The default calibration text (:func:`quantmla.evaluation.harness.calibration_texts`)
+walk order or a clock. The default calibration text (:func:`quantmla.corpus.calibration_text.calibration_texts`)
 is read from it, as the reference models' training text was.
 """
 
