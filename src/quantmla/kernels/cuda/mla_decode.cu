@@ -49,16 +49,9 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-// SKIP_BUILD, SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): leave the tile build, the
-// score products or the output products out, so that a phase's share of the time is a difference
+// SKIP_BUILD (timing experiments only: the result is wrong): leave the tile build out (SKIP_QK, SKIP_PV: ptx.cuh)
 #ifndef SKIP_BUILD
 #define SKIP_BUILD 0
-#endif
-#ifndef SKIP_QK
-#define SKIP_QK 0
-#endif
-#ifndef SKIP_PV
-#define SKIP_PV 0
 #endif
 #ifndef QK_UNROLL
 #define QK_UNROLL 18

@@ -33,13 +33,6 @@ typedef __half2 T2;
 #include "ptx.cuh"
 #include "out_io.cuh"
 
-// SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): leave the score or the output products out
-#ifndef SKIP_QK
-#define SKIP_QK 0
-#endif
-#ifndef SKIP_PV
-#define SKIP_PV 0
-#endif
 #ifndef MIN_CTAS
 #define MIN_CTAS 2
 #endif
@@ -425,12 +418,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     limit[ri] = L - causal * (SQ - 1 - (row0 + row) / H);
   }
   float oacc[OMB][2][4];
-#pragma unroll
-  for (int mb = 0; mb < OMB; ++mb)
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) oacc[mb][nb][e] = 0.0f;
+  zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
   const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile

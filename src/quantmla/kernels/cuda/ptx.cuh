@@ -1,6 +1,15 @@
 // PTX and warp helpers of the CUDA decode kernel (included by mla_decode.cu after it defines T, T2 and
 // MMA_TYPE, the tile's 16-bit type).
 #pragma once
+
+// SKIP_QK, SKIP_PV (timing experiments only: the result is wrong): a kernel leaves its score or its output
+// products out, so that a phase's share of the time is a difference
+#ifndef SKIP_QK
+#define SKIP_QK 0
+#endif
+#ifndef SKIP_PV
+#define SKIP_PV 0
+#endif
 // ---------------------------------------------------------------------------------------------------
 // PTX helpers
 // ---------------------------------------------------------------------------------------------------
