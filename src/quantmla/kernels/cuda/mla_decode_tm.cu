@@ -38,7 +38,8 @@ typedef __half2 T2;
 #endif
 // TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
 // %globaltimer and clock64 at entry, after the query block, at its first tile, after the tile loop and at the
-// end, and the SM it ran on, into the first 16 words of its unit's partial output
+// end (10 words), then the SM it ran on and its tile count, in the first twelve 64-bit words of its unit's
+// partial output
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
