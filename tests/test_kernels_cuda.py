@@ -192,6 +192,11 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         cfg, other = default_config(16, lay, "cuda"), default_config(16, fp8, "cuda")
         built = default_config(32, lay, "cuda")
+        from quantmla.kernels.schedule import cuda_config
+
+        asked = cuda_config(16, lay, "cuda", tokens_m=False), cuda_config(16, fp8, "cuda", tokens_m=True)
+    assert not asked[0].tokens_m and asked[0].block_n == cuda.BLOCK_N  # the built tile when asked for
+    assert asked[1] is None and "2- or 4-bit affine" in cuda.plan_reason[fp8]  # no silent fall back when asked
     # integer codes at 16 rows: tokens as the MMA's M dimension; FP8, and more rows: the built tile
     assert cfg.kernel == "cuda" and cfg.tokens_m and cfg.block_n == cuda.TM_BLOCK_N and cfg.block_m == 16
     assert other.kernel == "cuda" and not other.tokens_m and other.block_n == cuda.BLOCK_N
