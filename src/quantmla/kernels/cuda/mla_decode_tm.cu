@@ -1,5 +1,5 @@
-// Absorbed-MLA decode over the packed paged cache with tokens as the MMA's M dimension (sm_80 and later;
-// bulk copies on sm_90). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
+// Absorbed-MLA decode over the packed paged cache with tokens as the MMA's M dimension (sm_90: the stages are
+// bulk copies). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
 //
 // One CTA of 4 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile of
 // BN = 64 tokens (one page section each, bulk-copied STAGES - 1 tiles ahead by one thread):
@@ -8,8 +8,8 @@
 //           (16 tokens x 16 channels) is the stage's codes masked in place: a code at bit offset o of a
 //           16-bit half is the exact fp16 subnormal code·2^(o-24), one AND a register. The B operand is the
 //           query block, stored once per CTA in the codes' channel order. Each 64-channel block lies in one
-//           metadata group, so its products sum on their own accumulators and the token's scale folds in
-//           once per block, in fp32; the zero points act through the query's per-group sums.
+//           metadata group, so a group's products sum on their own accumulators and the token's scale folds
+//           in once per group, in fp32; the zero points act through the query's per-group sums.
 //   softmax base 2, in registers: a row's reference maximum moves only when a tile exceeds it by more than
 //           2^8 (one CTA vote a tile; only then are the rows' maxima exchanged). P·scale of each content
 //           group (fp16) goes to shared memory; P·zero is summed per group in fp32.
@@ -17,7 +17,9 @@
 //           bytes). The A operand pairs two tokens' codes of one channel with one byte permute; the B operand
 //           is the group's P·scale. The zero points' sums and the codes' 2^(24-o) join in the epilogue.
 //
-// Per token the stage's codes are read twice from shared memory (once a product) and nothing is built.
+// Per token the stage's codes are read twice from shared memory (once a product) and nothing is built. An
+// iteration runs the output of tile i - 1 and the scores of tile i without a barrier between them, then the
+// vote and P of tile i; a stage is read by its tile's scores and, one iteration later, by its output.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
 //   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED (and TM, NW, BN, HALF: fixed here)
@@ -32,6 +34,10 @@ typedef __half2 T2;
 
 #include "ptx.cuh"
 #include "out_io.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "the tokens-as-M decode kernel copies its stages with sm_90 bulk copies"
+#endif
 
 #ifndef MIN_CTAS
 #define MIN_CTAS 2
