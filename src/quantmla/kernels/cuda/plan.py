@@ -1,0 +1,75 @@
+"""What every CUDA decode plan shares: the constants of one build (DecodePlan), the shared-memory budget of
+an H100/H200 SM, the codes of the layout's kinds, the kernel mode and why a device cannot run a plan."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
+SMEM_PER_CTA = 232448  # 227 KiB per block
+SMEM_RESERVED = 1024  # per CTA, by the runtime
+
+_KIND = {"raw": 0, "affine": 1, "symmetric": 2, "fp8": 3}
+_MB = {"float16": 2, "bfloat16": 3, "float32": 4}
+_OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+plan_reason: dict = {}
+"""layout -> why the last plan asked for it is None"""
+
+
+def mode() -> str:
+    """"auto" (default), "cuda" (errors instead of falling back) or "triton" (this path off)."""
+    m = os.environ.get("QUANTMLA_DECODE_KERNEL", "auto").strip().lower()
+    return m if m in ("auto", "cuda", "triton") else "auto"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The constants of one build (macros of mla_decode.cu) and its launch shape."""
+
+    macros: tuple[tuple[str, int], ...]
+    block_m: int
+    stages: int
+    ctas_per_sm: int
+    smem: int
+
+    @property
+    def block_n(self) -> int:
+        return dict(self.macros)["BN"]
+
+    @property
+    def num_warps(self) -> int:
+        return dict(self.macros)["NW"]
+
+    def describe(self) -> str:
+        m = dict(self.macros)
+        tile = "f16" if m["HALF"] else "bf16"
+        ws = "ws" if m.get("WS") else ""
+        frag = "/frag" if m.get("REG") else "/tm" if m.get("TM") else ""
+        return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
+
+
+def _assume_cuda() -> bool:
+    """Tests plan builds on machines without a GPU by patching torch.cuda.get_device_capability."""
+    try:
+        torch.cuda.get_device_capability(0)
+        return True
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
+
+
+def device_reason(device: torch.device | str, capability: tuple[int, int], why: str) -> str | None:
+    """Why `device` cannot run a CUDA decode plan (the kernel turned off, not a CUDA device, none available, or a
+    compute capability below `capability`: then `why`), or None."""
+    if mode() == "triton":
+        return "QUANTMLA_DECODE_KERNEL=triton"
+    if torch.device(device).type != "cuda":
+        return "not a CUDA device"
+    if not torch.cuda.is_available() and not _assume_cuda():
+        return "no CUDA device is available"
+    if torch.cuda.get_device_capability(device) < capability:
+        return why
+    return None

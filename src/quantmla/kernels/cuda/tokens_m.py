@@ -1,0 +1,70 @@
+"""The plan of the tokens-as-M decode kernel (mla_decode_tm.cu): tokens are the MMA's M dimension and the
+codes are read in place as the products' operands; 4 warps, 64-token tiles, the most stages that fit."""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.cache.layout import PageLayout
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
+
+TM_BLOCK_N, TM_WARPS, TM_MAX_STAGES = 64, 4, 6
+
+
+def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
+    """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
+    place into its A operand) cannot read `layout` for `rows` query rows, or None where it can."""
+    tok = layout.token
+    c, r = tok.fmt.content, tok.fmt.rope
+    if rows > 16:
+        return f"{rows} query rows: it takes at most 16 (heads x query tokens)"
+    if (tok.d_c, tok.d_r) != (512, 64):
+        return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
+    for f, name in ((c, "content"), (r, "RoPE")):
+        if not f.quantized or f.mode != "affine" or f.bits not in (2, 4) or f.per_page or f.meta_dtype != "float16":
+            return f"{name} path {f.describe()}: 2- or 4-bit affine codes with per-token fp16 metadata"
+    if c.group_size % 64:
+        return f"content groups of {c.group_size}: a multiple of 64 channels"
+    if r.group_size % (tok.d_r * r.bits // 8) or tok.d_r % r.group_size:
+        return f"RoPE groups of {r.group_size}: a whole number of code planes ({tok.d_r * r.bits // 8} channels)"
+    if layout.page_size % TM_BLOCK_N:
+        return f"page size {layout.page_size}: a multiple of {TM_BLOCK_N}"
+    return None
+
+
+def smem_bytes_tm(layout: PageLayout, stages: int) -> int:
+    """Dynamic shared memory of one tokens-as-M CTA, bytes: the map of mla_decode_tm.cu (which asserts it)."""
+    tok = layout.token
+    fb = tok.field_bytes
+    a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    bn, bm, cg = TM_BLOCK_N, 16, tok.d_c // tok.fmt.content.group_size
+    ng = cg + tok.d_r // tok.fmt.rope.group_size
+    stage = a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
+    stage = a16(stage + bn * fb["rope_meta"])
+    head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + cg * bm * (bn + 8) * 2)
+    return head + stages * stage + TM_WARPS * bm * (1 + cg) * 4 + 8 * stages
+
+
+def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2) -> DecodePlan | str:
+    """The tokens-as-M build for `layout` (or why there is none): the most stages (2 to TM_MAX_STAGES) that fit
+    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
+    why = tokens_m_reason(layout, rows)
+    if why:
+        return why
+    fits = [s for s in range(TM_MAX_STAGES, 1, -1)
+            if ctas_per_sm * (smem_bytes_tm(layout, s) + SMEM_RESERVED) <= SMEM_PER_SM]
+    if not fits:
+        return f"the stages do not fit {ctas_per_sm} CTAs per SM in shared memory"
+    tok, o = layout.token, layout.offsets
+    fb = tok.field_bytes
+    stages = fits[0]
+    smem = smem_bytes_tm(layout, stages)
+    macros = dict(
+        TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
+        C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
+        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
+        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm,
+    )
+    return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
