@@ -203,6 +203,25 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     assert built.kernel == "cuda" and not built.tokens_m and built.block_m == 32
 
 
+def test_failed_tokens_m_build_falls_back_to_the_built_tile():
+    """Where the default's tokens-as-M build fails, the config is the built tile's (and the failure is kept);
+    asked for the tokens-as-M kernel alone, there is no config."""
+    from quantmla.errors import QuantMLAError
+    from quantmla.kernels.schedule import cuda_config
+
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+
+    def prepare(plan, device):
+        if dict(plan.macros).get("TM"):
+            raise QuantMLAError("nvcc failed to build the CUDA decode kernel (test)")
+
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare", prepare):
+        cfg, only = cuda_config(16, lay, "cuda"), cuda_config(16, lay, "cuda", tokens_m=True)
+    assert cfg.kernel == "cuda" and not cfg.tokens_m and cfg.block_n == cuda.BLOCK_N
+    assert only is None and "nvcc failed" in cuda.plan_reason[lay]
+
+
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize("name,rows,tiling", [("int4/int4", 16, {}), ("fp8", 64, {}),
                                               (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),

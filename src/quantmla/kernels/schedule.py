@@ -112,20 +112,25 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     from quantmla.kernels.cuda.build import nvcc
 
     dev = torch.device(device)
-    plan = None
-    if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True)
-        if plan is None and tokens_m:
-            return None
-    if plan is None:
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
-                                fragments=fragments)
-    if plan is None or nvcc() is None:
+    if nvcc() is None:
         return None
-    try:
-        cuda.prepare(plan, dev)
-    except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
-        cuda.plan_reason[layout] = str(e).splitlines()[0]
+    plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
+    if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True))
+    if not tokens_m:
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
+                                      fragments=fragments))
+    plan = None
+    for p in plans:
+        if p is None:
+            continue
+        try:
+            cuda.prepare(p, dev)
+            plan = p
+            break
+        except (QuantMLAError, OSError) as e:  # a failed build, or no driver library
+            cuda.plan_reason[layout] = str(e).splitlines()[0]
+    if plan is None:
         return None
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
