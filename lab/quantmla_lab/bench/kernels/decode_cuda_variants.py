@@ -74,6 +74,13 @@ def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, t
     return out
 
 
+# the tokens-as-M kernel's TIMELINE marks (mla_decode_tm.cu): each figure is the time from the mark before
+MARKS = ("entry", "first_barrier", "pieces_summed", "query_block", "first_tile", "tiles", "epilogue")
+# the query prologue's variants (mla_decode_tm.cu macros)
+PROLOGUES = {"default": {}, "plain": {"QFIRST": 0, "AMAX_WARP": 0}, "qfirst": {"QFIRST": 1, "AMAX_WARP": 0},
+             "amax_warp": {"QFIRST": 0, "AMAX_WARP": 1}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="int4/int4,bf16")
@@ -144,33 +151,34 @@ def main() -> None:
                 return t * 1e3
 
             def timeline(plan: cuda.DecodePlan, vmd) -> dict:
-                """One call of the plan built with TIMELINE=1 (each CTA's clocks at entry, after the query block, at
-                its first tile, after its tiles, at the end): medians and extremes, µs (clock64 at the SM clock
-                that globaltimer gives over the whole CTA)."""
+                """One call of the plan built with TIMELINE=1 (each CTA's clocks at the kernel's NMARK marks, MARKS):
+                medians and extremes, µs (clock64 at the SM clock that globaltimer gives over the whole CTA)."""
                 vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
                 po = torch.zeros(vmd.num_units, H, 512, device=dev)
                 pl = torch.empty(vmd.num_units, H, device=dev)
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
                         c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
                 for _ in range(3):
+                    bench.flush_l2()
                     cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
                 torch.cuda.synchronize()
-                w = po.view(vmd.num_units, -1)[:, :24].contiguous().view(torch.int64).cpu()  # 12 words a unit
-                gt, ck = w[:, 0:10:2].double(), w[:, 1:10:2].double()
-                ghz = float(((ck[:, 4] - ck[:, 0]) / (gt[:, 4] - gt[:, 0]).clamp(min=1)).median())  # cycles per ns
+                n = len(MARKS)
+                w = po.view(vmd.num_units, -1)[:, :2 * n + 2].contiguous().view(torch.int64).cpu()
+                gt, ck = w[:, 0:2 * n:2].double(), w[:, 1:2 * n:2].double()
+                ghz = float(((ck[:, -1] - ck[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1)).median())  # cycles per ns
                 us = lambda x: x / ghz / 1e3  # noqa: E731
                 med = lambda x: float(x.median())  # noqa: E731
                 start = (gt[:, 0] - gt[:, 0].min()) / 1e3
-                end = (gt[:, 4] - gt[:, 0].min()) / 1e3
-                return {"clock_GHz": ghz, "ctas": vmd.num_units, "sms": int(w[:, 10].unique().numel()),
-                        "tiles_per_unit_median": med(w[:, 11].double()),
-                        "start_us_median": med(start), "start_us_max": float(start.max()),
-                        "end_us_median": med(end), "end_us_max": float(end.max()),
-                        "prologue_us_median": us(med(ck[:, 1] - ck[:, 0])),
-                        "first_tile_wait_us_median": us(med(ck[:, 2] - ck[:, 1])),
-                        "tiles_us_median": us(med(ck[:, 3] - ck[:, 2])),
-                        "epilogue_us_median": us(med(ck[:, 4] - ck[:, 3])),
-                        "cta_us_median": us(med(ck[:, 4] - ck[:, 0])), "cta_us_max": us(float((ck[:, 4] - ck[:, 0]).max()))}
+                end = (gt[:, -1] - gt[:, 0].min()) / 1e3
+                res = {"clock_GHz": ghz, "ctas": vmd.num_units, "sms": int(w[:, 2 * n].unique().numel()),
+                       "tiles_per_unit_median": med(w[:, 2 * n + 1].double()),
+                       "start_us_median": med(start), "start_us_max": float(start.max()),
+                       "end_us_median": med(end), "end_us_max": float(end.max())}
+                for i in range(1, n):
+                    res[f"{MARKS[i]}_us_median"] = us(med(ck[:, i] - ck[:, i - 1]))
+                res["cta_us_median"] = us(med(ck[:, -1] - ck[:, 0]))
+                res["cta_us_max"] = us(float((ck[:, -1] - ck[:, 0]).max()))
+                return res
 
             for nw, bn in tilings:
                 cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
@@ -212,8 +220,12 @@ def main() -> None:
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                         vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), "SKIP_QK": 1, "SKIP_PV": 1}.items())))
                         row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                if a.timeline:
-                    row("tokens_m_timeline", None, plan, **timeline(plan, md))
+                if a.timeline:  # the query prologue's variants: their decode kernel alone, and one call's timeline
+                    for vname, kw in PROLOGUES.items():
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
+                        if kw:
+                            row(f"tokens_m_{vname}_decode", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                        row(f"tokens_m_{vname}_timeline", None, vp, **timeline(vp, md))
                 p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
                 if not a.timeline and not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,

@@ -165,16 +165,21 @@ FLUSH = "write"  # how L2 is emptied between timed calls: "write" (do_bench's ze
 _FLUSH_BUF: list = []
 
 
+def flush_l2() -> None:
+    """Empty L2 by reading a 256 MB buffer (no dirty lines are left to be written back during the next call)."""
+    if not _FLUSH_BUF:
+        _FLUSH_BUF.append(torch.empty(64 << 20, dtype=torch.int32, device="cuda").fill_(1))
+        _FLUSH_BUF.append(torch.empty((), dtype=torch.int32, device="cuda"))
+    torch.amax(_FLUSH_BUF[0], dim=0, out=_FLUSH_BUF[1])
+
+
 def _median_read_flushed_ms(fn, warmup_ms: float, rep_ms: float) -> float:
     """Median time of fn with L2 emptied before each call by reading a 256 MB buffer (do_bench zeroes one
     instead, and the dirty lines it leaves in L2 are written back to DRAM during the timed call)."""
-    if not _FLUSH_BUF:
-        _FLUSH_BUF.append(torch.empty(64 << 20, dtype=torch.int32, device="cuda").fill_(1))
-    buf, sink = _FLUSH_BUF[0], torch.empty((), dtype=torch.int32, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        torch.amax(buf, dim=0, out=sink)
+        flush_l2()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -184,7 +189,7 @@ def _median_read_flushed_ms(fn, warmup_ms: float, rep_ms: float) -> float:
         fn()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_rep)]
     for a, b in evs:
-        torch.amax(buf, dim=0, out=sink)
+        flush_l2()
         a.record()
         fn()
         b.record()

@@ -43,13 +43,22 @@ typedef __half2 T2;
 #define MIN_CTAS 2
 #endif
 // TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
-// %globaltimer and clock64 at entry, after the query block, at its first tile, after the tile loop and at the
-// end (10 words), then the SM it ran on and its tile count, in the first twelve 64-bit words of its unit's
-// partial output
+// %globaltimer and clock64 at NMARK marks (entry, the query prologue's first barrier, its pieces summed and
+// their largest |q| known, the query block written, the first tile landed, after the tile loop, the end), then the SM it ran on and its tile
+// count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
-__device__ __forceinline__ void mark(uint64_t (&tl)[10], int i) {
+// QFIRST: the query pieces are loaded before thread 0 looks up the first tiles' pages and issues their copies
+#ifndef QFIRST
+#define QFIRST 1
+#endif
+// AMAX_WARP: a row's largest |q| is reduced across the warp (redux.sync) before one shared atomic a row
+#ifndef AMAX_WARP
+#define AMAX_WARP 1
+#endif
+constexpr int NMARK = 7;
+__device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
   if constexpr (TIMELINE) {
     uint64_t g;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
@@ -125,22 +134,20 @@ __device__ __forceinline__ int q_position(int c) {
   return kstep * 16 + 2 * t + (i >> 1) + 8 * (i & 1);
 }
 
-// the query block of rows [row0, row0 + BM) into sQ (fp16, each row scaled by the power of two that brings its
-// largest |q| below 2^13), its per-group sums into sQsum and each row's score factor into sQf. Each thread
-// loads its 16-byte pieces (8 channels: two words of the codes' order) at once; the pieces' sums meet in sPart
-// and are added in channel order (deterministic)
-__device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr,
-                                              T* sQ, float* sQsum, float* sQf, float* sPart, unsigned* sAmax, int b,
-                                              int R, int row0, float qk_scale_log2, int tid) {
-  constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;
+constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // the query's 16-byte pieces
+
+// the query block of rows [row0, row0 + BM) from its pieces qv (load_query_pieces) into sQ (fp16, each row scaled
+// by the power of two that brings its largest |q| below 2^13), its per-group sums into sQsum and each row's score
+// factor into sQf. The pieces' sums meet in sPart and are added in channel order (deterministic)
+__device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, float* sQsum, float* sQf, float* sPart,
+                                              unsigned* sAmax, float qk_scale_log2, int tid, uint64_t (&tl)[2 * NMARK]) {
   if (tid < BM) sAmax[tid] = 0u;
-  uint4 qv[QPT];
-  load_query_pieces(qc, qr, qv, b, R, row0, tid);
   __syncthreads();  // sAmax is zeroed
+  mark(tl, 1);
 #pragma unroll
   for (int n = 0; n < QPT; ++n) {
     const int i = tid + n * NT;
-    if (QN % NT != 0 && i >= QN) break;
+    const bool ok = QN % NT == 0 || i < QN;
     const uint32_t w[4] = {qv[n].x, qv[n].y, qv[n].z, qv[n].w};
     float sum = 0.0f;
 #pragma unroll
@@ -148,10 +155,22 @@ __device__ __forceinline__ void load_query_tm(const __nv_bfloat16* __restrict__ 
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
       sum += f.x + f.y;
     }
-    atomicMax(sAmax + i / QCH, piece_amax_bits(qv[n]));
-    sPart[i] = sum;
+    if constexpr (AMAX_WARP) {  // a warp's 32 pieces lie in at most two rows: one redux and one atomic each
+      static_assert(QCH >= 32, "a warp's pieces span at most two rows");
+      const int rr = ok ? i / QCH : (i - (tid & 31)) / QCH;
+      const int r0 = (tid + n * NT - (tid & 31)) / QCH;
+      const uint32_t bits = ok ? piece_amax_bits(qv[n]) : 0u;
+      const uint32_t m0 = __reduce_max_sync(0xffffffffu, rr == r0 ? bits : 0u);
+      const uint32_t m1 = __reduce_max_sync(0xffffffffu, rr != r0 ? bits : 0u);
+      if ((tid & 31) == 0) atomicMax(sAmax + r0, m0);
+      if ((tid & 31) == 31 && rr != r0) atomicMax(sAmax + rr, m1);
+    } else if (ok) {
+      atomicMax(sAmax + i / QCH, piece_amax_bits(qv[n]));
+    }
+    if (ok) sPart[i] = sum;
   }
   __syncthreads();  // every row's largest |q| and every piece's sum are known
+  mark(tl, 2);
   for (int i = tid; i < NG * BM; i += NT) {  // one (group, row) a thread
     const int grp = i / BM, rr = i % BM;
     const int p0 = grp < CG ? grp * (C_GS / 8) : (D_C + (grp - CG) * R_GS) / 8, np = (grp < CG ? C_GS : R_GS) / 8;
@@ -386,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int u = blockIdx.x, row0 = blockIdx.y * BM;
-  uint64_t tl[10] = {};  // TIMELINE: (globaltimer ns, clock64) at the five marks
+  uint64_t tl[2 * NMARK] = {};  // TIMELINE: (globaltimer ns, clock64) at the marks
   mark(tl, 0);
   const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
   const int L = seq_lens[b];
@@ -394,7 +413,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const int ntiles = (end - start + BN - 1) / BN;
   auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
 
-  // ---- copies first (their page numbers read at once), then the query block ---------------------------
+  // ---- the first tiles' copies (their page numbers read at once) and the query block ----------------------
+  uint4 qv[QPT];
+  if constexpr (QFIRST) load_query_pieces(qc, qr, qv, b, R, row0, tid);
   int pg_next = 0;
   if (tid == 0) {
 #pragma unroll
@@ -404,10 +425,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
-  load_query_tm(qc, qr, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), b, R, row0,
-                qk_scale_log2, tid);
+  if constexpr (!QFIRST) load_query_pieces(qc, qr, qv, b, R, row0, tid);
+  load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), qk_scale_log2,
+                tid, tl);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
-  mark(tl, 1);
+  mark(tl, 3);
 
   // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
   float qf[4], qsum[NG][4], ref[4], l_run[4], zacc[CG][4];
@@ -440,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
-      if (it == 0) mark(tl, 2);
+      if (it == 0) mark(tl, 4);
       tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
@@ -492,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     __syncthreads();  // P·scale of the whole tile is written
   }
 
-  mark(tl, 3);
+  mark(tl, 5);
   // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
   __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
@@ -551,16 +573,16 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     }
   }
   if constexpr (TIMELINE) {
-    mark(tl, 4);
+    mark(tl, NMARK - 1);
     __syncthreads();
     if (tid == 0) {
       unsigned smid;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
       uint64_t* dst = reinterpret_cast<uint64_t*>(part_out + (int64_t)u * R * D_C);
 #pragma unroll
-      for (int i = 0; i < 10; ++i) dst[i] = tl[i];
-      dst[10] = smid;
-      dst[11] = (uint64_t)ntiles;
+      for (int i = 0; i < 2 * NMARK; ++i) dst[i] = tl[i];
+      dst[2 * NMARK] = smid;
+      dst[2 * NMARK + 1] = (uint64_t)ntiles;
     }
   }
 }
