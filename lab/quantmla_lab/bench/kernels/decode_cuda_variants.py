@@ -163,7 +163,7 @@ def main() -> None:
                     cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
                 torch.cuda.synchronize()
                 n = len(MARKS)
-                w = po.view(vmd.num_units, -1)[:, :2 * n + 2].contiguous().view(torch.int64).cpu()
+                w = po.view(vmd.num_units, -1)[:, :4 * n + 4].contiguous().view(torch.int64).cpu()
                 gt, ck = w[:, 0:2 * n:2].double(), w[:, 1:2 * n:2].double()
                 ghz = float(((ck[:, -1] - ck[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1)).median())  # cycles per ns
                 us = lambda x: x / ghz / 1e3  # noqa: E731
