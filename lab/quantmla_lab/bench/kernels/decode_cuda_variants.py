@@ -76,9 +76,6 @@ def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, t
 
 # the tokens-as-M kernel's TIMELINE marks (mla_decode_tm.cu): each figure is the time from the mark before
 MARKS = ("entry", "first_barrier", "pieces_summed", "query_block", "first_tile", "tiles", "epilogue")
-# the query prologue's variants (mla_decode_tm.cu macros)
-PROLOGUES = {"default": {}, "plain": {"QFIRST": 0, "AMAX_WARP": 0}, "qfirst": {"QFIRST": 1, "AMAX_WARP": 0},
-             "amax_warp": {"QFIRST": 0, "AMAX_WARP": 1}}
 
 
 def main() -> None:
@@ -220,12 +217,8 @@ def main() -> None:
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                         vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), "SKIP_QK": 1, "SKIP_PV": 1}.items())))
                         row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                if a.timeline:  # the query prologue's variants: their decode kernel alone, and one call's timeline
-                    for vname, kw in PROLOGUES.items():
-                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
-                        if kw:
-                            row(f"tokens_m_{vname}_decode", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                        row(f"tokens_m_{vname}_timeline", None, vp, **timeline(vp, md))
+                if a.timeline:
+                    row("tokens_m_timeline", None, plan, **timeline(plan, md))
                 p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
                 if not a.timeline and not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,

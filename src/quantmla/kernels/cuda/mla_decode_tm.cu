@@ -49,14 +49,6 @@ typedef __half2 T2;
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
-// QFIRST: the query pieces are loaded before thread 0 looks up the first tiles' pages and issues their copies
-#ifndef QFIRST
-#define QFIRST 1
-#endif
-// AMAX_WARP: a row's largest |q| is reduced across the warp (redux.sync) before one shared atomic a row
-#ifndef AMAX_WARP
-#define AMAX_WARP 1
-#endif
 constexpr int NMARK = 7;
 __device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
   if constexpr (TIMELINE) {
@@ -155,19 +147,10 @@ __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, flo
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
       sum += f.x + f.y;
     }
-    if constexpr (AMAX_WARP) {  // a warp's 32 pieces lie in at most two rows: one redux and one atomic each
-      static_assert(QCH >= 32, "a warp's pieces span at most two rows");
-      const int rr = ok ? i / QCH : (i - (tid & 31)) / QCH;
-      const int r0 = (tid + n * NT - (tid & 31)) / QCH;
-      const uint32_t bits = ok ? piece_amax_bits(qv[n]) : 0u;
-      const uint32_t m0 = __reduce_max_sync(0xffffffffu, rr == r0 ? bits : 0u);
-      const uint32_t m1 = __reduce_max_sync(0xffffffffu, rr != r0 ? bits : 0u);
-      if ((tid & 31) == 0) atomicMax(sAmax + r0, m0);
-      if ((tid & 31) == 31 && rr != r0) atomicMax(sAmax + rr, m1);
-    } else if (ok) {
+    if (ok) {
       atomicMax(sAmax + i / QCH, piece_amax_bits(qv[n]));
+      sPart[i] = sum;
     }
-    if (ok) sPart[i] = sum;
   }
   __syncthreads();  // every row's largest |q| and every piece's sum are known
   mark(tl, 2);
@@ -413,9 +396,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const int ntiles = (end - start + BN - 1) / BN;
   auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
 
-  // ---- the first tiles' copies (their page numbers read at once) and the query block ----------------------
+  // ---- the query pieces' loads, then the first tiles' copies (their page numbers read at once) -------------
+  // (in this order the pieces arrive about 2 µs sooner: they do not queue behind the copies)
   uint4 qv[QPT];
-  if constexpr (QFIRST) load_query_pieces(qc, qr, qv, b, R, row0, tid);
+  load_query_pieces(qc, qr, qv, b, R, row0, tid);
   int pg_next = 0;
   if (tid == 0) {
 #pragma unroll
@@ -425,7 +409,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
-  if constexpr (!QFIRST) load_query_pieces(qc, qr, qv, b, R, row0, tid);
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), qk_scale_log2,
                 tid, tl);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
