@@ -142,7 +142,7 @@ def test_off_switch_and_cpu():
         assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA) is None and "8.0" in cuda.plan_reason[lay]
 
 
-@pytest.mark.parametrize("name,stages", [("int4/int4", 4), ("int2/int4", 6)])
+@pytest.mark.parametrize("name,stages", [("int4/int4", 3), ("int2/int4", 6)])
 def test_tokens_m_plan(name, stages):
     """Tokens as the MMA's M dimension: its own source, 4 warps of 64-token tiles, the most stages that keep
     two CTAs per SM, and the shared-memory map of mla_decode_tm.cu."""
@@ -154,7 +154,18 @@ def test_tokens_m_plan(name, stages):
     assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM < 2 * (cuda.smem_bytes_tm(lay, stages + 1) + cuda.SMEM_RESERVED) \
         or stages == cuda.TM_MAX_STAGES
     assert (m["C_BITS"], m["C_GS"], m["R_BITS"], m["R_GS"]) == (lay.token.fmt.content.bits, 128, 4, 64)
-    assert p.describe().startswith("cuda/f16/tm/M16N64w4")
+    assert p.describe().startswith("cuda/f16/tm/M16N64w4") and m["ONE_BARRIER"] == 1
+
+
+def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
+    """Content groups of 64 (8 P·scale groups): two P buffers and 3 stages do not fit two CTAs per SM, so the
+    plan takes the loop with a barrier after P, one buffer and the most stages that fit."""
+    fmt = CacheFormat(PathFormat(4, 64), PathFormat(4, 32))
+    lay, p = plan(fmt, tokens_m=True)
+    m = dict(p.macros)
+    assert 2 * (cuda.smem_bytes_tm(lay, cuda.TM_MIN_STAGES) + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM
+    assert m["ONE_BARRIER"] == 0 and p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, p.stages, p_buffers=1)
+    assert 2 * (cuda.smem_bytes_tm(lay, p.stages + 1, p_buffers=1) + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM
 
 
 @pytest.mark.parametrize("fmt,rows,d_c,why", [

@@ -210,7 +210,7 @@ def main() -> None:
                                       ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
                         row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                    for st in range(2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
+                    for st in range(cuda.TM_MIN_STAGES, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
                         smem = cuda.smem_bytes_tm(lay, st)
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
                                                  stages=st, smem=smem)
@@ -219,6 +219,14 @@ def main() -> None:
                         row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                 if a.timeline:
                     row("tokens_m_timeline", None, plan, **timeline(plan, md))
+                    # the loop with a second barrier after P (one P buffer), at the most stages that fit
+                    st = max(s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
+                             if 2 * (cuda.smem_bytes_tm(lay, s, p_buffers=1) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM)
+                    smem = cuda.smem_bytes_tm(lay, st, p_buffers=1)
+                    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "ONE_BARRIER": 0, "STAGES": st,
+                                                                        "SMEM_EXPECTED": smem}.items())), stages=st, smem=smem)
+                    row("tokens_m_two_barriers_decode", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
+                    row("tokens_m_two_barriers_timeline", None, vp, **timeline(vp, md))
                 p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
                 if not a.timeline and not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,

@@ -49,6 +49,12 @@ typedef __half2 T2;
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
+// ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
+#ifndef ONE_BARRIER
+#define ONE_BARRIER 1
+#endif
+constexpr int NPBUF = ONE_BARRIER ? 2 : 1;  // P·scale buffers
+static_assert(!ONE_BARRIER || STAGES >= 3, "a stage is refilled two tiles after its scores");
 constexpr int NMARK = 7;
 __device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
   if constexpr (TIMELINE) {
@@ -96,8 +102,9 @@ constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
 constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
 constexpr int SM_QSUM = SM_Q + BM * LDQ * 2;             // [NG, BM] fp32: Σ_group q · qk_scale·log2 e
 constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale·log2 e / the row's fp16 scaling
-constexpr int SM_P = SM_QF + BM * 4;                     // [CG, BM, LDP] fp16: P·scale, tokens in the output's k order
-constexpr int SM_RAW = align16(SM_P + CG * BM * LDP * 2);
+constexpr int P_ELEMS = CG * BM * LDP;
+constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP] fp16: P·scale, tokens in the output's k order
+constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NW, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
@@ -435,6 +442,68 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
   const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
 
+#if ONE_BARRIER
+  // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
+  // tile it - 2 for the last time), the output products of tile it - 1, P of tile it into the other P buffer.
+  for (int it = 0; it <= ntiles; ++it) {
+    const bool scores = it < ntiles;
+    const int n0 = start + it * BN, valid = min(BN, end - n0);
+    float sc[2][4];
+    if (scores) {
+      mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      if (it == 0) mark(tl, 4);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+    }
+    bool exceeds = false;
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
+    const bool moved = __syncthreads_or(exceeds);
+    if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
+      const int nxt = it + STAGES - 2;
+      if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                    start + nxt * BN);
+      pg_next = page_of(nxt + 1);
+    }
+    if (it > 0 && !SKIP_PV)
+      tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
+    if (!scores) break;
+    if (moved) {  // the tile's row maxima across the CTA; a row moves where it exceeds its reference by 8
+      float mx[4];
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int nb = ri >> 1, e = ri & 1;
+        mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
+        if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int ri = 0; ri < 4; ++ri) {
+        const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+        float tm = sRed[row];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+        if (tm > ref[ri] + 8.0f) {
+          const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
+          ref[ri] = tm;
+          l_run[ri] *= alpha;
+#pragma unroll
+          for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
+#pragma unroll
+          for (int mb = 0; mb < OMB; ++mb) {
+            oacc[mb][ri >> 1][ri & 1] *= alpha;
+            oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
+          }
+        }
+      }
+    }
+    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, ref, l_run, zacc, warp, g,
+                       t, tok_lo);
+  }
+#else
   // Tile it: the output products of tile it - 1 and the scores of tile it in one block without a barrier (the
   // two are independent, so their instructions interleave); then one vote, P of tile it, and a barrier.
   // A stage is read by the scores of its tile and by the output one iteration later.
@@ -496,6 +565,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, ref, l_run, zacc, warp, g, t, tok_lo);
     __syncthreads();  // P·scale of the whole tile is written
   }
+
+#endif
 
   mark(tl, 5);
   // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
