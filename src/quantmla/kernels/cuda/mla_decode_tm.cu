@@ -384,6 +384,52 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
   }
 }
 
+// does any of the thread's scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
+__device__ __forceinline__ bool exceeds_reference(const float (&sc)[2][4], const float (&ref)[4], bool scores) {
+  bool exceeds = false;
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
+  return exceeds;
+}
+
+// after a vote that some row's maximum moved (rare; CTA-uniform): the tile's row maxima across the CTA through
+// sRed; a row moves where it exceeds its reference by 8, and its sums and output accumulators are rescaled
+__device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&ref)[4], float (&l_run)[4],
+                                               float (&zacc)[CG][4], float (&oacc)[OMB][2][4], float* sRed, int warp,
+                                               int g, int t) {
+  float mx[4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int nb = ri >> 1, e = ri & 1;
+    mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
+    if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+    float tm = sRed[row];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+    if (tm > ref[ri] + 8.0f) {
+      const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
+      ref[ri] = tm;
+      l_run[ri] *= alpha;
+#pragma unroll
+      for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
+#pragma unroll
+      for (int mb = 0; mb < OMB; ++mb) {
+        oacc[mb][ri >> 1][ri & 1] *= alpha;
+        oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
   extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
@@ -454,12 +500,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       if (it == 0) mark(tl, 4);
       tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
-    bool exceeds = false;
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
-    const bool moved = __syncthreads_or(exceeds);
+    const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
@@ -469,37 +510,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (it > 0 && !SKIP_PV)
       tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
     if (!scores) break;
-    if (moved) {  // the tile's row maxima across the CTA; a row moves where it exceeds its reference by 8
-      float mx[4];
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int nb = ri >> 1, e = ri & 1;
-        mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
-        if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
-        float tm = sRed[row];
-#pragma unroll
-        for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
-        if (tm > ref[ri] + 8.0f) {
-          const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
-          ref[ri] = tm;
-          l_run[ri] *= alpha;
-#pragma unroll
-          for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
-#pragma unroll
-          for (int mb = 0; mb < OMB; ++mb) {
-            oacc[mb][ri >> 1][ri & 1] *= alpha;
-            oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
-          }
-        }
-      }
-    }
+    if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
     tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, ref, l_run, zacc, warp, g,
                        t, tok_lo);
   }
@@ -518,12 +529,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
-    bool exceeds = false;
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
-    const bool moved = __syncthreads_or(exceeds);
+    const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
     if (!scores) break;
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
@@ -531,37 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                                     start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
-    if (moved) {  // the tile's row maxima across the CTA; a row moves where it exceeds its reference by 8
-      float mx[4];
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int nb = ri >> 1, e = ri & 1;
-        mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
-        if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int ri = 0; ri < 4; ++ri) {
-        const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
-        float tm = sRed[row];
-#pragma unroll
-        for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
-        if (tm > ref[ri] + 8.0f) {
-          const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
-          ref[ri] = tm;
-          l_run[ri] *= alpha;
-#pragma unroll
-          for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
-#pragma unroll
-          for (int mb = 0; mb < OMB; ++mb) {
-            oacc[mb][ri >> 1][ri & 1] *= alpha;
-            oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
-          }
-        }
-      }
-    }
+    if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
     tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, ref, l_run, zacc, warp, g, t, tok_lo);
     __syncthreads();  // P·scale of the whole tile is written
   }
