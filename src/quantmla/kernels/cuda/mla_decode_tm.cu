@@ -137,12 +137,10 @@ constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // the quer
 
 // the query block of rows [row0, row0 + BM) from its pieces qv (load_query_pieces) into sQ (fp16, each row scaled
 // by the power of two that brings its largest |q| below 2^13), its per-group sums into sQsum and each row's score
-// factor into sQf. The pieces' sums meet in sPart and are added in channel order (deterministic)
+// factor into sQf. The pieces' sums meet in sPart and are added in channel order (deterministic); sAmax, each
+// row's largest |q| as fp32 bits, is zero on entry
 __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, float* sQsum, float* sQf, float* sPart,
                                               unsigned* sAmax, float qk_scale_log2, int tid, uint64_t (&tl)[2 * NMARK]) {
-  if (tid < BM) sAmax[tid] = 0u;
-  __syncthreads();  // sAmax is zeroed
-  mark(tl, 1);
 #pragma unroll
   for (int n = 0; n < QPT; ++n) {
     const int i = tid + n * NT;
@@ -450,9 +448,14 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
 
   // ---- the query pieces' loads, then the first tiles' copies (their page numbers read at once) -------------
-  // (in this order the pieces arrive about 2 µs sooner: they do not queue behind the copies)
+  // (in this order the pieces arrive about 2 µs sooner: they do not queue behind the copies). The copies are
+  // issued after the barrier that zeroes the rows' largest |q|, so no other warp waits for their page numbers
   uint4 qv[QPT];
   load_query_pieces(qc, qr, qv, b, R, row0, tid);
+  unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
+  if (tid < BM) sAmax[tid] = 0u;
+  __syncthreads();  // sAmax is zeroed
+  mark(tl, 1);
   int pg_next = 0;
   if (tid == 0) {
 #pragma unroll
@@ -462,8 +465,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
-  load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), reinterpret_cast<unsigned*>(sRed), qk_scale_log2,
-                tid, tl);
+  load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
