@@ -24,8 +24,9 @@
 #                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
 # tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
 #                 the default plan's     -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
-# tokens-m-timeline  each CTA's clocks through one call of it (prologue, first tile, tiles, epilogue), INT4/INT4 and
-#                 INT2/INT4 at 1 x 131072 and 32 x 16384                  -> kernels/decode_tokens_m_timeline_h200.json
+# tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
+#                 epilogue), beside the loop with a second barrier a tile, INT4/INT4 and INT2/INT4 at 1 x 131072 and
+#                 32 x 16384                                              -> kernels/decode_tokens_m_timeline_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail

@@ -210,8 +210,9 @@ def main() -> None:
                                       ("tokens_m_no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
                         row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
-                    for st in range(cuda.TM_MIN_STAGES, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
-                        smem = cuda.smem_bytes_tm(lay, st)
+                    pb = cuda.TM_P_BUFFERS if m["ONE_BARRIER"] else 1
+                    for st in range(cuda.TM_MIN_STAGES if pb == 2 else 2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
+                        smem = cuda.smem_bytes_tm(lay, st, pb)
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
                                                  stages=st, smem=smem)
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
