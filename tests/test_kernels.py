@@ -3,6 +3,7 @@ fp64 reference on fresh random inputs with NaN-poisoned outputs, odd lengths, pa
 and length-1 sequences, split-KV + combine, multi-token queries, and clear errors for what the kernels
 cannot run. The same checks at full shapes run on the GPU in test_kernels_gpu.py."""
 
+import dataclasses
 import os
 
 import pytest
@@ -371,6 +372,12 @@ def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
     else:
         ref = prefill_attention(q_nope, q_rope, kv, k_rope, scale)
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    # the unmasked key blocks below the causal diagonal change no value: one masked loop gives the same output
+    from quantmla.kernels.api import PrefillConfig, default_prefill_config
+    one_loop = dataclasses.replace(default_prefill_config(n), split_diagonal=False)
+    assert isinstance(one_loop, PrefillConfig)
+    got1 = mla_prefill_attention(q_nope, q_rope, wide[..., : d_n + d_v], k_rope, scale, config=one_loop)
+    torch.testing.assert_close(got1, got, rtol=0, atol=0)
     # causality: changing the last context token moves only the last query's output
     kv2 = kv.clone()
     kv2[-1, :, d_n:] += 100  # the last token's values

@@ -459,9 +459,10 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    split_diagonal: bool = True  # the key blocks every query sees without masks, the diagonal's masked apart
 
     def describe(self) -> str:
-        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}" + ("" if self.split_diagonal else " one-loop")
 
 
 def default_prefill_config(n: int) -> PrefillConfig:
@@ -518,6 +519,7 @@ def mla_prefill_attention(
         n, T, softmax_scale * LOG2E,
         D_N=d_n, D_R=d_r, D_V=d_v, BD_N=max(16, _next_pow2(d_n)), BD_R=max(16, _next_pow2(d_r)),
         BD_V=max(16, _next_pow2(d_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(),
+        SPLIT_DIAGONAL=cfg.split_diagonal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

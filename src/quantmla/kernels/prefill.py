@@ -9,7 +9,9 @@ costs d_n + d_r + d_v, 3.4x less at DeepSeek's geometry, and the scores are neve
     out = softmax(s, causal) · v                              query i sees keys t <= T − n + i
 
 One program owns ``BLOCK_M`` queries of one head and streams the key blocks that any of them sees
-(online softmax, exp2, fp32 accumulators). Head dims need not be powers of two: loads are masked to
+(online softmax, exp2, fp32 accumulators): first the whole key blocks that every query of the block sees,
+without masks, then the blocks on the causal diagonal and past the context's end, masked. The query blocks
+with the most keys are launched first. Head dims need not be powers of two: loads are masked to
 the real width of a power-of-two block.
 """
 
@@ -21,6 +23,38 @@ import triton.language as tl
 from quantmla.kernels.decode import _online_softmax
 
 
+@triton.jit
+def _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
+                  dn, dr, dv, D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+    """One key block [n0, n0 + BLOCK_N) into the online softmax of a query block. MASKED: the block may hold
+    keys past T or past some query's causal limit; otherwise every query of the block sees all its keys."""
+    t = n0 + tl.arange(0, BLOCK_N)
+    t64 = t.to(tl.int64)
+    kv_row = KV + t64[:, None] * skv_t + h * skv_h
+    if MASKED:
+        tmask = t < T
+        k_n = tl.load(kv_row + dn[None, :], mask=tmask[:, None] & (dn < D_N)[None, :], other=0.0)
+        k_r = tl.load(KR + t64[:, None] * skr_t + dr[None, :], mask=tmask[:, None] & (dr < D_R)[None, :], other=0.0)
+        v = tl.load(kv_row + D_N + dv[None, :], mask=tmask[:, None] & (dv < D_V)[None, :], other=0.0)
+    else:
+        k_n = tl.load(kv_row + dn[None, :], mask=(dn < D_N)[None, :], other=0.0)
+        k_r = tl.load(KR + t64[:, None] * skr_t + dr[None, :], mask=(dr < D_R)[None, :], other=0.0)
+        v = tl.load(kv_row + D_N + dv[None, :], mask=(dv < D_V)[None, :], other=0.0)
+    if DOT_F32:
+        k_n = k_n.to(tl.float32)
+        k_r = k_r.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q_n, tl.trans(k_n))
+    s = tl.dot(q_r, tl.trans(k_r), s)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where((t[None, :] <= limit[:, None]) & (t < T)[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["n", "T"])
 def _mla_prefill_kernel(
     QN, QR, KV, KR, OUT,
@@ -28,9 +62,10 @@ def _mla_prefill_kernel(
     n, T, qk_scale,
     D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
     BD_N: tl.constexpr, BD_R: tl.constexpr, BD_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    # the query blocks with most keys first, so that the last wave holds the short ones
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     past = T - n
     i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the chunk
@@ -50,24 +85,14 @@ def _mla_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BD_V], tl.float32)
     limit = past + i  # the last key each query sees
     hi = tl.minimum(T, past + (mb + 1) * BLOCK_M)  # keys any query of the block sees
-    for n0 in range(0, hi, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        kv_row = KV + t64[:, None] * skv_t + h * skv_h
-        k_n = tl.load(kv_row + dn[None, :], mask=tmask[:, None] & (dn < D_N)[None, :], other=0.0)
-        k_r = tl.load(KR + t64[:, None] * skr_t + dr[None, :], mask=tmask[:, None] & (dr < D_R)[None, :], other=0.0)
-        v = tl.load(kv_row + D_N + dv[None, :], mask=tmask[:, None] & (dv < D_V)[None, :], other=0.0)
-        if DOT_F32:
-            k_n = k_n.to(tl.float32)
-            k_r = k_r.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q_n, tl.trans(k_n))
-        s = tl.dot(q_r, tl.trans(k_r), s)
-        s = s * qk_scale
-        s = tl.where((t[None, :] <= limit[:, None]) & tmask[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    # keys below `full` (whole key blocks) are seen by every query of the block: no masks there
+    full = (past + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N if SPLIT_DIAGONAL else 0
+    for n0 in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
+                                      dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, False)
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
+                                      dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

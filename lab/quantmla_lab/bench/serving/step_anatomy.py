@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from quantmla.kernels.api import PrefillConfig, mla_prefill_attention
+import dataclasses
+
+from quantmla.kernels.api import PrefillConfig, default_prefill_config, mla_prefill_attention
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
@@ -111,7 +113,7 @@ def prefill_variants(a):
     w_uk = (torch.randn(H, dn, dc, device=dev, generator=g) / dc ** 0.5).bfloat16()
     w_uv = (torch.randn(H, dvv, dc, device=dev, generator=g) / dc ** 0.5).bfloat16()
     scale = (dn + dr) ** -0.5
-    for n, T in ((1536, 1536), (2048, 2048), (512, 2048), (8192, 8192)):
+    for n, T in a.prefill_shapes:
         q_nope = torch.randn(n, H, dn, device=dev, generator=g).bfloat16()
         q_rope = torch.randn(n, H, dr, device=dev, generator=g).bfloat16()
         lat = torch.randn(T, dc, device=dev, generator=g)
@@ -136,9 +138,12 @@ def prefill_variants(a):
             kv = (lat.bfloat16() @ w_kv.T).view(T, H, dn + dvv)
             return mla_prefill_attention(q_nope, q_rope, kv, kr.bfloat16(), scale, config=cfg)
 
-        variants = [("absorbed_matmul", fa), ("nonabsorbed_sdpa", fb)]
-        variants += [(f"prefill_kernel {c.describe()}", lambda c=c: kernel(c)) for c in PREFILL_CONFIGS]
-        row = {"n": n, "T": T}
+        variants = [] if a.kernel_only else [("absorbed_matmul", fa), ("nonabsorbed_sdpa", fb)]
+        base = default_prefill_config(n)  # the default tiling, with and without its unmasked key blocks apart
+        configs = [base, dataclasses.replace(base, split_diagonal=False)] + (
+            [] if a.kernel_only else [c for c in PREFILL_CONFIGS if c != base])
+        variants += [(f"prefill_kernel {c.describe()}", lambda c=c: kernel(c)) for c in configs]
+        row = {"n": n, "T": T, "flops": 2 * H * (dn + dr + dvv) * sum(min(T, T - n + i + 1) for i in range(n))}
         for name, f in variants:
             try:
                 out = f()
@@ -152,7 +157,8 @@ def prefill_variants(a):
                     en.record()
                     torch.cuda.synchronize()
                     ts.append(st.elapsed_time(en))
-                row[name] = {"ms": statistics.median(ts[2:]), "rel_err": err}
+                ms = statistics.median(ts[2:])
+                row[name] = {"ms": ms, "TFLOPs": row["flops"] / ms / 1e9, "rel_err": err}
             except Exception as err:
                 row[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
         rows.append(row)
@@ -168,6 +174,11 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--budget-gib", type=float, default=0.125)
     p.add_argument("--skip-anatomy", action="store_true")
+    p.add_argument("--prefill-shapes", nargs="+", type=lambda x: tuple(int(v) for v in x.split("x")),
+                   default=[(1536, 1536), (2048, 2048), (512, 2048), (8192, 8192)],
+                   help="prefill chunks as NxT (n queries, the last of T context tokens)")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="only the prefill kernel's default tiling, with and without its unmasked key blocks apart")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     res = record(settings=vars(a))
