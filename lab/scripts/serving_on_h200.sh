@@ -26,6 +26,8 @@
 #                 TFLOP/s of the dense and attention parts against a bf16 matmul    -> prefill/rates_long_h200.json
 # prefill-kernel  one chunk's prefill attention: the kernel's tilings against SDPA and plain matmuls
 #                                                                           -> prefill/attention_variants_h200.json
+# prefill-split   the prefill kernel's default tiling with its unmasked key blocks apart and as one masked loop,
+#                 at long chunks (16384 of 16384, 4096 of 20480, 8192, 1536)   -> prefill/split_diagonal_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -137,6 +139,11 @@ prefill-profile() {
 
 prefill-kernel() {
   timeout 150 python3 -m quantmla_lab.bench.serving.step_anatomy --skip-anatomy --out "$OUT/prefill/attention_variants_h200.json" 2>&1 | quiet 12
+}
+
+prefill-split() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_anatomy --skip-anatomy --kernel-only \
+    --prefill-shapes 16384x16384 4096x20480 8192x8192 1536x1536 --out "$OUT/prefill/split_diagonal_h200.json" 2>&1 | quiet 6
 }
 
 step-anatomy() {
