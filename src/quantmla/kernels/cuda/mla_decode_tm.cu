@@ -2,7 +2,7 @@
 // bulk copies). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
 //
 // One CTA of 4 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile of
-// BN = 64 tokens (one page section each, bulk-copied STAGES - 1 tiles ahead by one thread):
+// BN = 64 tokens (one page section each, bulk-copied by one thread into STAGES stages):
 //
 //   scores  Sᵀ[token, row] = K·Qᵀ: warp w owns tokens 16w .. 16w + 15 over all 576 channels. The A operand
 //           (16 tokens x 16 channels) is the stage's codes masked in place: a code at bit offset o of a
@@ -17,12 +17,13 @@
 //           bytes). The A operand pairs two tokens' codes of one channel with one byte permute; the B operand
 //           is the group's P·scale. The zero points' sums and the codes' 2^(24-o) join in the epilogue.
 //
-// Per token the stage's codes are read twice from shared memory (once a product) and nothing is built. An
-// iteration runs the output of tile i - 1 and the scores of tile i without a barrier between them, then the
-// vote and P of tile i; a stage is read by its tile's scores and, one iteration later, by its output.
+// Per token the stage's codes are read twice from shared memory (once a product) and nothing is built. With
+// ONE_BARRIER (the default) an iteration runs the scores of tile i, the vote (the one barrier), the output of
+// tile i - 1 and P of tile i into the other of two P buffers; a stage is refilled two tiles after its scores.
+// Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED (and TM, NW, BN, HALF: fixed here)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS (and TM, NW, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -43,9 +44,9 @@ typedef __half2 T2;
 #define MIN_CTAS 2
 #endif
 // TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
-// %globaltimer and clock64 at NMARK marks (entry, the query prologue's first barrier, its pieces summed and
-// their largest |q| known, the query block written, the first tile landed, after the tile loop, the end), then the SM it ran on and its tile
-// count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
+// %globaltimer and clock64 at NMARK marks (entry, the prologue's first barrier, the query pieces summed and
+// their largest |q| known, the query block written, the first tile landed, after the tile loop, the end), then
+// the SM it ran on and its tile count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
