@@ -95,6 +95,9 @@ def main() -> None:
                     help="with --tokens-m: each CTA's clocks through one call (prologue, first tile, tiles, epilogue)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
+                    help="with --tokens-m: other builds of its plan (e.g. WGMMA_QK=0), timed beside it, their outputs "
+                         "compared with its")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -137,14 +140,20 @@ def main() -> None:
                 diff = float((out.float() - ref).abs().max())
                 return bench.time_ms(run, 25, 100)[0] * 1e3, diff
 
-            def time_decode(vp: cuda.DecodePlan, vmd) -> float:
-                """The decode kernel of plan vp alone (no combine) over vmd's units, µs."""
-                po = torch.empty(vmd.num_units, H, 512, device=dev)
+            def time_decode(vp: cuda.DecodePlan, vmd, outputs: list | None = None) -> float:
+                """The decode kernel of plan vp alone (no combine) over vmd's units, µs; with `outputs`, what one
+                run writes (the unsplit rows' output and the split units' partials, both zeroed first) is appended."""
+                po = torch.zeros(vmd.num_units, H, 512, device=dev)
                 pl = torch.empty(vmd.num_units, H, device=dev)
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
                         c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
-                t, _ = bench.time_ms(lambda: cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev),
-                                     25, 100)
+                launch = lambda: cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)  # noqa: E731
+                if outputs is not None:
+                    out.zero_()
+                    launch()
+                    torch.cuda.synchronize()
+                    outputs.append((out.float().clone(), po.clone()))
+                t, _ = bench.time_ms(launch, 25, 100)
                 return t * 1e3
 
             def timeline(plan: cuda.DecodePlan, vmd) -> dict:
@@ -203,7 +212,19 @@ def main() -> None:
                 md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
                 us, diff = time_call(md)
                 row("tokens_m", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
-                row("tokens_m_decode", time_decode(plan, md), plan, decode_only=True, units=md.num_units)
+                base: list = []
+                row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
+                for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
+                    kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
+                    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
+                    got: list = []
+                    us_v = time_decode(vp, md, got)
+                    rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
+                              for x, y in zip(got[0], base[0]))
+                    row(f"tokens_m_{spec}_decode", us_v, vp, decode_only=True, units=md.num_units,
+                        max_rel_diff_vs_default=rel)
+                    if a.timeline:
+                        row(f"tokens_m_{spec}_timeline", None, vp, **timeline(vp, md))
                 if not a.timeline:  # the phase, stage and occupancy variants
                     m = dict(plan.macros)
                     for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),

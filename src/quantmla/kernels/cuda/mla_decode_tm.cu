@@ -55,6 +55,31 @@ typedef __half2 T2;
 #define ONE_BARRIER 1
 #endif
 constexpr int NPBUF = ONE_BARRIER ? 2 : 1;  // P·scale buffers
+// WGMMA_QK: the scores as warpgroup MMAs (m64n16k16: the CTA's 64 tokens at once, the query block a shared-memory
+// operand); 0 (default): each warp's mma.sync products over its 16 tokens, the query fragments by ldmatrix
+#ifndef WGMMA_QK
+#define WGMMA_QK 0
+#endif
+// the query block's core matrices with WGMMA_QK (bytes): along k, along the rows, a k-step's 16 x 16 block
+#ifndef QB_LBO
+#define QB_LBO 128
+#endif
+#ifndef QB_SBO
+#define QB_SBO 256
+#endif
+constexpr int QB_KSTEP = 512;
+// EARLY_PAGES: thread 0 reads the first tiles' page numbers right after issuing its query pieces' loads, so they
+// arrive together and the copies start at the first barrier; 0 (default): read after it (one more dependent read)
+#ifndef EARLY_PAGES
+#define EARLY_PAGES 0
+#endif
+#ifndef WG_ROPE_EARLY
+#define WG_ROPE_EARLY 0
+#endif
+#ifndef WG_BATCH_WAIT
+#define WG_BATCH_WAIT 0
+#endif
+[[maybe_unused]] constexpr int WB = 8 / (8 / C_BITS);  // WGMMA_QK: content words a thread's batch of products takes (32 A registers)
 static_assert(!ONE_BARRIER || STAGES >= 3, "a stage is refilled two tiles after its scores");
 constexpr int NMARK = 7;
 __device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
@@ -111,6 +136,7 @@ constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stag
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
+static_assert(!WGMMA_QK || (D / 16) * QB_KSTEP <= BM * LDQ * 2, "the query block's core matrices fit its rows' space");
 
 #include "query_pieces.cuh"
 #include "query_tm.cuh"
@@ -177,10 +203,38 @@ __device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl,
   }
 }
 
+#if WGMMA_QK
+// the A operands of NW words per token (xl: token tok_lo, xh: tok_lo + 8), NP planes each, then their warpgroup
+// products on the planes' accumulators: word s, plane p is k-step kstep0 + s·NP + p of the query block (descriptor
+// qd); acc = 0 starts the accumulators afresh. Committed as one group: its A registers live until it is waited for
+template <int BITS, int NP, int NWD>
+__device__ __forceinline__ void scores_words_wg(float (&acc)[NP][2][4], const uint32_t (&xl)[NWD], const uint32_t (&xh)[NWD],
+                                                uint64_t qd, int kstep0, bool fresh) {
+  uint32_t a[NWD][NP][4];
+#pragma unroll
+  for (int s = 0; s < NWD; ++s) {
+    const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      a[s][p][0] = plane<BITS>(xl[s], p), a[s][p][1] = plane<BITS>(xh[s], p);
+      a[s][p][2] = plane<BITS>(l8, p), a[s][p][3] = plane<BITS>(h8, p);
+    }
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < NWD; ++s)
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      wgmma_m64n16k16(acc[p], a[s][p], qd + (uint64_t)((kstep0 + s * NP + p) * (QB_KSTEP >> 4)), !(fresh && s == 0));
+  wgmma_commit();
+}
+#endif
+
 // scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
 // 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
-__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
-                                            const int (&limit)[4], int tok_lo, int t, int valid, int n0, float (&sc)[2][4]) {
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, uint64_t qd, const float (&qf)[4],
+                                            const float (&qsum)[NG][4], const int (&limit)[4], int tok_lo, int t, int valid,
+                                            int n0, float (&sc)[2][4]) {
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -188,15 +242,45 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
   const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
   const uint8_t* mh = ml + 8 * FB_CM;
   constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
+  // the RoPE key: RW words a thread at byte 4·RW·t of each row (WG_ROPE_EARLY: its products issued first)
+  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+  const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
+  uint32_t rxl[RW], rxh[RW];
+#pragma unroll
+  for (int s = 0; s < RW; ++s) {
+    rxl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
+    rxh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+  }
+  float racc[NPR][2][4];
+#if WGMMA_QK
+  if (!SKIP_QK && WG_ROPE_EARLY) scores_words_wg<R_BITS, NPR>(racc, rxl, rxh, qd, CKS, true);
+#endif
   float acc[NPC][2][4];
 #pragma unroll
   for (int m = 0; m < FB_CC / 64; ++m) {
-    if (m % MPG == 0) zero_acc(acc);
+    if (m % MPG == 0 && (!WGMMA_QK || SKIP_QK)) zero_acc(acc);
     const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
     const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
     const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#if WGMMA_QK
+    // in batches of WB words (32 A registers), at most two batches in flight
+#pragma unroll
+    for (int b = 0; b < (SKIP_QK ? 0 : 4 / WB); ++b) {
+      uint32_t bl[WB], bh[WB];
+#pragma unroll
+      for (int s = 0; s < WB; ++s) bl[s] = xl[WB * b + s], bh[s] = xh[WB * b + s];
+      scores_words_wg<C_BITS, NPC>(acc, bl, bh, qd, (m * 4 + WB * b) * NPC, m % MPG == 0 && b == 0);
+      if (WG_BATCH_WAIT || (4 / WB) * MPG > 2) wgmma_wait<1>();
+    }
+    if (!SKIP_QK && m % MPG == MPG - 1) {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int p = 0; p < NPC; ++p) fence_acc(acc[p]);
+    }
+#else
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
+#endif
     if (m % MPG == MPG - 1) {
 #pragma unroll
       for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
@@ -206,19 +290,20 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
       }
     }
   }
-  // the RoPE key: RW words a thread at byte 4·RW·t of each row
-  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
-  const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
-  uint32_t xl[RW], xh[RW];
+#if WGMMA_QK
+  if (!SKIP_QK && !WG_ROPE_EARLY) scores_words_wg<R_BITS, NPR>(racc, rxl, rxh, qd, CKS, true);
+  if (SKIP_QK) zero_acc(racc);
+  else {
+    wgmma_wait<0>();
 #pragma unroll
-  for (int s = 0; s < RW; ++s) {
-    xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
-    xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+    for (int p = 0; p < NPR; ++p) fence_acc(racc[p]);
   }
-  float racc[NPR][2][4];
+#else
+  const uint32_t (&xl)[RW] = rxl, (&xh)[RW] = rxh;
   zero_acc(racc);
 #pragma unroll
   for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
+#endif
 #pragma unroll
   for (int p = 0; p < NPR; ++p) {
     const int grp = p * FB_RC / R_GS;
@@ -381,6 +466,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // issued after the barrier that zeroes the rows' largest |q|, so no other warp waits for their page numbers
   uint4 qv[QPT];
   load_query_pieces(qc, qr, qv, b, R, row0, tid);
+  int pg0[STAGES];  // EARLY_PAGES: the first tiles' page numbers, read beside the pieces (thread 0)
+  if (EARLY_PAGES && tid == 0)
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) pg0[s] = page_of(s);
   unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
   if (tid < BM) sAmax[tid] = 0u;
   __syncthreads();  // sAmax is zeroed
@@ -390,11 +479,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
-    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
-      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
-    });
+    if constexpr (EARLY_PAGES) {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s)
+        if (s < ntiles) issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg0[s], start + s * BN);
+      pg_next = pg0[STAGES - 1];
+    } else {
+      pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+        issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
+      });
+    }
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
+  if constexpr (WGMMA_QK) fence_proxy_async();  // the query block is read by the warpgroup MMAs
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
@@ -417,6 +514,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
+  const uint64_t qd = wgmma_desc(sQ, QB_LBO, QB_SBO);  // WGMMA_QK: the query block's first k-step
   const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
 
 #if ONE_BARRIER
@@ -429,7 +527,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qd, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
@@ -457,7 +555,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qd, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
     const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
