@@ -10,7 +10,6 @@ reference on a small random batch; a config that fails is dropped and reported.
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.util
 import math
 import os
 import platform
@@ -27,6 +26,7 @@ from quantmla.kernels import api, schedule
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
 from quantmla.serving.rope_stage import page_grouped
 from quantmla.reference.absorbed import absorbed_attention
+from quantmla_lab.bench.kernels.peer import load_peer, peer_kv
 
 D_C, D_R, PAGE = 512, 64, 64
 METHODS: dict[str, CacheFormat] = {
@@ -256,58 +256,6 @@ def check_config(method: str, fmt: CacheFormat, H: int, q_len: int, cfg: DecodeC
     lse_err = float((lse - rl)[fin].abs().max()) if fin.any() else 0.0
     ok = (not nan) and rel < 2e-2 and lse_err < 2e-2 and bool(torch.equal(torch.isinf(lse), ~fin))
     return {"ok": ok, "rel_err": rel, "lse_err": lse_err, "nan": nan, "variant": md.workspace.get("variant")}
-
-
-# --------------------------------------------------------------------------------------------------
-def load_peer(path: str):
-    """An external BF16 MLA decode kernel file: vLLM / SGLang ``decode_attention_fwd`` (paged,
-    q [B, H, 576], k [pages, page, 1, 576]) or any file defining ``quantmla_peer_decode(q_latent,
-    q_rope, kv [pages, page, 576] bf16, block_table, seq_lens, scale) -> out``. Returns a callable
-    (q_latent [B,H,dc], q_rope, kv, block_table, seq_lens, scale) -> run() closure factory."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"peer kernel file {path} not found")
-    if "vllm.platforms" not in sys.modules:  # the vLLM copy imports its platform probe
-        import types
-
-        plat = types.ModuleType("vllm.platforms")
-        plat.current_platform = types.SimpleNamespace(is_rocm=lambda: False, is_cuda=lambda: True)
-        sys.modules.setdefault("vllm", types.ModuleType("vllm"))
-        sys.modules["vllm.platforms"] = plat
-    spec = importlib.util.spec_from_file_location("quantmla_peer_kernel", p)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if hasattr(mod, "quantmla_peer_decode"):
-        def make(qc, qr, kv, bt, sl, scale):
-            return lambda: mod.quantmla_peer_decode(qc, qr, kv, bt, sl, scale)
-        return make, "quantmla_peer_decode"
-    if hasattr(mod, "decode_attention_fwd"):
-        def make(qc, qr, kv, bt, sl, scale, num_kv_splits=None):
-            B, H, dc = qc.shape
-            q = torch.cat([qc, qr], dim=-1).contiguous()  # [B, H, 576]
-            k = kv.unsqueeze(2)  # [pages, page, 1, 576]
-            v = k[..., :dc]
-            o = torch.empty(B, H, dc, dtype=qc.dtype, device=qc.device)
-            n = num_kv_splits or max(1, min(64, (2 * schedule.num_sms_of(torch.device(qc.device))) // max(1, B)))
-            logits = torch.empty(B, H, n, dc + 1, dtype=torch.float32, device=qc.device)
-            page = kv.shape[1]
-            run = lambda: mod.decode_attention_fwd(q, k, v, o, bt, sl, logits, n, scale, page)  # noqa: E731
-            run.out = o
-            return run
-        return make, "decode_attention_fwd"
-    raise api.QuantMLAError(f"{path} defines neither quantmla_peer_decode nor decode_attention_fwd")
-
-
-def peer_kv(cache: Cache) -> torch.Tensor:
-    """The same (dequantized BF16) tokens in the token-interleaved [pages, page, d_c + d_r] layout peers take."""
-    lat, kr = gather_sequences(cache.pages, cache.layout, cache.block_table, cache.seq_lens)
-    n_pages = cache.pages.shape[0]
-    kv = torch.zeros(n_pages, PAGE, D_C + D_R, dtype=torch.bfloat16, device=DEV)
-    for b, n in enumerate(cache.lens):
-        pos = torch.arange(n, device=DEV)
-        pg = cache.block_table[b].long()[pos // PAGE]
-        kv[pg, pos % PAGE] = torch.cat([lat[b, :n], kr[b, :n]], -1).to(torch.bfloat16)
-    return kv
 
 
 # --------------------------------------------------------------------------------------------------
