@@ -1,0 +1,79 @@
+"""The tensor pipe's rate at the decode kernel's occupancy (mma_rate.cu): mma.sync m16n8k16 per warp against wgmma
+m64n16k16 per warpgroup, fp16 operands in registers (wgmma's B in shared memory), fp32 accumulators, 4-warp
+CTAs at 1 to 4 CTAs per SM. Gives the floor that the products alone put under a tokens-as-M decode tile.
+
+    python -m quantmla_lab.bench.kernels.mma_rate --out lab/results/kernels/mma_rate_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantmla.kernels.cuda import build, driver
+from quantmla_lab.bench.kernels.decode_speed import source_commit
+
+SOURCE = Path(__file__).with_name("mma_rate.cu")
+FLOP = {0: 2 * 16 * 8 * 16 * 2, 1: 2 * 64 * 16 * 16}  # per warp (mma.sync: two a chain step) / per warpgroup
+
+
+def cubin(mode: int, chains: int, iters: int, tmp: Path) -> Path:
+    out = tmp / f"mma_rate_{mode}_{chains}.cubin"
+    cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+           f"-I{Path(build.__file__).parent}", f"-DMODE={mode}", f"-DCHAINS={chains}", f"-DITERS={iters}", "-o", str(out),
+           str(SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chains", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--iters", type=int, default=4096)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": source_commit(), "command": " ".join(["python -m quantmla_lab.bench.kernels.mma_rate",
+                                                                              *sys.argv[1:]]), "sms": sms, "rows": []}
+    out = torch.zeros(1024, device=dev)
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in (0, 1):
+            for chains in a.chains:
+                fn = driver.function(cubin(mode, chains, a.iters, Path(tmp)), "mma_rate", 0, dev)
+                for cps in a.ctas_per_sm:
+                    grid = sms * cps
+                    run = lambda: driver.launch(fn, (grid,), 128, 0, torch.cuda.current_stream().cuda_stream,  # noqa: E731
+                                                [("p", out.data_ptr()), ("i", 12345)])
+                    for _ in range(3):
+                        run()
+                    ts = []
+                    for _ in range(10):
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        run()
+                        e1.record()
+                        torch.cuda.synchronize()
+                        ts.append(e0.elapsed_time(e1) * 1e-3)
+                    t = sorted(ts)[len(ts) // 2]
+                    units = grid * (4 if mode == 0 else 1)  # warps (mma.sync) or warpgroups (wgmma)
+                    flop = units * a.iters * chains * FLOP[mode]
+                    r = {"mode": "mma.sync m16n8k16" if mode == 0 else "wgmma m64n16k16", "chains": chains,
+                         "ctas_per_sm": cps, "warps_per_sm": 4 * cps, "s": t, "tflops": flop / t / 1e12}
+                    res["rows"].append(r)
+                    print(f"{r['mode']:18s} chains {chains} warps/SM {4 * cps:2d}: {r['tflops']:7.1f} TFLOP/s", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
