@@ -365,6 +365,26 @@ def test_eval_rows_end_to_end(checkpoint, tmp_path):
     assert json.loads((out / "accuracy.json").read_text())["rows"] == doc["rows"]
 
 
+def test_eval_calibration_rows_of_their_own_length(checkpoint, tmp_path, monkeypatch):
+    """--calib-len: the calibrated row is fitted on rows of that many tokens (not --seq-len), records it in its
+    setup (a row of its own beside the default's) and shows it in the table."""
+    import quantmla.evaluation.harness as H
+    from quantmla.cli import main
+
+    seen = []
+    real = H.load_eval_data
+    monkeypatch.setattr(H, "load_eval_data", lambda *a, **k: seen.append(k) or real(*a, **k))
+    out = tmp_path / "res"
+    base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--seq-len", "64",
+            "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024", "--calib-n", "2", "--out", str(out),
+            "--rows", "INT4/INT4:hadamard:16/8"]
+    assert main(base) == 0 and main(base + ["--calib-len", "128"]) == 0
+    assert [k["calib_len"] for k in seen] == [64, 128]
+    rows = json.loads((out / "accuracy.json").read_text())["rows"]
+    assert sorted(r["setup"].get("calib_len", 0) for r in rows) == [0, 128]
+    assert "calib 2 x 128" in (out / "accuracy.md").read_text()
+
+
 def test_eval_output_rules(checkpoint, tmp_path, monkeypatch, capsys):
     """The default output is out/eval, outside the tracked tree; a run on other data settings is refused
     before any work, naming the settings; existing rows are replaced only with --replace-rows."""
@@ -418,6 +438,8 @@ def test_eval_refuses_bad_sizes_up_front(checkpoint, tmp_path, monkeypatch, caps
                        (["--lengths", "512"], "no key-retrieval samples of that length"),
                        (["--lengths", "1024", "--retrieval-n", "3"], "holds 2 key-retrieval samples of 1024 tokens"),
                        (["--fp-window", "-1"], "--fp-window"),
+                       (["--calib-len", "1"], "--calib-len 1: must be at least 2"),
+                       (["--lengths", "1024", "--calib-len", "4096"], "--calib-len 4096: "),
                        (["--lengths", "1024", "--retrieval-n", "2", "--out", str(blocker / "sub")], "cannot write into")):
         out = [] if "--out" in extra else ["--out", str(tmp_path / "o")]
         assert main(base + out + extra) == 2, extra

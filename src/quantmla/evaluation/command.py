@@ -57,7 +57,10 @@ def add_arguments(p):
     p.add_argument("--retrieval-formats", nargs="+", default=["key"], choices=("key", "line"),
                    help="key: the `<key> =` lookups the models trained on; line: complete an earlier unique line of "
                         "held-out code from its first half (never trained on), with a control that removes the line")
-    p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --seq-len tokens, training text)")
+    p.add_argument("--calib-n", type=int, default=None, help="calibration rows (of --calib-len tokens, training text)")
+    p.add_argument("--calib-len", type=int, default=None,
+                   help="tokens per calibration row (default --seq-len): rows as long as the contexts served fit the "
+                        "RoPE path to the positions it meets there")
     p.add_argument("--calib-steps", type=int, default=None, help="optimizer steps per layer of the learned transforms")
     p.add_argument("--calib-device", default=None,
                    help="where calibration keeps its captured activations and runs its fits (cpu, cuda; default: the "
@@ -254,7 +257,7 @@ def check_settings(preset: dict, args, specs: dict) -> None:
     from quantmla.corpus import datasets as DS
 
     for k, flag, lo in (("ppl_chunks", "--ppl-chunks", 1), ("retrieval_n", "--retrieval-n", 1), ("seq_len", "--seq-len", 2),
-                        ("calib_n", "--calib-n", 1)):
+                        ("calib_n", "--calib-n", 1), ("calib_len", "--calib-len", 2)):
         if preset[k] < lo:
             raise CLIError(f"{flag} {preset[k]}: must be at least {lo}")
     if not preset["lengths"]:
@@ -263,7 +266,8 @@ def check_settings(preset: dict, args, specs: dict) -> None:
         raise CLIError(f"--calib-steps {args.calib_steps}: must be at least 1")
     for m, spec in specs.items():
         top = spec.max_positions
-        for what, n in (("--seq-len", preset["seq_len"]), *(("--lengths", L) for L in preset["lengths"])):
+        for what, n in (("--seq-len", preset["seq_len"]), ("--calib-len", preset["calib_len"]),
+                        *(("--lengths", L) for L in preset["lengths"])):
             if top and n > top:
                 raise CLIError(f"{what} {n}: {m} has max_position_embeddings {top}; ask for at most {top} tokens")
     if "key" in args.retrieval_formats:
@@ -334,9 +338,10 @@ def run(args) -> int:
     if args.readme:
         raise CLIError("--readme goes with --from-json (the README block is written from a finished result file)")
     preset = dict(QUICK if args.quick else FULL)
-    for k in ("seq_len", "ppl_chunks", "retrieval_n", "lengths", "calib_n"):
+    for k in ("seq_len", "ppl_chunks", "retrieval_n", "lengths", "calib_n", "calib_len"):
         if getattr(args, k) is not None:
             preset[k] = getattr(args, k)
+    preset["calib_len"] = preset.get("calib_len") or preset["seq_len"]
     models = [resolve_model(m) for m in args.models]
     if args.all:
         found = [str(models_root() / n) for n in REFERENCE_MODELS if (models_root() / n / "config.json").exists()]
@@ -375,6 +380,7 @@ def run(args) -> int:
         return {"content_group": r.config.content.group_size if r.config.content.quantized else None,
                 "rope_group": r.config.rope.group_size if r.config.rope.quantized else None, **clip,
                 "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
+                **({"calib_len": preset["calib_len"]} if preset["calib_len"] != preset["seq_len"] else {}),
                 "calib_steps": calib_kwargs.get("steps", "default")}
 
     # the output: checked writable and mergeable before any weights are read
@@ -395,7 +401,8 @@ def run(args) -> int:
         need_calib = any(r.method in CALIBRATED for r in todo)
         ev = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
                             retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
-                            calib_n=preset["calib_n"] if need_calib else 0, formats=args.retrieval_formats, seed=args.seed,
+                            calib_n=preset["calib_n"] if need_calib else 0, calib_len=preset["calib_len"],
+                            formats=args.retrieval_formats, seed=args.seed,
                             kind=args.kind)
         _log(f"{name}: {len(todo)} rows; ppl {tuple(ev.ppl.shape)} tokens, retrieval "
              + ", ".join(f"{L}:{len(s)}" for L, s in ev.retrieval.items())
