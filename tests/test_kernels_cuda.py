@@ -261,18 +261,6 @@ def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
         build.compile_cubin(other, "sm_90a")
 
 
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
-@pytest.mark.parametrize("knobs", [{"WGMMA_QK": 1}, {"EARLY_PAGES": 1}])
-def test_tokens_m_build_options_compile(name, knobs, tmp_path, monkeypatch):
-    """The tokens-as-M kernel's measured alternatives build for sm_90a: the scores as warpgroup MMAs (the query
-    block as core matrices, which must fit its rows' space), and the first pages read beside the query pieces."""
-    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    _, p = plan(name, tokens_m=True)
-    macros = tuple(sorted({**dict(p.macros), **knobs}.items()))
-    assert build.compile_cubin(macros, "sm_90a") != build.compile_cubin(p.macros, "sm_90a")
-
-
 def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
     QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""

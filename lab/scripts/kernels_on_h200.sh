@@ -27,9 +27,6 @@
 # tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
 #                 epilogue), beside the loop with a second barrier a tile, INT4/INT4 and INT2/INT4 at 1 x 131072 and
 #                 32 x 16384                                              -> kernels/decode_tokens_m_timeline_h200.json
-# tokens-m-builds the tokens-as-M kernel's other builds beside the default, outputs compared and timelines: the
-#                 scores as warpgroup MMAs (WGMMA_QK=1), the first pages read beside the query pieces (EARLY_PAGES=1)
-#                                                                         -> kernels/decode_tokens_m_builds_h200.json
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16
 #                                                                         -> kernels/mma_rate_h200.json
 #
@@ -148,12 +145,6 @@ tokens-m() {
 tokens-m-timeline() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
-}
-
-tokens-m-builds() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --variants WGMMA_QK=1 EARLY_PAGES=1 \
-    --out "$OUT/kernels/decode_tokens_m_builds_h200.json" 2>&1 | grep "_decode\|tokens_m "
 }
 
 mma-rate() {

@@ -55,31 +55,6 @@ typedef __half2 T2;
 #define ONE_BARRIER 1
 #endif
 constexpr int NPBUF = ONE_BARRIER ? 2 : 1;  // P·scale buffers
-// WGMMA_QK: the scores as warpgroup MMAs (m64n16k16: the CTA's 64 tokens at once, the query block a shared-memory
-// operand); 0 (default): each warp's mma.sync products over its 16 tokens, the query fragments by ldmatrix
-#ifndef WGMMA_QK
-#define WGMMA_QK 0
-#endif
-// the query block's core matrices with WGMMA_QK (bytes): along k, along the rows, a k-step's 16 x 16 block
-#ifndef QB_LBO
-#define QB_LBO 128
-#endif
-#ifndef QB_SBO
-#define QB_SBO 256
-#endif
-constexpr int QB_KSTEP = 512;
-#ifndef WG_ROPE_EARLY
-#define WG_ROPE_EARLY 0
-#endif
-#ifndef WG_BATCH_WAIT
-#define WG_BATCH_WAIT 0
-#endif
-[[maybe_unused]] constexpr int WB = 8 / (8 / C_BITS);  // WGMMA_QK: content words a thread's batch of products takes (32 A registers)
-// EARLY_PAGES: thread 0 reads the first tiles' page numbers right after issuing its query pieces' loads, so they
-// arrive together and the copies start at the first barrier; 0 (default): read after it (one more dependent read)
-#ifndef EARLY_PAGES
-#define EARLY_PAGES 0
-#endif
 static_assert(!ONE_BARRIER || STAGES >= 3, "a stage is refilled two tiles after its scores");
 constexpr int NMARK = 7;
 __device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
@@ -136,7 +111,6 @@ constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stag
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
-static_assert(!WGMMA_QK || (D / 16) * QB_KSTEP <= BM * LDQ * 2, "the query block's core matrices fit its rows' space");
 
 #include "query_pieces.cuh"
 #include "query_tm.cuh"
@@ -294,10 +268,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // issued after the barrier that zeroes the rows' largest |q|, so no other warp waits for their page numbers
   uint4 qv[QPT];
   load_query_pieces(qc, qr, qv, b, R, row0, tid);
-  int pg0[STAGES];  // EARLY_PAGES: the first tiles' page numbers, read beside the pieces (thread 0)
-  if (EARLY_PAGES && tid == 0)
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) pg0[s] = page_of(s);
   unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
   if (tid < BM) sAmax[tid] = 0u;
   __syncthreads();  // sAmax is zeroed
@@ -307,19 +277,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
-    if constexpr (EARLY_PAGES) {
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s)
-        if (s < ntiles) issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg0[s], start + s * BN);
-      pg_next = pg0[STAGES - 1];
-    } else {
-      pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
-        issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
-      });
-    }
+    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
+    });
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
-  if constexpr (WGMMA_QK) fence_proxy_async();  // the query block is read by the warpgroup MMAs
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
@@ -342,7 +304,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
-  const uint64_t qd = wgmma_desc(sQ, QB_LBO, QB_SBO);  // WGMMA_QK: the query block's first k-step
   const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
 
 #if ONE_BARRIER
@@ -355,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qd, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
@@ -383,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qd, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
     const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));

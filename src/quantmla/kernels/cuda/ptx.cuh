@@ -81,49 +81,6 @@ __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 // ---------------------------------------------------------------------------------------------------
-// Hopper warpgroup MMA (sm_90a): the 4 warps of a warpgroup issue one asynchronous product together; each
-// warp's A operand is its 16 rows in registers (the m16n8k16 A layout), B is read from shared memory through a
-// descriptor, and each warp's accumulators are its 16 rows as two m16n8 accumulators
-// ---------------------------------------------------------------------------------------------------
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// registers written before this are visible to the next wgmma (its A operand and accumulators)
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// this thread's shared-memory writes, visible to the async proxy (wgmma's shared-memory operands) after a barrier
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// wait until at most N committed groups are in flight
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-#endif
-// the compiler keeps reads of d after the wait before them (no code: an ordering point for each register)
-__device__ __forceinline__ void fence_acc(float (&d)[2][4]) {
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[nb][e])::"memory");
-}
-
-// a shared-memory matrix descriptor without swizzle: 8 x 16-byte core matrices, `lbo` bytes apart along K and
-// `sbo` bytes apart along M or N (both multiples of 16)
-__device__ __forceinline__ uint64_t wgmma_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// d (+)= a·B, m64n16k16 over the warpgroup (fp16 operands, fp32 accumulators): this warp's 16 rows; acc = 0
-// overwrites d
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32." MMA_TYPE "." MMA_TYPE " "
-      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------------
 // Hopper bulk copies (sm_90): one thread copies a contiguous section into shared memory; an mbarrier
 // counts its bytes, and the tile's readers wait on the barrier's phase
 // ---------------------------------------------------------------------------------------------------

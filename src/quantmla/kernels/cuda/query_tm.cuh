@@ -25,16 +25,6 @@ __device__ __forceinline__ int q_position(int c) {
 
 constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // the query's 16-byte pieces
 
-// where (halves from sQ) row rr's value at position pos (q_position) lies: with WGMMA_QK each k-step's 16 x 16 block
-// is 8 x 8 core matrices (16-byte rows), QB_LBO bytes apart along k and QB_SBO along the rows, QB_KSTEP a k-step
-// (the scores' B descriptor); else rows LDQ halves apart (ldmatrix)
-__device__ __forceinline__ int q_index(int rr, int pos) {
-  if constexpr (WGMMA_QK)
-    return (pos >> 4) * (QB_KSTEP / 2) + (rr >> 3) * (QB_SBO / 2) + ((pos >> 3) & 1) * (QB_LBO / 2) + (rr & 7) * 8 + (pos & 7);
-  else
-    return rr * LDQ + pos;
-}
-
 // the query block of rows [row0, row0 + BM) from its pieces qv (load_query_pieces) into sQ (fp16, each row scaled
 // by the power of two that brings its largest |q| below 2^13), its per-group sums into sQsum and each row's score
 // factor into sQf. The pieces' sums meet in sPart and are added in channel order (deterministic); sAmax, each
@@ -78,9 +68,9 @@ __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, flo
     // channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9), q = q_position(c + 4v)
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
-      const int q = q_position(c + 4 * v);
-      *reinterpret_cast<uint32_t*>(sQ + q_index(rr, q)) = __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
-      *reinterpret_cast<uint32_t*>(sQ + q_index(rr, q + 8)) = __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
+      T* dst = sQ + rr * LDQ + q_position(c + 4 * v);
+      *reinterpret_cast<uint32_t*>(dst) = __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
+      *reinterpret_cast<uint32_t*>(dst + 8) = __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
     }
     if (c == 0) sQf[rr] = qk_scale_log2 / scale;
   }

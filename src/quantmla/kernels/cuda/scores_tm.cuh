@@ -1,7 +1,7 @@
 // The tokens-as-M decode kernel's scores (mla_decode_tm.cu): Sᵀ = K·Qᵀ of one tile for a warp's 16 tokens over all
-// 576 channels, the codes masked in place into the A operand, each group's scale folded in once and the zero points
-// through the query's group sums. Per warp as mma.sync products (default), or as the warpgroup's m64n16k16
-// products with WGMMA_QK. Included by mla_decode_tm.cu after its constants and its shared-memory map.
+// 576 channels on mma.sync products, the codes masked in place into the A operand, each group's scale folded in
+// once and the zero points through the query's group sums. Included by mla_decode_tm.cu after its constants and
+// its shared-memory map.
 #pragma once
 
 // the (scale, zero) of group grp of a token's metadata row, fp32
@@ -52,38 +52,10 @@ __device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl,
   }
 }
 
-#if WGMMA_QK
-// the A operands of NW words per token (xl: token tok_lo, xh: tok_lo + 8), NP planes each, then their warpgroup
-// products on the planes' accumulators: word s, plane p is k-step kstep0 + s·NP + p of the query block (descriptor
-// qd); acc = 0 starts the accumulators afresh. Committed as one group: its A registers live until it is waited for
-template <int BITS, int NP, int NWD>
-__device__ __forceinline__ void scores_words_wg(float (&acc)[NP][2][4], const uint32_t (&xl)[NWD], const uint32_t (&xh)[NWD],
-                                                uint64_t qd, int kstep0, bool fresh) {
-  uint32_t a[NWD][NP][4];
-#pragma unroll
-  for (int s = 0; s < NWD; ++s) {
-    const uint32_t l8 = xl[s] >> 8, h8 = xh[s] >> 8;
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      a[s][p][0] = plane<BITS>(xl[s], p), a[s][p][1] = plane<BITS>(xh[s], p);
-      a[s][p][2] = plane<BITS>(l8, p), a[s][p][3] = plane<BITS>(h8, p);
-    }
-  }
-  wgmma_fence();
-#pragma unroll
-  for (int s = 0; s < NWD; ++s)
-#pragma unroll
-    for (int p = 0; p < NP; ++p)
-      wgmma_m64n16k16(acc[p], a[s][p], qd + (uint64_t)((kstep0 + s * NP + p) * (QB_KSTEP >> 4)), !(fresh && s == 0));
-  wgmma_commit();
-}
-#endif
-
 // scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
 // 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
-__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, uint64_t qd, const float (&qf)[4],
-                                            const float (&qsum)[NG][4], const int (&limit)[4], int tok_lo, int t, int valid,
-                                            int n0, float (&sc)[2][4]) {
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
+                                            const int (&limit)[4], int tok_lo, int t, int valid, int n0, float (&sc)[2][4]) {
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -91,45 +63,15 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, uint
   const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
   const uint8_t* mh = ml + 8 * FB_CM;
   constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
-  // the RoPE key: RW words a thread at byte 4·RW·t of each row (WG_ROPE_EARLY: its products issued first)
-  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
-  const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
-  uint32_t rxl[RW], rxh[RW];
-#pragma unroll
-  for (int s = 0; s < RW; ++s) {
-    rxl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
-    rxh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
-  }
-  float racc[NPR][2][4];
-#if WGMMA_QK
-  if (!SKIP_QK && WG_ROPE_EARLY) scores_words_wg<R_BITS, NPR>(racc, rxl, rxh, qd, CKS, true);
-#endif
   float acc[NPC][2][4];
 #pragma unroll
   for (int m = 0; m < FB_CC / 64; ++m) {
-    if (m % MPG == 0 && (!WGMMA_QK || SKIP_QK)) zero_acc(acc);
+    if (m % MPG == 0) zero_acc(acc);
     const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
     const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
     const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-#if WGMMA_QK
-    // in batches of WB words (32 A registers), at most two batches in flight
-#pragma unroll
-    for (int b = 0; b < (SKIP_QK ? 0 : 4 / WB); ++b) {
-      uint32_t bl[WB], bh[WB];
-#pragma unroll
-      for (int s = 0; s < WB; ++s) bl[s] = xl[WB * b + s], bh[s] = xh[WB * b + s];
-      scores_words_wg<C_BITS, NPC>(acc, bl, bh, qd, (m * 4 + WB * b) * NPC, m % MPG == 0 && b == 0);
-      if (WG_BATCH_WAIT || (4 / WB) * MPG > 2) wgmma_wait<1>();
-    }
-    if (!SKIP_QK && m % MPG == MPG - 1) {
-      wgmma_wait<0>();
-#pragma unroll
-      for (int p = 0; p < NPC; ++p) fence_acc(acc[p]);
-    }
-#else
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
-#endif
     if (m % MPG == MPG - 1) {
 #pragma unroll
       for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
@@ -139,20 +81,19 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, uint
       }
     }
   }
-#if WGMMA_QK
-  if (!SKIP_QK && !WG_ROPE_EARLY) scores_words_wg<R_BITS, NPR>(racc, rxl, rxh, qd, CKS, true);
-  if (SKIP_QK) zero_acc(racc);
-  else {
-    wgmma_wait<0>();
+  // the RoPE key: RW words a thread at byte 4·RW·t of each row
+  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+  const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
+  uint32_t xl[RW], xh[RW];
 #pragma unroll
-    for (int p = 0; p < NPR; ++p) fence_acc(racc[p]);
+  for (int s = 0; s < RW; ++s) {
+    xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
+    xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
   }
-#else
-  const uint32_t (&xl)[RW] = rxl, (&xh)[RW] = rxh;
+  float racc[NPR][2][4];
   zero_acc(racc);
 #pragma unroll
   for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
-#endif
 #pragma unroll
   for (int p = 0; p < NPR; ++p) {
     const int grp = p * FB_RC / R_GS;
