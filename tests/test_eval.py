@@ -385,6 +385,41 @@ def test_eval_calibration_rows_of_their_own_length(checkpoint, tmp_path, monkeyp
     assert "calib 2 x 128" in (out / "accuracy.md").read_text()
 
 
+def test_rope_block_rows_and_bytes():
+    """--rope-block: the per-channel RoPE methods' scales per block of that many tokens (the KIVI-style baseline's
+    bytes at 16 tokens, its block at g32/g16, d_c 128, d_r 32); other methods keep theirs; sizes that do not divide the page
+    are refused."""
+    from quantmla.cli import CLIError
+    from quantmla.evaluation.command import rows_for
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(d_c=128, d_r=32)  # the shipped models' cache geometry
+    rows = rows_for(_eval_args("--rope-block", "16", "--rows", "INT4/INT4:quantmla-rope-channel:32/16",
+                               "INT4/INT4:kivi:32/16", "INT2/INT4:quantmla-rope-channel:32/16"))
+    assert [r.rope_page for r in rows if r.method != "kivi"] == [16, 16]
+    assert [r.bytes_per_token(spec) for r in rows] == [104.0, 104.0, 72.0]
+    (page,) = rows_for(_eval_args("--rows", "INT4/INT4:quantmla-rope-channel:32/16"))
+    assert page.rope_page == 64 and page.bytes_per_token(spec) == 98.0
+    for bad in ("48", "128", "0"):
+        with pytest.raises(CLIError, match=f"--rope-block {bad}: give a power of two"):
+            rows_for(_eval_args("--rope-block", bad, "--rows", "INT4/INT4:quantmla-rope-channel"))
+
+
+def test_eval_rope_block_recorded(checkpoint, tmp_path):
+    """A row with --rope-block is a row of its own (its setup says the block) beside the page-grouped one."""
+    from quantmla.cli import main
+
+    out = tmp_path / "res"
+    base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--seq-len", "64",
+            "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024", "--calib-n", "2", "--calib-steps", "2",
+            "--out", str(out), "--rows", "INT4/INT4:quantmla-rope-channel:16/8"]
+    assert main(base) == 0 and main(base + ["--rope-block", "16"]) == 0
+    rows = json.loads((out / "accuracy.json").read_text())["rows"]
+    by_block = {r["setup"].get("rope_block", 0): r["bytes_per_token"] for r in rows}
+    assert sorted(by_block) == [0, 16] and by_block[0] < by_block[16]
+    assert "RoPE ch/16" in (out / "accuracy.md").read_text()
+
+
 def test_eval_output_rules(checkpoint, tmp_path, monkeypatch, capsys):
     """The default output is out/eval, outside the tracked tree; a run on other data settings is refused
     before any work, naming the settings; existing rows are replaced only with --replace-rows."""

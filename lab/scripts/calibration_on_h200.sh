@@ -21,6 +21,11 @@
 # retrieval-600  key retrieval with 600 samples per length (the held-out set's first 200 and 400 more): BF16,
 #                INT4/INT4 quantmla-rope-channel, MIX2.5@g64/INT4 quantmla-rope-channel, INT4/INT4 KIVI-style, four
 #                shipped models side by side, groups 32/16          -> retrieval_600/accuracy.json, accuracy.md
+# rope-block     INT4/INT4 and INT2/INT4 quantmla-rope-channel with the RoPE scales per channel per 16-token block
+#                (--rope-block 16: the KIVI-style baseline's 104 and 72 B a token at groups 32/16), 600 retrieval samples
+#                per length (the same as retrieval-600's), four shipped models side by side
+#                                                   -> rope_block/accuracy.json, accuracy.md
+# calib-len      the same INT4/INT4 row calibrated on 8 rows of 1024 tokens (--calib-len 1024) -> calib_len/...
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -76,8 +81,8 @@ side_by_side() {
   for m in ${MODELS:-deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite}; do
     local groups=32/16
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
-    OMP_NUM_THREADS=3 timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" \
-      --groups $groups --retrieval-n "${N:-200}" --device cuda --calib-device cuda --out "$WORK/$name/$m" \
+    OMP_NUM_THREADS=${THREADS:-3} timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" \
+      ${EXTRA:-} --groups $groups --retrieval-n "${N:-200}" --device cuda --calib-device cuda --out "$WORK/$name/$m" \
       > "$WORK/${name}_$m.log" 2>&1 &
     pids+=($!)
     jsons+=("$WORK/$name/$m/accuracy.json")
@@ -103,6 +108,16 @@ budget-mix() {
 retrieval-600() {
   N=600 DEST=retrieval_600 MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-500} side_by_side retrieval_600 BF16:bf16 \
     INT4/INT4:quantmla-rope-channel MIX2.5@g64/INT4:quantmla-rope-channel INT4/INT4:kivi
+}
+
+rope-block() {
+  N=600 DEST=rope_block MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-540} EXTRA="--rope-block 16" side_by_side rope_block \
+    INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel
+}
+
+calib-len() {
+  N=600 DEST=calib_len MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-540} EXTRA="--rope-block 16 --calib-len 1024 --calib-n 8" \
+    side_by_side calib_len INT4/INT4:quantmla-rope-channel
 }
 
 scaling() {

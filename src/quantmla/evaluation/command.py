@@ -76,6 +76,9 @@ def add_arguments(p):
                    help="newest tokens kept unquantized, the same for every method (KIVI's unfinished block included); "
                         "several values run each")
     p.add_argument("--kivi-block", type=int, default=None, help="KIVI token block (default: the RoPE group size, equal bytes)")
+    p.add_argument("--rope-block", type=int, default=None, metavar="TOKENS",
+                   help="tokens whose RoPE channels share one scale in the per-channel RoPE methods (default: the page, "
+                        "64; 16 stores four blocks a page: at g32/g16 the KIVI-style baseline's 104 B a token)")
     p.add_argument("--seed", type=int, default=0, help="random seed (calibration, retrieval sampling)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--resume", action="store_true", help="skip rows already in the output (same data settings)")
@@ -149,6 +152,18 @@ def rows_for(args):
     return rows
 
 
+def check_rope_block(tokens: int) -> int:
+    """--rope-block: a power of two that divides the cache page (the per-channel RoPE scales of a page's blocks
+    live in its page metadata)."""
+    from quantmla.cache.layout import DEFAULT_PAGE_SIZE
+    from quantmla.cli import CLIError
+
+    if tokens < 1 or tokens & (tokens - 1) or DEFAULT_PAGE_SIZE % tokens:
+        raise CLIError(f"--rope-block {tokens}: give a power of two that divides the {DEFAULT_PAGE_SIZE}-token page, "
+                       "e.g. 32 or 64")
+    return tokens
+
+
 def _rows(args, add, rows):
     """rows_for's rows before the content clip (see there)."""
     from quantmla.errors import QuantMLAError
@@ -156,6 +171,7 @@ def _rows(args, add, rows):
 
     from quantmla.cli import CLIError
 
+    rope_block = {} if getattr(args, "rope_block", None) is None else {"rope_page": check_rope_block(args.rope_block)}
     if getattr(args, "rows", None):
         if args.config is not None or args.method is not None:
             raise CLIError("--rows names each row's config and method: leave out --config and --method")
@@ -169,7 +185,7 @@ def _rows(args, add, rows):
                 for w in args.fp_window:
                     try:
                         add(RowSpec(named_config(parts[0], cg, rg), parts[1], args.kivi_block or rg,
-                                    0 if parts[1] == "bf16" else w))
+                                    0 if parts[1] == "bf16" else w, **rope_block))
                     except QuantMLAError as e:
                         raise type(e)(f"--rows {spec}: {e}") from None
         return rows
@@ -179,7 +195,7 @@ def _rows(args, add, rows):
             window = 0 if w is None else w
             if args.config is None and args.method is None:
                 for r in default_rows(cg, rg, quick=args.quick):
-                    add(RowSpec(r.config, r.method, block, 0 if r.method == "bf16" else window))
+                    add(RowSpec(r.config, r.method, block, 0 if r.method == "bf16" else window, **rope_block))
                 continue
             configs = args.config or ["INT4/INT4"]
             methods = args.method or ["rtn"]
@@ -192,7 +208,7 @@ def _rows(args, add, rows):
                     per_channel = m == "kivi" or m in ROPE_CHANNEL
                     if (m == "bf16") != (not cfg.quantized) or (per_channel and (cfg.rope.mode == "fp8" or not cfg.rope.quantized)):
                         continue  # bf16 pairs only with the BF16 config; per-channel RoPE needs integer RoPE codes
-                    add(RowSpec(cfg, m, block, 0 if m == "bf16" else window))
+                    add(RowSpec(cfg, m, block, 0 if m == "bf16" else window, **rope_block))
     if not rows:
         raise QuantMLAError(f"no valid (config, method) pair in {args.config} x {args.method}: BF16 goes with method "
                             "bf16, quantized configs with the other methods")
@@ -331,7 +347,9 @@ def run(args) -> int:
     from quantmla.cli import CLIError
     from quantmla.evaluation import claims, table
     from quantmla.corpus.datasets import REFERENCE_MODELS, models_root
-    from quantmla.evaluation.harness import CALIBRATED, check_model_dir, evaluate_row, load_eval_data, load_model
+    from quantmla.cache.layout import DEFAULT_PAGE_SIZE
+    from quantmla.evaluation.harness import (CALIBRATED, ROPE_CHANNEL, check_model_dir, evaluate_row, load_eval_data,
+                                             load_model)
 
     if args.from_json:
         return from_json(args)
@@ -379,6 +397,7 @@ def run(args) -> int:
         clip = {"content_clip": r.config.content.clip} if r.config.content.clip != 1.0 else {}  # absent: the full range
         return {"content_group": r.config.content.group_size if r.config.content.quantized else None,
                 "rope_group": r.config.rope.group_size if r.config.rope.quantized else None, **clip,
+                **({"rope_block": r.rope_page} if r.method in ROPE_CHANNEL and r.rope_page != DEFAULT_PAGE_SIZE else {}),
                 "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
                 **({"calib_len": preset["calib_len"]} if preset["calib_len"] != preset["seq_len"] else {}),
                 "calib_steps": calib_kwargs.get("steps", "default")}

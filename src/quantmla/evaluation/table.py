@@ -32,7 +32,7 @@ METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla
 PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
 DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
 # how a row's cache was set up: part of the row's identity (rows with other setups sit side by side)
-SETUP_KEYS = ("content_group", "rope_group", "content_clip", "fp_window", "calib_rows", "calib_len", "calib_steps")
+SETUP_KEYS = ("content_group", "rope_group", "content_clip", "rope_block", "fp_window", "calib_rows", "calib_len", "calib_steps")
 
 
 class ResultMergeError(QuantMLAError):
@@ -209,6 +209,7 @@ def _setup_name(s: dict) -> str:
         return "—"
     g = "/".join(f"g{s[k]}" if s.get(k) else "—" for k in ("content_group", "rope_group"))
     return (g + (f", clip {s['content_clip']:g}" if s.get("content_clip") else "")
+            + (f", RoPE ch/{s['rope_block']}" if s.get("rope_block") else "")
             + (f", {s['fp_window']} fp" if s.get("fp_window") else "")
             + (f", calib {s['calib_rows']} x {s['calib_len']}" if s.get("calib_len") else ""))
 
