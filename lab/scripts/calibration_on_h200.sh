@@ -25,7 +25,10 @@
 #                (--rope-block 16: the KIVI-style baseline's 104 and 72 B a token at groups 32/16), 600 retrieval samples
 #                per length (the same as retrieval-600's), four shipped models side by side
 #                                                   -> rope_block/accuracy.json, accuracy.md
-# calib-len      the same INT4/INT4 row calibrated on 8 rows of 1024 tokens (--calib-len 1024) -> calib_len/...
+# calib-len      the same INT4/INT4 row calibrated on 8 rows of 1024 tokens (--calib-len 1024)
+#                                                   -> rope_block_long_calibration/accuracy.json, accuracy.md
+# rope-block-default  the same two rows at the default groups 64/32 with 32-token blocks (the KIVI-style baseline's
+#                92 and 60 B a token), 200 retrieval samples   -> rope_block_default_groups/accuracy.json, accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -72,14 +75,15 @@ accuracy() {
 }
 
 # `quantmla eval` of NAME's rows (the arguments after NAME) on the GPU, one process per model side by side
-# (MODELS, default the four shipped ones; the DeepSeek-geometry model at groups 128/32), N retrieval samples per
-# length (default 200), merged with MERGE (default results/deepseek_groups/accuracy.json; empty: none) into
-# $OUT/DEST (default deepseek_groups) with each model's log NAME_<model>.log
+# (MODELS, default the four shipped ones; GROUPS, default 32/16; the DeepSeek-geometry model at groups 128/32), N
+# retrieval samples per length (default 200), EXTRA arguments for every model, merged with MERGE (default
+# results/deepseek_groups/accuracy.json; empty: none) into $OUT/DEST (default deepseek_groups), the models' logs
+# (progress bars left out) in $OUT/DEST/eval.log
 side_by_side() {
   local name=$1 m pids=() jsons=() dest=${DEST:-deepseek_groups} merge=${MERGE-results/deepseek_groups/accuracy.json}
   shift
   for m in ${MODELS:-deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite}; do
-    local groups=32/16
+    local groups=${GROUPS:-32/16}
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
     OMP_NUM_THREADS=${THREADS:-3} timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" \
       ${EXTRA:-} --groups $groups --retrieval-n "${N:-200}" --device cuda --calib-device cuda --out "$WORK/$name/$m" \
@@ -92,7 +96,7 @@ side_by_side() {
   mkdir -p "$WORK/merged_$name"
   [ -n "$merge" ] && cp "$merge" "$WORK/merged_$name/accuracy.json" && jsons=("$WORK/merged_$name/accuracy.json" "${jsons[@]}")
   python3 -m quantmla.cli eval --from-json "${jsons[@]}" --out "$OUT/$dest" | tail -3
-  mkdir -p "$OUT/$dest" && cp "$WORK"/"${name}"_*.log "$OUT/$dest/"
+  mkdir -p "$OUT/$dest" && for f in "$WORK"/"${name}"_*.log; do echo "== $f"; grep -v "it/s\]" "$f"; done > "$OUT/$dest/eval.log"
 }
 
 ablations() {
@@ -116,8 +120,13 @@ rope-block() {
 }
 
 calib-len() {
-  N=600 DEST=calib_len MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-540} EXTRA="--rope-block 16 --calib-len 1024 --calib-n 8" \
+  N=600 DEST=rope_block_long_calibration MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-540} EXTRA="--rope-block 16 --calib-len 1024 --calib-n 8" \
     side_by_side calib_len INT4/INT4:quantmla-rope-channel
+}
+
+rope-block-default() {
+  GROUPS=64/32 DEST=rope_block_default_groups MERGE= EXTRA="--rope-block 32" side_by_side rope_block_default \
+    INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel
 }
 
 scaling() {
