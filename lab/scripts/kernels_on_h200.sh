@@ -27,7 +27,8 @@
 # tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
 #                 epilogue), beside the loop with a second barrier a tile, INT4/INT4 and INT2/INT4 at 1 x 131072 and
 #                 32 x 16384                                              -> kernels/decode_tokens_m_timeline_h200.json
-# mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16
+# mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16 and
+#                 mma.sync m16n8k32 on e4m3 and s8 operands
 #                                                                         -> kernels/mma_rate_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.

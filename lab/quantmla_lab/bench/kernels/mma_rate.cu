@@ -1,6 +1,7 @@
 // Tensor-core issue rate at the decode kernel's occupancy: each warp runs ITERS rounds of CHAINS independent
 // products (fp16 operands, fp32 accumulators) on register operands, so the time is the tensor pipe's, not memory's.
-//   MODE 0: mma.sync m16n8k16 per warp;  MODE 1: wgmma m64n16k16 per warpgroup (A in registers, B in shared memory)
+//   MODE 0: mma.sync m16n8k16 per warp;  MODE 1: wgmma m64n16k16 per warpgroup (A in registers, B in shared memory);
+//   MODE 2: mma.sync m16n8k32 on e4m3 operands (fp32 accumulators);  MODE 3: mma.sync m16n8k32 on s8 operands (s32)
 // Macros: MODE, CHAINS, ITERS. Blocks of 128 threads (one warpgroup); the sum of the accumulators goes to out[block] (so the
 // products are not removed).
 #include <cuda_fp16.h>
@@ -40,6 +41,22 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* p, uint32_t lbo, uint
   return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
 }
 
+// d += a·b, m16n8k32 on 8-bit operands: e4m3 with fp32 accumulators, or s8 with s32 accumulators (the same
+// registers: four A words, two B words, four accumulators)
+__device__ __forceinline__ void mma16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16832_s8(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  int* di = reinterpret_cast<int*>(d);
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+r"(di[0]), "+r"(di[1]), "+r"(di[2]), "+r"(di[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // d (+)= a·B, m64n16k16 over the warpgroup (fp16 operands, fp32 accumulators): this warp's 16 rows; acc = 0
 // overwrites d
@@ -66,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = (seed * (threadIdx.x + 1) * (i + 3)) & 0x03ff03ffu;  // small fp16 values
   float acc[CHAINS][2][4] = {};
-#if MODE == 0
+#if MODE != 1
   const uint32_t b0 = a[0] ^ 0x1111u, b1 = a[1] ^ 0x2222u;
 #else
   const uint64_t desc = wgmma_desc(sB, 128, 256);
@@ -77,6 +94,17 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
     for (int c = 0; c < CHAINS; ++c) {
       mma16816(acc[c][0], a, b0, b1);
       mma16816(acc[c][1], a, b1, b0);
+    }
+#elif MODE == 2 || MODE == 3
+#pragma unroll
+    for (int c = 0; c < CHAINS; ++c) {
+      if constexpr (MODE == 2) {
+        mma16832_e4m3(acc[c][0], a, b0, b1);
+        mma16832_e4m3(acc[c][1], a, b1, b0);
+      } else {
+        mma16832_s8(acc[c][0], a, b0, b1);
+        mma16832_s8(acc[c][1], a, b1, b0);
+      }
     }
 #else
     wgmma_fence();

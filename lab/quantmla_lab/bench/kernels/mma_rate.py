@@ -1,6 +1,7 @@
 """The tensor pipe's rate at the decode kernel's occupancy (mma_rate.cu): mma.sync m16n8k16 per warp against wgmma
-m64n16k16 per warpgroup, fp16 operands in registers (wgmma's B in shared memory), fp32 accumulators, 4-warp
-CTAs at 1 to 4 CTAs per SM. Gives the floor that the products alone put under a tokens-as-M decode tile.
+m64n16k16 per warpgroup, fp16 operands in registers (wgmma's B in shared memory), fp32 accumulators, and mma.sync
+m16n8k32 on 8-bit operands (e4m3 into fp32, s8 into s32), 4-warp CTAs at 1 to 4 CTAs per SM. Gives the floor that
+the products alone put under a tokens-as-M decode tile, and what 8-bit operands would buy.
 
     python -m quantmla_lab.bench.kernels.mma_rate --out lab/results/kernels/mma_rate_h200.json
 """
@@ -21,7 +22,9 @@ from quantmla.kernels.cuda import build, driver
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 SOURCE = Path(__file__).with_name("mma_rate.cu")
-FLOP = {0: 2 * 16 * 8 * 16 * 2, 1: 2 * 64 * 16 * 16}  # per warp (mma.sync: two a chain step) / per warpgroup
+# per warp (mma.sync: two a chain step) / per warpgroup (wgmma)
+FLOP = {0: 2 * 16 * 8 * 16 * 2, 1: 2 * 64 * 16 * 16, 2: 2 * 16 * 8 * 32 * 2, 3: 2 * 16 * 8 * 32 * 2}
+NAME = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n16k16 f16", 2: "mma.sync m16n8k32 e4m3", 3: "mma.sync m16n8k32 s8"}
 
 
 def cubin(mode: int, chains: int, iters: int, tmp: Path) -> Path:
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--chains", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--iters", type=int, default=4096)
+    ap.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3], choices=sorted(NAME), help=str(NAME))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -47,7 +51,7 @@ def main() -> None:
                                                                               *sys.argv[1:]]), "sms": sms, "rows": []}
     out = torch.zeros(1024, device=dev)
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in (0, 1):
+        for mode in a.modes:
             for chains in a.chains:
                 fn = driver.function(cubin(mode, chains, a.iters, Path(tmp)), "mma_rate", 0, dev)
                 for cps in a.ctas_per_sm:
@@ -65,12 +69,12 @@ def main() -> None:
                         torch.cuda.synchronize()
                         ts.append(e0.elapsed_time(e1) * 1e-3)
                     t = sorted(ts)[len(ts) // 2]
-                    units = grid * (4 if mode == 0 else 1)  # warps (mma.sync) or warpgroups (wgmma)
+                    units = grid * (1 if mode == 1 else 4)  # warps (mma.sync) or warpgroups (wgmma)
                     flop = units * a.iters * chains * FLOP[mode]
-                    r = {"mode": "mma.sync m16n8k16" if mode == 0 else "wgmma m64n16k16", "chains": chains,
+                    r = {"mode": NAME[mode], "chains": chains,
                          "ctas_per_sm": cps, "warps_per_sm": 4 * cps, "s": t, "tflops": flop / t / 1e12}
                     res["rows"].append(r)
-                    print(f"{r['mode']:18s} chains {chains} warps/SM {4 * cps:2d}: {r['tflops']:7.1f} TFLOP/s", flush=True)
+                    print(f"{r['mode']:23s} chains {chains} warps/SM {4 * cps:2d}: {r['tflops']:7.1f} TFLOP/s", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
