@@ -75,7 +75,7 @@ accuracy() {
 }
 
 # `quantmla eval` of NAME's rows (the arguments after NAME) on the GPU, one process per model side by side
-# (MODELS, default the four shipped ones; GROUPS, default 32/16; the DeepSeek-geometry model at groups 128/32), N
+# (MODELS, default the four shipped ones; GRP, default 32/16; the DeepSeek-geometry model at groups 128/32), N
 # retrieval samples per length (default 200), EXTRA arguments for every model, merged with MERGE (default
 # results/deepseek_groups/accuracy.json; empty: none) into $OUT/DEST (default deepseek_groups), the models' logs
 # (progress bars left out) in $OUT/DEST/eval.log
@@ -83,7 +83,7 @@ side_by_side() {
   local name=$1 m pids=() jsons=() dest=${DEST:-deepseek_groups} merge=${MERGE-results/deepseek_groups/accuracy.json}
   shift
   for m in ${MODELS:-deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite}; do
-    local groups=${GROUPS:-32/16}
+    local groups=${GRP:-32/16}
     [ "$m" = deepseek-v2-deepseek-geometry ] && groups=128/32
     OMP_NUM_THREADS=${THREADS:-3} timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows "$@" \
       ${EXTRA:-} --groups $groups --retrieval-n "${N:-200}" --device cuda --calib-device cuda --out "$WORK/$name/$m" \
@@ -125,7 +125,7 @@ calib-len() {
 }
 
 rope-block-default() {
-  GROUPS=64/32 DEST=rope_block_default_groups MERGE= EXTRA="--rope-block 32" side_by_side rope_block_default \
+  GRP=64/32 DEST=rope_block_default_groups MERGE= EXTRA="--rope-block 32" side_by_side rope_block_default \
     INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel
 }
 
