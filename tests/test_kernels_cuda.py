@@ -36,6 +36,34 @@ def test_page_metadata_plan_copies_the_page_section():
     assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
 
 
+def test_page_metadata_in_blocks_is_refused_and_falls_back_to_triton(monkeypatch):
+    """A RoPE path with a metadata set per block of tokens (more than one set a page): no built-tile or
+    tokens-as-M plan (they read one set a page), so the default config is Triton's and a call asked for the
+    CUDA kernel warns and runs Triton. A block of the whole page is one set and keeps its plan."""
+    import types
+
+    from quantmla.kernels import api
+    from quantmla.kernels.schedule import DecodeConfig, default_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    blocked = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=16))
+    lay, p = plan(blocked)
+    assert p is None and "a metadata set per 16 tokens of the 64-token page" in cuda.plan_reason[lay]
+    _, tm = plan(blocked, tokens_m=True)
+    assert tm is None and "per-token fp16 metadata" in cuda.plan_reason[lay]
+    _, whole = plan(CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=64)))
+    assert whole is not None and dict(whole.macros)["R_PAGE"] == 1
+    pages = types.SimpleNamespace(device=CUDA)  # the call's device is all the plan reads of the pages
+    out = torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16)
+    args = (None, None, pages, None, None, None, None, None, out, None, None, None, 0, 16, 1, 16, 1, 1.0)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        assert default_config(16, lay, "cuda").kernel != "cuda"
+        with pytest.warns(UserWarning, match="metadata set per 16 tokens.*the Triton kernel runs instead"):
+            assert api._launch_cuda((1, 1), args, lay, DecodeConfig(block_m=16, block_n=32, num_warps=8,
+                                                                    kernel="cuda")) is None
+
+
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4", CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
                                   CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric"))])
 def test_fragments_plan_has_no_built_tile(name):

@@ -98,16 +98,18 @@ def append_read_case(name: str) -> None:
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
 
 
-def page_rope_case(heads: int) -> None:
-    """A RoPE path per channel per page (INT4, one group per channel): the generic decode kernel reading the
-    page's metadata, the read kernel, and the append kernels (content, requantize a page, stage its keys)."""
+def page_rope_case(heads: int, block: int = 0) -> None:
+    """A RoPE path per channel per page (INT4, one group per channel; a metadata set per `block` tokens, or
+    one a page): the generic decode kernel reading the page's metadata, the read kernel, and the append
+    kernels (content, requantize a page, stage its keys)."""
     from quantmla.cache.layout import CacheFormat
     from quantmla.kernels.append import _append_kernel, _page_rope_kernel, _stage_rope_kernel
     from quantmla.kernels.decode import _mla_decode_kernel
     from quantmla.kernels.read import _read_kernel
     from quantmla.quant import PathFormat
 
-    layout = PageLayout(TokenLayout(D_C, D_R, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))), PAGE)
+    rope = PathFormat(4, 1, grouping="page", block=block)
+    layout = PageLayout(TokenLayout(D_C, D_R, CacheFormat(PathFormat(4, 128), rope)), PAGE)
     cfg = api.default_config(heads, layout)  # no device: the GPU tilings
     consts, (cbf, rbf) = api._layout_constexprs(layout)
     assert consts["R_PAGE"] and cfg.kernel != "fused"
@@ -127,7 +129,8 @@ def page_rope_case(heads: int) -> None:
     stage = torch.zeros(2, PAGE, D_R, dtype=torch.bfloat16)
     compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
                  dict(D_R=D_R, PS=PAGE, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
-                      OFF_PM=layout.offsets["rope_page_meta"], BITS=4, GS=1, AFFINE=True, MB=2, META_BF16=False,
+                      OFF_PM=layout.offsets["rope_page_meta"], BLK=layout.rope_meta_block, BITS=4, GS=1, AFFINE=True,
+                      MB=2, META_BF16=False,
                       CLIP=4), 4, 1)
     compile_sm90(_stage_rope_kernel, (xr, slots, rows, stage, 4, D_R, PAGE * D_R), dict(D_R=D_R, PS=PAGE), 1, 1)
 
@@ -138,6 +141,7 @@ CASES = {
     **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (128, 8)]},
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},
     **{f"page rope H{h}": (page_rope_case, (h,)) for h in (16, 128)},
+    "page rope blocks of 16 H16": (page_rope_case, (16, 16)),
 }
 
 

@@ -27,14 +27,15 @@ def test_bytes_per_token_table(g):
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 100])
-@pytest.mark.parametrize("rope", [PathFormat(4, 32), PathFormat(4, 1, grouping="page")])
+@pytest.mark.parametrize("rope", [PathFormat(4, 32), PathFormat(4, 1, grouping="page"),
+                                  PathFormat(4, 1, grouping="page", block=1)])
 def test_page_sections_are_aligned_and_disjoint(page_size, rope):
     t = TokenLayout(512, 64, CacheFormat(PathFormat(2, 64), rope))
     p = PageLayout(t, page_size)
     ends = []
     for name, off in p.offsets.items():
         assert off % ALIGN == 0
-        size = page_size * t.field_bytes[name] if name in t.field_bytes else t.page_field_bytes[name]
+        size = page_size * t.field_bytes[name] if name in t.field_bytes else p.page_field_bytes[name]
         ends.append((off, off + size))
     ends.sort()
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))

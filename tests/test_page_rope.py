@@ -1,6 +1,7 @@
-"""A RoPE path grouped per page (PathFormat(grouping="page")) in the paged cache: the layout's per-page
-section, the reference writer against the evaluation cache's per-page quantizer (cache.rope_channel), the
-read and decode kernels (TRITON_INTERPRET=1 on CPU) against the fp64 oracle, and clear errors."""
+"""A RoPE path grouped per page (PathFormat(grouping="page"), one metadata set per page or per block of tokens)
+in the paged cache: the layout's per-page section, the reference writer against the evaluation cache's per-page
+quantizer (cache.rope_channel), the read and decode kernels (TRITON_INTERPRET=1 on CPU) against the fp64 oracle,
+and clear errors."""
 
 import os
 
@@ -24,6 +25,9 @@ FORMATS = {
     "bf16/int2·page": CacheFormat(BF16, PathFormat(2, 1, grouping="page")),
     "int2 clipped/int4·page g2 clipped": CacheFormat(PathFormat(2, 32, clip=0.875),
                                                      PathFormat(4, 2, grouping="page", clip=0.9375)),
+    "int4/int4·page/4": CacheFormat(PathFormat(4, 32), PathFormat(4, 1, grouping="page", block=4)),
+    "int2/int4s·page/8 g2 bf16": CacheFormat(PathFormat(2, 32), PathFormat(4, 2, "symmetric", "bfloat16",
+                                                                            grouping="page", block=8)),
 }
 kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                              reason="needs CUDA or TRITON_INTERPRET=1")
@@ -33,7 +37,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def test_layout_holds_the_page_metadata_once_per_page():
     lay = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))), 64)
     assert lay.token.field_bytes["rope_meta"] == 0
-    assert lay.token.page_field_bytes == {"rope_page_meta": 64 * 2 * 2}  # d_r channels x (scale, zero) x fp16
+    assert lay.page_field_bytes == {"rope_page_meta": 64 * 2 * 2}  # d_r channels x (scale, zero) x fp16
     assert lay.offsets["rope_page_meta"] == lay.offsets["rope_meta"]  # the empty per-token section takes no bytes
     assert lay.page_bytes == 64 * (256 + 32 + 16) + 256
     per_token = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
@@ -43,10 +47,32 @@ def test_layout_holds_the_page_metadata_once_per_page():
     assert f.bytes_per_token(64, page_size=64) == 32 + 4 and f.describe() == "INT4/g1·page"
 
 
+def test_layout_holds_a_metadata_set_per_block():
+    """Block 16 of a 64-token page: four sets, block-major, 256 B each at d_r 64 (INT4, fp16 scale and zero)."""
+    def layout(rope):
+        return PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), rope)), 64)
+
+    f = PathFormat(4, 1, grouping="page", block=16)
+    whole, blocked = layout(PathFormat(4, 1, grouping="page")), layout(f)
+    assert blocked.page_field_bytes["rope_page_meta"] == 4 * whole.page_field_bytes["rope_page_meta"] == 4 * 256
+    assert blocked.page_bytes == whole.page_bytes + 3 * 256 and blocked.rope_meta_block == 16
+    assert whole.rope_meta_block == 64 and layout(PathFormat(4, 64)).rope_meta_block == 0
+    assert f.bytes_per_token(64, page_size=64) == 32 + 256 / 16 and f.page_meta_bytes(64, 64) == 1024
+    assert f.describe() == "INT4/g1·page/16" and PathFormat.from_dict(f.to_dict()) == f and f.to_dict()["block"] == 16
+    assert "block" not in PathFormat(4, 1, grouping="page").to_dict()
+    assert layout(PathFormat(4, 1, grouping="page", block=64)).page_bytes == whole.page_bytes  # one set: the page
+    with pytest.raises(UnsupportedFormatError, match="blocks of 128 tokens do not divide the page of 64 tokens"):
+        layout(PathFormat(4, 1, grouping="page", block=128))
+    with pytest.raises(UnsupportedFormatError, match="block must be an integer"):
+        PathFormat.from_dict({"bits": 4, "group_size": 1, "grouping": "page", "block": "16"})
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(bits=8, group_size=1, mode="fp8", grouping="page"), "integer codes"),
     (dict(bits=16, grouping="page"), "no groups"),
     (dict(bits=4, group_size=1, grouping="sequence"), "grouping must be one of"),
+    (dict(bits=4, group_size=32, block=16), "for grouping 'page'.*use block 0, or grouping 'page'"),
+    (dict(bits=4, group_size=1, grouping="page", block=12), "block must be 0 .* or a power of two"),
 ])
 def test_bad_per_page_formats_are_refused(bad, match):
     with pytest.raises(UnsupportedFormatError, match=match):
@@ -84,12 +110,15 @@ def _fill(pool, lay, seqs, g, chunk=lambda i: 1):
 
 
 @pytest.mark.parametrize("mode", ["affine", "symmetric"])
-def test_writer_matches_the_evaluation_cache_in_any_chunking(mode):
+@pytest.mark.parametrize("page, block", [(PAGE, 0), (PAGE, 4), (64, 16)])
+def test_writer_matches_the_evaluation_cache_in_any_chunking(mode, page, block):
     """Token by token or in uneven chunks, the pages hold exactly the keys that quantize_pages (the
-    evaluation cache's per-page quantizer) gives: an unfinished page is quantized over the tokens it holds."""
-    fmt = CacheFormat(PathFormat(4, 32), PathFormat(4, 1, mode, grouping="page"))
-    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
-    for n, chunk in ((37, lambda i: 1), (53, lambda i: (5, 16, 1, 9)[i % 4]), (32, lambda i: 32)):
+    evaluation cache's per-page quantizer) gives at pages of the block: an unfinished page, or block, is
+    quantized over the tokens it holds."""
+    rope = RopeChannelFormat(4, block or page, mode)
+    fmt = CacheFormat(PathFormat(4, 32), PathFormat(4, 1, mode, grouping="page", block=block))
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), page)
+    for n, chunk in ((37, lambda i: 1), (53, lambda i: (5, 16, 1, 9)[i % 4]), (32, lambda i: 32), (30, lambda i: 7)):
         g = torch.Generator().manual_seed(n)
         pool = PagePool(lay, 8)
         pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
@@ -97,9 +126,10 @@ def test_writer_matches_the_evaluation_cache_in_any_chunking(mode):
         (x, k), = _fill(pool, lay, {0: n}, g, chunk).values()
         bt, sl = pool.block_table([0]), pool.seq_lens([0])
         _, kr = gather_sequences(pool.layer(0), lay, bt, sl)
-        want = quantize_pages(k, RopeChannelFormat(4, PAGE, mode))
-        assert torch.equal(kr[0], want), n
+        assert torch.equal(kr[0], quantize_pages(k, rope)), n
         assert (kr[0] - k).abs().max() > 0  # quantized, not copied
+        if block:  # a set per block, not one per page
+            assert not torch.equal(kr[0], quantize_pages(k, RopeChannelFormat(4, page, mode)))
 
 
 def test_writer_errors_name_what_is_missing():

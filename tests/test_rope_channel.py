@@ -116,6 +116,20 @@ def test_bytes_per_token():
         RopeChannelFormat(8, 64, "fp8")
 
 
+@pytest.mark.parametrize("P", [8, 16, 64])
+def test_path_format_is_the_paged_cache_format_at_its_page(P):
+    """Pages of P tokens here are blocks of P in the paged cache's 64-token page (the whole page at 64): the
+    same format and the same bytes a token."""
+    from quantmla.cache.layout import PageLayout
+
+    fmt = RopeChannelFormat(4, P, "symmetric")
+    assert fmt.path_format == PathFormat(4, 1, "symmetric", grouping="page", block=0 if P == 64 else P)
+    lay = PageLayout(TokenLayout(128, 32, CacheFormat(PathFormat(4, 64), fmt.path_format)), 64)
+    per_token = RopeChannelLayout(128, 32, PathFormat(4, 64), fmt).field_bytes
+    assert per_token["rope_meta"] == lay.page_field_bytes["rope_page_meta"] / 64 == 32 * 2 / P
+    assert fmt.bytes_per_token(32) == fmt.path_format.bytes_per_token(32, 64) == 16 + 64 / P
+
+
 def _codes_and_meta(k: torch.Tensor, fmt: RopeChannelFormat):
     """Integer codes [T, d_r] and scale, zero [n_pages, d_r] of keys k [T, d_r] (T a multiple of the page)."""
     T, d_r = k.shape

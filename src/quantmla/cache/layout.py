@@ -15,7 +15,9 @@ values as its "codes" and no metadata.
 
 A RoPE path grouped per page (``PathFormat(grouping="page")``: one scale and zero point per channel
 group over the page's tokens, KIVI's key grouping at the page size) keeps no per-token metadata; its
-groups' metadata is the page's ``rope_page_meta`` section, ``[G_r, fields]`` in the meta dtype.
+groups' metadata is the page's ``rope_page_meta`` section, ``[page_size / block, G_r, fields]`` in the
+meta dtype (block-major; one set, ``[1, G_r, fields]``, for block 0): token t of a page reads set
+``t // block``.
 
 The named formats (``PRESETS``, ``preset``) are defined here once; the kernel benchmark, the serving
 benchmark and the evaluation harness all take them from here. ``fp8`` is the cache users run on
@@ -131,13 +133,8 @@ class TokenLayout:
         }
 
     @property
-    def page_field_bytes(self) -> dict[str, int]:
-        """Bytes of each per-page section (0 where the RoPE metadata is per token)."""
-        return {"rope_page_meta": self.fmt.rope.page_meta_bytes(self.d_r)}
-
-    @property
     def bytes_per_token(self) -> int:
-        """The per-token record (per-page metadata not counted: see PageLayout.page_bytes)."""
+        """The per-token record (per-page metadata not counted: see PageLayout.page_field_bytes)."""
         return sum(self.field_bytes.values())
 
 
@@ -153,15 +150,29 @@ class PageLayout:
     def __post_init__(self):
         if self.page_size < 1:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.token.fmt.rope.per_page:
+            self.token.fmt.rope.meta_block(self.page_size)  # refuses a block that does not divide the page
         off, offsets = 0, {}
         for name in SECTIONS:
             offsets[name] = off
             off = align_up(off + self.page_size * self.token.field_bytes[name])
         for name in PAGE_SECTIONS:
             offsets[name] = off
-            off = align_up(off + self.token.page_field_bytes[name])
+            off = align_up(off + self.page_field_bytes[name])
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "page_bytes", align_up(off))
+
+    @property
+    def page_field_bytes(self) -> dict[str, int]:
+        """Bytes of each per-page section (0 where the RoPE metadata is per token)."""
+        return {"rope_page_meta": self.token.fmt.rope.page_meta_bytes(self.token.d_r, self.page_size)}
+
+    @property
+    def rope_meta_block(self) -> int:
+        """Tokens sharing one RoPE metadata set of the page (the format's block, the page size for block 0);
+        0 where the RoPE metadata is per token."""
+        rope = self.token.fmt.rope
+        return rope.meta_block(self.page_size) if rope.per_page else 0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -280,7 +280,8 @@ def encode_tokens(layout: PageLayout | TokenLayout, latent: torch.Tensor, k_rope
 
 def encode_page_rope(layout: PageLayout | TokenLayout, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE bytes of one page grouped per page, from its first n tokens' keys k_rope [n, d_r]:
-    (codes uint8 [n, rope code bytes], page metadata uint8 [rope page-meta bytes])."""
+    (codes uint8 [n, rope code bytes], page metadata uint8 [sets · set bytes]): the metadata sets of the
+    blocks holding tokens, ceil(n / block) of them (one for block 0), in the section's order."""
     tok = layout.token if isinstance(layout, PageLayout) else layout
     q = quantize_page(k_rope.reshape(-1, tok.d_r), tok.fmt.rope)
     return q.codes, q.meta.contiguous().view(torch.uint8).reshape(-1)
@@ -288,8 +289,8 @@ def encode_page_rope(layout: PageLayout | TokenLayout, k_rope: torch.Tensor) -> 
 
 def decode_fields(layout: PageLayout | TokenLayout, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`encode_tokens`: -> latent [T, d_c], k_rope [T, d_r] in fp32 (dequantized).
-    A RoPE path grouped per page reads each token's page metadata from ``fields["rope_page_meta"]``
-    ([T, page-meta bytes], as :func:`read_fields` gathers it)."""
+    A RoPE path grouped per page reads each token's metadata set from ``fields["rope_page_meta"]``
+    ([T, set bytes]: the set of the token's block, as :func:`read_fields` gathers it)."""
     tok = layout.token if isinstance(layout, PageLayout) else layout
     c = _decode_path(fields["content_codes"], fields["content_meta"], tok.fmt.content, tok.d_c)
     rope_meta = fields["rope_page_meta"] if tok.fmt.rope.per_page else fields["rope_meta"]
@@ -325,7 +326,8 @@ def write_tokens(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, l
     A RoPE path grouped per page is quantized over each page's tokens: `page_rope` maps every page the
     slots touch to the full-precision keys of its first n tokens [n, d_r] (the new ones included; an
     unfinished page is quantized over the tokens it holds), and the page's RoPE codes and metadata are
-    rewritten from them. `k_rope` is not used then.
+    rewritten from them: each block's metadata set over the block's tokens (the unfinished last block
+    over those it holds), the sets of blocks without tokens left as they are. `k_rope` is not used then.
     """
     flat = _check_pages(pages, layout)
     slots = slots.reshape(-1).to(pages.device, torch.int64)
@@ -402,15 +404,16 @@ def write_tokens_staged(pages: torch.Tensor, layout: PageLayout, slots: torch.Te
 
 
 def read_fields(pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The raw record bytes of tokens at `slots`: section -> uint8 [T, field_bytes], and each per-page
-    section as its token's page holds it, [T, page-field bytes]."""
+    """The raw record bytes of tokens at `slots`: section -> uint8 [T, field_bytes]; a RoPE path grouped per
+    page adds ``rope_page_meta``, each token's metadata set (its block's), uint8 [T, set bytes]."""
     flat = _check_pages(pages, layout)
     slots = slots.reshape(-1).to(pages.device, torch.int64)
     out = {name: flat[_byte_index(layout, name, slots)] for name in layout.token.field_bytes}
-    for name, nb in layout.token.page_field_bytes.items():
-        if nb:
-            base = (slots // layout.page_size) * layout.page_bytes + layout.offsets[name]
-            out[name] = flat[base[:, None] + torch.arange(nb, device=slots.device, dtype=torch.int64)[None, :]]
+    if layout.rope_meta_block:
+        nb = layout.token.fmt.rope.set_meta_bytes(layout.token.d_r)
+        page, off = slots // layout.page_size, slots % layout.page_size
+        base = page * layout.page_bytes + layout.offsets["rope_page_meta"] + off // layout.rope_meta_block * nb
+        out["rope_page_meta"] = flat[base[:, None] + torch.arange(nb, device=slots.device, dtype=torch.int64)[None, :]]
     return out
 
 

@@ -38,10 +38,10 @@ baseline's unfinished block (no full-precision residual); it costs its codes plu
 metadata (:meth:`RopeChannelLayout.bytes_per_token_at`). A full-precision window of the newest
 tokens, when asked, is the cache's ``fp_window`` and the same for every method.
 
-The paged format would need one new section per page (``rope_page_meta``: [d_r, fields] in the meta
-dtype, 16-byte aligned) in place of the per-token ``rope_meta`` section of ``cache.layout``; nothing
-in the kernels or the page layout changes here: this module is the transformers-cache (evaluation)
-form of the format.
+The paged cache stores the same codes: its RoPE path format ``PathFormat(grouping="page", block=P)``
+(:attr:`RopeChannelFormat.path_format`) keeps the metadata of a page's blocks of P tokens in the page's
+``rope_page_meta`` section (``cache.layout``), so a 64-token page with blocks of P holds exactly what this
+cache holds with pages of P. This module is the transformers-cache (evaluation) form of the format.
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ class RopeChannelFormat:
 
     @property
     def path_format(self) -> PathFormat:
-        """The same codes as the paged cache's RoPE path format: one group per channel per page."""
-        return PathFormat(self.bits, 1, self.mode, self.meta_dtype, grouping="page")
+        """The same codes as the paged cache's RoPE path format at its page of DEFAULT_PAGE_SIZE tokens: one group
+        per channel per block of `page_size` tokens (block 0, the whole page, from DEFAULT_PAGE_SIZE up)."""
+        block = self.page_size if self.page_size < DEFAULT_PAGE_SIZE else 0
+        return PathFormat(self.bits, 1, self.mode, self.meta_dtype, grouping="page", block=block)
 
     def block_format(self, content: PathFormat) -> KIVIFormat:
         """The same grouping as the KIVI-style store's (block = page, unfinished page quantized)."""
@@ -98,7 +100,7 @@ class RopeChannelFormat:
 
     def page_meta_bytes(self, d_r: int) -> int:
         """Metadata of one page: d_r channels × (scale[, zero]) [bytes] (the paged layout's count)."""
-        return self.path_format.page_meta_bytes(d_r)
+        return self.path_format.page_meta_bytes(d_r, self.page_size)
 
     def bytes_per_token(self, d_r: int) -> float:
         """Steady state: codes plus the page metadata amortized over the page [bytes]."""

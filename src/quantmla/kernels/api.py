@@ -118,7 +118,7 @@ def _layout_constexprs(layout: PageLayout) -> dict:
     cb, cg, ca, cbf = _path_args(tok.fmt.content, tok.d_c, "content path")
     rb, rg, ra, rbf = _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
     o = layout.offsets
-    r_page = tok.fmt.rope.per_page
+    r_page = layout.rope_meta_block  # tokens a RoPE metadata set of the page serves (0: per-token metadata)
     return dict(
         D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"],
@@ -354,9 +354,9 @@ def append_to_pages(
     A RoPE path grouped per page needs the full-precision keys of the pages being filled: `rope_stage`
     [S, page_size, d_r] (the caller's, one row per sequence that is filling a page; bf16 or fp32) and
     `stage_rows` int [T], each token's stage row. Each token's key goes to its row at its page offset,
-    then every page the call writes is requantized over its tokens so far (as ``write_tokens`` with
-    ``page_rope`` from the stage). A page's tokens must come contiguous and in position order within a
-    call, and its earlier tokens must have been staged in the same row."""
+    then every page the call writes is requantized over its tokens so far, each metadata block over its
+    tokens (as ``write_tokens`` with ``page_rope`` from the stage). A page's tokens must come contiguous and
+    in position order within a call, and its earlier tokens must have been staged in the same row."""
     check_layout_supported(layout)
     tok = layout.token
     per_page = tok.fmt.rope.per_page
@@ -400,8 +400,8 @@ def append_to_pages(
         _page_rope_kernel[(T,)](
             xr, slots, rows, rope_stage, pages, pr16, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
             PS=layout.page_size, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
-            OFF_PM=layout.offsets["rope_page_meta"], BITS=f.bits, GS=f.group_size, AFFINE=f.mode == "affine",
-            MB=f.meta_elem_bytes, META_BF16=rbf, CLIP=f.clip_exp, num_warps=4,
+            OFF_PM=layout.offsets["rope_page_meta"], BLK=layout.rope_meta_block, BITS=f.bits, GS=f.group_size,
+            AFFINE=f.mode == "affine", MB=f.meta_elem_bytes, META_BF16=rbf, CLIP=f.clip_exp, num_warps=4,
         )
         _stage_rope_kernel[(T,)](xr, slots, rows, rope_stage, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
                                  PS=layout.page_size, num_warps=1)

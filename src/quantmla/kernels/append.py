@@ -169,14 +169,15 @@ def _stage_rope_kernel(XR, SLOTS, ROWS, STAGE, T, stride_xr, stride_stage, D_R: 
 def _page_rope_kernel(
     XR, SLOTS, ROWS, STAGE, P8, PR, T, stride_xr, stride_stage,
     D_R: tl.constexpr, PS: tl.constexpr, PAGE_BYTES: tl.constexpr, OFF_RC: tl.constexpr, OFF_PM: tl.constexpr,
-    BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, MB: tl.constexpr, META_BF16: tl.constexpr,
-    CLIP: tl.constexpr = 0,
+    BLK: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, MB: tl.constexpr,
+    META_BF16: tl.constexpr, CLIP: tl.constexpr = 0,
 ):
     """Requantize a page's RoPE path over its tokens so far: one program per token, active for the last token
     of its page among this call's tokens (a page's tokens come contiguous and in position order). The page's
     first n = offset + 1 keys are this call's tokens where they are among them, the stage's (earlier calls')
-    otherwise; it computes each group's (scale, zero) over them (groups of GS channels, every token) and
-    writes the n tokens' codes and the page's metadata, by the rules of ``quant.groupwise.quantize_page``
+    otherwise; it computes each group's (scale, zero) per block of BLK tokens over the block's tokens among them
+    (groups of GS channels, every token of the block) and writes the n tokens' codes and the metadata sets of
+    the blocks holding tokens ([PS / BLK, G, F] at OFF_PM), by the rules of ``quant.groupwise.quantize_page``
     (rounded metadata, IEEE division, round half to even)."""
     i = tl.program_id(0)
     slot = tl.load(SLOTS + i).to(tl.int64)
@@ -186,6 +187,7 @@ def _page_rope_kernel(
         NB: tl.constexpr = D_R * BITS // 8
         K: tl.constexpr = 8 // BITS
         G: tl.constexpr = D_R // GS
+        S: tl.constexpr = PS // BLK  # metadata sets of the page
         QMAX: tl.constexpr = (1 << BITS) - 1
         MID: tl.constexpr = 1 << (BITS - 1)
         page = slot // PS
@@ -199,28 +201,31 @@ def _page_rope_kernel(
         x_new = tl.load(XR + src.to(tl.int64)[:, None] * stride_xr + d[None, :], mask=here[:, None], other=0.0)
         x_old = tl.load(STAGE + row * stride_stage + t[:, None] * D_R + d[None, :], mask=(ok & ~here)[:, None], other=0.0)
         x = tl.where(here[:, None], x_new.to(tl.float32), x_old.to(tl.float32))
-        x3 = tl.reshape(x, [PS, G, GS])
-        ok3 = tl.reshape(tl.broadcast_to(ok[:, None], [PS, D_R]), [PS, G, GS])
+        x4 = tl.reshape(x, [S, BLK, G, GS])
+        ok4 = tl.reshape(tl.broadcast_to(ok[:, None], [PS, D_R]), [S, BLK, G, GS])
         if AFFINE:
-            lo = tl.min(tl.min(tl.where(ok3, x3, float("inf")), 2), 0)
-            hi = tl.max(tl.max(tl.where(ok3, x3, float("-inf")), 2), 0)
+            lo = tl.min(tl.min(tl.where(ok4, x4, float("inf")), 3), 1)  # [S, G]
+            hi = tl.max(tl.max(tl.where(ok4, x4, float("-inf")), 3), 1)
             scale, zero = _affine_meta(lo, hi, QMAX, META_BF16, CLIP)
-            q = _round_codes(tl.math.div_rn(x3 - zero[None, :, None], scale[None, :, None]), QMAX)
+            q = _round_codes(tl.math.div_rn(x4 - zero[:, None, :, None], scale[:, None, :, None]), QMAX)
         else:
-            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok3, tl.abs(x3), 0.0), 2), 0), MID, META_BF16, CLIP)
-            q = _round_codes(tl.math.div_rn(x3, scale[None, :, None]), QMAX) + MID
+            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok4, tl.abs(x4), 0.0), 3), 1), MID, META_BF16, CLIP)
+            q = _round_codes(tl.math.div_rn(x4, scale[:, None, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         q3 = tl.reshape(q, [PS, K, NB])  # planar packing, as _write_path
         packed = tl.sum(q3 << (tl.arange(0, K) * BITS)[None, :, None], 1)
         cptr = P8 + page * PAGE_BYTES + OFF_RC + t[:, None] * NB + tl.arange(0, NB)[None, :]
         tl.store(cptr, packed.to(tl.uint8), mask=ok[:, None])
         F: tl.constexpr = 2 if AFFINE else 1
-        mptr = PR + page * (PAGE_BYTES // MB) + OFF_PM // MB + tl.arange(0, G) * F
+        sets = tl.arange(0, S)
+        held = (sets * BLK < n)[:, None]  # the blocks holding tokens
+        mset = page * (PAGE_BYTES // MB) + OFF_PM // MB + sets * (G * F)  # [S] each set's first element in PR
+        mptr = PR + mset[:, None] + (tl.arange(0, G) * F)[None, :]
         if META_BF16:
-            tl.store(mptr, _bf16_rne(scale))
+            tl.store(mptr, _bf16_rne(scale), mask=held)
             if AFFINE:
-                tl.store(mptr + 1, _bf16_rne(zero))
+                tl.store(mptr + 1, _bf16_rne(zero), mask=held)
         else:
-            tl.store(mptr, scale.to(tl.float16))
+            tl.store(mptr, scale.to(tl.float16), mask=held)
             if AFFINE:
-                tl.store(mptr + 1, zero.to(tl.float16))
+                tl.store(mptr + 1, zero.to(tl.float16), mask=held)

@@ -78,12 +78,13 @@ def _path_tile(
     P8, PV, page, tok, tmask, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr, PAGE_META: tl.constexpr = False,
+    MB: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, RNE: tl.constexpr, PAGE_META: tl.constexpr = 0,
 ):
     """The [BLOCK_N, D] bf16 tile of one path for tokens at (page, tok); masked tokens read as 0.
 
     PV is the pages viewed in the path's MB-byte element type (bf16 values, or fp16/bf16/fp32 metadata).
-    PAGE_META: the integer path's group metadata is the page's (at OFF_META), not the token's."""
+    PAGE_META > 0: the integer path's group metadata is the page's (at OFF_META), one set of G·F elements per
+    PAGE_META tokens; 0: the token's own."""
     page8 = page * PAGE_BYTES
     pagev = page * (PAGE_BYTES // MB)  # the page's first element in PV
     if BITS == 16:
@@ -116,7 +117,8 @@ def _path_tile(
         MASK: tl.constexpr = (1 << BITS) - 1
         MID: tl.constexpr = 1 << (BITS - 1)
         cbase = page8 + OFF_CODES + tok * NB  # [N] byte offset of the token's codes
-        mbase = pagev + OFF_META // MB + tok * (0 if PAGE_META else G * F)  # [N] element offset of its metadata in PV
+        mrow = tok // PAGE_META if PAGE_META else tok  # [N] the token's metadata set
+        mbase = pagev + OFF_META // MB + mrow * (G * F)  # [N] element offset of its metadata in PV
         if DEQ == 0:
             W: tl.constexpr = GS if GS < NB else NB  # channels of a plane in one group
             R: tl.constexpr = NB // W  # groups per plane

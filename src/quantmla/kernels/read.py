@@ -18,8 +18,10 @@ def _read_path(
     OUT, stride_o, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_META: tl.constexpr = False,
+    MB: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_META: tl.constexpr = 0,
 ):
+    """Dequantize one path of BLOCK_T tokens into OUT. PAGE_META > 0: the integer path's group metadata is the
+    page's (at OFF_META), one set of G·F elements per PAGE_META tokens; 0: the token's own."""
     optr = OUT + t.to(tl.int64)[:, None] * stride_o + tl.arange(0, D)[None, :]
     page8 = page * PAGE_BYTES
     pagev = page * (PAGE_BYTES // MB)  # PV: the pages in the path's MB-byte element type
@@ -45,7 +47,8 @@ def _read_path(
         # planar packing: byte j holds codes j + k·NB in bits [k·b, (k+1)·b)
         q = (packed.to(tl.int32)[:, None, :] >> sh[None, :, None]) & QMAX  # [T, K, NB]
         q = tl.reshape(q, [BLOCK_T, G, GS]).to(tl.float32)
-        mptr = PV + (pagev + OFF_META // MB + tok * (0 if PAGE_META else G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
+        row = tok // PAGE_META if PAGE_META else tok  # the token's metadata set
+        mptr = PV + (pagev + OFF_META // MB + row * (G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
         scale = tl.load(mptr, mask=ok[:, None], other=0.0).to(tl.float32)
         if AFFINE:
             zero = tl.load(mptr + 1, mask=ok[:, None], other=0.0).to(tl.float32)

@@ -33,6 +33,9 @@ class PathFormat:
                 "page": a group is `group_size` channels over the tokens of one page of the paged
                 cache (metadata per page: KIVI's per-channel keys at the page size; integer codes,
                 RoPE path only). The codes are packed per token either way.
+    block:      grouping "page" only: tokens sharing one metadata set inside a page, a power of two
+                dividing the page size; a page of P tokens then holds P / block sets, token t of the
+                page using set t // block. 0 (the default): one set for the whole page.
     clip:       the share of a group's range its codes span (integer codes): affine groups' [lo, hi]
                 shrinks by (1 − clip)/2 of its width at each end, symmetric groups' largest magnitude
                 by the factor clip, before the scale is set; values beyond saturate at the end codes.
@@ -46,10 +49,18 @@ class PathFormat:
     meta_dtype: str = "float16"
     grouping: str = "token"
     clip: float = 1.0
+    block: int = 0
 
     def __post_init__(self):
         if self.grouping not in GROUPINGS:
             raise UnsupportedFormatError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 0 or (
+                self.block & (self.block - 1)):
+            raise UnsupportedFormatError(f"block must be 0 (the whole page) or a power of two, got {self.block!r}")
+        if self.block and self.grouping != "page":
+            raise UnsupportedFormatError(
+                f"block {self.block} sets the tokens sharing metadata inside a page, for grouping 'page'; a per-token "
+                "format has no such blocks: use block 0, or grouping 'page'")
         if self.bits == 16:
             if self.clip != 1.0:
                 raise UnsupportedFormatError("a 16-bit path stores raw values and has no range to clip; use clip 1")
@@ -129,26 +140,42 @@ class PathFormat:
 
     def meta_bytes(self, dim: int) -> int:
         """Metadata bytes per token (0 where the metadata is per page)."""
-        return 0 if self.per_page else self.groups(dim) * self.meta_fields * self.meta_elem_bytes
+        return 0 if self.per_page else self.set_meta_bytes(dim)
 
-    def page_meta_bytes(self, dim: int) -> int:
-        """Metadata bytes per page (0 where the metadata is per token)."""
-        return self.groups(dim) * self.meta_fields * self.meta_elem_bytes if self.per_page else 0
+    def set_meta_bytes(self, dim: int) -> int:
+        """Bytes of one metadata set: every group's scale (and zero) once."""
+        return self.groups(dim) * self.meta_fields * self.meta_elem_bytes
+
+    def meta_block(self, page_size: int) -> int:
+        """Tokens sharing one metadata set in a page of `page_size` tokens (per-page formats): the block, or
+        the whole page for block 0. Raises UnsupportedFormatError where the block does not divide the page."""
+        if self.block and page_size % self.block:
+            raise UnsupportedFormatError(
+                f"{self.describe()}: blocks of {self.block} tokens do not divide the page of {page_size} tokens; "
+                f"pick a block that divides {page_size} (or block 0, the whole page)")
+        return self.block or page_size
+
+    def page_meta_bytes(self, dim: int, page_size: int) -> int:
+        """Metadata bytes per page of `page_size` tokens: page_size / block sets (one for block 0); 0 where
+        the metadata is per token."""
+        if not self.per_page:
+            return 0
+        return page_size // self.meta_block(page_size) * self.set_meta_bytes(dim)
 
     def bytes_per_token(self, dim: int, page_size: int | None = None) -> float:
         """Codes and metadata per token; per-page metadata counts as its share of a full page of
-        `page_size` tokens (needed for grouping "page")."""
+        `page_size` tokens (needed for grouping "page"): set bytes / block, or / page_size for block 0."""
         if self.per_page:
             if not page_size:
                 raise ValueError("bytes per token of a per-page format need the page size")
-            return self.code_bytes(dim) + self.page_meta_bytes(dim) / page_size
+            return self.code_bytes(dim) + self.page_meta_bytes(dim, page_size) / page_size
         return self.code_bytes(dim) + self.meta_bytes(dim)
 
     def describe(self) -> str:
         if not self.quantized:
             return "BF16"
         name = "FP8" if self.mode == "fp8" else f"INT{self.bits}"
-        where = "·page" if self.per_page else ""
+        where = ("·page" + (f"/{self.block}" if self.block else "")) if self.per_page else ""
         clip = "" if self.clip == 1.0 else f"·clip{self.clip:g}"
         return f"{name}/g{self.group_size}{where}" + ("" if self.mode == "affine" or self.mode == "fp8" else "s") + clip
 
@@ -158,6 +185,8 @@ class PathFormat:
             del d["grouping"]
         if d["clip"] == 1.0:  # likewise for the full range
             del d["clip"]
+        if d["block"] == 0:  # and for one metadata set a page
+            del d["block"]
         return d
 
     @classmethod
@@ -165,10 +194,11 @@ class PathFormat:
         """A format from its JSON form ({"bits": 4, "group_size": 64, ...}); `where` names it in errors."""
         if not isinstance(d, dict):
             raise UnsupportedFormatError(f"{where} must be an object like {{\"bits\": 4, \"group_size\": 64}}, got {d!r}")
-        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype", "grouping", "clip"}
+        unknown = set(d) - {"bits", "group_size", "mode", "meta_dtype", "grouping", "clip", "block"}
         if unknown:
             raise UnsupportedFormatError(f"{where}: unknown path-format fields {sorted(unknown)}")
-        for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str), ("grouping", str)):
+        for key, kind in (("bits", int), ("group_size", int), ("mode", str), ("meta_dtype", str), ("grouping", str),
+                          ("block", int)):
             v = d.get(key)
             if key in d and (not isinstance(v, kind) or isinstance(v, bool)):
                 raise UnsupportedFormatError(

@@ -103,8 +103,10 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
 
 
 def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
-    """Pages of tokens x [..., n, D] -> packed codes uint8 [..., n, code_bytes] and metadata [..., G, fields] for
-    a per-page format (``fmt.grouping == "page"``): a group is `group_size` channels over a page's n tokens.
+    """Pages of tokens x [..., n, D] -> packed codes uint8 [..., n, code_bytes] and metadata for a per-page
+    format (``fmt.grouping == "page"``): a group is `group_size` channels over the tokens of one metadata set.
+    Block 0: one set over the page's n tokens, metadata [..., G, fields]. Block b: a set per b tokens, the
+    last (unfinished) one over the tokens it holds, metadata [..., ceil(n / b), G, fields].
     Scales and codes follow :func:`quantize`'s rules (grouping the transposed page [G, group_size·n] per token
     gives the same values). The one quantizer of per-page groups: the paged cache's writer and the evaluation
     cache (``cache.rope_channel.quantize_pages``) both use it."""
@@ -113,10 +115,15 @@ def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     check_finite(x)
     *lead, n, D = x.shape
     fmt.check_dim(D)
-    G, gs = D // fmt.group_size, fmt.group_size
+    b = fmt.block or n
+    sets = -(-n // b)
     xf = x.float()
-    xg = xf.reshape(*lead, n, G, gs).movedim(-3, -2).reshape(*lead, G, n * gs)  # a group's values, every token
-    scale, zero = group_scales(xg, fmt)  # [..., G, 1]
+    if sets * b != n:  # the unfinished block padded with its last token: its range stays as it is
+        xf = torch.cat([xf, xf[..., -1:, :].expand(*lead, sets * b - n, D)], dim=-2)
+    xf = xf.reshape(*lead, sets, b, D)
+    G, gs = D // fmt.group_size, fmt.group_size
+    xg = xf.reshape(*lead, sets, b, G, gs).movedim(-3, -2).reshape(*lead, sets, G, b * gs)  # a group's values
+    scale, zero = group_scales(xg, fmt)  # [..., sets, G, 1]
     scale_c, zero_c = (None if t is None else _per_channel(t, gs) for t in (scale, zero))
     qmax = 2**fmt.bits - 1
     if fmt.mode == "affine":
@@ -126,16 +133,25 @@ def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
         mid = 2 ** (fmt.bits - 1)
         q = (torch.round(xf / scale_c) + mid).clamp(0, qmax)
         meta = scale
-    return Quantized(pack(q.to(torch.uint8), fmt.bits), meta.to(fmt.torch_meta_dtype))
+    codes = pack(q.to(torch.uint8), fmt.bits).reshape(*lead, sets * b, -1)[..., :n, :]
+    meta = meta.to(fmt.torch_meta_dtype)
+    return Quantized(codes, meta if fmt.block else meta.squeeze(-3))
 
 
 def dequantize_page(q: Quantized, fmt: PathFormat, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_page`: codes [..., n, code_bytes], metadata [..., G, fields] -> [..., n, dim]."""
+    """Inverse of :func:`quantize_page`: codes [..., n, code_bytes] and metadata [..., G, fields] (block 0) or
+    [..., ceil(n / block), G, fields] -> [..., n, dim]."""
     codes = unpack(q.codes, fmt.bits, dim).float()
-    meta = q.meta.float()
-    scale = _per_channel(meta[..., 0:1], fmt.group_size)
+    n = codes.shape[-2]
+    meta = q.meta.float() if fmt.block else q.meta.float().unsqueeze(-3)  # [..., sets, G, fields]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [..., sets, G, 1] -> [..., 1, dim] (block 0) or [..., n, dim]
+        r = t.expand(*t.shape[:-1], fmt.group_size).flatten(-2)
+        return r.repeat_interleave(fmt.block, dim=-2)[..., :n, :] if fmt.block else r
+
+    scale = rows(meta[..., 0:1])
     if fmt.mode == "affine":
-        out = codes * scale + _per_channel(meta[..., 1:2], fmt.group_size)
+        out = codes * scale + rows(meta[..., 1:2])
     else:
         out = (codes - 2 ** (fmt.bits - 1)) * scale
     return out.to(dtype)

@@ -49,7 +49,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
-    rope_meta = tok.page_field_bytes["rope_page_meta"] if tok.fmt.rope.per_page else bn * fb["rope_meta"]
+    rope_meta = layout.page_field_bytes["rope_page_meta"] if tok.fmt.rope.per_page else bn * fb["rope_meta"]
     codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
@@ -124,10 +124,13 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
     # fp16 tile when every quantized path keeps fp16 metadata and none is raw bf16 or e4m3
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
     r_page = tok.fmt.rope.per_page
+    if r_page and layout.rope_meta_block != layout.page_size:
+        return no(f"RoPE path {tok.fmt.rope.describe()}: a metadata set per {layout.rope_meta_block} tokens of the "
+                  f"{layout.page_size}-token page (the kernel reads one set a page)")
     if r_page and not ((half and rm == 2) or (not half and rm == 3 and rb <= 4)):
         return no(f"RoPE path {tok.fmt.rope.describe()}: a page's metadata is read in the tile's 16-bit type "
                   "(fp16 metadata with an fp16 tile, or bf16 metadata with codes of at most 4 bits)")
-    pmb = tok.page_field_bytes["rope_page_meta"]
+    pmb = layout.page_field_bytes["rope_page_meta"]
     if pmb % 16:
         return no(f"the RoPE page metadata ({pmb} bytes) is not whole 16-byte chunks")
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
