@@ -307,9 +307,12 @@ def test_engine_serves_rope_pages_as_the_evaluation_cache_reads_them(backend):
         assert all(f.rope.per_page for f in eng.formats.values())
 
 
-def test_engine_logits_are_the_evaluation_cache_logits():
+@pytest.mark.parametrize("block", [0, 4])
+def test_engine_logits_are_the_evaluation_cache_logits(block):
     """Every generated token's logits (fp32, torch backend) equal generate()'s on RopeChannelCache to float
-    rounding, and the engine's per-token RoPE groups (rope_pages off) are measurably further from them.
+    rounding, the RoPE scales per page (block 0) or per block of 4 tokens (EngineConfig.rope_block, the
+    evaluation cache's 4-token pages), and the engine's per-token RoPE groups (rope_pages off) are measurably
+    further from them.
     Whole prompts in one step: generate() quantizes a prompt's last page over all its tokens before any of
     them reads it, while a prompt prefilled in chunks lets its earlier chunks read that page quantized over
     the tokens so far, which moves later logits by about 1e-3 here."""
@@ -323,12 +326,14 @@ def test_engine_logits_are_the_evaluation_cache_logits():
     quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 30)]
-    refs = [reference_generate(model, quant, p, 20, lambda: RopeChannelCache(model, quant, RopeChannelFormat(4, 16)))
-            for p in prompts]
+    rfmt = RopeChannelFormat(4, block or 16)
+    refs = [reference_generate(model, quant, p, 20, lambda: RopeChannelCache(model, quant, rfmt)) for p in prompts]
     gaps = {}
     for pages in (True, False):
         with Engine(model, EngineConfig(quant=quant, num_pages=32, page_size=16, max_num_batched_tokens=64,
-                                        backend="torch", keep_logits=True, rope_pages=pages)) as eng:
+                                        backend="torch", keep_logits=True, rope_pages=pages,
+                                        rope_block=block if pages else 0)) as eng:
+            assert all(f.rope.block == (block if pages else 0) for f in eng.formats.values())
             outs = eng.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
         gap = 0.0
         for o, (toks, scores) in zip(outs, refs):
@@ -336,6 +341,24 @@ def test_engine_logits_are_the_evaluation_cache_logits():
             gap = max(gap, max(float((torch.as_tensor(o.logits[j]).float() - scores[j]).abs().max()) for j in range(n)))
         gaps[pages] = gap
     assert gaps[True] < 1e-4 and gaps[False] > 100 * gaps[True], gaps
+
+
+def test_engine_refuses_rope_blocks_it_cannot_store():
+    """rope_block needs rope_pages and a block that divides the page: a clear error before any pool exists."""
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.model.tiny import tiny_model
+    from quantmla.serving.engine import Engine, EngineConfig
+    from quantmla_lab.bench.serving.throughput import rope_pages_method
+
+    model = tiny_model("deepseek_v3")
+    quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
+    for extra, match in ((dict(rope_block=4), "needs rope_pages=True"),
+                         (dict(rope_pages=True, rope_block=32), "do not divide the page of 16 tokens"),
+                         (dict(rope_pages=True, rope_block=6), "a power of two")):
+        with pytest.raises(QuantMLAError, match=match):
+            Engine(model, EngineConfig(quant=quant, num_pages=8, page_size=16, backend="torch", **extra))
+    assert [rope_pages_method(m) for m in ("int4/int4", "int4/int4-page", "int2/int4-page16", "int4/int4-pagex")] == [
+        ("int4/int4", None), ("int4/int4", 0), ("int2/int4", 16), ("int4/int4-pagex", None)]
 
 
 def test_engine_with_rope_pages_survives_preemption():

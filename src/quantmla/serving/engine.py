@@ -65,7 +65,9 @@ class EngineConfig:
     ``kernels.api.default_config(rows, layout, device)`` is (None: that default); ``rope_pages``: store
     the RoPE path per channel per page (one scale and zero point per channel of each page, the method
     ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
-    stage of max_num_seqs rows per layer that the KV budget pays for. ``fused_norms``: inside steps on CUDA,
+    stage of max_num_seqs rows per layer that the KV budget pays for; ``rope_block`` (with rope_pages): the
+    tokens sharing one scale and zero point per channel inside a page, a power of two dividing page_size (0: the
+    whole page; 16 at page 64 stores the KIVI-style baseline's bytes at groups 32/16). ``fused_norms``: inside steps on CUDA,
     the model's RMSNorm modules run as one Triton kernel a call where a probe shows they compute the same
     (``serving/norms.py``; ``Engine.norms`` says which)."""
 
@@ -85,6 +87,7 @@ class EngineConfig:
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
     decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
     rope_pages: bool = False
+    rope_block: int = 0
     fused_norms: bool = True
 
 
@@ -153,8 +156,14 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
+        if config.rope_block and not config.rope_pages:
+            raise QuantMLAError(f"rope_block {config.rope_block} sets the RoPE scales' blocks inside a page: it needs "
+                                "rope_pages=True")
         if config.rope_pages:
-            self.formats = {s: CacheFormat(f.content, page_grouped(f.rope)) for s, f in self.formats.items()}
+            self.formats = {s: CacheFormat(f.content, page_grouped(f.rope, config.rope_block))
+                            for s, f in self.formats.items()}
+            for f in self.formats.values():
+                f.rope.meta_block(config.page_size)  # a block that does not divide the page: a clear error now
         stage_rows = config.max_num_seqs + 1 if config.rope_pages else 0  # a row per sequence, and the null row
         self.stage = StageRows(stage_rows) if stage_rows else None
         self.stage_bytes = AttentionBackend.stage_bytes(spec, self.formats, config.page_size, stage_rows,

@@ -13,14 +13,17 @@ from quantmla.errors import QuantMLAError
 from quantmla.quant.format import PathFormat
 
 
-def page_grouped(fmt: PathFormat) -> PathFormat:
+def page_grouped(fmt: PathFormat, block: int = 0) -> PathFormat:
     """The per-page form of an integer RoPE format: the same bits, mode and metadata dtype, one scale and
-    zero point per channel of each page (``RopeChannelFormat.path_format``, the evaluation's format)."""
+    zero point per channel of each page, or of each block of `block` tokens inside it (0: the whole page;
+    ``PathFormat.block``; the evaluation's ``RopeChannelFormat(page_size=block)``)."""
+    from dataclasses import replace
+
     from quantmla.cache.rope_channel import RopeChannelFormat
 
     if not fmt.quantized or fmt.mode not in ("affine", "symmetric"):
         raise QuantMLAError(f"RoPE keys per channel per page take integer codes; the RoPE path is {fmt.describe()}")
-    return RopeChannelFormat(fmt.bits, mode=fmt.mode, meta_dtype=fmt.meta_dtype).path_format
+    return replace(RopeChannelFormat(fmt.bits, mode=fmt.mode, meta_dtype=fmt.meta_dtype).path_format, block=block)
 
 
 class StageRows:

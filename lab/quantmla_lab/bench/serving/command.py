@@ -38,7 +38,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help=f"cache methods: bf16, fp8, intC/intR, intC/intR-page (RoPE keys per channel per page) "
+                   help=f"cache methods: bf16, fp8, intC/intR, intC/intR-page (RoPE keys per channel per page), intC/intR-pageN "
+                        f"(per channel per block of N tokens) "
                         f"(default: {' '.join(d.methods)}; fp8 only where its 128-channel groups divide the model's d_c)")
     p.add_argument("--content-group", type=int, default=d.content_group, help="content channels per scale/zero group")
     p.add_argument("--rope-group", type=int, default=d.rope_group, help="RoPE channels per scale/zero group")
@@ -133,11 +134,12 @@ def check_methods(methods, args, d_c: int, d_r: int, flag: str = "--methods") ->
 
     for m in methods:
         try:
-            base, rope_pages = rope_pages_method(m)
+            base, rope_block = rope_pages_method(m)
             q = method_config(base, args.content_group, args.rope_group)
             q.content.check_dim(d_c, f"content path (--content-group, kv_lora_rank {d_c})")
             q.rope.check_dim(d_r, f"RoPE path (--rope-group, qk_rope_head_dim {d_r})")
-            rope = page_grouped(q.rope) if rope_pages else q.rope  # EngineConfig.rope_pages
+            rope = q.rope if rope_block is None else page_grouped(q.rope, rope_block)  # EngineConfig.rope_pages
+            rope.meta_block(args.page_size)
         except QuantMLAError as e:
             raise type(e)(f"{flag} {m}: {e}") from None
         if args.backend != "torch":

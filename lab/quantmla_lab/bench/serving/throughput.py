@@ -89,17 +89,21 @@ def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_si
     return [round(n * per_request / GIB, 4) for n in holds if n <= j["requests"]]
 
 
-def rope_pages_method(name: str) -> tuple[str, bool]:
-    """A serve-bench method name -> (its format's name, whether its RoPE keys are per channel per page):
-    "int4/int4-page" -> ("int4/int4", True)."""
-    return (name[: -len("-page")], True) if name.endswith("-page") else (name, False)
+def rope_pages_method(name: str) -> tuple[str, int | None]:
+    """A serve-bench method name -> (its format's name, its RoPE metadata block: None where the RoPE keys are
+    grouped per token, 0 per channel per page, N per channel per block of N tokens): "int4/int4" -> ("int4/int4",
+    None), "int4/int4-page" -> ("int4/int4", 0), "int4/int4-page16" -> ("int4/int4", 16)."""
+    base, sep, block = name.rpartition("-page")
+    if not sep or (block and not block.isdigit()):
+        return name, None
+    return base, int(block or 0)
 
 
 def method_config(name: str, content_group: int = 64, rope_group: int = 32) -> QuantCacheConfig:
     """A cache method by name: a named format of ``cache.layout.PRESETS`` ("bf16", "fp8" — fp8_ds_mla —,
     "int4/int4", ...) or any "intC/intR", integer formats at the given group sizes. In serve-bench a name
     ending in "-page" (``int4/int4-page``) is that format with its RoPE keys per channel per page
-    (EngineConfig.rope_pages)."""
+    (EngineConfig.rope_pages), "-pageN" per channel per block of N tokens (EngineConfig.rope_block)."""
     from quantmla.cache.layout import PRESETS, preset
 
     n = name.lower()
@@ -204,12 +208,12 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
     budgets = sorted(s.budgets_gib)
     engines: dict[str, Engine] = {}
     for m in s.methods:
-        base, rope_pages = rope_pages_method(m)
+        base, rope_block = rope_pages_method(m)
         q = method_config(base, s.content_group, s.rope_group)
         cfg = EngineConfig(quant=q, kv_budget_bytes=int(max(budgets) * GIB), page_size=s.page_size,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len,
-                           rope_pages=rope_pages)
+                           rope_pages=rope_block is not None, rope_block=rope_block or 0)
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
