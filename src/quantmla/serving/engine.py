@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
-from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
+from quantmla.cache.layout import CacheFormat
 from quantmla.cache.paged import slot_of
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
 from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
+from quantmla.serving.config import EngineConfig, JobStats
 from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
 from quantmla.serving.scheduler import (
     Request,
     RequestOutput,
     SamplingParams,
     Scheduler,
-    SchedulerStats,
     Sequence,
     StepPlan,
 )
@@ -51,72 +49,6 @@ from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
 BF16_CONFIG = QuantCacheConfig(content=BF16, rope=BF16, method="bf16")
-
-
-@dataclass
-class EngineConfig:
-    """quant: cache formats (None: BF16 on both paths). The pool size is ``num_pages`` or, from
-    ``kv_budget_bytes``, as many pages as the budget holds over all MLA layers (page data only;
-    block tables are a few bytes per page more). ``max_num_batched_tokens``: tokens per step
-    (prefill chunk budget); ``max_num_seqs``: sequences per step; ``watermark``: fraction of pages
-    admission leaves free; ``backend``: "auto", "torch" or "triton"; ``max_model_len``: longest
-    sequence (sets the CUDA-graph block-table width; default: what the pool holds); ``decode_config``:
-    the Triton decode kernel's tiling per page layout, a function called as
-    ``kernels.api.default_config(rows, layout, device)`` is (None: that default); ``rope_pages``: store
-    the RoPE path per channel per page (one scale and zero point per channel of each page, the method
-    ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
-    stage of max_num_seqs rows per layer that the KV budget pays for; ``rope_block`` (with rope_pages): the
-    tokens sharing one scale and zero point per channel inside a page, a power of two dividing page_size (0: the
-    whole page; 16 at page 64 stores the KIVI-style baseline's bytes at groups 32/16). ``fused_norms``: inside steps on CUDA,
-    the model's RMSNorm modules run as one Triton kernel a call where a probe shows they compute the same
-    (``serving/norms.py``; ``Engine.norms`` says which)."""
-
-    quant: QuantCacheConfig | None = None
-    kv_budget_bytes: int | None = None
-    num_pages: int | None = None
-    page_size: int = DEFAULT_PAGE_SIZE
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    watermark: float = 0.01
-    backend: str = "auto"
-    cuda_graphs: bool | str = True  # "emulate": run the graph steps' padded static path uncaptured (CPU tests)
-    max_model_len: int | None = None
-    keep_logits: bool = False
-    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-    prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
-    prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
-    decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
-    rope_pages: bool = False
-    rope_block: int = 0
-    fused_norms: bool = True
-
-
-@dataclass
-class JobStats:
-    requests: int = 0
-    completed: int = 0
-    failed: int = 0
-    output_tokens: int = 0
-    wall_s: float = 0.0
-    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
-    graph_steps: int = 0
-    eager_steps: int = 0
-    prefill_graph_steps: int = 0  # steps whose whole-prompt chunks (and decode rows) replayed graphs
-    eager_chunks: int = 0  # chunks of those steps that ran eagerly (a prompt's part after a budget cut)
-    graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
-    eager_decode_steps: int = 0  # pure decode steps run eagerly
-    eager_decode_s: float = 0.0
-    mixed_s: float = 0.0  # steps with prefill chunks
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "scheduler"}
-        d["tokens_per_s"] = self.tokens_per_s
-        d.update({f"sched_{k}": v for k, v in self.scheduler.to_dict().items()})
-        return d
 
 
 def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, decode_config=None,
