@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from quantmla_lab.bench.kernels.decode_speed import source_commit
+
 E4M3_MAX = 448.0
 D_C, D_R, GC, GR = 512, 64, 128, 64
 
@@ -132,7 +134,8 @@ def main() -> None:
         sys.exit(f"{a.out} exists: remove it or name another --out")
     modes = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3"]
     res = {"device": "cpu (emulated arithmetic)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_operands", *sys.argv[1:]]),
+        timespec="seconds"), "commit": source_commit(),
+        "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_operands", *sys.argv[1:]]),
         "heads": a.heads, "metric": "||o - o_fp64|| / ||o_fp64|| over the H x d_c output, median of trials", "rows": []}
     for c_bits in (4, 2):
         for T in a.tokens:
