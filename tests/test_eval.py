@@ -403,6 +403,8 @@ def test_rope_block_rows_and_bytes():
     for bad in ("48", "128", "0"):
         with pytest.raises(CLIError, match=f"--rope-block {bad}: give a power of two"):
             rows_for(_eval_args("--rope-block", bad, "--rows", "INT4/INT4:quantmla-rope-channel"))
+    with pytest.raises(CLIError, match="none of these rows uses one"):  # it would change nothing
+        rows_for(_eval_args("--rope-block", "16", "--rows", "INT4/INT4:kivi:32/16"))
 
 
 def test_eval_rope_block_recorded(checkpoint, tmp_path):

@@ -144,6 +144,12 @@ def rows_for(args):
             rows.append(r)
 
     rows = _rows(args, add, rows)
+    if getattr(args, "rope_block", None) is not None:
+        from quantmla.evaluation.harness import ROPE_CHANNEL
+
+        if not any(r.method in ROPE_CHANNEL for r in rows):
+            raise CLIError(f"--rope-block {args.rope_block} sets the RoPE scales' block of the per-channel RoPE methods "
+                           f"({', '.join(ROPE_CHANNEL)}); none of these rows uses one: add such a row or leave it out")
     if clip != 1.0:  # every row's integer content path, baselines included
         from dataclasses import replace
 
