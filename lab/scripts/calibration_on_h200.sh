@@ -29,6 +29,12 @@
 #                                                   -> rope_block_long_calibration/accuracy.json, accuracy.md
 # rope-block-default  the same two rows at the default groups 64/32 with 32-token blocks (the KIVI-style baseline's
 #                92 and 60 B a token), 200 retrieval samples   -> rope_block_default_groups/accuracy.json, accuracy.md
+# prose-a, prose-b  the issue's rows on the held-out prose at g32/g16 with 200 retrieval samples per length (the CPU
+#                table in results/prose_groups/ has 16 chunks and 20 samples; quantmla-rope-channel at 16-token RoPE
+#                blocks, the baselines' bytes), in two calls of about 8 minutes
+#                                                   -> prose_groups_gpu_a/, prose_groups_gpu_b/ (merge with --from-json)
+# window-a, window-b  the same rows with a 64-token full-precision window for every method, held-out code
+#                                                   -> window_groups_gpu_a/, window_groups_gpu_b/
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -128,6 +134,15 @@ rope-block-default() {
   GRP=64/32 DEST=rope_block_default_groups MERGE= EXTRA="--rope-block 32" side_by_side rope_block_default \
     INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel
 }
+
+ROWS_A="BF16:bf16 FP8:rtn INT4/INT4:rtn INT2/INT4:rtn INT4/INT4:kivi INT2/INT4:kivi INT4/INT4:hadamard INT2/INT4:hadamard \
+  INT4/INT4:quantmla INT2/INT4:quantmla"
+ROWS_B="INT4/INT4:quantmla-content INT2/INT4:quantmla-content INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope \
+  INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel"
+prose-a() { DEST=prose_groups_gpu_a MERGE= EXTRA="--kind prose" side_by_side prose_a $ROWS_A; }
+prose-b() { DEST=prose_groups_gpu_b MERGE= EXTRA="--kind prose --rope-block 16" side_by_side prose_b $ROWS_B; }
+window-a() { DEST=window_groups_gpu_a MERGE= EXTRA="--fp-window 64" side_by_side window_a $ROWS_A; }
+window-b() { DEST=window_groups_gpu_b MERGE= EXTRA="--fp-window 64 --rope-block 16" side_by_side window_b $ROWS_B; }
 
 scaling() {
   timeout 170 python3 -m quantmla_lab.bench.calibration.scaling --device cuda --in-process --with-dsv3 --time-limit 150 \
