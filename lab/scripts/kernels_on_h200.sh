@@ -29,6 +29,8 @@
 #                 32 x 16384                                              -> kernels/decode_tokens_m_timeline_h200.json
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16 and
 #                 mma.sync m16n8k32 on e4m3 and s8 operands
+# e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
+#                 terms: the operand layouts against fp64 products of the same terms   -> kernels/e4m3_scores_h200.json
 #                                                                         -> kernels/mma_rate_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
@@ -146,6 +148,10 @@ tokens-m() {
 tokens-m-timeline() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
+}
+
+e4m3-scores() {
+  timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
 }
 
 mma-rate() {

@@ -11,6 +11,7 @@
 typedef __half T;
 typedef __half2 T2;
 #include "ptx.cuh"  // src/quantmla/kernels/cuda (on the include path): mma16816, smem_u32
+#include "mma8.cuh"  // mma16832_e4m3, mma16832_s8
 
 // ---------------------------------------------------------------------------------------------------
 // Hopper warpgroup MMA (sm_90a): the 4 warps of a warpgroup issue one asynchronous product together; each
@@ -39,22 +40,6 @@ __device__ __forceinline__ void fence_acc(float (&d)[2][4]) {
 // `sbo` bytes apart along M or N (both multiples of 16)
 __device__ __forceinline__ uint64_t wgmma_desc(const void* p, uint32_t lbo, uint32_t sbo) {
   return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
-}
-
-// d += a·b, m16n8k32 on 8-bit operands: e4m3 with fp32 accumulators, or s8 with s32 accumulators (the same
-// registers: four A words, two B words, four accumulators)
-__device__ __forceinline__ void mma16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma16832_s8(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  int* di = reinterpret_cast<int*>(d);
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+r"(di[0]), "+r"(di[1]), "+r"(di[2]), "+r"(di[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
