@@ -3,7 +3,9 @@
 e4m3 terms, on mma.sync m16n8k32. Checks the operand layouts (the kernel against fp64 products of the same e4m3
 terms: fp32 rounding only, or a layout is wrong) and measures what the query's terms cost against fp64 scores.
 
-    python -m quantmla_lab.bench.kernels.e4m3_scores --out lab/results/kernels/e4m3_scores_h200.json
+    python -m quantmla_lab.bench.kernels.e4m3_scores --out out/e4m3_scores_h200.json
+
+(on the H200: `kernels_on_h200.sh e4m3-scores`).
 """
 
 from __future__ import annotations
