@@ -289,23 +289,6 @@ def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
         build.compile_cubin(other, "sm_90a")
 
 
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
-def test_tokens_m_e4m3_scores_compile_for_sm90(name, tmp_path, monkeypatch):
-    """The tokens-as-M kernel with its content scores on e4m3 products (QK_E4M3) builds for sm_90a, as a build
-    of its own, named in the variant."""
-    from quantmla.kernels.cuda import tokens_m
-
-    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    builds = {}
-    for e4m3 in (False, True):
-        monkeypatch.setattr(tokens_m, "TM_QK_E4M3", e4m3)
-        _, p = plan(name, 16, tokens_m=True)
-        assert dict(p.macros)["QK_E4M3"] == int(e4m3) and ("/tm8/" in p.describe()) == e4m3, p.describe()
-        builds[e4m3] = build.compile_cubin(p.macros, "sm_90a")
-    assert builds[False] != builds[True] and all(b.stat().st_size > 10_000 for b in builds.values())
-
-
 def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
     QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""

@@ -53,7 +53,7 @@ def query_terms(q: torch.Tensor, n: int) -> tuple[list[torch.Tensor], torch.Tens
 def cubin(bits: int, d: int, nq: int, tmp: Path) -> Path:
     out = tmp / f"e4m3_scores_{bits}_{d}_{nq}.cubin"
     subprocess.run([build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                    f"-I{Path(build.__file__).parent}", f"-DBITS={bits}", f"-DD={d}", f"-DNQ={nq}", "-o", str(out), str(SOURCE)], check=True, capture_output=True)
+                    f"-DBITS={bits}", f"-DD={d}", f"-DNQ={nq}", "-o", str(out), str(SOURCE)], check=True, capture_output=True)
     return out
 
 

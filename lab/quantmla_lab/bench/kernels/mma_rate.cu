@@ -81,14 +81,18 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
       mma16816(acc[c][1], a, b1, b0);
     }
 #elif MODE == 2 || MODE == 3
+    // operands that differ per chain and iteration (one XOR each): on sm_90 the e4m3 product is no tensor
+    // instruction of its own but conversions and fp16 products, which the compiler would otherwise hoist out of
+    // the loop and share between chains
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) {
+      const uint32_t bc0 = b0 ^ (uint32_t)(it * CHAINS + c), bc1 = b1 ^ (uint32_t)(it + c);
       if constexpr (MODE == 2) {
-        mma16832_e4m3(acc[c][0], a, b0, b1);
-        mma16832_e4m3(acc[c][1], a, b1, b0);
+        mma16832_e4m3(acc[c][0], a, bc0, bc1);
+        mma16832_e4m3(acc[c][1], a, bc1, bc0);
       } else {
-        mma16832_s8(acc[c][0], a, b0, b1);
-        mma16832_s8(acc[c][1], a, b1, b0);
+        mma16832_s8(acc[c][0], a, bc0, bc1);
+        mma16832_s8(acc[c][1], a, bc1, bc0);
       }
     }
 #else

@@ -1,7 +1,9 @@
 """The tensor pipe's rate at the decode kernel's occupancy (mma_rate.cu): mma.sync m16n8k16 per warp against wgmma
 m64n16k16 per warpgroup, fp16 operands in registers (wgmma's B in shared memory), fp32 accumulators, and mma.sync
 m16n8k32 on 8-bit operands (e4m3 into fp32, s8 into s32), 4-warp CTAs at 1 to 4 CTAs per SM. Gives the floor that
-the products alone put under a tokens-as-M decode tile, and what 8-bit operands would buy.
+the products alone put under a tokens-as-M decode tile, and what 8-bit operands would buy. Each row names the tensor
+and conversion instructions its build compiled to (SASS opcodes, from cuobjdump): on sm_90 the e4m3 mma.sync is
+F2FP conversions and HMMA.16816, no 8-bit tensor instruction.
 
     python -m quantmla_lab.bench.kernels.mma_rate --out lab/results/kernels/mma_rate_h200.json
 """
@@ -9,8 +11,10 @@ the products alone put under a tokens-as-M decode tile, and what 8-bit operands 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,15 @@ def cubin(mode: int, chains: int, iters: int, tmp: Path) -> Path:
     return out
 
 
+def sass_ops(path: Path) -> dict[str, int] | None:
+    """The tensor and conversion instructions of a cubin's SASS (cuobjdump), by opcode; None without cuobjdump."""
+    try:
+        sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return dict(collections.Counter(re.findall(r"\b((?:[HIQ]MMA|HGMMA|QGMMA|IGMMA|F2FP)\.[A-Z0-9_.]+)", sass)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chains", type=int, nargs="+", default=[2, 4, 8])
@@ -53,7 +66,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in a.modes:
             for chains in a.chains:
-                fn = driver.function(cubin(mode, chains, a.iters, Path(tmp)), "mma_rate", 0, dev)
+                path = cubin(mode, chains, a.iters, Path(tmp))
+                ops = sass_ops(path)
+                print(f"{NAME[mode]:23s} chains {chains}: SASS {ops}", flush=True)
+                fn = driver.function(path, "mma_rate", 0, dev)
                 for cps in a.ctas_per_sm:
                     grid = sms * cps
                     run = lambda: driver.launch(fn, (grid,), 128, 0, torch.cuda.current_stream().cuda_stream,  # noqa: E731
@@ -71,7 +87,7 @@ def main() -> None:
                     t = sorted(ts)[len(ts) // 2]
                     units = grid * (1 if mode == 1 else 4)  # warps (mma.sync) or warpgroups (wgmma)
                     flop = units * a.iters * chains * FLOP[mode]
-                    r = {"mode": NAME[mode], "chains": chains,
+                    r = {"mode": NAME[mode], "chains": chains, "sass_ops": ops,
                          "ctas_per_sm": cps, "warps_per_sm": 4 * cps, "s": t, "tflops": flop / t / 1e12}
                     res["rows"].append(r)
                     print(f"{r['mode']:23s} chains {chains} warps/SM {4 * cps:2d}: {r['tflops']:7.1f} TFLOP/s", flush=True)

@@ -27,7 +27,6 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 typedef __half T;
@@ -36,7 +35,6 @@ typedef __half2 T2;
 
 #include "ptx.cuh"
 #include "out_io.cuh"
-#include "mma8.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "the tokens-as-M decode kernel copies its stages with sm_90 bulk copies"
@@ -53,11 +51,6 @@ typedef __half2 T2;
 #define TIMELINE 0
 #endif
 // ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
-// QK_E4M3: the content scores on e4m3 products (m16n8k32): the codes as e4m3 A operands, the query as two e4m3
-// terms; 0: fp16 products (m16n8k16) on the codes as fp16 subnormals
-#ifndef QK_E4M3
-#define QK_E4M3 0
-#endif
 #ifndef ONE_BARRIER
 #define ONE_BARRIER 1
 #endif

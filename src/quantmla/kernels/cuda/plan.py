@@ -48,7 +48,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else ("/tm8" if m.get("QK_E4M3") else "/tm") if m.get("TM") else ""
+        frag = "/frag" if m.get("REG") else "/tm" if m.get("TM") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 

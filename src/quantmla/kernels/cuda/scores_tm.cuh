@@ -52,28 +52,6 @@ __device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl,
   }
 }
 
-// QK_E4M3: words 2sp, 2sp + 1 (xl, xh: .x, .y) of each of the scores' two tokens into the products of its NP planes on e4m3
-// operands. A code c masked to its plane's low bits of each byte, (x >> p·BITS) & MASK, is the e4m3 bit pattern
-// of c·2^-9 (codes 0 to 7 subnormal, 8 to 15 at the smallest exponent): four consecutive bytes of one token, k
-// 4t .. 4t + 3 (word 2sp) and 16 + 4t .. (word 2sp + 1). Plane p is k-step ks0 + 2p of the query block, whose
-// two e4m3 terms (hi, lo) lie 32 bytes apart.
-template <int BITS, int NP>
-__device__ __forceinline__ void scores_words_e4m3(float (&acc)[NP][2][4], uint2 xl, uint2 xh, const T* qa, int ks0) {
-  constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x01010101u;
-#pragma unroll
-  for (int p = 0; p < NP; ++p) {
-    const uint32_t a[4] = {(xl.x >> (p * BITS)) & MASK, (xh.x >> (p * BITS)) & MASK, (xl.y >> (p * BITS)) & MASK,
-                           (xh.y >> (p * BITS)) & MASK};
-#pragma unroll
-    for (int term = 0; term < 2; ++term) {
-      uint32_t q[4];
-      ldsm_x4(q, qa + ((ks0 + 2 * p) * 2 + term) * 16);  // 32 bytes a k-step and term: 16 halves
-      mma16832_e4m3(acc[p][0], a, q[0], q[1]);
-      mma16832_e4m3(acc[p][1], a, q[2], q[3]);
-    }
-  }
-}
-
 // scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
 // 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
 __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
@@ -89,25 +67,16 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
 #pragma unroll
   for (int m = 0; m < FB_CC / 64; ++m) {
     if (m % MPG == 0) zero_acc(acc);
-    if constexpr (QK_E4M3) {  // words 2sp, 2sp + 1 of the thread's 16-byte chunk 4m + t of each token (a rolled loop:
-#pragma unroll 1             // unrolled, ptxas hoists the next words' masks and spills at 2-bit codes)
-      for (int sp = 0; sp < (SKIP_QK ? 0 : 2); ++sp) {
-        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t) + 8 * sp);
-        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t) + 8 * sp);
-        scores_words_e4m3<C_BITS, NPC>(acc, vl, vh, qa, m * NPC * 2 + sp);
-      }
-    } else {
-      const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
-      const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
-      const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+    const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
+    const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
+    const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
 #pragma unroll
-      for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
-    }
+    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
     if (m % MPG == MPG - 1) {
 #pragma unroll
-      for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o), or e4m3's 2^9) per token
+      for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
         const int grp = (p * FB_CC + 64 * m) / C_GS;
-        const float f = QK_E4M3 ? 512.0f : (float)(1 << (24 - p * C_BITS));
+        const float f = (float)(1 << (24 - p * C_BITS));
         fold_scale(sc, acc[p], meta_sz(ml, grp).x * f, meta_sz(mh, grp).x * f);
       }
     }

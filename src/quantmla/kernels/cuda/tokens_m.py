@@ -10,8 +10,6 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
-# the content scores on e4m3 products (m16n8k32; the query as two e4m3 terms) instead of fp16 products
-TM_QK_E4M3 = False
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
@@ -48,11 +46,9 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     return head + stages * stage + TM_WARPS * bm * (1 + cg) * 4 + 8 * stages
 
 
-def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  qk_e4m3: bool | None = None) -> DecodePlan | str:
+def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): the most stages (up to TM_MAX_STAGES) that fit
-    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168); the content
-    scores on e4m3 products where `qk_e4m3` (default TM_QK_E4M3)."""
+    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
@@ -79,6 +75,5 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
         SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
-        QK_E4M3=int(TM_QK_E4M3 if qk_e4m3 is None else qk_e4m3),
     )
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)

@@ -1,5 +1,4 @@
-// The m16n8k32 products on 8-bit operands (the tokens-as-M decode kernel's e4m3 scores, QK_E4M3; the lab's
-// mma_rate.cu and e4m3_scores.cu). The registers are those of
+// The m16n8k32 products on 8-bit operands (the lab's kernels: mma_rate.cu, e4m3_scores.cu). The registers are those of
 // m16n8k16 on 16-bit operands: four A words (16 x 32, each word four consecutive k of one row: rows g, g + 8, then
 // k + 16), two B words (32 x 8, each word four consecutive k of one column), four fp32 (s32) accumulators.
 #pragma once
