@@ -196,35 +196,6 @@ def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
     assert 2 * (cuda.smem_bytes_tm(lay, p.stages + 1, p_buffers=1) + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM
 
 
-@pytest.mark.parametrize("name,stages", [("int4/int4", 4), ("int2/int4", 6)])
-def test_tokens_m_pingpong_plan(name, stages, monkeypatch):
-    """Two groups a CTA (PINGPONG): 8 warps, one CTA per SM holding both groups' shared memory (each 128-byte
-    aligned, one P buffer, the loop with a barrier after P) with the most stages that fit; two work units a CTA,
-    so the schedule still aims at 2 units per SM."""
-    from quantmla.kernels.cuda import tokens_m
-
-    monkeypatch.setattr(tokens_m, "TM_PINGPONG", True)
-    lay, p = plan(name, tokens_m=True)
-    m = dict(p.macros)
-    group = cuda.smem_bytes_tm(lay, stages, p_buffers=1)
-    assert (m["PINGPONG"], m["ONE_BARRIER"], m["MIN_CTAS"], m["NW"], p.num_warps, p.units_per_cta) == (1, 0, 1, 4, 8, 2)
-    assert (p.stages, p.ctas_per_sm, m["SMEM_EXPECTED"]) == (stages, 2, group)
-    assert p.smem == 2 * (-(-group // 128) * 128) <= cuda.SMEM_PER_CTA
-    assert stages == cuda.TM_MAX_STAGES or 2 * cuda.smem_bytes_tm(lay, stages + 1, p_buffers=1) > cuda.SMEM_PER_CTA
-    assert p.describe().startswith("cuda/f16/tmpp/M16N64w8")
-    assert cuda.tokens_m_plan(lay, 16, torch.bfloat16, ctas_per_sm=3, pingpong=True).startswith("two groups")
-
-
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
-def test_tokens_m_pingpong_compiles_for_sm90(name, tmp_path, monkeypatch):
-    """The two-group build compiles for sm_90a with its constants (the group's shared-memory map asserted)."""
-    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-    p = cuda.tokens_m_plan(lay, 16, torch.bfloat16, pingpong=True)
-    assert build.compile_cubin(p.macros, "sm_90a").stat().st_size > 10_000
-
-
 @pytest.mark.parametrize("fmt,rows,d_c,why", [
     ("int4/int4", 32, 512, "at most 16"),
     ("bf16", 16, 512, "2- or 4-bit affine"),

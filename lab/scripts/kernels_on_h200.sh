@@ -23,8 +23,7 @@
 # smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
 #                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
 # tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
-#                 the default plan's (TM_VARIANTS="MACRO=V ...": other builds timed beside it; TM_PINGPONG=1: its
-#                 build of two groups a CTA beside it; NO_NCU=1: no profile)
+#                 the default plan's (TM_VARIANTS="QK_E4M3=1 ...": other builds timed beside it; NO_NCU=1: no profile)
 #                                        -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
 # tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
 #                 epilogue), beside the loop with a second barrier a tile, INT4/INT4 and INT2/INT4 at 1 x 131072 and
@@ -136,7 +135,7 @@ tokens-m() {
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider -s \
     -k "tokens_m or (decode_full_shape and cuda and int4 and 16-1)" 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
   timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes ${TM_SHAPES:-1x131072,8x16384,32x16384,64x4096} --tilings 8x32 --tokens-m ${TM_VARIANTS:+--variants $TM_VARIANTS} ${TM_PINGPONG:+--pingpong} \
+    --shapes ${TM_SHAPES:-1x131072,8x16384,32x16384,64x4096} --tilings 8x32 --tokens-m ${TM_VARIANTS:+--variants $TM_VARIANTS} \
     --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -50
   [ -n "${NO_NCU:-}" ] && return
   timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section SchedulerStats \

@@ -98,8 +98,6 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
                     help="with --tokens-m: other builds of its plan (e.g. WGMMA_QK=0), timed beside it, their outputs "
                          "compared with its")
-    ap.add_argument("--pingpong", action="store_true",
-                    help="with --tokens-m: also its build of two groups a CTA taking turns at the products (PINGPONG)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -216,21 +214,6 @@ def main() -> None:
                 row("tokens_m", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant)
                 base: list = []
                 row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
-                if a.pingpong:  # two groups a CTA taking turns at the products, over the same units
-                    pp = cuda.tokens_m_plan(lay, H, torch.bfloat16, pingpong=True)
-                    if isinstance(pp, str):
-                        row("tokens_m_pingpong_decode", None, None, skipped=pp)
-                    else:
-                        got: list = []
-                        us_pp = time_decode(pp, md, got)
-                        rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
-                                  for x, y in zip(got[0], base[0]))
-                        row("tokens_m_pingpong_decode", us_pp, pp, decode_only=True, units=md.num_units,
-                            max_rel_diff_vs_default=rel)
-                        for vname, kw in (("no_scores", dict(SKIP_QK=1)), ("no_output", dict(SKIP_PV=1)),
-                                          ("no_products", dict(SKIP_QK=1, SKIP_PV=1))):  # times only: results wrong
-                            vp = dataclasses.replace(pp, macros=tuple(sorted({**dict(pp.macros), **kw}.items())))
-                            row(f"tokens_m_pingpong_{vname}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                 for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
                     kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
                     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))

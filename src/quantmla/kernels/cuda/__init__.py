@@ -66,8 +66,7 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
 
 
 def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
-    """Run the build of `plan` over grid (units, head blocks) on the current stream (a CTA per unit, or per two
-    with PINGPONG). `args` are the
+    """Run the build of `plan` over grid (units, head blocks) on the current stream. `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
     stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
@@ -78,8 +77,6 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
-    num_units = grid[0]
-    ctas = (-(-num_units // plan.units_per_cta), *grid[1:])
-    driver.launch(fn, ctas, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
+    driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
-                                              ("i", int(causal)), ("f", float(scale)), ("i", int(num_units))])
+                                              ("i", int(causal)), ("f", float(scale))])

@@ -22,13 +22,8 @@
 // tile i - 1 and P of tile i into the other of two P buffers; a stage is refilled two tiles after its scores.
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 //
-// With PINGPONG a CTA holds two such groups of 4 warps, each on its own work unit (2·blockIdx.x and + 1) with its
-// own shared memory, barriers and copies; they take turns at the products (the output of tile i - 1 and the scores
-// of tile i, in one block), so that one group's products run while the other is in its softmax and barriers.
-//
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS PINGPONG (and TM, NW, BN, HALF: fixed
-//   here)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS (and TM, NW, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,11 +54,6 @@ typedef __half2 T2;
 #ifndef ONE_BARRIER
 #define ONE_BARRIER 1
 #endif
-// PINGPONG: two groups of NW warps a CTA, on two work units, taking turns at the products (one P buffer each)
-#ifndef PINGPONG
-#define PINGPONG 0
-#endif
-static_assert(!PINGPONG || (!ONE_BARRIER && !TIMELINE), "the groups' turns follow the loop with a barrier after P");
 constexpr int NPBUF = ONE_BARRIER ? 2 : 1;  // P·scale buffers
 static_assert(!ONE_BARRIER || STAGES >= 3, "a stage is refilled two tiles after its scores");
 constexpr int NMARK = 7;
@@ -118,36 +108,8 @@ constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP]
 constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NW, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stage
-constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;  // one group's (PINGPONG: each group's, 128-byte aligned)
+constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
-constexpr int GROUP_STRIDE = (SMEM_BYTES + 127) / 128 * 128;
-constexpr int GROUPS = PINGPONG ? 2 : 1;
-
-// the barrier of the NT threads that share a work unit: the CTA, or with PINGPONG the calling group's (named
-// barrier 1 + group)
-__device__ __forceinline__ void unit_sync() {
-  if constexpr (PINGPONG) asm volatile("bar.sync %0, %1;" ::"r"(1 + (int)threadIdx.x / NT), "n"(NT) : "memory");
-  else __syncthreads();
-}
-// the same barrier, returning whether any of its threads passed p
-__device__ __forceinline__ bool unit_sync_or(bool p) {
-  if constexpr (PINGPONG) {
-    uint32_t r;
-    asm volatile("{\n.reg .pred a, b;\nsetp.ne.u32 a, %1, 0;\nbar.red.or.pred b, %2, %3, a;\nselp.u32 %0, 1, 0, b;\n}"
-                 : "=r"(r) : "r"((uint32_t)p), "r"(1 + (int)threadIdx.x / NT), "n"(NT) : "memory");
-    return r != 0;
-  } else {
-    return __syncthreads_or(p);
-  }
-}
-// PINGPONG turns: group grp waits for its turn at the products (named barrier 3 + grp, both groups' threads), and
-// passes the turn to the other group when its products are issued
-__device__ __forceinline__ void turn_wait(int grp) {
-  asm volatile("bar.sync %0, %1;" ::"r"(3 + grp), "n"(2 * NT) : "memory");
-}
-__device__ __forceinline__ void turn_pass(int grp) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(4 - grp), "n"(2 * NT) : "memory");
-}
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
 
 #include "query_pieces.cuh"
@@ -260,7 +222,7 @@ __device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&
     for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
     if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
   }
-  unit_sync();
+  __syncthreads();
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
@@ -282,10 +244,8 @@ __device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
-  extern __shared__ __align__(128) uint8_t smem_cta[];
-  const int grp = PINGPONG ? (int)threadIdx.x / NT : 0;  // the group of NT threads on one work unit
-  uint8_t* smem = smem_cta + grp * GROUP_STRIDE;
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
+  extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
   float* sQf = reinterpret_cast<float*>(smem + SM_QF);
@@ -293,14 +253,11 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
   float* sRed = reinterpret_cast<float*>(smem + SM_RED);
   uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
 
-  const int tid = (int)threadIdx.x % NT, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int u = PINGPONG ? 2 * (int)blockIdx.x + grp : (int)blockIdx.x, row0 = blockIdx.y * BM;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int u = blockIdx.x, row0 = blockIdx.y * BM;
   uint64_t tl[2 * NMARK] = {};  // TIMELINE: (globaltimer ns, clock64) at the marks
   mark(tl, 0);
-  // (PINGPONG: the second group of the last CTA may have no unit: no tiles, nothing written)
-  const bool has_unit = u < num_units;
-  const int b = has_unit ? units[4 * u] : 0, start = has_unit ? units[4 * u + 1] : 0;
-  const int end = has_unit ? units[4 * u + 2] : 0, nsplit = has_unit ? units[4 * u + 3] : 0;
+  const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
   const int L = seq_lens[b];
   const int* bt_row = block_table + (int64_t)b * stride_bt;
   const int ntiles = (end - start + BN - 1) / BN;
@@ -313,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
   load_query_pieces(qc, qr, qv, b, R, row0, tid);
   unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
   if (tid < BM) sAmax[tid] = 0u;
-  unit_sync();  // sAmax is zeroed
+  __syncthreads();  // sAmax is zeroed
   mark(tl, 1);
   int pg_next = 0;
   if (tid == 0) {
@@ -325,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
     });
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
-  unit_sync();  // the query block, its sums and factors are written (and the barriers initialised)
+  __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
   // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
@@ -375,38 +332,6 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
     tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, ref, l_run, zacc, warp, g,
                        t, tok_lo);
   }
-#elif PINGPONG
-  // As below, with the output of tile it - 1 and the scores of tile it as this group's turn at the products.
-  // Both groups run the same number of turns (the longer unit's tiles + 1): a group whose unit is done only
-  // passes the turn on. Group 1 gives group 0 the first turn and does not pass its last.
-  const int uo = u ^ 1;
-  const int ntiles_other = uo < num_units ? (units[4 * uo + 2] - units[4 * uo + 1] + BN - 1) / BN : 0;
-  const int nturns = max(ntiles, ntiles_other) + 1;
-  if (grp == 1) turn_pass(grp);
-  for (int it = 0; it < nturns; ++it) {
-    const bool mine = it <= ntiles, scores = it < ntiles;
-    const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[2][4];
-    if (scores) {
-      mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
-    }
-    turn_wait(grp);
-    if (mine && it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
-    if (scores) tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
-    if (grp == 0 || it + 1 < nturns) turn_pass(grp);
-    if (!mine) continue;
-    const bool moved = unit_sync_or(exceeds_reference(sc, ref, scores));
-    if (!scores) continue;
-    if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
-      const int nxt = it + STAGES - 1;
-      if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                    start + nxt * BN);
-      pg_next = page_of(nxt + 1);
-    }
-    if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
-    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, ref, l_run, zacc, warp, g, t, tok_lo);
-    unit_sync();  // P·scale of the whole tile is written
-  }
 #else
   // Tile it: the output products of tile it - 1 and the scores of tile it in one block without a barrier (the
   // two are independent, so their instructions interleave); then one vote, P of tile it, and a barrier.
@@ -439,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
 
   mark(tl, 5);
   // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
-  unit_sync();  // every warp is done with sRed's tile maxima
+  __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
@@ -454,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
       if (g == 0) sRed[(warp * BM + row) * (1 + CG) + k] = v[k];
     }
   }
-  unit_sync();
+  __syncthreads();
   float lsum[4];
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
@@ -463,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
 #pragma unroll
     for (int w = 0; w < NW; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
     const int r = row0 + row;
-    if (warp == 0 && g == 0 && r < R && has_unit) {
+    if (warp == 0 && g == 0 && r < R) {
       const float lv = lsum[ri] > 0.0f ? (ref[ri] + log2f(lsum[ri])) * 0.6931471805599453f : -INFINITY;
       if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
       else part_lse[(int64_t)u * R + r] = lv;
@@ -479,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(NT * GROUPS, PINGPONG ? 1 : MIN_CTA
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e, r = row0 + row;
-    if (r >= R || !has_unit) continue;
+    if (r >= R) continue;
     const float inv = lsum[ri] > 0.0f ? 1.0f / lsum[ri] : 0.0f;
     const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
 #pragma unroll

@@ -42,20 +42,13 @@ class DecodePlan:
 
     @property
     def num_warps(self) -> int:
-        """Warps a CTA (two groups of NW with PINGPONG)."""
-        m = dict(self.macros)
-        return m["NW"] * (2 if m.get("PINGPONG") else 1)
-
-    @property
-    def units_per_cta(self) -> int:
-        """Work units a CTA runs (PINGPONG: one a group)."""
-        return 2 if dict(self.macros).get("PINGPONG") else 1
+        return dict(self.macros)["NW"]
 
     def describe(self) -> str:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
-        frag = "/frag" if m.get("REG") else ("/tmpp" if m.get("PINGPONG") else "/tm") if m.get("TM") else ""
+        frag = "/frag" if m.get("REG") else "/tm" if m.get("TM") else ""
         return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
 
 

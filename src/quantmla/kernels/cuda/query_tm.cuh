@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, flo
       sPart[i] = sum;
     }
   }
-  unit_sync();  // every row's largest |q| and every piece's sum are known
+  __syncthreads();  // every row's largest |q| and every piece's sum are known
   mark(tl, 2);
   for (int i = tid; i < NG * BM; i += NT) {  // one (group, row) a thread
     const int grp = i / BM, rr = i % BM;

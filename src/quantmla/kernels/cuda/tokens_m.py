@@ -6,12 +6,10 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
-# two groups of TM_WARPS warps a CTA on two work units, taking turns at the products (mla_decode_tm.cu PINGPONG)
-TM_PINGPONG = False
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
@@ -48,17 +46,12 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     return head + stages * stage + TM_WARPS * bm * (1 + cg) * 4 + 8 * stages
 
 
-def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  pingpong: bool | None = None) -> DecodePlan | str:
+def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): the most stages (up to TM_MAX_STAGES) that fit
-    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). With
-    `pingpong` (default TM_PINGPONG) one CTA of two groups per SM: each group is one of the `ctas_per_sm` = 2
-    work units an SM runs, with its own stages and one P buffer; the plan's smem is both groups'."""
+    `ctas_per_sm` CTAs per SM (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
-    if TM_PINGPONG if pingpong is None else pingpong:
-        return _pingpong_plan(layout, out_dtype, ctas_per_sm)
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
@@ -71,37 +64,16 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         p_buffers, stages = 1, fits(1, 2)
     if not stages:
         return f"the stages do not fit {ctas_per_sm} CTAs per SM in shared memory"
-    stages = stages[0]
-    smem = smem_bytes_tm(layout, stages, p_buffers)
-    macros = _macros(layout, out_dtype, stages, smem, ctas_per_sm, ONE_BARRIER=int(p_buffers == 2))
-    return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
-
-
-def _pingpong_plan(layout: PageLayout, out_dtype: torch.dtype, units_per_sm: int) -> DecodePlan | str:
-    """Two groups a CTA (PINGPONG), one CTA per SM: the most stages for which both groups' shared memory fits."""
-    if units_per_sm != 2:
-        return f"two groups a CTA run 2 work units an SM, not {units_per_sm}"
-    a128 = lambda n: (n + 127) // 128 * 128  # noqa: E731
-    fits = [s for s in range(TM_MAX_STAGES, 1, -1)
-            if 2 * a128(smem_bytes_tm(layout, s, 1)) + SMEM_RESERVED <= SMEM_PER_SM
-            and 2 * a128(smem_bytes_tm(layout, s, 1)) <= SMEM_PER_CTA]
-    if not fits:
-        return "two groups' stages do not fit one CTA's shared memory"
-    stages = fits[0]
-    group = smem_bytes_tm(layout, stages, 1)
-    macros = _macros(layout, out_dtype, stages, group, 1, ONE_BARRIER=0, PINGPONG=1)
-    return DecodePlan(tuple(sorted(macros.items())), 16, stages, units_per_sm, 2 * a128(group))
-
-
-def _macros(layout: PageLayout, out_dtype: torch.dtype, stages: int, smem: int, min_ctas: int, **extra) -> dict:
     tok, o = layout.token, layout.offsets
     fb = tok.field_bytes
+    stages = stages[0]
+    smem = smem_bytes_tm(layout, stages, p_buffers)
     macros = dict(
         TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
-        SMEM_EXPECTED=smem, MIN_CTAS=min_ctas, **extra,
+        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
     )
-    return macros
+    return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
