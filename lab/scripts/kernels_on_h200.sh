@@ -26,8 +26,9 @@
 #                 the default plan's (TM_VARIANTS="QK_E4M3=1 ...": other builds timed beside it; NO_NCU=1: no profile)
 #                                        -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
 # tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
-#                 epilogue), beside the loop with a second barrier a tile, INT4/INT4 and INT2/INT4 at 1 x 131072 and
-#                 32 x 16384                                              -> kernels/decode_tokens_m_timeline_h200.json
+#                 epilogue), beside the loop with a second barrier a tile, and thread 0's clocks in the tile loop's
+#                 phases (copy wait, scores, vote, output, P; with and without the products), INT4/INT4 and INT2/INT4
+#                 at 1 x 131072 and 32 x 16384                            -> kernels/decode_tokens_m_timeline_h200.json
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16 and
 #                 mma.sync m16n8k32 on e4m3 and s8 operands
 # e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3

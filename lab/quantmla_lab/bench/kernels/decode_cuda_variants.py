@@ -76,6 +76,9 @@ def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, t
 
 # the tokens-as-M kernel's TIMELINE marks (mla_decode_tm.cu): each figure is the time from the mark before
 MARKS = ("entry", "first_barrier", "pieces_summed", "query_block", "first_tile", "tiles", "epilogue")
+# its PHASES of the tile loop (thread 0's clocks summed over the tiles): the copy's wait, the scores, the vote, the
+# copy issue and the output products, P
+PHASES = ("copy_wait", "scores", "vote", "output", "probabilities")
 
 
 def main() -> None:
@@ -156,10 +159,12 @@ def main() -> None:
                 t, _ = bench.time_ms(launch, 25, 100)
                 return t * 1e3
 
-            def timeline(plan: cuda.DecodePlan, vmd) -> dict:
+            def timeline(plan: cuda.DecodePlan, vmd, phases: bool = False) -> dict:
                 """One call of the plan built with TIMELINE=1 (each CTA's clocks at the kernel's NMARK marks, MARKS):
-                medians and extremes, µs (clock64 at the SM clock that globaltimer gives over the whole CTA)."""
-                vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
+                medians and extremes, µs (clock64 at the SM clock that globaltimer gives over the whole CTA). With
+                `phases` (PHASES=1), also thread 0's clocks summed over the tile loop's PHASES, median over CTAs."""
+                extra = {"TIMELINE": 1, **({"PHASES": 1} if phases else {})}
+                vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **extra}.items())))
                 po = torch.zeros(vmd.num_units, H, 512, device=dev)
                 pl = torch.empty(vmd.num_units, H, device=dev)
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
@@ -184,6 +189,10 @@ def main() -> None:
                     res[f"{MARKS[i]}_us_median"] = us(med(ck[:, i] - ck[:, i - 1]))
                 res["cta_us_median"] = us(med(ck[:, -1] - ck[:, 0]))
                 res["cta_us_max"] = us(float((ck[:, -1] - ck[:, 0]).max()))
+                if phases:
+                    pw = po.view(vmd.num_units, -1)[:, 4 * n + 4:4 * n + 4 + 2 * len(PHASES)].contiguous().view(torch.int64)
+                    for i, name in enumerate(PHASES):
+                        res[f"loop_{name}_us_median"] = us(med(pw[:, i].cpu().double()))
                 return res
 
             for nw, bn in tilings:
@@ -241,6 +250,11 @@ def main() -> None:
                         row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                 if a.timeline:
                     row("tokens_m_timeline", None, plan, **timeline(plan, md))
+                    if dict(plan.macros)["ONE_BARRIER"]:  # where thread 0's time in the tile loop goes
+                        row("tokens_m_phases", None, plan, **timeline(plan, md, phases=True))
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "SKIP_QK": 1,
+                                                                            "SKIP_PV": 1}.items())))
+                        row("tokens_m_no_products_phases", None, vp, **timeline(vp, md, phases=True))
                     # the loop with a second barrier after P (one P buffer), at the most stages that fit
                     st = max(s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
                              if 2 * (cuda.smem_bytes_tm(lay, s, p_buffers=1) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM)

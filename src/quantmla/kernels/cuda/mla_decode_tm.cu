@@ -50,6 +50,11 @@ typedef __half2 T2;
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
+// PHASES (with TIMELINE and ONE_BARRIER): thread 0 also sums clock64 over the tile loop's NPHASE phases (the copy's
+// wait, the scores, the vote, the copy issue and the output products, P) into the NPHASE words after those
+#ifndef PHASES
+#define PHASES 0
+#endif
 // ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
 #ifndef ONE_BARRIER
 #define ONE_BARRIER 1
@@ -63,6 +68,17 @@ __device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
     tl[2 * i] = g;
     tl[2 * i + 1] = (uint64_t)clock64();
+  }
+}
+
+static_assert(!PHASES || (TIMELINE && ONE_BARRIER), "the phases are timed in the one-barrier loop, with the marks");
+constexpr int NPHASE = 5;
+// PHASES: the clocks since the last call added to phase i (ph[NPHASE]: the clock of the last call)
+__device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
+  if constexpr (PHASES) {
+    const uint64_t now = (uint64_t)clock64();
+    ph[i] += now - ph[NPHASE];
+    ph[NPHASE] = now;
   }
 }
 
@@ -309,6 +325,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 #if ONE_BARRIER
   // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
   // tile it - 2 for the last time), the output products of tile it - 1, P of tile it into the other P buffer.
+  uint64_t ph[NPHASE + 1] = {};  // PHASES: clocks a phase, and the last clock
+  phase(ph, 0);
+  ph[0] = 0;
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
@@ -316,9 +335,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
+      phase(ph, 0);
       tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      phase(ph, 1);
     }
     const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
+    phase(ph, 2);
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
@@ -327,10 +349,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     }
     if (it > 0 && !SKIP_PV)
       tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
+    phase(ph, 3);
     if (!scores) break;
     if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
     tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, ref, l_run, zacc, warp, g,
                        t, tok_lo);
+    phase(ph, 4);
   }
 #else
   // Tile it: the output products of tile it - 1 and the scores of tile it in one block without a barrier (the
@@ -431,6 +455,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       for (int i = 0; i < 2 * NMARK; ++i) dst[i] = tl[i];
       dst[2 * NMARK] = smid;
       dst[2 * NMARK + 1] = (uint64_t)ntiles;
+#if ONE_BARRIER
+      if constexpr (PHASES) {
+#pragma unroll
+        for (int i = 0; i < NPHASE; ++i) dst[2 * NMARK + 2 + i] = ph[i];
+      }
+#endif
     }
   }
 }
