@@ -289,6 +289,19 @@ def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
         build.compile_cubin(other, "sm_90a")
 
 
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+def test_tokens_m_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
+    """The tokens-as-M kernel's timing builds (TIMELINE, and PHASES with it) compile, and PHASES alone or in the
+    loop with two barriers is refused at compile time (its static_assert)."""
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+    _, p = plan("int4/int4", tokens_m=True)
+    m = dict(p.macros)
+    for extra in ({"TIMELINE": 1}, {"TIMELINE": 1, "PHASES": 1}):
+        assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000
+    with pytest.raises(Exception, match="phases are timed"):
+        build.compile_cubin(tuple(sorted({**m, "PHASES": 1}.items())), "sm_90a")
+
+
 def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
     QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""

@@ -232,8 +232,8 @@ def test_decode_cuda_tokens_m(name, H, SQ):
 
 
 def test_decode_cuda_tokens_m_query_ranges():
-    """Heads whose queries span 2^-12 to 2^2 (each row brought by its own power of two into the products'
-    range) and one head of zeros, against the same oracle."""
+    """Heads whose queries span 2^-12 to 2^2 (products down to fp16's subnormals, summed in fp32) and one head
+    of zeros (uniform attention), against the same oracle."""
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [700, 64, 1], seed=29)
     scales = torch.tensor([2.0 ** e for e in range(-12, 3)] + [0.0], device="cuda")
     md = check_decode(lay, pages, bt, sl, 16, 1, seed=3, config=tokens_m_config(lay, 16), row_scale=scales)

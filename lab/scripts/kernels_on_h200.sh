@@ -23,7 +23,7 @@
 # smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
 #                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
 # tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
-#                 the default plan's (TM_VARIANTS="QK_E4M3=1 ...": other builds timed beside it; NO_NCU=1: no profile)
+#                 the default plan's (TM_VARIANTS="MACRO=V ...": other builds timed beside it; NO_NCU=1: no profile)
 #                                        -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
 # tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
 #                 epilogue), beside the loop with a second barrier a tile, and thread 0's clocks in the tile loop's

@@ -1,7 +1,8 @@
 // The scores of one 16-token tile on e4m3 products, the operand layout of the e4m3 scores design (docs/kernels.md,
-// "What is next": built into the decode kernel, measured slower on sm_90, removed): Sᵀ[token, row] = Σ_c code(token, c)·2^-9 · q(row, c), the codes read from the cache's packed
-// planes and the query given as NQ e4m3 terms. One warp; the result is in the scaled units the caller undoes
-// (2^9 for the codes, the query's factor a row).
+// "What is next": built into the decode kernel, measured slower on sm_90, removed):
+// Sᵀ[token, row] = Σ_c code(token, c)·2^-9 · q(row, c), the codes read from the cache's packed planes and the
+// query given as NQ e4m3 terms. One warp; the result is in the scaled units the caller undoes (2^9 for the codes,
+// the query's factor a row).
 //
 // A operand (16 tokens x 32 channels): a code c of BITS bits is the e4m3 bit pattern of c·2^-9 (0 to 7 subnormal,
 // 8 to 15 at the smallest exponent). Byte j of a token's codes holds channel j + k·NB in bits [k·BITS, (k + 1)·BITS)

@@ -326,8 +326,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
   // tile it - 2 for the last time), the output products of tile it - 1, P of tile it into the other P buffer.
   uint64_t ph[NPHASE + 1] = {};  // PHASES: clocks a phase, and the last clock
-  phase(ph, 0);
-  ph[0] = 0;
+  if constexpr (PHASES) ph[NPHASE] = (uint64_t)clock64();
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
