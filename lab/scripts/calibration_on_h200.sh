@@ -31,10 +31,12 @@
 #                92 and 60 B a token), 200 retrieval samples   -> rope_block_default_groups/accuracy.json, accuracy.md
 # prose-a, prose-b  the issue's rows on the held-out prose at g32/g16 with 200 retrieval samples per length (the CPU
 #                table in results/prose_groups/ has 16 chunks and 20 samples; quantmla-rope-channel at 16-token RoPE
-#                blocks, the baselines' bytes), in two calls of about 8 minutes
-#                                                   -> prose_groups_gpu_a/, prose_groups_gpu_b/ (merge with --from-json)
+#                blocks, the baselines' bytes), in two calls of about 5 minutes
+#                                                   -> prose_groups_gpu_a/, prose_groups_gpu_b/; results/prose_groups_gpu/ is
+#                the two merged: quantmla eval --from-json OUT/prose_groups_gpu_{a,b}/accuracy.json --out results/prose_groups_gpu
 # window-a, window-b  the same rows with a 64-token full-precision window for every method, held-out code
-#                                                   -> window_groups_gpu_a/, window_groups_gpu_b/
+#                                                   -> window_groups_gpu_a/, window_groups_gpu_b/ (merged the same way
+#                into results/window_groups_gpu/)
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
