@@ -37,6 +37,9 @@
 # window-a, window-b  the same rows with a 64-token full-precision window for every method, held-out code
 #                                                   -> window_groups_gpu_a/, window_groups_gpu_b/ (merged the same way
 #                into results/window_groups_gpu/)
+# default-groups the same rows as window-a and the single-path ablations at the default groups 64/32, no window, 200
+#                retrieval samples per length (quantmla-rope-channel at these groups is rope-block-default's)
+#                                                   -> default_groups_gpu/accuracy.json, accuracy.md
 # scaling        lab/quantmla_lab/bench/calibration/scaling.py on the GPU, with one DeepSeek-V3-geometry layer
 #                                                   -> calibration_scaling/h200.json
 #
@@ -144,6 +147,10 @@ ROWS_B="INT4/INT4:quantmla-content INT2/INT4:quantmla-content INT4/INT4:quantmla
 prose-a() { DEST=prose_groups_gpu_a MERGE= EXTRA="--kind prose" side_by_side prose_a $ROWS_A; }
 prose-b() { DEST=prose_groups_gpu_b MERGE= EXTRA="--kind prose --rope-block 16" side_by_side prose_b $ROWS_B; }
 window-a() { DEST=window_groups_gpu_a MERGE= EXTRA="--fp-window 64" side_by_side window_a $ROWS_A; }
+default-groups() {
+  GRP=64/32 DEST=default_groups_gpu MERGE= EVAL_TIMEOUT=${EVAL_TIMEOUT:-540} side_by_side default_groups $ROWS_A \
+    INT4/INT4:quantmla-content INT2/INT4:quantmla-content INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope
+}
 window-b() { DEST=window_groups_gpu_b MERGE= EXTRA="--fp-window 64 --rope-block 16" side_by_side window_b $ROWS_B; }
 
 scaling() {
