@@ -334,3 +334,16 @@ def test_an_edited_header_is_another_build(tmp_path, monkeypatch):
     first = build.compile_cubin(p.macros, "sm_90a")
     (src / "ptx.cuh").write_text((src / "ptx.cuh").read_text() + "\n// edited\n")
     assert build.compile_cubin(p.macros, "sm_90a") != first
+
+
+def test_scores_phase_counts_the_span_from_the_copy_wait_to_the_vote():
+    """sass_count's scores phase: the opcodes from the first copy wait to the next BAR.RED, inclusive, by base
+    opcode; nothing where the span is missing."""
+    from quantmla_lab.bench.kernels.sass_count import scores_phase
+
+    ops = ["HMMA.16816.F32", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "LDSM.16.M88.4", "LOP3.LUT", "SHF.R.U32.HI",
+           "HMMA.16816.F32", "HMMA.16816.F32", "FFMA", "BAR.RED.OR.DEFER_BLOCKING", "HMMA.16816.F32", "BAR.RED.OR"]
+    r = scores_phase(ops)
+    assert r["scores_instructions"] == 8 and r["scores_HMMA"] == 2 and r["scores_LDSM"] == 1
+    assert (r["scores_LOP3"], r["scores_SHF"], r["scores_FFMA"], r["scores_LDS"]) == (1, 1, 1, 0)
+    assert scores_phase(ops[:8]) == {} and scores_phase(["HMMA.16816.F32", "BAR.RED.OR"]) == {}
