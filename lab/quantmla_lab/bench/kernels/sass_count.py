@@ -8,6 +8,9 @@ by nvcc into the build cache, and read back with cuobjdump (from PATH or Triton'
 phase per warp: the instructions from its copy wait (`SYNCS.PHASECHK`) to the vote's barrier (`BAR.RED`), by
 opcode (`scores_*`).
 
+`--set MACRO=V` compiles the plan with a macro replaced or added (e.g. `--set MIN_CTAS=4`: registers capped for
+four CTAs an SM; `stack_bytes` then shows what spills).
+
 `--fragments` takes the plan that reads the codes straight into the products' operands. `--dump DIR`
 writes each plan's instructions (`DIR/<format>_<rows>[_fragments].sass`, without their encodings), so
 that two source trees' builds can be compared with `diff -r`. A format is a preset name or a
@@ -65,23 +68,24 @@ def _format(name: str) -> CacheFormat:
 
 
 def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
-          dump: Path | None = None, tokens_m: bool = False) -> dict:
+          dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None) -> dict:
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None,
                                 tokens_m=tokens_m or None)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
-    cubin = compile_cubin(plan.macros, "sm_90a")
+    macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))
+    cubin = compile_cubin(macros, "sm_90a")
     tool = cuobjdump()
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         tag = re.sub(r"[^A-Za-z0-9]+", "_", layout.token.fmt.describe()).strip("_")
-        lines = [ln.split(";")[0].strip() for ln in sass.splitlines() if re.match(r"^\s+/\*[0-9a-f]{4}\*/", ln)]
+        lines = [ln.split(";")[0].strip() for ln in sass.splitlines() if re.match(r"^\s+/\*[0-9a-f]{4,}\*/", ln)]
         (dump / f"{tag}_{rows}{'_fragments' if fragments else ''}{'_tokens_m' if tokens_m else ''}.sass").write_text("\n".join(lines) + "\n")
-    ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
-    full = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)]
+    ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
+    full = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)]
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     reg = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -97,10 +101,19 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=16, help="query rows per sequence (heads x query tokens)")
     p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
     p.add_argument("--tokens-m", action="store_true", help="the tokens-as-M kernel, with its scores phase's counts")
+    p.add_argument("--set", nargs="+", default=[], metavar="MACRO=V", help="compile with these macros replaced")
     p.add_argument("--dump", type=Path, help="write each plan's instructions into this folder")
     a = p.parse_args(argv)
+    overrides = {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        if not k or not v.lstrip("-").isdigit():
+            p.error(f"--set {kv}: give MACRO=INTEGER, e.g. MIN_CTAS=4")
+        overrides[k] = int(v)
     for name in a.formats:
-        r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m)
+        r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides)
+        if overrides:
+            r = {**r, "set": " ".join(a.set)}
         print("  ".join(f"{k} {v}" for k, v in r.items()), flush=True)
     return 0
 
