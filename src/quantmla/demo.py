@@ -1,7 +1,8 @@
 """`quantmla demo`: the main job on the shipped default reference model.
 
 1. the dual-path error model of the model (which path hurts, and why),
-2. BF16, baselines (RTN, KIVI-style RoPE keys, Hadamard) and QuantMLA at INT4/INT4 and INT2/INT4:
+2. BF16, baselines (RTN, KIVI-style RoPE keys, Hadamard) and QuantMLA (per-token groups, and with RoPE keys per
+   channel per 32-token block: the KIVI-style baseline's bytes at the default groups) at INT4/INT4 and INT2/INT4:
    held-out bits per byte and retrieval accuracy, every attention read through the quantized cache,
 3. a report: ``<out>/report.md`` with PNG plots (per-layer error split by path, accuracy against
    bytes per token, paged compression against context length).
@@ -58,6 +59,7 @@ def run(args) -> int:
         ["--ppl-chunks", "16", "--retrieval-n", "16", "--lengths", "1024", "--calib-n", "8", "--calib-steps", "100"]
     _sub("quantmla.evaluation.command", [model, "--config", "BF16", "INT4/INT4", "INT2/INT4",
                                          "--method", "bf16", "rtn", "kivi", "hadamard", "quantmla",
+                                         "quantmla-rope-channel", "--rope-block", "32",
                                          "--out", args.out, "--no-merge", *sizes])
     with open(os.path.join(args.out, "accuracy.json")) as f:
         rows = [r for r in json.load(f)["rows"] if r.get("model") == name]
