@@ -42,19 +42,20 @@ def test_rope_channel_claims_compare_at_the_baselines_bytes_only():
     baselines it is compared with and only where it stores the KIVI-style row's bytes per token."""
     import copy
 
-    from quantmla.evaluation import claims, table
+    from quantmla.evaluation import claims, harness, table
 
+    assert claims.RC_METHOD in harness.ROPE_CHANNEL  # one method name, the harness's
     rows = table.relative(table.load(str(ROOT / "results")))
     setup = claims._setups(rows)[0]
     m = sorted({r["model"] for r in rows})[0]
-    c = claims.compare(rows, setup, m, "INT4/INT4", claims.ROPE_CHANNEL)
+    c = claims.compare(rows, setup, m, "INT4/INT4", claims.RC_METHOD)
     assert not c["missing"] and c["ratio"] is not None and c["quantmla"] < c["baselines"]["kivi"]
     assert any(", QuantMLA, RoPE per channel at the baselines' bytes:" in line for line in claims.claim_lines(rows))
     other = copy.deepcopy(rows)
     for r in other:
-        if r["method"] == claims.ROPE_CHANNEL:
+        if r["method"] == claims.RC_METHOD:
             r["bytes_per_token"] += 6  # e.g. a finer RoPE block than the baselines' bytes allow
-    assert claims.compare(other, setup, m, "INT4/INT4", claims.ROPE_CHANNEL)["missing"] == [claims.ROPE_CHANNEL]
+    assert claims.compare(other, setup, m, "INT4/INT4", claims.RC_METHOD)["missing"] == [claims.RC_METHOD]
     assert not any("RoPE per channel" in line for line in claims.claim_lines(other))
     assert "RoPE per channel" not in claims.summary_table(other, setup)[0]
 
