@@ -185,6 +185,21 @@ def test_tokens_m_plan(name, stages):
     assert p.describe().startswith("cuda/f16/tm/M16N64w4") and m["ONE_BARRIER"] == 1
 
 
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_tokens_m_plan_of_eight_warps(name):
+    """8-warp CTAs: the same tiles and the most stages that keep two CTAs per SM, with the 4 KB in which two warps
+    hand over their partial scores in the shared-memory map; other warp counts are refused with the reason."""
+    lay, p = plan(name, tokens_m=True, num_warps=8)
+    _, p4 = plan(name, tokens_m=True)
+    m = dict(p.macros)
+    assert (m["NW"], m["BN"], p.block_m, p.ctas_per_sm, p.num_warps) == (8, 64, 16, 2, 8)
+    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, p.stages, warps=8)
+    assert cuda.smem_bytes_tm(lay, p.stages, warps=8) == cuda.smem_bytes_tm(lay, p.stages) + 8 * 32 * 16
+    assert p.stages in (p4.stages, p4.stages - 1) and p.describe().startswith("cuda/f16/tm/M16N64w8")
+    lay, bad = plan(name, tokens_m=True, num_warps=6)
+    assert bad is None and "4 or 8" in cuda.plan_reason[lay]
+
+
 def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
     """Content groups of 64 (8 P·scale groups): two P buffers and 3 stages do not fit two CTAs per SM, so the
     plan takes the loop with a barrier after P, one buffer and the most stages that fit."""
@@ -271,6 +286,10 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               ("int4/int4", 16, {"tokens_m": True}),
                                               ("int2/int4", 4, {"tokens_m": True}),
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16, {"tokens_m": True}),
+                                              ("int4/int4", 16, {"tokens_m": True, "num_warps": 8}),
+                                              ("int2/int4", 16, {"tokens_m": True, "num_warps": 8}),
+                                              (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16,
+                                               {"tokens_m": True, "num_warps": 8}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

@@ -209,56 +209,65 @@ def test_decode_cuda_fragments(name, H, SQ):
     assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
-def tokens_m_config(lay, rows):
+def tokens_m_config(lay, rows, warps=None):
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
     if nvcc() is None:
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    cfg = cuda_config(rows, lay, "cuda", tokens_m=True)
+    cfg = cuda_config(rows, lay, "cuda", tokens_m=True, num_warps=warps)
     assert cfg is not None and cfg.tokens_m, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    assert warps is None or cfg.num_warps == warps, cfg
     return cfg
 
 
+TM_WARPS = [4, 8]  # the tokens-as-M CTAs: 4 warps, or 8 with two warps a token block's scores
+
+
+@pytest.mark.parametrize("warps", TM_WARPS)
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32"])
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
-def test_decode_cuda_tokens_m(name, H, SQ):
+def test_decode_cuda_tokens_m(name, H, SQ, warps):
     """Tokens as the MMA's M dimension (mla_decode_tm.cu) against the same fp32 oracle: NaN-poisoned outputs,
     lengths 0, 1, odd and across pages, causal multi-token rows; the garbage bytes past a partial last tile
     (the pages start random) never reach the output."""
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ))
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ, warps))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
+    assert f"w{warps}" in md.variant, md.variant
 
 
-def test_decode_cuda_tokens_m_query_ranges():
+@pytest.mark.parametrize("warps", TM_WARPS)
+def test_decode_cuda_tokens_m_query_ranges(warps):
     """Heads whose queries span 2^-12 to 2^2 (products down to fp16's subnormals, summed in fp32) and one head
     of zeros (uniform attention), against the same oracle."""
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [700, 64, 1], seed=29)
     scales = torch.tensor([2.0 ** e for e in range(-12, 3)] + [0.0], device="cuda")
-    md = check_decode(lay, pages, bt, sl, 16, 1, seed=3, config=tokens_m_config(lay, 16), row_scale=scales)
+    md = check_decode(lay, pages, bt, sl, 16, 1, seed=3, config=tokens_m_config(lay, 16, warps), row_scale=scales)
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
 
 
+@pytest.mark.parametrize("warps", TM_WARPS)
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
-def test_decode_cuda_tokens_m_splits(name):
+def test_decode_cuda_tokens_m_splits(name, warps):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=17)
-    cfg = tokens_m_config(lay, 16)
+    cfg = tokens_m_config(lay, 16, warps)
     check_decode(lay, pages, bt, sl, 16, 1, seed=1, config=cfg, chunk_tokens=64)
     check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
 
 
 def test_decode_cuda_tokens_m_error_within_twice_bf16():
-    """Against fp64 over its own dequantized cache, each format's tokens-as-M error is within 2x the BF16
-    path's (the default CUDA kernel on a BF16 cache)."""
+    """Against fp64 over its own dequantized cache, each format's tokens-as-M error (4- and 8-warp CTAs) is within
+    2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""
     errs = {}
     lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
     errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
     for name in ("int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
-        errs[name], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16))
-        assert md.variant.startswith("cuda/f16/tm/"), md.variant
+        for w in TM_WARPS:
+            errs[f"{name} w{w}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
+            assert md.variant.startswith("cuda/f16/tm/"), md.variant
     print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():
         assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])

@@ -107,7 +107,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4
     at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
-    plan, `tokens_m=True` for the tokens-as-M kernel only, `tokens_m=False` for the built tile only."""
+    plan, `tokens_m=True` for the tokens-as-M kernel only (`num_warps` 4 or 8 its CTA), `tokens_m=False` for the
+    built tile only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -116,7 +117,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
     if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
-        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True))
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True,
+                                      num_warps=num_warps if tokens_m else None))
     if not tokens_m:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
                                       fragments=fragments))

@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --tokens-m: other builds of its plan (e.g. WGMMA_QK=0), timed beside it, their outputs "
-                         "compared with its")
+                    help="with --tokens-m: other builds of its plan (e.g. NW=8: 8-warp CTAs), timed beside it, their "
+                         "outputs compared with its")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -225,7 +225,11 @@ def main() -> None:
                 row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
                 for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
                     kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
+                    vp = plan  # NW=8: the plan of 8-warp CTAs (its own shared-memory map), then the other macros
+                    if "NW" in kw:
+                        vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, warps=kw.pop("NW"))
+                        assert not isinstance(vp, str), vp
+                    vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), **kw}.items())))
                     got: list = []
                     us_v = time_decode(vp, md, got)
                     rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
@@ -234,6 +238,8 @@ def main() -> None:
                         max_rel_diff_vs_default=rel)
                     if a.timeline:
                         row(f"tokens_m_{spec}_timeline", None, vp, **timeline(vp, md))
+                        if dict(vp.macros)["ONE_BARRIER"]:
+                            row(f"tokens_m_{spec}_phases", None, vp, **timeline(vp, md, phases=True))
                 if not a.timeline:  # the phase, stage and occupancy variants
                     m = dict(plan.macros)
                     for vname, kw in (("tokens_m_no_scores", dict(SKIP_QK=1)), ("tokens_m_no_output", dict(SKIP_PV=1)),

@@ -68,11 +68,12 @@ def _format(name: str) -> CacheFormat:
 
 
 def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
-          dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None) -> dict:
+          dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None,
+          warps: int | None = None) -> dict:
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None,
-                                tokens_m=tokens_m or None)
+                                tokens_m=tokens_m or None, num_warps=warps)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=16, help="query rows per sequence (heads x query tokens)")
     p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
     p.add_argument("--tokens-m", action="store_true", help="the tokens-as-M kernel, with its scores phase's counts")
+    p.add_argument("--warps", type=int, help="the plan's warps a CTA (the tokens-as-M kernel: 4 or 8)")
     p.add_argument("--set", nargs="+", default=[], metavar="MACRO=V", help="compile with these macros replaced")
     p.add_argument("--dump", type=Path, help="write each plan's instructions into this folder")
     a = p.parse_args(argv)
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
             p.error(f"--set {kv}: give MACRO=INTEGER, e.g. MIN_CTAS=4")
         overrides[k] = int(v)
     for name in a.formats:
-        r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides)
+        r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides,
+                  warps=a.warps)
         if overrides:
             r = {**r, "set": " ".join(a.set)}
         print("  ".join(f"{k} {v}" for k, v in r.items()), flush=True)

@@ -32,7 +32,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
-    tile's channels) are the kernel's tiling; `fragments=True` takes the path without a built tile (None
+    tile's channels) are the kernel's tiling (`num_warps` 4 or 8 for the tokens-as-M kernel); `fragments=True` takes the path without a built tile (None
     where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it
     cannot read the layout, the reason from `tokens_m_reason`). Fragments are not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
@@ -48,7 +48,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     if tokens_m:
-        plan = tokens_m_plan(layout, rows, out_dtype)
+        plan = tokens_m_plan(layout, rows, out_dtype, warps=num_warps or TM_WARPS)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None

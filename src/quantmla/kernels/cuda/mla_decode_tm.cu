@@ -82,9 +82,13 @@ __device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
   }
 }
 
-static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
+static_assert((NW == 4 || NW == 8) && BN == 64 && HALF == 1, "the plan of this kernel: 4 or 8 warps, 64-token tiles, fp16");
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
+constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4): warp w takes block w % NTB
+constexpr int KS = NW / NTB;           // warps sharing a token block's scores, each over its share of the channels
+constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp finishes: nb0 = w / NTB (KS = 2) ..
+constexpr int RI = 2 * NB_OWN;         // .. a thread's own query rows ri: 8·(nb0 + (ri >> 1)) + 2t + (ri & 1)
 constexpr int D = D_C + D_R;
 constexpr int NPC = 8 / C_BITS;        // planes of a content byte
 constexpr int NPR = 8 / R_BITS;        // planes of a RoPE byte
@@ -95,16 +99,17 @@ constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
 constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
 constexpr int LDQ = D + 8;             // query block row pitch (halves): 8 rows' ldmatrix pieces in distinct banks
 constexpr int LDP = BN + 8;            // P·scale row pitch (halves)
-constexpr int BW = FB_CC / 4;          // output: content bytes a warp owns per token
-constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
-constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
+constexpr int BW = FB_CC / NW;         // output: content bytes a warp owns per token
+constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (2 to 8)
+constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (32 / NW)
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
 static_assert(C_BITS == 2 || C_BITS == 4, "2- or 4-bit content codes");
 static_assert(R_BITS == 2 || R_BITS == 4, "2- or 4-bit RoPE codes");
 static_assert(C_GS % 64 == 0, "a 64-channel block of one content plane lies in one group");
 static_assert(R_GS % FB_RC == 0 && D_R % R_GS == 0, "a RoPE plane lies in one group");
 static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "affine fp16 metadata: (scale, zero) per group");
-static_assert(OMB == 8 && BT % 4 == 0, "a warp's output channels are 8 m16 blocks");
+static_assert(OMB * NW == 32 && BT % 2 == 0, "a warp's output channels are 32 / NW m16 blocks");
+static_assert(KS == 1 || (FB_CC / 64) % 2 == 0, "two warps split a token block's content channels in 64-byte blocks");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
@@ -122,8 +127,9 @@ constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale�
 constexpr int P_ELEMS = CG * BM * LDP;
 constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP] fp16: P·scale, tokens in the output's k order
 constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
-constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NW, BM, 1 + CG] fp32: cross-warp reductions
-constexpr int SM_BAR = SM_RED + NW * BM * (1 + CG) * 4;  // an mbarrier per stage
+constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
+constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // KS = 2: [NW, 32] float4, the partial scores a warp hands over
+constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * 16 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
@@ -147,21 +153,22 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 
 #include "scores_tm.cuh"
 
-// P = 2^(s - ref) of one tile: the rows' sums and Σ P·zero per content group in registers, P·scale per content
-// group into sP [CG, BM, LDP] at the tokens' output k positions (tokens tok_lo and tok_lo + 8 side by side)
-__device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[2][4], const float (&ref)[4],
-                                                   float (&l_run)[4], float (&zacc)[CG][4], int warp, int g, int t,
-                                                   int tok_lo) {
+// P = 2^(s - ref) of one tile for the thread's own rows: their sums and Σ P·zero per content group in registers,
+// P·scale per content group into sP [CG, BM, LDP] at the tokens' output k positions (tok_lo and tok_lo + 8 side by
+// side); sc and mref are the own rows' scores and reference maxima, nb0 their first 8-row block
+__device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[NB_OWN][4],
+                                                   const float (&mref)[RI], float (&l_run)[RI], float (&zacc)[CG][RI],
+                                                   int tb, int nb0, int g, int t, int tok_lo) {
   const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
   const uint8_t* mh = ml + 8 * FB_CM;
-  const int kpos = 16 * warp + 2 * (g >> 1) + 8 * (g & 1);
+  const int kpos = 16 * tb + 2 * (g >> 1) + 8 * (g & 1);
   float2 szl[CG], szh[CG];
 #pragma unroll
   for (int grp = 0; grp < CG; ++grp) szl[grp] = meta_sz(ml, grp), szh[grp] = meta_sz(mh, grp);
 #pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
-    const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e;
-    const float m_safe = ref[ri] == -INFINITY ? 0.0f : ref[ri];
+  for (int ri = 0; ri < RI; ++ri) {
+    const int nb = ri >> 1, e = ri & 1, row = 8 * (nb0 + nb) + 2 * t + e;
+    const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
     const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
     const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
     l_run[ri] += plo + phi;
@@ -182,15 +189,19 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
 #pragma unroll
   for (int j = 0; j < BN / 16; ++j) {
     const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
-    uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
+    constexpr int NWD = (BT + 3) / 4;
+    uint32_t wa[NWD], wb[NWD], wc[NWD], wd[NWD];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
     if constexpr (BT == 8) {
       const uint2 va = *reinterpret_cast<const uint2*>(base), vb = *reinterpret_cast<const uint2*>(base + 8 * FB_CC);
       const uint2 vc = *reinterpret_cast<const uint2*>(base + FB_CC), vd = *reinterpret_cast<const uint2*>(base + 9 * FB_CC);
-      wa[0] = va.x, wa[BT / 8] = va.y, wb[0] = vb.x, wb[BT / 8] = vb.y;
-      wc[0] = vc.x, wc[BT / 8] = vc.y, wd[0] = vd.x, wd[BT / 8] = vd.y;
-    } else {
+      wa[0] = va.x, wa[1] = va.y, wb[0] = vb.x, wb[1] = vb.y;
+      wc[0] = vc.x, wc[1] = vc.y, wd[0] = vd.x, wd[1] = vd.y;
+    } else if constexpr (BT == 4) {
       wa[0] = *reinterpret_cast<const uint32_t*>(base), wb[0] = *reinterpret_cast<const uint32_t*>(base + 8 * FB_CC);
       wc[0] = *reinterpret_cast<const uint32_t*>(base + FB_CC), wd[0] = *reinterpret_cast<const uint32_t*>(base + 9 * FB_CC);
+    } else {
+      wa[0] = *reinterpret_cast<const uint16_t*>(base), wb[0] = *reinterpret_cast<const uint16_t*>(base + 8 * FB_CC);
+      wc[0] = *reinterpret_cast<const uint16_t*>(base + FB_CC), wd[0] = *reinterpret_cast<const uint16_t*>(base + 9 * FB_CC);
     }
     uint32_t pb[NPC][4];
 #pragma unroll
@@ -214,29 +225,35 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
   }
 }
 
-// does any of the thread's scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
-__device__ __forceinline__ bool exceeds_reference(const float (&sc)[2][4], const float (&ref)[4], bool scores) {
+// does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
+__device__ __forceinline__ bool exceeds_reference(const float (&sc)[NB_OWN][4], const float (&mref)[RI], bool scores) {
   bool exceeds = false;
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
+  for (int nb = 0; nb < NB_OWN; ++nb)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > ref[2 * nb + (e & 1)] + 8.0f;
+    for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > mref[2 * nb + (e & 1)] + 8.0f;
   return exceeds;
 }
 
+// the own rows' reference maxima (mref) from every row's (ref: rows 8·(ri >> 1) + 2t + (ri & 1))
+__device__ __forceinline__ void own_reference(const float (&ref)[4], float (&mref)[RI], int nb0) {
+#pragma unroll
+  for (int ri = 0; ri < RI; ++ri) mref[ri] = KS == 1 ? ref[ri] : (nb0 ? ref[2 + ri] : ref[ri]);
+}
+
 // after a vote that some row's maximum moved (rare; CTA-uniform): the tile's row maxima across the CTA through
-// sRed; a row moves where it exceeds its reference by 8, and its sums and output accumulators are rescaled
-__device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&ref)[4], float (&l_run)[4],
-                                               float (&zacc)[CG][4], float (&oacc)[OMB][2][4], float* sRed, int warp,
-                                               int g, int t) {
-  float mx[4];
+// sRed [NTB, BM]; a row moves where it exceeds its reference by 8. Every warp moves every row's reference and
+// rescales its output accumulators; the own rows' sums are rescaled by the warps that own them
+__device__ __forceinline__ void move_reference(const float (&sc)[NB_OWN][4], float (&ref)[4], float (&mref)[RI],
+                                               float (&l_run)[RI], float (&zacc)[CG][RI], float (&oacc)[OMB][2][4],
+                                               float* sRed, int tb, int nb0, int g, int t) {
 #pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
+  for (int ri = 0; ri < RI; ++ri) {
     const int nb = ri >> 1, e = ri & 1;
-    mx[ri] = fmaxf(sc[nb][e], sc[nb][e + 2]);
+    float mx = fmaxf(sc[nb][e], sc[nb][e + 2]);
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx[ri] = fmaxf(mx[ri], __shfl_xor_sync(0xffffffffu, mx[ri], o));
-    if (g == 0) sRed[warp * BM + 8 * nb + 2 * t + e] = mx[ri];
+    for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (g == 0) sRed[tb * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
   }
   __syncthreads();
 #pragma unroll
@@ -244,13 +261,16 @@ __device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
     float tm = sRed[row];
 #pragma unroll
-    for (int w = 1; w < NW; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+    for (int w = 1; w < NTB; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
     if (tm > ref[ri] + 8.0f) {
       const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
       ref[ri] = tm;
-      l_run[ri] *= alpha;
+      if (KS == 1 || (ri >> 1) == nb0) {  // an own row: its sums
+        const int own = KS == 1 ? ri : (ri & 1);
+        l_run[own] *= alpha;
 #pragma unroll
-      for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] *= alpha;
+        for (int grp = 0; grp < CG; ++grp) zacc[grp][own] *= alpha;
+      }
 #pragma unroll
       for (int mb = 0; mb < OMB; ++mb) {
         oacc[mb][ri >> 1][ri & 1] *= alpha;
@@ -258,6 +278,7 @@ __device__ __forceinline__ void move_reference(const float (&sc)[2][4], float (&
       }
     }
   }
+  own_reference(ref, mref, nb0);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
@@ -301,26 +322,56 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
-  // ---- per thread: rows ri -> query row 8·(ri >> 1) + 2t + (ri & 1), the columns of its accumulators ----
-  float qf[4], qsum[NG][4], ref[4], l_run[4], zacc[CG][4];
-  int limit[4];
+  // ---- per thread: its own rows ri -> query row 8·(nb0 + (ri >> 1)) + 2t + (ri & 1) (the softmax's), and every
+  // row's reference maximum ref[ri] (row 8·(ri >> 1) + 2t + (ri & 1): the output accumulators' columns) ----------
+  const int tb = warp % NTB, nb0 = warp / NTB;  // the warp's token block, its first own 8-row block
+  float qf[RI], qsum[NG][RI], ref[4], mref[RI], l_run[RI], zacc[CG][RI];
+  int limit[RI];
 #pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
-    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+  for (int ri = 0; ri < RI; ++ri) {
+    const int row = 8 * (nb0 + (ri >> 1)) + 2 * t + (ri & 1);
     qf[ri] = sQf[row];
 #pragma unroll
     for (int grp = 0; grp < NG; ++grp) qsum[grp][ri] = sQsum[grp * BM + row];
-    ref[ri] = -INFINITY;
     l_run[ri] = 0.0f;
 #pragma unroll
     for (int grp = 0; grp < CG; ++grp) zacc[grp][ri] = 0.0f;
     limit[ri] = L - causal * (SQ - 1 - (row0 + row) / H);
   }
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) ref[ri] = -INFINITY;
+  own_reference(ref, mref, nb0);
   float oacc[OMB][2][4];
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
-  const int tok_lo = 16 * warp + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
+  const int tok_lo = 16 * tb + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
+  float4* sX = reinterpret_cast<float4*>(smem + SM_X);
+
+  // the own rows' scores of a tile (stage st): with KS = 2 the warp's half of the channels, the other warp's half of
+  // its own rows taken over through sX (a barrier of the two warps), then finished
+  auto own_scores = [&](const uint8_t* st, float (&sc)[NB_OWN][4], int valid, int n0) {
+    float part[2][4];
+    if constexpr (KS == 1) {
+      tile_scores<0>(st, qa, tok_lo, t, part);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nb][e] = part[nb][e];
+    } else {
+      if (nb0) tile_scores<1>(st, qa, tok_lo, t, part);
+      else tile_scores<0>(st, qa, tok_lo, t, part);
+      const int give = nb0 ? 0 : 1;  // the other warp's rows
+      sX[warp * 32 + lane] = make_float4(give ? part[1][0] : part[0][0], give ? part[1][1] : part[0][1],
+                                         give ? part[1][2] : part[0][2], give ? part[1][3] : part[0][3]);
+      bar_sync(1 + tb, 64);
+      const float4 y = sX[(warp ^ NTB) * 32 + lane];
+      const float yv[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[0][e] = (nb0 ? part[1][e] : part[0][e]) + yv[e];
+    }
+    finish_scores(st, sc, qf, qsum, limit, tok_lo, valid, n0);
+  };
 
 #if ONE_BARRIER
   // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
@@ -330,15 +381,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[2][4];
+    float sc[NB_OWN][4];
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
       phase(ph, 0);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
       phase(ph, 1);
     }
-    const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
+    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, scores));
     phase(ph, 2);
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
@@ -350,9 +401,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
     phase(ph, 3);
     if (!scores) break;
-    if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
-    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, ref, l_run, zacc, warp, g,
-                       t, tok_lo);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tb, nb0, g, t);
+    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, mref, l_run, zacc, tb,
+                       nb0, g, t, tok_lo);
     phase(ph, 4);
   }
 #else
@@ -362,15 +413,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[2][4];
+    float sc[NB_OWN][4];
     if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
-      tile_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, qa, qf, qsum, limit, tok_lo, t, valid, n0, sc);
+      own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
-    const bool moved = __syncthreads_or(exceeds_reference(sc, ref, scores));
+    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, scores));
     if (!scores) break;
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
@@ -378,19 +429,20 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                                     start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
-    if (moved) move_reference(sc, ref, l_run, zacc, oacc, sRed, warp, g, t);
-    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, ref, l_run, zacc, warp, g, t, tok_lo);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tb, nb0, g, t);
+    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, mref, l_run, zacc, tb, nb0, g, t, tok_lo);
     __syncthreads();  // P·scale of the whole tile is written
   }
 
 #endif
 
   mark(tl, 5);
-  // ---- epilogue: rows' sums and zero-point sums across lanes and warps, then O = (2^(24-o)·acc + Σ P·zero) / l
+  // ---- epilogue: the own rows' sums and zero-point sums across lanes and token blocks, then
+  // O = (2^(24-o)·acc + Σ P·zero) / l for every row of the warp's channels
   __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
-  for (int ri = 0; ri < 4; ++ri) {
-    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+  for (int ri = 0; ri < RI; ++ri) {
+    const int row = 8 * (nb0 + (ri >> 1)) + 2 * t + (ri & 1);
     float v[1 + CG];
     v[0] = l_run[ri];
 #pragma unroll
@@ -399,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int k = 0; k < 1 + CG; ++k) {
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
-      if (g == 0) sRed[(warp * BM + row) * (1 + CG) + k] = v[k];
+      if (g == 0) sRed[(tb * BM + row) * (1 + CG) + k] = v[k];
     }
   }
   __syncthreads();
@@ -409,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
     lsum[ri] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
+    for (int w = 0; w < NTB; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
     const int r = row0 + row;
     if (warp == 0 && g == 0 && r < R) {
       const float lv = lsum[ri] > 0.0f ? (ref[ri] + log2f(lsum[ri])) * 0.6931471805599453f : -INFINITY;
@@ -417,11 +469,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       else part_lse[(int64_t)u * R + r] = lv;
     }
   }
-  // Σ P·zero of a row's group over the warps (the group of a warp's channels depends on the warp: read in place)
+  // Σ P·zero of a row's group over the token blocks (the group of a warp's channels depends on the warp: read in place)
   auto zsum = [&](int grp, int row) {
     float z = 0.0f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
+    for (int w = 0; w < NTB; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
     return z;
   };
 #pragma unroll

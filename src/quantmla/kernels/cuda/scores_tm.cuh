@@ -52,27 +52,30 @@ __device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl,
   }
 }
 
-// scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8): sc[nb][e] is row
-// 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1), base 2 and scaled, -inf past the sequence or the row's limit
-__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, const float (&qf)[4], const float (&qsum)[NG][4],
-                                            const int (&limit)[4], int tok_lo, int t, int valid, int n0, float (&sc)[2][4]) {
+// the partial scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8) over the
+// channels of score half KH (of KS): content blocks [KH, KH + 1)·CM / KS of 64 bytes, and the RoPE key in the last
+// half. sc[nb][e] is row 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1): Σ scale·codes·q, each group's scale
+// folded in per token (a group split between halves is folded in each); the zero points come in finish_scores
+template <int KH>
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[2][4]) {
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) sc[nb][e] = 0.0f;
   const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
   const uint8_t* mh = ml + 8 * FB_CM;
+  constexpr int CM = FB_CC / 64, M0 = KH * CM / KS, M1 = (KH + 1) * CM / KS;
   constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
   float acc[NPC][2][4];
 #pragma unroll
-  for (int m = 0; m < FB_CC / 64; ++m) {
-    if (m % MPG == 0) zero_acc(acc);
+  for (int m = M0; m < M1; ++m) {
+    if (m % MPG == 0 || m == M0) zero_acc(acc);
     const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
     const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
     const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
-    if (m % MPG == MPG - 1) {
+    if (m % MPG == MPG - 1 || m == M1 - 1) {
 #pragma unroll
       for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
         const int grp = (p * FB_CC + 64 * m) / C_GS;
@@ -81,26 +84,37 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
       }
     }
   }
-  // the RoPE key: RW words a thread at byte 4·RW·t of each row
-  const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+  if constexpr (KH == KS - 1) {
+    // the RoPE key: RW words a thread at byte 4·RW·t of each row
+    const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
+    const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
+    uint32_t xl[RW], xh[RW];
+#pragma unroll
+    for (int s = 0; s < RW; ++s) {
+      xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
+      xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+    }
+    float racc[NPR][2][4];
+    zero_acc(racc);
+#pragma unroll
+    for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
+#pragma unroll
+    for (int p = 0; p < NPR; ++p) {
+      const int grp = p * FB_RC / R_GS;
+      const float f = (float)(1 << (24 - p * R_BITS));
+      fold_scale(sc, racc[p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
+    }
+  }
+}
+
+// the thread's own rows' scores (row blocks nb0 + nbl, nbl < NB_OWN) finished: the zero points through the query's
+// group sums, the row factor; base-2 scaled scores, -inf past the sequence or the row's limit
+__device__ __forceinline__ void finish_scores(const uint8_t* st, float (&sc)[NB_OWN][4], const float (&qf)[RI],
+                                              const float (&qsum)[NG][RI], const int (&limit)[RI], int tok_lo, int valid,
+                                              int n0) {
+  const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
+  const uint8_t* mh = ml + 8 * FB_CM;
   const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
-  uint32_t xl[RW], xh[RW];
-#pragma unroll
-  for (int s = 0; s < RW; ++s) {
-    xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
-    xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
-  }
-  float racc[NPR][2][4];
-  zero_acc(racc);
-#pragma unroll
-  for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
-#pragma unroll
-  for (int p = 0; p < NPR; ++p) {
-    const int grp = p * FB_RC / R_GS;
-    const float f = (float)(1 << (24 - p * R_BITS));
-    fold_scale(sc, racc[p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
-  }
-  // the zero points through the query's group sums; base-2 scaled scores, -inf past the sequence
   float z_lo[NG], z_hi[NG];
 #pragma unroll
   for (int grp = 0; grp < NG; ++grp) {
@@ -108,13 +122,13 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, cons
     z_hi[grp] = grp < CG ? meta_sz(mh, grp).y : meta_sz(rml + 8 * FB_RM, grp - CG).y;
   }
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
+  for (int nbl = 0; nbl < NB_OWN; ++nbl)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int ri = 2 * nb + (e & 1), tok = tok_lo + 8 * (e >> 1);
-      float v = sc[nb][e] * qf[ri];
+      const int ri = 2 * nbl + (e & 1), tok = tok_lo + 8 * (e >> 1);
+      float v = sc[nbl][e] * qf[ri];
 #pragma unroll
       for (int grp = 0; grp < NG; ++grp) v = fmaf(e < 2 ? z_lo[grp] : z_hi[grp], qsum[grp][ri], v);
-      sc[nb][e] = tok < valid && n0 + tok < limit[ri] ? v : -INFINITY;
+      sc[nbl][e] = tok < valid && n0 + tok < limit[ri] ? v : -INFINITY;
     }
 }
