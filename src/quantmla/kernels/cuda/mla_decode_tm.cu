@@ -1,10 +1,13 @@
 // Absorbed-MLA decode over the packed paged cache with tokens as the MMA's M dimension (sm_90: the stages are
 // bulk copies). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
 //
-// One CTA of 4 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile of
-// BN = 64 tokens (one page section each, bulk-copied by one thread into STAGES stages):
+// One CTA of NW = 4 or 8 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile
+// of BN = 64 tokens (one page section each, bulk-copied by one thread into STAGES stages):
 //
-//   scores  Sᵀ[token, row] = K·Qᵀ: warp w owns tokens 16w .. 16w + 15 over all 576 channels. The A operand
+//   scores  Sᵀ[token, row] = K·Qᵀ: warp w owns token block w % 4 (tokens 16·(w % 4) .. + 15): over all 576
+//           channels with 4 warps; with 8 the two warps of a block split the channels (the first half of the
+//           content blocks; the rest and the RoPE key), hand each other their partial scores of the rows they do
+//           not finish (a barrier of the two), and each finishes the softmax of 8 rows. The A operand
 //           (16 tokens x 16 channels) is the stage's codes masked in place: a code at bit offset o of a
 //           16-bit half is the exact fp16 subnormal code·2^(o-24), one AND a register. The B operand is the
 //           query block, stored once per CTA in the codes' channel order. Each 64-channel block lies in one
@@ -13,7 +16,7 @@
 //   softmax base 2, in registers: a row's reference maximum moves only when a tile exceeds it by more than
 //           2^8 (one CTA vote a tile; only then are the rows' maxima exchanged). P·scale of each content
 //           group (fp16) goes to shared memory; P·zero is summed per group in fp32.
-//   output  Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ: warp w owns 128 channels (a quarter of every code plane's
+//   output  Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ: warp w owns 512 / NW channels (1 / NW of every code plane's
 //           bytes). The A operand pairs two tokens' codes of one channel with one byte permute; the B operand
 //           is the group's P·scale. The zero points' sums and the codes' 2^(24-o) join in the epilogue.
 //
