@@ -198,6 +198,19 @@ def test_tokens_m_plan_of_eight_warps(name):
     assert p.stages in (p4.stages, p4.stages - 1) and p.describe().startswith("cuda/f16/tm/M16N64w8")
     lay, bad = plan(name, tokens_m=True, num_warps=6)
     assert bad is None and "4 or 8" in cuda.plan_reason[lay]
+    lay, bad = plan(name, tokens_m=True, num_warps=8, token_blocks=2)
+    assert bad is None and "4 of two" in cuda.plan_reason[lay]
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_tokens_m_plan_of_two_token_blocks_a_warp(name):
+    """4 warps of two token blocks each (TPW=2): the exchange of partial scores in the map, its own build name."""
+    lay, p = plan(name, tokens_m=True, token_blocks=2)
+    m = dict(p.macros)
+    assert (m["NW"], m["TPW"], p.num_warps) == (4, 2, 4) and p.describe().startswith("cuda/f16/tm/M16N64w4t2s")
+    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, p.stages, blocks_per_warp=2)
+    assert cuda.smem_bytes_tm(lay, p.stages, blocks_per_warp=2) == cuda.smem_bytes_tm(lay, p.stages) + 4 * 32 * 16 * 2
+    assert "TPW" not in dict(plan(name, tokens_m=True)[1].macros)  # the default build keeps its cache key
 
 
 def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
@@ -290,6 +303,10 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               ("int2/int4", 16, {"tokens_m": True, "num_warps": 8}),
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16,
                                                {"tokens_m": True, "num_warps": 8}),
+                                              ("int4/int4", 16, {"tokens_m": True, "token_blocks": 2}),
+                                              ("int2/int4", 16, {"tokens_m": True, "token_blocks": 2}),
+                                              (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16,
+                                               {"tokens_m": True, "token_blocks": 2}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

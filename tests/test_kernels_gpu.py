@@ -210,18 +210,21 @@ def test_decode_cuda_fragments(name, H, SQ):
 
 
 def tokens_m_config(lay, rows, warps=None):
+    """The tokens-as-M kernel's config; `warps` (num_warps, token_blocks) asks for one of its plans."""
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
     if nvcc() is None:
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    cfg = cuda_config(rows, lay, "cuda", tokens_m=True, num_warps=warps)
+    nw, tpw = warps or (None, 1)
+    cfg = cuda_config(rows, lay, "cuda", tokens_m=True, num_warps=nw, token_blocks=tpw)
     assert cfg is not None and cfg.tokens_m, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    assert warps is None or cfg.num_warps == warps, cfg
+    assert warps is None or (cfg.num_warps, cfg.token_blocks) == warps, cfg
     return cfg
 
 
-TM_WARPS = [4, 8]  # the tokens-as-M CTAs: 4 warps, or 8 with two warps a token block's scores
+# the tokens-as-M CTAs: 4 warps of one token block; 8 warps, two a block's scores; 4 warps of two blocks, two a pair
+TM_WARPS = [(4, 1), (8, 1), (4, 2)]
 
 
 @pytest.mark.parametrize("warps", TM_WARPS)
@@ -234,7 +237,7 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ, warps))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    assert f"w{warps}" in md.variant, md.variant
+    assert f"w{warps[0]}{'t2' if warps[1] == 2 else ''}s" in md.variant, md.variant
 
 
 @pytest.mark.parametrize("warps", TM_WARPS)
@@ -266,7 +269,7 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
     for name in ("int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
         for w in TM_WARPS:
-            errs[f"{name} w{w}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
+            errs[f"{name} w{w[0]}x{w[1]}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
             assert md.variant.startswith("cuda/f16/tm/"), md.variant
     print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():

@@ -28,11 +28,12 @@ from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, tokens_m: bool | None = None) -> DecodePlan | None:
+                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int = 1) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
-    tile's channels) are the kernel's tiling (`num_warps` 4 or 8 for the tokens-as-M kernel); `fragments=True` takes the path without a built tile (None
+    tile's channels) are the kernel's tiling (`num_warps` 4 or 8 and
+    `token_blocks` 1 or 2, the blocks of 16 tokens a warp's scores take, for the tokens-as-M kernel); `fragments=True` takes the path without a built tile (None
     where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it
     cannot read the layout, the reason from `tokens_m_reason`). Fragments are not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
@@ -48,7 +49,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     if tokens_m:
-        plan = tokens_m_plan(layout, rows, out_dtype, warps=num_warps or TM_WARPS)
+        plan = tokens_m_plan(layout, rows, out_dtype, warps=num_warps or TM_WARPS, blocks_per_warp=token_blocks)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None

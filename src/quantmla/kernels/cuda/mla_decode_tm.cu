@@ -88,10 +88,15 @@ __device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
 static_assert((NW == 4 || NW == 8) && BN == 64 && HALF == 1, "the plan of this kernel: 4 or 8 warps, 64-token tiles, fp16");
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
-constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4): warp w takes block w % NTB
-constexpr int KS = NW / NTB;           // warps sharing a token block's scores, each over its share of the channels
-constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp finishes: nb0 = w / NTB (KS = 2) ..
+#ifndef TPW
+#define TPW 1
+#endif
+constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4)
+constexpr int NGRP = NTB / TPW;        // token groups of TPW blocks: warp w takes blocks TPW·(w % NGRP) + i, i < TPW
+constexpr int KS = NW / NGRP;          // warps sharing a token group's scores, each over its share of the channels
+constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp finishes: nb0 = w / NGRP (KS = 2) ..
 constexpr int RI = 2 * NB_OWN;         // .. a thread's own query rows ri: 8·(nb0 + (ri >> 1)) + 2t + (ri & 1)
+static_assert((TPW == 1 || TPW == 2) && (KS == 1 || KS == 2), "a warp takes 1 or 2 token blocks, 1 or 2 warps a group");
 constexpr int D = D_C + D_R;
 constexpr int NPC = 8 / C_BITS;        // planes of a content byte
 constexpr int NPR = 8 / R_BITS;        // planes of a RoPE byte
@@ -131,8 +136,8 @@ constexpr int P_ELEMS = CG * BM * LDP;
 constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP] fp16: P·scale, tokens in the output's k order
 constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
-constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // KS = 2: [NW, 32] float4, the partial scores a warp hands over
-constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * 16 : 0);  // an mbarrier per stage
+constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // KS = 2: [NW, 32, TPW] float4, the partial scores handed over
+constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * TPW * 16 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
@@ -229,12 +234,14 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
 }
 
 // does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
-__device__ __forceinline__ bool exceeds_reference(const float (&sc)[NB_OWN][4], const float (&mref)[RI], bool scores) {
+__device__ __forceinline__ bool exceeds_reference(const float (&sc)[TPW][NB_OWN][4], const float (&mref)[RI], bool scores) {
   bool exceeds = false;
 #pragma unroll
-  for (int nb = 0; nb < NB_OWN; ++nb)
+  for (int i = 0; i < TPW; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) exceeds |= scores && sc[nb][e] > mref[2 * nb + (e & 1)] + 8.0f;
+    for (int nb = 0; nb < NB_OWN; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[i][nb][e] > mref[2 * nb + (e & 1)] + 8.0f;
   return exceeds;
 }
 
@@ -245,19 +252,21 @@ __device__ __forceinline__ void own_reference(const float (&ref)[4], float (&mre
 }
 
 // after a vote that some row's maximum moved (rare; CTA-uniform): the tile's row maxima across the CTA through
-// sRed [NTB, BM]; a row moves where it exceeds its reference by 8. Every warp moves every row's reference and
+// sRed [NTB, BM] (a token block's maxima at its index); a row moves where it exceeds its reference by 8. Every warp moves every row's reference and
 // rescales its output accumulators; the own rows' sums are rescaled by the warps that own them
-__device__ __forceinline__ void move_reference(const float (&sc)[NB_OWN][4], float (&ref)[4], float (&mref)[RI],
+__device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], float (&ref)[4], float (&mref)[RI],
                                                float (&l_run)[RI], float (&zacc)[CG][RI], float (&oacc)[OMB][2][4],
-                                               float* sRed, int tb, int nb0, int g, int t) {
+                                               float* sRed, int tp, int nb0, int g, int t) {
 #pragma unroll
-  for (int ri = 0; ri < RI; ++ri) {
-    const int nb = ri >> 1, e = ri & 1;
-    float mx = fmaxf(sc[nb][e], sc[nb][e + 2]);
+  for (int i = 0; i < TPW; ++i)
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (g == 0) sRed[tb * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
-  }
+    for (int ri = 0; ri < RI; ++ri) {
+      const int nb = ri >> 1, e = ri & 1;
+      float mx = fmaxf(sc[i][nb][e], sc[i][nb][e + 2]);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (g == 0) sRed[(TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
+    }
   __syncthreads();
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
@@ -327,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 
   // ---- per thread: its own rows ri -> query row 8·(nb0 + (ri >> 1)) + 2t + (ri & 1) (the softmax's), and every
   // row's reference maximum ref[ri] (row 8·(ri >> 1) + 2t + (ri & 1): the output accumulators' columns) ----------
-  const int tb = warp % NTB, nb0 = warp / NTB;  // the warp's token block, its first own 8-row block
+  const int tp = warp % NGRP, nb0 = warp / NGRP;  // the warp's token group, its first own 8-row block
   float qf[RI], qsum[NG][RI], ref[4], mref[RI], l_run[RI], zacc[CG][RI];
   int limit[RI];
 #pragma unroll
@@ -348,32 +357,40 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
-  const int tok_lo = 16 * tb + g;  // the scores' rows: tokens tok_lo and tok_lo + 8 of the tile
+  const int tok_lo = 16 * TPW * tp + g;  // the scores' rows: tokens tok_lo + 16i and tok_lo + 16i + 8 of the tile
   float4* sX = reinterpret_cast<float4*>(smem + SM_X);
 
   // the own rows' scores of a tile (stage st): with KS = 2 the warp's half of the channels, the other warp's half of
   // its own rows taken over through sX (a barrier of the two warps), then finished
-  auto own_scores = [&](const uint8_t* st, float (&sc)[NB_OWN][4], int valid, int n0) {
-    float part[2][4];
+  auto own_scores = [&](const uint8_t* st, float (&sc)[TPW][NB_OWN][4], int valid, int n0) {
+    float part[TPW][2][4];
     if constexpr (KS == 1) {
       tile_scores<0>(st, qa, tok_lo, t, part);
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
+      for (int i = 0; i < TPW; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nb][e] = part[nb][e];
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[i][nb][e] = part[i][nb][e];
     } else {
       if (nb0) tile_scores<1>(st, qa, tok_lo, t, part);
       else tile_scores<0>(st, qa, tok_lo, t, part);
       const int give = nb0 ? 0 : 1;  // the other warp's rows
-      sX[warp * 32 + lane] = make_float4(give ? part[1][0] : part[0][0], give ? part[1][1] : part[0][1],
-                                         give ? part[1][2] : part[0][2], give ? part[1][3] : part[0][3]);
-      bar_sync(1 + tb, 64);
-      const float4 y = sX[(warp ^ NTB) * 32 + lane];
-      const float yv[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[0][e] = (nb0 ? part[1][e] : part[0][e]) + yv[e];
+      for (int i = 0; i < TPW; ++i)
+        sX[(warp * 32 + lane) * TPW + i] = make_float4(give ? part[i][1][0] : part[i][0][0], give ? part[i][1][1] : part[i][0][1],
+                                                       give ? part[i][1][2] : part[i][0][2], give ? part[i][1][3] : part[i][0][3]);
+      bar_sync(1 + tp, 64);
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        const float4 y = sX[((warp ^ NGRP) * 32 + lane) * TPW + i];
+        const float yv[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[i][0][e] = (nb0 ? part[i][1][e] : part[i][0][e]) + yv[e];
+      }
     }
-    finish_scores(st, sc, qf, qsum, limit, tok_lo, valid, n0);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) finish_scores(st, sc[i], qf, qsum, limit, tok_lo + 16 * i, valid, n0);
   };
 
 #if ONE_BARRIER
@@ -384,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[NB_OWN][4];
+    float sc[TPW][NB_OWN][4];
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
@@ -404,9 +421,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
     phase(ph, 3);
     if (!scores) break;
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tb, nb0, g, t);
-    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc, mref, l_run, zacc, tb,
-                       nb0, g, t, tok_lo);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i)
+      tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run, zacc,
+                         TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
     phase(ph, 4);
   }
 #else
@@ -416,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[NB_OWN][4];
+    float sc[TPW][NB_OWN][4];
     if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
@@ -432,15 +451,18 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                                     start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tb, nb0, g, t);
-    tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc, mref, l_run, zacc, tb, nb0, g, t, tok_lo);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i)
+      tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t,
+                         tok_lo + 16 * i);
     __syncthreads();  // P·scale of the whole tile is written
   }
 
 #endif
 
   mark(tl, 5);
-  // ---- epilogue: the own rows' sums and zero-point sums across lanes and token blocks, then
+  // ---- epilogue: the own rows' sums and zero-point sums across lanes and token groups, then
   // O = (2^(24-o)·acc + Σ P·zero) / l for every row of the warp's channels
   __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
@@ -454,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int k = 0; k < 1 + CG; ++k) {
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
-      if (g == 0) sRed[(tb * BM + row) * (1 + CG) + k] = v[k];
+      if (g == 0) sRed[(tp * BM + row) * (1 + CG) + k] = v[k];
     }
   }
   __syncthreads();
@@ -464,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
     lsum[ri] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < NTB; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
+    for (int w = 0; w < NGRP; ++w) lsum[ri] += sRed[(w * BM + row) * (1 + CG)];
     const int r = row0 + row;
     if (warp == 0 && g == 0 && r < R) {
       const float lv = lsum[ri] > 0.0f ? (ref[ri] + log2f(lsum[ri])) * 0.6931471805599453f : -INFINITY;
@@ -472,11 +494,11 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       else part_lse[(int64_t)u * R + r] = lv;
     }
   }
-  // Σ P·zero of a row's group over the token blocks (the group of a warp's channels depends on the warp: read in place)
+  // Σ P·zero of a row's group over the token groups (the group of a warp's channels depends on the warp: read in place)
   auto zsum = [&](int grp, int row) {
     float z = 0.0f;
 #pragma unroll
-    for (int w = 0; w < NTB; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
+    for (int w = 0; w < NGRP; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
     return z;
   };
 #pragma unroll

@@ -49,7 +49,9 @@ class DecodePlan:
         tile = "f16" if m["HALF"] else "bf16"
         ws = "ws" if m.get("WS") else ""
         frag = "/frag" if m.get("REG") else "/tm" if m.get("TM") else ""
-        return f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{ws}s{self.stages}c{self.ctas_per_sm}"
+        tpw = f"t{m['TPW']}" if m.get("TPW", 1) != 1 else ""
+        return (f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{tpw}{ws}s{self.stages}"
+                f"c{self.ctas_per_sm}")
 
 
 def _assume_cuda() -> bool:

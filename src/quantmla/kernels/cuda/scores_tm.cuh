@@ -37,78 +37,114 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NP][2][4]) {
       for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
 }
 
-// one word of each of the scores' two tokens (xl: tok_lo, xh: tok_lo + 8) into the products of its NP planes:
-// plane p is k-step kstep0 + p of the query block (its bytes 0, 2 give k 2t, 2t + 1, bytes 1, 3 k 2t + 8, 2t + 9)
+// one word of each of the scores' tokens (xl[i]: tok_lo + 16i, xh[i]: tok_lo + 16i + 8, for the warp's TPW token
+// blocks i) into the products of its NP planes: plane p is k-step kstep0 + p of the query block (its bytes 0, 2
+// give k 2t, 2t + 1, bytes 1, 3 k 2t + 8, 2t + 9); the query fragment of a k-step is read once for the TPW blocks
 template <int BITS, int NP>
-__device__ __forceinline__ void scores_word(float (&acc)[NP][2][4], uint32_t xl, uint32_t xh, const T* qa, int kstep0) {
-  const uint32_t l8 = xl >> 8, h8 = xh >> 8;
+__device__ __forceinline__ void scores_word(float (&acc)[TPW][NP][2][4], const uint32_t (&xl)[TPW],
+                                            const uint32_t (&xh)[TPW], const T* qa, int kstep0) {
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
-    const uint32_t a[4] = {plane<BITS>(xl, p), plane<BITS>(xh, p), plane<BITS>(l8, p), plane<BITS>(h8, p)};
     uint32_t q[4];
     ldsm_x4(q, qa + (kstep0 + p) * 16);
-    mma16816(acc[p][0], a, q[0], q[1]);
-    mma16816(acc[p][1], a, q[2], q[3]);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const uint32_t a[4] = {plane<BITS>(xl[i], p), plane<BITS>(xh[i], p), plane<BITS>(xl[i] >> 8, p),
+                             plane<BITS>(xh[i] >> 8, p)};
+      mma16816(acc[i][p][0], a, q[0], q[1]);
+      mma16816(acc[i][p][1], a, q[2], q[3]);
+    }
   }
 }
 
-// the partial scores of one tile (stage st) for tokens tok_lo, tok_lo + 8 and rows 2t, 2t + 1 (+ 8) over the
-// channels of score half KH (of KS): content blocks [KH, KH + 1)·CM / KS of 64 bytes, and the RoPE key in the last
-// half. sc[nb][e] is row 8nb + 2t + (e & 1) of token tok_lo + 8·(e >> 1): Σ scale·codes·q, each group's scale
-// folded in per token (a group split between halves is folded in each); the zero points come in finish_scores
+// the partial scores of one tile (stage st) for the warp's TPW token blocks (tokens tok_lo + 16i and + 8) and rows
+// 2t, 2t + 1 (+ 8) over the channels of score half KH (of KS): content blocks [KH, KH + 1)·CM / KS of 64 bytes, and
+// the RoPE key in the last half. sc[i][nb][e] is row 8nb + 2t + (e & 1) of token tok_lo + 16i + 8·(e >> 1):
+// Σ scale·codes·q, each group's scale folded in per token (a group split between halves is folded in each); the
+// zero points come in finish_scores
 template <int KH>
-__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[2][4]) {
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[TPW][2][4]) {
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
+  for (int i = 0; i < TPW; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sc[nb][e] = 0.0f;
-  const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
-  const uint8_t* mh = ml + 8 * FB_CM;
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[i][nb][e] = 0.0f;
   constexpr int CM = FB_CC / 64, M0 = KH * CM / KS, M1 = (KH + 1) * CM / KS;
   constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
-  float acc[NPC][2][4];
+  float acc[TPW][NPC][2][4];
 #pragma unroll
   for (int m = M0; m < M1; ++m) {
-    if (m % MPG == 0 || m == M0) zero_acc(acc);
-    const uint4 vl = *reinterpret_cast<const uint4*>(st + RAW_CC + tok_lo * FB_CC + 16 * (4 * m + t));
-    const uint4 vh = *reinterpret_cast<const uint4*>(st + RAW_CC + (tok_lo + 8) * FB_CC + 16 * (4 * m + t));
-    const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+    if (m % MPG == 0 || m == M0) {
 #pragma unroll
-    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) scores_word<C_BITS>(acc, xl[s], xh[s], qa, (m * 4 + s) * NPC);
+      for (int i = 0; i < TPW; ++i) zero_acc(acc[i]);
+    }
+    uint32_t xl[TPW][4], xh[TPW][4];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const uint8_t* row = st + RAW_CC + (tok_lo + 16 * i) * FB_CC + 16 * (4 * m + t);
+      const uint4 vl = *reinterpret_cast<const uint4*>(row), vh = *reinterpret_cast<const uint4*>(row + 8 * FB_CC);
+      xl[i][0] = vl.x, xl[i][1] = vl.y, xl[i][2] = vl.z, xl[i][3] = vl.w;
+      xh[i][0] = vh.x, xh[i][1] = vh.y, xh[i][2] = vh.z, xh[i][3] = vh.w;
+    }
+#pragma unroll
+    for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
+      uint32_t wl[TPW], wh[TPW];
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) wl[i] = xl[i][s], wh[i] = xh[i][s];
+      scores_word<C_BITS>(acc, wl, wh, qa, (m * 4 + s) * NPC);
+    }
     if (m % MPG == MPG - 1 || m == M1 - 1) {
 #pragma unroll
-      for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
-        const int grp = (p * FB_CC + 64 * m) / C_GS;
-        const float f = (float)(1 << (24 - p * C_BITS));
-        fold_scale(sc, acc[p], meta_sz(ml, grp).x * f, meta_sz(mh, grp).x * f);
+      for (int i = 0; i < TPW; ++i) {
+        const uint8_t* ml = st + RAW_CM + (tok_lo + 16 * i) * FB_CM;
+#pragma unroll
+        for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
+          const int grp = (p * FB_CC + 64 * m) / C_GS;
+          const float f = (float)(1 << (24 - p * C_BITS));
+          fold_scale(sc[i], acc[i][p], meta_sz(ml, grp).x * f, meta_sz(ml + 8 * FB_CM, grp).x * f);
+        }
       }
     }
   }
   if constexpr (KH == KS - 1) {
     // the RoPE key: RW words a thread at byte 4·RW·t of each row
-    const uint8_t* rl = st + RAW_RC + tok_lo * FB_RC + 4 * RW * t;
-    const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
-    uint32_t xl[RW], xh[RW];
+    uint32_t xl[TPW][RW], xh[TPW][RW];
 #pragma unroll
-    for (int s = 0; s < RW; ++s) {
-      xl[s] = reinterpret_cast<const uint32_t*>(rl)[s];
-      xh[s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+    for (int i = 0; i < TPW; ++i) {
+      const uint8_t* rl = st + RAW_RC + (tok_lo + 16 * i) * FB_RC + 4 * RW * t;
+#pragma unroll
+      for (int s = 0; s < RW; ++s) {
+        xl[i][s] = reinterpret_cast<const uint32_t*>(rl)[s];
+        xh[i][s] = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+      }
     }
-    float racc[NPR][2][4];
-    zero_acc(racc);
+    float racc[TPW][NPR][2][4];
 #pragma unroll
-    for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) scores_word<R_BITS>(racc, xl[s], xh[s], qa, CKS + s * NPR);
+    for (int i = 0; i < TPW; ++i) zero_acc(racc[i]);
 #pragma unroll
-    for (int p = 0; p < NPR; ++p) {
-      const int grp = p * FB_RC / R_GS;
-      const float f = (float)(1 << (24 - p * R_BITS));
-      fold_scale(sc, racc[p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
+    for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
+      uint32_t wl[TPW], wh[TPW];
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) wl[i] = xl[i][s], wh[i] = xh[i][s];
+      scores_word<R_BITS>(racc, wl, wh, qa, CKS + s * NPR);
+    }
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const uint8_t* rml = st + RAW_RM + (tok_lo + 16 * i) * FB_RM;
+#pragma unroll
+      for (int p = 0; p < NPR; ++p) {
+        const int grp = p * FB_RC / R_GS;
+        const float f = (float)(1 << (24 - p * R_BITS));
+        fold_scale(sc[i], racc[i][p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
+      }
     }
   }
 }
 
-// the thread's own rows' scores (row blocks nb0 + nbl, nbl < NB_OWN) finished: the zero points through the query's
-// group sums, the row factor; base-2 scaled scores, -inf past the sequence or the row's limit
+// the thread's own rows' scores (row blocks nb0 + nbl, nbl < NB_OWN) of token block i (tokens tok_lo, tok_lo + 8)
+// finished: the zero points through the query's group sums, the row factor; base-2 scaled scores, -inf past the
+// sequence or the row's limit
 __device__ __forceinline__ void finish_scores(const uint8_t* st, float (&sc)[NB_OWN][4], const float (&qf)[RI],
                                               const float (&qsum)[NG][RI], const int (&limit)[RI], int tok_lo, int valid,
                                               int n0) {
