@@ -213,6 +213,17 @@ def test_tokens_m_plan_of_two_token_blocks_a_warp(name):
     assert "TPW" not in dict(plan(name, tokens_m=True)[1].macros)  # the default build keeps its cache key
 
 
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_tokens_m_plan_with_swizzled_content(name):
+    """Content codes through 128-byte-swizzled tensor copies (SWZ=1): stages and the head on 1024 bytes in the
+    shared-memory map, still two CTAs per SM."""
+    lay, p = plan(name, tokens_m=True, swizzle=True)
+    m = dict(p.macros)
+    assert m["SWZ"] == 1 and p.ctas_per_sm == 2 and p.smem == m["SMEM_EXPECTED"]
+    assert p.smem == cuda.smem_bytes_tm(lay, p.stages, swizzle=True) >= cuda.smem_bytes_tm(lay, p.stages)
+    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
+
+
 def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
     """Content groups of 64 (8 P·scale groups): two P buffers and 3 stages do not fit two CTAs per SM, so the
     plan takes the loop with a barrier after P, one buffer and the most stages that fit."""
@@ -304,6 +315,8 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16,
                                                {"tokens_m": True, "num_warps": 8}),
                                               ("int4/int4", 16, {"tokens_m": True, "token_blocks": 2}),
+                                              ("int4/int4", 16, {"tokens_m": True, "swizzle": True}),
+                                              ("int2/int4", 16, {"tokens_m": True, "token_blocks": 2, "swizzle": True}),
                                               ("int2/int4", 16, {"tokens_m": True, "token_blocks": 2}),
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16,
                                                {"tokens_m": True, "token_blocks": 2}),

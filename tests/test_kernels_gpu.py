@@ -209,25 +209,28 @@ def test_decode_cuda_fragments(name, H, SQ):
     assert md.variant.startswith("cuda/f16/frag/"), md.variant
 
 
-def tokens_m_config(lay, rows, warps=None):
-    """The tokens-as-M kernel's config; `warps` (num_warps, token_blocks) asks for one of its plans."""
+def tokens_m_config(lay, rows, plan=None):
+    """The tokens-as-M kernel's config; `plan` (cuda_config's num_warps, token_blocks, swizzle) asks for one of its
+    plans."""
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
     if nvcc() is None:
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    nw, tpw = warps or (None, 1)
-    cfg = cuda_config(rows, lay, "cuda", tokens_m=True, num_warps=nw, token_blocks=tpw)
+    cfg = cuda_config(rows, lay, "cuda", tokens_m=True, **(plan or {}))
     assert cfg is not None and cfg.tokens_m, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    assert warps is None or (cfg.num_warps, cfg.token_blocks) == warps, cfg
+    for k, v in (plan or {}).items():
+        assert getattr(cfg, k) == v, (k, cfg)
     return cfg
 
 
-# the tokens-as-M CTAs: 4 warps of one token block; 8 warps, two a block's scores; 4 warps of two blocks, two a pair
-TM_WARPS = [(4, 1), (8, 1), (4, 2)]
+# the tokens-as-M plans: 4 warps of one token block; 8 warps, two a block's scores; 4 warps of two blocks, two a
+# pair; and each of the first and last with the content codes through swizzled tensor copies
+TM_WARPS = [{}, {"num_warps": 8}, {"token_blocks": 2}, {"swizzle": True}, {"token_blocks": 2, "swizzle": True}]
+TM_IDS = ["w4", "w8", "w4t2", "w4swz", "w4t2swz"]
 
 
-@pytest.mark.parametrize("warps", TM_WARPS)
+@pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32"])
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
 def test_decode_cuda_tokens_m(name, H, SQ, warps):
@@ -237,10 +240,10 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ, warps))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    assert f"w{warps[0]}{'t2' if warps[1] == 2 else ''}s" in md.variant, md.variant
+    assert f"w{warps.get('num_warps', 4)}{'t2' if warps.get('token_blocks') == 2 else ''}s" in md.variant, md.variant
 
 
-@pytest.mark.parametrize("warps", TM_WARPS)
+@pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
 def test_decode_cuda_tokens_m_query_ranges(warps):
     """Heads whose queries span 2^-12 to 2^2 (products down to fp16's subnormals, summed in fp32) and one head
     of zeros (uniform attention), against the same oracle."""
@@ -250,7 +253,7 @@ def test_decode_cuda_tokens_m_query_ranges(warps):
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
 
 
-@pytest.mark.parametrize("warps", TM_WARPS)
+@pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
 def test_decode_cuda_tokens_m_splits(name, warps):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
@@ -268,8 +271,8 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
     errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
     for name in ("int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
-        for w in TM_WARPS:
-            errs[f"{name} w{w[0]}x{w[1]}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
+        for w, wid in zip(TM_WARPS, TM_IDS):
+            errs[f"{name} {wid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
             assert md.variant.startswith("cuda/f16/tm/"), md.variant
     print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():

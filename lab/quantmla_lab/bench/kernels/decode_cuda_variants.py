@@ -225,10 +225,10 @@ def main() -> None:
                 row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
                 for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
                     kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                    vp = plan  # NW=8 or TPW=2: that plan (its own shared-memory map), then the other macros
-                    if "NW" in kw or "TPW" in kw:
+                    vp = plan  # NW=8, TPW=2 or SWZ=1: that plan (its own shared-memory map), then the other macros
+                    if {"NW", "TPW", "SWZ"} & set(kw):
                         vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, warps=kw.pop("NW", cuda.TM_WARPS),
-                                                blocks_per_warp=kw.pop("TPW", 1))
+                                                blocks_per_warp=kw.pop("TPW", 1), swizzle=bool(kw.pop("SWZ", 0)))
                         assert not isinstance(vp, str), vp
                     vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), **kw}.items())))
                     got: list = []

@@ -120,13 +120,22 @@ static_assert(OMB * NW == 32 && BT % 2 == 0, "a warp's output channels are 32 / 
 static_assert(KS == 1 || (FB_CC / 64) % 2 == 0, "two warps split a token block's content channels in 64-byte blocks");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 
+// SWZ: the content codes land through tensor copies (a tensor map of the pages' content sections, a kernel
+// parameter) in boxes of [BN tokens, 128 bytes] whose 16-byte chunks are XOR-ed with the row's index mod 8 (the
+// 128-byte swizzle), so that neither product's reads of one column over 8 token rows meet in one bank
+#ifndef SWZ
+#define SWZ 0
+#endif
+static_assert(!SWZ || FB_CC % 128 == 0, "the swizzled content rows are whole 128-byte boxes");
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
+__host__ __device__ constexpr int align_to(int n, int a) { return (n + a - 1) / a * a; }
+constexpr int RAW_ALIGN = SWZ ? 1024 : 16;  // a 128-byte-swizzled box starts on 1024 bytes
 constexpr int RAW_CC = 0;
 constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
 constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
-constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
+constexpr int RAW_BYTES = align_to(RAW_RM + BN * FB_RM, RAW_ALIGN);
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
@@ -134,7 +143,7 @@ constexpr int SM_QSUM = SM_Q + BM * LDQ * 2;             // [NG, BM] fp32: Σ_gr
 constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale·log2 e / the row's fp16 scaling
 constexpr int P_ELEMS = CG * BM * LDP;
 constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP] fp16: P·scale, tokens in the output's k order
-constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
+constexpr int SM_RAW = align_to(SM_P + NPBUF * P_ELEMS * 2, RAW_ALIGN);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // KS = 2: [NW, 32, TPW] float4, the partial scores handed over
 constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * TPW * 16 : 0);  // an mbarrier per stage
@@ -145,14 +154,34 @@ static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit
 #include "query_pieces.cuh"
 #include "query_tm.cuh"
 
-// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar`
+struct alignas(64) TensorMap { uint64_t w[16]; };  // a CUtensorMap, encoded by the host
+
+// content code byte `col` of token row `row` of a stage (rows of FB_CC bytes; with SWZ, 128-byte swizzled boxes)
+__device__ __forceinline__ const uint8_t* cc_at(const uint8_t* st, int row, int col) {
+  if constexpr (SWZ)
+    return st + RAW_CC + (col >> 7) * (BN * 128) + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4) + (col & 15);
+  else
+    return st + RAW_CC + row * FB_CC + col;
+}
+
+// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar` (with SWZ the
+// content codes as FB_CC / 128 tensor copies of tensor map `tm`: coordinates (byte, token, page))
 __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages, int page,
-                                            int n0) {
+                                            int n0, const TensorMap* tm) {
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
 #if BULK
   mbar_expect_tx(bar, TILE_BYTES);
-  bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
+  if constexpr (SWZ) {
+#pragma unroll
+    for (int h = 0; h < FB_CC / 128; ++h)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+          ::"r"(smem_u32(stage + RAW_CC + h * BN * 128)), "l"(reinterpret_cast<uint64_t>(tm)), "r"(h * 128), "r"(tok0),
+          "r"(page), "r"(smem_u32(bar)) : "memory");
+  } else {
+    bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
+  }
   bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
   bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
   bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
@@ -196,20 +225,22 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
                                             int t, int lane) {
 #pragma unroll
   for (int j = 0; j < BN / 16; ++j) {
-    const uint8_t* base = st + RAW_CC + (16 * j + 2 * t) * FB_CC + BW * warp + BT * g;
+    const int r0 = 16 * j + 2 * t, col = BW * warp + BT * g;
+    const uint8_t *pa = cc_at(st, r0, col), *pb8 = cc_at(st, r0 + 8, col), *pc = cc_at(st, r0 + 1, col),
+                  *pd = cc_at(st, r0 + 9, col);
     constexpr int NWD = (BT + 3) / 4;
     uint32_t wa[NWD], wb[NWD], wc[NWD], wd[NWD];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
     if constexpr (BT == 8) {
-      const uint2 va = *reinterpret_cast<const uint2*>(base), vb = *reinterpret_cast<const uint2*>(base + 8 * FB_CC);
-      const uint2 vc = *reinterpret_cast<const uint2*>(base + FB_CC), vd = *reinterpret_cast<const uint2*>(base + 9 * FB_CC);
+      const uint2 va = *reinterpret_cast<const uint2*>(pa), vb = *reinterpret_cast<const uint2*>(pb8);
+      const uint2 vc = *reinterpret_cast<const uint2*>(pc), vd = *reinterpret_cast<const uint2*>(pd);
       wa[0] = va.x, wa[1] = va.y, wb[0] = vb.x, wb[1] = vb.y;
       wc[0] = vc.x, wc[1] = vc.y, wd[0] = vd.x, wd[1] = vd.y;
     } else if constexpr (BT == 4) {
-      wa[0] = *reinterpret_cast<const uint32_t*>(base), wb[0] = *reinterpret_cast<const uint32_t*>(base + 8 * FB_CC);
-      wc[0] = *reinterpret_cast<const uint32_t*>(base + FB_CC), wd[0] = *reinterpret_cast<const uint32_t*>(base + 9 * FB_CC);
+      wa[0] = *reinterpret_cast<const uint32_t*>(pa), wb[0] = *reinterpret_cast<const uint32_t*>(pb8);
+      wc[0] = *reinterpret_cast<const uint32_t*>(pc), wd[0] = *reinterpret_cast<const uint32_t*>(pd);
     } else {
-      wa[0] = *reinterpret_cast<const uint16_t*>(base), wb[0] = *reinterpret_cast<const uint16_t*>(base + 8 * FB_CC);
-      wc[0] = *reinterpret_cast<const uint16_t*>(base + FB_CC), wd[0] = *reinterpret_cast<const uint16_t*>(base + 9 * FB_CC);
+      wa[0] = *reinterpret_cast<const uint16_t*>(pa), wb[0] = *reinterpret_cast<const uint16_t*>(pb8);
+      wc[0] = *reinterpret_cast<const uint16_t*>(pc), wd[0] = *reinterpret_cast<const uint16_t*>(pd);
     }
     uint32_t pb[NPC][4];
 #pragma unroll
@@ -293,8 +324,17 @@ __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4]
   own_reference(ref, mref, nb0);
 }
 
+#if SWZ
+extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ TensorMap tmap) {
+  const TensorMap* tm = &tmap;
+#else
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  const TensorMap* tm = nullptr;
+#endif
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if constexpr (SWZ) {
+    if (smem_u32(smem) % 1024) __trap();  // the swizzled boxes need shared memory that starts on 1024 bytes
+  }
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
   float* sQf = reinterpret_cast<float*>(smem + SM_QF);
@@ -327,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
     pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
-      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
+      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN, tm);
     });
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
@@ -414,7 +454,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                    start + nxt * BN);
+                                    start + nxt * BN, tm);
       pg_next = page_of(nxt + 1);
     }
     if (it > 0 && !SKIP_PV)
@@ -448,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                    start + nxt * BN);
+                                    start + nxt * BN, tm);
       pg_next = page_of(nxt + 1);
     }
     if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);

@@ -82,8 +82,9 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
     uint32_t xl[TPW][4], xh[TPW][4];
 #pragma unroll
     for (int i = 0; i < TPW; ++i) {
-      const uint8_t* row = st + RAW_CC + (tok_lo + 16 * i) * FB_CC + 16 * (4 * m + t);
-      const uint4 vl = *reinterpret_cast<const uint4*>(row), vh = *reinterpret_cast<const uint4*>(row + 8 * FB_CC);
+      const int row = tok_lo + 16 * i, col = 16 * (4 * m + t);
+      const uint4 vl = *reinterpret_cast<const uint4*>(cc_at(st, row, col));
+      const uint4 vh = *reinterpret_cast<const uint4*>(cc_at(st, row + 8, col));
       xl[i][0] = vl.x, xl[i][1] = vl.y, xl[i][2] = vl.z, xl[i][3] = vl.w;
       xh[i][0] = vh.x, xh[i][1] = vh.y, xh[i][2] = vh.z, xh[i][3] = vh.w;
     }
