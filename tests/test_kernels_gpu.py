@@ -210,8 +210,7 @@ def test_decode_cuda_fragments(name, H, SQ):
 
 
 def tokens_m_config(lay, rows, plan=None):
-    """The tokens-as-M kernel's config; `plan` (cuda_config's num_warps, token_blocks, swizzle) asks for one of its
-    plans."""
+    """The tokens-as-M kernel's config; `plan` (cuda_config's token_blocks) asks for one of its plans."""
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
@@ -224,10 +223,9 @@ def tokens_m_config(lay, rows, plan=None):
     return cfg
 
 
-# the tokens-as-M plans: 4 warps of one token block; 8 warps, two a block's scores; 4 warps of two blocks, two a
-# pair; and each of the first and last with the content codes through swizzled tensor copies
-TM_WARPS = [{}, {"num_warps": 8}, {"token_blocks": 2}, {"swizzle": True}, {"token_blocks": 2, "swizzle": True}]
-TM_IDS = ["w4", "w8", "w4t2", "w4swz", "w4t2swz"]
+# the tokens-as-M plans: a warp's scores over one block of 16 tokens, or two warps' over two blocks
+TM_WARPS = [{"token_blocks": 1}, {"token_blocks": 2}]
+TM_IDS = ["t1", "t2"]
 
 
 @pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
@@ -240,7 +238,7 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ, warps))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    assert f"w{warps.get('num_warps', 4)}{'t2' if warps.get('token_blocks') == 2 else ''}s" in md.variant, md.variant
+    assert f"w4{'t2' if warps['token_blocks'] == 2 else ''}s" in md.variant, md.variant
 
 
 @pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)

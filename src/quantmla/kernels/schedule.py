@@ -48,8 +48,8 @@ class DecodeConfig:
     (kernels/cuda/tile_frag.cuh; the 16-row plan with 2- or 4-bit codes and fp16 metadata);
     tokens_m: the CUDA kernel with tokens as the MMA's M dimension (kernels/cuda/mla_decode_tm.cu; up to 16 rows,
     2- or 4-bit affine codes with fp16 metadata, d_c 512 and d_r 64);
-    token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2);
-    swizzle: with tokens_m, the content codes land through 128-byte-swizzled tensor copies."""
+    token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2; None: the default for
+    the layout, kernels.cuda.tokens_m_default_blocks)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -63,8 +63,7 @@ class DecodeConfig:
     deq: int = 0
     fragments: bool = False
     tokens_m: bool = False
-    token_blocks: int = 1
-    swizzle: bool = False
+    token_blocks: int | None = None
 
     def describe(self) -> str:
         cuda = "cuda/frag" if self.fragments else "cuda/tm" if self.tokens_m else "cuda"
@@ -105,15 +104,14 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
-                token_blocks: int = 1, swizzle: bool = False) -> DecodeConfig | None:
+                token_blocks: int | None = None) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata at d_c 512, d_r 64:
     on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4
     at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
-    plan, `tokens_m=True` for the tokens-as-M kernel only (`num_warps` 4 or 8 its CTA, `token_blocks` 1 or 2 a
-    warp, `swizzle` its swizzled content copies), `tokens_m=False` for the built tile only."""
+    plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp), `tokens_m=False` for the built tile only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -122,9 +120,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
     if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
-        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True,
-                                      num_warps=num_warps if tokens_m else None, token_blocks=token_blocks,
-                                      swizzle=swizzle))
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks))
     if not tokens_m:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
                                       fragments=fragments))
@@ -142,8 +138,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         return None
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
-                        tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1),
-                        swizzle=bool(dict(plan.macros).get("SWZ")))
+                        tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None)
 
 
 @dataclass

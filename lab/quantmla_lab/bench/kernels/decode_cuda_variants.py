@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --tokens-m: other builds of its plan (e.g. NW=8: 8-warp CTAs), timed beside it, their "
-                         "outputs compared with its")
+                    help="with --tokens-m: other builds of its plan (e.g. TPW=1: one token block a warp), timed beside "
+                         "it, their outputs compared with its")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -225,10 +225,9 @@ def main() -> None:
                 row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
                 for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
                     kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                    vp = plan  # NW=8, TPW=2 or SWZ=1: that plan (its own shared-memory map), then the other macros
-                    if {"NW", "TPW", "SWZ"} & set(kw):
-                        vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, warps=kw.pop("NW", cuda.TM_WARPS),
-                                                blocks_per_warp=kw.pop("TPW", 1), swizzle=bool(kw.pop("SWZ", 0)))
+                    vp = plan  # TPW=1 or 2: that plan (its own shared-memory map), then the other macros
+                    if "TPW" in kw:
+                        vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, blocks_per_warp=kw.pop("TPW"))
                         assert not isinstance(vp, str), vp
                     vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), **kw}.items())))
                     got: list = []
@@ -249,7 +248,7 @@ def main() -> None:
                         row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                     pb = cuda.TM_P_BUFFERS if m["ONE_BARRIER"] else 1
                     for st in range(cuda.TM_MIN_STAGES if pb == 2 else 2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
-                        smem = cuda.smem_bytes_tm(lay, st, pb)
+                        smem = cuda.smem_bytes_tm(lay, st, pb, m.get("TPW", 1))
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
                                                  stages=st, smem=smem)
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
@@ -263,9 +262,10 @@ def main() -> None:
                                                                             "SKIP_PV": 1}.items())))
                         row("tokens_m_no_products_phases", None, vp, **timeline(vp, md, phases=True))
                     # the loop with a second barrier after P (one P buffer), at the most stages that fit
+                    tpw = dict(plan.macros).get("TPW", 1)
                     st = max(s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
-                             if 2 * (cuda.smem_bytes_tm(lay, s, p_buffers=1) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM)
-                    smem = cuda.smem_bytes_tm(lay, st, p_buffers=1)
+                             if 2 * (cuda.smem_bytes_tm(lay, s, 1, tpw) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM)
+                    smem = cuda.smem_bytes_tm(lay, st, 1, tpw)
                     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "ONE_BARRIER": 0, "STAGES": st,
                                                                         "SMEM_EXPECTED": smem}.items())), stages=st, smem=smem)
                     row("tokens_m_two_barriers_decode", time_decode(vp, md), vp, decode_only=True, units=md.num_units)

@@ -69,12 +69,12 @@ def _format(name: str) -> CacheFormat:
 
 def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
           dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None,
-          warps: int | None = None, token_blocks: int = 1, swizzle: bool = False) -> dict:
+          token_blocks: int | None = None) -> dict:
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None,
-                                tokens_m=tokens_m or None, num_warps=warps,
-                                token_blocks=token_blocks, swizzle=swizzle)
+                                tokens_m=tokens_m or None,
+                                token_blocks=token_blocks)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))
@@ -103,9 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=16, help="query rows per sequence (heads x query tokens)")
     p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
     p.add_argument("--tokens-m", action="store_true", help="the tokens-as-M kernel, with its scores phase's counts")
-    p.add_argument("--warps", type=int, help="the plan's warps a CTA (the tokens-as-M kernel: 4 or 8)")
-    p.add_argument("--token-blocks", type=int, default=1, help="the tokens-as-M kernel: 16-token blocks a warp's scores take")
-    p.add_argument("--swizzle", action="store_true", help="the tokens-as-M kernel: content codes through swizzled tensor copies")
+    p.add_argument("--token-blocks", type=int, help="the tokens-as-M kernel: 16-token blocks a warp's scores take")
     p.add_argument("--set", nargs="+", default=[], metavar="MACRO=V", help="compile with these macros replaced")
     p.add_argument("--dump", type=Path, help="write each plan's instructions into this folder")
     a = p.parse_args(argv)
@@ -117,7 +115,7 @@ def main(argv=None) -> int:
         overrides[k] = int(v)
     for name in a.formats:
         r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides,
-                  warps=a.warps, token_blocks=a.token_blocks, swizzle=a.swizzle)
+                  token_blocks=a.token_blocks)
         if overrides:
             r = {**r, "set": " ".join(a.set)}
         print("  ".join(f"{k} {v}" for k, v in r.items()), flush=True)

@@ -23,19 +23,18 @@ from quantmla.kernels.cuda.built_tile import (  # noqa: F401 (the package's name
 from quantmla.kernels.cuda.plan import (  # noqa: F401
     _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, mode, plan_reason)
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
-    TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_WARPS, smem_bytes_tm, tokens_m_plan, tokens_m_reason)
+    TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_WARPS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_plan,
+    tokens_m_reason)
 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int = 1,
-                swizzle: bool = False) -> DecodePlan | None:
+                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
-    tile's channels) are the kernel's tiling (`num_warps` 4 or 8 and
-    `token_blocks` 1 or 2, the blocks of 16 tokens a warp's scores take, and `swizzle`, content codes through
-    swizzled tensor copies, for the tokens-as-M kernel); `fragments=True` takes the path without a built tile (None
+    tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a
+    warp's scores take, for the tokens-as-M kernel; None: its default for the layout); `fragments=True` takes the path without a built tile (None
     where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it
     cannot read the layout, the reason from `tokens_m_reason`). Fragments are not the default: on the H200 it is slower than building the tile
     (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
@@ -51,8 +50,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     if tokens_m:
-        plan = tokens_m_plan(layout, rows, out_dtype, warps=num_warps or TM_WARPS, blocks_per_warp=token_blocks,
-                             swizzle=swizzle)
+        plan = tokens_m_plan(layout, rows, out_dtype, blocks_per_warp=token_blocks)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None
@@ -81,12 +79,6 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
-    extra = []
-    m = dict(plan.macros)
-    if m.get("SWZ"):  # the pages' content sections as a tensor: (byte, token, page), 128-byte boxes of BN tokens
-        npages = pages.numel() // m["PAGE_BYTES"]
-        extra = [("t", driver.tensor_map_u8(pages.data_ptr() + m["OFF_CC"], (m["FB_CC"], m["PS"], npages),
-                                            (m["FB_CC"], m["PAGE_BYTES"]), (128, m["BN"], 1)))]
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
-                                              ("i", int(causal)), ("f", float(scale))] + extra)
+                                              ("i", int(causal)), ("f", float(scale))])

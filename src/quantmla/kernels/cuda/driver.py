@@ -1,5 +1,5 @@
 """The few CUDA driver calls the CUDA decode path needs, through ctypes: load a cubin into the current
-context, raise a function's dynamic shared-memory limit, encode a tensor map, launch it on a stream. Functions are cached per
+context, raise a function's dynamic shared-memory limit, launch it on a stream. Functions are cached per
 (device, cubin)."""
 
 from __future__ import annotations
@@ -50,32 +50,9 @@ def function(cubin: Path, name: str, smem: int, device: torch.device):
     return _FUNCS[key][1]
 
 
-_TMAPS: dict = {}
-CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 0, 3, 2
-
-
-def tensor_map_u8(base: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
-    """A CUtensorMap (128 bytes) of bytes at `base`: `dims` innermost first, `strides` (bytes) of dims 1.., tiles of
-    `box` landing with the 128-byte swizzle (cuTensorMapEncodeTiled); cached per arguments."""
-    key = (base, dims, strides, box)
-    if key not in _TMAPS:
-        n = len(dims)
-        out = (ctypes.c_ubyte * 128)()
-        _check(_lib().cuTensorMapEncodeTiled(
-            out, CU_TENSOR_MAP_DATA_TYPE_UINT8, ctypes.c_uint(n), ctypes.c_void_p(base), (ctypes.c_uint64 * n)(*dims),
-            (ctypes.c_uint64 * (n - 1))(*strides), (ctypes.c_uint32 * n)(*box), (ctypes.c_uint32 * n)(*([1] * n)),
-            0, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, 0), "cuTensorMapEncodeTiled")
-        if len(_TMAPS) > 256:
-            _TMAPS.clear()
-        _TMAPS[key] = bytes(out)
-    return _TMAPS[key]
-
-
 def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]]) -> None:
-    """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f"|"t", value), "t" a
-    CUtensorMap's 128 bytes passed by value."""
-    conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float,
-            "t": lambda b: (ctypes.c_ubyte * 128).from_buffer_copy(b)}
+    """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f", value)."""
+    conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
     vals = [conv[k](v) for k, v in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]

@@ -1,13 +1,14 @@
 // Absorbed-MLA decode over the packed paged cache with tokens as the MMA's M dimension (sm_90: the stages are
 // bulk copies). The 16-row plan for 2- or 4-bit codes with fp16 (scale, zero) metadata.
 //
-// One CTA of NW = 4 or 8 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile
-// of BN = 64 tokens (one page section each, bulk-copied by one thread into STAGES stages):
+// One CTA of 4 warps handles one work unit (sequence b, tokens [start, end)) for 16 query rows. Per tile of
+// BN = 64 tokens (one page section each, bulk-copied by one thread into STAGES stages):
 //
-//   scores  Sᵀ[token, row] = K·Qᵀ: warp w owns token block w % 4 (tokens 16·(w % 4) .. + 15): over all 576
-//           channels with 4 warps; with 8 the two warps of a block split the channels (the first half of the
-//           content blocks; the rest and the RoPE key), hand each other their partial scores of the rows they do
-//           not finish (a barrier of the two), and each finishes the softmax of 8 rows. The A operand
+//   scores  Sᵀ[token, row] = K·Qᵀ. With TPW = 1 warp w owns token block w (tokens 16w .. 16w + 15) over all 576
+//           channels. With TPW = 2 warp w owns blocks 2·(w % 2) and 2·(w % 2) + 1 over half the channels (w / 2:
+//           the first half of the content blocks, or the rest and the RoPE key), so each query fragment read
+//           from shared memory serves 32 tokens; the two warps of a token group hand each other the partial
+//           scores of the rows they do not finish (a barrier of the two), and each finishes 8 rows. The A operand
 //           (16 tokens x 16 channels) is the stage's codes masked in place: a code at bit offset o of a
 //           16-bit half is the exact fp16 subnormal code·2^(o-24), one AND a register. The B operand is the
 //           query block, stored once per CTA in the codes' channel order. Each 64-channel block lies in one
@@ -16,7 +17,7 @@
 //   softmax base 2, in registers: a row's reference maximum moves only when a tile exceeds it by more than
 //           2^8 (one CTA vote a tile; only then are the rows' maxima exchanged). P·scale of each content
 //           group (fp16) goes to shared memory; P·zero is summed per group in fp32.
-//   output  Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ: warp w owns 512 / NW channels (1 / NW of every code plane's
+//   output  Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ: warp w owns 128 channels (a quarter of every code plane's
 //           bytes). The A operand pairs two tokens' codes of one channel with one byte permute; the B operand
 //           is the group's P·scale. The zero points' sums and the codes' 2^(24-o) join in the epilogue.
 //
@@ -26,7 +27,7 @@
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS (and TM, NW, BN, HALF: fixed here)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW (and TM, NW, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -85,7 +86,7 @@ __device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
   }
 }
 
-static_assert((NW == 4 || NW == 8) && BN == 64 && HALF == 1, "the plan of this kernel: 4 or 8 warps, 64-token tiles, fp16");
+static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
 #ifndef TPW
@@ -108,34 +109,25 @@ constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
 constexpr int LDQ = D + 8;             // query block row pitch (halves): 8 rows' ldmatrix pieces in distinct banks
 constexpr int LDP = BN + 8;            // P·scale row pitch (halves)
 constexpr int BW = FB_CC / NW;         // output: content bytes a warp owns per token
-constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (2 to 8)
-constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (32 / NW)
+constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
+constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
 static_assert(C_BITS == 2 || C_BITS == 4, "2- or 4-bit content codes");
 static_assert(R_BITS == 2 || R_BITS == 4, "2- or 4-bit RoPE codes");
 static_assert(C_GS % 64 == 0, "a 64-channel block of one content plane lies in one group");
 static_assert(R_GS % FB_RC == 0 && D_R % R_GS == 0, "a RoPE plane lies in one group");
 static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "affine fp16 metadata: (scale, zero) per group");
-static_assert(OMB * NW == 32 && BT % 2 == 0, "a warp's output channels are 32 / NW m16 blocks");
+static_assert(OMB == 8 && BT % 4 == 0, "a warp's output channels are 8 m16 blocks");
 static_assert(KS == 1 || (FB_CC / 64) % 2 == 0, "two warps split a token block's content channels in 64-byte blocks");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 
-// SWZ: the content codes land through tensor copies (a tensor map of the pages' content sections, a kernel
-// parameter) in boxes of [BN tokens, 128 bytes] whose 16-byte chunks are XOR-ed with the row's index mod 8 (the
-// 128-byte swizzle), so that neither product's reads of one column over 8 token rows meet in one bank
-#ifndef SWZ
-#define SWZ 0
-#endif
-static_assert(!SWZ || FB_CC % 128 == 0, "the swizzled content rows are whole 128-byte boxes");
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
-__host__ __device__ constexpr int align_to(int n, int a) { return (n + a - 1) / a * a; }
-constexpr int RAW_ALIGN = SWZ ? 1024 : 16;  // a 128-byte-swizzled box starts on 1024 bytes
 constexpr int RAW_CC = 0;
 constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
 constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
-constexpr int RAW_BYTES = align_to(RAW_RM + BN * FB_RM, RAW_ALIGN);
+constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
@@ -143,9 +135,9 @@ constexpr int SM_QSUM = SM_Q + BM * LDQ * 2;             // [NG, BM] fp32: Σ_gr
 constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale·log2 e / the row's fp16 scaling
 constexpr int P_ELEMS = CG * BM * LDP;
 constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP] fp16: P·scale, tokens in the output's k order
-constexpr int SM_RAW = align_to(SM_P + NPBUF * P_ELEMS * 2, RAW_ALIGN);
+constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
-constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // KS = 2: [NW, 32, TPW] float4, the partial scores handed over
+constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // TPW = 2: [NW, 32, TPW] float4, the partial scores handed over
 constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * TPW * 16 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
@@ -154,34 +146,17 @@ static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit
 #include "query_pieces.cuh"
 #include "query_tm.cuh"
 
-struct alignas(64) TensorMap { uint64_t w[16]; };  // a CUtensorMap, encoded by the host
+// content code byte `col` of token row `row` of a stage
+__device__ __forceinline__ const uint8_t* cc_at(const uint8_t* st, int row, int col) { return st + RAW_CC + row * FB_CC + col; }
 
-// content code byte `col` of token row `row` of a stage (rows of FB_CC bytes; with SWZ, 128-byte swizzled boxes)
-__device__ __forceinline__ const uint8_t* cc_at(const uint8_t* st, int row, int col) {
-  if constexpr (SWZ)
-    return st + RAW_CC + (col >> 7) * (BN * 128) + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4) + (col & 15);
-  else
-    return st + RAW_CC + row * FB_CC + col;
-}
-
-// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar` (with SWZ the
-// content codes as FB_CC / 128 tensor copies of tensor map `tm`: coordinates (byte, token, page))
+// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar`
 __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages, int page,
-                                            int n0, const TensorMap* tm) {
+                                            int n0) {
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
 #if BULK
   mbar_expect_tx(bar, TILE_BYTES);
-  if constexpr (SWZ) {
-#pragma unroll
-    for (int h = 0; h < FB_CC / 128; ++h)
-      asm volatile(
-          "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-          ::"r"(smem_u32(stage + RAW_CC + h * BN * 128)), "l"(reinterpret_cast<uint64_t>(tm)), "r"(h * 128), "r"(tok0),
-          "r"(page), "r"(smem_u32(bar)) : "memory");
-  } else {
-    bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
-  }
+  bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
   bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
   bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
   bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
@@ -228,19 +203,15 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
     const int r0 = 16 * j + 2 * t, col = BW * warp + BT * g;
     const uint8_t *pa = cc_at(st, r0, col), *pb8 = cc_at(st, r0 + 8, col), *pc = cc_at(st, r0 + 1, col),
                   *pd = cc_at(st, r0 + 9, col);
-    constexpr int NWD = (BT + 3) / 4;
-    uint32_t wa[NWD], wb[NWD], wc[NWD], wd[NWD];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
+    uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
     if constexpr (BT == 8) {
       const uint2 va = *reinterpret_cast<const uint2*>(pa), vb = *reinterpret_cast<const uint2*>(pb8);
       const uint2 vc = *reinterpret_cast<const uint2*>(pc), vd = *reinterpret_cast<const uint2*>(pd);
       wa[0] = va.x, wa[1] = va.y, wb[0] = vb.x, wb[1] = vb.y;
       wc[0] = vc.x, wc[1] = vc.y, wd[0] = vd.x, wd[1] = vd.y;
-    } else if constexpr (BT == 4) {
+    } else {
       wa[0] = *reinterpret_cast<const uint32_t*>(pa), wb[0] = *reinterpret_cast<const uint32_t*>(pb8);
       wc[0] = *reinterpret_cast<const uint32_t*>(pc), wd[0] = *reinterpret_cast<const uint32_t*>(pd);
-    } else {
-      wa[0] = *reinterpret_cast<const uint16_t*>(pa), wb[0] = *reinterpret_cast<const uint16_t*>(pb8);
-      wc[0] = *reinterpret_cast<const uint16_t*>(pc), wd[0] = *reinterpret_cast<const uint16_t*>(pd);
     }
     uint32_t pb[NPC][4];
 #pragma unroll
@@ -324,17 +295,8 @@ __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4]
   own_reference(ref, mref, nb0);
 }
 
-#if SWZ
-extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ TensorMap tmap) {
-  const TensorMap* tm = &tmap;
-#else
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
-  const TensorMap* tm = nullptr;
-#endif
-  extern __shared__ __align__(1024) uint8_t smem[];
-  if constexpr (SWZ) {
-    if (smem_u32(smem) % 1024) __trap();  // the swizzled boxes need shared memory that starts on 1024 bytes
-  }
+  extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
   float* sQf = reinterpret_cast<float*>(smem + SM_QF);
@@ -367,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
     pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
-      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN, tm);
+      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
@@ -454,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                    start + nxt * BN, tm);
+                                    start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
     if (it > 0 && !SKIP_PV)
@@ -488,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
       if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                    start + nxt * BN, tm);
+                                    start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
     if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);

@@ -1,5 +1,5 @@
 // The tokens-as-M decode kernel's scores (mla_decode_tm.cu): Sᵀ = K·Qᵀ of one tile for a warp's 16 tokens over its
-// share of the 576 channels (all, or half with two warps a token block) on mma.sync products, the codes masked in
+// share of the 576 channels (all, or half with two token blocks a warp) on mma.sync products, the codes masked in
 // place into the A operand, each group's scale folded in once and the zero points through the query's group sums. Included by mla_decode_tm.cu after its constants and
 // its shared-memory map.
 #pragma once

@@ -10,7 +10,7 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
-TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens: 4 warps, or 8 with two a block
+TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
@@ -34,46 +34,45 @@ def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     return None
 
 
-def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS, warps: int = TM_WARPS,
-                  blocks_per_warp: int = 1, swizzle: bool = False) -> int:
-    """Dynamic shared memory of one tokens-as-M CTA of `warps` warps taking `blocks_per_warp` token blocks each
-    (`swizzle`: stages on 1024 bytes, for the content codes' swizzled tensor copies), bytes: the map of
-    mla_decode_tm.cu (which asserts it)."""
+def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS, blocks_per_warp: int = 1) -> int:
+    """Dynamic shared memory of one tokens-as-M CTA whose warps take `blocks_per_warp` token blocks each, bytes:
+    the map of mla_decode_tm.cu (which asserts it)."""
     tok = layout.token
     fb = tok.field_bytes
     a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
-    araw = (lambda n: (n + 1023) // 1024 * 1024) if swizzle else a16  # noqa: E731
     bn, bm, cg = TM_BLOCK_N, 16, tok.d_c // tok.fmt.content.group_size
     ng = cg + tok.d_r // tok.fmt.rope.group_size
     stage = a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
-    stage = araw(stage + bn * fb["rope_meta"])
-    head = araw(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
-    split = warps * blocks_per_warp // TM_TOKEN_BLOCKS == 2  # two warps a token group: the partial scores handed over
-    exchange = warps * 32 * 16 * blocks_per_warp if split else 0
+    stage = a16(stage + bn * fb["rope_meta"])
+    head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
+    # two warps a token group: the partial scores they hand each other
+    exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
     return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + 8 * stages
 
 
+def tokens_m_default_blocks(layout: PageLayout) -> int:
+    """The token blocks a warp's scores take by default: 2 for 4-bit content codes, 1 for 2-bit (measured on the
+    H200, docs/kernels.md "Two token blocks a warp")."""
+    return 2 if layout.token.fmt.content.bits == 4 else 1
+
+
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  warps: int = TM_WARPS, blocks_per_warp: int = 1, swizzle: bool = False) -> DecodePlan | str:
-    """The tokens-as-M build for `layout` (or why there is none): CTAs of `warps` warps, each taking the scores of
-    `blocks_per_warp` blocks of 16 tokens (4 x 1: a warp's scores over all 576 channels of 16 tokens; 8 x 1 or
-    4 x 2: two warps split the channels of a token group and each finishes 8 rows' softmax; 4 x 2 reads each
-    query fragment once for 32 tokens; with 8 warps a warp's output channels halve; `swizzle`: the content codes
-    land through tensor copies in 128-byte-swizzled boxes, so that no two of 8 token rows' reads of one column meet
-    in a shared-memory bank), the most stages (up to
-    TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM (registers are capped to match: 65536 /
-    (32·warps·ctas_per_sm) a thread, at most 255)."""
+                  blocks_per_warp: int | None = None) -> DecodePlan | str:
+    """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
+    of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
+    tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
+    None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM
+    (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
-    if (warps, blocks_per_warp) not in ((4, 1), (8, 1), (4, 2)):
-        return (f"{warps} warps of {blocks_per_warp} token blocks: the tokens-as-M kernel takes 4 or 8 warps of one "
-                "block, or 4 of two")
+    blocks_per_warp = tokens_m_default_blocks(layout) if blocks_per_warp is None else blocks_per_warp
+    if blocks_per_warp not in (1, 2):
+        return f"{blocks_per_warp} token blocks a warp: the tokens-as-M kernel takes 1 or 2"
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
-                if ctas_per_sm * (smem_bytes_tm(layout, s, p_buffers, warps, blocks_per_warp, swizzle) + SMEM_RESERVED)
-                <= SMEM_PER_SM]
+                if ctas_per_sm * (smem_bytes_tm(layout, s, p_buffers, blocks_per_warp) + SMEM_RESERVED) <= SMEM_PER_SM]
 
     # one barrier a tile (two P buffers, a stage refilled two tiles after its scores) where 3 stages fit, else
     # the vote and a barrier after P (one buffer, a stage refilled after the next tile's vote)
@@ -85,19 +84,15 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     tok, o = layout.token, layout.offsets
     fb = tok.field_bytes
     stages = stages[0]
-    smem = smem_bytes_tm(layout, stages, p_buffers, warps, blocks_per_warp, swizzle)
+    smem = smem_bytes_tm(layout, stages, p_buffers, blocks_per_warp)
     macros = dict(
         TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
-        R_GS=tok.fmt.rope.group_size, HALF=1, NW=warps, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
+        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
         SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
-    if swizzle:
-        if fb["content_codes"] % 128 or layout.page_bytes % 16:
-            return f"content rows of {fb['content_codes']} bytes: the swizzled copies take whole 128-byte boxes"
-        macros["SWZ"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
