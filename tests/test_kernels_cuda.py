@@ -214,10 +214,23 @@ def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
     assert 2 * (cuda.smem_bytes_tm(lay, p.stages + 1, p_buffers=1) + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM
 
 
+def test_tokens_m_plan_for_fp8():
+    """FP8 (fp8_ds_mla): e4m3 content and a bf16 RoPE key on the tokens-as-M kernel, one token block a warp, two
+    stages and one P buffer at two CTAs per SM; not the API's default until measured; two blocks refused."""
+    lay, p = plan("fp8", tokens_m=True)
+    m = dict(p.macros)
+    assert (m["C_FP8"], m["C_BITS"], m["R_BITS"], m["ONE_BARRIER"], p.stages) == (1, 8, 16, 0, 2)
+    assert "TPW" not in m and p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, 2, p_buffers=1)
+    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM and not cuda.tokens_m_is_default(lay)
+    assert cuda.tokens_m_is_default(plan("int4/int4")[0])
+    lay, bad = plan("fp8", tokens_m=True, token_blocks=2)
+    assert bad is None and "FP8 with two token blocks" in cuda.plan_reason[lay]
+
+
 @pytest.mark.parametrize("fmt,rows,d_c,why", [
     ("int4/int4", 32, 512, "at most 16"),
     ("bf16", 16, 512, "2- or 4-bit affine"),
-    ("fp8", 16, 512, "2- or 4-bit affine"),
+    (CacheFormat(PathFormat(8, 64, "fp8", "float32"), BF16), 16, 512, "multiple of 128"),
     ("int4/int8", 16, 512, "2- or 4-bit affine"),
     (CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64)), 16, 512, "2- or 4-bit affine"),
     (CacheFormat(PathFormat(4, 128, meta_dtype="bfloat16"), PathFormat(4, 64)), 16, 512, "fp16 metadata"),
@@ -251,9 +264,12 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
         built = default_config(32, lay, "cuda")
         from quantmla.kernels.schedule import cuda_config
 
-        asked = cuda_config(16, lay, "cuda", tokens_m=False), cuda_config(16, fp8, "cuda", tokens_m=True)
+        i48 = PageLayout(TokenLayout(512, 64, preset("int4/int8")), 64)
+        asked = (cuda_config(16, lay, "cuda", tokens_m=False), cuda_config(16, i48, "cuda", tokens_m=True),
+                 cuda_config(16, fp8, "cuda", tokens_m=True))
     assert not asked[0].tokens_m and asked[0].block_n == cuda.BLOCK_N  # the built tile when asked for
-    assert asked[1] is None and "2- or 4-bit affine" in cuda.plan_reason[fp8]  # no silent fall back when asked
+    assert asked[1] is None and "2- or 4-bit affine" in cuda.plan_reason[i48]  # no silent fall back when asked
+    assert asked[2].tokens_m and asked[2].token_blocks == 1  # FP8 on tokens as M when asked for
     # integer codes at 16 rows: tokens as the MMA's M dimension; FP8, and more rows: the built tile
     assert cfg.kernel == "cuda" and cfg.tokens_m and cfg.block_n == cuda.TM_BLOCK_N and cfg.block_m == 16
     assert other.kernel == "cuda" and not other.tokens_m and other.block_n == cuda.BLOCK_N
@@ -291,6 +307,7 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16, {"tokens_m": True}),
                                               ("int4/int4", 16, {"tokens_m": True, "token_blocks": 1}),
                                               ("int2/int4", 16, {"tokens_m": True, "token_blocks": 2}),
+                                              ("fp8", 16, {"tokens_m": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",

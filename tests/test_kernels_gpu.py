@@ -241,6 +241,15 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     assert f"w4{'t2' if warps['token_blocks'] == 2 else ''}s" in md.variant, md.variant
 
 
+@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
+def test_decode_cuda_tokens_m_fp8(H, SQ):
+    """FP8 (fp8_ds_mla) on the tokens-as-M kernel (e4m3 widened to fp16 in the products' operands, the RoPE key on
+    bf16 products) against the same oracle, as the integer formats above."""
+    lay, pages, bt, sl = make_cache(FORMATS["fp8"], LENS, seed=19 * H + SQ)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 11 * SQ, config=tokens_m_config(lay, H * SQ))
+    assert md.variant.startswith("cuda/f16/tm/M16N64w4s"), md.variant
+
+
 @pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
 def test_decode_cuda_tokens_m_query_ranges(warps):
     """Heads whose queries span 2^-12 to 2^2 (products down to fp16's subnormals, summed in fp32) and one head
@@ -251,8 +260,8 @@ def test_decode_cuda_tokens_m_query_ranges(warps):
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
 
 
-@pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+@pytest.mark.parametrize("name,warps", [pytest.param(n, w, id=f"{n}-{i}") for n in ("int4/int4", "int2/int4")
+                                        for w, i in zip(TM_WARPS, TM_IDS)] + [pytest.param("fp8", TM_WARPS[0], id="fp8-t1")])
 def test_decode_cuda_tokens_m_splits(name, warps):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=17)
@@ -272,6 +281,9 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
         for w, wid in zip(TM_WARPS, TM_IDS):
             errs[f"{name} {wid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
             assert md.variant.startswith("cuda/f16/tm/"), md.variant
+    lay, pages, bt, sl = make_cache(FORMATS["fp8"], [4096] * 8, seed=21)
+    errs["fp8"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16))
+    assert md.variant.startswith("cuda/f16/tm/"), md.variant
     print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():
         assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])

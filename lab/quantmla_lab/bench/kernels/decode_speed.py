@@ -67,8 +67,10 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     C = DecodeConfig
     layout = PageLayout(TokenLayout(D_C, D_R, METHODS[method]), PAGE)
     first = schedule.default_config(rows, layout, "cuda" if DEV == "cuda" else "cpu")
-    if first.kernel == "cuda":  # the CUDA kernel (the API default), then the Triton tilings
-        return [first] + _triton_candidates(method, rows, quant, C)
+    if first.kernel == "cuda":  # the CUDA kernel (the API default), the tokens-as-M kernel where it reads the layout
+        # but is not the default (FP8), then the Triton tilings
+        tm = None if first.tokens_m else schedule.cuda_config(rows, layout, "cuda", tokens_m=True)
+        return [first, *([tm] if tm is not None else []), *_triton_candidates(method, rows, quant, C)]
     cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
     if cu is not None:  # the Triton default first, the CUDA kernel measured beside it
         return [*_triton_candidates(method, rows, quant, C)[:1], cu, *_triton_candidates(method, rows, quant, C)[1:]]

@@ -99,10 +99,13 @@ constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp fini
 constexpr int RI = 2 * NB_OWN;         // .. a thread's own query rows ri: 8·(nb0 + (ri >> 1)) + 2t + (ri & 1)
 static_assert((TPW == 1 || TPW == 2) && (KS == 1 || KS == 2), "a warp takes 1 or 2 token blocks, 1 or 2 warps a group");
 constexpr int D = D_C + D_R;
-constexpr int NPC = 8 / C_BITS;        // planes of a content byte
-constexpr int NPR = 8 / R_BITS;        // planes of a RoPE byte
+#ifndef C_FP8
+#define C_FP8 0  // fp8_ds_mla: e4m3 content (C_BITS 8) with an fp32 scale a group, the RoPE key in bf16 (R_BITS 16)
+#endif
+constexpr int NPC = C_FP8 ? 1 : 8 / C_BITS;  // planes of a content byte
+constexpr int NPR = C_FP8 ? 1 : 8 / R_BITS;  // planes of a RoPE byte (FP8: one plane of bf16 values)
 constexpr int CG = D_C / C_GS;         // content groups
-constexpr int RG = D_R / R_GS;         // RoPE groups
+constexpr int RG = C_FP8 ? 0 : D_R / R_GS;  // RoPE groups (FP8: none, the key is stored as it is)
 constexpr int NG = CG + RG;
 constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
 constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
@@ -112,12 +115,14 @@ constexpr int BW = FB_CC / NW;         // output: content bytes a warp owns per 
 constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
 constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
-static_assert(C_BITS == 2 || C_BITS == 4, "2- or 4-bit content codes");
-static_assert(R_BITS == 2 || R_BITS == 4, "2- or 4-bit RoPE codes");
-static_assert(C_GS % 64 == 0, "a 64-channel block of one content plane lies in one group");
-static_assert(R_GS % FB_RC == 0 && D_R % R_GS == 0, "a RoPE plane lies in one group");
-static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "affine fp16 metadata: (scale, zero) per group");
+static_assert(C_FP8 ? C_BITS == 8 && R_BITS == 16 : (C_BITS == 2 || C_BITS == 4) && (R_BITS == 2 || R_BITS == 4),
+              "2- or 4-bit codes on both paths, or e4m3 content and a bf16 RoPE key");
+static_assert(C_GS % (C_FP8 ? 128 : 64) == 0, "a 64-channel block of one content plane (a warp's output) lies in one group");
+static_assert(C_FP8 || (R_GS % FB_RC == 0 && D_R % R_GS == 0), "a RoPE plane lies in one group");
+static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "per group an fp16 (scale, zero), or an fp32 scale");
+static_assert(!C_FP8 || TPW == 1, "FP8 stages leave no room for the partial scores' exchange");
 static_assert(OMB == 8 && BT % 4 == 0, "a warp's output channels are 8 m16 blocks");
+static_assert(BT == 16 || !C_FP8, "FP8: a thread reads 16 content bytes of a token for the output");
 static_assert(KS == 1 || (FB_CC / 64) % 2 == 0, "two warps split a token block's content channels in 64-byte blocks");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 
@@ -159,7 +164,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
   bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
   bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
   bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
-  bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
+  if constexpr (FB_RM > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
 #endif
 }
 
@@ -204,7 +209,12 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
     const uint8_t *pa = cc_at(st, r0, col), *pb8 = cc_at(st, r0 + 8, col), *pc = cc_at(st, r0 + 1, col),
                   *pd = cc_at(st, r0 + 9, col);
     uint32_t wa[BT / 4], wb[BT / 4], wc[BT / 4], wd[BT / 4];  // tokens 2t, 2t + 8, 2t + 1, 2t + 9
-    if constexpr (BT == 8) {
+    if constexpr (BT == 16) {
+      const uint4 va = *reinterpret_cast<const uint4*>(pa), vb = *reinterpret_cast<const uint4*>(pb8);
+      const uint4 vc = *reinterpret_cast<const uint4*>(pc), vd = *reinterpret_cast<const uint4*>(pd);
+      wa[0] = va.x, wa[1] = va.y, wa[2] = va.z, wa[3] = va.w, wb[0] = vb.x, wb[1] = vb.y, wb[2] = vb.z, wb[3] = vb.w;
+      wc[0] = vc.x, wc[1] = vc.y, wc[2] = vc.z, wc[3] = vc.w, wd[0] = vd.x, wd[1] = vd.y, wd[2] = vd.z, wd[3] = vd.w;
+    } else if constexpr (BT == 8) {
       const uint2 va = *reinterpret_cast<const uint2*>(pa), vb = *reinterpret_cast<const uint2*>(pb8);
       const uint2 vc = *reinterpret_cast<const uint2*>(pc), vd = *reinterpret_cast<const uint2*>(pd);
       wa[0] = va.x, wa[1] = va.y, wb[0] = vb.x, wb[1] = vb.y;
@@ -221,6 +231,14 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
     }
 #pragma unroll
     for (int z = 0; z < BT / 2; ++z) {  // byte pair (2z, 2z + 1) of the thread's bytes: channel rows g, g + 8
+      if constexpr (C_FP8) {  // e4m3 pairs of two tokens' bytes of one channel, widened to fp16 pairs
+        const uint32_t sel = (z & 1) ? 0x7362u : 0x5140u;
+        const uint32_t xab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), xcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
+        const uint32_t a[4] = {e4m3x2_f16x2(xab), e4m3x2_f16x2(xab >> 16), e4m3x2_f16x2(xcd), e4m3x2_f16x2(xcd >> 16)};
+        mma16816(oacc[z][0], a, pb[0][0], pb[0][1]);
+        mma16816(oacc[z][1], a, pb[0][2], pb[0][3]);
+        continue;
+      }
       const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
       const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
       const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
@@ -514,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const int p = mb / (BT / 2), z = mb % (BT / 2);
       const int c = p * FB_CC + BW * warp + BT * g + 2 * z;  // channels c (row g) and c + 1 (row g + 8)
       const int grp = (p * FB_CC + BW * warp) / C_GS;
-      const float f = (float)(1 << (24 - p * C_BITS));
+      const float f = code_weight<C_BITS>(p);
       const float zs = zsum(grp, row);
       const float o0 = (oacc[mb][nb][e] * f + zs) * inv;
       const float o1 = (oacc[mb][nb][e + 2] * f + zs) * inv;

@@ -41,6 +41,19 @@ __device__ __forceinline__ uint4 piece_to_half(const uint4& v, float scale) {
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// a piece as 8 bf16 values, each times `scale` (a power of two: exact)
+__device__ __forceinline__ uint4 piece_to_bf16(const uint4& v, float scale) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t h[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+    const __nv_bfloat162 x = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    h[e] = *reinterpret_cast<const uint32_t*>(&x);
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // the decode kernels' arguments: one launch ABI (kernels.cuda.launch_decode)
 #define MLA_DECODE_PARAMS                                                                                         \
   const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,  \

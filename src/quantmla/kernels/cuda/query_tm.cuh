@@ -12,6 +12,9 @@ __device__ __forceinline__ int q_position(int c) {
     const int chunk = j >> 4, m = chunk >> 2;
     kstep = (m * 4 + ((j >> 2) & 3)) * NPC + p;
     j = (chunk & 3) * 4 + (j & 3);  // (thread, byte of the word)
+  } else if (C_FP8) {  // bf16 RoPE: thread t reads 32 bytes at 32t, words 2s, 2s + 1 are k-step CKS + s
+    const int cr = c - D_C, t = cr / 16, s = (cr % 16) / 4;
+    return (CKS + s) * 16 + 2 * t + (cr & 1) + 8 * ((cr >> 1) & 1);
   } else {        // RoPE: thread t reads RW words at byte 4·RW·t: kstep CKS + s·NPR + p
     const int cr = c - D_C, p = cr / FB_RC;
     j = cr % FB_RC;
@@ -19,8 +22,10 @@ __device__ __forceinline__ int q_position(int c) {
     kstep = CKS + s * NPR + p;
     j = t * 4 + (j & 3);
   }
-  const int t = j >> 2, i = j & 3;  // bytes 0, 2 of a word -> k 2t, 2t + 1; bytes 1, 3 (shifted down) -> 2t + 8, 2t + 9
-  return kstep * 16 + 2 * t + (i >> 1) + 8 * (i & 1);
+  const int t = j >> 2, i = j & 3;
+  // planar codes: bytes 0, 2 of a word -> k 2t, 2t + 1; bytes 1, 3 (shifted down) -> 2t + 8, 2t + 9.
+  // e4m3 (one channel a byte): bytes 0, 1 -> k 2t, 2t + 1; bytes 2, 3 -> 2t + 8, 2t + 9
+  return C_FP8 ? kstep * 16 + 2 * t + (i & 1) + 8 * (i >> 1) : kstep * 16 + 2 * t + (i >> 1) + 8 * (i & 1);
 }
 
 constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // the query's 16-byte pieces
@@ -63,14 +68,16 @@ __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, flo
     // the exact power of two 2^-(E - 12) that brings a row whose largest |q| is 2^E·1.m (> 2^13) below 2^13
     const unsigned abits = sAmax[rr];
     const float scale = __uint_as_float(abits) > 8192.0f ? __uint_as_float((127u - ((abits >> 23) - 127u - 12u)) << 23) : 1.0f;
-    const uint4 hv = piece_to_half(qv[n], scale);
+    // FP8: the RoPE part in bf16 (times the same power of two: exact), for the bf16 products with the key
+    const uint4 hv = C_FP8 && c >= D_C ? piece_to_bf16(qv[n], scale) : piece_to_half(qv[n], scale);
     const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w};
-    // channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9), q = q_position(c + 4v)
+    // planar codes: channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9),
+    // q = q_position(c + 4v); FP8: channels c + 4v + (0, 1) at q + (0, 1), c + 4v + (2, 3) at q + (8, 9)
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       T* dst = sQ + rr * LDQ + q_position(c + 4 * v);
-      *reinterpret_cast<uint32_t*>(dst) = __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
-      *reinterpret_cast<uint32_t*>(dst + 8) = __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
+      *reinterpret_cast<uint32_t*>(dst) = C_FP8 ? h[2 * v] : __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
+      *reinterpret_cast<uint32_t*>(dst + 8) = C_FP8 ? h[2 * v + 1] : __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
     }
     if (c == 0) sQf[rr] = qk_scale_log2 / scale;
   }

@@ -4,9 +4,31 @@
 // its shared-memory map.
 #pragma once
 
-// the (scale, zero) of group grp of a token's metadata row, fp32
+// the (scale, zero) of group grp of a token's metadata row, fp32 (FP8 content: its fp32 scale, zero 0)
 __device__ __forceinline__ float2 meta_sz(const uint8_t* row, int grp) {
-  return __half22float2(*reinterpret_cast<const __half2*>(row + 4 * grp));
+  if constexpr (C_FP8) return make_float2(*reinterpret_cast<const float*>(row + 4 * grp), 0.0f);
+  else return __half22float2(*reinterpret_cast<const __half2*>(row + 4 * grp));
+}
+
+// the weight of plane p's codes as the products read them (code·2^(o-24) at bit offset o: 2^(24-o)); e4m3: 1
+template <int BITS>
+__device__ __forceinline__ float code_weight(int p) {
+  if constexpr (BITS == 8) return 1.0f;
+  else return (float)(1 << (24 - p * BITS));
+}
+
+// two e4m3 values (the low 16 bits of x) as an fp16 pair (exact: every e4m3 value is an fp16 value)
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// d += A·B on bf16 operands (the FP8 format's RoPE key against the query's RoPE part in bf16)
+__device__ __forceinline__ void mma16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // plane p's codes of the byte pairs (0, 2) of x, as exact fp16 subnormals in each half
@@ -49,10 +71,17 @@ __device__ __forceinline__ void scores_word(float (&acc)[TPW][NP][2][4], const u
     ldsm_x4(q, qa + (kstep0 + p) * 16);
 #pragma unroll
     for (int i = 0; i < TPW; ++i) {
-      const uint32_t a[4] = {plane<BITS>(xl[i], p), plane<BITS>(xh[i], p), plane<BITS>(xl[i] >> 8, p),
-                             plane<BITS>(xh[i] >> 8, p)};
-      mma16816(acc[i][p][0], a, q[0], q[1]);
-      mma16816(acc[i][p][1], a, q[2], q[3]);
+      if constexpr (BITS == 8) {  // e4m3: bytes 0, 1 give k 2t, 2t + 1, bytes 2, 3 k 2t + 8, 2t + 9
+        const uint32_t a[4] = {e4m3x2_f16x2(xl[i]), e4m3x2_f16x2(xh[i]), e4m3x2_f16x2(xl[i] >> 16),
+                               e4m3x2_f16x2(xh[i] >> 16)};
+        mma16816(acc[i][p][0], a, q[0], q[1]);
+        mma16816(acc[i][p][1], a, q[2], q[3]);
+      } else {
+        const uint32_t a[4] = {plane<BITS>(xl[i], p), plane<BITS>(xh[i], p), plane<BITS>(xl[i] >> 8, p),
+                               plane<BITS>(xh[i] >> 8, p)};
+        mma16816(acc[i][p][0], a, q[0], q[1]);
+        mma16816(acc[i][p][1], a, q[2], q[3]);
+      }
     }
   }
 }
@@ -102,7 +131,7 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
 #pragma unroll
         for (int p = 0; p < NPC; ++p) {  // fold the group's scale (and the codes' 2^(24 - o)) per token
           const int grp = (p * FB_CC + 64 * m) / C_GS;
-          const float f = (float)(1 << (24 - p * C_BITS));
+          const float f = code_weight<C_BITS>(p);
           fold_scale(sc[i], acc[i][p], meta_sz(ml, grp).x * f, meta_sz(ml + 8 * FB_CM, grp).x * f);
         }
       }
@@ -123,6 +152,22 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
     float racc[TPW][NPR][2][4];
 #pragma unroll
     for (int i = 0; i < TPW; ++i) zero_acc(racc[i]);
+    if constexpr (C_FP8) {  // bf16 values: words 2s, 2s + 1 of a thread's 32 bytes are k-step CKS + s
+#pragma unroll
+      for (int s = 0; s < (SKIP_QK ? 0 : RW / 2); ++s) {
+        uint32_t q[4];
+        ldsm_x4(q, qa + (CKS + s) * 16);
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+          const uint32_t a[4] = {xl[i][2 * s], xh[i][2 * s], xl[i][2 * s + 1], xh[i][2 * s + 1]};
+          mma16816_bf16(racc[i][0][0], a, q[0], q[1]);
+          mma16816_bf16(racc[i][0][1], a, q[2], q[3]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) fold_scale(sc[i], racc[i][0], 1.0f, 1.0f);
+      return;
+    }
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
       uint32_t wl[TPW], wh[TPW];
@@ -136,7 +181,7 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
 #pragma unroll
       for (int p = 0; p < NPR; ++p) {
         const int grp = p * FB_RC / R_GS;
-        const float f = (float)(1 << (24 - p * R_BITS));
+        const float f = code_weight<R_BITS>(p);
         fold_scale(sc[i], racc[i][p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
       }
     }
@@ -154,7 +199,7 @@ __device__ __forceinline__ void finish_scores(const uint8_t* st, float (&sc)[NB_
   const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
   float z_lo[NG], z_hi[NG];
 #pragma unroll
-  for (int grp = 0; grp < NG; ++grp) {
+  for (int grp = 0; grp < NG; ++grp) {  // FP8: no zero points (its meta_sz reads zero 0)
     z_lo[grp] = grp < CG ? meta_sz(ml, grp).y : meta_sz(rml, grp - CG).y;
     z_hi[grp] = grp < CG ? meta_sz(mh, grp).y : meta_sz(rml + 8 * FB_RM, grp - CG).y;
   }

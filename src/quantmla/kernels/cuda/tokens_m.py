@@ -1,5 +1,7 @@
 """The plan of the tokens-as-M decode kernel (mla_decode_tm.cu): tokens are the MMA's M dimension and the
-codes are read in place as the products' operands; 4 warps, 64-token tiles, the most stages that fit."""
+codes are read in place as the products' operands; 4 warps, 64-token tiles, the most stages that fit. It reads
+2- or 4-bit affine codes with fp16 metadata on both paths, and FP8 (fp8_ds_mla: e4m3 content with an fp32 scale
+a group, the RoPE key in bf16)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,12 @@ TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 
 
+def is_fp8(layout: PageLayout) -> bool:
+    """fp8_ds_mla's shape: e4m3 content with one fp32 scale a group, the RoPE key stored unquantized in bf16."""
+    c, r = layout.token.fmt.content, layout.token.fmt.rope
+    return c.mode == "fp8" and c.meta_dtype == "float32" and not c.per_page and not r.quantized and r.bits == 16
+
+
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
     place into its A operand) cannot read `layout` for `rows` query rows, or None where it can."""
@@ -22,9 +30,14 @@ def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
         return f"{rows} query rows: it takes at most 16 (heads x query tokens)"
     if (tok.d_c, tok.d_r) != (512, 64):
         return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
+    if is_fp8(layout):
+        if c.group_size % 128:
+            return f"content groups of {c.group_size}: a multiple of 128 channels (a warp's output channels)"
+        return None if layout.page_size % TM_BLOCK_N == 0 else f"page size {layout.page_size}: a multiple of {TM_BLOCK_N}"
     for f, name in ((c, "content"), (r, "RoPE")):
         if not f.quantized or f.mode != "affine" or f.bits not in (2, 4) or f.per_page or f.meta_dtype != "float16":
-            return f"{name} path {f.describe()}: 2- or 4-bit affine codes with per-token fp16 metadata"
+            return (f"{name} path {f.describe()}: 2- or 4-bit affine codes with per-token fp16 metadata (or FP8: "
+                    "e4m3 content with fp32 scales and a bf16 RoPE key)")
     if c.group_size % 64:
         return f"content groups of {c.group_size}: a multiple of 64 channels"
     if r.group_size % (tok.d_r * r.bits // 8) or tok.d_r % r.group_size:
@@ -41,7 +54,7 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     fb = tok.field_bytes
     a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
     bn, bm, cg = TM_BLOCK_N, 16, tok.d_c // tok.fmt.content.group_size
-    ng = cg + tok.d_r // tok.fmt.rope.group_size
+    ng = cg + (0 if is_fp8(layout) else tok.d_r // tok.fmt.rope.group_size)
     stage = a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
     stage = a16(stage + bn * fb["rope_meta"])
     head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
@@ -50,10 +63,16 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + 8 * stages
 
 
+def tokens_m_is_default(layout: PageLayout) -> bool:
+    """Whether the API's default takes the tokens-as-M kernel where it reads `layout`: for 2- and 4-bit codes
+    (measured faster than the built tile on the H200); FP8 stays on the built tile until its build is measured."""
+    return not is_fp8(layout)
+
+
 def tokens_m_default_blocks(layout: PageLayout) -> int:
     """The token blocks a warp's scores take by default: 2 for 4-bit content codes, 1 for 2-bit (measured on the
     H200, docs/kernels.md "Two token blocks a warp")."""
-    return 2 if layout.token.fmt.content.bits == 4 else 1
+    return 2 if layout.token.fmt.content.bits == 4 and not is_fp8(layout) else 1
 
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
@@ -69,6 +88,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     blocks_per_warp = tokens_m_default_blocks(layout) if blocks_per_warp is None else blocks_per_warp
     if blocks_per_warp not in (1, 2):
         return f"{blocks_per_warp} token blocks a warp: the tokens-as-M kernel takes 1 or 2"
+    if blocks_per_warp == 2 and is_fp8(layout):
+        return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
@@ -95,4 +116,6 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
+    if is_fp8(layout):
+        macros["C_FP8"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
