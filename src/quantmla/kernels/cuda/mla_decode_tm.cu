@@ -202,7 +202,7 @@ __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, con
 // the output products of one tile (stage st): warp w's 128 channels; per 16 tokens, thread t pairs the codes of
 // tokens (2t, 2t + 8) and (2t + 1, 2t + 9), channel rows g and g + 8 of each m16 block
 __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, float (&oacc)[OMB][2][4], int warp, int g,
-                                            int t, int lane) {
+                                            int t, int lane, int valid) {
 #pragma unroll
   for (int j = 0; j < BN / 16; ++j) {
     const int r0 = 16 * j + 2 * t, col = BW * warp + BT * g;
@@ -222,6 +222,15 @@ __device__ __forceinline__ void tile_output(const uint8_t* st, const T* sP, floa
     } else {
       wa[0] = *reinterpret_cast<const uint32_t*>(pa), wb[0] = *reinterpret_cast<const uint32_t*>(pb8);
       wc[0] = *reinterpret_cast<const uint32_t*>(pc), wd[0] = *reinterpret_cast<const uint32_t*>(pd);
+    }
+    if constexpr (C_FP8) {  // a token past the sequence may hold any byte, e4m3 NaN too, and its P·scale of 0 times
+      if (valid < BN) {     // NaN is NaN: its bytes are zeroed (integer codes are finite: their P·scale of 0 is enough)
+#pragma unroll
+        for (int w = 0; w < BT / 4; ++w) {
+          wa[w] = r0 < valid ? wa[w] : 0u, wb[w] = r0 + 8 < valid ? wb[w] : 0u;
+          wc[w] = r0 + 1 < valid ? wc[w] : 0u, wd[w] = r0 + 9 < valid ? wd[w] : 0u;
+        }
+      }
     }
     uint32_t pb[NPC][4];
 #pragma unroll
@@ -438,7 +447,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       pg_next = page_of(nxt + 1);
     }
     if (it > 0 && !SKIP_PV)
-      tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane);
+      tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP + ((it - 1) & 1) * P_ELEMS, oacc, warp, g, t, lane,
+                  min(BN, end - (n0 - BN)));
     phase(ph, 3);
     if (!scores) break;
     if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
@@ -456,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
     float sc[TPW][NB_OWN][4];
-    if (it > 0 && !SKIP_PV) tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane);
+    if (it > 0 && !SKIP_PV)
+      tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane, min(BN, end - (n0 - BN)));
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
