@@ -28,28 +28,21 @@ __device__ __forceinline__ uint32_t piece_amax_bits(const uint4& v) {
   return m;
 }
 
-// a piece as 8 fp16 values, each times `scale` (a power of two: exact)
+// a piece as 8 fp16 values (BF16: bf16 values), each times `scale` (a power of two: exact)
+template <bool BF16 = false>
 __device__ __forceinline__ uint4 piece_to_half(const uint4& v, float scale) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   uint32_t h[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-    const __half2 x = __floats2half2_rn(f.x * scale, f.y * scale);
-    h[e] = *reinterpret_cast<const uint32_t*>(&x);
-  }
-  return make_uint4(h[0], h[1], h[2], h[3]);
-}
-
-// a piece as 8 bf16 values, each times `scale` (a power of two: exact)
-__device__ __forceinline__ uint4 piece_to_bf16(const uint4& v, float scale) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t h[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
-    const __nv_bfloat162 x = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-    h[e] = *reinterpret_cast<const uint32_t*>(&x);
+    if constexpr (BF16) {
+      const __nv_bfloat162 x = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+      h[e] = *reinterpret_cast<const uint32_t*>(&x);
+    } else {
+      const __half2 x = __floats2half2_rn(f.x * scale, f.y * scale);
+      h[e] = *reinterpret_cast<const uint32_t*>(&x);
+    }
   }
   return make_uint4(h[0], h[1], h[2], h[3]);
 }

@@ -69,7 +69,7 @@ __device__ __forceinline__ void load_query_tm(const uint4 (&qv)[QPT], T* sQ, flo
     const unsigned abits = sAmax[rr];
     const float scale = __uint_as_float(abits) > 8192.0f ? __uint_as_float((127u - ((abits >> 23) - 127u - 12u)) << 23) : 1.0f;
     // FP8: the RoPE part in bf16 (times the same power of two: exact), for the bf16 products with the key
-    const uint4 hv = C_FP8 && c >= D_C ? piece_to_bf16(qv[n], scale) : piece_to_half(qv[n], scale);
+    const uint4 hv = C_FP8 && c >= D_C ? piece_to_half<true>(qv[n], scale) : piece_to_half(qv[n], scale);
     const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w};
     // planar codes: channels c + 4v + (0, 2) sit at positions q + (0, 1), c + 4v + (1, 3) at q + (8, 9),
     // q = q_position(c + 4v); FP8: channels c + 4v + (0, 1) at q + (0, 1), c + 4v + (2, 3) at q + (8, 9)
