@@ -31,13 +31,19 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
 
-// d += a·b, m16n8k16, a: 4 regs (16x16 row-major), b: 2 regs (16x8 col-major), d: 4 fp32
+// d += a·b, m16n8k16, a: 4 regs (16x16 row-major), b: 2 regs (16x8 col-major), d: 4 fp32; operands of the
+// kernel's 16-bit type T (MMA_TYPE), or bf16 with BF16 = true
+#define MMA16816(TY)                                                                                 \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 "                             \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                              \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                      \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+template <bool BF16 = false>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (BF16) MMA16816("bf16");
+  else MMA16816(MMA_TYPE);
 }
+#undef MMA16816
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

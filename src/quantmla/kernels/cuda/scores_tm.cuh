@@ -24,13 +24,6 @@ __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t x) {
   return r;
 }
 
-// d += A·B on bf16 operands (the FP8 format's RoPE key against the query's RoPE part in bf16)
-__device__ __forceinline__ void mma16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // plane p's codes of the byte pairs (0, 2) of x, as exact fp16 subnormals in each half
 template <int BITS>
 __device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
@@ -160,29 +153,29 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
 #pragma unroll
         for (int i = 0; i < TPW; ++i) {
           const uint32_t a[4] = {xl[i][2 * s], xh[i][2 * s], xl[i][2 * s + 1], xh[i][2 * s + 1]};
-          mma16816_bf16(racc[i][0][0], a, q[0], q[1]);
-          mma16816_bf16(racc[i][0][1], a, q[2], q[3]);
+          mma16816<true>(racc[i][0][0], a, q[0], q[1]);  // bf16
+          mma16816<true>(racc[i][0][1], a, q[2], q[3]);
         }
       }
 #pragma unroll
       for (int i = 0; i < TPW; ++i) fold_scale(sc[i], racc[i][0], 1.0f, 1.0f);
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
-      uint32_t wl[TPW], wh[TPW];
+      for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
+        uint32_t wl[TPW], wh[TPW];
 #pragma unroll
-      for (int i = 0; i < TPW; ++i) wl[i] = xl[i][s], wh[i] = xh[i][s];
-      scores_word<R_BITS>(racc, wl, wh, qa, CKS + s * NPR);
-    }
+        for (int i = 0; i < TPW; ++i) wl[i] = xl[i][s], wh[i] = xh[i][s];
+        scores_word<R_BITS>(racc, wl, wh, qa, CKS + s * NPR);
+      }
 #pragma unroll
-    for (int i = 0; i < TPW; ++i) {
-      const uint8_t* rml = st + RAW_RM + (tok_lo + 16 * i) * FB_RM;
+      for (int i = 0; i < TPW; ++i) {
+        const uint8_t* rml = st + RAW_RM + (tok_lo + 16 * i) * FB_RM;
 #pragma unroll
-      for (int p = 0; p < NPR; ++p) {
-        const int grp = p * FB_RC / R_GS;
-        const float f = code_weight<R_BITS>(p);
-        fold_scale(sc[i], racc[i][p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
+        for (int p = 0; p < NPR; ++p) {
+          const int grp = p * FB_RC / R_GS;
+          const float f = code_weight<R_BITS>(p);
+          fold_scale(sc[i], racc[i][p], meta_sz(rml, grp).x * f, meta_sz(rml + 8 * FB_RM, grp).x * f);
+        }
       }
     }
   }
