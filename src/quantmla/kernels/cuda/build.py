@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("mla_decode.cu")
 SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's M dimension (plans with TM=1)
 # the headers the sources include: part of every build's cache key
 HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh", "query_pieces.cuh",
-           "query_tm.cuh", "scores_tm.cuh")
+           "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh")
 
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:

@@ -64,9 +64,16 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
 
 
 def tokens_m_is_default(layout: PageLayout) -> bool:
-    """Whether the API's default takes the tokens-as-M kernel where it reads `layout`: for 2- and 4-bit codes
-    (measured faster than the built tile on the H200); FP8 stays on the built tile until its build is measured."""
-    return not is_fp8(layout)
+    """Whether the API's default takes the tokens-as-M kernel where it reads `layout`: for 2- and 4-bit codes and
+    for FP8 (measured faster than the built tile on the H200; FP8 only where a work unit has at least
+    FP8_TM_MIN_TOKENS tokens, which ``schedule.get_mla_metadata`` checks)."""
+    return True
+
+
+FP8_TM_MIN_TOKENS = 1024
+"""FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
+build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
+(docs/kernels.md, "FP8 on the tokens-as-M kernel")."""
 
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:

@@ -1,0 +1,93 @@
+// The tokens-as-M decode kernel's softmax (mla_decode_tm.cu), base 2 and in registers: P of a tile for a thread's
+// own rows, the tile's vote on whether a row's reference maximum moves, and the move itself (rare). Included by
+// mla_decode_tm.cu after its constants, its shared-memory map and scores_tm.cuh.
+#pragma once
+
+// P = 2^(s - ref) of one tile for the thread's own rows: their sums and Σ P·zero per content group in registers,
+// P·scale per content group into sP [CG, BM, LDP] at the tokens' output k positions (tok_lo and tok_lo + 8 side by
+// side); sc and mref are the own rows' scores and reference maxima, nb0 their first 8-row block
+__device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[NB_OWN][4],
+                                                   const float (&mref)[RI], float (&l_run)[RI], float (&zacc)[CG][RI],
+                                                   int tb, int nb0, int g, int t, int tok_lo) {
+  const uint8_t* ml = st + RAW_CM + tok_lo * FB_CM;
+  const uint8_t* mh = ml + 8 * FB_CM;
+  const int kpos = 16 * tb + 2 * (g >> 1) + 8 * (g & 1);
+  float2 szl[CG], szh[CG];
+#pragma unroll
+  for (int grp = 0; grp < CG; ++grp) szl[grp] = meta_sz(ml, grp), szh[grp] = meta_sz(mh, grp);
+#pragma unroll
+  for (int ri = 0; ri < RI; ++ri) {
+    const int nb = ri >> 1, e = ri & 1, row = 8 * (nb0 + nb) + 2 * t + e;
+    const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
+    const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
+    const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
+    l_run[ri] += plo + phi;
+#pragma unroll
+    for (int grp = 0; grp < CG; ++grp) {
+      // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
+      const float ps_lo = plo == 0.0f ? 0.0f : plo * szl[grp].x, ps_hi = phi == 0.0f ? 0.0f : phi * szh[grp].x;
+      zacc[grp][ri] += (plo == 0.0f ? 0.0f : plo * szl[grp].y) + (phi == 0.0f ? 0.0f : phi * szh[grp].y);
+      *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
+    }
+  }
+}
+
+// does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
+__device__ __forceinline__ bool exceeds_reference(const float (&sc)[TPW][NB_OWN][4], const float (&mref)[RI], bool scores) {
+  bool exceeds = false;
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+#pragma unroll
+    for (int nb = 0; nb < NB_OWN; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[i][nb][e] > mref[2 * nb + (e & 1)] + 8.0f;
+  return exceeds;
+}
+
+// the own rows' reference maxima (mref) from every row's (ref: rows 8·(ri >> 1) + 2t + (ri & 1))
+__device__ __forceinline__ void own_reference(const float (&ref)[4], float (&mref)[RI], int nb0) {
+#pragma unroll
+  for (int ri = 0; ri < RI; ++ri) mref[ri] = KS == 1 ? ref[ri] : (nb0 ? ref[2 + ri] : ref[ri]);
+}
+
+// after a vote that some row's maximum moved (rare; CTA-uniform): the tile's row maxima across the CTA through
+// sRed [NTB, BM] (a token block's maxima at its index); a row moves where it exceeds its reference by 8. Every warp moves every row's reference and
+// rescales its output accumulators; the own rows' sums are rescaled by the warps that own them
+__device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], float (&ref)[4], float (&mref)[RI],
+                                               float (&l_run)[RI], float (&zacc)[CG][RI], float (&oacc)[OMB][2][4],
+                                               float* sRed, int tp, int nb0, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+#pragma unroll
+    for (int ri = 0; ri < RI; ++ri) {
+      const int nb = ri >> 1, e = ri & 1;
+      float mx = fmaxf(sc[i][nb][e], sc[i][nb][e + 2]);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (g == 0) sRed[(TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
+    }
+  __syncthreads();
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
+    float tm = sRed[row];
+#pragma unroll
+    for (int w = 1; w < NTB; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+    if (tm > ref[ri] + 8.0f) {
+      const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
+      ref[ri] = tm;
+      if (KS == 1 || (ri >> 1) == nb0) {  // an own row: its sums
+        const int own = KS == 1 ? ri : (ri & 1);
+        l_run[own] *= alpha;
+#pragma unroll
+        for (int grp = 0; grp < CG; ++grp) zacc[grp][own] *= alpha;
+      }
+#pragma unroll
+      for (int mb = 0; mb < OMB; ++mb) {
+        oacc[mb][ri >> 1][ri & 1] *= alpha;
+        oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
+      }
+    }
+  }
+  own_reference(ref, mref, nb0);
+}
