@@ -216,12 +216,12 @@ def test_tokens_m_plan_one_p_buffer_where_two_do_not_fit():
 
 def test_tokens_m_plan_for_fp8():
     """FP8 (fp8_ds_mla): e4m3 content and a bf16 RoPE key on the tokens-as-M kernel, one token block a warp, two
-    stages and one P buffer at two CTAs per SM; not the API's default until measured; two blocks refused."""
+    stages and one P buffer at two CTAs per SM; the API's default (by the units' lengths); two blocks refused."""
     lay, p = plan("fp8", tokens_m=True)
     m = dict(p.macros)
     assert (m["C_FP8"], m["C_BITS"], m["R_BITS"], m["ONE_BARRIER"], p.stages) == (1, 8, 16, 0, 2)
     assert "TPW" not in m and p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, 2, p_buffers=1)
-    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM and not cuda.tokens_m_is_default(lay)
+    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM and cuda.tokens_m_is_default(lay)
     assert cuda.tokens_m_is_default(plan("int4/int4")[0])
     lay, bad = plan("fp8", tokens_m=True, token_blocks=2)
     assert bad is None and "FP8 with two token blocks" in cuda.plan_reason[lay]
@@ -270,10 +270,41 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     assert not asked[0].tokens_m and asked[0].block_n == cuda.BLOCK_N  # the built tile when asked for
     assert asked[1] is None and "2- or 4-bit affine" in cuda.plan_reason[i48]  # no silent fall back when asked
     assert asked[2].tokens_m and asked[2].token_blocks == 1  # FP8 on tokens as M when asked for
-    # integer codes at 16 rows: tokens as the MMA's M dimension; FP8, and more rows: the built tile
+    # integer codes and FP8 at 16 rows: tokens as the MMA's M dimension; more rows: the built tile
     assert cfg.kernel == "cuda" and cfg.tokens_m and cfg.block_n == cuda.TM_BLOCK_N and cfg.block_m == 16
-    assert other.kernel == "cuda" and not other.tokens_m and other.block_n == cuda.BLOCK_N
+    assert other.kernel == "cuda" and other.tokens_m and other.token_blocks == 1
     assert built.kernel == "cuda" and not built.tokens_m and built.block_m == 32
+
+
+@pytest.mark.parametrize("name,lens,tokens_m", [
+    ("fp8", [131072], False),          # 256 units of 512 tokens: the built tile
+    ("fp8", [16384] * 8, False),
+    ("fp8", [16384] * 32, True),       # units of 2048 tokens: tokens as M
+    ("fp8", [4096] * 64, True),        # 1024 tokens, FP8_TM_MIN_TOKENS
+    ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
+])
+def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
+    """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
+    FP8_TM_MIN_TOKENS tokens and takes the built tile below (measured faster there); a config passed in is kept."""
+    from quantmla.kernels import schedule
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
+    seq = torch.tensor(lens, dtype=torch.int32)  # on the CPU: the configs are the CUDA device's (below)
+    real_cuda_config = schedule.cuda_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        on_cuda = lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw)  # noqa: E731
+        default = schedule.default_config(16, lay, "cuda")
+        with mock.patch.object(schedule, "default_config", return_value=default), \
+                mock.patch.object(schedule, "cuda_config", on_cuda):
+            md = schedule.get_mla_metadata(seq, 16, 1, lay, num_sms=132)
+            kept = schedule.get_mla_metadata(seq, 16, 1, lay, config=default, num_sms=132)
+    assert default.tokens_m and md.config.kernel == "cuda" and md.config.tokens_m == tokens_m
+    assert name != "fp8" or (md.chunk_tokens >= cuda.FP8_TM_MIN_TOKENS) == tokens_m
+    spans = md.units[:, 2] - md.units[:, 1]
+    assert int(spans.sum()) == sum(lens) and md.num_units <= 2 * 132  # one wave, every token once
+    assert kept.config == default  # a config passed in is the one that runs
 
 
 def test_failed_tokens_m_build_falls_back_to_the_built_tile():

@@ -107,9 +107,10 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                 token_blocks: int | None = None) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
-    where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata at d_c 512, d_r 64:
-    on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4
-    at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json),
+    where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
+    d_r 64: on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in
+    INT4/INT4 at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8
+    ``get_mla_metadata`` takes the built tile where units are short),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
     plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp), `tokens_m=False` for the built tile only."""
     from quantmla.kernels import cuda
@@ -203,6 +204,8 @@ def get_mla_metadata(
     wave: a second, partial wave would double the step's time), as many as the lengths allow.
 
     Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
+    Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
+    built-tile kernel rather than the tokens-as-M one (measured faster there).
     """
     if num_heads < 1:
         raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
@@ -225,6 +228,12 @@ def get_mla_metadata(
             chunk_tiles += 1
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
+    if config is None and cfg.tokens_m and layout is not None and chunk_tiles * bn < _fp8_tm_min_tokens(layout):
+        # FP8 over short units: the built tile (measured faster there), where it builds
+        built = cuda_config(rows, layout, device, tokens_m=False)
+        if built is not None:
+            return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=built, num_sms=num_sms,
+                                    chunk_tokens=chunk_tokens)
     units: list[tuple[int, int, int, int]] = []
     info: list[tuple[int, int]] = []
     for b, (n, nt) in enumerate(zip(lens, tiles)):
@@ -245,6 +254,13 @@ def get_mla_metadata(
         seq_lens=lens,
         chunk_tokens=chunk_tiles * bn,
     )
+
+
+def _fp8_tm_min_tokens(layout: PageLayout) -> int:
+    """The fewest tokens a work unit needs for the API to keep `layout` on the tokens-as-M kernel (0: any)."""
+    from quantmla.kernels import cuda
+
+    return cuda.FP8_TM_MIN_TOKENS if cuda.is_fp8(layout) else 0
 
 
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                         cfg = replace(tiling, ctas_per_sm=k)
                         try:
                             md = api.get_mla_metadata(cache.seq_lens, heads, 1, layout, config=cfg)
-                            t, _ = bench.time_decode(cache, q, cfg, a)
+                            t, _, _ = bench.time_decode(cache, q, cfg, a)
                         except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
                             print(f"{m:10} H{heads} {B}x{L} {cfg.describe():44} failed: {type(e).__name__}", flush=True)
                             continue

@@ -22,7 +22,7 @@ import torch
 
 from quantmla.cache.layout import PRESETS, CacheFormat, PageLayout, TokenLayout, int_format
 from quantmla.cache.paged import compression_report, gather_sequences, write_tokens
-from quantmla.kernels import api, schedule
+from quantmla.kernels import api, cuda, schedule
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
 from quantmla.serving.rope_stage import page_grouped
 from quantmla.reference.absorbed import absorbed_attention
@@ -67,10 +67,10 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     C = DecodeConfig
     layout = PageLayout(TokenLayout(D_C, D_R, METHODS[method]), PAGE)
     first = schedule.default_config(rows, layout, "cuda" if DEV == "cuda" else "cpu")
-    if first.kernel == "cuda":  # the CUDA kernel (the API default), the tokens-as-M kernel where it reads the layout
-        # but is not the default (FP8), then the Triton tilings
-        tm = None if first.tokens_m else schedule.cuda_config(rows, layout, "cuda", tokens_m=True)
-        return [first, *([tm] if tm is not None else []), *_triton_candidates(method, rows, quant, C)]
+    if first.kernel == "cuda":  # the CUDA kernel (the API default), the built tile beside the tokens-as-M kernel
+        # where the API picks between them by the units' lengths (FP8), then the Triton tilings
+        built = schedule.cuda_config(rows, layout, "cuda", tokens_m=False) if first.tokens_m and cuda.is_fp8(layout) else None
+        return [first, *([built] if built is not None else []), *_triton_candidates(method, rows, quant, C)]
     cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
     if cu is not None:  # the Triton default first, the CUDA kernel measured beside it
         return [*_triton_candidates(method, rows, quant, C)[:1], cu, *_triton_candidates(method, rows, quant, C)[1:]]
@@ -378,7 +378,7 @@ def run_bench(args) -> dict:
             q = queries(sb, args.q_len, H)
             best = None
             for cfg in ok_cands:
-                t, _ = time_decode(cache, q, cfg, args)
+                t, _, _ = time_decode(cache, q, cfg, args)
                 res["sweep"].append({"method": m, "heads": H, "batch": sb, "context": sl_, "config": cfg.describe(), "ms": t * 1e3})
                 log(f"sweep {m:10s} H={H:3d} {sb}x{sl_} {cfg.describe():40s} {t * 1e6:9.1f} us", flush=True)
                 if best is None or t < best[0]:
@@ -411,11 +411,13 @@ def run_bench(args) -> dict:
                 cache = Cache(PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE), lens, seed=B * 7 + L)
                 if m == "bf16" and peer is not None and args.q_len == 1:
                     t_peer = _time_peer(peer, cache, q, H, B, L, bf16_bytes, flops, copy, shape_rows, args)
-                t, graph = time_decode(cache, q, chosen[(m, H)], args)
+                # the API's own choice where the sweep kept its default (it may differ by the units' lengths)
+                api_default = chosen[(m, H)] == candidates(m, H * args.q_len)[0]
+                t, graph, ran = time_decode(cache, q, None if api_default else chosen[(m, H)], args)
                 nbytes = decode_bytes(lens, cache.layout, H, args.q_len)
                 if m == "bf16":
                     t_bf16 = t
-                shape_rows.append(_row(H, B, L, m, t, nbytes, bf16_bytes, flops, copy, t_bf16, chosen[(m, H)], graph))
+                shape_rows.append(_row(H, B, L, m, t, nbytes, bf16_bytes, flops, copy, t_bf16, ran, graph))
                 del cache
                 _empty_cache()
             for r in shape_rows:
@@ -468,9 +470,9 @@ def queries(B, q_len, H):
     return qc, qr
 
 
-def time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]:
-    """Median ms of one decode call of `cfg` over `cache` (a CUDA-graph replay where it captures), and
-    whether it was a replay."""
+def time_decode(cache: Cache, q, cfg: DecodeConfig | None, args) -> tuple[float, bool, DecodeConfig]:
+    """Median seconds of one decode call of `cfg` over `cache` (a CUDA-graph replay where it captures), whether
+    it was a replay, and the config that ran (`cfg` None: the API's own choice for these lengths)."""
     qc, qr = q
     B, SQ, H, _ = qc.shape
     md = api.get_mla_metadata(cache.seq_lens, H, SQ, cache.layout, config=cfg)
@@ -483,7 +485,7 @@ def time_decode(cache: Cache, q, cfg: DecodeConfig, args) -> tuple[float, bool]:
                                     metadata=md, out=out, lse=lse)
 
     ms, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
-    return ms * 1e-3, graph
+    return ms * 1e-3, graph, md.config
 
 
 def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: list, args) -> float | None:

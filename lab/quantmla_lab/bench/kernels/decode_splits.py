@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                 for k in a.min_chunks:
                     cfg = replace(tiling, min_chunk=k)
                     md = api.get_mla_metadata(cache.seq_lens, a.heads, 1, layout, config=cfg)
-                    t, _ = bench.time_decode(cache, q, cfg, a)
+                    t, _, _ = bench.time_decode(cache, q, cfg, a)
                     rows.append(dict(method=m, batch=B, context=a.context, config=cfg.describe(), min_chunk=k,
                                      splits=md.max_splits, programs=md.num_units, us=round(t * 1e6, 2),
                                      default=(tiling == base and k == base.min_chunk)))
