@@ -23,44 +23,6 @@ __device__ __forceinline__ bool last_to_arrive(int* arrivals, int b, int nsplit,
   return true;
 }
 
-// out[b, row0 + rr] = Σ_i w_i·part_out[u0 + i, row0 + rr] / Σ_i w_i for the CTA's rows, PC float4 pieces a thread a
-// pass (the weights and 1 / Σ in scratch); S ≥ nsplit splits' loads in flight at once
-template <int S, int PC>
-__device__ __forceinline__ void merge_pieces(const float* part_out, int u0, int nsplit, int R, int row0, int b, OutT* out,
-                                             const float* scratch) {
-  constexpr int C4 = D_C / 4;  // float4 pieces of a row
-  static_assert(S <= MERGE_MAX && (BM * C4) % (PC * NT) == 0, "whole passes of PC pieces a thread");
-#pragma unroll 1
-  for (int k = threadIdx.x; k < BM * C4; k += PC * NT) {
-    int rr[PC], c[PC];
-#pragma unroll
-    for (int j = 0; j < PC; ++j) rr[j] = (k + j * NT) / C4, c[j] = 4 * ((k + j * NT) % C4);
-    float4 o[S][PC];
-#pragma unroll
-    for (int i = 0; i < S; ++i)
-#pragma unroll
-      for (int j = 0; j < PC; ++j)
-        o[i][j] = i < nsplit && row0 + rr[j] < R
-                      ? __ldcg(reinterpret_cast<const float4*>(part_out + ((int64_t)(u0 + i) * R + row0 + rr[j]) * D_C + c[j]))
-                      : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < PC; ++j) {
-      if (row0 + rr[j] >= R) continue;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        const float w = scratch[rr[j] * (MERGE_MAX + 1) + i];  // 0 past nsplit
-        acc.x = fmaf(w, o[i][j].x, acc.x), acc.y = fmaf(w, o[i][j].y, acc.y);
-        acc.z = fmaf(w, o[i][j].z, acc.z), acc.w = fmaf(w, o[i][j].w, acc.w);
-      }
-      const float inv = scratch[rr[j] * (MERGE_MAX + 1) + MERGE_MAX];
-      OutT* p = out + ((int64_t)b * R + row0 + rr[j]) * D_C + c[j];
-      store_pair<1>(p, acc.x * inv, acc.y * inv);
-      store_pair<1>(p + 2, acc.z * inv, acc.w * inv);
-    }
-  }
-}
-
 // O[b, row] = Σ_i w_i·O_i / Σ_i w_i with w_i = e^(lse_i - max lse) over the sequence's units u0 .. u0 + nsplit - 1
 // (u is one of them; units are in sequence order), rows row0 .. row0 + BM - 1 below R; lse[b, row] = max + ln Σ w.
 // scratch: MERGE_SCRATCH floats of shared memory
@@ -90,10 +52,38 @@ __device__ __forceinline__ void merge_splits(const float* part_out, const float*
     lse[(int64_t)b * R + r] = den > 0.0f ? m_safe + __logf(den) : -INFINITY;
   }
   __syncthreads();
-  // the rows' pieces: every split's loads of a pass are issued before its sums, and the fewer the splits the more
-  // pieces a pass takes (S · PC = 32 loads a thread), so a merge of 2 splits is one round trip to L2, of 8 splits 4
-  if (nsplit <= 2) merge_pieces<2, 16>(part_out, u0, nsplit, R, row0, b, out, scratch);
-  else if (nsplit <= 4) merge_pieces<4, 8>(part_out, u0, nsplit, R, row0, b, out, scratch);
-  else merge_pieces<MERGE_MAX, 32 / MERGE_MAX>(part_out, u0, nsplit, R, row0, b, out, scratch);
+  constexpr int C4 = D_C / 4;  // float4 pieces of a row
+  static_assert((BM * C4) % (2 * NT) == 0, "two pieces a thread a pass");
+#pragma unroll 1
+  for (int k = tid; k < BM * C4; k += 2 * NT) {
+    float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+    int rr[2], c[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) rr[j] = (k + j * NT) / C4, c[j] = 4 * ((k + j * NT) % C4);
+    float4 o[MERGE_MAX][2];  // every split's pieces loaded before the sums: 2·MERGE_MAX loads in flight a thread
+#pragma unroll
+    for (int i = 0; i < MERGE_MAX; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        o[i][j] = i < nsplit && row0 + rr[j] < R
+                      ? __ldcg(reinterpret_cast<const float4*>(part_out + ((int64_t)(u0 + i) * R + row0 + rr[j]) * D_C + c[j]))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < MERGE_MAX; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float w = scratch[rr[j] * (MERGE_MAX + 1) + i];  // 0 past nsplit
+        acc[j].x = fmaf(w, o[i][j].x, acc[j].x), acc[j].y = fmaf(w, o[i][j].y, acc[j].y);
+        acc[j].z = fmaf(w, o[i][j].z, acc[j].z), acc[j].w = fmaf(w, o[i][j].w, acc[j].w);
+      }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (row0 + rr[j] >= R) continue;
+      const float inv = scratch[rr[j] * (MERGE_MAX + 1) + MERGE_MAX];
+      OutT* p = out + ((int64_t)b * R + row0 + rr[j]) * D_C + c[j];
+      store_pair<1>(p, acc[j].x * inv, acc[j].y * inv);
+      store_pair<1>(p + 2, acc[j].z * inv, acc[j].w * inv);
+    }
+  }
   if (tid == 0) arrivals[b * gridDim.y + blockIdx.y] = 0;  // for the next launch
 }
