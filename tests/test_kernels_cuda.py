@@ -415,16 +415,3 @@ def test_scores_phase_counts_the_span_from_the_copy_wait_to_the_vote():
     assert r["scores_instructions"] == 8 and r["scores_HMMA"] == 2 and r["scores_LDSM"] == 1
     assert (r["scores_LOP3"], r["scores_SHF"], r["scores_FFMA"], r["scores_LDS"]) == (1, 1, 1, 0)
     assert scores_phase(ops[:8]) == {} and scores_phase(["HMMA.16816.F32", "BAR.RED.OR"]) == {}
-
-
-def test_only_the_tokens_m_build_merges_its_splits():
-    """The tokens-as-M build carries MERGE_MAX (the host's MERGE_MAX_SPLITS) and takes arrival counts; the built
-    tile does not merge, and a launch that hands it arrival counts is refused before anything runs."""
-    from quantmla.errors import QuantMLAError
-
-    _, tm = plan("int4/int4", tokens_m=True)
-    _, built = plan("int4/int4", tokens_m=False)
-    assert dict(tm.macros)["MERGE_MAX"] == cuda.MERGE_MAX_SPLITS and cuda.merges_splits(tm)
-    assert not cuda.merges_splits(built)
-    with pytest.raises(QuantMLAError, match="does not merge its splits"):
-        cuda.launch_decode(built, (1, 1), (None,) * 18, CUDA, arrivals=torch.zeros(1, dtype=torch.int32))

@@ -270,54 +270,6 @@ def test_decode_cuda_tokens_m_splits(name, warps):
     check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
 
 
-@pytest.mark.parametrize("name,warps", [("int4/int4", TM_WARPS[1]), ("int2/int4", TM_WARPS[0]), ("fp8", TM_WARPS[0])],
-                         ids=["int4/int4-t2", "int2/int4-t1", "fp8-t1"])
-@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3)])
-def test_decode_cuda_tokens_m_merges_few_splits(name, warps, H, SQ):
-    """Where no sequence has more than MERGE_MAX_SPLITS units, the last CTA of each split sequence merges its
-    partials and no combine kernel runs: against the oracle with NaN-poisoned outputs (sequences of 8, 5 and 1
-    units and an empty one side by side), twice in a row (each launch leaves the arrival counts at zero)."""
-    from quantmla.kernels.cuda import MERGE_MAX_SPLITS
-
-    lay, pages, bt, sl = make_cache(FORMATS[name], [8192, 3, 0, 5000, 1023], seed=23 * H + SQ)
-    cfg = tokens_m_config(lay, H * SQ, warps)
-    for seed in (1, 2):
-        md = check_decode(lay, pages, bt, sl, H, SQ, seed=seed, config=cfg, chunk_tokens=1024)
-        assert md.max_splits == MERGE_MAX_SPLITS and md.workspace["merged"], md.workspace.get("merged")
-        assert not md.workspace["arrivals"].any()
-
-
-def test_decode_cuda_tokens_m_merge_in_a_cuda_graph():
-    """The merging kernel replayed from a CUDA graph gives the eager call's output, replay after replay (the
-    arrival counts are back at zero after each); a step with more units a sequence takes the combine kernel."""
-    api = _api()
-    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [8192, 700, 4000], seed=5)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    qc = torch.randn(3, 1, 16, D_C, generator=g, device="cuda").to(torch.bfloat16)
-    qr = torch.randn(3, 1, 16, D_R, generator=g, device="cuda").to(torch.bfloat16)
-    cfg = tokens_m_config(lay, 16)
-    md = api.get_mla_metadata(sl, 16, 1, lay, config=cfg, chunk_tokens=2048)
-    out = torch.empty(3, 1, 16, D_C, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(3, 1, 16, device="cuda")
-    call = lambda: api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 0.07, metadata=md, out=out, lse=lse)  # noqa: E731
-    call()
-    assert md.workspace["merged"]
-    ref_o, ref_l = out.clone(), lse.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for _ in range(3):
-        out.fill_(float("nan")), lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref_o) and torch.equal(lse, ref_l)
-    assert not md.workspace["arrivals"].any()
-    many = api.get_mla_metadata(sl, 16, 1, lay, config=cfg, chunk_tokens=512)  # 16 units for the longest
-    o2, l2 = api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 0.07, metadata=many)
-    assert many.max_splits == 16 and not many.workspace["merged"]
-    assert (o2.float() - ref_o.float()).abs().max().item() < 2e-2 and (l2 - ref_l).abs().max().item() < 1e-3
-
-
 def test_decode_cuda_tokens_m_error_within_twice_bf16():
     """Against fp64 over its own dequantized cache, each format's tokens-as-M error (4- and 8-warp CTAs) is within
     2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""

@@ -29,7 +29,6 @@ import torch
 from quantmla.cache.layout import PageLayout
 from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, write_tokens_staged
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
-from quantmla.kernels.cuda.plan import MERGE_MAX_SPLITS
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
     DecodeConfig,
@@ -159,17 +158,16 @@ def _is_compile_error(e: Exception) -> bool:
     )
 
 
-def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> tuple[str, bool]:
+def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
     """Launch the configured kernel; on a compile failure fall back (fused -> generic -> deq 1 ->
-    one stage) with a warning. Returns the variant that ran and whether it merged the split partials itself
-    (the CUDA kernel given `arrivals`, ``kernels.cuda.launch_decode``)."""
+    one stage) with a warning. Returns the variant that ran."""
     from quantmla.kernels import codegen
     from quantmla.kernels.decode import _mla_decode_kernel
 
     if cfg.kernel == "cuda":
-        ran = _launch_cuda(grid, args, layout, cfg, arrivals)
-        if ran is not None:
-            return ran
+        variant = _launch_cuda(grid, args, layout, cfg)
+        if variant is not None:
+            return variant
         tcfg = default_config(args[15], layout)  # Triton's tiling of these rows, at the schedule's row block
         cfg = tcfg if tcfg.block_m == cfg.block_m else replace(tcfg, block_m=cfg.block_m, kernel="generic")
     consts, _ = _layout_constexprs(layout)
@@ -193,8 +191,7 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig, arrivals: 
             if i != first:
                 _FALLBACK[key] = i
                 warnings.warn(f"decode kernel {tries[first]} for {cfg.describe()} failed to compile ({last}); ran {tries[i]}")
-            return (f"{kind}/d{deq}/s{stages}" if kind == "generic" else f"{kind}/{cfg.unpack if kind == 'fused' else 'tl'}/{cfg.orient}",
-                    False)
+            return f"{kind}/d{deq}/s{stages}" if kind == "generic" else f"{kind}/{cfg.unpack if kind == 'fused' else 'tl'}/{cfg.orient}"
         except Exception as e:  # compile-time failures only (nothing has been launched)
             if not _is_compile_error(e) or interpreting():
                 raise
@@ -205,11 +202,10 @@ def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig, arrivals: 
 _CUDA_FAILED: dict = {}  # plan -> why its build failed (tried once per process)
 
 
-def _launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig, arrivals: torch.Tensor | None = None) -> tuple[str, bool] | None:
-    """Run the CUDA C++ kernel (kernels/cuda) over the Triton kernel's arguments, with `arrivals` where its build
-    merges the splits itself; the variant and whether it merged. Where it cannot (no plan for this layout, rows
-    and output dtype, or a build that failed) it warns and returns None, and the Triton kernel runs;
-    QUANTMLA_DECODE_KERNEL=cuda makes that an error."""
+def _launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None:
+    """Run the CUDA C++ kernel (kernels/cuda) over the Triton kernel's arguments. Where it cannot (no plan
+    for this layout, rows and output dtype, or a build that failed) it warns and returns None, and the
+    Triton kernel runs; QUANTMLA_DECODE_KERNEL=cuda makes that an error."""
     from quantmla.kernels import cuda
 
     R, out, device = args[15], args[8], args[2].device
@@ -223,9 +219,8 @@ def _launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig, arrivals: to
         why = _CUDA_FAILED[plan]
     else:
         try:
-            merge = arrivals is not None and cuda.merges_splits(plan)
-            cuda.launch_decode(plan, (grid[1], grid[0]), args, device, arrivals if merge else None)
-            return plan.describe(), merge
+            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
+            return plan.describe()
         except QuantMLAError as e:
             why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
     if cuda.mode() == "cuda":
@@ -329,15 +324,8 @@ def mla_decode_with_kvcache(
         qc, qr, pages, pc16, pr16, bt, sl, metadata.units, out, lse, po, plse,
         bt.stride(0), H, SQ, R, 1 if causal else 0, float(softmax_scale) * LOG2E,
     )
-    arrivals = None
-    if cfg.kernel == "cuda" and cfg.merge_splits and 1 < metadata.max_splits <= MERGE_MAX_SPLITS:  # the kernel may merge
-        arrivals = metadata.workspace.get("arrivals")
-        if arrivals is None or arrivals.numel() < B * metadata.head_blocks:  # zero; every launch leaves it at zero
-            arrivals = torch.zeros(B * metadata.head_blocks, dtype=torch.int32, device=device)
-            metadata.workspace["arrivals"] = arrivals
-    metadata.workspace["variant"], merged = _launch_decode(grid, args, layout, cfg, arrivals)
-    metadata.workspace["merged"] = merged
-    if metadata.max_splits > 1 and not merged:
+    metadata.workspace["variant"] = _launch_decode(grid, args, layout, cfg)
+    if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
         block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, num_sms_of(device))

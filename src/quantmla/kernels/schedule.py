@@ -49,9 +49,7 @@ class DecodeConfig:
     tokens_m: the CUDA kernel with tokens as the MMA's M dimension (kernels/cuda/mla_decode_tm.cu; up to 16 rows,
     2- or 4-bit affine codes with fp16 metadata, d_c 512 and d_r 64);
     token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2; None: the default for
-    the layout, kernels.cuda.tokens_m_default_blocks);
-    merge_splits: with tokens_m, the kernel's last CTA of each split sequence merges its partials where no sequence
-    has more than kernels.cuda.MERGE_MAX_SPLITS units (False: the combine kernel always does)."""
+    the layout, kernels.cuda.tokens_m_default_blocks)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -66,7 +64,6 @@ class DecodeConfig:
     fragments: bool = False
     tokens_m: bool = False
     token_blocks: int | None = None
-    merge_splits: bool = True
 
     def describe(self) -> str:
         cuda = "cuda/frag" if self.fragments else "cuda/tm" if self.tokens_m else "cuda"

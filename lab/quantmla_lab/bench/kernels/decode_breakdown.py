@@ -7,9 +7,7 @@ Per format and shape (16 heads, one query token, 64-token pages in random order)
 as a CUDA graph with L2 flushed (as bench-kernel times it), and each kernel's own GPU time from the
 profiler over eager calls, each after an L2 flush. `264x32` gives every work unit one tile and no split:
 its time is the fixed cost of a wave (launch, query block, first copy, epilogue). A linear fit of the
-decode kernel's time against tokens per unit separates the fixed cost from the cost per token. `--merge both`
-times each shape twice in the same process: as the API runs it, and with the split partials left to the combine
-kernel (`DecodeConfig(merge_splits=False)`), where the tokens-as-M kernel would merge them itself.
+decode kernel's time against tokens per unit separates the fixed cost from the cost per token.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import dataclasses
 import time
 
 import torch
@@ -53,8 +50,6 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x131072,8x16384,32x16384,264x32,264x512")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--merge", choices=("api", "both"), default="api",
-                    help="both: each shape also with the combine kernel where the kernel would merge its splits")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -67,35 +62,30 @@ def main() -> None:
             c = decode_speed.Cache(lay, [L] * B, seed=1, device="cuda")
             qc = torch.randn(B, a.heads, 512, device="cuda").to(torch.bfloat16)
             qr = torch.randn(B, a.heads, 64, device="cuda").to(torch.bfloat16)
-            api_md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay)
-            mds = [api_md]
-            if a.merge == "both" and api_md.config.tokens_m:
-                mds.append(api.get_mla_metadata(c.seq_lens, a.heads, 1, lay,
-                                                config=dataclasses.replace(api_md.config, merge_splits=False)))
+            md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay)
             out = torch.empty(B, a.heads, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B, a.heads, device="cuda", dtype=torch.float32)
-            for md in mds:
-                def fn():
-                    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md,
-                                                out=out, lse=lse)
 
-                whole, graph = decode_speed.time_ms(fn, 25, 200)
-                ks = kernel_times(fn, a.calls)
-                dec = sum(v for k, v in ks.items() if "mla_decode" in k and "combine" not in k)
-                comb = sum(v for k, v in ks.items() if "combine" in k)
-                units = int(md.num_units)
-                r = dict(format=fmt, heads=a.heads, batch=B, context=L, units=units, splits=md.max_splits,
-                         variant=str(md.variant), merged=bool(md.workspace.get("merged")), api=md is api_md,
-                         tokens_per_unit=B * L / units, whole_us=whole * 1e3, graph=graph, decode_us=dec,
-                         combine_us=comb, rest_us=whole * 1e3 - dec - comb, kernels=ks)
-                rows.append(r)
-                print(f"{fmt:10s} {B:4d}x{L:<7d} units {units:4d} ({r['tokens_per_unit']:7.0f} tok)"
-                      f" {'merged ' if r['merged'] else 'combine'} whole {r['whole_us']:7.1f}  decode {dec:7.1f}"
-                      f"  combine {comb:6.1f}  rest {r['rest_us']:6.1f} us", flush=True)
+            def fn():
+                api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md,
+                                            out=out, lse=lse)
+
+            whole, graph = decode_speed.time_ms(fn, 25, 200)
+            ks = kernel_times(fn, a.calls)
+            dec = sum(v for k, v in ks.items() if "mla_decode" in k and "combine" not in k)
+            comb = sum(v for k, v in ks.items() if "combine" in k)
+            units = int(md.num_units)
+            r = dict(format=fmt, heads=a.heads, batch=B, context=L, units=units, variant=str(md.variant),
+                     tokens_per_unit=B * L / units, whole_us=whole * 1e3, graph=graph, decode_us=dec,
+                     combine_us=comb, rest_us=whole * 1e3 - dec - comb, kernels=ks)
+            rows.append(r)
+            print(f"{fmt:10s} {B:4d}x{L:<7d} units {units:4d} ({r['tokens_per_unit']:7.0f} tok)"
+                  f" whole {r['whole_us']:7.1f}  decode {dec:7.1f}  combine {comb:6.1f}  rest {r['rest_us']:6.1f} us",
+                  flush=True)
             torch.cuda.empty_cache()
     fits = {}
     for fmt in a.formats.split(","):
-        pts = [(r["tokens_per_unit"], r["decode_us"]) for r in rows if r["format"] == fmt and r["units"] > 0 and r["api"]]
+        pts = [(r["tokens_per_unit"], r["decode_us"]) for r in rows if r["format"] == fmt and r["units"] > 0]
         if len(pts) >= 2:
             n = len(pts)
             mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
@@ -105,7 +95,7 @@ def main() -> None:
             print(f"{fmt}: decode kernel ~ {fits[fmt]['fixed_us']:.1f} us + {b * 1e3:.2f} ns x tokens per unit")
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                commit=decode_speed.source_commit(), command="python -m quantmla_lab.bench.kernels.decode_breakdown "
-               f"--formats {a.formats} --shapes {a.shapes} --heads {a.heads} --merge {a.merge}", rows=rows, fits=fits)
+               f"--formats {a.formats} --shapes {a.shapes} --heads {a.heads}", rows=rows, fits=fits)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

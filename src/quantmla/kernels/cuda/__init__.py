@@ -18,12 +18,10 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.errors import QuantMLAError
 from quantmla.kernels.cuda.built_tile import (  # noqa: F401 (the package's names)
     BLOCK_N, NUM_WARPS, built_tile_plan, chosen, fragments_reason, smem_bytes)
 from quantmla.kernels.cuda.plan import (  # noqa: F401
-    _OUT, MERGE_MAX_SPLITS, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, mode,
-    plan_reason)
+    _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, mode, plan_reason)
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_WARPS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_is_default,
     is_fp8, tokens_m_plan, tokens_m_reason)
@@ -69,22 +67,10 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
     driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
 
 
-def merges_splits(plan: DecodePlan) -> bool:
-    """Whether the build of `plan` merges a step's splits itself (the tokens-as-M kernel, up to MERGE_MAX_SPLITS units
-    a sequence) when `launch_decode` is given arrival counts."""
-    return bool(dict(plan.macros).get("MERGE_MAX"))
-
-
-def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device,
-                  arrivals: torch.Tensor | None = None) -> None:
+def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
     """Run the build of `plan` over grid (units, head blocks) on the current stream. `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
-    stride_bt, H, S_q, R, causal, qk_scale·log2 e). `arrivals` (int32 [sequences x head blocks], zero; only where
-    `merges_splits(plan)` and no sequence has more than MERGE_MAX_SPLITS units): the kernel merges the split
-    partials into `out` and `lse` itself and leaves the counts at zero; None: the partials are left for the
-    combine kernel."""
-    if arrivals is not None and not merges_splits(plan):
-        raise QuantMLAError(f"{plan.describe()} does not merge its splits: launch it without arrival counts")
+    stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
     from quantmla.kernels.cuda.build import cubin_for
 
@@ -93,7 +79,6 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
-    ptrs.append(0 if arrivals is None else arrivals.data_ptr())
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
                                               ("i", int(causal)), ("f", float(scale))])

@@ -27,8 +27,7 @@
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW MERGE_MAX (and TM, NW, BN, HALF: fixed
-//   here)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW (and TM, NW, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -172,8 +171,6 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 #include "scores_tm.cuh"
 #include "softmax_tm.cuh"
 #include "output_tm.cuh"
-#include "merge_splits.cuh"
-static_assert(MERGE_SCRATCH * 4 <= BM * LDQ * 2, "the merge's weights fit where the query block was");
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -404,9 +401,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
     }
   }
-  if (nsplit > 1 && arrivals != nullptr && last_to_arrive(arrivals, b, nsplit, reinterpret_cast<int*>(sQsum)))
-    merge_splits(part_out, part_lse, units, u, b, nsplit, R, row0, reinterpret_cast<OutT*>(out), lse, arrivals,
-                 reinterpret_cast<float*>(sQ));
   if constexpr (TIMELINE) {
     mark(tl, NMARK - 1);
     __syncthreads();

@@ -12,11 +12,6 @@ SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
 SMEM_PER_CTA = 232448  # 227 KiB per block
 SMEM_RESERVED = 1024  # per CTA, by the runtime
 
-MERGE_MAX_SPLITS = 8
-"""A step whose split sequences have at most this many units each is merged by the tokens-as-M kernel's last CTA of
-each sequence (kernels/cuda/merge_splits.cuh): no combine kernel runs. That CTA reads all of a sequence's partials
-(32 KB a unit at 16 rows), so longer splits go to the combine kernel, which spreads them over every SM."""
-
 _KIND = {"raw": 0, "affine": 1, "symmetric": 2, "fp8": 3}
 _MB = {"float16": 2, "bfloat16": 3, "float32": 4}
 _OUT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}

@@ -47,10 +47,9 @@ __device__ __forceinline__ uint4 piece_to_half(const uint4& v, float scale) {
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
-// the decode kernels' arguments: one launch ABI (kernels.cuda.launch_decode). arrivals: null, or (tokens-as-M kernel)
-// the split sequences' arrival counts, zeroed, where the kernel merges the splits itself (merge_splits.cuh)
+// the decode kernels' arguments: one launch ABI (kernels.cuda.launch_decode)
 #define MLA_DECODE_PARAMS                                                                                         \
   const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,  \
       const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,       \
       void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse, \
-      int* __restrict__ arrivals, int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2
+      int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.kernels.cuda.plan import _OUT, MERGE_MAX_SPLITS, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
@@ -119,7 +119,7 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
-        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2), MERGE_MAX=MERGE_MAX_SPLITS,
+        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
