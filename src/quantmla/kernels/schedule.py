@@ -120,8 +120,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     if nvcc() is None:
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
-    if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments
-                    and cuda.tokens_m_is_default(layout)):
+    if tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks))
     if not tokens_m:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,

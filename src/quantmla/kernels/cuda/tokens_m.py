@@ -13,6 +13,10 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
+FP8_TM_MIN_TOKENS = 1024
+"""FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
+build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
+(docs/kernels.md, "FP8 on the tokens-as-M kernel")."""
 
 
 def is_fp8(layout: PageLayout) -> bool:
@@ -61,19 +65,6 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     # two warps a token group: the partial scores they hand each other
     exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
     return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + 8 * stages
-
-
-def tokens_m_is_default(layout: PageLayout) -> bool:
-    """Whether the API's default takes the tokens-as-M kernel where it reads `layout`: for 2- and 4-bit codes and
-    for FP8 (measured faster than the built tile on the H200; FP8 only where a work unit has at least
-    FP8_TM_MIN_TOKENS tokens, which ``schedule.get_mla_metadata`` checks)."""
-    return True
-
-
-FP8_TM_MIN_TOKENS = 1024
-"""FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
-build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
-(docs/kernels.md, "FP8 on the tokens-as-M kernel")."""
 
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:
