@@ -414,3 +414,25 @@ def test_scores_phase_counts_the_span_from_the_copy_wait_to_the_vote():
     assert r["scores_instructions"] == 8 and r["scores_HMMA"] == 2 and r["scores_LDSM"] == 1
     assert (r["scores_LOP3"], r["scores_SHF"], r["scores_FFMA"], r["scores_LDS"]) == (1, 1, 1, 0)
     assert scores_phase(ops[:8]) == {} and scores_phase(["HMMA.16816.F32", "BAR.RED.OR"]) == {}
+
+
+def test_loop_phases_follow_the_tile_loops_branches():
+    """sass_count's loop phases on a made-up loop: the scores along each channel half's path from the loop's top to
+    the vote, the vote with and without the copy issue, the output block the first tile skips, and P from the
+    skipped move to the back edge; nothing where the loop has no back edge."""
+    from quantmla_lab.bench.kernels.sass_count import loop_phases
+
+    body = ["IMAD", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "@!P0 BRA 0x{exit}", "@!P1 BRA 0x{half2}",
+            "HMMA", "HMMA", "BRA 0x{join}",                                   # first half: 2 and the jump
+            "HMMA", "HMMA", "HMMA", "HMMA",                                   # second half: 4
+            "FFMA", "BAR.RED.OR.DEFER_BLOCKING 0x0, P1",                      # join .. vote
+            "@P0 BRA 0x{issued}", "UBLKCP.S.G", "UBLKCP.S.G",                 # the copy issue
+            "@!P3 BRA 0x{out_end}", "HMMA", "HMMA", "HMMA", "HMMA",           # output: 4
+            "@P2 BRA 0x{exit}", "@!P1 BRA 0x{p}", "FMNMX", "SHFL",            # the loop's exit, the move (skipped)
+            "MUFU.EX2", "STS", "BRA 0x{top}",                                 # P and the back edge
+            "EXIT"]
+    idx = dict(top=0, half2=7, join=11, issued=16, out_end=21, p=25, exit=28)
+    lines = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx.items()})) for i, t in enumerate(body)]
+    r = loop_phases(lines)
+    assert r == {"loop_scores": [9, 10], "loop_vote": 2, "loop_vote_issuing": 4, "loop_output": 4, "loop_p": 3}
+    assert loop_phases(lines[:-2]) == {}

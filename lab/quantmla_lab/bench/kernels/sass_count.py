@@ -5,8 +5,9 @@ by nvcc into the build cache, and read back with cuobjdump (from PATH or Triton'
     python -m quantmla_lab.bench.kernels.sass_count int4/int4 int2/int4 --rows 16
 
 `--tokens-m` takes the tokens-as-M kernel (the API's default at 16 rows on sm_90) and counts one tile's scores
-phase per warp: the instructions from its copy wait (`SYNCS.PHASECHK`) to the vote's barrier (`BAR.RED`), by
-opcode (`scores_*`).
+phase: the instructions from its copy wait (`SYNCS.PHASECHK`) to the vote's barrier (`BAR.RED`), by opcode
+(`scores_*`; with two token blocks a warp that span holds both halves' code paths), and the tile loop's phases
+along the path a warp takes where the loop has one barrier a tile (`loop_*`, `loop_phases`).
 
 `--set MACRO=V` compiles the plan with a macro replaced or added (e.g. `--set MIN_CTAS=4`: registers capped for
 four CTAs an SM; `stack_bytes` then shows what spills).
@@ -51,6 +52,58 @@ def scores_phase(ops: list[str]) -> dict:
     return {"scores_instructions": len(span), **{f"scores_{op}": c.get(op, 0) for op in SCORES_OPS}}
 
 
+def _branch(text: str) -> tuple[bool, int] | None:
+    """(predicated, target address) of a `BRA` line (cuobjdump text without its address), else None."""
+    m = re.match(r"(@!?U?P\w+\s+)?BRA(?:\.\S+)*\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+    return None if m is None else (m.group(1) is not None, int(m.group(2), 16))
+
+
+def loop_phases(lines: list[tuple[int, str]]) -> dict:
+    """The tokens-as-M kernel's one-barrier tile loop, instructions per warp and tile along its usual path (scores done, no
+    reference moved), from `lines` = (address, instruction) of its SASS: the scores from the loop's top to the vote
+    (`BAR.RED`) along each of the two code paths the warps' channel halves take; the vote and the next stage's copy
+    issue (`vote` for the warps that skip the issue, `vote_issuing` for the one that issues); the output products
+    (the block the first tile skips); P (after the skipped move of the reference, to the loop's back edge). {} where
+    the SASS does not have that shape."""
+    at = {a: i for i, (a, _) in enumerate(lines)}
+    ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in lines]
+    wait = next((i for i, op in enumerate(ops) if op.startswith("SYNCS.PHASECHK")), None)
+    vote = None if wait is None else next((i for i in range(wait, len(ops)) if ops[i].startswith("BAR.RED")), None)
+    if vote is None:
+        return {}
+    back = next((i for i in range(vote, len(lines)) if (b := _branch(lines[i][1])) and not b[0]
+                 and b[1] < lines[wait][0] and b[1] in at), None)
+    if back is None:
+        return {}
+    top = at[_branch(lines[back][1])[1]]
+
+    def forward(lo: int, hi: int) -> list[tuple[int, int]]:  # (branch, target) of predicated branches within [lo, hi]
+        out = []
+        for i in range(lo, hi):
+            b = _branch(lines[i][1])
+            if b and b[0] and b[1] in at and i < at[b[1]] <= hi:
+                out.append((i, at[b[1]]))
+        return out
+
+    scores = [vote + 1 - top]  # one path; two where the halves' paths split (a jump over the second half's path)
+    for k, t in forward(wait, vote):
+        jb = _branch(lines[t - 1][1])
+        if jb is not None and not jb[0] and jb[1] in at and t <= at[jb[1]] <= vote:
+            join = at[jb[1]]
+            scores = sorted([(k + 1 - top) + (t - k - 1) + (vote + 1 - join), (k + 1 - top) + (join - t) + (vote + 1 - join)])
+            break
+    after = forward(vote, back)
+    if not after:
+        return {}
+    skip_at, issue_end = after[0]  # the warps that do not issue jump over the copy issue
+    rest = forward(issue_end, back)  # the output's skip (first tile), then the move's skip (the loop's exit jumps out)
+    if len(rest) < 2:
+        return {}
+    (o_br, o_end), (_, p_start) = rest[0], rest[1]
+    return {"loop_scores": scores, "loop_vote": skip_at + 1 - vote, "loop_vote_issuing": issue_end - vote,
+            "loop_output": o_end - o_br - 1, "loop_p": back + 1 - p_start}
+
+
 def cuobjdump() -> str:
     found = shutil.which("cuobjdump")
     if found:
@@ -86,6 +139,7 @@ def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool =
         tag = re.sub(r"[^A-Za-z0-9]+", "_", layout.token.fmt.describe()).strip("_")
         lines = [ln.split(";")[0].strip() for ln in sass.splitlines() if re.match(r"^\s+/\*[0-9a-f]{4,}\*/", ln)]
         (dump / f"{tag}_{rows}{'_fragments' if fragments else ''}{'_tokens_m' if tokens_m else ''}.sass").write_text("\n".join(lines) + "\n")
+    lines = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M)]
     ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
     full = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)]
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -94,7 +148,8 @@ def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool =
     c = Counter(ops)
     return {"format": name, "rows": rows, "plan": plan.describe(), "instructions": len(ops),
             "registers": int(reg.group(1)) if reg else None, "stack_bytes": int(stack.group(1)) if stack else None,
-            **{op: c.get(op, 0) for op in BUILD_OPS}, **(scores_phase(full) if tokens_m else {})}
+            **{op: c.get(op, 0) for op in BUILD_OPS}, **(scores_phase(full) if tokens_m else {}),
+            **(loop_phases(lines) if tokens_m and dict(macros).get("ONE_BARRIER") else {})}
 
 
 def main(argv=None) -> int:
