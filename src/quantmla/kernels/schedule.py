@@ -47,7 +47,7 @@ class DecodeConfig:
     fragments: the CUDA kernel reads the codes straight into the products' operands, with no built tile
     (kernels/cuda/tile_frag.cuh; the 16-row plan with 2- or 4-bit codes and fp16 metadata);
     tokens_m: the CUDA kernel with tokens as the MMA's M dimension (kernels/cuda/mla_decode_tm.cu; up to 16 rows,
-    2- or 4-bit affine codes with fp16 metadata, d_c 512 and d_r 64);
+    2- or 4-bit affine codes with fp16 metadata or FP8 (fp8_ds_mla), d_c 512 and d_r 64);
     token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2; None: the default for
     the layout, kernels.cuda.tokens_m_default_blocks)."""
 
