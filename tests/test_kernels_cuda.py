@@ -434,5 +434,14 @@ def test_loop_phases_follow_the_tile_loops_branches():
     idx = dict(top=0, half2=7, join=11, issued=16, out_end=21, p=25, exit=28)
     lines = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx.items()})) for i, t in enumerate(body)]
     r = loop_phases(lines)
-    assert r == {"loop_scores": [9, 10], "loop_vote": 2, "loop_vote_issuing": 4, "loop_output": 4, "loop_p": 3}
+    assert r == {"loop_scores": [9, 10], "loop_vote": 2, "loop_vote_issuing": 4, "loop_output": 4, "loop_p": [3]}
     assert loop_phases(lines[:-2]) == {}
+
+    # P in two versions (the full tiles' without guards, the last tile's with them): each path counted
+    p_split = ["@P0 BRA 0x{guarded}", "MUFU.EX2", "STS", "BRA 0x{pjoin}",  # full tiles: 1 + 3
+               "FSEL", "FSEL", "MUFU.EX2", "STS",                          # guarded: 4
+               "BRA 0x{top}", "EXIT"]                                      # join: the back edge
+    body2 = body[:25] + p_split
+    idx2 = dict(idx, guarded=29, pjoin=33, exit=34)
+    lines2 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx2.items()})) for i, t in enumerate(body2)]
+    assert loop_phases(lines2)["loop_p"] == [5, 6]

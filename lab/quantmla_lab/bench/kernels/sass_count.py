@@ -85,13 +85,17 @@ def loop_phases(lines: list[tuple[int, str]]) -> dict:
                 out.append((i, at[b[1]]))
         return out
 
-    scores = [vote + 1 - top]  # one path; two where the halves' paths split (a jump over the second half's path)
-    for k, t in forward(wait, vote):
-        jb = _branch(lines[t - 1][1])
-        if jb is not None and not jb[0] and jb[1] in at and t <= at[jb[1]] <= vote:
-            join = at[jb[1]]
-            scores = sorted([(k + 1 - top) + (t - k - 1) + (vote + 1 - join), (k + 1 - top) + (join - t) + (vote + 1 - join)])
-            break
+    def paths(lo: int, hi: int, first: int) -> list[int]:
+        """Instructions from `first` to `hi` (inclusive) along each path: one, or two where an if/else splits them
+        (a predicated jump k -> t over the first branch, which ends with a jump to the join)."""
+        for k, t in forward(lo, hi):
+            jb = _branch(lines[t - 1][1])
+            if jb is not None and not jb[0] and jb[1] in at and t <= at[jb[1]] <= hi:
+                join = at[jb[1]]
+                return sorted([(k + 1 - first) + (t - k - 1) + (hi + 1 - join), (k + 1 - first) + (join - t) + (hi + 1 - join)])
+        return [hi + 1 - first]
+
+    scores = paths(wait, vote, top)  # two paths where the channel halves' code splits
     after = forward(vote, back)
     if not after:
         return {}
@@ -101,7 +105,7 @@ def loop_phases(lines: list[tuple[int, str]]) -> dict:
         return {}
     (o_br, o_end), (_, p_start) = rest[0], rest[1]
     return {"loop_scores": scores, "loop_vote": skip_at + 1 - vote, "loop_vote_issuing": issue_end - vote,
-            "loop_output": o_end - o_br - 1, "loop_p": back + 1 - p_start}
+            "loop_output": o_end - o_br - 1, "loop_p": paths(p_start, back, p_start)}
 
 
 def cuobjdump() -> str:

@@ -5,7 +5,10 @@
 
 // P = 2^(s - ref) of one tile for the thread's own rows: their sums and Σ P·zero per content group in registers,
 // P·scale per content group into sP [CG, BM, LDP] at the tokens' output k positions (tok_lo and tok_lo + 8 side by
-// side); sc and mref are the own rows' scores and reference maxima, nb0 their first 8-row block
+// side); sc and mref are the own rows' scores and reference maxima, nb0 their first 8-row block.
+// FULL: every token of the tile is inside the sequence and under every row's limit, so every score is finite, every
+// reference maximum too (the first tile's vote set them), and every token's metadata is the page's own: no guards
+template <bool FULL>
 __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[NB_OWN][4],
                                                    const float (&mref)[RI], float (&l_run)[RI], float (&zacc)[CG][RI],
                                                    int tb, int nb0, int g, int t, int tok_lo) {
@@ -18,15 +21,21 @@ __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, con
 #pragma unroll
   for (int ri = 0; ri < RI; ++ri) {
     const int nb = ri >> 1, e = ri & 1, row = 8 * (nb0 + nb) + 2 * t + e;
-    const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
-    const float plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
-    const float phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
+    float plo, phi;
+    if constexpr (FULL) {
+      plo = fast_exp2(sc[nb][e] - mref[ri]), phi = fast_exp2(sc[nb][e + 2] - mref[ri]);
+    } else {
+      const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
+      plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
+      phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
+    }
     l_run[ri] += plo + phi;
 #pragma unroll
     for (int grp = 0; grp < CG; ++grp) {
       // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
-      const float ps_lo = plo == 0.0f ? 0.0f : plo * szl[grp].x, ps_hi = phi == 0.0f ? 0.0f : phi * szh[grp].x;
-      zacc[grp][ri] += (plo == 0.0f ? 0.0f : plo * szl[grp].y) + (phi == 0.0f ? 0.0f : phi * szh[grp].y);
+      const float ps_lo = FULL || plo != 0.0f ? plo * szl[grp].x : 0.0f;
+      const float ps_hi = FULL || phi != 0.0f ? phi * szh[grp].x : 0.0f;
+      zacc[grp][ri] += (FULL || plo != 0.0f ? plo * szl[grp].y : 0.0f) + (FULL || phi != 0.0f ? phi * szh[grp].y : 0.0f);
       *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
     }
   }
