@@ -48,14 +48,18 @@ class MLAView:
             q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden)))
         else:
             q = m.q_proj(hidden)
-        q = q.view(B, S, s.num_heads, s.d_n + s.d_r).transpose(1, 2) * s.query_scale
+        q = q.view(B, S, s.num_heads, s.d_n + s.d_r).transpose(1, 2)
+        if s.query_scale != 1.0:
+            q = q * s.query_scale
         return q[..., : s.d_n], q[..., s.d_n :]
 
     def project_kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (latent [B, S, d_c] as cached, RoPE key before rotation [B, S, d_r])."""
         s, m = self.spec, self.m
         ckv = m.kv_a_proj_with_mqa(hidden)
-        latent = m.kv_a_layernorm(ckv[..., : s.d_c]) * s.latent_scale
+        latent = m.kv_a_layernorm(ckv[..., : s.d_c])
+        if s.latent_scale != 1.0:
+            latent = latent * s.latent_scale
         return latent, ckv[..., s.d_c :]
 
     def rotate(self, q_rope: torch.Tensor, k_rope: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +76,26 @@ class MLAView:
         else:
             q, k = mod.apply_rotary_pos_emb(q_rope, k4, *position_embeddings)
         return q, k.view(B, S, self.spec.d_r)
+
+    @property
+    def rope_mode(self) -> str | None:
+        """How :meth:`rotate` turns channels, in ``kernels.rope``'s terms ("pairs", "half", "interleave"), or None
+        where it does not rotate."""
+        if self.spec.rope_weight_layout == "none":
+            return None
+        if self.spec.family == "deepseek_v2":
+            return "pairs"
+        return "interleave" if self.spec.rope_weight_layout == "interleaved" else "half"
+
+    def rope_tables(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's position embeddings of one sequence (batch 1) as per-token tables for ``kernels.rope``:
+        cos, sin [S, d_r / 2] fp32 views of deepseek_v2's complex freqs_cis ("pairs"), else the module's cos and
+        sin [S, d_r] as they are."""
+        if self.rope_mode == "pairs":
+            cs = torch.view_as_real(position_embeddings[0])
+            return cs[..., 0], cs[..., 1]
+        cos, sin = position_embeddings
+        return cos[0], sin[0]
 
     def parts(self, hidden: torch.Tensor, position_embeddings) -> dict[str, torch.Tensor]:
         """The four dual-path tensors of a forward: q_nope, q_rope (rotated), latent, k_rope (rotated)."""

@@ -26,7 +26,9 @@ class EngineConfig:
     tokens sharing one scale and zero point per channel inside a page, a power of two dividing page_size (0: the
     whole page; 16 at page 64 stores the KIVI-style baseline's bytes at groups 32/16). ``fused_norms``: inside steps on CUDA,
     the model's RMSNorm modules run as one Triton kernel a call where a probe shows they compute the same
-    (``serving/norms.py``; ``Engine.norms`` says which)."""
+    (``serving/norms.py``; ``Engine.norms`` says which). ``fused_rope``: inside steps the query's and key's RoPE in
+    one kernel a layer where a probe shows it computes what the family's function does (``serving/fused_rope.py``;
+    ``Engine.rope`` says "fused" or why not)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -46,6 +48,7 @@ class EngineConfig:
     rope_pages: bool = False
     rope_block: int = 0
     fused_norms: bool = True
+    fused_rope: bool = True
 
 
 @dataclass

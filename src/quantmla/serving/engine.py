@@ -44,7 +44,8 @@ from quantmla.serving.scheduler import (
     Sequence,
     StepPlan,
 )
-from quantmla.serving import norms
+from quantmla.serving import fused_rope, norms
+from quantmla.serving.fused_rope import step_pieces
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
@@ -129,6 +130,13 @@ class Engine:
         self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
         self._patch()
         self.norms = norms.attach(model, self, lambda: _ACTIVE[0]) if config.fused_norms else {}
+        # the RoPE kernel: on CUDA, and on the CPU where the Triton kernels run at all (interpreted)
+        if not config.fused_rope:
+            self.rope = "off (EngineConfig.fused_rope)"
+        elif self.device.type != "cuda" and self.backend.name != "triton":
+            self.rope = "not on a CUDA device"
+        else:
+            self.rope = fused_rope.probe(model, MLAView(next(iter(mla_modules(model).values())), spec)) or "fused"
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
@@ -495,12 +503,9 @@ def _dispatch_forward(module, *args, **kwargs):
     meta = engine._ctx
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-    p = view.parts(hidden, pe)  # hidden [1, N, h]
-    q_nope = p["q_nope"][0].transpose(0, 1)  # [N, H, d_n]
-    q_rope = p["q_rope"][0].transpose(0, 1)  # [N, H, d_r]
-    k_rope = p["k_rope"][0]
+    q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused")  # hidden [1, N, h]
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
-    engine.backend.write(slot, p["latent"][0], k_rope, meta.slot_mapping, meta.stage_rows)
+    engine.backend.write(slot, latent, k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]
     return view.project_out(v[None].to(hidden.dtype)), None
 

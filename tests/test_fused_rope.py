@@ -1,0 +1,105 @@
+"""The RoPE kernel (``kernels.rope``, interpreted here) against the families' own functions, its probe, and the
+engine's choice of it."""
+
+import pytest
+import torch
+
+from quantmla.kernels.rope import rope_rotate
+from quantmla.model.spec import load_spec, mla_modules
+from quantmla.model.tiny import FAMILIES, tiny_model
+from quantmla.model.view import MLAView
+from quantmla.serving import fused_rope
+
+ROTATING = [f for f in FAMILIES if f != "kimi_linear"]
+
+
+def _view(model):
+    return MLAView(next(iter(mla_modules(model).values())), load_spec(model))
+
+
+def _pieces(view, n, dtype, seed=0):
+    """q_rope [n, H, d_r] and k_rope [n, d_r] as strided as the projections leave them."""
+    s, g = view.spec, torch.Generator().manual_seed(seed)
+    q = (torch.randn(n, s.num_heads, s.d_n + s.d_r, generator=g) * 3).to(dtype)[..., s.d_n:]
+    k = (torch.randn(n, s.d_c + s.d_r, generator=g) * 3).to(dtype)[:, s.d_c:]
+    return q, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ROTATING)
+def test_kernel_is_the_familys_rope_bit_for_bit(family, dtype):
+    """Every channel of both pieces equals what the family's own function gives, at positions far apart."""
+    model = tiny_model(family, dtype=dtype)
+    view = _view(model)
+    q, k = _pieces(view, 7, dtype)
+    positions = torch.tensor([[0, 1, 3, 64, 999, 4097, 20011]])
+    pe = fused_rope.rotary_module(model)(torch.zeros(1, 7, 1, dtype=dtype), positions)
+    ref_q, ref_k = view.rotate(q.transpose(0, 1)[None], k[None], pe)
+    got_q, got_k = rope_rotate(q, k, *view.rope_tables(pe), view.rope_mode)
+    ref_q, ref_k = ref_q[0].transpose(0, 1), ref_k[0]
+    assert got_q.is_contiguous() and got_k.is_contiguous() and got_q.dtype == dtype
+    assert not torch.equal(got_q, q)  # it rotated something
+    if view.rope_mode == "pairs" and dtype == torch.float32:
+        # torch's complex product on the CPU rounds (a·c − b·d) its own way: within an fp32 rounding of the values
+        for got, ref in ((got_q, ref_q), (got_k, ref_k)):
+            assert float((got - ref).abs().max()) <= 2.0**-22 * float(ref.abs().max())
+    else:
+        assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+def test_probe_passes_every_rotating_family_and_catches_another_convention(monkeypatch):
+    for family in ROTATING:
+        model = tiny_model(family)
+        assert fused_rope.probe(model, _view(model)) is None, family
+    kimi = tiny_model("kimi_linear")
+    assert "does not rotate" in fused_rope.probe(kimi, _view(kimi))
+    model = tiny_model("deepseek_v3")
+    view = _view(model)
+    assert view.rope_mode == "interleave"
+    monkeypatch.setattr(MLAView, "rope_mode", property(lambda self: "half"))  # the wrong channel order
+    why = fused_rope.probe(model, view)
+    assert why is not None and "differs from the family's function" in why
+
+
+def test_kernel_refuses_what_it_cannot_rotate():
+    q, k = torch.zeros(3, 2, 64), torch.zeros(3, 64)
+    cos = sin = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="mode"):
+        rope_rotate(q, k, cos, sin, "complex")
+    with pytest.raises(ValueError, match="does not match"):
+        rope_rotate(q, torch.zeros(2, 64), cos, sin, "half")
+    with pytest.raises(ValueError, match=r"should be \[3, 32\]"):
+        rope_rotate(q, k, cos, sin, "pairs")
+    with pytest.raises(ValueError, match="power of two"):
+        rope_rotate(torch.zeros(3, 2, 48), torch.zeros(3, 48), torch.zeros(3, 48), torch.zeros(3, 48), "half")
+
+
+def test_engine_says_where_it_fuses_rope():
+    from quantmla.serving.engine import Engine, EngineConfig
+
+    model = tiny_model("deepseek_v2")
+    with Engine(model, EngineConfig(num_pages=8, page_size=16, backend="triton")) as eng:
+        assert eng.rope == "fused"
+    with Engine(model, EngineConfig(num_pages=8, page_size=16, backend="torch")) as eng:
+        assert eng.rope == "not on a CUDA device"
+    with Engine(model, EngineConfig(num_pages=8, page_size=16, backend="triton", fused_rope=False)) as eng:
+        assert eng.rope.startswith("off")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "minicpm3"])
+def test_engine_on_gpu_fuses_rope_and_matches_generate(family):
+    """On CUDA the kernel passes the probe in bf16 and fp32 for each convention ("pairs", "interleave", "half"), and
+    greedy outputs with it still equal generate()'s (fp32), graph steps included."""
+    from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
+    from quantmla_lab.bench.serving.agreement import engine_agreement
+
+    for dtype in (torch.bfloat16, torch.float32):
+        model = tiny_model(family, dtype=dtype).cuda()
+        with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=8, page_size=16)) as eng:
+            assert eng.rope == "fused", (dtype, eng.rope)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 40, 1)]
+    rep, st = engine_agreement(model, BF16_CONFIG, prompts, 16, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
+    assert st["graph_steps"] > 0 and rep.ok, rep.details
