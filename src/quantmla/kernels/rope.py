@@ -93,8 +93,10 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     yq = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
     yk = torch.empty(N, D, dtype=k.dtype, device=k.device)
     if N:
-        HB = min(64, triton.next_power_of_2(H + 1))  # heads (and the key) of a program
-        TB = max(1, 256 // HB)  # tokens of a program
+        HB = min(32, triton.next_power_of_2(H + 1))  # heads (and the key) of a program
+        # tokens of a program: one on a GPU (a [32, d_r] block keeps 16 values a thread in registers); the
+        # interpreter runs programs one after another, so there it takes 256 rows at once
+        TB = 1 if q.is_cuda else max(1, 256 // HB)
         _rope_kernel[(triton.cdiv(N, TB), triton.cdiv(H + 1, HB))](
             q, k, cos, sin, yq, yk, N, H, q.stride(0), q.stride(1), k.stride(0), cos.stride(0), cos.stride(1),
             sin.stride(0), sin.stride(1), D=D, MODE=MODES.index(mode), TB=TB, HB=HB, BF16=q.dtype == torch.bfloat16,

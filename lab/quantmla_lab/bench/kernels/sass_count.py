@@ -64,7 +64,8 @@ def loop_phases(lines: list[tuple[int, str]]) -> dict:
     (`BAR.RED`) along each of the two code paths the warps' channel halves take; the vote and the next stage's copy
     issue (`vote` for the warps that skip the issue, `vote_issuing` for the one that issues); the output products
     (the block the first tile skips); P (after the skipped move of the reference, to the loop's back edge). {} where
-    the SASS does not have that shape."""
+    the SASS does not have that shape. The zeroing of a partial tile's metadata right after the copy wait is a block
+    that full tiles skip: it is not counted."""
     at = {a: i for i, (a, _) in enumerate(lines)}
     ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in lines]
     wait = next((i for i, op in enumerate(ops) if op.startswith("SYNCS.PHASECHK")), None)
@@ -95,7 +96,13 @@ def loop_phases(lines: list[tuple[int, str]]) -> dict:
                 return sorted([(k + 1 - first) + (t - k - 1) + (hi + 1 - join), (k + 1 - first) + (join - t) + (hi + 1 - join)])
         return [hi + 1 - first]
 
-    scores = paths(wait, vote, top)  # two paths where the channel halves' code splits
+    # the first block after the copy wait that a predicated jump skips (no else): the zeroing of a unit's last,
+    # partial tile, which full tiles jump over (not on their path)
+    zero = next(((k, t) for k, t in forward(wait, vote) if k - wait <= 8 and not (
+        (jb := _branch(lines[t - 1][1])) is not None and not jb[0])), None)
+    scores = paths(zero[1] if zero else wait, vote, top)  # two paths where the channel halves' code splits
+    if zero:
+        scores = [n - (zero[1] - zero[0] - 1) for n in scores]
     after = forward(vote, back)
     if not after:
         return {}

@@ -218,7 +218,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const int tp = warp % NGRP, nb0 = warp / NGRP;  // the warp's token group, its first own 8-row block
   float qf[RI], qsum[NG][RI], ref[4], mref[RI], l_run[RI], zacc[CG][RI];
   int limit[RI];
-  const int full_end = min(end, L - causal * (SQ - 1));  // tiles that end here hold no masked token (P needs no guards)
 #pragma unroll
   for (int ri = 0; ri < RI; ++ri) {
     const int row = 8 * (nb0 + (ri >> 1)) + 2 * t + (ri & 1);
@@ -286,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
       phase(ph, 0);
+      if (valid < BN) zero_past_end(smem + SM_RAW + (it % STAGES) * RAW_BYTES, valid, tid);
       own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
       phase(ph, 1);
     }
@@ -303,17 +303,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     phase(ph, 3);
     if (!scores) break;
     if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
-    if (n0 + BN <= full_end) {
 #pragma unroll
-      for (int i = 0; i < TPW; ++i)
-        tile_probabilities<true>(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run,
-                                 zacc, TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < TPW; ++i)
-        tile_probabilities<false>(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run,
-                                  zacc, TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
-    }
+    for (int i = 0; i < TPW; ++i)
+      tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run, zacc,
+                         TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
     phase(ph, 4);
   }
 #else
@@ -329,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
+      if (valid < BN) zero_past_end(smem + SM_RAW + (it % STAGES) * RAW_BYTES, valid, tid);
       own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
@@ -341,17 +335,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       pg_next = page_of(nxt + 1);
     }
     if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
-    if (n0 + BN <= full_end) {
 #pragma unroll
-      for (int i = 0; i < TPW; ++i)
-        tile_probabilities<true>(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i,
-                                 nb0, g, t, tok_lo + 16 * i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < TPW; ++i)
-        tile_probabilities<false>(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i,
-                                  nb0, g, t, tok_lo + 16 * i);
-    }
+    for (int i = 0; i < TPW; ++i)
+      tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t,
+                         tok_lo + 16 * i);
     __syncthreads();  // P·scale of the whole tile is written
   }
 

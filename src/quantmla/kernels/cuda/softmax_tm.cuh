@@ -6,9 +6,9 @@
 // P = 2^(s - ref) of one tile for the thread's own rows: their sums and Σ P·zero per content group in registers,
 // P·scale per content group into sP [CG, BM, LDP] at the tokens' output k positions (tok_lo and tok_lo + 8 side by
 // side); sc and mref are the own rows' scores and reference maxima, nb0 their first 8-row block.
-// FULL: every token of the tile is inside the sequence and under every row's limit, so every score is finite, every
-// reference maximum too (the first tile's vote set them), and every token's metadata is the page's own: no guards
-template <bool FULL>
+// No per-token guards: a masked token's score is -inf, so its P is 2^-inf = 0 (against a reference of 0 where the
+// row has seen no score yet), and a token past the unit's end has its metadata zeroed (zero_past_end), so 0·scale
+// stays 0 whatever bytes the page held there
 __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, const float (&sc)[NB_OWN][4],
                                                    const float (&mref)[RI], float (&l_run)[RI], float (&zacc)[CG][RI],
                                                    int tb, int nb0, int g, int t, int tok_lo) {
@@ -21,24 +21,23 @@ __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, con
 #pragma unroll
   for (int ri = 0; ri < RI; ++ri) {
     const int nb = ri >> 1, e = ri & 1, row = 8 * (nb0 + nb) + 2 * t + e;
-    float plo, phi;
-    if constexpr (FULL) {
-      plo = fast_exp2(sc[nb][e] - mref[ri]), phi = fast_exp2(sc[nb][e + 2] - mref[ri]);
-    } else {
-      const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
-      plo = sc[nb][e] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e] - m_safe);
-      phi = sc[nb][e + 2] == -INFINITY ? 0.0f : fast_exp2(sc[nb][e + 2] - m_safe);
-    }
+    const float m_safe = mref[ri] == -INFINITY ? 0.0f : mref[ri];
+    const float plo = fast_exp2(sc[nb][e] - m_safe), phi = fast_exp2(sc[nb][e + 2] - m_safe);
     l_run[ri] += plo + phi;
 #pragma unroll
     for (int grp = 0; grp < CG; ++grp) {
-      // a token past the sequence has P = 0, and its metadata (whatever the page held) is not read into sP
-      const float ps_lo = FULL || plo != 0.0f ? plo * szl[grp].x : 0.0f;
-      const float ps_hi = FULL || phi != 0.0f ? phi * szh[grp].x : 0.0f;
-      zacc[grp][ri] += (FULL || plo != 0.0f ? plo * szl[grp].y : 0.0f) + (FULL || phi != 0.0f ? phi * szh[grp].y : 0.0f);
-      *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(ps_lo, ps_hi);
+      zacc[grp][ri] += plo * szl[grp].y + phi * szh[grp].y;
+      *reinterpret_cast<T2*>(sP + (grp * BM + row) * LDP + kpos) = __floats2half2_rn(plo * szl[grp].x, phi * szh[grp].x);
     }
   }
+}
+
+// a tile that runs past its unit's end (valid < BN tokens are the unit's): the content metadata of the tokens past
+// it zeroed in the stage, before the vote's barrier (P reads it after). Other warps' scores may still read those
+// bytes, for tokens they mask
+__device__ __forceinline__ void zero_past_end(uint8_t* st, int valid, int tid) {
+  uint32_t* m = reinterpret_cast<uint32_t*>(st + RAW_CM + valid * FB_CM);
+  for (int i = tid; i < (BN - valid) * FB_CM / 4; i += NT) m[i] = 0u;
 }
 
 // does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
