@@ -445,3 +445,10 @@ def test_loop_phases_follow_the_tile_loops_branches():
     idx2 = dict(idx, guarded=29, pjoin=33, exit=34)
     lines2 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx2.items()})) for i, t in enumerate(body2)]
     assert loop_phases(lines2)["loop_p"] == [5, 6]
+
+    # the zeroing of a partial tile's metadata right after the copy wait: a block full tiles jump over
+    body3 = body[:3] + ["@P4 BRA 0x{zeroed}", "STS", "STS", "STS"] + body[3:]
+    idx3 = {k: v + 4 if v >= 3 else v for k, v in idx.items()} | {"zeroed": 7}
+    lines3 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx3.items()})) for i, t in enumerate(body3)]
+    r3 = loop_phases(lines3)
+    assert r3["loop_scores"] == [10, 11] and r3["loop_p"] == [3]  # the jump counted, the three stores not
