@@ -95,8 +95,9 @@ def test_engine_on_gpu_fuses_rope_and_matches_generate(family):
     from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
     from quantmla_lab.bench.serving.agreement import engine_agreement
 
+    dense = {} if family == "minicpm3" else {"first_k_dense_replace": 2}  # dense MLPs: capturable, no routing flips
     for dtype in (torch.bfloat16, torch.float32):
-        model = tiny_model(family, dtype=dtype).cuda()
+        model = tiny_model(family, dtype=dtype, **dense).cuda()
         with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=8, page_size=16)) as eng:
             assert eng.rope == "fused", (dtype, eng.rope)
     g = torch.Generator().manual_seed(3)
