@@ -31,3 +31,18 @@ def test_prefill_flops_agree_with_torch_flop_counter():
     head = model.get_output_embeddings().weight.numel()
     assert g["dense"] == f["dense"] - 2 * head + 2 * kvb * 100
     assert g["attention"] == 2 * (d_qk + d_v) * H * L * (n * 100 + n * (n + 1) / 2)
+
+
+def test_projection_gemms_times_each_form_of_the_same_product(tmp_path):
+    """The projection-GEMM bench on the CPU: every form computes the same product, and the JSON has a row each."""
+    import json
+
+    from quantmla_lab.bench.serving.projection_gemms import main, shapes
+
+    assert shapes()["q_proj"] == (16 * 192, 2048) and shapes()["down_proj"] == (2048, 10944)
+    out = tmp_path / "pg.json"
+    assert main(["--device", "cpu", "--rows", "1", "3", "--reps", "2", "--only", "kv_a_proj_with_mqa",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["form"]) for r in rows] == [(1, "linear"), (1, "transposed"), (3, "linear"), (3, "transposed")]
+    assert all(r["rel_diff_vs_linear"] < 1e-5 and r["us"] > 0 for r in rows)
