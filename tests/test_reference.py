@@ -44,3 +44,25 @@ def test_reference_masks_lengths_and_mtp_queries():
     # sequence 1 (length 2): query 0 sees nothing -> o = 0, lse = -inf
     assert torch.isinf(lse[1, 0]).all() and (o[1, 0] == 0).all()
     assert torch.isinf(lse[2]).all() and (o[2] == 0).all()
+
+
+def test_row_products_equal_the_batched_ones_in_place():
+    """absorb_rows / values_rows (the serving engine's) give absorb / values (the reference's) on rows, from a
+    strided q_nope, written into the given output without changing its layout."""
+    model = tiny_model("deepseek_v3", dtype=torch.float64)
+    view = MLAView(next(iter(mla_modules(model).values())), load_spec(model))
+    s = view.spec
+    q = torch.randn(5, s.num_heads, s.d_n + s.d_r, dtype=torch.float64)[..., : s.d_n]  # strided, as from q_proj
+    out = torch.full((5, s.num_heads, s.d_c), float("nan"), dtype=torch.float64)
+    with torch.no_grad():  # out= products: inference only, as the engine runs them
+        got = view.absorb_rows(q, out=out)
+        ref = view.absorb(q.transpose(0, 1)[None])[0].transpose(0, 1)
+    assert got.data_ptr() == out.data_ptr() and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    o = torch.randn(5, s.num_heads, s.d_c, dtype=torch.float64)
+    vals = torch.full((7, s.num_heads, s.d_v), float("nan"), dtype=torch.float64)
+    with torch.no_grad():
+        view.values_rows(o, out=vals[:5])
+        ref_v = view.values(o[None])[0]
+    torch.testing.assert_close(vals[:5], ref_v, rtol=1e-12, atol=1e-12)
+    assert vals[5:].isnan().all()  # only its rows written

@@ -112,6 +112,23 @@ class MLAView:
         """Per-head values from latent-space outputs: [B, S, H, d_c] -> [B, S, H, d_v]."""
         return torch.einsum("bshc,hvc->bshv", o_latent, self.w_uv.to(o_latent.dtype))
 
+    def absorb_rows(self, q_nope: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`absorb` of N rows, q_nope [N, H, d_n] (may be strided) -> [N, H, d_c], written into `out` when
+        given: one batched product per head whose output cuBLAS writes through the transposed view, so the rows
+        land in the layout the decode kernels read, without a copy. Inference only (no autograd through ``out=``)."""
+        if out is None:
+            out = q_nope.new_empty((q_nope.shape[0], self.spec.num_heads, self.spec.d_c))
+        torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(q_nope.dtype), out=out.transpose(0, 1))
+        return out
+
+    def values_rows(self, o_latent: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`values` of N rows, o_latent [N, H, d_c] -> [N, H, d_v], written into `out` when given (as
+        :meth:`absorb_rows`: no copy, the layout ``o_proj`` reads)."""
+        if out is None:
+            out = o_latent.new_empty((o_latent.shape[0], self.spec.num_heads, self.spec.d_v))
+        torch.bmm(o_latent.transpose(0, 1), self.w_uv.to(o_latent.dtype).transpose(1, 2), out=out.transpose(0, 1))
+        return out
+
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention-block output from latent-space outputs: [B, S, H, d_c] -> [B, S, hidden]."""
         return self.project_out(self.values(o_latent))

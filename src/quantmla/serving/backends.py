@@ -121,12 +121,9 @@ class AttentionBackend:
         N, H, _ = q_nope.shape
         out = q_nope.new_empty((N, H, self.spec.d_v))
         nd = meta.num_decode
-        if nd:  # per-head products written straight into [nd, H, ·] (cuBLAS takes the transposed views): no copies
-            q_lat = q_nope.new_empty((nd, H, self.spec.d_c))
-            torch.bmm(q_nope[:nd].transpose(0, 1), view.w_uk.to(q_nope.dtype), out=q_lat.transpose(0, 1))
-            o = self.decode(slot, q_lat, q_rope[:nd], meta)  # [nd, H, d_c]
-            torch.bmm(o.to(q_nope.dtype).transpose(0, 1), view.w_uv.to(q_nope.dtype).transpose(1, 2),
-                      out=out[:nd].transpose(0, 1))
+        if nd:  # the absorbed queries and the values written in the kernels' and o_proj's layouts: no copies
+            o = self.decode(slot, view.absorb_rows(q_nope[:nd]), q_rope[:nd], meta)  # [nd, H, d_c]
+            view.values_rows(o.to(q_nope.dtype), out=out[:nd])
         for c in meta.chunks:
             rows = slice(c.start, c.start + c.n)
             out[rows] = self.prefill(slot, view, c, q_nope[rows], q_rope[rows])
@@ -184,6 +181,5 @@ class TorchPagedBackend(AttentionBackend):
 
     def prefill(self, slot, view, c, q_nope, q_rope):
         lat, kr = self.context(slot, c)
-        q_lat = view.absorb(q_nope.transpose(0, 1)[None])[0].transpose(0, 1)
-        o = dense_attention(q_lat, q_rope, lat, kr, self.spec.softmax_scale)  # the absorbed oracle
-        return view.values(o[None].to(q_nope.dtype))[0]
+        o = dense_attention(view.absorb_rows(q_nope), q_rope, lat, kr, self.spec.softmax_scale)  # the absorbed oracle
+        return view.values_rows(o.to(q_nope.dtype))
