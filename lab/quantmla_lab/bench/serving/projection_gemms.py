@@ -3,7 +3,8 @@
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.projection_gemms --out $OUT/profile/projection_gemms_h200.json
 
 For each weight of one layer of the v2-lite geometry (q_proj, kv_a_proj_with_mqa, o_proj, the MLP's gate/up and
-down, and the LM head) and each row count M in ``--rows``, the time of ``y = x·Wᵀ`` for M rows, in three forms:
+down, and the LM head, and the two products that read the same input as one weight: q_proj with kv_a_proj_with_mqa,
+gate with up) and each row count M in ``--rows``, the time of ``y = x·Wᵀ`` for M rows, in three forms:
 
 - ``linear``: ``F.linear(x, W)``, as the model's modules call it;
 - ``transposed``: ``(W @ xᵀ)ᵀ``, the same product with the weight as the left operand (cuBLAS then sees M as the
@@ -36,8 +37,10 @@ def shapes(preset: str = "v2-lite") -> dict[str, tuple[int, int]]:
     return {
         "q_proj": (H * (g["d_nope"] + g["d_r"]), h),
         "kv_a_proj_with_mqa": (g["d_c"] + g["d_r"], h),
+        "q_proj+kv_a_proj_with_mqa": (H * (g["d_nope"] + g["d_r"]) + g["d_c"] + g["d_r"], h),
         "o_proj": (h, H * g["d_v"]),
         "gate_or_up_proj": (g["intermediate"], h),
+        "gate_up_proj": (2 * g["intermediate"], h),
         "down_proj": (h, g["intermediate"]),
         "lm_head": (g["vocab"], h),
     }
