@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/out bash lab/scripts/serving_on_h200.sh gpu-tests agreement budget-curve
 #
-# gpu-tests       the GPU cases of the read / graph-schedule / engine / observer tests      (log only)
+# gpu-tests       the GPU cases of the read / graph-schedule / engine / observer / fused-module tests (log only)
 # agreement       `serve-bench --check-only`: greedy outputs against generate() on the shipped models
 #                 (bf16, int4/int4, int2/int4)                              -> agreement/check_h200.json
 # budget-curve    `serve-bench`, 64 requests, budgets 0.075-1 GiB, groups 128/64      -> serving/budget_curve_h200.json
@@ -52,8 +52,8 @@ quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
 
 gpu-tests() {
   timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py tests/test_kernels_gpu.py \
-    tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py \
-    -k "read_matches or static_graph or on_gpu or prefill" 2>&1 | tail -5 | tee -a "$LOG"
+    tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py tests/test_merged.py \
+    -k "read_matches or static_graph or on_gpu or prefill or silu_mul or mlp_attach or merge" 2>&1 | tail -5 | tee -a "$LOG"
 }
 
 agreement() {

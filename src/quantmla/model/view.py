@@ -40,23 +40,30 @@ class MLAView:
         return self.m.q_proj if getattr(self.m, "q_lora_rank", None) is None and hasattr(self.m, "q_proj") else self.m.q_b_proj
 
     # -- activations -----------------------------------------------------------------------------
-    def project_query(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q_nope [B, H, S, d_n], q_rope before rotation [B, H, S, d_r])."""
+    @property
+    def q_in_proj(self) -> torch.nn.Linear:
+        """The linear that reads the hidden states on the query path (q_proj, or q_a_proj with q_lora)."""
+        return self.m.q_proj if self.q_out_proj is not getattr(self.m, "q_b_proj", None) else self.m.q_a_proj
+
+    def project_query(self, hidden: torch.Tensor, q_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q_nope [B, H, S, d_n], q_rope before rotation [B, H, S, d_r]). `q_in`: ``q_in_proj(hidden)`` when
+        already computed (a block of a stacked product, ``serving/merged.py``)."""
         s, m = self.spec, self.m
         B, S, _ = hidden.shape
-        if self.q_out_proj is m.q_b_proj:
-            q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden)))
-        else:
-            q = m.q_proj(hidden)
+        if q_in is None:
+            q_in = self.q_in_proj(hidden)
+        q = m.q_b_proj(m.q_a_layernorm(q_in)) if self.q_out_proj is getattr(m, "q_b_proj", None) else q_in
         q = q.view(B, S, s.num_heads, s.d_n + s.d_r).transpose(1, 2)
         if s.query_scale != 1.0:
             q = q * s.query_scale
         return q[..., : s.d_n], q[..., s.d_n :]
 
-    def project_kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (latent [B, S, d_c] as cached, RoPE key before rotation [B, S, d_r])."""
+    def project_kv(self, hidden: torch.Tensor, ckv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (latent [B, S, d_c] as cached, RoPE key before rotation [B, S, d_r]). `ckv`:
+        ``kv_a_proj_with_mqa(hidden)`` when already computed."""
         s, m = self.spec, self.m
-        ckv = m.kv_a_proj_with_mqa(hidden)
+        if ckv is None:
+            ckv = m.kv_a_proj_with_mqa(hidden)
         latent = m.kv_a_layernorm(ckv[..., : s.d_c])
         if s.latent_scale != 1.0:
             latent = latent * s.latent_scale

@@ -28,7 +28,10 @@ class EngineConfig:
     the model's RMSNorm modules run as one Triton kernel a call where a probe shows they compute the same
     (``serving/norms.py``; ``Engine.norms`` says which). ``fused_rope``: inside steps the query's and key's RoPE in
     one kernel a layer where a probe shows it computes what the family's function does (``serving/fused_rope.py``;
-    ``Engine.rope`` says "fused" or why not)."""
+    ``Engine.rope`` says "fused" or why not). ``merged_projections``: inside steps the products that read one input
+    as one GEMM of their stacked weights (the weights become views of it: ``serving/merged.py``), the query's first
+    projection with ``kv_a_proj_with_mqa`` (``Engine.projections`` says "merged" or why not) and, on CUDA, each
+    gated MLP's gate with up, its SiLU and product then one kernel (``serving/mlp.py``; ``Engine.mlps`` says which)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -49,6 +52,7 @@ class EngineConfig:
     rope_block: int = 0
     fused_norms: bool = True
     fused_rope: bool = True
+    merged_projections: bool = True
 
 
 @dataclass

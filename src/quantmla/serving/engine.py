@@ -44,8 +44,9 @@ from quantmla.serving.scheduler import (
     Sequence,
     StepPlan,
 )
-from quantmla.serving import fused_rope, norms
+from quantmla.serving import fused_rope, mlp, norms
 from quantmla.serving.fused_rope import step_pieces
+from quantmla.serving.merged import MergedLinears, merge_reason
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
@@ -130,6 +131,7 @@ class Engine:
         self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
         self._patch()
         self.norms = norms.attach(model, self, lambda: _ACTIVE[0]) if config.fused_norms else {}
+        self.mlps = mlp.attach(model, self, lambda: _ACTIVE[0]) if config.merged_projections else {}
         # the RoPE kernel: on CUDA, and on the CPU where the Triton kernels run at all (interpreted)
         if not config.fused_rope:
             self.rope = "off (EngineConfig.fused_rope)"
@@ -198,13 +200,21 @@ class Engine:
 
     # -- attention patch -------------------------------------------------------------------------
     def _patch(self) -> None:
+        self.projections = "off (EngineConfig.merged_projections)"
         for slot, module in mla_modules(self.model).items():
             reg = module.__dict__.get("_quantmla_serving")
+            view = MLAView(module, self.spec)
             if reg is None:  # first engine on this module: install the dispatching forward
-                reg = {"orig": module.forward, "engines": {}}
+                reg = {"orig": module.forward, "engines": {}, "merged": None}
                 module.__dict__["_quantmla_serving"] = reg
                 module.forward = types.MethodType(_dispatch_forward, module)
-            reg["engines"][id(self)] = (self, slot, MLAView(module, self.spec))
+            if self.config.merged_projections:  # the query's first projection and kv_a_proj_with_mqa as one GEMM
+                pair = [view.q_in_proj, module.kv_a_proj_with_mqa]
+                why = None if reg["merged"] is not None else merge_reason(pair)
+                if why is None and reg["merged"] is None:
+                    reg["merged"] = MergedLinears(pair)
+                self.projections = why or "merged"
+            reg["engines"][id(self)] = (self, slot, view)
             self._patched[slot] = (module, reg)
 
     def close(self) -> None:
@@ -212,10 +222,13 @@ class Engine:
         for module, reg in self._patched.values():
             reg["engines"].pop(id(self), None)
             if not reg["engines"]:
+                if reg["merged"] is not None:
+                    reg["merged"].release()
                 module.__dict__.pop("forward", None)
                 module.__dict__.pop("_quantmla_serving", None)
         self._patched.clear()
         norms.detach(self.model, self)
+        mlp.detach(self.model, self)
         self._graphs = self._prefill = None  # frees the graphs now: they hold references back to the engine
 
     def __enter__(self):
@@ -503,7 +516,8 @@ def _dispatch_forward(module, *args, **kwargs):
     meta = engine._ctx
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-    q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused")  # hidden [1, N, h]
+    merged = reg["merged"] if engine.projections == "merged" else None
+    q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused", merged)  # hidden [1, N, h]
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
     engine.backend.write(slot, latent, k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]

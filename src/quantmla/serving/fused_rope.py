@@ -55,16 +55,21 @@ def probe(model: nn.Module, view: MLAView) -> str | None:
     return None if err <= tol else f"the kernel differs from the family's function by {err:.2g} (relative)"
 
 
-def step_pieces(view: MLAView, hidden: torch.Tensor, position_embeddings, fused: bool):
+def step_pieces(view: MLAView, hidden: torch.Tensor, position_embeddings, fused: bool, merged=None):
     """The four dual-path pieces of a step's N tokens (hidden [1, N, h]): q_nope [N, H, d_n] (a strided view),
-    q_rope [N, H, d_r], latent [N, d_c], k_rope [N, d_r], both RoPE pieces rotated (by the kernel where `fused`)."""
+    q_rope [N, H, d_r], latent [N, d_c], k_rope [N, d_r], both RoPE pieces rotated (by the kernel where `fused`).
+    `merged`: the layer's ``q_in_proj`` and ``kv_a_proj_with_mqa`` as one product (``serving/merged.py``), used
+    while both weights are still its views."""
+    q_in = ckv = None
+    if merged is not None and merged.current():
+        q_in, ckv = merged(hidden)
+    q_nope, q_rope = view.project_query(hidden, q_in)
+    latent, k_rope = view.project_kv(hidden, ckv)
     if not fused:
-        p = view.parts(hidden, position_embeddings)
-        return p["q_nope"][0].transpose(0, 1), p["q_rope"][0].transpose(0, 1), p["latent"][0], p["k_rope"][0]
+        q_rope, k_rope = view.rotate(q_rope, k_rope, position_embeddings)
+        return q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), latent[0], k_rope[0]
     from quantmla.kernels.rope import rope_rotate
 
-    q_nope, q_rope = view.project_query(hidden)
-    latent, k_rope = view.project_kv(hidden)
     q_rope, k_rope = rope_rotate(q_rope[0].transpose(0, 1), k_rope[0], *view.rope_tables(position_embeddings),
                                  view.rope_mode)
     return q_nope[0].transpose(0, 1), q_rope, latent[0], k_rope

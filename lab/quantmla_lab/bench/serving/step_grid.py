@@ -163,9 +163,10 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
     try:
         cfg = EngineConfig(quant=q, num_pages=pages, page_size=ps, max_num_seqs=batch, max_num_batched_tokens=batch,
                            watermark=0.0, backend=a.backend, cuda_graphs=False, max_model_len=tokens + 1,
-                           fused_rope=not a.no_fused_rope)
+                           fused_rope=not a.no_fused_rope, merged_projections=not a.no_merged_projections)
         e = Engine(model, cfg)
-        pt["rope"] = e.rope
+        pt["rope"], pt["projections"] = e.rope, e.projections
+        pt["mlps"] = sorted(set(e.mlps.values()))
         sync()
         t_build = time.perf_counter()
         fill_pool(e, seed=batch * 7919 + context)
@@ -319,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="v2-lite", help="serve-bench model preset (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-fused-rope", action="store_true", help="the family's own RoPE function (EngineConfig.fused_rope)")
+    p.add_argument("--no-merged-projections", action="store_true",
+                   help="each projection its own GEMM, the MLP's activation the modules' own (EngineConfig.merged_projections)")
     p.add_argument("--backend", default=None, help="attention backend (default: auto on CUDA, torch on the CPU)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="device memory the points must fit (default: the device's)")
