@@ -460,9 +460,20 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_diagonal: bool = True  # the key blocks every query sees without masks, the diagonal's masked apart
+    warp_specialize: bool = False  # Triton's producer/consumer warps for the unmasked key blocks' loop
 
     def describe(self) -> str:
-        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}" + ("" if self.split_diagonal else " one-loop")
+        return (f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + ("" if self.split_diagonal else " one-loop") + (" ws" if self.warp_specialize else ""))
+
+    @classmethod
+    def parse(cls, text: str) -> "PrefillConfig":
+        """From :meth:`describe`'s words, e.g. "M128 N64 w8 s3" or "M128 N128 w8 s3 ws"."""
+        words = text.replace(",", " ").split()
+        vals = {w[0]: int(w[1:]) for w in words if w[:1] in "MNws" and w[1:].isdigit()}
+        if set(vals) != set("MNws"):
+            raise ValueError(f"prefill tiling {text!r}: expected e.g. 'M128 N64 w8 s3' (optionally 'one-loop', 'ws')")
+        return cls(vals["M"], vals["N"], vals["w"], vals["s"], "one-loop" not in words, "ws" in words)
 
 
 def default_prefill_config(n: int) -> PrefillConfig:
@@ -519,7 +530,7 @@ def mla_prefill_attention(
         n, T, softmax_scale * LOG2E,
         D_N=d_n, D_R=d_r, D_V=d_v, BD_N=max(16, _next_pow2(d_n)), BD_R=max(16, _next_pow2(d_r)),
         BD_V=max(16, _next_pow2(d_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(),
-        SPLIT_DIAGONAL=cfg.split_diagonal,
+        SPLIT_DIAGONAL=cfg.split_diagonal, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

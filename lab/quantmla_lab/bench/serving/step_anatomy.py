@@ -142,6 +142,8 @@ def prefill_variants(a):
         base = default_prefill_config(n)  # the default tiling, with and without its unmasked key blocks apart
         configs = [base, dataclasses.replace(base, split_diagonal=False)] + (
             [] if a.kernel_only else [c for c in PREFILL_CONFIGS if c != base])
+        if a.prefill_configs:  # the default tiling, then the ones asked for
+            configs = [base] + [PrefillConfig.parse(c) for c in a.prefill_configs]
         variants += [(f"prefill_kernel {c.describe()}", lambda c=c: kernel(c)) for c in configs]
         row = {"n": n, "T": T, "flops": 2 * H * (dn + dr + dvv) * sum(min(T, T - n + i + 1) for i in range(n))}
         for name, f in variants:
@@ -177,6 +179,8 @@ def main(argv=None):
     p.add_argument("--prefill-shapes", nargs="+", type=lambda x: tuple(int(v) for v in x.split("x")),
                    default=[(1536, 1536), (2048, 2048), (512, 2048), (8192, 8192)],
                    help="prefill chunks as NxT (n queries, the last of T context tokens)")
+    p.add_argument("--prefill-configs", nargs="+", default=None,
+                   help="prefill tilings to time beside the default, e.g. 'M128 N128 w8 s3' 'M128 N64 w8 s3 ws'")
     p.add_argument("--kernel-only", action="store_true",
                    help="only the prefill kernel's default tiling, with and without its unmasked key blocks apart")
     p.add_argument("--out", default=None)
