@@ -374,7 +374,7 @@ def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     # the unmasked key blocks below the causal diagonal change no value: one masked loop gives the same output
     from quantmla.kernels.api import PrefillConfig, default_prefill_config
-    one_loop = dataclasses.replace(default_prefill_config(n), split_diagonal=False)
+    one_loop = dataclasses.replace(default_prefill_config(n, T), split_diagonal=False)
     assert isinstance(one_loop, PrefillConfig)
     got1 = mla_prefill_attention(q_nope, q_rope, wide[..., : d_n + d_v], k_rope, scale, config=one_loop)
     torch.testing.assert_close(got1, got, rtol=0, atol=0)
@@ -384,6 +384,21 @@ def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
     got2 = mla_prefill_attention(q_nope, q_rope, kv2, k_rope, scale)
     torch.testing.assert_close(got2[:-1], got[:-1], rtol=0, atol=0)
     assert (got2[-1] - got[-1]).abs().max() > 1e-2
+
+
+def test_prefill_default_tiling_follows_the_chunk_and_its_context(monkeypatch):
+    """Short prompts take the 64-query tiling, long prompts and short chunks after long contexts the 128-query
+    one; a tiling's words parse back to it, and a malformed one is refused."""
+    from quantmla.kernels import api
+
+    monkeypatch.setattr(api, "interpreting", lambda: False)
+    small, large = api.PrefillConfig(), api.PrefillConfig(128, 64, 8, 3)
+    assert api.default_prefill_config(1536) == small and api.default_prefill_config(2048, 4096) == small
+    assert api.default_prefill_config(4096) == large and api.default_prefill_config(700, 20480) == large
+    for cfg in (small, large, dataclasses.replace(large, split_diagonal=False)):
+        assert api.PrefillConfig.parse(cfg.describe()) == cfg
+    with pytest.raises(ValueError, match="M128 N64 w8 s3"):
+        api.PrefillConfig.parse("M128 w8")
 
 
 def test_prefill_attention_bf16_and_errors():

@@ -391,7 +391,8 @@ def test_unsupported_formats_raise_before_launch():
 @pytest.mark.parametrize("n,T,H,cfg", [
     (1531, 1531, 16, None),  # a whole odd-length prompt, default tiling
     (300, 2100, 16, None),  # a chunk continuing a context
-    (4500, 4500, 16, None),  # beyond 4096 queries: the other default tiling
+    (4500, 4500, 16, None),  # beyond 2048 queries: the other default tiling
+    (700, 6000, 16, None),  # a short chunk after a long context: the other default tiling too
     (777, 1000, 128, "M128 N128 w8 s2"),  # DeepSeek-V3 head count, a swept tiling
 ])
 def test_prefill_full_shape(n, T, H, cfg):
@@ -400,10 +401,7 @@ def test_prefill_full_shape(n, T, H, cfg):
     api = _api()
     from quantmla.reference.prefill import prefill_attention
 
-    config = None
-    if cfg:
-        m, nb, w, s = (int(x[1:]) for x in cfg.split())
-        config = api.PrefillConfig(m, nb, w, s)
+    config = api.PrefillConfig.parse(cfg) if cfg else None
     g = torch.Generator(device="cuda").manual_seed(n)
     q_nope = torch.randn(n, H, 128, device="cuda", generator=g).bfloat16()
     q_rope = torch.randn(n, H, 64, device="cuda", generator=g).bfloat16()

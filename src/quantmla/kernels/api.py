@@ -460,29 +460,32 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_diagonal: bool = True  # the key blocks every query sees without masks, the diagonal's masked apart
-    warp_specialize: bool = False  # Triton's producer/consumer warps for the unmasked key blocks' loop
 
     def describe(self) -> str:
-        return (f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
-                + ("" if self.split_diagonal else " one-loop") + (" ws" if self.warp_specialize else ""))
+        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}" + ("" if self.split_diagonal else " one-loop")
 
     @classmethod
     def parse(cls, text: str) -> "PrefillConfig":
-        """From :meth:`describe`'s words, e.g. "M128 N64 w8 s3" or "M128 N128 w8 s3 ws"."""
+        """From :meth:`describe`'s words, e.g. "M128 N64 w8 s3" or "M64 N64 w4 s2 one-loop"."""
         words = text.replace(",", " ").split()
         vals = {w[0]: int(w[1:]) for w in words if w[:1] in "MNws" and w[1:].isdigit()}
         if set(vals) != set("MNws"):
-            raise ValueError(f"prefill tiling {text!r}: expected e.g. 'M128 N64 w8 s3' (optionally 'one-loop', 'ws')")
-        return cls(vals["M"], vals["N"], vals["w"], vals["s"], "one-loop" not in words, "ws" in words)
+            raise ValueError(f"prefill tiling {text!r}: expected e.g. 'M128 N64 w8 s3' (optionally 'one-loop')")
+        return cls(vals["M"], vals["N"], vals["w"], vals["s"], "one-loop" not in words)
 
 
-def default_prefill_config(n: int) -> PrefillConfig:
-    """The fastest of six tilings on the H200 at 16 heads, d_n 128, d_r 64, d_v 128
-    (lab/results/prefill/attention_variants_h200.json): M64 N64 w4 s2 for chunks up to 2048 queries
-    (0.16 ms at n = T = 1536, 0.19 ms at 2048), M128 N64 w8 s3 beyond (1.07 ms at 8192)."""
+def default_prefill_config(n: int, T: int | None = None) -> PrefillConfig:
+    """The tiling for a chunk of n queries over T context tokens (T = n: a whole prompt), on the H200 at 16
+    heads, d_n 128, d_r 64, d_v 128: M64 N64 w4 s2 for short prompts (n <= 2048 and T <= 4096: 0.19 ms at
+    n = T = 1536), M128 N64 w8 s3 beyond, chunks after long contexts included (4096 of 20480: 1.76 against
+    1.96 ms with M64; 2048 of 18432: 0.92 against 1.02; 16384 of 16384: 2.87 ms, 479 TFLOP/s;
+    lab/results/prefill/tilings_stages_h200.json). Deeper pipelines (s4) time the same, Triton's
+    warp-specialized loop (tree 0a13d0b) the same or slower, and 128-key blocks at three stages do not fit in
+    shared memory (lab/results/prefill/tilings_long_h200.json)."""
     if interpreting():
         return PrefillConfig(16, 16, 4, 1)
-    return PrefillConfig() if n <= 4096 else PrefillConfig(128, 64, 8, 3)
+    T = n if T is None else T
+    return PrefillConfig() if n <= 2048 and T <= 4096 else PrefillConfig(128, 64, 8, 3)
 
 
 def mla_prefill_attention(
@@ -515,7 +518,7 @@ def mla_prefill_attention(
         return out
     from quantmla.kernels.prefill import _mla_prefill_kernel
 
-    cfg = config or default_prefill_config(n)
+    cfg = config or default_prefill_config(n, T)
     if out.shape != (n, H, d_v) or out.stride(-1) != 1:
         raise QuantMLAError(f"prefill attention: out must be [{n}, {H}, {d_v}] with unit stride in its last dim, "
                             f"got {tuple(out.shape)} with strides {out.stride()}")
@@ -530,7 +533,7 @@ def mla_prefill_attention(
         n, T, softmax_scale * LOG2E,
         D_N=d_n, D_R=d_r, D_V=d_v, BD_N=max(16, _next_pow2(d_n)), BD_R=max(16, _next_pow2(d_r)),
         BD_V=max(16, _next_pow2(d_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(),
-        SPLIT_DIAGONAL=cfg.split_diagonal, WARP_SPECIALIZE=cfg.warp_specialize,
+        SPLIT_DIAGONAL=cfg.split_diagonal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

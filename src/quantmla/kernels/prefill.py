@@ -63,7 +63,6 @@ def _mla_prefill_kernel(
     D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
     BD_N: tl.constexpr, BD_R: tl.constexpr, BD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     # the query blocks with most keys first, so that the last wave holds the short ones
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -88,7 +87,7 @@ def _mla_prefill_kernel(
     hi = tl.minimum(T, past + (mb + 1) * BLOCK_M)  # keys any query of the block sees
     # keys below `full` (whole key blocks) are seen by every query of the block: no masks there
     full = (past + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N if SPLIT_DIAGONAL else 0
-    for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in range(0, full, BLOCK_N):
         acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
                                       dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, False)
     for n0 in range(full, hi, BLOCK_N):

@@ -139,7 +139,7 @@ def prefill_variants(a):
             return mla_prefill_attention(q_nope, q_rope, kv, kr.bfloat16(), scale, config=cfg)
 
         variants = [] if a.kernel_only else [("absorbed_matmul", fa), ("nonabsorbed_sdpa", fb)]
-        base = default_prefill_config(n)  # the default tiling, with and without its unmasked key blocks apart
+        base = default_prefill_config(n, T)  # the default tiling, with and without its unmasked key blocks apart
         configs = [base, dataclasses.replace(base, split_diagonal=False)] + (
             [] if a.kernel_only else [c for c in PREFILL_CONFIGS if c != base])
         if a.prefill_configs:  # the default tiling, then the ones asked for
@@ -180,7 +180,7 @@ def main(argv=None):
                    default=[(1536, 1536), (2048, 2048), (512, 2048), (8192, 8192)],
                    help="prefill chunks as NxT (n queries, the last of T context tokens)")
     p.add_argument("--prefill-configs", nargs="+", default=None,
-                   help="prefill tilings to time beside the default, e.g. 'M128 N128 w8 s3' 'M128 N64 w8 s3 ws'")
+                   help="prefill tilings to time beside the default, e.g. 'M128 N128 w8 s2' 'M64 N64 w4 s3'")
     p.add_argument("--kernel-only", action="store_true",
                    help="only the prefill kernel's default tiling, with and without its unmasked key blocks apart")
     p.add_argument("--out", default=None)
