@@ -386,16 +386,37 @@ def test_prefill_attention_matches_fp64_reference(n, T, H, d_n, d_r, d_v):
     assert (got2[-1] - got[-1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("n,T,H,d_n,d_r,d_v", [(40, 40, 2, 32, 16, 32), (5, 70, 2, 64, 32, 64)])
+def test_prefill_key_blocks_through_tensor_descriptors_change_nothing(n, T, H, d_n, d_r, d_v):
+    """The key blocks read through tensor descriptors (rows past the context read as zeros by the copy) give the
+    pointer loads' output bit for bit, kv a strided view; dims or strides a bulk copy cannot read get no
+    descriptors (the pointer loads then run)."""
+    from quantmla.kernels import api
+
+    q_nope, q_rope, kv, k_rope = _prefill_inputs(n, T, H, d_n, d_r, d_v)
+    wide = torch.randn(T, H, d_n + d_v + 8, device=DEV)
+    wide[..., : d_n + d_v] = kv
+    kv = wide[..., : d_n + d_v]
+    base = api.default_prefill_config(n, T)
+    assert api._prefill_descriptors(kv, k_rope, d_n, d_v, base.block_n) is not None
+    got = api.mla_prefill_attention(q_nope, q_rope, kv, k_rope, 0.125, config=dataclasses.replace(base, tma=True))
+    want = api.mla_prefill_attention(q_nope, q_rope, kv, k_rope, 0.125, config=base)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert api._prefill_descriptors(kv[..., : d_n + 24], k_rope, d_n, 24, base.block_n) is None  # d_v 24
+    odd = torch.randn(T, H, d_n + d_v + 1, device=DEV)[..., : d_n + d_v]  # heads not 16 bytes apart
+    assert api._prefill_descriptors(odd, k_rope, d_n, d_v, base.block_n) is None
+
+
 def test_prefill_default_tiling_follows_the_chunk_and_its_context(monkeypatch):
     """Short prompts take the 64-query tiling, long prompts and short chunks after long contexts the 128-query
     one; a tiling's words parse back to it, and a malformed one is refused."""
     from quantmla.kernels import api
 
     monkeypatch.setattr(api, "interpreting", lambda: False)
-    small, large = api.PrefillConfig(), api.PrefillConfig(128, 64, 8, 3)
+    small, large = api.PrefillConfig(), api.PrefillConfig(128, 64, 8, 3, tma=True)
     assert api.default_prefill_config(1536) == small and api.default_prefill_config(2048, 4096) == small
     assert api.default_prefill_config(4096) == large and api.default_prefill_config(700, 20480) == large
-    for cfg in (small, large, dataclasses.replace(large, split_diagonal=False)):
+    for cfg in (small, large, dataclasses.replace(large, split_diagonal=False), dataclasses.replace(small, tma=True)):
         assert api.PrefillConfig.parse(cfg.describe()) == cfg
     with pytest.raises(ValueError, match="M128 N64 w8 s3"):
         api.PrefillConfig.parse("M128 w8")

@@ -394,6 +394,9 @@ def test_unsupported_formats_raise_before_launch():
     (4500, 4500, 16, None),  # beyond 2048 queries: the other default tiling
     (700, 6000, 16, None),  # a short chunk after a long context: the other default tiling too
     (777, 1000, 128, "M128 N128 w8 s2"),  # DeepSeek-V3 head count, a swept tiling
+    (1531, 1531, 16, "M64 N64 w4 s2 tma"),  # key blocks through tensor descriptors (bulk tensor copies)
+    (700, 6000, 16, "M128 N64 w8 s3 tma"),
+    (4500, 4500, 16, "M128 N64 w8 s3 one-loop tma"),
 ])
 def test_prefill_full_shape(n, T, H, cfg):
     """The prefill kernel at DeepSeek head dims (d_n 128, d_r 64, d_v 128) against an fp64 reference on

@@ -460,18 +460,20 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_diagonal: bool = True  # the key blocks every query sees without masks, the diagonal's masked apart
+    tma: bool = False  # key blocks through tensor descriptors (Hopper's bulk tensor copies), where the dims allow
 
     def describe(self) -> str:
-        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}" + ("" if self.split_diagonal else " one-loop")
+        return (f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + ("" if self.split_diagonal else " one-loop") + (" tma" if self.tma else ""))
 
     @classmethod
     def parse(cls, text: str) -> "PrefillConfig":
-        """From :meth:`describe`'s words, e.g. "M128 N64 w8 s3" or "M64 N64 w4 s2 one-loop"."""
+        """From :meth:`describe`'s words, e.g. "M128 N64 w8 s3", "M64 N64 w4 s2 one-loop" or "M128 N64 w8 s3 tma"."""
         words = text.replace(",", " ").split()
         vals = {w[0]: int(w[1:]) for w in words if w[:1] in "MNws" and w[1:].isdigit()}
         if set(vals) != set("MNws"):
-            raise ValueError(f"prefill tiling {text!r}: expected e.g. 'M128 N64 w8 s3' (optionally 'one-loop')")
-        return cls(vals["M"], vals["N"], vals["w"], vals["s"], "one-loop" not in words)
+            raise ValueError(f"prefill tiling {text!r}: expected e.g. 'M128 N64 w8 s3' (optionally 'one-loop', 'tma')")
+        return cls(vals["M"], vals["N"], vals["w"], vals["s"], "one-loop" not in words, "tma" in words)
 
 
 def default_prefill_config(n: int, T: int | None = None) -> PrefillConfig:
@@ -485,7 +487,7 @@ def default_prefill_config(n: int, T: int | None = None) -> PrefillConfig:
     if interpreting():
         return PrefillConfig(16, 16, 4, 1)
     T = n if T is None else T
-    return PrefillConfig() if n <= 2048 and T <= 4096 else PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig() if n <= 2048 and T <= 4096 else PrefillConfig(128, 64, 8, 3, tma=True)
 
 
 def mla_prefill_attention(
@@ -526,6 +528,7 @@ def mla_prefill_attention(
     q_nope, q_rope, kv, k_rope = (x.to(dt) if x.stride(-1) == 1 else x.to(dt).contiguous()
                                   for x in (q_nope, q_rope, kv, k_rope))  # any strides, unit last stride
     grid = (-(-n // cfg.block_m), H)
+    descriptors = _prefill_descriptors(kv, k_rope, d_n, d_v, cfg.block_n) if cfg.tma else None
     _mla_prefill_kernel[grid](
         q_nope, q_rope, kv, k_rope, out,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), kv.stride(1),
@@ -534,6 +537,27 @@ def mla_prefill_attention(
         D_N=d_n, D_R=d_r, D_V=d_v, BD_N=max(16, _next_pow2(d_n)), BD_R=max(16, _next_pow2(d_r)),
         BD_V=max(16, _next_pow2(d_v)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(),
         SPLIT_DIAGONAL=cfg.split_diagonal,
+        **({} if descriptors is None else {**descriptors, "TMA": True}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _prefill_descriptors(kv: torch.Tensor, k_rope: torch.Tensor, d_n: int, d_v: int, block_n: int) -> dict | None:
+    """Tensor descriptors of the prefill kernel's key blocks (kv's rows as [T, H·stride_h], k_rope [T, d_r]), or
+    None where a bulk tensor copy cannot read them: head dims not powers of two from 16, strides or addresses off
+    16 bytes, a GPU before Hopper."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T, H, d_r, esz = kv.shape[0], kv.shape[1], k_rope.shape[-1], kv.element_size()
+    if kv.is_cuda and torch.cuda.get_device_capability(kv.device)[0] < 9:
+        return None
+    if any(d < 16 or d & (d - 1) for d in (d_n, d_r, d_v)) or kv.stride(-1) != 1 or k_rope.stride(-1) != 1:
+        return None
+    if any((x * esz) % 16 for x in (kv.stride(0), kv.stride(1), k_rope.stride(0), d_n)) or \
+            kv.data_ptr() % 16 or k_rope.data_ptr() % 16:
+        return None
+    rows = kv.as_strided((T, (H - 1) * kv.stride(1) + d_n + d_v), (kv.stride(0), 1))
+    return {"KN_D": TensorDescriptor(rows, list(rows.shape), [kv.stride(0), 1], [block_n, d_n]),
+            "V_D": TensorDescriptor(rows, list(rows.shape), [kv.stride(0), 1], [block_n, d_v]),
+            "KR_D": TensorDescriptor(k_rope, [T, d_r], [k_rope.stride(0), 1], [block_n, d_r])}

@@ -12,7 +12,8 @@ One program owns ``BLOCK_M`` queries of one head and streams the key blocks that
 (online softmax, exp2, fp32 accumulators): first the whole key blocks that every query of the block sees,
 without masks, then the blocks on the causal diagonal and past the context's end, masked. The query blocks
 with the most keys are launched first. Head dims need not be powers of two: loads are masked to
-the real width of a power-of-two block.
+the real width of a power-of-two block. Where the head dims are powers of two (DeepSeek's 128/64/128), the key
+blocks may come through tensor descriptors instead (``PrefillConfig.tma``: bulk tensor copies on Hopper).
 """
 
 from __future__ import annotations
@@ -24,15 +25,22 @@ from quantmla.kernels.decode import _online_softmax
 
 
 @triton.jit
-def _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
+def _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, KN_D, V_D, KR_D, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
                   dn, dr, dv, D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) into the online softmax of a query block. MASKED: the block may hold
-    keys past T or past some query's causal limit; otherwise every query of the block sees all its keys."""
+    keys past T or past some query's causal limit; otherwise every query of the block sees all its keys.
+    TMA: the block's k_nope, v and k_rope come through tensor descriptors (bulk tensor copies on Hopper; rows past
+    T read as zeros), KN_D and V_D over the kv rows [T, H·skv_h], KR_D over k_rope [T, d_r]."""
     t = n0 + tl.arange(0, BLOCK_N)
     t64 = t.to(tl.int64)
     kv_row = KV + t64[:, None] * skv_t + h * skv_h
-    if MASKED:
+    if TMA:
+        col = (h * skv_h).to(tl.int32)
+        k_n = KN_D.load([n0, col])
+        v = V_D.load([n0, col + D_N])
+        k_r = KR_D.load([n0, 0])
+    elif MASKED:
         tmask = t < T
         k_n = tl.load(kv_row + dn[None, :], mask=tmask[:, None] & (dn < D_N)[None, :], other=0.0)
         k_r = tl.load(KR + t64[:, None] * skr_t + dr[None, :], mask=tmask[:, None] & (dr < D_R)[None, :], other=0.0)
@@ -63,6 +71,7 @@ def _mla_prefill_kernel(
     D_N: tl.constexpr, D_R: tl.constexpr, D_V: tl.constexpr,
     BD_N: tl.constexpr, BD_R: tl.constexpr, BD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_DIAGONAL: tl.constexpr,
+    KN_D=None, V_D=None, KR_D=None, TMA: tl.constexpr = False,
 ):
     # the query blocks with most keys first, so that the last wave holds the short ones
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -88,11 +97,11 @@ def _mla_prefill_kernel(
     # keys below `full` (whole key blocks) are seen by every query of the block: no masks there
     full = (past + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N if SPLIT_DIAGONAL else 0
     for n0 in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
-                                      dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, False)
+        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, KN_D, V_D, KR_D, n0, h, skv_t, skv_h, skr_t, T,
+                                      limit, qk_scale, dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, False, TMA)
     for n0 in range(full, hi, BLOCK_N):
-        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, n0, h, skv_t, skv_h, skr_t, T, limit, qk_scale,
-                                      dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, True)
+        acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q_n, q_r, KV, KR, KN_D, V_D, KR_D, n0, h, skv_t, skv_h, skr_t, T,
+                                      limit, qk_scale, dn, dr, dv, D_N, D_R, D_V, BLOCK_N, DOT_F32, True, TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
