@@ -413,7 +413,7 @@ def test_prefill_default_tiling_follows_the_chunk_and_its_context(monkeypatch):
     from quantmla.kernels import api
 
     monkeypatch.setattr(api, "interpreting", lambda: False)
-    small, large = api.PrefillConfig(), api.PrefillConfig(128, 64, 8, 3, tma=True)
+    small, large = api.PrefillConfig(), api.PrefillConfig(128, 64, 8, 3)
     assert api.default_prefill_config(1536) == small and api.default_prefill_config(2048, 4096) == small
     assert api.default_prefill_config(4096) == large and api.default_prefill_config(700, 20480) == large
     for cfg in (small, large, dataclasses.replace(large, split_diagonal=False), dataclasses.replace(small, tma=True)):

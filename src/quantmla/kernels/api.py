@@ -483,11 +483,13 @@ def default_prefill_config(n: int, T: int | None = None) -> PrefillConfig:
     1.96 ms with M64; 2048 of 18432: 0.92 against 1.02; 16384 of 16384: 2.87 ms, 479 TFLOP/s;
     lab/results/prefill/tilings_stages_h200.json). Deeper pipelines (s4) time the same, Triton's
     warp-specialized loop (tree 0a13d0b) the same or slower, and 128-key blocks at three stages do not fit in
-    shared memory (lab/results/prefill/tilings_long_h200.json)."""
+    shared memory (lab/results/prefill/tilings_long_h200.json). Key blocks through tensor descriptors
+    (``tma=True``) are 3.5 % faster at 16384 of 16384 and 3 to 10 % slower at the other long chunks, slower still
+    at short prompts (lab/results/prefill/tilings_tma_h200.json), so they are not the default."""
     if interpreting():
         return PrefillConfig(16, 16, 4, 1)
     T = n if T is None else T
-    return PrefillConfig() if n <= 2048 and T <= 4096 else PrefillConfig(128, 64, 8, 3, tma=True)
+    return PrefillConfig() if n <= 2048 and T <= 4096 else PrefillConfig(128, 64, 8, 3)
 
 
 def mla_prefill_attention(
