@@ -71,6 +71,11 @@ def test_merge_refuses_what_one_product_cannot_compute():
     h = b.register_forward_hook(lambda *args: None)
     assert "hooks" in merge_reason([a, b])
     h.remove()
+    b.forward = lambda x: x  # as accelerate's offloading wraps a module's forward
+    assert "replaced forward" in merge_reason([a, b])
+    del b.forward
+    assert merge_reason([a, b]) is None
+    assert "meta" in merge_reason([a, nn.Linear(48, 8, bias=False, device="meta")])
     with pytest.raises(ValueError, match="cannot merge"):
         MergedLinears([a, nn.Linear(32, 8).to(DEV)])
 
@@ -215,3 +220,22 @@ def test_engine_on_gpu_merges_projections_and_mlps_and_matches_generate(family):
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 40, 1)]
     rep, st = engine_agreement(model, BF16_CONFIG, prompts, 16, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
     assert st["graph_steps"] > 0 and rep.ok, rep.details
+
+
+def test_patching_keeps_the_modules_own_forward_until_the_last_engine_leaves():
+    from quantmla.serving.patching import patch, unpatch
+
+    lin = nn.Linear(4, 4)
+    own = lin.forward
+    e1, e2, released = object(), object(), []
+    reg = patch(lin, "_k", lambda self, x: reg["orig"](x) * 0, e1, entry="one", state=1)
+    assert patch(lin, "_k", lambda self, x: x, e2, entry="two", state=2) is reg  # the first engine's forward and state
+    assert reg["state"] == 1 and reg["engines"] == {id(e1): "one", id(e2): "two"}
+    x = torch.randn(2, 4)
+    assert (lin(x) == 0).all()
+    unpatch(lin, "_k", e1, on_last=released.append)
+    assert "_k" in lin.__dict__ and not released
+    unpatch(lin, "_k", e2, on_last=released.append)
+    assert released == [reg] and "_k" not in lin.__dict__ and "forward" not in lin.__dict__
+    assert lin.forward == own
+    unpatch(lin, "_k", e2)  # nothing left to undo

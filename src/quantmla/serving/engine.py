@@ -21,7 +21,6 @@ told of every step and graph capture with host timings (how the benchmarks time 
 from __future__ import annotations
 
 import time
-import types
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ from quantmla.serving.scheduler import (
 from quantmla.serving import fused_rope, mlp, norms
 from quantmla.serving.fused_rope import step_pieces
 from quantmla.serving.merged import MergedLinears, merge_reason
+from quantmla.serving.patching import patch, unpatch
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
@@ -128,7 +128,7 @@ class Engine:
                                     decode_config=config.decode_config, stage_rows=stage_rows)
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
-        self._patched: dict[int, tuple[torch.nn.Module, dict]] = {}
+        self._patched: dict[int, torch.nn.Module] = {}  # layer -> its MLA module, patched
         self._patch()
         self.norms = norms.attach(model, self, lambda: _ACTIVE[0]) if config.fused_norms else {}
         self.mlps = mlp.attach(model, self, lambda: _ACTIVE[0]) if config.merged_projections else {}
@@ -200,32 +200,25 @@ class Engine:
 
     # -- attention patch -------------------------------------------------------------------------
     def _patch(self) -> None:
-        self.projections = "off (EngineConfig.merged_projections)"
+        why_not = []
         for slot, module in mla_modules(self.model).items():
-            reg = module.__dict__.get("_quantmla_serving")
             view = MLAView(module, self.spec)
-            if reg is None:  # first engine on this module: install the dispatching forward
-                reg = {"orig": module.forward, "engines": {}, "merged": None}
-                module.__dict__["_quantmla_serving"] = reg
-                module.forward = types.MethodType(_dispatch_forward, module)
-            if self.config.merged_projections:  # the query's first projection and kv_a_proj_with_mqa as one GEMM
-                pair = [view.q_in_proj, module.kv_a_proj_with_mqa]
-                why = None if reg["merged"] is not None else merge_reason(pair)
-                if why is None and reg["merged"] is None:
+            reg = patch(module, _KEY, _dispatch_forward, self, (self, slot, view), merged=None)
+            if self.config.merged_projections and reg["merged"] is None:
+                pair = [view.q_in_proj, module.kv_a_proj_with_mqa]  # one GEMM of the hidden states
+                why = merge_reason(pair)
+                if why is None:
                     reg["merged"] = MergedLinears(pair)
-                self.projections = why or "merged"
-            reg["engines"][id(self)] = (self, slot, view)
-            self._patched[slot] = (module, reg)
+                else:
+                    why_not.append(why)
+            self._patched[slot] = module
+        self.projections = ("off (EngineConfig.merged_projections)" if not self.config.merged_projections
+                            else why_not[0] if why_not else "merged")
 
     def close(self) -> None:
-        """Unregister from the model; the last engine gives the modules their own forwards back."""
-        for module, reg in self._patched.values():
-            reg["engines"].pop(id(self), None)
-            if not reg["engines"]:
-                if reg["merged"] is not None:
-                    reg["merged"].release()
-                module.__dict__.pop("forward", None)
-                module.__dict__.pop("_quantmla_serving", None)
+        """Unregister from the model; the last engine gives the modules their own forwards (and weights) back."""
+        for module in self._patched.values():
+            unpatch(module, _KEY, self, on_last=_release_merged)
         self._patched.clear()
         norms.detach(self.model, self)
         mlp.detach(self.model, self)
@@ -507,7 +500,7 @@ class Engine:
 def _dispatch_forward(module, *args, **kwargs):
     """An MLA module's forward while engines are attached: inside a step of one of them, attention on
     that engine's paged cache; otherwise the module's own forward."""
-    reg = module.__dict__["_quantmla_serving"]
+    reg = module.__dict__[_KEY]
     eng = _ACTIVE[0]
     entry = None if eng is None else reg["engines"].get(id(eng))
     if entry is None:
@@ -525,3 +518,9 @@ def _dispatch_forward(module, *args, **kwargs):
 
 
 _ACTIVE: list = [None]  # the engine whose step is running (one at a time)
+_KEY = "_quantmla_serving"  # the MLA modules' registry (serving/patching.py)
+
+
+def _release_merged(reg: dict) -> None:
+    if reg["merged"] is not None:
+        reg["merged"].release()

@@ -21,13 +21,16 @@ from torch import nn
 
 
 def merge_reason(linears: list[nn.Module]) -> str | None:
-    """Why `linears` cannot be stacked into one GEMM, or None: each a plain ``nn.Linear`` without hooks, all on
-    one device and dtype, with one input width, all with biases or none."""
+    """Why `linears` cannot be stacked into one GEMM, or None: each a plain ``nn.Linear`` without hooks or a
+    replaced forward (accelerate's offloading wraps ``forward``), its weight materialized, all on one device and
+    dtype, with one input width, all with biases or none."""
     for lin in linears:
         if type(lin) is not nn.Linear:
             return f"{type(lin).__name__} is not a plain nn.Linear"
-        if lin._forward_hooks or lin._forward_pre_hooks:
-            return "a module has forward hooks"
+        if lin._forward_hooks or lin._forward_pre_hooks or "forward" in lin.__dict__:
+            return "a module has forward hooks or a replaced forward (offloading, adapters)"
+        if lin.weight.device.type == "meta":
+            return "a weight is not materialized (meta device)"
     w0 = linears[0].weight
     if any(lin.weight.device != w0.device or lin.weight.dtype != w0.dtype for lin in linears):
         return "weights on different devices or of different dtypes"

@@ -14,7 +14,6 @@ hooks keeps its forward, and the engine says which and why (``Engine.mlps``).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantmla.serving.merged import MergedLinears, merge_reason
+from quantmla.serving.patching import patch, unpatch
 
 _KEY = "_quantmla_mlp"
 # the largest |fused - own| over the probe, relative to the largest |own|: roundings, not another function
@@ -84,8 +84,8 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
     interpreter: tests)."""
     report = {}
     for name, m in gated_mlps(model).items():
-        reg = m.__dict__.get(_KEY)
-        if reg is None:
+        merged = None
+        if _KEY not in m.__dict__:  # the first engine on this module: stack and check it
             if not (m.gate_proj.weight.is_cuda or cpu):
                 report[name] = "not on a CUDA device"
                 continue
@@ -93,10 +93,7 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
             if why:
                 report[name] = why
                 continue
-            reg = {"orig": m.forward, "engines": set(), "current": current, "merged": merged}
-            m.__dict__[_KEY] = reg
-            m.forward = types.MethodType(_forward, m)
-        reg["engines"].add(id(engine))
+        patch(m, _KEY, _forward, engine, current=current, merged=merged)
         report[name] = "fused"
     return report
 
@@ -104,11 +101,4 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
 def detach(model: nn.Module, engine) -> None:
     """Undo :func:`attach` for `engine`; the last engine gives the modules their own forwards and weights back."""
     for m in gated_mlps(model).values():
-        reg = m.__dict__.get(_KEY)
-        if reg is None:
-            continue
-        reg["engines"].discard(id(engine))
-        if not reg["engines"]:
-            reg["merged"].release()
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(_KEY, None)
+        unpatch(m, _KEY, engine, on_last=lambda reg: reg["merged"].release())

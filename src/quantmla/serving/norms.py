@@ -12,11 +12,12 @@ scale, another cast order) keeps its own forward, and the engine says which and 
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from quantmla.serving.patching import patch, unpatch
 
 _KEY = "_quantmla_norm"
 
@@ -74,23 +75,12 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
         orig = reg["orig"] if reg is not None else m.forward
         why = probe(m, orig) if m.weight.is_cuda or cpu else "not on a CUDA device"
         report[name] = why or "fused"
-        if why:
-            continue
-        if reg is None:
-            reg = {"orig": orig, "engines": set(), "current": current}
-            m.__dict__[_KEY] = reg
-            m.forward = types.MethodType(_forward, m)
-        reg["engines"].add(id(engine))
+        if not why:
+            patch(m, _KEY, _forward, engine, current=current)
     return report
 
 
 def detach(model: nn.Module, engine) -> None:
     """Undo :func:`attach` for `engine`; the last engine gives the modules their own forwards back."""
     for m in rms_norm_modules(model).values():
-        reg = m.__dict__.get(_KEY)
-        if reg is None:
-            continue
-        reg["engines"].discard(id(engine))
-        if not reg["engines"]:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(_KEY, None)
+        unpatch(m, _KEY, engine)
