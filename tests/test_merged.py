@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantmla.model.tiny import tiny_model
+from quantmla.model.tiny import FAMILIES, tiny_model
 from quantmla.serving import mlp
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.merged import MergedLinears, merge_reason
@@ -239,3 +239,25 @@ def test_patching_keeps_the_modules_own_forward_until_the_last_engine_leaves():
     assert released == [reg] and "_k" not in lin.__dict__ and "forward" not in lin.__dict__
     assert lin.forward == own
     unpatch(lin, "_k", e2)  # nothing left to undo
+
+
+@needs_triton
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_gated_mlps_fuse_and_give_the_models_logits(family):
+    """Each tiny family's gated MLPs (dense layers, shared experts) fuse, and the model's logits with them fused
+    inside a step equal its own; detach leaves the weights as they were."""
+    model = tiny_model(family).to(DEV)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0)).to(DEV)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(ids).logits
+        eng, active = _Engine(), [None]
+        report = mlp.attach(model, eng, lambda: active[0], cpu=True)
+        assert report and all(v == "fused" for v in report.values()), report
+        active[0] = eng
+        got = model(ids).logits
+        active[0] = None
+        mlp.detach(model, eng)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
