@@ -28,6 +28,12 @@
 #                                                                           -> prefill/attention_variants_h200.json
 # prefill-split   the prefill kernel's default tiling with its unmasked key blocks apart and as one masked loop,
 #                 at long chunks (16384 of 16384, 4096 of 20480, 8192, 1536)   -> prefill/split_diagonal_h200.json
+# prefill-tilings the default tiling against the 128-query tiling, deeper pipelines and key blocks through tensor
+#                 descriptors, at long and short chunks                      -> prefill/tilings_tma_h200.json
+# projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows
+#                                                                           -> profile/projection_gemms_h200.json
+# step-grid-merged the step grid, and the same engine without merged projections at batch 1 and 32 of 16K
+#                                     -> profile/step_grid_merged_h200.json, profile/step_grid_merged_off_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -145,6 +151,25 @@ prefill-kernel() {
 prefill-split() {
   timeout 150 python3 -m quantmla_lab.bench.serving.step_anatomy --skip-anatomy --kernel-only \
     --prefill-shapes 16384x16384 4096x20480 8192x8192 1536x1536 --out "$OUT/prefill/split_diagonal_h200.json" 2>&1 | quiet 6
+}
+
+prefill-tilings() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_anatomy --skip-anatomy --kernel-only \
+    --prefill-shapes 16384x16384 4096x20480 2048x18432 4096x4096 1536x1536 \
+    --prefill-configs "M128 N64 w8 s3" "M128 N64 w8 s3 tma" "M64 N64 w4 s2 tma" "M128 N64 w8 s4 tma" "M128 N128 w8 s2 tma" \
+    --out "$OUT/prefill/tilings_tma_h200.json" 2>&1 | grep "^{'n'" | tee -a "$LOG"
+}
+
+projection-gemms() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.projection_gemms --rows 1 8 32 64 \
+    --out "$OUT/profile/projection_gemms_h200.json" 2>&1 | quiet 100
+}
+
+step-grid-merged() {
+  timeout 200 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 140 --top 20 \
+    --out "$OUT/profile/step_grid_merged_h200.json" 2>&1 | quiet 56
+  timeout 100 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --no-merged-projections \
+    --top 20 --out "$OUT/profile/step_grid_merged_off_h200.json" 2>&1 | quiet 14
 }
 
 step-anatomy() {
