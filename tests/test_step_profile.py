@@ -2,6 +2,9 @@
 forward pass of the serve-bench model (tiny preset, CPU): the dense part is every matmul of the model,
 and the attention part is the causal half of what eager attention multiplies."""
 
+import os
+
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -46,3 +49,30 @@ def test_projection_gemms_times_each_form_of_the_same_product(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rows"], r["form"]) for r in rows] == [(1, "linear"), (1, "transposed"), (3, "linear"), (3, "transposed")]
     assert all(r["rel_diff_vs_linear"] < 1e-5 and r["us"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_skinny_gemm_candidate_computes_the_product(tmp_path):
+    """The lab's candidate kernel for decode's small products equals F.linear at every tiling the bench sweeps
+    (rows 1 to 64, N not a multiple of the block, K not a multiple of the key block), refuses more than 64 rows,
+    and the bench times it as one form a tiling."""
+    import json
+
+    from quantmla_lab.bench.serving.projection_gemms import main
+    from quantmla_lab.bench.serving.skinny_gemm import TILINGS, skinny_linear
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 600, generator=g).to(dev)
+    for m in (1, 5, 64):
+        x = torch.randn(m, 600, generator=g).to(dev)
+        for t in TILINGS:
+            torch.testing.assert_close(skinny_linear(x, w, t), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="64 rows"):
+        skinny_linear(torch.randn(65, 600, device=dev), w)
+    out = tmp_path / "pg.json"
+    assert main(["--device", "cpu", "--rows", "2", "--reps", "1", "--only", "kv_a_proj_with_mqa", "--triton",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 + len(TILINGS) and all(r["rel_diff_vs_linear"] < 1e-4 for r in rows)

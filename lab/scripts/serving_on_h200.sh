@@ -30,8 +30,8 @@
 #                 at long chunks (16384 of 16384, 4096 of 20480, 8192, 1536)   -> prefill/split_diagonal_h200.json
 # prefill-tilings the default tiling against the 128-query tiling, deeper pipelines and key blocks through tensor
 #                 descriptors, at long and short chunks                      -> prefill/tilings_tma_h200.json
-# projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows
-#                                                                           -> profile/projection_gemms_h200.json
+# projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows, and the
+#                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_h200.json
 # step-grid-merged the step grid, and the same engine without merged projections at batch 1 and 32 of 16K
 #                                     -> profile/step_grid_merged_h200.json, profile/step_grid_merged_off_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -161,8 +161,8 @@ prefill-tilings() {
 }
 
 projection-gemms() {
-  timeout 150 python3 -m quantmla_lab.bench.serving.projection_gemms --rows 1 8 32 64 \
-    --out "$OUT/profile/projection_gemms_h200.json" 2>&1 | quiet 100
+  timeout 200 python3 -m quantmla_lab.bench.serving.projection_gemms --rows 1 8 32 64 --triton \
+    --out "$OUT/profile/projection_gemms_h200.json" 2>&1 | quiet 200
 }
 
 step-grid-merged() {

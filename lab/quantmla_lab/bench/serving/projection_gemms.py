@@ -9,7 +9,9 @@ gate with up) and each row count M in ``--rows``, the time of ``y = x·Wᵀ`` fo
 - ``linear``: ``F.linear(x, W)``, as the model's modules call it;
 - ``transposed``: ``(W @ xᵀ)ᵀ``, the same product with the weight as the left operand (cuBLAS then sees M as the
   narrow dimension of its output and may pick a GEMV-like kernel);
-- ``lt``: ``F.linear`` with ``torch.backends.cuda.preferred_blas_library("cublaslt")``.
+- ``lt``: ``F.linear`` with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
+- with ``--triton``, ``triton N.. K.. w.. s..``: ``skinny_gemm.py``'s kernel (a candidate that streams W) at each of
+  its tilings.
 
 Each form runs on ``--copies`` copies of the weight in turn (at least 256 MB in all, so that no copy is still in
 L2 when its turn comes, as across a model's 27 layers), captured in one CUDA graph whose replays are timed with CUDA
@@ -46,7 +48,7 @@ def shapes(preset: str = "v2-lite") -> dict[str, tuple[int, int]]:
     }
 
 
-def _forms(device: str):
+def _forms(device: str, triton_tilings: bool = False):
     def linear(x, w):
         return F.linear(x, w)
 
@@ -56,6 +58,11 @@ def _forms(device: str):
     out = {"linear": (linear, None), "transposed": (transposed, None)}
     if device == "cuda":
         out["lt"] = (linear, "cublaslt")
+    if triton_tilings:  # the candidate kernel that streams W (skinny_gemm.py), one form a tiling
+        from quantmla_lab.bench.serving.skinny_gemm import TILINGS, skinny_linear
+
+        for t in TILINGS:
+            out["triton N{} K{} w{} s{}".format(*t)] = (lambda x, w, t=t: skinny_linear(x, w, t), None)
     return out
 
 
@@ -105,7 +112,7 @@ def run(a) -> dict:
         for m in a.rows:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             ref = F.linear(x, ws[0]).float()
-            for form, (fn, lib) in _forms(dev).items():
+            for form, (fn, lib) in _forms(dev, a.triton).items():
                 prev = torch.backends.cuda.preferred_blas_library() if lib else None
                 if lib:
                     torch.backends.cuda.preferred_blas_library(lib)
@@ -132,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--copies", type=int, default=64)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--triton", action="store_true", help="also time skinny_gemm.py's kernel at each of its tilings")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     res = run(a)

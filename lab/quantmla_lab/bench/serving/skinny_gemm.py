@@ -1,0 +1,48 @@
+"""A candidate for decode's small products: y = x·Wᵀ for a few rows of x as one Triton kernel that streams W.
+
+At decode's 1 to 64 rows a product reads its weight once and does little else, and cuBLAS's kernels for the
+attention's small weights (q_proj with kv_a_proj_with_mqa stacked, 3648 x 2048; o_proj, 2048 x 2048) read them at
+1.3 to 2.0 TB/s (``lab/results/profile/projection_gemms_h200.json``). Here each program owns ``BLOCK_N`` rows of W
+(output columns) over the whole of K, so the grid has N / BLOCK_N programs and every weight byte is read once;
+the rows of x, padded to 16 for the tensor cores, stay in registers between key blocks. ``projection_gemms.py``
+times it beside cuBLAS as the form ``triton`` (its tilings swept, the best kept); the engine does not use it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by the bench
+TILINGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3))
+
+
+@triton.jit
+def _skinny_kernel(X, W, Y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(W + n[:, None].to(tl.int64) * swn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int, int] = TILINGS[0]) -> torch.Tensor:
+    """``F.linear(x, w)`` for x [M, K] with M <= 64 rows and w [N, K] (last dims contiguous), fp32 accumulation,
+    output in x's dtype. `tiling`: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > 64 or w.shape[1] != K or x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"skinny_linear: x [{M}, {K}] (at most 64 rows) and w [N, {K}] with contiguous rows, "
+                         f"got w {tuple(w.shape)}")
+    block_n, block_k, warps, stages = tiling
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                               BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+                                               BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return y
