@@ -153,7 +153,7 @@ def test_mlp_attach_fuses_inside_steps_only_and_detach_restores():
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_engine_merges_the_query_and_kv_projections_and_falls_back_when_a_weight_changes(family):
+def test_engine_merges_the_query_and_kv_projections_and_falls_back_when_a_weight_changes(family, tmp_path):
     """q_proj (or q_a_proj) and kv_a_proj_with_mqa become one product while an engine is attached; its logits
     equal the unmerged engine's; after a weight is replaced the engine computes with the new weight (never the
     stale stack), and close() gives each module its own storage back."""
@@ -173,10 +173,15 @@ def test_engine_merges_the_query_and_kv_projections_and_falls_back_when_a_weight
 
     off, ids_off, logits_off, _ = run(merged_projections=False)
     assert off.startswith("off")
+    from safetensors.torch import load_file, save_file
+
     with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch")) as eng:
         assert eng.projections == "merged"
         assert first.weight.untyped_storage().data_ptr() == attn.kv_a_proj_with_mqa.weight.untyped_storage().data_ptr()
+        save_file(model.state_dict(), str(tmp_path / "model.safetensors"))  # each module's own rows, while attached
     assert first.weight.untyped_storage().data_ptr() != attn.kv_a_proj_with_mqa.weight.untyped_storage().data_ptr()
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     on, ids_on, logits_on, _ = run()
     assert on == "merged" and ids_on == ids_off
     for a, b in zip(logits_on, logits_off):

@@ -10,9 +10,8 @@ The stacked weight costs no memory: each module's ``weight`` (and ``bias``) beco
 the stacked tensor (the ``Parameter`` objects stay the same), and :meth:`MergedLinears.release` gives each
 module its own storage back. Until then an in-place update of a module's weight updates the stacked one; a
 module whose weight was replaced (``.data`` set anew) is no longer a view of it, and :meth:`MergedLinears.current`
-says so, so callers fall back to the modules' own products rather than a stale copy. While they are views, the
-modules' weights share one storage: close the engine (which releases the stack) before saving the model with a
-writer that refuses shared tensors (``safetensors.torch.save_file``).
+says so, so callers fall back to the modules' own products rather than a stale copy. Saving the model meanwhile
+writes each module's own rows (``save_pretrained`` and safetensors' ``save_file`` take the views as they are).
 """
 
 from __future__ import annotations
