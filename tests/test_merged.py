@@ -145,6 +145,9 @@ def test_mlp_attach_fuses_inside_steps_only_and_detach_restores():
         n = len(calls)
         torch.testing.assert_close(silu(x), ref, rtol=1e-5, atol=1e-6)
         assert len(calls) == n
+        late = _Engine()  # an engine attaching now is told so
+        assert "replaced" in mlp.attach(model, late, lambda: active[0], cpu=True)["silu"]
+        mlp.detach(model, late)
     finally:
         ka.silu_mul = real
     mlp.detach(model, eng)

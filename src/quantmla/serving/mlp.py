@@ -93,8 +93,8 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
             if why:
                 report[name] = why
                 continue
-        patch(m, _KEY, _forward, engine, current=current, merged=merged)
-        report[name] = "fused"
+        reg = patch(m, _KEY, _forward, engine, current=current, merged=merged)
+        report[name] = "fused" if reg["merged"].current() else "a weight was replaced since the stack: its own forward runs"
     return report
 
 
