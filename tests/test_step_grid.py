@@ -36,3 +36,14 @@ def test_step_grid_parts_sum_to_the_step_and_oversized_points_are_skipped(tmp_pa
     step_grid.main(["--from-json", str(out)])
     table = capsys.readouterr().out
     assert "| int4/int4 | 2 | 64 |" in table and f"| int4/int4 | 2 | {1 << 20} | skipped: needs" in table
+
+
+def test_step_grid_cuda_graphs_on_the_cpu_is_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "grid.json"
+    step_grid.main(["--preset", "tiny", "--device", "cpu", "--content-group", "32", "--rope-group", "16",
+                    "--methods", "bf16", "--batches", "1", "--contexts", "64", "--warm", "2", "--steps", "1",
+                    "--cuda-graphs", "--out", str(out)])
+    res = json.loads(out.read_text())
+    (pt,) = res["points"]
+    assert res["cuda_graphs"] is True and res["how"].startswith("CUDA-graph replays")
+    assert pt["status"] == "skipped" and pt["reason"].startswith("--cuda-graphs: the engine does not replay graphs")

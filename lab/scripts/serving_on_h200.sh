@@ -34,6 +34,9 @@
 #                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_h200.json
 # step-grid-merged the step grid, and the same engine without merged projections at batch 1 and 32 of 16K
 #                                     -> profile/step_grid_merged_h200.json, profile/step_grid_merged_off_h200.json
+# step-grid-graphs the step grid's batch 1 and 32 of 16K with decode steps as CUDA-graph replays (as serve-bench
+#                 runs them), and as eager steps, 30 costliest kernels each
+#                                     -> profile/step_grid_graphs_h200.json, profile/step_grid_eager_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -170,6 +173,13 @@ step-grid-merged() {
     --out "$OUT/profile/step_grid_merged_h200.json" 2>&1 | quiet 56
   timeout 100 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --no-merged-projections \
     --top 20 --out "$OUT/profile/step_grid_merged_off_h200.json" 2>&1 | quiet 14
+}
+
+step-grid-graphs() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --top 30 \
+    --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --top 30 \
+    --out "$OUT/profile/step_grid_eager_h200.json" 2>&1 | quiet 14
 }
 
 step-anatomy() {

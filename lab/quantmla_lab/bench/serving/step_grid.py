@@ -5,7 +5,8 @@
 
 For every point (batch in ``--batches``, context in ``--contexts``, method in ``--methods``) the
 serve-bench model (v2-lite geometry, 27 layers, random weights, built once) runs ``--warm`` eager
-decode steps of the full batch (the first builds the kernels, the others time a whole step without the
+decode steps (``--cuda-graphs``: replays of the engine's CUDA graph for the batch, captured in the first
+step, as serve-bench's decode steps run) of the full batch (the first builds the kernels, the others time a whole step without the
 profiler: ``step_us_unprofiled``), then ``--steps`` under ``torch.profiler``, and the point records the
 step's parts (:func:`~quantmla_lab.bench.serving.step_profile.step_parts`: attention, cache append,
 projections and MLP, sampling, other kernels, host time), the bytes a step must read (weights, cached
@@ -162,10 +163,13 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
     e = window = None
     try:
         cfg = EngineConfig(quant=q, num_pages=pages, page_size=ps, max_num_seqs=batch, max_num_batched_tokens=batch,
-                           watermark=0.0, backend=a.backend, cuda_graphs=False, max_model_len=tokens + 1,
+                           watermark=0.0, backend=a.backend, cuda_graphs=a.cuda_graphs, max_model_len=tokens + 1,
                            fused_rope=not a.no_fused_rope, merged_projections=not a.no_merged_projections)
         e = Engine(model, cfg)
         pt["rope"], pt["projections"] = e.rope, e.projections
+        if a.cuda_graphs and not e.use_graphs:
+            return pt | {"status": "skipped", "reason": "--cuda-graphs: the engine does not replay graphs on this "
+                                                          f"device and backend ({e.graph_error or 'not CUDA'})"}
         pt["mlps"] = sorted(set(e.mlps.values()))
         sync()
         t_build = time.perf_counter()
@@ -196,7 +200,11 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
         gpu_us = sum(fam.values())
         top = sorted(fam.items(), key=lambda kv: -kv[1])[: a.top]
         unprof = window.unprofiled_s()
-        pt |= {"status": "ok", "steps": n, "tokens_per_step": window.tokens / n, "mean_context": mean_ctx,
+        if a.cuda_graphs and e.stats.graph_steps < a.warm + a.steps:
+            return pt | {"status": "error", "reason": f"--cuda-graphs: {e.stats.graph_steps} of the job's "
+                                                      f"{a.warm + a.steps} decode steps replayed a graph ({e.graph_error})"}
+        pt |= {"status": "ok", "steps": n, "graph_steps": e.stats.graph_steps,
+               "tokens_per_step": window.tokens / n, "mean_context": mean_ctx,
                "step_us": round(wall_us, 1), "step_us_unprofiled": None if unprof is None else round(unprof * 1e6, 1),
                "gpu_us": round(gpu_us, 1), "parts": parts,
                "bytes": {"weights": int(weights_b), "cache": int(cache_b)},
@@ -240,7 +248,9 @@ def run_grid(a) -> dict:
            "memory_GiB": memory / GiB, "headroom_GiB": a.headroom_gib, "preset": a.preset,
            "content_group": a.content_group, "rope_group": a.rope_group, "page_size": a.page_size,
            "warm_steps": a.warm, "steps": a.steps, "weights_resident_bytes": resident,
-           "how": "eager full-batch decode steps; prompts of `context` tokens with cached_prefix = context - 1 over a "
+           "cuda_graphs": a.cuda_graphs,
+           "how": ("CUDA-graph replays of" if a.cuda_graphs else "eager") + " full-batch decode steps; prompts of "
+                  "`context` tokens with cached_prefix = context - 1 over a "
                   "pool of random N(0, 1) records (no prefill); parts per step from torch.profiler; host = wall - GPU",
            "points": []}
     for context in a.contexts:
@@ -322,6 +332,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-rope", action="store_true", help="the family's own RoPE function (EngineConfig.fused_rope)")
     p.add_argument("--no-merged-projections", action="store_true",
                    help="each projection its own GEMM, the MLP's activation the modules' own (EngineConfig.merged_projections)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode steps replay the engine's CUDA graphs, as in serve-bench (the first warm step captures "
+                        "them); default: eager steps")
     p.add_argument("--backend", default=None, help="attention backend (default: auto on CUDA, torch on the CPU)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="device memory the points must fit (default: the device's)")
