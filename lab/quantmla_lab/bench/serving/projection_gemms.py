@@ -120,6 +120,13 @@ def run(a) -> dict:
                     got = fn(x, ws[0]).float()
                     err = float((got - ref).abs().max() / ref.abs().max())
                     s = time_form(fn, x, ws, a.reps, dev)
+                except Exception as e:  # a tiling the device cannot launch (shared memory) is recorded, not fatal
+                    if not form.startswith("triton"):
+                        raise
+                    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                    res["rows"].append({"weight": name, "out": n, "in": k, "rows": m, "form": form, "error": why})
+                    print(f"{name:>20} {n:6d}x{k:<6d} M={m:<3d} {form:>10} {why}")
+                    continue
                 finally:
                     if lib:
                         torch.backends.cuda.preferred_blas_library(prev)
