@@ -4,14 +4,17 @@
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_grid --from-json $OUT/profile/step_grid_h200.json
 
 For every point (batch in ``--batches``, context in ``--contexts``, method in ``--methods``) the
-serve-bench model (v2-lite geometry, 27 layers, random weights, built once) runs ``--warm`` eager
-decode steps (``--cuda-graphs``: replays of the engine's CUDA graph for the batch, captured in the first
-step, as serve-bench's decode steps run) of the full batch (the first builds the kernels, the others time a whole step without the
-profiler: ``step_us_unprofiled``), then ``--steps`` under ``torch.profiler``, and the point records the
-step's parts (:func:`~quantmla_lab.bench.serving.step_profile.step_parts`: attention, cache append,
-projections and MLP, sampling, other kernels, host time), the bytes a step must read (weights, cached
-records) and the fraction of the copy bandwidth each part reaches, and the roofline ratio: wall step
-time / ((weight bytes + cache bytes) / copy bandwidth).
+serve-bench model (v2-lite geometry, 27 layers, random weights, built once) runs ``--warm`` decode steps
+of the full batch (the first builds the kernels, the others time a whole step without the profiler:
+``step_us_unprofiled``), then ``--steps`` under ``torch.profiler``, and the point records the step's parts
+(:func:`~quantmla_lab.bench.serving.step_profile.step_parts`: attention, cache append, projections and MLP,
+sampling, other kernels, host time), the kernels launched a step, the bytes a step must read (weights,
+cached records) and the fraction of the copy bandwidth each part reaches, and the roofline ratio: wall step
+time / ((weight bytes + cache bytes) / copy bandwidth). The steps are eager by default; with
+``--cuda-graphs`` they replay the engine's CUDA graph for the batch (captured in the first step), as
+serve-bench's decode steps run, and the point also records ``replay_us``: the GPU time of one replay back to
+back with the next, so that wall - replay is the host's share and replay - kernel time the launch gaps
+inside the graph.
 
 Reaching the decode phase: each point's engine holds exactly the pages of ``batch`` sequences of
 ``context + warm + steps`` tokens; every page of its pool gets random records (latent and RoPE key
@@ -43,6 +46,7 @@ from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.common import record, save
+from quantmla_lab.bench.serving.step_overhead import replay_ms
 from quantmla_lab.bench.serving.step_profile import copy_bandwidth, kernel_families, step_parts, weight_bytes
 from quantmla_lab.bench.serving.throughput import build_bench_model, method_config
 
@@ -95,6 +99,13 @@ class DecodeWindow(EngineObserver):
             self.wall_s = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
             self.done = True
+
+
+def kernel_launches(prof, steps: int, cuda: bool) -> float | None:
+    """Kernels launched per step in a finished ``torch.profiler`` window (CUDA only, else None)."""
+    if not cuda:
+        return None
+    return sum(ev.count for ev in prof.key_averages() if getattr(ev, "self_device_time_total", 0) > 0) / steps
 
 
 def fill_pool(engine: Engine, seed: int = 0, chunk: int = 1 << 16) -> None:
@@ -203,7 +214,11 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
         if a.cuda_graphs and e.stats.graph_steps < a.warm + a.steps:
             return pt | {"status": "error", "reason": f"--cuda-graphs: {e.stats.graph_steps} of the job's "
                                                       f"{a.warm + a.steps} decode steps replayed a graph ({e.graph_error})"}
+        if a.cuda_graphs:  # the bucket's graph replayed back to back: the GPU's time for a step, gaps included
+            bucket, graph = e.decode_graph(batch)
+            pt["replay_us"] = round(replay_ms(graph) * 1e3, 1)
         pt |= {"status": "ok", "steps": n, "graph_steps": e.stats.graph_steps,
+               "kernels_per_step": kernel_launches(window.prof, n, cuda),
                "tokens_per_step": window.tokens / n, "mean_context": mean_ctx,
                "step_us": round(wall_us, 1), "step_us_unprofiled": None if unprof is None else round(unprof * 1e6, 1),
                "gpu_us": round(gpu_us, 1), "parts": parts,
@@ -275,7 +290,8 @@ def point_line(pt: dict) -> str:
     if pt["status"] != "ok":
         return f"{head}  {pt['status']}: {pt['reason']}"
     p = pt["parts"]
-    return (f"{head}  step {pt['step_us'] / 1e3:8.2f} ms  attn {p['attention']['us_per_step'] / 1e3:7.2f}  "
+    replay = f"  replay {pt['replay_us'] / 1e3:6.2f}" if "replay_us" in pt else ""
+    return (f"{head}  step {pt['step_us'] / 1e3:8.2f} ms{replay}  attn {p['attention']['us_per_step'] / 1e3:7.2f}  "
             f"host {p['host']['us_per_step'] / 1e3:7.2f}  roofline x{pt['roofline']['ratio']:.2f}  "
             f"({pt['timing_s']['total']:.1f} s)")
 
