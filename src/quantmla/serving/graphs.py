@@ -190,6 +190,11 @@ class DecodeGraphs:
         self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.mempool = None
+        # per row of host_bt: the page list it was written from (held, so no new list can share its id) and how
+        # many of its entries it holds. A sequence's list only grows in place (the scheduler gives a preempted or
+        # finished sequence a new list), so a row whose list is the same object needs only its new pages written.
+        self.row_pages: list[list[int] | None] = [None] * B
+        self.row_written = [0] * B
 
     def _step(self, b: int, plan) -> torch.Tensor:
         e = self.e
@@ -229,16 +234,22 @@ class DecodeGraphs:
         bt = self.host_bt.numpy()
         h[:, :B] = 0
         h[3, :B] = 1
-        bt[:B] = 0
+        stage = self.e.stage
         for j, it in enumerate(items):
-            seq = it.seq
-            p = it.start
+            seq, p = it.seq, it.start
+            pages = seq.pages
             h[0, j] = seq.tokens[p]
             h[1, j] = p
-            h[2, j] = slot_of(seq.pages, p, ps)
+            h[2, j] = pages[p // ps] * ps + p % ps  # the slot (cache.paged.slot_of, on Python ints)
             h[3, j] = p + 1
-            h[4, j] = 0 if self.e.stage is None else self.e.stage.row(seq)
-            bt[j, : len(seq.pages)] = seq.pages
+            h[4, j] = 0 if stage is None else stage.row(seq)
+            done = self.row_written[j] if self.row_pages[j] is pages else 0
+            if done < len(pages):  # only the row's new pages: the page lists are long at long contexts
+                bt[j, done: len(pages)] = pages[done:]
+                self.row_pages[j], self.row_written[j] = pages, len(pages)
+        for j in range(len(items), B):  # padded rows: the null page, as after capture
+            bt[j, 0] = 0
+            self.row_pages[j], self.row_written[j] = None, 0
         got = self.get(B)
         if got is None:
             return None

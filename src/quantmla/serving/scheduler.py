@@ -84,7 +84,7 @@ class Sequence:
         self.tokens: list[int] = list(req.prompt)
         self.prompt_len = len(req.prompt)
         self.num_computed = req.cached_prefix  # tokens whose cache entries are written
-        self.pages: list[int] = []
+        self.pages: list[int] = []  # grows in place only; preempting or finishing gives the sequence a new list
         self.status = WAITING
         self.preemptions = 0
         self.admitted_at = -1
