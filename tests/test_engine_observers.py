@@ -57,15 +57,32 @@ def test_observer_sees_every_step_with_its_kind_and_timings(v3):
     assert [o.output_ids for o in outs] == ref  # observing changes nothing
     begins = [e[1] for e in rec.events if e[0] == "begin"]
     ends = [e[1] for e in rec.events if e[0] == "end"]
-    assert [e[0] for e in rec.events] == ["begin", "end"] * st.scheduler.steps  # strictly paired, one per step
-    assert all(isinstance(t, StepTiming) for t in ends) and [t.plan for t in ends] == begins
+    assert len(begins) == len(ends) == st.scheduler.steps
+    assert all(isinstance(t, StepTiming) for t in ends) and [t.plan for t in ends] == begins  # ends in step order
+    # a decode step launched ahead begins before the previous one ends; never more than one step in flight
+    open_steps = [sum(1 if e[0] == "begin" else -1 for e in rec.events[: i + 1]) for i in range(len(rec.events))]
+    assert set(open_steps) <= {0, 1, 2} and 2 in open_steps
+    assert all(rec.events[i + 1][0] == "end" for i, n in enumerate(open_steps[:-1]) if n == 2)
     kinds = [t.kind for t in ends]
     assert kinds.count("graph_decode") == st.graph_steps > 0
     assert kinds.count("prefill_graph") == st.prefill_graph_steps > 0
     assert kinds.count("eager") == st.eager_steps
-    assert all(0 < t.launch_s <= t.total_s for t in ends)
+    assert all(0 < t.launch_s <= t.total_s for t in ends if t.kind != "graph_decode")
+    assert all(t.launch_s > 0 and t.total_s > 0 for t in ends)
     assert sum(t.total_s for t in ends if t.kind == "graph_decode") == pytest.approx(st.graph_decode_s)
     assert all(t.plan.is_decode for t in ends if t.kind == "graph_decode")
+
+
+def test_observer_pairs_every_step_without_overlap(v3):
+    prompts, params = _prompts((10, 40, 7, 25), seed=3), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    rec = Recorder()
+    with _engine(v3, overlap_steps=False) as eng:
+        eng.observers.append(rec)
+        eng.generate(prompts, params)
+        st = eng.stats
+    assert [e[0] for e in rec.events] == ["begin", "end"] * st.scheduler.steps  # strictly paired, one per step
+    ends = [e[1] for e in rec.events if e[0] == "end"]
+    assert st.graph_steps > 0 and all(0 < t.launch_s <= t.total_s for t in ends)
 
 
 def test_observed_capture_times_each_run_of_the_step(monkeypatch):

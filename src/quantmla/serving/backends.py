@@ -154,7 +154,7 @@ class AttentionBackend:
 
 
 class _NoPlan:
-    def update(self, lens) -> None:
+    def update(self, lens, buffer: int = 0) -> None:
         pass
 
 

@@ -31,7 +31,10 @@ class EngineConfig:
     ``Engine.rope`` says "fused" or why not). ``merged_projections``: inside steps the products that read one input
     as one GEMM of their stacked weights (the weights become views of it: ``serving/merged.py``), the query's first
     projection with ``kv_a_proj_with_mqa`` (``Engine.projections`` says "merged" or why not) and, on CUDA, each
-    gated MLP's gate with up, its SiLU and product then one kernel (``serving/mlp.py``; ``Engine.mlps`` says which)."""
+    gated MLP's gate with up, its SiLU and product then one kernel (``serving/mlp.py``; ``Engine.mlps`` says which).
+    ``overlap_steps``: a pure decode step replayed from a CUDA graph is launched before the previous one's tokens
+    reach the host, its input tokens taken from that step's output on the device (``serving/overlap.py``), so
+    the GPU does not idle while the host schedules (not with ``rope_pages``)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -53,6 +56,7 @@ class EngineConfig:
     fused_norms: bool = True
     fused_rope: bool = True
     merged_projections: bool = True
+    overlap_steps: bool = True
 
 
 @dataclass

@@ -8,7 +8,8 @@ into its paged pool — quantized — and attends over the pool through the atte
 rows absorbed, prefill chunks as the backend chooses; both return per-head values), then applies the
 module's own ``o_proj``. A step runs the model once over the flat batch of all scheduled tokens
 (``[1, N]`` with per-token positions): decode tokens first, then prefill chunks. Pure decode steps
-replay CUDA graphs captured per batch-size bucket when the backend allows; first prompt chunks replay
+replay CUDA graphs captured per batch-size bucket when the backend allows, each launched before the previous
+step's tokens reach the host (:mod:`quantmla.serving.overlap`); first prompt chunks replay
 graphs captured per token bucket (``prefill_buckets``), a prompt's later chunks run eagerly (the graphs
 live in :mod:`quantmla.serving.graphs`). A probe that finds the model's step synchronizing with the host
 keeps steps eager (the engine says why). ``Engine.observers`` takes :class:`EngineObserver` objects,
@@ -36,6 +37,7 @@ from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, 
 from quantmla.serving.config import EngineConfig, JobStats
 from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
 from quantmla.serving.scheduler import (
+    FINISHED,
     Request,
     RequestOutput,
     SamplingParams,
@@ -46,6 +48,7 @@ from quantmla.serving.scheduler import (
 from quantmla.serving import fused_rope, mlp, norms
 from quantmla.serving.fused_rope import step_pieces
 from quantmla.serving.merged import MergedLinears, merge_reason
+from quantmla.serving.overlap import PendingStep, nonfinite_error, source_rows
 from quantmla.serving.patching import patch, unpatch
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
@@ -154,6 +157,7 @@ class Engine:
         # the public hook: EngineObserver objects told of every step and graph capture, with host timings
         self.observers: list[EngineObserver] = []
         self._t_launch = 0.0  # when the running step last launched GPU work (a forward returned, a graph replayed)
+        self._t_resolved = 0.0  # when the tokens of a step launched ahead were last read back
 
     # -- construction helpers --------------------------------------------------------------------
     @classmethod
@@ -365,10 +369,13 @@ class Engine:
         """Decode and prefill graph buckets this engine holds (captured, or prepared when emulated)."""
         return sum(len(h.graphs) for h in (self._graphs, self._prefill) if h is not None)
 
-    def _graphs_run(self, items) -> list[int]:
+    def _decode_graphs(self) -> DecodeGraphs:
         if self._graphs is None:
             self._graphs = DecodeGraphs(self)
-        return self._graphs.run(items)
+        return self._graphs
+
+    def _graphs_run(self, items) -> list[int]:
+        return self._decode_graphs().run(items)
 
     def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
         """A step with prefill chunks that hold a whole prompt (start 0, up to the largest bucket): each
@@ -402,6 +409,30 @@ class Engine:
             for j, k in enumerate(dec):
                 out[k] = toks[j] if items[k].sample else None
         return out
+
+    # -- overlapped decode steps (serving/overlap.py) ---------------------------------------------
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` may be launched before the tokens in flight reach the host."""
+        return (self.config.overlap_steps and self.use_graphs and self.stage is None and plan.is_decode
+                and len(plan.items) <= self._graph_max())
+
+    def _resolve(self, sched: Scheduler, pending: PendingStep, on_step, total: int) -> None:
+        """Read back the tokens of a step launched ahead and commit them (Scheduler.resolve)."""
+        toks = self._graphs.tokens(pending.launch)
+        now = time.perf_counter()
+        dt = now - max(pending.t0, self._t_resolved)  # overlapped: since the later of its start, the last read
+        self._t_resolved = now
+        self.stats.graph_decode_s += dt
+        items = pending.plan.items
+        errors = {k: nonfinite_error(it.seq, pending.index[k] - it.seq.prompt_len) for k, it in enumerate(items)
+                  if pending.index[k] >= 0 and toks[k] == NONFINITE}
+        sched.resolve(pending.plan, pending.index, toks, errors)
+        if self.observers:
+            timing = StepTiming(pending.plan, "graph_decode", pending.launch_s, dt)
+            for o in self.observers:
+                o.step_end(timing)
+        if on_step is not None:
+            on_step(len(sched.finished), total)
 
     # -- the job ---------------------------------------------------------------------------------
     @staticmethod
@@ -448,13 +479,30 @@ class Engine:
         if self.stage is not None:
             self.stage.update([])  # sequence indices are the job's: no row stays with an earlier job's
         t0 = time.perf_counter()
+        pending: PendingStep | None = None  # a decode step launched ahead, its tokens not yet read (overlap.py)
         with torch.inference_mode():
-            while sched.has_unfinished():
-                plan = sched.schedule()
-                if not plan.items:
+            while sched.has_unfinished() or pending is not None:
+                plan = sched.schedule() if sched.has_unfinished() else StepPlan([], [])
+                if not plan.items and pending is None:
                     raise RuntimeError("scheduler produced an empty step with unfinished requests")  # invariant
-                for o in self.observers:
+                for o in self.observers if plan.items else ():
                     o.step_begin(plan)
+                src = source_rows(plan, pending) if self._overlaps(plan) else None
+                if src is not None:
+                    t1 = time.perf_counter()
+                    got = self._decode_graphs().launch(plan.items, src)
+                    if got is not None:
+                        self.stats.graph_steps += 1
+                        if pending is not None:
+                            self._resolve(sched, pending, on_step, len(seqs))
+                        pending = PendingStep(plan, sched.commit_ahead(plan), got, t1, self._t_launch - t1)
+                        continue
+                if pending is not None:  # this step needs the tokens in flight first
+                    self._resolve(sched, pending, on_step, len(seqs))
+                    pending = None
+                    plan.items = [it for it in plan.items if it.seq.status != FINISHED]
+                    if not plan.items:
+                        continue
                 if self.stage is not None:
                     self.stage.update(sched.running)
                 t1 = time.perf_counter()
@@ -476,10 +524,7 @@ class Engine:
                         o.step_end(timing)
                 for k, it in enumerate(plan.items):
                     if it.sample and sampled[k] == NONFINITE:  # fails alone; its pages go back to the pool
-                        sched.fail_running(it.seq, QuantMLAError(
-                            f"request {it.seq.req.request_id!r}: the model's logits for its output token "
-                            f"{it.seq.num_generated} hold NaN or Inf (activations overflowed, or the weights hold "
-                            f"NaN/Inf); serve in bfloat16 or float32, or check the checkpoint"))
+                        sched.fail_running(it.seq, QuantMLAError(nonfinite_error(it.seq, it.seq.num_generated)))
                 sched.commit(plan, sampled, logits)
                 if on_step is not None:
                     on_step(len(sched.finished), len(seqs))

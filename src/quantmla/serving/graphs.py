@@ -34,7 +34,9 @@ class StepTiming:
     from a CUDA graph), "prefill_graph" (whole-prompt chunks replayed from prefill graphs, with any
     decode rows through the decode graphs) or "eager". ``launch_s``: host seconds from the step's
     start until its last model forward returned or its last graph replay was launched (all its GPU work
-    queued); ``total_s``: host seconds until its sampled tokens reached the host."""
+    queued); ``total_s``: host seconds until its sampled tokens reached the host, counted for a decode step
+    launched ahead (``EngineConfig.overlap_steps``) from the later of its start and the previous such step's
+    read-back, so that consecutive steps' ``total_s`` add up to their wall time."""
 
     plan: StepPlan
     kind: str
@@ -61,7 +63,9 @@ class EngineObserver:
     """What an observer in ``Engine.observers`` may override; every method does nothing by default.
     The engine calls them in list order, outside its own timings: ``step_begin(plan)`` before a step
     runs, ``step_end(timing)`` after its tokens reached the host, ``capture_begin(graph, size)`` before
-    a graph capture and ``capture_end(timing)`` after it."""
+    a graph capture and ``capture_end(timing)`` after it. With overlapped decode steps
+    (``EngineConfig.overlap_steps``) a step may begin before the previous one ends (one step ahead at most);
+    steps end in the order they began."""
 
     def step_begin(self, plan: StepPlan) -> None:
         pass
@@ -174,8 +178,25 @@ def sync_free(fn) -> str | None:
     return why
 
 
+@dataclass
+class DecodeLaunch:
+    """A decode step replayed (or run, when emulated) and not yet read back: its rows' tokens are on their way
+    to pinned host memory (``parity``: which of the two host buffer sets), ``rows`` of them real."""
+
+    parity: int
+    rows: int
+    event: object  # torch.cuda.Event recorded after the copy back; None on the CPU
+
+
 class DecodeGraphs:
-    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens)."""
+    """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens).
+
+    Each step's inputs (token ids, positions, slots, lengths, stage rows, source rows, block tables) go
+    through pinned host buffers in two sets used in turn, so that a step can be prepared and launched while
+    the previous one still runs (``launch``; ``tokens`` reads a launch's tokens back). A row whose input
+    token is the previous decode step's output names that step's row as its source (``launch(items, src)``):
+    the graph takes the token from ``prev``, where every replay leaves its tokens, so the host need not
+    wait for them."""
 
     def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
@@ -183,32 +204,42 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
         B, W, dev = cap, engine.max_pages_per_seq, engine.device
         pin = dev.type == "cuda"
-        self.host = torch.zeros(5, B, dtype=torch.int64, pin_memory=pin)
-        self.host_bt = torch.zeros(B, W, dtype=torch.int32, pin_memory=pin)
-        self.buf = torch.zeros(5, B, dtype=torch.int64, device=dev)  # ids, positions, slots, seq_lens, stage rows
+        # ids, positions, slots, seq_lens, stage rows, source rows (-1: the id is in row 0)
+        self.host = torch.zeros(2, 6, B, dtype=torch.int64, pin_memory=pin)
+        self.host_bt = torch.zeros(2, B, W, dtype=torch.int32, pin_memory=pin)
+        self.host_tok = torch.zeros(2, B, dtype=torch.int64, pin_memory=pin)
+        self.buf = torch.zeros(6, B, dtype=torch.int64, device=dev)
         self.buf[3].fill_(1)
+        self.buf[5].fill_(-1)
         self.bt = torch.zeros(B, W, dtype=torch.int32, device=dev)
+        self.prev = torch.zeros(B, dtype=torch.int64, device=dev)  # the last replay's tokens, by row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.mempool = None
-        # per row of host_bt: the page list it was written from (held, so no new list can share its id) and how
-        # many of its entries it holds. A sequence's list only grows in place (the scheduler gives a preempted or
-        # finished sequence a new list), so a row whose list is the same object needs only its new pages written.
-        self.row_pages: list[list[int] | None] = [None] * B
-        self.row_written = [0] * B
+        self.launches = 0
+        # per buffer set and row of host_bt: the page list it was written from (held, so no new list can
+        # share its id) and how many of its entries it holds. A sequence's list only grows in place (the
+        # scheduler gives a preempted or finished sequence a new list), so a row whose list is the same
+        # object needs only its new pages written.
+        self.row_pages: list[list] = [[None] * B, [None] * B]
+        self.row_written = [[0] * B, [0] * B]
 
     def _step(self, b: int, plan) -> torch.Tensor:
         e = self.e
         meta = AttnMeta(slot_mapping=self.buf[2, :b], num_decode=b, block_tables=self.bt[:b],
                         seq_lens=self.buf[3, :b].to(torch.int32), max_seq_len=e.max_pages_per_seq * e.config.page_size,
                         plan=plan, stage_rows=None if e.stage is None else self.buf[4, :b].to(torch.int32))
-        logits = e._forward(self.buf[0, :b], self.buf[1, :b], meta, 0)
-        return greedy(logits)
+        src = self.buf[5, :b]
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.buf[0, :b])
+        toks = greedy(e._forward(ids, self.buf[1, :b], meta, 0))
+        self.prev[:b].copy_(toks.clamp(min=0))  # a non-finite row's source is token 0: its request fails anyway
+        return toks
 
     def get(self, b: int):
         if b in self.graphs:
             return self.graphs[b]
         self.buf.zero_()  # null rows: token 0 at position 0, written to the null page
         self.buf[3].fill_(1)
+        self.buf[5].fill_(-1)
         self.bt.zero_()
         e = self.e
         plan = e.backend.static_plan(b, e.max_pages_per_seq * e.config.page_size)
@@ -216,7 +247,9 @@ class DecodeGraphs:
         if e.emulate_graphs:
             self.graphs[b] = (None, None, plan)
             return self.graphs[b]
+        prev = self.prev.clone()  # the capture's runs overwrite it; a launch may be about to read it
         g, out, why = observed_capture(e, "decode", b, lambda: self._step(b, plan), self.mempool)
+        self.prev.copy_(prev)
         if why is not None:  # eager decode steps from now on (and no prefill graphs: they use these)
             e.use_graphs = e.use_prefill_graphs = False
             e.graph_error = f"the {b}-row decode step {why}"
@@ -226,43 +259,67 @@ class DecodeGraphs:
         self.graphs[b] = (g, out, plan)
         return self.graphs[b]
 
-    def run(self, items) -> list[int]:
+    def launch(self, items, src: list[int] | None = None) -> DecodeLaunch | None:
+        """Queue the decode step of ``items`` (ScheduledSeq, one token each); ``src[j]`` >= 0: row j's input
+        token is row ``src[j]`` of the previous decode step's output. None: no graph (eager steps from now)."""
         b = len(items)
         B = next(x for x in self.buckets if x >= b)
+        got = self.get(B)
+        if got is None:
+            return None
+        par = self.launches % 2  # the other set may still feed the step before
         ps = self.e.config.page_size
-        h = self.host.numpy()
-        bt = self.host_bt.numpy()
+        h, bt = self.host[par].numpy(), self.host_bt[par].numpy()
+        rows, done_of = self.row_pages[par], self.row_written[par]
         h[:, :B] = 0
         h[3, :B] = 1
+        h[5, :B] = -1
         stage = self.e.stage
         for j, it in enumerate(items):
             seq, p = it.seq, it.start
             pages = seq.pages
-            h[0, j] = seq.tokens[p]
+            if src is not None and src[j] >= 0:
+                h[5, j] = src[j]
+            else:
+                h[0, j] = seq.tokens[p]
             h[1, j] = p
             h[2, j] = pages[p // ps] * ps + p % ps  # the slot (cache.paged.slot_of, on Python ints)
             h[3, j] = p + 1
             h[4, j] = 0 if stage is None else stage.row(seq)
-            done = self.row_written[j] if self.row_pages[j] is pages else 0
+            done = done_of[j] if rows[j] is pages else 0
             if done < len(pages):  # only the row's new pages: the page lists are long at long contexts
                 bt[j, done: len(pages)] = pages[done:]
-                self.row_pages[j], self.row_written[j] = pages, len(pages)
-        for j in range(len(items), B):  # padded rows: the null page, as after capture
+                rows[j], done_of[j] = pages, len(pages)
+        for j in range(b, B):  # padded rows: the null page, as after capture
             bt[j, 0] = 0
-            self.row_pages[j], self.row_written[j] = None, 0
-        got = self.get(B)
-        if got is None:
-            return None
+            rows[j], done_of[j] = None, 0
         g, out, plan = got
-        plan.update(h[3, :B])
-        self.buf[:, :B].copy_(self.host[:, :B], non_blocking=True)
-        self.bt[:B].copy_(self.host_bt[:B], non_blocking=True)
+        plan.update(h[3, :B], par)
+        self.buf[:, :B].copy_(self.host[par, :, :B], non_blocking=True)
+        self.bt[:B].copy_(self.host_bt[par, :B], non_blocking=True)
         if g is None:  # emulated: the same padded static step, run eagerly
             out = self._step(B, plan)
         else:
             g.replay()
             self.e._t_launch = time.perf_counter()
-        return out[:b].tolist()
+        self.host_tok[par, :B].copy_(out, non_blocking=True)
+        event = None
+        if out.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.launches += 1
+        return DecodeLaunch(par, b, event)
+
+    def tokens(self, launch: DecodeLaunch) -> list[int]:
+        """The sampled tokens of a launch's real rows (waits for them)."""
+        if launch.event is not None:
+            launch.event.synchronize()
+        return self.host_tok[launch.parity, : launch.rows].tolist()
+
+    def run(self, items) -> list[int] | None:
+        """One decode step of ``items``, its tokens read back (None: no graph)."""
+        got = self.launch(items)
+        return None if got is None else self.tokens(got)
 
 
 class PrefillGraphs:

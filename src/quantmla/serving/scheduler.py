@@ -16,6 +16,11 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence cap (``
 A step that processes a sequence's last known token samples one new token for it. A request whose
 prompt plus outputs can never fit in the whole pool fails with a clear error at submission; the
 others go on.
+
+A step may be committed before its tokens reach the host (:meth:`Scheduler.commit_ahead`, for decode
+steps the engine overlaps with the next): each sampled token is then ``PENDING`` in the sequence's
+tokens, a sequence that reaches ``max_new_tokens`` finishes at once, and :meth:`Scheduler.resolve` writes
+the tokens in later and finishes the sequences that sampled an end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from dataclasses import dataclass, field
 
 from quantmla.cache.paged import NULL_PAGE, PageAllocator
 from quantmla.errors import QuantMLAError
+
+
+PENDING = -2  # a sampled token still on the device (Scheduler.commit_ahead); never a token id
 
 
 class RequestTooLargeError(QuantMLAError):
@@ -202,6 +210,20 @@ class Scheduler:
         self.stats.failed += 1
         self.finished.append(seq)
 
+    def _retire(self, seq: Sequence) -> None:
+        """Take a sequence out of the running list or the waiting queue; its pages go back to the pool."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.alloc.release(seq.pages)
+        seq.pages = []
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._retire(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+        self.finished.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -295,14 +317,55 @@ class Scheduler:
             self.stats.output_tokens += 1
             p = seq.req.params
             if seq.num_generated >= p.max_new_tokens:
-                seq.finish_reason = "length"
+                self._finish(seq, "length")
+                done.append(seq)
             elif not p.ignore_eos and tok in seq.eos:
-                seq.finish_reason = "eos"
-            if seq.finish_reason:
-                seq.status = FINISHED
-                self.running.remove(seq)
-                self.alloc.release(seq.pages)
-                seq.pages = []
-                self.finished.append(seq)
+                self._finish(seq, "eos")
                 done.append(seq)
         return done
+
+    def commit_ahead(self, plan: StepPlan) -> list[int]:
+        """:meth:`commit` before the step's tokens reach the host: every sampling item gets ``PENDING`` for its
+        token, and a sequence that reaches ``max_new_tokens`` finishes now (its pages go back to the pool: any
+        later user of them writes after this step, in stream order). Returns, per item, the index of its
+        pending token in ``seq.tokens`` (-1: none); :meth:`resolve` takes it."""
+        index = []
+        for it in plan.items:
+            seq = it.seq
+            if seq.status == FINISHED:
+                index.append(-1)
+                continue
+            seq.num_computed = it.start + it.n
+            seq.high = max(seq.high, seq.num_computed)
+            if not it.sample:
+                index.append(-1)
+                continue
+            index.append(len(seq.tokens))
+            seq.tokens.append(PENDING)
+            self.stats.output_tokens += 1
+            if seq.num_generated >= seq.req.params.max_new_tokens:
+                self._finish(seq, "length")
+        return index
+
+    def resolve(self, plan: StepPlan, index: list[int], sampled: list[int], errors: dict[int, str]) -> None:
+        """The tokens of a plan committed ahead: ``sampled[k]`` replaces item k's pending token (``index[k]``).
+        A sequence that sampled an end-of-sequence token finishes, wherever it now is (running, or preempted
+        back to the waiting queue); ``errors`` (item -> message) fails an item's sequence instead. A sequence
+        that had already finished by length keeps that reason, unless its last token failed."""
+        for k, it in enumerate(plan.items):
+            i, seq = index[k], it.seq
+            if i < 0 or seq.tokens[i] != PENDING:
+                continue
+            tok = int(sampled[k])
+            seq.tokens[i] = tok
+            if k in errors:  # the token is not kept, as commit() never sees a failed sequence's
+                del seq.tokens[i]
+                self.stats.output_tokens -= 1
+                if seq.status == FINISHED:  # by length: already retired and counted among the finished
+                    seq.finish_reason, seq.error = "error", errors[k]
+                    self.stats.failed += 1
+                else:
+                    self._retire(seq)
+                    self._fail(seq, errors[k])
+            elif seq.status != FINISHED and not seq.req.params.ignore_eos and tok in seq.eos:
+                self._finish(seq, "eos")

@@ -80,22 +80,24 @@ class StaticDecodePlan:
             if proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
             self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
-            self.host[kind] = torch.zeros(b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
+            # two pinned sets used in turn: a step's units may still be on their way while the next is prepared
+            self.host[kind] = torch.zeros(2, b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
 
-    def update(self, lens: np.ndarray) -> None:
-        """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place."""
+    def update(self, lens: np.ndarray, buffer: int = 0) -> None:
+        """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place, through
+        pinned host set ``buffer`` (0 or 1)."""
         n = np.asarray(lens, dtype=np.int64)[:, None]
         for kind, md in self.md.items():
             S, min_span, tile = self.split[kind]
             span = np.maximum(min_span, -(-n // S))  # ceil(len / S) tokens, at least min_span,
             span = -(-span // tile) * tile  # in whole key tiles
-            h = self.host[kind].numpy().reshape(self.b, S, 4)
+            h = self.host[kind][buffer].numpy().reshape(self.b, S, 4)
             i = np.arange(S)[None, :]
             h[:, :, 0] = np.arange(self.b)[:, None]
             h[:, :, 1] = np.minimum(n, i * span)
             h[:, :, 2] = np.minimum(n, (i + 1) * span)
             h[:, :, 3] = S
-            md.units.copy_(self.host[kind], non_blocking=True)
+            md.units.copy_(self.host[kind][buffer], non_blocking=True)
 
 
 class TritonPagedBackend(AttentionBackend):
