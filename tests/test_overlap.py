@@ -173,3 +173,26 @@ def test_engine_overlap_nonfinite_decode_token_fails_that_request_alone(v3):
             assert e.stats.failed == 1 and e.stats.completed == 3 and e.stats.graph_steps > 0
     assert got[True] == got[False]
     assert got[True][3] == (ref[3][:4], "error") and [got[True][k][0] for k in (0, 1, 2)] == ref[:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_overlap_on_gpu_with_graphs():
+    """Real CUDA graphs: steps launched ahead take their input tokens from the previous replay's output on
+    the device; outputs and finish reasons equal those of steps one at a time, buckets changing as requests
+    stop on EOS or length, with preemption."""
+    model = tiny_model("deepseek_v3", first_k_dense_replace=2).cuda()
+    prompts = _prompts((7, 33, 90, 1, 20, 45), seed=4)
+    cfg = dict(quant=INT4, page_size=16, max_num_batched_tokens=64, graph_buckets=(1, 2, 4, 8))
+    with Engine(model, EngineConfig(num_pages=60, overlap_steps=False, **cfg)) as e:
+        ref = e.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    eos = ref[2].output_ids[6]
+    reqs = [Request(f"q{i}", p, SamplingParams(max_new_tokens=24 - 2 * i, eos_token_id=eos)) for i, p in enumerate(prompts)]
+    for pages in (60, 14):
+        got = {}
+        for overlap in (False, True):
+            with Engine(model, EngineConfig(num_pages=pages, overlap_steps=overlap, **cfg)) as e:
+                got[overlap] = [(o.output_ids, o.finish_reason) for o in e.generate(reqs)]
+                assert e.use_graphs and e.stats.graph_steps > 0, e.graph_error
+        assert got[True] == got[False]
+        assert got[True][2] == (ref[2].output_ids[:7], "eos")

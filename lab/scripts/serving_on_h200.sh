@@ -35,8 +35,8 @@
 # step-grid-merged the step grid, and the same engine without merged projections at batch 1 and 32 of 16K
 #                                     -> profile/step_grid_merged_h200.json, profile/step_grid_merged_off_h200.json
 # step-grid-graphs the step grid's batch 1 and 32 of 16K with decode steps as CUDA-graph replays (as serve-bench
-#                 runs them), and as eager steps, 30 costliest kernels each
-#                                     -> profile/step_grid_graphs_h200.json, profile/step_grid_eager_h200.json
+#                 runs them), launched ahead of the previous step's tokens and one at a time, 30 costliest kernels
+#                               -> profile/step_grid_graphs_h200.json, profile/step_grid_graphs_no_overlap_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -61,7 +61,7 @@ quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
 
 gpu-tests() {
   timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py tests/test_kernels_gpu.py \
-    tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py tests/test_merged.py \
+    tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py tests/test_merged.py tests/test_overlap.py \
     -k "read_matches or static_graph or on_gpu or prefill or silu_mul or mlp_attach or merge" 2>&1 | tail -5 | tee -a "$LOG"
 }
 
@@ -176,10 +176,10 @@ step-grid-merged() {
 }
 
 step-grid-graphs() {
-  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --top 30 \
-    --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
-  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --top 30 \
-    --out "$OUT/profile/step_grid_eager_h200.json" 2>&1 | quiet 14
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --warm 12 \
+    --top 30 --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --warm 12 \
+    --no-overlap --top 30 --out "$OUT/profile/step_grid_graphs_no_overlap_h200.json" 2>&1 | quiet 14
 }
 
 step-anatomy() {
