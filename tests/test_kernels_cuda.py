@@ -452,3 +452,23 @@ def test_loop_phases_follow_the_tile_loops_branches():
     lines3 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx3.items()})) for i, t in enumerate(body3)]
     r3 = loop_phases(lines3)
     assert r3["loop_scores"] == [10, 11] and r3["loop_p"] == [3]  # the jump counted, the three stores not
+
+
+def test_a_build_is_looked_up_once_a_process(monkeypatch):
+    """Launches find their loaded kernel by the plan's constants: the sources are read and hashed (the disk cache's
+    key) once, not at every eager launch (27 a decode step)."""
+    from types import SimpleNamespace
+
+    from quantmla.kernels.cuda import driver
+
+    looked = []
+    monkeypatch.setattr(build, "cubin_for", lambda macros, device: looked.append(macros) or f"{macros}.cubin")
+    monkeypatch.setattr(driver, "function", lambda cubin, name, smem, device: ("fn", cubin, smem))
+    monkeypatch.setattr(cuda, "_LOADED", {})
+    a, b = SimpleNamespace(macros=(("TM", 1),), smem=1024), SimpleNamespace(macros=(("TM", 0),), smem=1024)
+    cuda.prepare(a, torch.device("cuda", 0))
+    assert [cuda._function(p, torch.device("cuda", 0)) for p in (a, a, b, b)] == [("fn", "(('TM', 1),).cubin", 1024)] * 2 \
+        + [("fn", "(('TM', 0),).cubin", 1024)] * 2
+    assert looked == [a.macros, b.macros]
+    cuda._function(a, torch.device("cuda", 1))  # another device loads its own
+    assert looked == [a.macros, b.macros, a.macros]
