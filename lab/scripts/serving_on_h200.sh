@@ -17,7 +17,7 @@
 # serve-cli       `quantmla serve` on a shipped model, 48 prompts under a 2 MiB KV budget, three formats (log only)
 # decode-profile  per-kernel GPU time of eager decode steps: batch 64 of 1536-token prompts (groups 64/32),
 #                 batch 1 and 8 of 1900 tokens (groups 128/64)             -> profile/decode_batch{64,1,8}_h200.json
-# step-grid       a decode step split into attention, cache append, projections and MLP, sampling and host time,
+# step-grid       an eager decode step split into attention, cache append, projections and MLP, sampling and host time,
 #                 with bytes and fraction of copy bandwidth, at batches 1-64 x contexts 2K-64K x bf16, fp8,
 #                 int4/int4, int2/int4 (groups 128/64), one process            -> profile/step_grid_h200.json
 # prefill-profile per-kernel GPU time of prefill steps: 2048 and 8192 batched tokens, 1531-token chunks
@@ -31,8 +31,8 @@
 # prefill-tilings the default tiling against the 128-query tiling, deeper pipelines and key blocks through tensor
 #                 descriptors, at long and short chunks                      -> prefill/tilings_tma_h200.json
 # projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows, and the
-#                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_h200.json
-# step-grid-merged the step grid, and the same engine without merged projections at batch 1 and 32 of 16K
+#                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_triton_h200.json
+# step-grid-merged the (eager) step grid, and the same engine without merged projections at batch 1 and 32 of 16K
 #                                     -> profile/step_grid_merged_h200.json, profile/step_grid_merged_off_h200.json
 # step-grid-graphs the step grid's batch 1 and 32 of 16K with decode steps as CUDA-graph replays (as serve-bench
 #                 runs them), launched ahead of the previous step's tokens and one at a time, 30 costliest kernels
@@ -127,7 +127,7 @@ decode-profile() {
 }
 
 step-grid() {
-  timeout 300 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 240 --out "$OUT/profile/step_grid_h200.json" \
+  timeout 300 python3 -m quantmla_lab.bench.serving.step_grid --eager --warm 3 --max-seconds 240 --out "$OUT/profile/step_grid_h200.json" \
     2>&1 | quiet 56
 }
 
@@ -165,20 +165,20 @@ prefill-tilings() {
 
 projection-gemms() {
   timeout 200 python3 -m quantmla_lab.bench.serving.projection_gemms --rows 1 8 32 64 --triton \
-    --out "$OUT/profile/projection_gemms_h200.json" 2>&1 | quiet 200
+    --out "$OUT/profile/projection_gemms_triton_h200.json" 2>&1 | quiet 200
 }
 
 step-grid-merged() {
-  timeout 200 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 140 --top 20 \
+  timeout 200 python3 -m quantmla_lab.bench.serving.step_grid --eager --warm 3 --max-seconds 140 --top 20 \
     --out "$OUT/profile/step_grid_merged_h200.json" 2>&1 | quiet 56
-  timeout 100 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --no-merged-projections \
-    --top 20 --out "$OUT/profile/step_grid_merged_off_h200.json" 2>&1 | quiet 14
+  timeout 100 python3 -m quantmla_lab.bench.serving.step_grid --eager --warm 3 --batches 1 32 --contexts 16384 \
+    --no-merged-projections --top 20 --out "$OUT/profile/step_grid_merged_off_h200.json" 2>&1 | quiet 14
 }
 
 step-grid-graphs() {
-  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --warm 12 \
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --warm 12 \
     --top 30 --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
-  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --cuda-graphs --warm 12 \
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --warm 12 \
     --no-overlap --top 30 --out "$OUT/profile/step_grid_graphs_no_overlap_h200.json" 2>&1 | quiet 14
 }
 

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, over batches x contexts x cache formats, in one process.
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_grid --out $OUT/profile/step_grid_h200.json
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_grid --from-json $OUT/profile/step_grid_h200.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_grid --out $OUT/profile/step_grid_graphs_h200.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.step_grid --from-json $OUT/profile/step_grid_graphs_h200.json
 
 For every point (batch in ``--batches``, context in ``--contexts``, method in ``--methods``) the
 serve-bench model (v2-lite geometry, 27 layers, random weights, built once) runs ``--warm`` decode steps
@@ -10,11 +10,11 @@ of the full batch (the first builds the kernels, the others time a whole step wi
 (:func:`~quantmla_lab.bench.serving.step_profile.step_parts`: attention, cache append, projections and MLP,
 sampling, other kernels, host time), the kernels launched a step, the bytes a step must read (weights,
 cached records) and the fraction of the copy bandwidth each part reaches, and the roofline ratio: wall step
-time / ((weight bytes + cache bytes) / copy bandwidth). The steps are eager by default; with
-``--cuda-graphs`` they replay the engine's CUDA graph for the batch (captured in the first step), as
-serve-bench's decode steps run, and the point also records ``replay_us``: the GPU time of one replay back to
-back with the next, so that wall - replay is the host's share and replay - kernel time the launch gaps
-inside the graph.
+time / ((weight bytes + cache bytes) / copy bandwidth). On CUDA the steps replay the engine's CUDA graph for
+the batch (captured in the first step), as serve-bench's decode steps run, and the point also records
+``replay_us``: the GPU time of one replay back to back with the next, so that wall - replay is the host's share
+and replay - kernel time the launch gaps inside the graph. ``--eager`` (the default on the CPU) runs eager
+steps, whose host time is Python's launches.
 
 Reaching the decode phase: each point's engine holds exactly the pages of ``batch`` sequences of
 ``context + warm + steps`` tokens; every page of its pool gets random records (latent and RoPE key
@@ -340,9 +340,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--content-group", type=int, default=128)
     p.add_argument("--rope-group", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="decode steps profiled per point")
-    p.add_argument("--warm", type=int, default=3,
-                   help="decode steps before the profiled ones: the first builds the kernels, the others time a step "
-                        "without the profiler")
+    p.add_argument("--warm", type=int, default=8,
+                   help="decode steps before the profiled ones: the first builds the kernels (and captures the graph), "
+                        "the median of the others times a step without the profiler")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--preset", default="v2-lite", help="serve-bench model preset (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda")
@@ -351,7 +351,8 @@ def parser() -> argparse.ArgumentParser:
                    help="each projection its own GEMM, the MLP's activation the modules' own (EngineConfig.merged_projections)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="decode steps replay the engine's CUDA graphs, as in serve-bench (the first warm step captures "
-                        "them); default: eager steps")
+                        "them); the default on CUDA, where the point is skipped if the engine replays none")
+    p.add_argument("--eager", action="store_true", help="eager decode steps (the default on the CPU)")
     p.add_argument("--no-overlap", action="store_true",
                    help="with --cuda-graphs, each decode step waits for the previous one's tokens before it is launched "
                         "(EngineConfig.overlap_steps)")
@@ -374,6 +375,9 @@ def main(argv=None) -> int:
         return 0
     if a.backend is None:
         a.backend = "auto" if a.device.startswith("cuda") else "torch"
+    if a.eager and a.cuda_graphs:
+        raise SystemExit("step_grid: --eager and --cuda-graphs exclude each other")
+    a.cuda_graphs = a.cuda_graphs or (a.device.startswith("cuda") and not a.eager)
     res = run_grid(a)
     print()
     print(render(res))
