@@ -197,3 +197,25 @@ def test_engine_overlap_on_gpu_with_graphs():
                 assert e.use_graphs and e.stats.graph_steps > 0, e.graph_error
         assert got[True] == got[False], [(a, b) for a, b in zip(got[True], got[False]) if a != b]
         assert got[True][2] == (ref[2].output_ids[:stop], "eos")
+
+
+def test_resolve_finishes_a_sequence_preempted_after_its_step_was_committed_ahead():
+    """The next schedule may preempt a sequence whose token is still pending; an EOS then finishes it in the
+    waiting queue, and it is never admitted again."""
+    from quantmla.serving.scheduler import WAITING
+
+    sched = Scheduler(3, 16, max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0)
+    a = Sequence(Request("a", list(range(3, 18)), SamplingParams(max_new_tokens=10)), 0, {9})
+    b = Sequence(Request("b", list(range(3, 18)), SamplingParams(max_new_tokens=10)), 1, {9})
+    sched.add(a)
+    sched.add(b)
+    sched.commit(sched.schedule(), [5, 5])  # both prompts (15 tokens, one page each); one page left
+    plan = sched.schedule()  # position 15 of each: still their first page
+    idx = sched.commit_ahead(plan)
+    nxt = sched.schedule()  # position 16 needs a second page each: b, the newest, is preempted
+    assert nxt.preempted == [b] and b.status == WAITING and [it.seq for it in nxt.items] == [a]
+    assert source_rows(nxt, PendingStep(plan, idx, None, 0.0, 0.0)) == [0]  # a's token comes from row 0
+    sched.resolve(plan, idx, [11, 9], {})
+    assert a.tokens[-1] == 11 and a.status != FINISHED
+    assert b.finish_reason == "eos" and b.output().output_ids == [5, 9] and b not in sched.waiting
+    assert len(a.pages) == 2 and sched.alloc.free == 1  # a took the free page, b's came back: nothing leaked
