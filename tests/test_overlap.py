@@ -10,6 +10,7 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.model.tiny import tiny_model
 from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.overlap import PendingStep, source_rows
 from quantmla.serving.scheduler import FINISHED, PENDING, Request, SamplingParams, Scheduler, Sequence, StepPlan
 
@@ -132,6 +133,17 @@ def _engine(model, overlap, num_pages, backend="torch"):
                                       overlap_steps=overlap))
 
 
+class Seen(EngineObserver):
+    def __init__(self):
+        self.begun, self.ended = [], []
+
+    def step_begin(self, plan):
+        self.begun.append(id(plan))
+
+    def step_end(self, timing):
+        self.ended.append(id(timing.plan))
+
+
 def test_engine_overlap_gives_the_same_outputs(v3):
     prompts = _prompts((40, 3, 25, 50, 12), seed=5)
     with _engine(v3, False, 100) as e:
@@ -142,10 +154,13 @@ def test_engine_overlap_gives_the_same_outputs(v3):
         got = {}
         for overlap in (False, True):
             with _engine(v3, overlap, pages) as e:
+                seen = Seen()
+                e.observers.append(seen)
                 outs = e.generate(reqs)
                 got[overlap] = [(o.output_ids, o.finish_reason) for o in outs]
                 st = e.stats
             assert st.graph_steps > 0 and st.output_tokens == sum(len(o.output_ids) for o in outs)
+            assert seen.begun == seen.ended and len(seen.begun) >= st.graph_steps  # every step begun ends, in order
             if pages == 5:
                 assert st.scheduler.preemptions > 0
         assert got[True] == got[False]

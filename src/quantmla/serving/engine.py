@@ -485,10 +485,11 @@ class Engine:
                 plan = sched.schedule() if sched.has_unfinished() else StepPlan([], [])
                 if not plan.items and pending is None:
                     raise RuntimeError("scheduler produced an empty step with unfinished requests")  # invariant
-                for o in self.observers if plan.items else ():
-                    o.step_begin(plan)
                 src = source_rows(plan, pending) if self._overlaps(plan) else None
-                if src is not None:
+                begun = src is not None
+                if begun:
+                    for o in self.observers:
+                        o.step_begin(plan)
                     t1 = time.perf_counter()
                     got = self._decode_graphs().launch(plan.items, src)
                     if got is not None:
@@ -500,9 +501,11 @@ class Engine:
                 if pending is not None:  # this step needs the tokens in flight first
                     self._resolve(sched, pending, on_step, len(seqs))
                     pending = None
-                    plan.items = [it for it in plan.items if it.seq.status != FINISHED]
-                    if not plan.items:
-                        continue
+                    plan.items = [it for it in plan.items if it.seq.status != FINISHED]  # stopped on those tokens
+                if not plan.items:
+                    continue
+                for o in self.observers if not begun else ():  # (begun: its graph could not be captured)
+                    o.step_begin(plan)
                 if self.stage is not None:
                     self.stage.update(sched.running)
                 t1 = time.perf_counter()
