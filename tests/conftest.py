@@ -11,3 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def v3():
+    """The tiny deepseek_v3 model (random weights) most engine tests serve, built once per test module."""
+    from quantmla.model.tiny import tiny_model
+
+    return tiny_model("deepseek_v3")

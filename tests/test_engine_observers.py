@@ -34,11 +34,6 @@ def _prompts(lens, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(scope="module")
-def v3():
-    return tiny_model("deepseek_v3")
-
-
 def _engine(model, **kw):
     cfg = dict(num_pages=12, page_size=16, backend="torch", cuda_graphs="emulate", graph_buckets=(1, 2, 4),
                max_num_batched_tokens=32)

@@ -122,11 +122,6 @@ def _prompts(lens, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(scope="module")
-def v3():
-    return tiny_model("deepseek_v3")
-
-
 def _engine(model, overlap, num_pages, backend="torch"):
     return Engine(model, EngineConfig(quant=INT4, num_pages=num_pages, page_size=16, max_num_batched_tokens=20,
                                       backend=backend, cuda_graphs="emulate", graph_buckets=(1, 2, 4),

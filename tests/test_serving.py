@@ -23,11 +23,6 @@ def _prompts(n_list, vocab=128, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in n_list]
 
 
-@pytest.fixture(scope="module")
-def v3():
-    return tiny_model("deepseek_v3")
-
-
 # -- the scheduler alone, with a fake deterministic model -----------------------------------------------------------
 def _fake_next(tokens):
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % 97 + 3
