@@ -129,3 +129,18 @@ def test_pool_rejects_wrong_page_tensor():
     lay = small_layout()
     with pytest.raises(Exception, match="uint8"):
         write_tokens(torch.zeros(4, lay.page_bytes, dtype=torch.float16), lay, torch.tensor([0]), torch.zeros(1, 64), torch.zeros(1, 32))
+
+
+def test_slot_of_gives_one_address_for_ints_arrays_and_tensors():
+    """A token's slot is its page's id times the page size plus its offset, whichever form the positions take."""
+    import numpy as np
+
+    from quantmla.cache.paged import slot_of
+
+    pages, ps = [7, 3, 12, 5], 16
+    pos = [0, 15, 16, 33, 63]
+    want = [7 * 16, 7 * 16 + 15, 3 * 16, 12 * 16 + 1, 5 * 16 + 15]
+    assert [slot_of(pages, p, ps) for p in pos] == want and all(type(slot_of(pages, p, ps)) is int for p in pos)
+    assert slot_of(pages, np.array(pos), ps).tolist() == want
+    assert slot_of(pages, torch.tensor(pos), ps).tolist() == want
+    assert slot_of(np.array(pages), np.array(pos), ps).tolist() == want

@@ -58,7 +58,10 @@ handed out: the padded rows of a fixed-shape (CUDA-graph) step write and read it
 
 def slot_of(pages, positions, page_size: int):
     """Slots ``page * page_size + offset`` of token `positions` of a sequence that owns `pages` (its
-    page ids in order). numpy arrays, torch tensors (int64) or Python ints alike."""
+    page ids in order). numpy arrays, torch tensors (int64) or Python ints alike; one int position of a
+    page list stays on Python ints (a decode step's rows: no array built from a long page list)."""
+    if isinstance(positions, int) and isinstance(pages, list):
+        return pages[positions // page_size] * page_size + positions % page_size
     if isinstance(pages, list):
         pages = torch.tensor(pages, dtype=torch.int64) if isinstance(positions, torch.Tensor) else np.asarray(pages, np.int64)
     return pages[positions // page_size] * page_size + positions % page_size

@@ -283,7 +283,7 @@ class DecodeGraphs:
             else:
                 h[0, j] = seq.tokens[p]
             h[1, j] = p
-            h[2, j] = pages[p // ps] * ps + p % ps  # the slot (cache.paged.slot_of, on Python ints)
+            h[2, j] = slot_of(pages, p, ps)
             h[3, j] = p + 1
             h[4, j] = 0 if stage is None else stage.row(seq)
             done = done_of[j] if rows[j] is pages else 0

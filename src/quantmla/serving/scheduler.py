@@ -200,9 +200,7 @@ class Scheduler:
     def fail_running(self, seq: Sequence, err) -> None:
         """Fail a running sequence (its step's result is unusable): its pages go back to the pool,
         :meth:`commit` then skips it."""
-        self.running.remove(seq)
-        self.alloc.release(seq.pages)
-        seq.pages = []
+        self._retire(seq)
         self._fail(seq, err)
 
     def _fail(self, seq: Sequence, err) -> None:
