@@ -37,6 +37,8 @@
 # step-grid-graphs the step grid's batch 1 and 32 of 16K with decode steps as CUDA-graph replays (as serve-bench
 #                 runs them), launched ahead of the previous step's tokens and one at a time, 30 costliest kernels
 #                               -> profile/step_grid_graphs_h200.json, profile/step_grid_graphs_no_overlap_h200.json
+# step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
+#                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -180,6 +182,11 @@ step-grid-graphs() {
     --top 30 --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
   timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --warm 12 \
     --no-overlap --top 30 --out "$OUT/profile/step_grid_graphs_no_overlap_h200.json" 2>&1 | quiet 14
+}
+
+step-grid-full() {
+  timeout 400 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 330 --top 20 \
+    --out "$OUT/profile/step_grid_full_graphs_h200.json" 2>&1 | quiet 56
 }
 
 step-anatomy() {
