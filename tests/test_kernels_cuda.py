@@ -455,20 +455,22 @@ def test_loop_phases_follow_the_tile_loops_branches():
 
 
 def test_a_build_is_looked_up_once_a_process(monkeypatch):
-    """Launches find their loaded kernel by the plan's constants: the sources are read and hashed (the disk cache's
-    key) once, not at every eager launch (27 a decode step)."""
-    from types import SimpleNamespace
-
-    from quantmla.kernels.cuda import driver
-
-    looked = []
-    monkeypatch.setattr(build, "cubin_for", lambda macros, device: looked.append(macros) or f"{macros}.cubin")
-    monkeypatch.setattr(driver, "function", lambda cubin, name, smem, device: ("fn", cubin, smem))
-    monkeypatch.setattr(cuda, "_LOADED", {})
-    a, b = SimpleNamespace(macros=(("TM", 1),), smem=1024), SimpleNamespace(macros=(("TM", 0),), smem=1024)
-    cuda.prepare(a, torch.device("cuda", 0))
-    assert [cuda._function(p, torch.device("cuda", 0)) for p in (a, a, b, b)] == [("fn", "(('TM', 1),).cubin", 1024)] * 2 \
-        + [("fn", "(('TM', 0),).cubin", 1024)] * 2
-    assert looked == [a.macros, b.macros]
-    cuda._function(a, torch.device("cuda", 1))  # another device loads its own
-    assert looked == [a.macros, b.macros, a.macros]
+    """Launches ask for their cubin by the plan's constants: the sources are read and hashed (the disk cache's
+    key) once a process, not at every eager launch (27 a decode step); another architecture or line info is
+    another build."""
+    built = []
+    monkeypatch.setattr(build, "compile_cubin", lambda macros, arch, extra=(): built.append((macros, arch, extra))
+                        or f"{macros}-{arch}-{extra}.cubin")
+    monkeypatch.setattr(build, "_CUBINS", {})
+    monkeypatch.delenv("QUANTMLA_CUDA_LINEINFO", raising=False)
+    a, b = (("TM", 1),), (("TM", 0),)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        got = [build.cubin_for(m, "cuda") for m in (a, a, b, b)]
+        assert got == [f"{a}-sm_90a-().cubin"] * 2 + [f"{b}-sm_90a-().cubin"] * 2
+        assert built == [(a, "sm_90a", ()), (b, "sm_90a", ())]
+        monkeypatch.setenv("QUANTMLA_CUDA_LINEINFO", "1")
+        build.cubin_for(a, "cuda")
+    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+        monkeypatch.delenv("QUANTMLA_CUDA_LINEINFO")
+        build.cubin_for(a, "cuda")
+    assert built[2:] == [(a, "sm_90a", ("-lineinfo",)), (a, "sm_80", ())]

@@ -227,9 +227,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.alloc.release(seq.pages)
-        seq.pages = []
+        self._retire(seq)
         seq.num_computed = 0
         seq.status = WAITING
         seq.preemptions += 1

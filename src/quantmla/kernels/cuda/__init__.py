@@ -15,8 +15,6 @@ of a fall back to Triton with a warning.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from quantmla.cache.layout import PageLayout
@@ -61,24 +59,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                            fragments=fragments)
 
 
-_LOADED: dict = {}  # (macros, smem, device index, line info) -> the loaded kernel: sources are hashed once a process
-
-
-def _function(plan: DecodePlan, device: torch.device):
+def prepare(plan: DecodePlan, device: torch.device) -> None:
+    """Build and load `plan` now (not at the first launch, which may be inside a CUDA-graph capture)."""
     from quantmla.kernels.cuda import driver
     from quantmla.kernels.cuda.build import cubin_for
 
-    index = torch.device(device).index
-    key = (plan.macros, plan.smem, torch.cuda.current_device() if index is None else index,
-           os.environ.get("QUANTMLA_CUDA_LINEINFO"))
-    if key not in _LOADED:
-        _LOADED[key] = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
-    return _LOADED[key]
-
-
-def prepare(plan: DecodePlan, device: torch.device) -> None:
-    """Build and load `plan` now (not at the first launch, which may be inside a CUDA-graph capture)."""
-    _function(plan, device)
+    driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
 
 
 def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
@@ -86,9 +72,10 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
     stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
+    from quantmla.kernels.cuda.build import cubin_for
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
-    fn = _function(plan, device)
+    fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]

@@ -84,7 +84,14 @@ def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | No
     return path
 
 
+_CUBINS: dict = {}  # (macros, arch, extra) -> cubin path: each launch's lookup, the sources hashed once a process
+
+
 def cubin_for(macros: tuple[tuple[str, int], ...], device: torch.device) -> Path:
-    """The cubin of `macros` for `device` (QUANTMLA_CUDA_LINEINFO=1: with source lines, for a profiler)."""
+    """The cubin of `macros` for `device` (QUANTMLA_CUDA_LINEINFO=1: with source lines, for a profiler). Every
+    launch asks; the build's cache key (the sources read and hashed) is computed once a process."""
     extra = ("-lineinfo",) if os.environ.get("QUANTMLA_CUDA_LINEINFO") == "1" else ()
-    return compile_cubin(macros, arch_of(device), extra=extra)
+    key = (macros, arch_of(device), extra)
+    if key not in _CUBINS:
+        _CUBINS[key] = compile_cubin(*key[:2], extra=extra)
+    return _CUBINS[key]
