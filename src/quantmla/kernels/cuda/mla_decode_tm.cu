@@ -48,8 +48,8 @@ typedef __half2 T2;
 #define MIN_CTAS 2
 #endif
 // TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
-// %globaltimer and clock64 at NMARK marks (entry, the prologue's first barrier, the query pieces summed and
-// their largest |q| known, the query block written, the first tile landed, after the tile loop, the end), then
+// %globaltimer and clock64 at NMARK marks (entry, the query pieces' loads issued, the first tiles' copies issued,
+// the query block written, the first tile landed, after the tile loop, the end), then
 // the SM it ran on and its tile count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
 #ifndef TIMELINE
 #define TIMELINE 0
@@ -58,6 +58,11 @@ typedef __half2 T2;
 // wait, the scores, the vote, the copy issue and the output products, P) into the NPHASE words after those
 #ifndef PHASES
 #define PHASES 0
+#endif
+// QUERY_WARP_ROWS (default): each warp writes its rows of the query block on its own; 0 (measurement only): the
+// earlier prologue, with shared atomics and a barrier between
+#ifndef QUERY_WARP_ROWS
+#define QUERY_WARP_ROWS 1
 #endif
 // ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
 #ifndef ONE_BARRIER
@@ -146,7 +151,6 @@ constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // TPW = 2: [NW, 32, TP
 constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * TPW * 16 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
-static_assert(BM * (D / 8) * 4 <= CG * BM * LDP * 2, "the query pieces' sums fit where P·scale goes later");
 
 #include "query_pieces.cuh"
 #include "query_tm.cuh"
@@ -191,9 +195,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const int ntiles = (end - start + BN - 1) / BN;
   auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
 
-  // ---- the query pieces' loads, then the first tiles' copies (their page numbers read at once) -------------
-  // (in this order the pieces arrive about 2 µs sooner: they do not queue behind the copies). The copies are
-  // issued after the barrier that zeroes the rows' largest |q|, so no other warp waits for their page numbers
+#if !QUERY_WARP_ROWS
   uint4 qv[QPT];
   load_query_pieces(qc, qr, qv, b, R, row0, tid);
   unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
@@ -210,6 +212,24 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     });
   }
   load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
+#else
+  // ---- the query pieces' loads; thread 0 then reads the first tiles' page numbers and issues their copies, and
+  // each warp writes its rows of the query block on its own (no barrier until the block is whole) ---------------
+  uint4 qv[RPW][CPL], qrv;
+  load_query_rows(qc, qr, qv, qrv, b, R, row0, warp, lane);
+  mark(tl, 1);
+  int pg_next = 0;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
+    mbar_fence_init();
+    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
+    });
+  }
+  mark(tl, 2);
+  write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
+#endif
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
