@@ -126,6 +126,8 @@ def main() -> None:
                                     "plan": plan.describe() if plan else None,
                                     "macros": dict(plan.macros) if plan else None, **kw})
                 print(f"{name:10s} {B}x{L:<7d} {vname:22s} {us or float('nan'):8.1f} us  {kw}", flush=True)
+                with open(a.out, "w") as f:  # every row as it comes: a later failure keeps the rows before it
+                    json.dump(res, f, indent=1)
 
             def time_call(md) -> tuple[float, float]:
                 """One decode call through the public API (schedule, decode and combine) over md's units, into a
@@ -262,10 +264,14 @@ def main() -> None:
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "SKIP_QK": 1,
                                                                             "SKIP_PV": 1}.items())))
                         row("tokens_m_no_products_phases", None, vp, **timeline(vp, md, phases=True))
-                    # the loop with a second barrier after P (one P buffer), at the most stages that fit
+                    # the loop with a second barrier after P (one P buffer), at the most stages that fit (where
+                    # the plan has one barrier a tile, and such stages fit two CTAs an SM)
                     tpw = dict(plan.macros).get("TPW", 1)
-                    st = max(s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
-                             if 2 * (cuda.smem_bytes_tm(lay, s, 1, tpw) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM)
+                    st = max((s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
+                              if 2 * (cuda.smem_bytes_tm(lay, s, 1, tpw) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM),
+                             default=None)
+                    if not dict(plan.macros)["ONE_BARRIER"] or st is None:
+                        continue
                     smem = cuda.smem_bytes_tm(lay, st, 1, tpw)
                     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "ONE_BARRIER": 0, "STAGES": st,
                                                                         "SMEM_EXPECTED": smem}.items())), stages=st, smem=smem)
