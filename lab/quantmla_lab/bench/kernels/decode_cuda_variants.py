@@ -74,8 +74,9 @@ def occupancy_variants(plan: cuda.DecodePlan, layout: PageLayout) -> dict[str, t
     return out
 
 
-# the tokens-as-M kernel's TIMELINE marks (mla_decode_tm.cu): each figure is the time from the mark before (with
-# QUERY_WARP_ROWS=0 the second and third marks are the prologue's first barrier and the query pieces summed)
+# the tokens-as-M kernel's TIMELINE marks (mla_decode_tm.cu): each figure is the time from the mark before (in the
+# earlier prologue, QUERY_WARP_ROWS=0 at 56f03e6, the second and third marks are its first barrier and the query
+# pieces summed)
 MARKS = ("entry", "query_loads", "first_copies", "query_block", "first_tile", "tiles", "epilogue")
 # its PHASES of the tile loop (thread 0's clocks summed over the tiles): the copy's wait, the scores, the vote, the
 # copy issue and the output products, P

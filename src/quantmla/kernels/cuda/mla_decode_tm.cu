@@ -59,11 +59,6 @@ typedef __half2 T2;
 #ifndef PHASES
 #define PHASES 0
 #endif
-// QUERY_WARP_ROWS (default): each warp writes its rows of the query block on its own; 0 (measurement only): the
-// earlier prologue, with shared atomics and a barrier between
-#ifndef QUERY_WARP_ROWS
-#define QUERY_WARP_ROWS 1
-#endif
 // ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
 #ifndef ONE_BARRIER
 #define ONE_BARRIER 1
@@ -195,24 +190,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const int ntiles = (end - start + BN - 1) / BN;
   auto page_of = [&](int it) { return it < ntiles ? __ldg(bt_row + (start + it * BN) / PS) : 0; };
 
-#if !QUERY_WARP_ROWS
-  uint4 qv[QPT];
-  load_query_pieces(qc, qr, qv, b, R, row0, tid);
-  unsigned* sAmax = reinterpret_cast<unsigned*>(sRed);
-  if (tid < BM) sAmax[tid] = 0u;
-  __syncthreads();  // sAmax is zeroed
-  mark(tl, 1);
-  int pg_next = 0;
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
-    mbar_fence_init();
-    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
-      issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
-    });
-  }
-  load_query_tm(qv, sQ, sQsum, sQf, reinterpret_cast<float*>(sP), sAmax, qk_scale_log2, tid, tl);
-#else
   // ---- the query pieces' loads; thread 0 then reads the first tiles' page numbers and issues their copies, and
   // each warp writes its rows of the query block on its own (no barrier until the block is whole) ---------------
   uint4 qv[RPW][CPL], qrv;
@@ -229,7 +206,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   }
   mark(tl, 2);
   write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
-#endif
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
