@@ -126,6 +126,56 @@ def test_decode_matches_reference_varlen_with_splits(name):
     check(o, l, ro, rl)
 
 
+def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
+    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of 128."""
+    for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128)]:
+        br, bd, bs = schedule.combine_blocks(B, 16, 512, splits, 132)
+        assert schedule.combine_one_step(splits, bs) and bs * br * bd <= schedule.COMBINE_ONE_STEP_TILE
+        assert B * -(-16 // br) * (512 // bd) >= 256  # still about two programs an SM
+    br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
+    assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
+
+
+@pytest.mark.parametrize("one_step", [True, False])
+def test_combine_merges_partials_like_fp64(one_step):
+    """The combine kernel in one step (every split in one tile) and in several, against an fp64 log-sum-exp merge:
+    sequences of 0 (written directly), 1, 3 and 9 splits, empty units (lse -inf), rows past R, NaN-poisoned output."""
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    g = torch.Generator().manual_seed(7)
+    R, DC, counts = 3, 32, [9, 1, 3, 0, 9]
+    info, first = [], 0
+    for n in counts:
+        info.append((first, n))
+        first += n
+    po = torch.randn(first, R, DC, generator=g) * 3
+    plse = torch.randn(first, R, generator=g) * 4
+    plse[2, 1] = plse[5] = float("-inf")  # empty units: one row of one, every row of another
+    plse[first - 9:first - 6] = float("-inf")
+    plse[10:13, 0] = float("-inf")  # a row whose every split is empty
+    out = torch.full((len(counts), R, DC), float("nan"), device=DEV)
+    lse = torch.full((len(counts), R), float("nan"), device=DEV)
+    block_r, block_d = 4, 16
+    block_s = 16 if one_step else 4
+    assert schedule.combine_one_step(max(counts), block_s) == one_step
+    _mla_combine_kernel[(len(counts), -(-R // block_r), DC // block_d)](
+        po.to(DEV), plse.to(DEV), torch.tensor(info, dtype=torch.int32, device=DEV), out, lse, R, D_C=DC,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, ONE_STEP=one_step)
+    out, lse = out.cpu(), lse.cpu()
+    for b, (f, n) in enumerate(info):
+        if n <= 1:  # written by the decode kernel itself: the combine leaves it alone
+            assert torch.isnan(out[b]).all() and torch.isnan(lse[b]).all()
+            continue
+        l64, o64 = plse[f:f + n].double(), po[f:f + n].double()
+        ref_lse = torch.logsumexp(l64, 0)  # [R]
+        w = torch.exp(l64 - ref_lse[None]).nan_to_num(0.0)  # rows with every split empty have weight 0
+        ref_o = (w[:, :, None] * o64).sum(0)
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse[b]), empty)
+        assert torch.allclose(lse[b][~empty].double(), ref_lse[~empty], rtol=0, atol=1e-5)
+        assert torch.allclose(out[b].double(), ref_o, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8"])
 @pytest.mark.parametrize("SQ", [2, 4])
 def test_decode_multi_token_queries(name, SQ):

@@ -77,7 +77,8 @@ def combine_case(heads: int, splits: int) -> None:
     br, bd, bs = api.combine_blocks(1, heads, D_C, splits, 132)
     f32 = torch.zeros(4, dtype=torch.float32)
     args = (f32, f32, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.bfloat16), f32, heads)
-    compile_sm90(_mla_combine_kernel, args, dict(D_C=D_C, BLOCK_R=br, BLOCK_D=bd, BLOCK_S=bs), 4, 2)
+    one = api.combine_one_step(splits, bs)
+    compile_sm90(_mla_combine_kernel, args, dict(D_C=D_C, BLOCK_R=br, BLOCK_D=bd, BLOCK_S=bs, ONE_STEP=one), 4, 2)
 
 
 def append_read_case(name: str) -> None:
@@ -138,7 +139,7 @@ def page_rope_case(heads: int, block: int = 0) -> None:
 CASES = {
     **{f"decode {n} H{h}": (decode_case, (n, h)) for n, h in
        [("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128)]},
-    **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (128, 8)]},
+    **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (16, 264), (128, 8)]},
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},
     **{f"page rope H{h}": (page_rope_case, (h,)) for h in (16, 128)},
     "page rope blocks of 16 H16": (page_rope_case, (16, 16)),

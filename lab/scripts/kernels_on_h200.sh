@@ -29,6 +29,8 @@
 #                 epilogue), beside the loop with a second barrier a tile, and thread 0's clocks in the tile loop's
 #                 phases (copy wait, scores, vote, output, P; with and without the products), INT4/INT4 and INT2/INT4
 #                 at 1 x 131072 and 32 x 16384                            -> kernels/decode_tokens_m_timeline_h200.json
+# combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
+#                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 against wgmma m64n16k16 and
 #                 mma.sync m16n8k32 on e4m3 and s8 operands
 # e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
@@ -150,6 +152,10 @@ tokens-m() {
 tokens-m-timeline() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
+}
+
+combine() {
+  timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
 }
 
 e4m3-scores() {

@@ -36,6 +36,7 @@ from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is he
     _next_pow2,
     num_sms_of,
     combine_blocks,
+    combine_one_step,
     decode_bytes,
     decode_flops,
     default_config,
@@ -331,7 +332,7 @@ def mla_decode_with_kvcache(
         block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, num_sms_of(device))
         _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
             po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
-            num_warps=4, num_stages=2,
+            ONE_STEP=combine_one_step(metadata.max_splits, block_s), num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

@@ -242,11 +242,13 @@ def _mla_decode_kernel(
 @triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(
     PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, ONE_STEP: tl.constexpr,
 ):
     """Merge the split partials of sequences with more than one unit (others were written directly).
     Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits, and each
-    reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps."""
+    reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps. With
+    ONE_STEP (no sequence has more than BLOCK_S splits) a program loads its log-sum-exps and partials at once:
+    one round trip to memory instead of a pass for the maximum and one for the sums."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     db = tl.program_id(2)
@@ -257,23 +259,34 @@ def _mla_combine_kernel(
         rmask = rows < R
         dc = db * BLOCK_D + tl.arange(0, BLOCK_D)
         sidx = tl.arange(0, BLOCK_S)
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for i0 in range(0, n, BLOCK_S):
-            s = i0 + sidx
-            pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]  # [S, R] partial rows
-            lse_s = tl.load(PLSE + pr, mask=(s < n)[:, None] & rmask[None, :], other=float("-inf"))
-            m = tl.maximum(m, tl.max(lse_s, 0))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        den = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for i0 in range(0, n, BLOCK_S):
-            s = i0 + sidx
-            ok = (s < n)[:, None] & rmask[None, :]
-            pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
-            w = tl.exp(tl.load(PLSE + pr, mask=ok, other=float("-inf")) - m_safe[None, :])  # [S, R]
-            den += tl.sum(w, 0)
+        if ONE_STEP:
+            ok = (sidx < n)[:, None] & rmask[None, :]
+            pr = (first + sidx).to(tl.int64)[:, None] * R + rows[None, :]  # [S, R] partial rows
+            lse_s = tl.load(PLSE + pr, mask=ok, other=float("-inf"))
             o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)  # [S, R, D]
-            acc += tl.sum(w[:, :, None] * o_s, 0)
+            m = tl.max(lse_s, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp(lse_s - m_safe[None, :])
+            den = tl.sum(w, 0)
+            acc = tl.sum(w[:, :, None] * o_s, 0)
+        else:
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            for i0 in range(0, n, BLOCK_S):
+                s = i0 + sidx
+                pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
+                lse_s = tl.load(PLSE + pr, mask=(s < n)[:, None] & rmask[None, :], other=float("-inf"))
+                m = tl.maximum(m, tl.max(lse_s, 0))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            den = tl.zeros([BLOCK_R], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for i0 in range(0, n, BLOCK_S):
+                s = i0 + sidx
+                ok = (s < n)[:, None] & rmask[None, :]
+                pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
+                w = tl.exp(tl.load(PLSE + pr, mask=ok, other=float("-inf")) - m_safe[None, :])  # [S, R]
+                den += tl.sum(w, 0)
+                o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)
+                acc += tl.sum(w[:, :, None] * o_s, 0)
         has = den > 0.0
         d_safe = tl.where(has, den, 1.0)
         o = acc / d_safe[:, None]

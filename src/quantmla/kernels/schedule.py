@@ -262,19 +262,31 @@ def _fp8_tm_min_tokens(layout: PageLayout) -> int:
     return cuda.FP8_TM_MIN_TOKENS if cuda.is_fp8(layout) else 0
 
 
+COMBINE_TILE = 4096  # fp32 elements of a combine step's [splits, rows, channels] tile
+COMBINE_ONE_STEP_TILE = 8192  # .. and of the tile a program loads at once where every split fits one step
+
+
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
     about two programs per SM run (a lone sequence's partials are read by many SMs at once), and as many
-    splits read per step as a [splits, rows, channels] tile of 4096 fp32 holds, so a lone sequence's
-    hundreds of splits merge in a few wide steps rather than many dependent narrow ones."""
+    splits read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32 holds, so a lone sequence's
+    hundreds of splits merge in a few wide steps rather than many dependent narrow ones. Where every split
+    fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``)."""
     block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
             block_d //= 2
         else:
             block_r //= 2
-    block_s = max(1, min(_next_pow2(max_splits), 4096 // (block_r * block_d)))
-    return block_r, block_d, block_s
+    splits = _next_pow2(max_splits)
+    if splits * block_r * block_d <= COMBINE_ONE_STEP_TILE:
+        return block_r, block_d, splits
+    return block_r, block_d, max(1, min(splits, COMBINE_TILE // (block_r * block_d)))
+
+
+def combine_one_step(max_splits: int, block_s: int) -> bool:
+    """Whether a combine program reads every split of a sequence in one step (at most ``max_splits``)."""
+    return max_splits <= block_s
 
 
 # --------------------------------------------------------------------------------------------------
