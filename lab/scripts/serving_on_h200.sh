@@ -112,12 +112,12 @@ jobs() {
 
 long() {
   timeout 480 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
-    int4/int4-page int2/int4-page "${GRP[@]}" --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
+    int4/int4-page int2/int4-page "${GRP[@]}" --max-batched-tokens 16384 --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
 }
 
 longest() {
   timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 14.95 --methods bf16 fp8 int4/int4 int2/int4 \
-    "${GRP[@]}" --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
+    "${GRP[@]}" --max-batched-tokens 16384 --out "$OUT/serving/longest_14.95gib_h200.json" 2>&1 | quiet 8
 }
 
 serve-cli() {
