@@ -160,12 +160,33 @@ def test_serve_bench_jobs_and_fp8_method():
     from quantmla_lab.bench.serving.throughput import JOBS, job_budgets_gib, method_config
 
     assert method_config("fp8").describe() == "content FP8/g128 + RoPE BF16"
-    assert JOBS["long"] == dict(requests=32, prompt=(16384, 24576), output=(1024, 1536))
+    assert JOBS["long"] == dict(requests=32, prompt=(16384, 24576), output=(1024, 1536), batched_tokens=16384)
     b2, b8, b32 = job_budgets_gib("long")
     assert abs(b8 / b2 - 4) < 1e-3 and abs(b32 / b2 - 16) < 1e-3
     # BF16 at d_c 512, d_r 64: 1152 B/token/layer, 27 layers; the mean request (21760 tokens) in 64-token pages
     assert abs(b2 - 2 * 340 * 64 * 1152 * 27 / (1 << 30)) < 1e-3
     assert len(job_budgets_gib("longest")) == 2  # 32 requests exceed the job's 16
+
+
+def test_serve_bench_job_sets_its_chunk_budget_unless_given():
+    """`--job long` batches 16384 tokens a step as its published runs do; an explicit --max-batched-tokens wins,
+    and without --job the settings' default holds."""
+    import argparse
+
+    from quantmla_lab.bench.serving.command import add_arguments, apply_job
+    from quantmla_lab.bench.serving.throughput import BenchSettings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv, want in ((["--job", "long"], 16384), (["--job", "longest"], 16384), (["--job", "short"], 8192),
+                       (["--job", "longest", "--max-batched-tokens", "4096"], 4096),
+                       ([], BenchSettings.max_num_batched_tokens), (["--max-batched-tokens", "2048"], 2048)):
+        args = p.parse_args(argv)
+        apply_job(args, " ".join(argv))
+        assert args.max_batched_tokens == want, argv
+    args = p.parse_args(["--job", "long", "--budgets-gib", "3"])
+    apply_job(args, "--job long --budgets-gib 3")
+    assert args.budgets_gib == [3.0] and args.requests == 32
 
 
 def test_preemption_by_recompute_keeps_outputs(v3):

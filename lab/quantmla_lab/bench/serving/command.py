@@ -45,8 +45,9 @@ def add_arguments(p):
     p.add_argument("--rope-group", type=int, default=d.rope_group, help="RoPE channels per scale/zero group")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per cache page")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per engine step")
-    p.add_argument("--max-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens per engine step (prefill chunk budget)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help=f"tokens per engine step (prefill chunk budget; default: the --job's, else "
+                        f"{d.max_num_batched_tokens})")
     p.add_argument("--watermark", type=float, default=d.watermark, help="fraction of pages admission leaves free")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graph replay)")
     p.add_argument("--backend", default=d.backend, choices=("auto", "torch", "triton"),
@@ -66,8 +67,8 @@ def add_arguments(p):
     p.add_argument("--job", choices=sorted(JOBS), default=None,
                    help="a named job shape (short: prompts 1K-2K, outputs 256-384, 64 requests; long: prompts 16K-24K, "
                         "outputs 1K-1.5K, 32 requests; longest: prompts 60K-64K, outputs 1K, 16 requests); sets "
-                        "--requests, --prompt-len and --output-len, and --budgets-gib (unless given) to where BF16 holds "
-                        "about 2, 8 and 32 requests")
+                        "--requests, --prompt-len and --output-len, and --budgets-gib and --max-batched-tokens (unless "
+                        "given) to where BF16 holds about 2, 8 and 32 requests and to 8192 (short) or 16384 tokens")
 
 
 def run_check(device: str, tie_tol: float, log=print, families=("deepseek_v2",), refs=None,
@@ -186,6 +187,20 @@ def _figure(result: dict, json_path: str) -> str:
     return plot_curve(result, os.path.splitext(json_path)[0] + ".png")
 
 
+def apply_job(args, command_line: str) -> None:
+    """--job's shape into args: requests, prompt and output lengths, and, unless the command line gives them,
+    its budgets and its tokens an engine step batches (without --job: the settings' default chunk budget)."""
+    if args.job:
+        j = JOBS[args.job]
+        args.requests, args.prompt_len, args.output_len = j["requests"], j["prompt"], j["output"]
+        if "--budgets-gib" not in command_line.split():
+            args.budgets_gib = job_budgets_gib(args.job, args.preset, page_size=args.page_size)
+        if args.max_batched_tokens is None:
+            args.max_batched_tokens = j["batched_tokens"]
+    if args.max_batched_tokens is None:
+        args.max_batched_tokens = BenchSettings.max_num_batched_tokens
+
+
 def run(args) -> int:
     if args.replot:
         from quantmla_lab.bench.serving.throughput_report import load_result
@@ -193,11 +208,7 @@ def run(args) -> int:
         print(f"wrote {_figure(load_result(args.replot), args.replot)}")
         return 0
     check_args(args)
-    if args.job:
-        j = JOBS[args.job]
-        args.requests, args.prompt_len, args.output_len = j["requests"], j["prompt"], j["output"]
-        if "--budgets-gib" not in getattr(args, "command_line", " ".join(sys.argv)).split():
-            args.budgets_gib = job_budgets_gib(args.job, args.preset, page_size=args.page_size)
+    apply_job(args, getattr(args, "command_line", " ".join(sys.argv)))
     from quantmla.checks import check_output_file
 
     check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark

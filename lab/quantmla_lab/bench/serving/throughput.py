@@ -67,13 +67,14 @@ class BenchSettings:
 
 
 JOBS = {
-    # name: requests, prompt lengths U[min, max], output lengths U[min, max]
-    "short": dict(requests=64, prompt=(1024, 2048), output=(256, 384)),
-    "long": dict(requests=32, prompt=(16384, 24576), output=(1024, 1536)),
-    "longest": dict(requests=16, prompt=(61440, 65536), output=(1024, 1024)),
+    # name: requests, prompt lengths U[min, max], output lengths U[min, max], tokens an engine step batches
+    "short": dict(requests=64, prompt=(1024, 2048), output=(256, 384), batched_tokens=8192),
+    "long": dict(requests=32, prompt=(16384, 24576), output=(1024, 1536), batched_tokens=16384),
+    "longest": dict(requests=16, prompt=(61440, 65536), output=(1024, 1024), batched_tokens=16384),
 }
 """Named job shapes: ``short`` (the cache-pressure curve's job), ``long`` (contexts of 17K to 26K
-tokens, where attention fills a decode step) and ``longest`` (64K-token contexts)."""
+tokens, where attention fills a decode step) and ``longest`` (64K-token contexts), each with the prefill
+chunk budget its published runs use."""
 
 
 def job_budgets_gib(job: str, preset: str = "v2-lite", holds=(2, 8, 32), page_size: int = 64) -> list[float]:
