@@ -14,7 +14,8 @@
 # short           the short job (64 prompts of 1K-2K tokens, 256-384 new) at the budgets of the goals (0.075, 0.1 GiB) and
 #                 where BF16 holds about 8 and 32 requests: BF16, FP8, INT4/INT4, INT2/INT4       -> serving/short_h200.json
 # jobs            the three named jobs at every budget of each (BF16 holds about 2, 8 and 32 requests; `longest` 2 and 8):
-#                 BF16, FP8, INT4/INT4, INT2/INT4, one process a job  -> serving/{short,long,longest}_budgets_h200.json
+#                 BF16, FP8, INT4/INT4, INT2/INT4, each job's own chunk budget, one process a job
+#                                                        -> serving/{short,long,longest}_budgets_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
 # longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json
@@ -105,8 +106,7 @@ jobs() {
   local job
   for job in short long longest; do
     timeout "${JOB_TIMEOUT:-540}" python3 -m quantmla.cli serve-bench --job "$job" --methods bf16 fp8 int4/int4 int2/int4 \
-      "${GRP[@]}" --max-batched-tokens "$([ "$job" = short ] && echo 8192 || echo 16384)" --max-seconds "${JOB_SECONDS:-420}" \
-      --out "$OUT/serving/${job}_budgets_h200.json" 2>&1 | quiet 16
+      "${GRP[@]}" --max-seconds "${JOB_SECONDS:-420}" --out "$OUT/serving/${job}_budgets_h200.json" 2>&1 | quiet 16
   done
 }
 
