@@ -134,6 +134,8 @@ def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
         assert B * -(-16 // br) * (512 // bd) >= 256  # still about two programs an SM
     br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
     assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
+    br, bd, bs = schedule.combine_blocks(8, 16, 512, 33, 132, one_step=False)  # the two-pass blocks, for benchmarks
+    assert not schedule.combine_one_step(33, bs) and bs * br * bd == schedule.COMBINE_TILE
 
 
 @pytest.mark.parametrize("one_step", [True, False])

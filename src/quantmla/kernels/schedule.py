@@ -266,12 +266,13 @@ COMBINE_TILE = 4096  # fp32 elements of a combine step's [splits, rows, channels
 COMBINE_ONE_STEP_TILE = 8192  # .. and of the tile a program loads at once where every split fits one step
 
 
-def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> tuple[int, int, int]:
+def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_step: bool = True) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
     about two programs per SM run (a lone sequence's partials are read by many SMs at once), and as many
     splits read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32 holds, so a lone sequence's
     hundreds of splits merge in a few wide steps rather than many dependent narrow ones. Where every split
-    fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``)."""
+    fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless ``one_step`` is
+    False (the two-pass loop's blocks, which benchmarks time beside it)."""
     block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
@@ -279,7 +280,7 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> t
         else:
             block_r //= 2
     splits = _next_pow2(max_splits)
-    if splits * block_r * block_d <= COMBINE_ONE_STEP_TILE:
+    if one_step and splits * block_r * block_d <= COMBINE_ONE_STEP_TILE:
         return block_r, block_d, splits
     return block_r, block_d, max(1, min(splits, COMBINE_TILE // (block_r * block_d)))
 

@@ -4,8 +4,8 @@
 
 Per shape (sequences x splits a sequence, 16 query rows, d_c 512, fp32 partials with random log-sum-exps): the
 combine kernel as the API launches it (`schedule.combine_blocks`, one step where every split fits), and the same
-blocks with the two-pass loop (`ONE_STEP=False`, COMBINE_TILE splits a step), each replayed as a CUDA graph with
-L2 flushed before every call. Both outputs must agree. The shapes are the splits of the decode steps the jobs run:
+blocks with the two-pass loop (`combine_blocks(..., one_step=False)`: COMBINE_TILE splits a step), each replayed
+as a CUDA graph with L2 flushed before every call. Both outputs must agree. The shapes are the splits of the decode steps the jobs run:
 1 x 264 (a lone long sequence), 8 x 33, 32 x 8, 64 x 4 (16K to 64K contexts at batches 8 to 64) and 8 x 16 (short
 contexts).
 """
@@ -43,7 +43,7 @@ def main() -> None:
         plse = torch.randn(B * S, R, device=dev, generator=g) * 4
         info = torch.tensor([(b * S, S) for b in range(B)], dtype=torch.int32, device=dev)
         br, bd, bs = schedule.combine_blocks(B, R, DC, S, sms)
-        two_pass_s = max(1, min(1 << (S - 1).bit_length(), schedule.COMBINE_TILE // (br * bd)))  # as before one step
+        _, _, two_pass_s = schedule.combine_blocks(B, R, DC, S, sms, one_step=False)
         outs = {}
         for name, block_s, one in (("api", bs, schedule.combine_one_step(S, bs)), ("two_pass", two_pass_s, False)):
             out = torch.full((B, R, DC), float("nan"), device=dev)
