@@ -250,6 +250,39 @@ def test_tokens_m_needs_sm90():
     assert "9.0" in cuda.plan_reason[lay]
 
 
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_warpgroup_plan(out):
+    """The heads-as-M kernel: 64 rows a CTA, two warpgroups, one CTA per SM, its shared memory under the 227 KiB a
+    CTA may ask for, the bf16 layout's section offsets."""
+    lay, p = plan("bf16", 128, out=out, warpgroup=True)
+    m = dict(p.macros)
+    assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 2)
+    assert m["WG"] == 1 and m["OFF_RC"] == lay.offsets["rope_codes"] and m["FB_CC"] == 1024 and m["FB_RC"] == 128
+    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_wg() <= cuda.SMEM_PER_CTA
+    assert p.describe().startswith("cuda/bf16/wg/M64N64w8")
+    assert build.source_of(p.macros).name == "mla_decode_wg.cu"
+
+
+@pytest.mark.parametrize("fmt,rows,page,d_c,why", [
+    ("bf16", 32, 64, 512, "64 or more"),
+    ("int4/int4", 128, 64, 512, "a BF16 cache"),
+    ("fp8", 128, 64, 512, "a BF16 cache"),
+    ("bf16", 128, 32, 512, "multiple of 64"),
+    ("bf16", 128, 64, 256, "DeepSeek's geometry"),
+])
+def test_warpgroup_refused_with_reason(fmt, rows, page, d_c, why):
+    """Where the heads-as-M kernel cannot read a layout, asking for it gives no plan and says why."""
+    lay, p = plan(fmt, rows, page=page, d_c=d_c, warpgroup=True)
+    assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
+
+
+def test_warpgroup_needs_sm90():
+    lay = PageLayout(TokenLayout(512, 64, preset("bf16")), 64)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+        assert cuda.decode_plan(lay, 128, torch.bfloat16, CUDA, warpgroup=True) is None
+    assert "9.0" in cuda.plan_reason[lay] and "warpgroup" in cuda.plan_reason[lay]
+
+
 def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     from quantmla.kernels.schedule import default_config
 
@@ -339,6 +372,7 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               ("int2/int4", 16, {"tokens_m": True, "token_blocks": 2}),
                                               ("fp8", 16, {"tokens_m": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
+                                              ("bf16", 128, {"warpgroup": True}),
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
                                                                                           grouping="page")), 64, {})])

@@ -289,6 +289,48 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
         assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
 
 
+def warpgroup_config(lay, rows):
+    """The heads-as-M kernel's config (mla_decode_wg.cu: the query rows as the M of warpgroup MMAs)."""
+    from quantmla.kernels.cuda.build import nvcc
+    from quantmla.kernels.schedule import cuda_config
+
+    if nvcc() is None:
+        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
+    cfg = cuda_config(rows, lay, "cuda", warpgroup=True)
+    assert cfg is not None and cfg.warpgroup, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    return cfg
+
+
+@pytest.mark.parametrize("H,SQ", [(128, 1), (64, 1), (128, 2), (64, 4), (16, 4), (40, 3)])
+def test_decode_cuda_warpgroup(H, SQ):
+    """Heads as the M of warpgroup MMAs (mla_decode_wg.cu, BF16) against the same fp32 oracle: NaN-poisoned outputs,
+    lengths 0, 1, odd and across pages, causal multi-token rows, row blocks past the last row (40 x 3 = 120 rows in
+    two 64-row blocks); the garbage bytes past a partial last tile (the pages start random) never reach the output."""
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], LENS, seed=23 * H + SQ)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 13 * SQ, config=warpgroup_config(lay, H * SQ))
+    assert md.variant.startswith("cuda/bf16/wg/M64N64w8s2c1"), md.variant
+
+
+def test_decode_cuda_warpgroup_splits():
+    """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [20000, 3, 511], seed=31)
+    cfg = warpgroup_config(lay, 128)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=1, config=cfg, chunk_tokens=64)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
+
+
+def test_decode_cuda_warpgroup_error_within_bf16_paths():
+    """Against fp64, the heads-as-M kernel's error at 128 heads is within 1.5x the Triton BF16 kernel's (both round P
+    to bf16 and accumulate in fp32)."""
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 4, seed=37)
+    wg, md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
+    assert md.variant.startswith("cuda/bf16/wg/"), md.variant
+    tri, md = fp64_error(lay, pages, bt, sl, 128, 22, kernel_config("triton", lay, 128, 1))
+    assert not md.variant.startswith("cuda/"), md.variant
+    print(f"warpgroup {wg:.2e}, triton {tri:.2e}")
+    assert wg <= 1.5 * tri, (wg, tri)
+
+
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

@@ -96,6 +96,8 @@ def main() -> None:
                     help="also the default plan at 16-token tiles and 3 or 4 CTAs per SM (decode kernel alone)")
     ap.add_argument("--tokens-m", action="store_true",
                     help="also the tokens-as-M kernel (mla_decode_tm.cu): the whole call and its decode kernel alone")
+    ap.add_argument("--warpgroup", action="store_true",
+                    help="first the API's default kernel, then the heads-as-M kernel on warpgroup MMAs (BF16, 64+ rows)")
     ap.add_argument("--timeline", action="store_true",
                     help="with --tokens-m: each CTA's clocks through one call (prologue, first tile, tiles, epilogue)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
@@ -199,6 +201,24 @@ def main() -> None:
                         res[f"loop_{name}_us_median"] = us(med(pw[:, i].cpu().double()))
                 return res
 
+            if a.warpgroup:  # the API's default (the reference for the differences), then heads as the wgmma's M
+                tflop = schedule.decode_flops([L] * B, H, 1, 512, 64) / 1e12
+                dcfg = api.default_config(H, lay, dev)
+                md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dcfg)
+                us, diff = time_call(md)
+                row("api_default", us, None, config=dcfg.describe(), variant_ran=md.variant, units=md.num_units,
+                    tflops=tflop / us * 1e6)
+                cfg = schedule.cuda_config(H, lay, dev, warpgroup=True)
+                if cfg is None:
+                    row("warpgroup", None, None, skipped=cuda.plan_reason.get(lay))
+                else:
+                    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, warpgroup=True)
+                    md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
+                    us, diff = time_call(md)
+                    row("warpgroup", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant,
+                        tflops=tflop / us * 1e6)
+                    us = time_decode(plan, md)
+                    row("warpgroup_decode", us, plan, decode_only=True, units=md.num_units, tflops=tflop / us * 1e6)
             for nw, bn in tilings:
                 cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
                 if cfg is None:

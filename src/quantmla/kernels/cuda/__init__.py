@@ -1,7 +1,7 @@
-"""The CUDA C++ decode path: two kernels, one build per cache layout and plan, cached on disk, launched on
+"""The CUDA C++ decode path: three kernels, one build per cache layout and plan, cached on disk, launched on
 torch's current stream (so CUDA graphs capture it). ``tokens_m.py`` plans the tokens-as-M kernel
-(``mla_decode_tm.cu``), ``built_tile.py`` the built-tile kernel (``mla_decode.cu``), ``plan.py`` holds what
-both share.
+(``mla_decode_tm.cu``), ``built_tile.py`` the built-tile kernel (``mla_decode.cu``), ``warpgroup.py`` the heads-as-M
+kernel on warpgroup MMAs (``mla_decode_wg.cu``, BF16 at 64 rows or more), ``plan.py`` holds what they share.
 
     plan = decode_plan(layout, rows, out_dtype, device)   # None (with plan_reason) where it cannot run
     launch_decode(plan, grid, args)                        # the same arguments as the Triton kernel
@@ -25,30 +25,42 @@ from quantmla.kernels.cuda.plan import (  # noqa: F401
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_WARPS, is_fp8, smem_bytes_tm,
     tokens_m_default_blocks, tokens_m_plan, tokens_m_reason)
+from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
+    WG_BLOCK_M, WG_MIN_ROWS, smem_bytes_wg, warpgroup_plan, warpgroup_reason)
 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None) -> DecodePlan | None:
+                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
+                warpgroup: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
-    tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a
-    warp's scores take, for the tokens-as-M kernel; None: its default for the layout); `fragments=True` takes the path without a built tile (None
-    where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it
-    cannot read the layout, the reason from `tokens_m_reason`). Fragments are not the default: on the H200 it is slower than building the tile
-    (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel,
-    lab/results/kernels/decode_cuda_fragments_h200.json). Default: 8 warps and 32-token tiles at 16 rows; beyond 16
-    rows 16 warps and 64-token tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4
-    at 128 heads, 32 x 8192: 443 against 604 us on the H200, lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
-    why = device_reason(device, (9, 0) if tokens_m else (8, 0),
+    tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a warp's scores take,
+    for the tokens-as-M kernel; None: its default for the layout); `fragments=True` takes the path without a
+    built tile (None where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu;
+    None where it cannot read the layout, the reason from `tokens_m_reason`); `warpgroup=True` the heads-as-M
+    kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from `warpgroup_reason`).
+    Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32 x 16384:
+    161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json). Default:
+    8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build per
+    64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
+    lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
+    why = device_reason(device, (9, 0) if tokens_m or warpgroup else (8, 0),
                         "tokens as M: needs compute capability 9.0 (bulk copies)" if tokens_m
+                        else "heads as M: needs compute capability 9.0 (warpgroup MMAs)" if warpgroup
                         else "needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     if why is None and out_dtype not in _OUT:
         why = f"output dtype {out_dtype}"
     if why:
         plan_reason[layout] = why
         return None
+    if warpgroup:
+        plan = warpgroup_plan(layout, rows, out_dtype)
+        if isinstance(plan, str):
+            plan_reason[layout] = f"heads as M: {plan}"
+            return None
+        return plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, blocks_per_warp=token_blocks)
         if isinstance(plan, str):
@@ -68,7 +80,8 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
 
 
 def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
-    """Run the build of `plan` over grid (units, head blocks) on the current stream. `args` are the
+    """Run the build of `plan` over grid (units, head blocks) on the current stream (the heads-as-M kernel's grid
+    is (head blocks, units): a unit's head blocks run side by side and share its tiles in L2). `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
     stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
@@ -76,6 +89,8 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
+    if dict(plan.macros).get("WG"):
+        grid = (grid[1], grid[0])
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]

@@ -1,0 +1,225 @@
+// Absorbed-MLA decode over a BF16 paged cache with the query rows (heads x query tokens) as the MMA's M
+// dimension, on Hopper's warpgroup MMAs (sm_90a): the many-heads kernel (64 rows a CTA, 128 heads in two CTAs).
+//
+// One CTA of two warpgroups takes 64 query rows of one work unit (sequence b, tokens [start, end)). The query
+// block and each tile of BN = 64 tokens sit in shared memory as nine 64-channel chunks (eight of the latent, one
+// of the RoPE key) in the 128-byte swizzle (wgmma.cuh), copied with cp.async by every thread, two stages. Per tile:
+//
+//   scores  S[row, token] = Q·Kᵀ over 576 channels: warpgroup g takes tokens 32g .. 32g + 31 (m64n32k16, both
+//           operands from shared memory), in base-2 units (times qk_scale·log2 e).
+//   softmax the two warpgroups exchange their rows' tile maxima through shared memory (one named barrier), so both
+//           hold the same running maximum; each keeps its share of the rows' sums. P goes to shared memory in bf16.
+//   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
+//           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
+//
+// Tokens past the unit's end are zero-filled by the copies (a page's stale bytes may be NaN); tokens past a row's
+// causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
+// do (the sequence's own rows where it has one split, else the unit's partial rows for the combine kernel).
+//
+// Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
+// (and WG, NW, BN, HALF: fixed here)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+#define MMA_TYPE "bf16"
+
+#include "ptx.cuh"
+#include "out_io.cuh"
+#include "wgmma.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "the heads-as-M decode kernel runs on Hopper's warpgroup MMAs (sm_90a)"
+#endif
+
+static_assert(NW == 8 && BN == 64 && HALF == 0, "the plan of this kernel: two warpgroups, 64-token tiles, bf16");
+static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry: eight latent chunks and one RoPE chunk");
+static_assert(FB_CC == 2 * D_C && FB_RC == 2 * D_R, "bf16 values stored as they are");
+static_assert(PS % BN == 0, "a tile lies inside one page");
+
+constexpr int BM = 64;                 // query rows per CTA (the MMA's M)
+constexpr int NT = 32 * NW;            // 256 threads: two warpgroups
+constexpr int D = D_C + D_R;
+constexpr int NCH = D / 64;            // 64-channel chunks of a row (9)
+constexpr int CCH = D_C / 64;          // of them the latent's (8)
+constexpr int CHUNK = 64 * 128;        // a chunk of 64 rows, bytes
+constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
+constexpr int SM_Q = 0;
+constexpr int SM_K = SM_Q + TILE;      // two stages
+constexpr int SM_P = SM_K + 2 * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
+constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
+constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
+constexpr int SMEM = SM_L + 2 * BM * 4 + 1024;  // + the slack that aligns the chunks to 1024 bytes
+static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.py) disagrees with this map");
+
+#include "query_pieces.cuh"  // MLA_DECODE_PARAMS
+
+extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint8_t* sQ = smem + SM_Q;
+  uint8_t* sK = smem + SM_K;
+  uint8_t* sP = smem + SM_P;
+  float* sMax = reinterpret_cast<float*>(smem + SM_MAX);
+  float* sL = reinterpret_cast<float*>(smem + SM_L);
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int row0 = blockIdx.x * BM, u = blockIdx.y;  // head blocks vary fastest: they share the unit's tiles in L2
+  const int b = units[4 * u], start = units[4 * u + 1], end = units[4 * u + 2], nsplit = units[4 * u + 3];
+  const int L = seq_lens[b];
+  const int* bt_row = block_table + (int64_t)b * stride_bt;
+  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+
+  // the query block: rows past R read as zero
+  for (int i = tid; i < BM * NCH * 8; i += NT) {
+    const int r = i / (NCH * 8), c = (i >> 3) % NCH, j = i & 7, gr = row0 + r;
+    const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
+    const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
+    cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
+  }
+  // tile `it` into stage `st`: its latent chunks then its RoPE chunk, tokens past the unit's end zero-filled
+  auto issue = [&](int it, uint8_t* st) {
+    const int n0 = start + it * BN, valid = min(BN, end - n0);
+    const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
+    const uint8_t* cb = pg + OFF_CC + (int64_t)(n0 % PS) * FB_CC;
+    const uint8_t* rb = pg + OFF_RC + (int64_t)(n0 % PS) * FB_RC;
+#pragma unroll
+    for (int n = 0; n < BN * 64 / NT; ++n) {
+      const int i = tid + n * NT, t = i >> 6, p = i & 63;
+      cp_async16_zfill(st + (p >> 3) * CHUNK + swz(t, p & 7), cb + t * FB_CC + 16 * p, t < valid);
+    }
+#pragma unroll
+    for (int n = 0; n < BN * 8 / NT; ++n) {
+      const int i = tid + n * NT, t = i >> 3, j = i & 7;
+      cp_async16_zfill(st + CCH * CHUNK + swz(t, j), rb + t * FB_RC + 16 * j, t < valid);
+    }
+  };
+  if (ntiles > 0) issue(0, sK);
+  cp_async_commit();  // group 0: the query block and tile 0
+  if (ntiles > 1) issue(1, sK + TILE);
+  cp_async_commit();
+
+  // this thread's rows r0 and r0 + 8 of the block, its columns 8j + cq (+ 1) of every n8 block
+  const int r0 = 16 * warp + (lane >> 2), cq = 2 * (lane & 3);
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) limit[h] = L - causal * (SQ - 1 - (row0 + r0 + 8 * h) / H);
+  float o[128], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+
+  const uint64_t dq = sw128_desc(sQ, 16, 1024);
+  const uint64_t dp = sw128_desc(sP, 16, 1024);
+  for (int it = 0; it < ntiles; ++it) {
+    uint8_t* st = sK + (it & 1) * TILE;
+    cp_async_wait<1>();  // tile it (and the query block) landed
+    fence_proxy_async();
+    __syncthreads();
+
+    // scores of this warpgroup's 32 tokens
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+    const uint64_t dk = sw128_desc(st + wg * 32 * 128, 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < NCH * 4; ++kk) {
+      const uint32_t off = ((kk >> 2) * CHUNK + (kk & 3) * 32) >> 4;
+      wgmma_m64n32_k(s, dq + off, dk + off, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // the rows' tile maxima, base 2; tokens past the unit's end or a row's causal limit are -inf
+    const int n0 = start + it * BN, par = it & 1;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int pos = n0 + wg * 32 + 8 * j + cq + e, i = 4 * j + 2 * h + e;
+          s[i] = pos < end && pos < limit[h] ? s[i] * qk_scale_log2 : -INFINITY;
+          mx[h] = fmaxf(mx[h], s[i]);
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
+    }
+    bar_sync(1, NT);
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]));
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[h] = fast_exp2(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p0 = fast_exp2(s[4 * j + 2 * h] - m_use), p1 = fast_exp2(s[4 * j + 2 * h + 1] - m_use);
+        sum += p0 + p1;
+        const int col = wg * 32 + 8 * j + cq;
+        *reinterpret_cast<__nv_bfloat162*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2bfloat162_rn(p0, p1);
+      }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+    fence_proxy_async();
+    bar_sync(1, NT);
+
+    // the output of this warpgroup's 256 channels
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
+    }
+    const uint64_t dv = sw128_desc(st + wg * 4 * CHUNK, CHUNK, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+
+    __syncthreads();  // the stage and P are read: refill the stage two tiles ahead
+    if (it + 2 < ntiles) issue(it + 2, st);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // the rows' sums over both warpgroups
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    if ((lane & 3) == 0) sL[wg * BM + r0 + 8 * h] = l_run[h];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + r0 + 8 * h;
+    if (r >= R) continue;
+    const float l = sL[r0 + 8 * h] + sL[BM + r0 + 8 * h];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    if (wg == 0 && (lane & 3) == 0) {
+      const float lv = l > 0.0f ? (m_run[h] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
+      else part_lse[(int64_t)u * R + r] = lv;
+    }
+    const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + 8 * j + cq;
+      const float o0 = o[4 * j + 2 * h] * inv, o1 = o[4 * j + 2 * h + 1] * inv;
+      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
+      else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
+    }
+  }
+}

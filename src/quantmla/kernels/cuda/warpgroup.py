@@ -1,0 +1,55 @@
+"""The plan of the heads-as-M decode kernel (mla_decode_wg.cu): 64 query rows a CTA (heads x query tokens) as the
+M of Hopper's warpgroup MMAs, two warpgroups, 64-token tiles of a BF16 cache in two cp.async stages, one CTA per
+SM. It is the many-heads kernel: at 128 heads the products, not the bytes, set a call's time, and a 64-row
+warpgroup MMA gives them the tensor cores' full width."""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.cache.layout import PageLayout
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan
+
+WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
+WG_MIN_ROWS = 64
+"""Fewer query rows than this pad the 64-row MMA; the tokens-as-M and built-tile kernels take them."""
+
+
+def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
+    """Why the heads-as-M kernel cannot read `layout` for `rows` query rows, or None where it can."""
+    tok = layout.token
+    c, r = tok.fmt.content, tok.fmt.rope
+    if rows < WG_MIN_ROWS:
+        return f"{rows} query rows: it takes {WG_MIN_ROWS} or more (heads x query tokens)"
+    if (tok.d_c, tok.d_r) != (512, 64):
+        return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
+    if c.quantized or r.quantized or c.bits != 16 or r.bits != 16:  # a 16-bit path stores raw bf16
+        return f"{c.describe()} / {r.describe()}: it reads a BF16 cache"
+    if layout.page_size % WG_BLOCK_N:
+        return f"page size {layout.page_size}: a multiple of {WG_BLOCK_N}"
+    return None
+
+
+def smem_bytes_wg() -> int:
+    """Dynamic shared memory of one CTA, bytes: the query block and two stages of nine 64 x 64 bf16 chunks, P,
+    the rows' maxima and sums, and 1024 bytes to align the chunks (the map of mla_decode_wg.cu, which asserts it)."""
+    chunk = 64 * 128
+    return 3 * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + 1024
+
+
+def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
+    """The heads-as-M build for `layout` (or why there is none)."""
+    why = warpgroup_reason(layout, rows)
+    if why:
+        return why
+    smem = smem_bytes_wg()
+    if smem > SMEM_PER_CTA:
+        return f"{smem} bytes of shared memory a CTA: more than {SMEM_PER_CTA}"
+    tok, o = layout.token, layout.offsets
+    fb = tok.field_bytes
+    macros = dict(
+        WG=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"],
+        HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
+    )
+    return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, WG_STAGES, 1, smem)
