@@ -83,6 +83,10 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         from quantmla.kernels import cuda
 
         cfg = cuda_config(rows, layout, device) if cuda.chosen(layout, rows) else None
+        if cfg is None and cuda.warpgroup_reason(layout, rows) is None:
+            # BF16 at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; on the H200 at 128 heads 2.0 to 2.7x the
+            # Triton kernel, 202 against 542 us at 32 x 8192, lab/results/kernels/decode_warpgroup_128h_h200.json)
+            cfg = cuda_config(rows, layout, device, warpgroup=True)
         if cfg is not None:
             return cfg
     quant = layout is not None and layout.token.fmt.content.quantized
