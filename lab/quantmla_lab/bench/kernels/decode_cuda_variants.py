@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --tokens-m: other builds of its plan (e.g. TPW=1: one token block a warp), timed beside "
+                    help="with --tokens-m or --warpgroup: other builds of its plan (e.g. TPW=1, S_CHAINS=2), timed beside "
                          "it, their outputs compared with its")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -217,8 +217,17 @@ def main() -> None:
                     us, diff = time_call(md)
                     row("warpgroup", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant,
                         tflops=tflop / us * 1e6)
-                    us = time_decode(plan, md)
+                    base: list = []
+                    us = time_decode(plan, md, base)
                     row("warpgroup_decode", us, plan, decode_only=True, units=md.num_units, tflops=tflop / us * 1e6)
+                    for spec in a.variants:  # other builds of the plan (e.g. S_CHAINS=2, SKIP_QK=1): decode time, outputs
+                        kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
+                        got: list = []
+                        us = time_decode(vp, md, got)
+                        rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(got[0], base[0]))
+                        row(f"warpgroup_{spec}_decode", us, vp, decode_only=True, units=md.num_units,
+                            max_rel_diff_vs_default=rel, tflops=tflop / us * 1e6)
             for nw, bn in tilings:
                 cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)
                 if cfg is None:

@@ -17,7 +17,8 @@
 // do (the sequence's own rows where it has one split, else the unit's partial rows for the combine kernel).
 //
 // Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
-// (and WG, NW, BN, HALF: fixed here)
+// (and WG, NW, BN, HALF: fixed here); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
+// accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,6 +36,10 @@ typedef __nv_bfloat162 T2;
 #error "the heads-as-M decode kernel runs on Hopper's warpgroup MMAs (sm_90a)"
 #endif
 
+#ifndef S_CHAINS
+#define S_CHAINS 1
+#endif
+static_assert(S_CHAINS == 1 || S_CHAINS == 2, "one or two accumulator chains for the scores");
 static_assert(NW == 8 && BN == 64 && HALF == 0, "the plan of this kernel: two warpgroups, 64-token tiles, bf16");
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry: eight latent chunks and one RoPE chunk");
 static_assert(FB_CC == 2 * D_C && FB_RC == 2 * D_R, "bf16 values stored as they are");
@@ -119,20 +124,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     fence_proxy_async();
     __syncthreads();
 
-    // scores of this warpgroup's 32 tokens
-    float s[16];
+    // scores of this warpgroup's 32 tokens (S_CHAINS = 2: the first four chunks and the rest on their own accumulators)
+    float s[16], s2[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+    for (int i = 0; i < 16; ++i) s[i] = 0.0f, s2[i] = 0.0f;
     const uint64_t dk = sw128_desc(st + wg * 32 * 128, 16, 1024);
-    wgmma_fence();
+    if constexpr (!SKIP_QK) {
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < NCH * 4; ++kk) {
-      const uint32_t off = ((kk >> 2) * CHUNK + (kk & 3) * 32) >> 4;
-      wgmma_m64n32_k(s, dq + off, dk + off, 1);
+      for (int kk = 0; kk < NCH * 4; ++kk) {
+        const uint32_t off = ((kk >> 2) * CHUNK + (kk & 3) * 32) >> 4;
+        if (S_CHAINS == 2 && kk >= 16) wgmma_m64n32_k(s2, dq + off, dk + off, 1);
+        else wgmma_m64n32_k(s, dq + off, dk + off, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(s2);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    if constexpr (S_CHAINS == 2) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s[i] += s2[i];
+    }
 
     // the rows' tile maxima, base 2; tokens past the unit's end or a row's causal limit are -inf
     const int n0 = start + it * BN, par = it & 1;
@@ -181,12 +194,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
     }
     const uint64_t dv = sw128_desc(st + wg * 4 * CHUNK, CHUNK, 1024);
-    wgmma_fence();
+    if constexpr (!SKIP_PV) {
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(o);
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+    }
 
     __syncthreads();  // the stage and P are read: refill the stage two tiles ahead
     if (it + 2 < ntiles) issue(it + 2, st);
