@@ -3,19 +3,14 @@
 //
 // One CTA of two warpgroups takes 64 query rows of one work unit (sequence b, tokens [start, end)). The query
 // block and each tile of BN = 64 tokens sit in shared memory as nine 64-channel chunks (eight of the latent, one
-// of the RoPE key) in the 128-byte swizzle (wgmma.cuh), copied with cp.async by every thread into two stages. Per tile:
+// of the RoPE key) in the 128-byte swizzle (wgmma.cuh), copied with cp.async by every thread, two stages. Per tile:
 //
 //   scores  S[row, token] = Q·Kᵀ over 576 channels: warpgroup g takes tokens 32g .. 32g + 31 (m64n32k16, both
 //           operands from shared memory), in base-2 units (times qk_scale·log2 e).
-//   softmax the two warpgroups exchange their rows' tile maxima through shared memory (a named barrier), so both
-//           hold the same running maximum; each keeps its share of the rows' sums. Each keeps its own P in
-//           registers (bf16) and hands the other its half through shared memory (a second named barrier).
-//   output  O[row, channel] += P·V with P from registers and V the tile's latent chunks read N-major (the same
-//           bytes the scores read K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16).
-//
-// Nothing the products read from shared memory is written by plain stores after the first tile's copies, so the
-// one proxy fence a tile (cp.async lands in the generic proxy, the MMAs read through the async proxy) comes right
-// after a tile landed, before the next tile's copies start: a fence there does not wait for copies in flight.
+//   softmax the two warpgroups exchange their rows' tile maxima through shared memory (one named barrier), so both
+//           hold the same running maximum; each keeps its share of the rows' sums. P goes to shared memory in bf16.
+//   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
+//           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
 // Tokens past the unit's end are zero-filled by the copies (a page's stale bytes may be NaN); tokens past a row's
 // causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
@@ -59,21 +54,13 @@ constexpr int CHUNK = 64 * 128;        // a chunk of 64 rows, bytes
 constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
 constexpr int SM_Q = 0;
 constexpr int SM_K = SM_Q + TILE;      // two stages
-constexpr int SM_P = SM_K + 2 * TILE;  // P [2 warpgroups][64 rows][32 tokens] bf16: each hands the other its half
+constexpr int SM_P = SM_K + 2 * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
 constexpr int SMEM = SM_L + 2 * BM * 4 + 1024;  // + the slack that aligns the chunks to 1024 bytes
 static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.py) disagrees with this map");
 
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
-
-// byte offset of 16-byte unit j (tokens 8j .. 8j + 7) of row r in a warpgroup's half of P: rows of 64 bytes, units
-// permuted by row pair so that the 8 rows an ldmatrix reads hit distinct banks
-__device__ __forceinline__ int p_at(int r, int j) { return r * 64 + 16 * (j ^ ((r >> 1) & 3)); }
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -116,7 +103,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
   };
   if (ntiles > 0) issue(0, sK);
-  cp_async_commit();  // the query block and tile 0
+  cp_async_commit();  // group 0: the query block and tile 0
+  if (ntiles > 1) issue(1, sK + TILE);
+  cp_async_commit();
 
   // this thread's rows r0 and r0 + 8 of the block, its columns 8j + cq (+ 1) of every n8 block
   const int r0 = 16 * warp + (lane >> 2), cq = 2 * (lane & 3);
@@ -128,13 +117,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
 
   const uint64_t dq = sw128_desc(sQ, 16, 1024);
+  const uint64_t dp = sw128_desc(sP, 16, 1024);
   for (int it = 0; it < ntiles; ++it) {
     uint8_t* st = sK + (it & 1) * TILE;
-    cp_async_wait<0>();  // tile it (and the query block) landed; no copy is in flight
+    cp_async_wait<1>();  // tile it (and the query block) landed
     fence_proxy_async();
-    __syncthreads();     // and every thread is done with tile it - 1: its stage takes tile it + 1
-    if (it + 1 < ntiles) issue(it + 1, sK + ((it + 1) & 1) * TILE);
-    cp_async_commit();
+    __syncthreads();
 
     // scores of this warpgroup's 32 tokens (S_CHAINS = 2: the first four chunks and the rest on their own accumulators)
     float s[16], s2[16];
@@ -179,10 +167,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
     }
     bar_sync(1, NT);
-    // P of this warpgroup's tokens: A fragments of its two k16 blocks (own[kb]), and its half in shared memory
     float alpha[2];
-    uint32_t own[2][4], other[2][4];
-    uint8_t* myP = sP + wg * (BM * 64);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_new = fmaxf(m_run[h], fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]));
@@ -194,21 +179,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       for (int j = 0; j < 4; ++j) {
         const float p0 = fast_exp2(s[4 * j + 2 * h] - m_use), p1 = fast_exp2(s[4 * j + 2 * h + 1] - m_use);
         sum += p0 + p1;
-        const uint32_t pp = pack_bf16(p0, p1);
-        own[j >> 1][(j & 1) * 2 + h] = pp;  // a0: (row, k 0-7), a1: (row + 8, k 0-7), a2 / a3: k 8-15
-        *reinterpret_cast<uint32_t*>(myP + p_at(r0 + 8 * h, j) + cq * 2) = pp;
+        const int col = wg * 32 + 8 * j + cq;
+        *reinterpret_cast<__nv_bfloat162*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2bfloat162_rn(p0, p1);
       }
       l_run[h] = l_run[h] * alpha[h] + sum;
     }
+    fence_proxy_async();
     bar_sync(1, NT);
-    {
-      const uint8_t* oP = sP + (wg ^ 1) * (BM * 64);
-      const int r = 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-      for (int kb = 0; kb < 2; ++kb) ldsm_x4(other[kb], oP + p_at(r, 2 * kb + (lane >> 4)));
-    }
 
-    // the output of this warpgroup's 256 channels: tokens 0-31 are warpgroup 0's P, 32-63 warpgroup 1's
+    // the output of this warpgroup's 256 channels
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
@@ -216,18 +195,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
     const uint64_t dv = sw128_desc(st + wg * 4 * CHUNK, CHUNK, 1024);
     if constexpr (!SKIP_PV) {
-      uint32_t a[BN / 16][4];  // the k16 blocks' A fragments, in token order
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[kk][i] = (kk >> 1) == wg ? own[kk & 1][i] : other[kk & 1][i];
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_rn(o, a[kk], dv + ((kk * 16 * 128) >> 4), 1);
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
     }
+
+    __syncthreads();  // the stage and P are read: refill the stage two tiles ahead
+    if (it + 2 < ntiles) issue(it + 2, st);
+    cp_async_commit();
   }
   cp_async_wait<0>();
 
