@@ -257,10 +257,42 @@ def test_warpgroup_plan(out):
     lay, p = plan("bf16", 128, out=out, warpgroup=True)
     m = dict(p.macros)
     assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 2)
-    assert m["WG"] == 1 and m["OFF_RC"] == lay.offsets["rope_codes"] and m["FB_CC"] == 1024 and m["FB_RC"] == 128
+    assert m["WG"] == 1 and m["TMA"] == 1 and m["OFF_RC"] == lay.offsets["rope_codes"] and m["FB_CC"] == 1024
+    assert m["FB_RC"] == 128
     assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_wg() <= cuda.SMEM_PER_CTA
     assert p.describe().startswith("cuda/bf16/wg/M64N64w8")
     assert build.source_of(p.macros).name == "mla_decode_wg.cu"
+
+
+def test_warpgroup_tensor_maps_describe_the_page_sections(monkeypatch):
+    """The two tensor maps the heads-as-M kernel copies its tiles through: 16-bit elements over the latent and RoPE
+    sections of every page (channels, tokens, pages), 64 x 64 x 1 boxes in the 128-byte swizzle, 128-byte aligned
+    buffers, built once per pages buffer."""
+    import ctypes
+
+    from quantmla.kernels.cuda import driver, warpgroup
+
+    lay, p = plan("bf16", 128, warpgroup=True)
+    pages = torch.zeros(5, lay.page_bytes, dtype=torch.uint8)
+    calls = []
+
+    class Encode:
+        argtypes = None
+
+        def __call__(self, buf, dtype, rank, addr, dims, strides, box, steps, interleave, swizzle, l2, oob):
+            calls.append((dtype, rank, addr.value, list(dims), list(strides), list(box), list(steps), interleave, swizzle))
+            return 0
+
+    monkeypatch.setattr(driver, "_lib", lambda: type("Lib", (), {"cuTensorMapEncodeTiled": Encode()}))
+    monkeypatch.setattr(warpgroup, "_MAPS", {})
+    maps = warpgroup.tensor_maps(pages, p)
+    assert warpgroup.tensor_maps(pages, p) == maps and len(calls) == 2  # cached
+    base, pb = pages.data_ptr(), lay.page_bytes
+    assert calls == [(1, 3, base + lay.offsets["content_codes"], [512, 64, 5], [1024, pb], [64, 64, 1], [1, 1, 1], 0, 3),
+                     (1, 3, base + lay.offsets["rope_codes"], [64, 64, 5], [128, pb], [64, 64, 1], [1, 1, 1], 0, 3)]
+    assert all(ctypes.addressof(m) % 128 == 0 and ctypes.sizeof(m) == 128 for m in maps)
+    with pytest.raises(Exception, match="contiguous"):
+        warpgroup.tensor_maps(torch.zeros(5, 2 * lay.page_bytes, dtype=torch.uint8)[:, ::2], p)
 
 
 @pytest.mark.parametrize("fmt,rows,page,d_c,why", [

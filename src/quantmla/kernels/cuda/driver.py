@@ -51,8 +51,9 @@ def function(cubin: Path, name: str, smem: int, device: torch.device):
 
 
 def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]]) -> None:
-    """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f", value)."""
-    conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+    """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f", value), or ("s", a ctypes
+    buffer) for a struct passed by value (a tensor map)."""
+    conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float, "s": lambda v: v}
     vals = [conv[k](v) for k, v in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]

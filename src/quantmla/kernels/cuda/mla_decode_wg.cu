@@ -3,7 +3,10 @@
 //
 // One CTA of two warpgroups takes 64 query rows of one work unit (sequence b, tokens [start, end)). The query
 // block and each tile of BN = 64 tokens sit in shared memory as nine 64-channel chunks (eight of the latent, one
-// of the RoPE key) in the 128-byte swizzle (wgmma.cuh), copied with cp.async by every thread, two stages. Per tile:
+// of the RoPE key) in the 128-byte swizzle (wgmma.cuh), two stages. With TMA (the default) one thread copies a tile
+// as nine bulk tensor copies (two tensor maps over the pages, built on the host: warpgroup.tensor_maps) that
+// swizzle as they land and complete on the stage's mbarrier; with TMA=0 every thread copies its 16-byte pieces
+// with cp.async. Per tile:
 //
 //   scores  S[row, token] = Q·Kᵀ over 576 channels: warpgroup g takes tokens 32g .. 32g + 31 (m64n32k16, both
 //           operands from shared memory), in base-2 units (times qk_scale·log2 e).
@@ -12,7 +15,8 @@
 //   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
 //           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
-// Tokens past the unit's end are zero-filled by the copies (a page's stale bytes may be NaN); tokens past a row's
+// Tokens past the unit's end are zeroed in the stage (a page's stale bytes may be NaN: the bulk copies take the
+// whole tile, and the threads zero those rows of the latent chunks; cp.async zero-fills them); tokens past a row's
 // causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
 // do (the sequence's own rows where it has one split, else the unit's partial rows for the combine kernel).
 //
@@ -20,6 +24,7 @@
 // (and WG, NW, BN, HALF: fixed here); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
 // accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong)
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -36,6 +41,9 @@ typedef __nv_bfloat162 T2;
 #error "the heads-as-M decode kernel runs on Hopper's warpgroup MMAs (sm_90a)"
 #endif
 
+#ifndef TMA
+#define TMA 1
+#endif
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
@@ -57,12 +65,24 @@ constexpr int SM_K = SM_Q + TILE;      // two stages
 constexpr int SM_P = SM_K + 2 * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
-constexpr int SMEM = SM_L + 2 * BM * 4 + 1024;  // + the slack that aligns the chunks to 1024 bytes
+constexpr int SM_BAR = SM_L + 2 * BM * 4;  // [2 stages] mbarriers of the bulk copies
+constexpr int SMEM = SM_BAR + 16 + 1024;  // + the slack that aligns the chunks to 1024 bytes
 static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.py) disagrees with this map");
 
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
 
-extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
+// one bulk tensor copy of a [64 tokens x 64 channels] box at (channel c0, token t0, page pg) into dst, completing on bar
+__device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(pg), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// the kernel's arguments: the decode ABI, then the tensor maps of the pages' latent and RoPE sections
+// (dims: channels, tokens of a page, pages; boxes of 64 x 64 x 1 in the 128-byte swizzle)
+extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ CUtensorMap map_c,
+                                                               const __grid_constant__ CUtensorMap map_r) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint8_t* sQ = smem + SM_Q;
@@ -70,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   uint8_t* sP = smem + SM_P;
   float* sMax = reinterpret_cast<float*>(smem + SM_MAX);
   float* sL = reinterpret_cast<float*>(smem + SM_L);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row0 = blockIdx.x * BM, u = blockIdx.y;  // head blocks vary fastest: they share the unit's tiles in L2
@@ -85,9 +106,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
     cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
   }
-  // tile `it` into stage `st`: its latent chunks then its RoPE chunk, tokens past the unit's end zero-filled
+  if (TMA && tid == 0) {
+    mbar_init(&sBar[0], 1);
+    mbar_init(&sBar[1], 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  // tile `it` into stage `st`: its latent chunks then its RoPE chunk (TMA: thread 0's bulk copies; else every
+  // thread's cp.async, tokens past the unit's end zero-filled)
   auto issue = [&](int it, uint8_t* st) {
     const int n0 = start + it * BN, valid = min(BN, end - n0);
+    if constexpr (TMA) {
+      if (tid == 0) {
+        uint64_t* bar = &sBar[it & 1];
+        const int pg = bt_row[n0 / PS], t0 = n0 % PS;
+        mbar_expect_tx(bar, TILE);
+#pragma unroll
+        for (int c = 0; c < CCH; ++c) tma_box(st + c * CHUNK, &map_c, 64 * c, t0, pg, bar);
+        tma_box(st + CCH * CHUNK, &map_r, 0, t0, pg, bar);
+      }
+      return;
+    }
     const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
     const uint8_t* cb = pg + OFF_CC + (int64_t)(n0 % PS) * FB_CC;
     const uint8_t* rb = pg + OFF_RC + (int64_t)(n0 % PS) * FB_RC;
@@ -120,9 +159,25 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const uint64_t dp = sw128_desc(sP, 16, 1024);
   for (int it = 0; it < ntiles; ++it) {
     uint8_t* st = sK + (it & 1) * TILE;
-    cp_async_wait<1>();  // tile it (and the query block) landed
-    fence_proxy_async();
-    __syncthreads();
+    const int valid = min(BN, end - (start + it * BN));
+    if constexpr (TMA) {
+      mbar_wait(&sBar[it & 1], (it >> 1) & 1);  // tile it landed
+      if (it == 0) cp_async_wait<0>();         // the query block
+      if (valid < BN) {  // the stale rows past the unit's end: zero in the latent chunks (P·V would take NaN · 0)
+        for (int i = tid; i < (BN - valid) * CCH * 8; i += NT) {
+          const int t = valid + i / (CCH * 8), c = (i >> 3) % CCH;
+          *reinterpret_cast<uint4*>(st + c * CHUNK + swz(t, i & 7)) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      if (it == 0 || valid < BN) {  // plain stores, read by the warpgroup MMAs
+        fence_proxy_async();
+        __syncthreads();
+      }
+    } else {
+      cp_async_wait<1>();  // tile it (and the query block) landed
+      fence_proxy_async();
+      __syncthreads();
+    }
 
     // scores of this warpgroup's 32 tokens (S_CHAINS = 2: the first four chunks and the rest on their own accumulators)
     float s[16], s2[16];

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
+from quantmla.errors import QuantMLAError
 from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan
 
 WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
@@ -32,9 +33,9 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
 
 def smem_bytes_wg() -> int:
     """Dynamic shared memory of one CTA, bytes: the query block and two stages of nine 64 x 64 bf16 chunks, P,
-    the rows' maxima and sums, and 1024 bytes to align the chunks (the map of mla_decode_wg.cu, which asserts it)."""
+    the rows' maxima and sums, two mbarriers, and 1024 bytes to align the chunks (the map of mla_decode_wg.cu, which asserts it)."""
     chunk = 64 * 128
-    return 3 * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + 1024
+    return 3 * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + 16 + 1024
 
 
 def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
@@ -50,6 +51,45 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     macros = dict(
         WG=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"],
-        HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
+        HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, TMA=1,
     )
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, WG_STAGES, 1, smem)
+
+
+_MAPS: dict = {}  # (pages' address, pages, page bytes, offsets) -> the two tensor maps (kept alive: launches read them)
+_U16, _SWIZZLE_128B, _L2_256B = 1, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+
+
+def tensor_maps(pages: torch.Tensor, plan: DecodePlan) -> tuple:
+    """The kernel's two tensor maps (CUtensorMap, 128 bytes each, as ctypes buffers) over the pages (contiguous
+    uint8, page_bytes each) in the plan's layout: the latent section (dims: d_c channels, tokens of a page, pages) and
+    the RoPE section (d_r channels, tokens, pages), boxes of 64 channels x 64 tokens x 1 page in the 128-byte
+    swizzle, 16-bit elements. Cached per buffer."""
+    import ctypes
+
+    from quantmla.kernels.cuda import driver
+
+    m = dict(plan.macros)
+    n_pages = pages.numel() // m["PAGE_BYTES"]
+    key = (pages.data_ptr(), n_pages, plan.macros)
+    if key not in _MAPS:
+        if not pages.is_contiguous():
+            raise QuantMLAError("the heads-as-M decode kernel reads the pages through tensor maps: pass contiguous pages")
+        lib = driver._lib()
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        maps = []
+        for off, width, row in ((m["OFF_CC"], m["D_C"], m["FB_CC"]), (m["OFF_RC"], m["D_R"], m["FB_RC"])):
+            raw = ctypes.create_string_buffer(256)
+            buf = (ctypes.c_uint8 * 128).from_address((ctypes.addressof(raw) + 127) // 128 * 128)
+            dims = (ctypes.c_uint64 * 3)(width, m["PS"], n_pages)
+            strides = (ctypes.c_uint64 * 2)(row, m["PAGE_BYTES"])
+            box = (ctypes.c_uint32 * 3)(64, 64, 1)
+            ones = (ctypes.c_uint32 * 3)(1, 1, 1)
+            driver._check(lib.cuTensorMapEncodeTiled(ctypes.addressof(buf), _U16, 3, ctypes.c_void_p(pages.data_ptr() + off),
+                                                     dims, strides, box, ones, 0, _SWIZZLE_128B, _L2_256B, 0),
+                          "cuTensorMapEncodeTiled")
+            maps.append((raw, buf))
+        _MAPS[key] = maps
+    return tuple(buf for _, buf in _MAPS[key])
