@@ -174,7 +174,7 @@ warpgroup() {
   timeout 150 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats bf16 --heads 128 \
     --shapes 32x8192,1x32768,64x4096 --tilings 16x64 --warpgroup --variants TMA=0 SKIP_QK=1,SKIP_PV=1 \
     --out "$OUT/kernels/decode_warpgroup_tma_128h_h200.json" 2>&1 | tail -15
-  timeout 150 python3 -m quantmla.cli bench-kernel --no-sweep --heads 128 --methods bf16,int4/int4 --peer "${PEER:?set PEER to the path of vLLM's triton_decode_attention.py}" \
+  timeout 150 python3 -m quantmla.cli bench-kernel --no-sweep --heads 128 --methods bf16,int4/int4 --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \
     --out "$OUT/kernels/decode_vs_peer_128h_h200.json" 2>&1 | tail -8
 }
 
