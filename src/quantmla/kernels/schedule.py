@@ -84,8 +84,9 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
         cfg = cuda_config(rows, layout, device) if cuda.chosen(layout, rows) else None
         if cfg is None and cuda.warpgroup_reason(layout, rows) is None:
-            # BF16 at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; on the H200 at 128 heads 2.0 to 2.7x the
-            # Triton kernel, 202 against 542 us at 32 x 8192, lab/results/kernels/decode_warpgroup_128h_h200.json)
+            # BF16 at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; on the H200 at 128 heads 2.1 to 3.2x the
+            # Triton kernel, 174 against 542 us at 32 x 8192: lab/results/kernels/decode_warpgroup_128h_h200.json for
+            # Triton, decode_warpgroup_tma_128h_h200.json for this kernel)
             cfg = cuda_config(rows, layout, device, warpgroup=True)
         if cfg is not None:
             return cfg
