@@ -1,6 +1,6 @@
 """The few CUDA driver calls the CUDA decode path needs, through ctypes: load a cubin into the current
-context, raise a function's dynamic shared-memory limit, launch it on a stream. Functions are cached per
-(device, cubin)."""
+context, raise a function's dynamic shared-memory limit, encode a tensor map, launch it on a stream. Functions are
+cached per (device, cubin)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,34 @@ def function(cubin: Path, name: str, smem: int, device: torch.device):
                    "cuFuncSetAttribute")
             _FUNCS[key] = (mod, fn, image)
     return _FUNCS[key][1]
+
+
+_U16, _SWIZZLE_128B, _L2_256B = 1, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes, 128-byte aligned when encoded (`tensor_map_2byte` keeps its backing buffer)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def tensor_map_2byte(address: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]):
+    """cuTensorMapEncodeTiled over 16-bit elements at `address`: `dims` innermost first, `strides` in bytes of every
+    dim but the innermost, boxes of `box` elements, the 128-byte swizzle, no interleave, L2 promotion of 256 bytes.
+    Returns the map as a 128-byte ctypes buffer at a 128-byte aligned address (pass it by value: ("s", map))."""
+    lib = _lib()
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    rank = len(dims)
+    raw = ctypes.create_string_buffer(256)
+    buf = TensorMap.from_address((ctypes.addressof(raw) + 127) // 128 * 128)
+    buf._backing = raw  # the aligned view keeps its buffer alive
+    _check(lib.cuTensorMapEncodeTiled(ctypes.addressof(buf), _U16, rank, ctypes.c_void_p(address),
+                                      (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                                      (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+                                      0, _SWIZZLE_128B, _L2_256B, 0), "cuTensorMapEncodeTiled")
+    return buf
 
 
 def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]]) -> None:

@@ -56,8 +56,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, WG_STAGES, 1, smem)
 
 
-_MAPS: dict = {}  # (pages' address, pages, page bytes, offsets) -> the two tensor maps (kept alive: launches read them)
-_U16, _SWIZZLE_128B, _L2_256B = 1, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+_MAPS: dict = {}  # (pages' address, pages, plan constants) -> the two tensor maps (kept alive: launches read them)
 
 
 def tensor_maps(pages: torch.Tensor, plan: DecodePlan) -> tuple:
@@ -65,8 +64,6 @@ def tensor_maps(pages: torch.Tensor, plan: DecodePlan) -> tuple:
     uint8, page_bytes each) in the plan's layout: the latent section (dims: d_c channels, tokens of a page, pages) and
     the RoPE section (d_r channels, tokens, pages), boxes of 64 channels x 64 tokens x 1 page in the 128-byte
     swizzle, 16-bit elements. Cached per buffer."""
-    import ctypes
-
     from quantmla.kernels.cuda import driver
 
     m = dict(plan.macros)
@@ -75,21 +72,7 @@ def tensor_maps(pages: torch.Tensor, plan: DecodePlan) -> tuple:
     if key not in _MAPS:
         if not pages.is_contiguous():
             raise QuantMLAError("the heads-as-M decode kernel reads the pages through tensor maps: pass contiguous pages")
-        lib = driver._lib()
-        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        maps = []
-        for off, width, row in ((m["OFF_CC"], m["D_C"], m["FB_CC"]), (m["OFF_RC"], m["D_R"], m["FB_RC"])):
-            raw = ctypes.create_string_buffer(256)
-            buf = (ctypes.c_uint8 * 128).from_address((ctypes.addressof(raw) + 127) // 128 * 128)
-            dims = (ctypes.c_uint64 * 3)(width, m["PS"], n_pages)
-            strides = (ctypes.c_uint64 * 2)(row, m["PAGE_BYTES"])
-            box = (ctypes.c_uint32 * 3)(64, 64, 1)
-            ones = (ctypes.c_uint32 * 3)(1, 1, 1)
-            driver._check(lib.cuTensorMapEncodeTiled(ctypes.addressof(buf), _U16, 3, ctypes.c_void_p(pages.data_ptr() + off),
-                                                     dims, strides, box, ones, 0, _SWIZZLE_128B, _L2_256B, 0),
-                          "cuTensorMapEncodeTiled")
-            maps.append((raw, buf))
-        _MAPS[key] = maps
-    return tuple(buf for _, buf in _MAPS[key])
+        _MAPS[key] = tuple(driver.tensor_map_2byte(pages.data_ptr() + off, (width, m["PS"], n_pages), (row, m["PAGE_BYTES"]),
+                                                   (64, 64, 1))
+                           for off, width, row in ((m["OFF_CC"], m["D_C"], m["FB_CC"]), (m["OFF_RC"], m["D_R"], m["FB_RC"])))
+    return _MAPS[key]
