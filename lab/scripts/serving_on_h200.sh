@@ -16,6 +16,8 @@
 # jobs            the three named jobs at every budget of each (BF16 holds about 2, 8 and 32 requests; `longest` 2 and 8):
 #                 BF16, FP8, INT4/INT4, INT2/INT4, each job's own chunk budget, one process a job
 #                                                        -> serving/{short,long,longest}_budgets_h200.json
+# tight           the long and longest jobs where BF16 holds about 2 requests (1.26 and 3.74 GiB), four formats
+#                                       -> serving/long_1.26gib_h200.json, serving/longest_3.74gib_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
 # longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json
@@ -108,6 +110,13 @@ jobs() {
     timeout "${JOB_TIMEOUT:-540}" python3 -m quantmla.cli serve-bench --job "$job" --methods bf16 fp8 int4/int4 int2/int4 \
       "${GRP[@]}" --max-seconds "${JOB_SECONDS:-420}" --out "$OUT/serving/${job}_budgets_h200.json" 2>&1 | quiet 16
   done
+}
+
+tight() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_h200.json" 2>&1 | quiet 8
+  timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 3.74 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --out "$OUT/serving/longest_3.74gib_h200.json" 2>&1 | quiet 8
 }
 
 long() {

@@ -24,13 +24,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// generic-proxy writes to shared memory (stores, cp.async) made visible to the warpgroup MMAs that read them
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// cp.async of 16 bytes, zero-filled where `valid` is false (nothing read from src)
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
 
 // d[16] (+)= A·B over k16: m64n32k16, bf16 A and B from shared memory (descriptors), fp32 accumulators
 // (thread t of the warpgroup: rows 16·(t / 32) + (t % 32) / 4 (+ 8), columns 8j + 2·(t % 4) (+ 1) at d[4j ..]);
