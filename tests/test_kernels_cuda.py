@@ -295,10 +295,33 @@ def test_warpgroup_tensor_maps_describe_the_page_sections(monkeypatch):
         warpgroup.tensor_maps(torch.zeros(5, 2 * lay.page_bytes, dtype=torch.uint8)[:, ::2], p)
 
 
+@pytest.mark.parametrize("fmt,bits,smem", [("int4/int4", (4, 4), 217376), ("int2/int4", (2, 4), 192800)])
+def test_warpgroup_lowbit_plan(fmt, bits, smem):
+    """Integer codes on the heads-as-M kernel: three raw stages of a tile's four page sections (bulk copies, no tensor
+    maps) and one built bf16 tile; the layout's offsets, field widths, groups and metadata kinds as macros."""
+    from quantmla.kernels.cuda import warpgroup
+
+    lay, p = plan(fmt, 128, warpgroup=True)
+    m, o, fb = dict(p.macros), lay.offsets, lay.token.field_bytes
+    assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 3)
+    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and warpgroup.lowbit(p)
+    assert (m["OFF_CC"], m["OFF_RC"], m["OFF_CM"], m["OFF_RM"]) == tuple(o[k] for k in
+                                                                         ("content_codes", "rope_codes", "content_meta", "rope_meta"))
+    assert (m["FB_CC"], m["FB_RC"], m["FB_CM"], m["FB_RM"]) == (64 * bits[0], 8 * bits[1], 16, 4)
+    assert (m["BITS_C"], m["BITS_R"], m["GS_C"], m["GS_R"], m["KIND_C"], m["MB_C"]) == (*bits, 128, 64, 1, 2)
+    # the query block, one built tile, P, the maxima and sums, three raw stages, three mbarriers, the alignment slack
+    assert p.smem == smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
+    assert p.smem == cuda.smem_bytes_wg(lay) <= cuda.SMEM_PER_CTA
+    assert not warpgroup.lowbit(plan("bf16", 128, warpgroup=True)[1])
+
+
 @pytest.mark.parametrize("fmt,rows,page,d_c,why", [
     ("bf16", 32, 64, 512, "64 or more"),
-    ("int4/int4", 128, 64, 512, "a BF16 cache"),
-    ("fp8", 128, 64, 512, "a BF16 cache"),
+    ("int4/int4", 32, 64, 512, "64 or more"),
+    ("fp8", 128, 64, 512, "both paths BF16, or both integer codes"),
+    (CacheFormat(PathFormat(4, 128), BF16), 128, 64, 512, "both paths BF16, or both integer codes"),
+    (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 128, 64, 512, "per-token groups"),
+    (CacheFormat(PathFormat(3, 128), PathFormat(4, 64)), 128, 64, 512, "2-, 4- or 8-bit"),
     ("bf16", 128, 32, 512, "multiple of 64"),
     ("bf16", 128, 64, 256, "DeepSeek's geometry"),
 ])

@@ -331,6 +331,43 @@ def test_decode_cuda_warpgroup_error_within_bf16_paths():
     assert wg <= 1.5 * tri, (wg, tri)
 
 
+WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym"]
+
+
+@pytest.mark.parametrize("name", WG_LOWBIT)
+@pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (40, 3)])
+def test_decode_cuda_warpgroup_lowbit(name, H, SQ):
+    """Integer codes on the heads-as-M kernel (raw stages of bulk copies, one tile built in bf16: wg_build.cuh) against
+    the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs, lengths 0, 1, odd and across pages,
+    causal multi-token rows, a second row block past the last row; the pages start random, so a partial last tile's
+    stale codes and metadata (NaN or inf as fp16) must never reach the output."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=29 * H + SQ)
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=warpgroup_config(lay, H * SQ))
+    assert md.variant.startswith("cuda/bf16/wg/M64N64w8s3c1"), md.variant
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_decode_cuda_warpgroup_lowbit_splits(name):
+    """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=41)
+    cfg = warpgroup_config(lay, 128)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=3, config=cfg, chunk_tokens=64)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=4, config=cfg, chunk_tokens=1 << 20)
+
+
+def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
+    """Against fp64 over each format's own dequantized cache at 128 heads, the heads-as-M kernel's INT4/INT4 and
+    INT2/INT4 errors are within 2x its BF16 error (a value is rounded to bf16 once, as a BF16 cache stores it)."""
+    errs = {}
+    for name in ("bf16", "int4/int4", "int2/int4"):
+        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 4, seed=37)
+        errs[name], md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
+        assert md.variant.startswith("cuda/bf16/wg/"), md.variant
+    print("warpgroup", {k: f"{v:.2e}" for k, v in errs.items()})
+    for name, e in errs.items():
+        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
+
+
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 @pytest.mark.parametrize("name", ["int4/int4-g64/g32", "int2/int8-sym-bf16"])
 def test_decode_other_formats(kernel, name):

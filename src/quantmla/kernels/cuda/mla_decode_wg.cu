@@ -44,13 +44,16 @@ typedef __nv_bfloat162 T2;
 #ifndef TMA
 #define TMA 1
 #endif
+#ifndef LOWBIT
+#define LOWBIT 0
+#endif
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
 static_assert(S_CHAINS == 1 || S_CHAINS == 2, "one or two accumulator chains for the scores");
 static_assert(NW == 8 && BN == 64 && HALF == 0, "the plan of this kernel: two warpgroups, 64-token tiles, bf16");
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry: eight latent chunks and one RoPE chunk");
-static_assert(FB_CC == 2 * D_C && FB_RC == 2 * D_R, "bf16 values stored as they are");
+static_assert(LOWBIT || (FB_CC == 2 * D_C && FB_RC == 2 * D_R), "bf16 values stored as they are");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 
 constexpr int BM = 64;                 // query rows per CTA (the MMA's M)
@@ -60,16 +63,27 @@ constexpr int NCH = D / 64;            // 64-channel chunks of a row (9)
 constexpr int CCH = D_C / 64;          // of them the latent's (8)
 constexpr int CHUNK = 64 * 128;        // a chunk of 64 rows, bytes
 constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
+#if LOWBIT  // a raw stage: a tile's four page sections as they are stored (codes, then metadata, of both paths)
+constexpr int RAW_CC = 0, RAW_RC = RAW_CC + BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
+constexpr int RAW = RAW_RM + BN * FB_RM;
+constexpr int STAGES = 3;              // raw stages; one built tile
+#else
+constexpr int RAW = 0;
+constexpr int STAGES = 2;              // tiles, as stored
+#endif
 constexpr int SM_Q = 0;
-constexpr int SM_K = SM_Q + TILE;      // two stages
-constexpr int SM_P = SM_K + 2 * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
+constexpr int SM_K = SM_Q + TILE;      // two stages (LOWBIT: the one built tile)
+constexpr int SM_P = SM_K + (LOWBIT ? 1 : 2) * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
-constexpr int SM_BAR = SM_L + 2 * BM * 4;  // [2 stages] mbarriers of the bulk copies
-constexpr int SMEM = SM_BAR + 16 + 1024;  // + the slack that aligns the chunks to 1024 bytes
+constexpr int SM_RAW = SM_L + 2 * BM * 4;  // LOWBIT: [3] raw stages
+constexpr int SM_BAR = SM_RAW + STAGES * RAW;  // [STAGES] mbarriers of the bulk copies
+constexpr int SMEM = SM_BAR + (8 * STAGES + 15) / 16 * 16 + 1024;  // + the slack that aligns the chunks to 1024 bytes
+static_assert(RAW % 16 == 0, "raw stages of 16-byte aligned sections");
 static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.py) disagrees with this map");
 
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
+#include "wg_build.cuh"
 
 // one bulk tensor copy of a [64 tokens x 64 channels] box at (channel c0, token t0, page pg) into dst, completing on bar
 __device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
@@ -79,10 +93,14 @@ __device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c
       : "memory");
 }
 
-// the kernel's arguments: the decode ABI, then the tensor maps of the pages' latent and RoPE sections
+// the kernel's arguments: the decode ABI, then (BF16) the tensor maps of the pages' latent and RoPE sections
 // (dims: channels, tokens of a page, pages; boxes of 64 x 64 x 1 in the 128-byte swizzle)
+#if LOWBIT
+extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
+#else
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ CUtensorMap map_c,
                                                                const __grid_constant__ CUtensorMap map_r) {
+#endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint8_t* sQ = smem + SM_Q;
@@ -106,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
     cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
   }
-  if (TMA && tid == 0) {
-    mbar_init(&sBar[0], 1);
-    mbar_init(&sBar[1], 1);
+  if ((TMA || LOWBIT) && tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(&sBar[s], 1);
     mbar_fence_init();
   }
   __syncthreads();
@@ -116,6 +134,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // thread's cp.async, tokens past the unit's end zero-filled)
   auto issue = [&](int it, uint8_t* st) {
     const int n0 = start + it * BN, valid = min(BN, end - n0);
+#if LOWBIT  // thread 0: the tile's four page sections into raw stage it % 3, one bulk copy each
+    if (tid == 0) {
+      uint64_t* bar = &sBar[it % STAGES];
+      uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+      const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
+      const int t0 = n0 % PS;
+      mbar_expect_tx(bar, RAW);
+      bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, bar);
+      bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, bar);
+      bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, bar);
+      bulk_g2s(raw + RAW_RM, pg + OFF_RM + t0 * FB_RM, BN * FB_RM, bar);
+    }
+    return;
+#else
     if constexpr (TMA) {
       if (tid == 0) {
         uint64_t* bar = &sBar[it & 1];
@@ -140,11 +172,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       const int i = tid + n * NT, t = i >> 3, j = i & 7;
       cp_async16_zfill(st + CCH * CHUNK + swz(t, j), rb + t * FB_RC + 16 * j, t < valid);
     }
+#endif
   };
   if (ntiles > 0) issue(0, sK);
   cp_async_commit();  // group 0: the query block and tile 0
   if (ntiles > 1) issue(1, sK + TILE);
   cp_async_commit();
+  if (LOWBIT && ntiles > 2) issue(2, nullptr);
 
   // this thread's rows r0 and r0 + 8 of the block, its columns 8j + cq (+ 1) of every n8 block
   const int r0 = 16 * warp + (lane >> 2), cq = 2 * (lane & 3);
@@ -158,8 +192,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const uint64_t dq = sw128_desc(sQ, 16, 1024);
   const uint64_t dp = sw128_desc(sP, 16, 1024);
   for (int it = 0; it < ntiles; ++it) {
-    uint8_t* st = sK + (it & 1) * TILE;
+    uint8_t* st = sK + (LOWBIT ? 0 : (it & 1) * TILE);
     const int valid = min(BN, end - (start + it * BN));
+#if LOWBIT
+    {  // raw stage it % 3 landed: build the tile (the last tile's products are done with it)
+      mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
+      if (it == 0) cp_async_wait<0>();  // the query block
+      const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+      build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
+      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
+      fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
+      __syncthreads();
+      if (it + STAGES < ntiles) issue(it + STAGES, nullptr);
+    }
+#else
     if constexpr (TMA) {
       mbar_wait(&sBar[it & 1], (it >> 1) & 1);  // tile it landed
       if (it == 0) cp_async_wait<0>();         // the query block
@@ -178,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       fence_proxy_async();
       __syncthreads();
     }
+#endif
 
     // scores of this warpgroup's 32 tokens (S_CHAINS = 2: the first four chunks and the rest on their own accumulators)
     float s[16], s2[16];
@@ -258,8 +305,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       fence_regs(o);
     }
 
-    __syncthreads();  // the stage and P are read: refill the stage two tiles ahead
-    if (it + 2 < ntiles) issue(it + 2, st);
+    __syncthreads();  // the stage and P are read: refill the stage two tiles ahead (LOWBIT: rebuild the tile)
+    if (!LOWBIT && it + 2 < ntiles) issue(it + 2, st);
     cp_async_commit();
   }
   cp_async_wait<0>();

@@ -1,7 +1,8 @@
 """The plan of the heads-as-M decode kernel (mla_decode_wg.cu): 64 query rows a CTA (heads x query tokens) as the
-M of Hopper's warpgroup MMAs, two warpgroups, 64-token tiles of a BF16 cache in two cp.async stages, one CTA per
-SM. It is the many-heads kernel: at 128 heads the products, not the bytes, set a call's time, and a 64-row
-warpgroup MMA gives them the tensor cores' full width."""
+M of Hopper's warpgroup MMAs, two warpgroups, 64-token tiles, one CTA per SM. A BF16 cache's tiles land in two stages
+as they are stored; integer codes (LOWBIT) land in three raw stages and are built into one bf16 tile (wg_build.cuh).
+It is the many-heads kernel: at 128 heads the products, not the bytes, set a call's time, and a 64-row warpgroup MMA
+gives them the tensor cores' full width."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError
-from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan
+from quantmla.kernels.cuda.plan import _KIND, _MB, _OUT, SMEM_PER_CTA, DecodePlan
 
 WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
+WG_LOWBIT_STAGES = 3
 WG_MIN_ROWS = 64
 """Fewer query rows than this pad the 64-row MMA; the tokens-as-M and built-tile kernels take them."""
 
@@ -24,18 +26,30 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
         return f"{rows} query rows: it takes {WG_MIN_ROWS} or more (heads x query tokens)"
     if (tok.d_c, tok.d_r) != (512, 64):
         return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
-    if c.quantized or r.quantized or c.bits != 16 or r.bits != 16:  # a 16-bit path stores raw bf16
-        return f"{c.describe()} / {r.describe()}: it reads a BF16 cache"
+    if c.quantized != r.quantized:
+        return f"{c.describe()} / {r.describe()}: both paths BF16, or both integer codes"
+    if not c.quantized and (c.bits != 16 or r.bits != 16):  # a 16-bit path stores raw bf16
+        return f"{c.describe()} / {r.describe()}: it reads a BF16 cache or integer codes"
+    for f, dim in ((c, tok.d_c), (r, tok.d_r)):
+        if f.quantized and (f.mode not in ("affine", "symmetric") or f.bits not in (2, 4, 8) or f.per_page
+                            or f.group_size % 8):
+            return (f"{f.describe()}: it reads a BF16 cache or 2-, 4- or 8-bit integer codes with per-token groups of 8 "
+                    "channels or more")
     if layout.page_size % WG_BLOCK_N:
         return f"page size {layout.page_size}: a multiple of {WG_BLOCK_N}"
     return None
 
 
-def smem_bytes_wg() -> int:
-    """Dynamic shared memory of one CTA, bytes: the query block and two stages of nine 64 x 64 bf16 chunks, P,
-    the rows' maxima and sums, two mbarriers, and 1024 bytes to align the chunks (the map of mla_decode_wg.cu, which asserts it)."""
+def smem_bytes_wg(layout: PageLayout | None = None) -> int:
+    """Dynamic shared memory of one CTA, bytes (the map of mla_decode_wg.cu, which asserts it): the query block and
+    two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or one built tile and three raw
+    stages of a tile's four page sections (integer codes), P, the rows' maxima and sums, the stages' mbarriers, and
+    1024 bytes to align the chunks."""
     chunk = 64 * 128
-    return 3 * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + 16 + 1024
+    lowbit = layout is not None and layout.token.fmt.content.quantized
+    tiles, raw = (2, WG_LOWBIT_STAGES * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
+    bars = 16 * -(-8 * (WG_LOWBIT_STAGES if lowbit else WG_STAGES) // 16)
+    return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + raw + bars + 1024
 
 
 def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
@@ -43,7 +57,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     why = warpgroup_reason(layout, rows)
     if why:
         return why
-    smem = smem_bytes_wg()
+    smem = smem_bytes_wg(layout)
     if smem > SMEM_PER_CTA:
         return f"{smem} bytes of shared memory a CTA: more than {SMEM_PER_CTA}"
     tok, o = layout.token, layout.offsets
@@ -53,7 +67,20 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"],
         HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, TMA=1,
     )
-    return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, WG_STAGES, 1, smem)
+    stages = WG_STAGES
+    if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
+        c, r = tok.fmt.content, tok.fmt.rope
+        macros.update(LOWBIT=1, TMA=0, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"], FB_CM=fb["content_meta"],
+                      FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits, GS_C=c.group_size,
+                      MB_C=_MB[c.meta_dtype], KIND_R=_KIND[r.mode], BITS_R=r.bits, GS_R=r.group_size,
+                      MB_R=_MB[r.meta_dtype])
+        stages = WG_LOWBIT_STAGES
+    return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
+
+
+def lowbit(plan: DecodePlan) -> bool:
+    """Whether a heads-as-M plan builds its tiles from integer codes (no tensor maps: raw stages of bulk copies)."""
+    return bool(dict(plan.macros).get("LOWBIT"))
 
 
 _MAPS: dict = {}  # (pages' address, pages, plan constants) -> the two tensor maps (kept alive: launches read them)

@@ -1,0 +1,57 @@
+// The tile build of the heads-as-M kernel's low-bit plans (mla_decode_wg.cu with LOWBIT=1): one path's integer
+// codes and per-token metadata, as one bulk copy landed them in a raw stage, into bf16 values in the 128-byte
+// swizzled 64-channel chunks the warpgroup MMAs read. Included after the kernel's constants (BN, NT, CHUNK) and
+// ptx.cuh, wgmma.cuh.
+#pragma once
+
+// Codes are planar (quant.packing): byte j of a token's NB = DIM·BITS/8 bytes holds channels j + k·NB in bits
+// [k·BITS, (k + 1)·BITS), k < 8 / BITS. A step of the build takes 8 bytes of one token (bytes 8·jb .. 8·jb + 7) and
+// writes one 16-byte piece (8 channels) per plane: channels 8·jb + k·NB .. + 7, one metadata group for the piece
+// (the group size is a multiple of 8). A value is code·scale + zero (affine, KIND 1) or (code − 2^(BITS−1))·scale
+// (symmetric, KIND 2) in fp32, rounded once to bf16: the codes read as exact floats (2^23 + code) before the
+// subtraction, so the only rounding is the last one, as where a BF16 cache stores the values themselves.
+//
+// Steps of consecutive threads take consecutive 8-byte pieces of one token: a quarter warp's stores of one plane
+// are one swizzled 128-byte row of a chunk (no bank conflict). Tokens at or past `valid` get zeros (a page's stale
+// metadata may be NaN or inf, and P·V would take NaN · 0).
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0>
+__device__ __forceinline__ void build_path_wg(const uint8_t* codes, const uint8_t* meta, uint8_t* tile, int valid, int tid) {
+  constexpr int NB = DIM * BITS / 8;     // code bytes a token
+  constexpr int K = 8 / BITS;            // planes
+  constexpr int NBG = NB / 8;            // 8-byte steps a token
+  constexpr int STEPS = BN * NBG;
+  constexpr int F = KIND == 1 ? 2 : 1;   // metadata fields a group
+  constexpr int MS = meta_size<MB>();
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  constexpr float BIAS = 8388608.0f + (KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f);
+  static_assert(NB % 8 == 0 && GS % 8 == 0 && DIM % 64 == 0, "whole 8-channel pieces, one group each");
+#pragma unroll
+  for (int n = 0; n < (STEPS + NT - 1) / NT; ++n) {
+    const int i = tid + n * NT;
+    if (STEPS % NT != 0 && i >= STEPS) break;
+    const int t = i / NBG, jb = i % NBG;
+    const bool live = t < valid;
+    uint2 raw = make_uint2(0, 0);
+    if (live) raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * jb);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
+      uint32_t o4[4] = {0u, 0u, 0u, 0u};
+      if (live) {
+        const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
+        const float s = meta_f32<MB>(mp);
+        const float z = KIND == 1 ? meta_f32<MB>(mp + MS) : 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t w = e < 2 ? raw.x : raw.y;
+          const int sh0 = 16 * (e & 1) + k * BITS;  // bytes 2e and 2e + 1 of the piece
+          const float c0 = __uint_as_float(0x4B000000u | ((w >> sh0) & MASK)) - BIAS;
+          const float c1 = __uint_as_float(0x4B000000u | ((w >> (sh0 + 8)) & MASK)) - BIAS;
+          o4[e] = as_u32(__floats2bfloat162_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
+        }
+      }
+      const int c = CH0 + ch / 64, p = (ch % 64) / 8;
+      *reinterpret_cast<uint4*>(tile + c * CHUNK + swz(t, p)) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
+    }
+  }
+}
