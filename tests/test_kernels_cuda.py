@@ -295,24 +295,32 @@ def test_warpgroup_tensor_maps_describe_the_page_sections(monkeypatch):
         warpgroup.tensor_maps(torch.zeros(5, 2 * lay.page_bytes, dtype=torch.uint8)[:, ::2], p)
 
 
-@pytest.mark.parametrize("fmt,bits,smem", [("int4/int4", (4, 4), 217376), ("int2/int4", (2, 4), 192800)])
+@pytest.mark.parametrize("fmt,bits,smem", [("int4/int4", (4, 4), 217632), ("int2/int4", (2, 4), 193056)])
 def test_warpgroup_lowbit_plan(fmt, bits, smem):
     """Integer codes on the heads-as-M kernel: three raw stages of a tile's four page sections (bulk copies, no tensor
-    maps) and one built bf16 tile; the layout's offsets, field widths, groups and metadata kinds as macros."""
+    maps) and one built tile, fp16 operands where the metadata is fp16; the layout's offsets, field widths, groups and
+    metadata kinds as macros."""
     from quantmla.kernels.cuda import warpgroup
 
     lay, p = plan(fmt, 128, warpgroup=True)
     m, o, fb = dict(p.macros), lay.offsets, lay.token.field_bytes
     assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 3)
-    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and warpgroup.lowbit(p)
+    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and m["HALF"] == 1 and warpgroup.lowbit(p)
+    assert p.describe().startswith("cuda/f16/wg/M64N64w8s3c1")
     assert (m["OFF_CC"], m["OFF_RC"], m["OFF_CM"], m["OFF_RM"]) == tuple(o[k] for k in
                                                                          ("content_codes", "rope_codes", "content_meta", "rope_meta"))
     assert (m["FB_CC"], m["FB_RC"], m["FB_CM"], m["FB_RM"]) == (64 * bits[0], 8 * bits[1], 16, 4)
     assert (m["BITS_C"], m["BITS_R"], m["GS_C"], m["GS_R"], m["KIND_C"], m["MB_C"]) == (*bits, 128, 64, 1, 2)
-    # the query block, one built tile, P, the maxima and sums, three raw stages, three mbarriers, the alignment slack
-    assert p.smem == smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
+    # the query block, one built tile, P, the maxima and sums, the query rows' factors, three raw stages, three
+    # mbarriers, the alignment slack
+    assert p.smem == smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 256 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
     assert p.smem == cuda.smem_bytes_wg(lay) <= cuda.SMEM_PER_CTA
     assert not warpgroup.lowbit(plan("bf16", 128, warpgroup=True)[1])
+    # bf16 metadata: bf16 operands, no query factors
+    sym = CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric"))
+    lay, p = plan(sym, 128, warpgroup=True)
+    assert dict(p.macros)["HALF"] == 0 and p.describe().startswith("cuda/bf16/wg/")
+    assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
 
 
 @pytest.mark.parametrize("fmt,rows,page,d_c,why", [

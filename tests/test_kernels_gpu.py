@@ -337,13 +337,23 @@ WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/i
 @pytest.mark.parametrize("name", WG_LOWBIT)
 @pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (40, 3)])
 def test_decode_cuda_warpgroup_lowbit(name, H, SQ):
-    """Integer codes on the heads-as-M kernel (raw stages of bulk copies, one tile built in bf16: wg_build.cuh) against
+    """Integer codes on the heads-as-M kernel (raw stages of bulk copies, one tile built: wg_build.cuh) against
     the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs, lengths 0, 1, odd and across pages,
     causal multi-token rows, a second row block past the last row; the pages start random, so a partial last tile's
     stale codes and metadata (NaN or inf as fp16) must never reach the output."""
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=29 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=warpgroup_config(lay, H * SQ))
-    assert md.variant.startswith("cuda/bf16/wg/M64N64w8s3c1"), md.variant
+    half = name not in ("int2/int8-sym-bf16",)  # fp16 operands where both paths' metadata is fp16
+    assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/M64N64w8s3c1"), md.variant
+
+
+def test_decode_cuda_warpgroup_lowbit_query_ranges():
+    """fp16 operands: heads whose queries span 2^-12 to 2^17 (rows past 2^13 scaled down by a power of two, undone in
+    the scores) and one head of zeros (uniform attention), against the same oracle."""
+    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [700, 64, 1], seed=29)
+    scales = torch.tensor([2.0 ** (-12 + e % 30) for e in range(63)] + [0.0], device="cuda")
+    md = check_decode(lay, pages, bt, sl, 64, 1, seed=3, config=warpgroup_config(lay, 64), row_scale=scales)
+    assert md.variant.startswith("cuda/f16/wg/"), md.variant
 
 
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
@@ -357,7 +367,7 @@ def test_decode_cuda_warpgroup_lowbit_splits(name):
 
 def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
     """Against fp64 over each format's own dequantized cache at 128 heads, the heads-as-M kernel's INT4/INT4 and
-    INT2/INT4 errors are within 2x its BF16 error (a value is rounded to bf16 once, as a BF16 cache stores it)."""
+    INT2/INT4 errors are within 2x its BF16 error (a value is rounded once, to fp16)."""
     errs = {}
     for name in ("bf16", "int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 4, seed=37)

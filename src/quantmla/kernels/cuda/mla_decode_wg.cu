@@ -29,9 +29,16 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#if HALF  // fp16 operands (low-bit plans with fp16 metadata): the query block scaled per row, P and the tile in fp16
+typedef __half T;
+typedef __half2 T2;
+#define WG_AB "f16"
+#else
 typedef __nv_bfloat16 T;
 typedef __nv_bfloat162 T2;
-#define MMA_TYPE "bf16"
+#define WG_AB "bf16"
+#endif
+#define MMA_TYPE WG_AB
 
 #include "ptx.cuh"
 #include "out_io.cuh"
@@ -51,7 +58,8 @@ typedef __nv_bfloat162 T2;
 #define S_CHAINS 1
 #endif
 static_assert(S_CHAINS == 1 || S_CHAINS == 2, "one or two accumulator chains for the scores");
-static_assert(NW == 8 && BN == 64 && HALF == 0, "the plan of this kernel: two warpgroups, 64-token tiles, bf16");
+static_assert(NW == 8 && BN == 64 && (HALF == 0 || LOWBIT), "the plan of this kernel: two warpgroups, 64-token tiles, "
+              "bf16 (fp16 operands for integer codes only)");
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry: eight latent chunks and one RoPE chunk");
 static_assert(LOWBIT || (FB_CC == 2 * D_C && FB_RC == 2 * D_R), "bf16 values stored as they are");
 static_assert(PS % BN == 0, "a tile lies inside one page");
@@ -76,7 +84,8 @@ constexpr int SM_K = SM_Q + TILE;      // two stages (LOWBIT: the one built tile
 constexpr int SM_P = SM_K + (LOWBIT ? 1 : 2) * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
-constexpr int SM_RAW = SM_L + 2 * BM * 4;  // LOWBIT: [3] raw stages
+constexpr int SM_QF = SM_L + 2 * BM * 4;  // HALF: [BM] fp32, the factor that undoes a query row's scale
+constexpr int SM_RAW = SM_QF + (HALF ? BM * 4 : 0);  // LOWBIT: [3] raw stages
 constexpr int SM_BAR = SM_RAW + STAGES * RAW;  // [STAGES] mbarriers of the bulk copies
 constexpr int SMEM = SM_BAR + (8 * STAGES + 15) / 16 * 16 + 1024;  // + the slack that aligns the chunks to 1024 bytes
 static_assert(RAW % 16 == 0, "raw stages of 16-byte aligned sections");
@@ -118,12 +127,43 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
 
   // the query block: rows past R read as zero
+#if HALF  // in fp16, a warp a row at a time: the row times the power of two that brings its largest |q| below 2^13
+  float* sQf = reinterpret_cast<float*>(smem + SM_QF);
+  for (int r = tid >> 5; r < BM; r += NW) {
+    const int gr = row0 + r;
+    const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
+    uint4 v[3];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const int pc = lane + 32 * k, c = pc >> 3, j = pc & 7;
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (pc < NCH * 8 && gr < R)
+        v[k] = __ldg(reinterpret_cast<const uint4*>(c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j));
+      m = max(m, piece_amax_bits(v[k]));
+    }
+    const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, m));
+    float scale = 1.0f;
+    if (amax > 8192.0f) {  // exact
+      int e;
+      frexpf(amax / 8192.0f, &e);
+      scale = ldexpf(1.0f, -e);
+    }
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const int pc = lane + 32 * k;
+      if (pc < NCH * 8) *reinterpret_cast<uint4*>(sQ + (pc >> 3) * CHUNK + swz(r, pc & 7)) = piece_to_half(v[k], scale);
+    }
+    if (lane == 0) sQf[r] = qk_scale_log2 / scale;
+  }
+#else
   for (int i = tid; i < BM * NCH * 8; i += NT) {
     const int r = i / (NCH * 8), c = (i >> 3) % NCH, j = i & 7, gr = row0 + r;
     const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
     const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
     cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
   }
+#endif
   if ((TMA || LOWBIT) && tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(&sBar[s], 1);
@@ -183,8 +223,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // this thread's rows r0 and r0 + 8 of the block, its columns 8j + cq (+ 1) of every n8 block
   const int r0 = 16 * warp + (lane >> 2), cq = 2 * (lane & 3);
   int limit[2];
+  float qf[2];  // a row's scores times this: base 2, the query row's scale undone (HALF)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) limit[h] = L - causal * (SQ - 1 - (row0 + r0 + 8 * h) / H);
+  for (int h = 0; h < 2; ++h) {
+    limit[h] = L - causal * (SQ - 1 - (row0 + r0 + 8 * h) / H);
+#if HALF
+    qf[h] = sQf[r0 + 8 * h];
+#else
+    qf[h] = qk_scale_log2;
+#endif
+  }
   float o[128], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
@@ -259,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int pos = n0 + wg * 32 + 8 * j + cq + e, i = 4 * j + 2 * h + e;
-          s[i] = pos < end && pos < limit[h] ? s[i] * qk_scale_log2 : -INFINITY;
+          s[i] = pos < end && pos < limit[h] ? s[i] * qf[h] : -INFINITY;
           mx[h] = fmaxf(mx[h], s[i]);
         }
 #pragma unroll
@@ -282,7 +330,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         const float p0 = fast_exp2(s[4 * j + 2 * h] - m_use), p1 = fast_exp2(s[4 * j + 2 * h + 1] - m_use);
         sum += p0 + p1;
         const int col = wg * 32 + 8 * j + cq;
-        *reinterpret_cast<__nv_bfloat162*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2bfloat162_rn(p0, p1);
+#if HALF
+        *reinterpret_cast<T2*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2half2_rn(p0, p1);
+#else
+        *reinterpret_cast<T2*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2bfloat162_rn(p0, p1);
+#endif
       }
       l_run[h] = l_run[h] * alpha[h] + sum;
     }

@@ -48,8 +48,17 @@ def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
     tiles, raw = (2, WG_LOWBIT_STAGES * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
+    qf = WG_BLOCK_M * 4 if lowbit and half_operands(layout) else 0  # the query rows' factors (fp16 operands)
     bars = 16 * -(-8 * (WG_LOWBIT_STAGES if lowbit else WG_STAGES) // 16)
-    return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + raw + bars + 1024
+    return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + qf + raw + bars + 1024
+
+
+def half_operands(layout: PageLayout) -> bool:
+    """Whether the kernel's operands are fp16 (integer codes whose metadata is fp16: a value is one HFMA2 on exact
+    codes, rounded once to fp16, 3 bits finer than bf16; the query rows scaled by powers of two into fp16's range),
+    not bf16."""
+    c, r = layout.token.fmt.content, layout.token.fmt.rope
+    return c.quantized and r.quantized and c.meta_dtype == r.meta_dtype == "float16"
 
 
 def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
@@ -74,6 +83,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
                       FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits, GS_C=c.group_size,
                       MB_C=_MB[c.meta_dtype], KIND_R=_KIND[r.mode], BITS_R=r.bits, GS_R=r.group_size,
                       MB_R=_MB[r.meta_dtype])
+        macros["HALF"] = int(half_operands(layout))
         stages = WG_LOWBIT_STAGES
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
 

@@ -1,15 +1,18 @@
 // The tile build of the heads-as-M kernel's low-bit plans (mla_decode_wg.cu with LOWBIT=1): one path's integer
-// codes and per-token metadata, as one bulk copy landed them in a raw stage, into bf16 values in the 128-byte
-// swizzled 64-channel chunks the warpgroup MMAs read. Included after the kernel's constants (BN, NT, CHUNK) and
-// ptx.cuh, wgmma.cuh.
+// codes and per-token metadata, as one bulk copy landed them in a raw stage, into 16-bit values (T: fp16 with HALF,
+// else bf16) in the 128-byte swizzled 64-channel chunks the warpgroup MMAs read. Included after the kernel's
+// constants (BN, NT, CHUNK), ptx.cuh and wgmma.cuh.
 #pragma once
+
+#include "code_expand.cuh"  // group_meta, expand_pair
 
 // Codes are planar (quant.packing): byte j of a token's NB = DIM·BITS/8 bytes holds channels j + k·NB in bits
 // [k·BITS, (k + 1)·BITS), k < 8 / BITS. A step of the build takes 8 bytes of one token (bytes 8·jb .. 8·jb + 7) and
 // writes one 16-byte piece (8 channels) per plane: channels 8·jb + k·NB .. + 7, one metadata group for the piece
 // (the group size is a multiple of 8). A value is code·scale + zero (affine, KIND 1) or (code − 2^(BITS−1))·scale
-// (symmetric, KIND 2) in fp32, rounded once to bf16: the codes read as exact floats (2^23 + code) before the
-// subtraction, so the only rounding is the last one, as where a BF16 cache stores the values themselves.
+// (symmetric, KIND 2), rounded once: with fp16 metadata into an fp16 tile, two values an HFMA2 on exact codes
+// (expand_pair); else in fp32, the codes read as exact floats (2^23 + code) before the subtraction, then rounded
+// to T, as where a BF16 cache stores the values themselves.
 //
 // Steps of consecutive threads take consecutive 8-byte pieces of one token: a quarter warp's stores of one plane
 // are one swizzled 128-byte row of a chunk (no bank conflict). Tokens at or past `valid` get zeros (a page's stale
@@ -37,7 +40,17 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* codes, const uint8_
     for (int k = 0; k < K; ++k) {
       const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
       uint32_t o4[4] = {0u, 0u, 0u, 0u};
-      if (live) {
+      if constexpr (HALF && MB == 2) {  // fp16 metadata, fp16 tile: bytes (2e, 2e + 1) of the piece a pair
+        if (live) {
+          T2 s2, z2;
+          group_meta<F, MS, FBM % 4 == 0 && GS % 2 == 0>(meta + t * FBM + (ch / GS) * F * MS, s2, z2);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t w = e < 2 ? raw.x : raw.y;
+            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2, z2);
+          }
+        }
+      } else if (live) {
         const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
         const float s = meta_f32<MB>(mp);
         const float z = KIND == 1 ? meta_f32<MB>(mp + MS) : 0.0f;
@@ -47,7 +60,11 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* codes, const uint8_
           const int sh0 = 16 * (e & 1) + k * BITS;  // bytes 2e and 2e + 1 of the piece
           const float c0 = __uint_as_float(0x4B000000u | ((w >> sh0) & MASK)) - BIAS;
           const float c1 = __uint_as_float(0x4B000000u | ((w >> (sh0 + 8)) & MASK)) - BIAS;
+#if HALF
+          o4[e] = as_u32(__floats2half2_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
+#else
           o4[e] = as_u32(__floats2bfloat162_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
+#endif
         }
       }
       const int c = CH0 + ch / 64, p = (ch % 64) / 8;

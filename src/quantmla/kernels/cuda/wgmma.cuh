@@ -3,6 +3,10 @@
 // of row r sits at r·128 + ((j ^ (r % 8)) << 4), chunks 1024-byte aligned.
 #pragma once
 
+#ifndef WG_AB
+#define WG_AB "bf16"  // the operands' type: "bf16", or "f16" (the kernel defines it before including this file)
+#endif
+
 // byte offset of 16-byte unit j of row r in a 128-byte-swizzled chunk
 __host__ __device__ constexpr int swz(int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4); }
 
@@ -31,7 +35,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 __device__ __forceinline__ void wgmma_m64n32_k(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." WG_AB "." WG_AB " {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
       "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -45,7 +49,7 @@ __device__ __forceinline__ void wgmma_m64n32_k(float (&d)[16], uint64_t da, uint
 __device__ __forceinline__ void wgmma_m64n256_n(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_AB "." WG_AB " {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "

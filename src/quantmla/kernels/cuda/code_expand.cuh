@@ -1,0 +1,40 @@
+// Integer codes into 16-bit values (T: bf16, or fp16 with HALF), two at a time, shared by the built-tile kernel's
+// tile build (tile_build.cuh) and the heads-as-M kernel's (wg_build.cuh). Included after ptx.cuh and the kernel's
+// T, T2 and HALF.
+#pragma once
+
+// one group's scale (and zero point) at mp, in both halves of T2. ADJ: (scale, zero) adjacent and 4-byte
+// aligned, one 32-bit load whose halves reach the HFMA2 as operand selectors (no PRMT)
+template <int F, int MS, bool ADJ>
+__device__ __forceinline__ void group_meta(const uint8_t* mp, T2& s2, T2& z2) {
+  if constexpr (F == 2 && ADJ) {
+    const T2 sz = as_t2(*reinterpret_cast<const uint32_t*>(mp));
+#if HALF
+    s2 = __low2half2(sz), z2 = __high2half2(sz);
+#else
+    s2 = __low2bfloat162(sz), z2 = __high2bfloat162(sz);
+#endif
+  } else {
+    s2 = as_t2(*reinterpret_cast<const uint16_t*>(mp) * 0x10001u);
+    z2 = as_t2(F == 2 ? *reinterpret_cast<const uint16_t*>(mp + MS) * 0x10001u : 0u);
+  }
+}
+
+// one pair of integer codes at bit offset o of each 16-bit half of x (other bits masked off), as the exact
+// values (code - offset)·s2 + z2 in T (offset: 0 affine, 2^(b-1) symmetric). A code at bit offset o reads
+// as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o) (no shift needed),
+// bf16 2^7 for o = 0 (the codes are shifted down first)
+template <int BITS, int KIND>
+__device__ __forceinline__ uint32_t expand_pair(uint32_t x, int o, T2 s2, T2 z2) {
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
+#if HALF
+  const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
+  const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
+  const uint32_t v = and_or(x, (MASK << o) * 0x10001u, magic);
+#else
+  const T2 off = __float2bfloat162_rn(128.0f + MID);
+  const uint32_t v = and_or(x >> o, MASK * 0x10001u, 0x43004300u);  // 128.0 in each bf16
+#endif
+  return as_u32(__hfma2(__hsub2(as_t2(v), off), s2, z2));
+}
