@@ -70,9 +70,11 @@ def make_cache(fmt, lens, seed):
     return lay, pages, bt, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
-def check_decode(lay, pages, bt, sl, H, SQ, seed, config=None, chunk_tokens=None, tol=2e-2, row_scale=None):
+def check_decode(lay, pages, bt, sl, H, SQ, seed, config=None, chunk_tokens=None, tol=2e-2, row_scale=None,
+                 lse_rel=False):
     """One decode call against the fp32 oracle over the cache's own dequantized values; `row_scale` [H] multiplies
-    each head's query."""
+    each head's query; `lse_rel`: the log-sum-exp's error relative to its size (past 1), for rows whose scores reach
+    far beyond 1 (a 16-bit key's rounding moves them by a fixed fraction)."""
     api = _api()
     g = torch.Generator(device="cuda").manual_seed(seed)
     B = bt.shape[0]
@@ -93,7 +95,8 @@ def check_decode(lay, pages, bt, sl, H, SQ, seed, config=None, chunk_tokens=None
     assert torch.equal(torch.isinf(lse), empty)
     assert torch.all(out.float()[empty] == 0)
     rel = ((out.float() - ro).norm() / ro.norm()).item()
-    lerr = (lse - rl)[~empty].abs().max().item()
+    lerr = (lse - rl)[~empty].abs()
+    lerr = (lerr / rl[~empty].abs().clamp(min=1) if lse_rel else lerr).max().item()
     print(f"{md.config.describe()} variant={md.variant} units={md.num_units} rel={rel:.2e} lse_err={lerr:.2e}")
     assert rel < tol and lerr < tol, (rel, lerr)
     return md
@@ -349,10 +352,11 @@ def test_decode_cuda_warpgroup_lowbit(name, H, SQ):
 
 def test_decode_cuda_warpgroup_lowbit_query_ranges():
     """fp16 operands: heads whose queries span 2^-12 to 2^17 (rows past 2^13 scaled down by a power of two, undone in
-    the scores) and one head of zeros (uniform attention), against the same oracle."""
+    the scores; without it they would overflow fp16 to inf) and one head of zeros (uniform attention), against the
+    same oracle (the log-sum-exp's error relative to its size: scores reach 10^6)."""
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [700, 64, 1], seed=29)
     scales = torch.tensor([2.0 ** (-12 + e % 30) for e in range(63)] + [0.0], device="cuda")
-    md = check_decode(lay, pages, bt, sl, 64, 1, seed=3, config=warpgroup_config(lay, 64), row_scale=scales)
+    md = check_decode(lay, pages, bt, sl, 64, 1, seed=3, config=warpgroup_config(lay, 64), row_scale=scales, lse_rel=True)
     assert md.variant.startswith("cuda/f16/wg/"), md.variant
 
 
@@ -372,7 +376,7 @@ def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
     for name in ("bf16", "int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 4, seed=37)
         errs[name], md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
-        assert md.variant.startswith("cuda/bf16/wg/"), md.variant
+        assert "/wg/" in md.variant, md.variant
     print("warpgroup", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():
         assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])

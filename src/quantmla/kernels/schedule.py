@@ -82,12 +82,15 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
     if layout is not None and device is not None:
         from quantmla.kernels import cuda
 
-        cfg = cuda_config(rows, layout, device) if cuda.chosen(layout, rows) else None
-        if cfg is None and cuda.warpgroup_reason(layout, rows) is None:
-            # BF16 at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; on the H200 at 128 heads 2.1 to 3.2x the
-            # Triton kernel, 174 against 542 us at 32 x 8192: lab/results/kernels/decode_warpgroup_128h_h200.json for
-            # Triton, decode_warpgroup_tma_128h_h200.json for this kernel)
+        cfg = None
+        if cuda.warpgroup_reason(layout, rows) is None:
+            # BF16 or integer codes at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; None before Hopper). On
+            # the H200 at 128 heads, 32 x 8192: BF16 174 against the Triton kernel's 542 us
+            # (lab/results/kernels/decode_warpgroup_128h_h200.json, decode_warpgroup_tma_128h_h200.json); INT4/INT4
+            # 237 against the built tile's 360 us (decode_warpgroup_lowbit_128h_h200.json)
             cfg = cuda_config(rows, layout, device, warpgroup=True)
+        if cfg is None and cuda.chosen(layout, rows):
+            cfg = cuda_config(rows, layout, device)
         if cfg is not None:
             return cfg
     quant = layout is not None and layout.token.fmt.content.quantized

@@ -17,38 +17,53 @@
 // Steps of consecutive threads take consecutive 8-byte pieces of one token: a quarter warp's stores of one plane
 // are one swizzled 128-byte row of a chunk (no bank conflict). Tokens at or past `valid` get zeros (a page's stale
 // metadata may be NaN or inf, and P·V would take NaN · 0).
+// Every step's codes (and, with fp16 metadata, its groups' scale and zero point) are loaded first, then expanded
+// and stored (the loads do not wait behind the stores).
 template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0>
-__device__ __forceinline__ void build_path_wg(const uint8_t* codes, const uint8_t* meta, uint8_t* tile, int valid, int tid) {
+__device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ meta,
+                                              uint8_t* __restrict__ tile, int valid, int tid) {
+  constexpr int NTH = NT, TOK = BN, T0 = 0;
   constexpr int NB = DIM * BITS / 8;     // code bytes a token
   constexpr int K = 8 / BITS;            // planes
   constexpr int NBG = NB / 8;            // 8-byte steps a token
-  constexpr int STEPS = BN * NBG;
+  constexpr int STEPS = TOK * NBG;
+  constexpr int NS = (STEPS + NTH - 1) / NTH;  // steps a thread
   constexpr int F = KIND == 1 ? 2 : 1;   // metadata fields a group
   constexpr int MS = meta_size<MB>();
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   constexpr float BIAS = 8388608.0f + (KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f);
+  constexpr bool FAST = HALF && MB == 2;  // fp16 metadata, fp16 tile: bytes (2e, 2e + 1) of a piece a pair
   static_assert(NB % 8 == 0 && GS % 8 == 0 && DIM % 64 == 0, "whole 8-channel pieces, one group each");
+  uint2 raw[NS];
+  T2 s2[NS][K], z2[NS][K];
 #pragma unroll
-  for (int n = 0; n < (STEPS + NT - 1) / NT; ++n) {
-    const int i = tid + n * NT;
-    if (STEPS % NT != 0 && i >= STEPS) break;
-    const int t = i / NBG, jb = i % NBG;
+  for (int n = 0; n < NS; ++n) {
+    const int i = tid + n * NTH, t = T0 + i / NBG, jb = i % NBG;
+    const bool live = (STEPS % NTH == 0 || i < STEPS) && t < valid;
+    raw[n] = live ? *reinterpret_cast<const uint2*>(codes + t * FB + 8 * jb) : make_uint2(0, 0);
+    if constexpr (FAST) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (live) group_meta<F, MS, FBM % 4 == 0>(meta + t * FBM + ((8 * jb + k * NB) / GS) * F * MS, s2[n][k], z2[n][k]);
+        else s2[n][k] = z2[n][k] = as_t2(0u);
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NS; ++n) {
+    const int i = tid + n * NTH;
+    if (STEPS % NTH != 0 && i >= STEPS) break;
+    const int t = T0 + i / NBG, jb = i % NBG;
     const bool live = t < valid;
-    uint2 raw = make_uint2(0, 0);
-    if (live) raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * jb);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
       uint32_t o4[4] = {0u, 0u, 0u, 0u};
-      if constexpr (HALF && MB == 2) {  // fp16 metadata, fp16 tile: bytes (2e, 2e + 1) of the piece a pair
-        if (live) {
-          T2 s2, z2;
-          group_meta<F, MS, FBM % 4 == 0 && GS % 2 == 0>(meta + t * FBM + (ch / GS) * F * MS, s2, z2);
+      if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const uint32_t w = e < 2 ? raw.x : raw.y;
-            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2, z2);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t w = e < 2 ? raw[n].x : raw[n].y;
+          o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[n][k], z2[n][k]);
         }
       } else if (live) {
         const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
@@ -56,7 +71,7 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* codes, const uint8_
         const float z = KIND == 1 ? meta_f32<MB>(mp + MS) : 0.0f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t w = e < 2 ? raw.x : raw.y;
+          const uint32_t w = e < 2 ? raw[n].x : raw[n].y;
           const int sh0 = 16 * (e & 1) + k * BITS;  // bytes 2e and 2e + 1 of the piece
           const float c0 = __uint_as_float(0x4B000000u | ((w >> sh0) & MASK)) - BIAS;
           const float c1 = __uint_as_float(0x4B000000u | ((w >> (sh0 + 8)) & MASK)) - BIAS;
