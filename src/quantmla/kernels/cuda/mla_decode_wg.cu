@@ -239,20 +239,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 
   const uint64_t dq = sw128_desc(sQ, 16, 1024);
   const uint64_t dp = sw128_desc(sP, 16, 1024);
-  for (int it = 0; it < ntiles; ++it) {
-    uint8_t* st = sK + (LOWBIT ? 0 : (it & 1) * TILE);
+  auto stage = [&](int it) { return sK + (LOWBIT ? 0 : (it & 1) * TILE); };
+
+  // tile it in its stage, ready for the warpgroup MMAs (both warpgroups' products of the tile before it are done
+  // where the stage is shared: LOWBIT)
+  auto ready = [&](int it) {
+    uint8_t* st = stage(it);
     const int valid = min(BN, end - (start + it * BN));
 #if LOWBIT
-    {  // raw stage it % 3 landed: build the tile (the last tile's products are done with it)
-      mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
-      if (it == 0) cp_async_wait<0>();  // the query block
-      const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
-      build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
-      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
-      fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
-      __syncthreads();
-      if (it + STAGES < ntiles) issue(it + STAGES, nullptr);
-    }
+    // raw stage it % 3 landed: build the tile
+    mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
+    if (it == 0) cp_async_wait<0>();  // the query block
+    const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+    build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
+    build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
+    fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
+    __syncthreads();
+    if (it + STAGES < ntiles) issue(it + STAGES, nullptr);
 #else
     if constexpr (TMA) {
       mbar_wait(&sBar[it & 1], (it >> 1) & 1);  // tile it landed
@@ -273,13 +276,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       __syncthreads();
     }
 #endif
+  };
 
-    // scores of this warpgroup's 32 tokens (S_CHAINS = 2: the first four chunks and the rest on their own accumulators)
-    float s[16], s2[16];
+  // the scores of this warpgroup's 32 tokens of tile it, issued (S_CHAINS = 2: the first four chunks and the rest on
+  // their own accumulators)
+  float s[16], s2[16];
+  auto scores_issue = [&](int it) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.0f, s2[i] = 0.0f;
-    const uint64_t dk = sw128_desc(st + wg * 32 * 128, 16, 1024);
+    const uint64_t dk = sw128_desc(stage(it) + wg * 32 * 128, 16, 1024);
     if constexpr (!SKIP_QK) {
+      fence_regs(s);  // the zeroed accumulators before the fence (the compiler may not move them past it)
+      fence_regs(s2);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < NCH * 4; ++kk) {
@@ -288,6 +296,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         else wgmma_m64n32_k(s, dq + off, dk + off, 1);
       }
       wgmma_commit();
+    }
+  };
+  auto scores_done = [&]() {  // every product issued is done
+    if constexpr (!SKIP_QK) {
       wgmma_wait<0>();
       fence_regs(s);
       fence_regs(s2);
@@ -296,7 +308,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 #pragma unroll
       for (int i = 0; i < 16; ++i) s[i] += s2[i];
     }
+  };
 
+  // the softmax of tile it's scores: the rows' running maxima (alpha: the factor the output takes), sums, and P
+  float alpha[2];
+  auto softmax = [&](int it) {
     // the rows' tile maxima, base 2; tokens past the unit's end or a row's causal limit are -inf
     const int n0 = start + it * BN, par = it & 1;
     float mx[2] = {-INFINITY, -INFINITY};
@@ -317,7 +333,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
     }
     bar_sync(1, NT);
-    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_new = fmaxf(m_run[h], fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]));
@@ -340,25 +355,37 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
     fence_proxy_async();
     bar_sync(1, NT);
+  };
 
-    // the output of this warpgroup's 256 channels
+  // the output of this warpgroup's 256 channels: rescaled by alpha, then P·V of tile it issued
+  auto output_issue = [&](int it) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
       o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
     }
-    const uint64_t dv = sw128_desc(st + wg * 4 * CHUNK, CHUNK, 1024);
+    const uint64_t dv = sw128_desc(stage(it) + wg * 4 * CHUNK, CHUNK, 1024);
     if constexpr (!SKIP_PV) {
+      fence_regs(o);  // the rescaled accumulators before the fence
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
       wgmma_commit();
+    }
+  };
+
+  for (int it = 0; it < ntiles; ++it) {
+    ready(it);
+    scores_issue(it);
+    scores_done();
+    softmax(it);
+    output_issue(it);
+    if constexpr (!SKIP_PV) {
       wgmma_wait<0>();
       fence_regs(o);
     }
-
     __syncthreads();  // the stage and P are read: refill the stage two tiles ahead (LOWBIT: rebuild the tile)
-    if (!LOWBIT && it + 2 < ntiles) issue(it + 2, st);
+    if (!LOWBIT && it + 2 < ntiles) issue(it + 2, stage(it));
     cp_async_commit();
   }
   cp_async_wait<0>();
