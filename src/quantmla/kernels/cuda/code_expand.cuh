@@ -27,13 +27,13 @@ __device__ __forceinline__ void group_meta(const uint8_t* mp, T2& s2, T2& z2) {
 template <int BITS, int KIND>
 __device__ __forceinline__ uint32_t expand_pair(uint32_t x, int o, T2 s2, T2 z2) {
   constexpr uint32_t MASK = (1u << BITS) - 1u;
-  constexpr float MID = KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f;
+  constexpr uint32_t MIDI = KIND == 2 ? 1u << (BITS - 1) : 0u;
 #if HALF
   const uint32_t magic = (uint32_t)((25 - o) << 10) * 0x10001u;  // 2^(10-o) in each half
-  const T2 off = __float2half2_rn((float)(1 << (10 - o)) + MID);
+  const T2 off = as_t2((((uint32_t)(25 - o) << 10) | (MIDI << o)) * 0x10001u);  // 2^(10-o) + MID, exact
   const uint32_t v = and_or(x, (MASK << o) * 0x10001u, magic);
 #else
-  const T2 off = __float2bfloat162_rn(128.0f + MID);
+  const T2 off = as_t2((0x4300u | MIDI) * 0x10001u);  // 128 + MID in each bf16, exact
   const uint32_t v = and_or(x >> o, MASK * 0x10001u, 0x43004300u);  // 128.0 in each bf16
 #endif
   return as_u32(__hfma2(__hsub2(as_t2(v), off), s2, z2));
