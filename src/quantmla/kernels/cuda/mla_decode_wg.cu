@@ -54,6 +54,9 @@ typedef __nv_bfloat162 T2;
 #ifndef LOWBIT
 #define LOWBIT 0
 #endif
+#ifndef SPLIT
+#define SPLIT 0  // LOWBIT: each warpgroup builds the next tile's chunks its own output products read, after them
+#endif
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
@@ -247,13 +250,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     uint8_t* st = stage(it);
     const int valid = min(BN, end - (start + it * BN));
 #if LOWBIT
-    // raw stage it % 3 landed: build the tile
-    mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
-    if (it == 0) cp_async_wait<0>();  // the query block
-    const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
-    build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
-    build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
-    fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
+    if (!SPLIT || it == 0) {  // raw stage it % 3 landed: build the tile
+      mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
+      if (it == 0) cp_async_wait<0>();  // the query block
+      const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+      build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
+      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
+      fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
+    }  // (SPLIT: the warpgroups built their parts after the last tile's output products, and fenced them)
     __syncthreads();
     if (it + STAGES < ntiles) issue(it + STAGES, nullptr);
 #else
@@ -374,18 +378,51 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
   };
 
+#if LOWBIT && SPLIT
+  // warpgroup g's part of tile it: the RoPE rows of its tokens 32g .. 32g + 31 (the scores read them; free once both
+  // warpgroups' scores of the tile before are done), or the latent chunks 4g .. 4g + 3 its output products read
+  // (free once its own output products of the tile before are done): their planes, or with one plane (8-bit codes)
+  // their byte columns
+  auto build_part = [&](int it, bool rope) {
+    if (it == 0 || it >= ntiles) return;
+    constexpr int KC = 8 / BITS_C, NBGC = D_C * BITS_C / 64;
+    const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+    const int valid = min(BN, end - (start + it * BN)), lt = tid & 127;
+    uint8_t* st = stage(it);
+    if (rope) {
+      mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
+      if (wg == 0) build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, D_R * BITS_R / 64, 0, 8 / BITS_R, 0, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+      else build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, D_R * BITS_R / 64, 0, 8 / BITS_R, 32, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+    } else if constexpr (KC > 1) {
+      if (wg == 0) build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    } else {
+      if (wg == 0) build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, NBGC / 2, NBGC / 2, 0, 1>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    }
+  };
+#endif
+
   for (int it = 0; it < ntiles; ++it) {
     ready(it);
     scores_issue(it);
     scores_done();
     softmax(it);
     output_issue(it);
+#if LOWBIT && SPLIT
+    build_part(it + 1, true);  // under this tile's output products
+#endif
     if constexpr (!SKIP_PV) {
       wgmma_wait<0>();
       fence_regs(o);
     }
+#if LOWBIT && SPLIT
+    build_part(it + 1, false);
+    fence_proxy_async();  // the parts built, to the next tile's products (after ready's barrier)
+#else
     __syncthreads();  // the stage and P are read: refill the stage two tiles ahead (LOWBIT: rebuild the tile)
     if (!LOWBIT && it + 2 < ntiles) issue(it + 2, stage(it));
+#endif
     cp_async_commit();
   }
   cp_async_wait<0>();

@@ -79,7 +79,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
         c, r = tok.fmt.content, tok.fmt.rope
-        macros.update(LOWBIT=1, TMA=0, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"], FB_CM=fb["content_meta"],
+        macros.update(LOWBIT=1, SPLIT=1, TMA=0, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"], FB_CM=fb["content_meta"],
                       FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits, GS_C=c.group_size,
                       MB_C=_MB[c.meta_dtype], KIND_R=_KIND[r.mode], BITS_R=r.bits, GS_R=r.group_size,
                       MB_R=_MB[r.meta_dtype])

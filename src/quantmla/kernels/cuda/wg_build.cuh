@@ -17,81 +17,86 @@
 // Steps of consecutive threads take consecutive 8-byte pieces of one token: a quarter warp's stores of one plane
 // are one swizzled 128-byte row of a chunk (no bank conflict). Tokens at or past `valid` get zeros (a page's stale
 // metadata may be NaN or inf, and P·V would take NaN · 0).
-// Every step's codes (and, with fp16 metadata, its groups' scale and zero point) are loaded first, then expanded
-// and stored (the loads do not wait behind the stores). A thread's steps share its byte column jb = tid % NBG and
-// are NT / NBG tokens apart, so its addresses are a base plus a constant a step (the swizzle, which depends on the
-// token mod 8, is the same at every step where NT / NBG is a multiple of 8).
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0>
+// NTH threads (thread ltid of them) build byte columns [JB0, JB0 + JBN) of tokens [T0, T0 + TN), planes [K0, K1)
+// (the default: all of them, by all NT threads). Steps are taken 8 at a time a thread: every step's codes (and, with
+// fp16 metadata, its groups' scale and zero point) are loaded first, then expanded and stored (the loads do not
+// wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and are NTH / JBN
+// tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the token mod 8,
+// is the same at every step where that distance is a multiple of 8).
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0, int NTH = NT, int JB0 = 0,
+          int JBN = DIM * BITS / 64, int K0 = 0, int K1 = 8 / BITS, int T0 = 0, int TN = BN>
 __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ meta,
-                                              uint8_t* __restrict__ tile, int valid, int tid) {
+                                              uint8_t* __restrict__ tile, int valid, int ltid) {
   constexpr int NB = DIM * BITS / 8;     // code bytes a token
-  constexpr int K = 8 / BITS;            // planes
-  constexpr int NBG = NB / 8;            // 8-byte steps a token
-  constexpr int TS = NT / NBG;           // tokens between a thread's steps
-  constexpr int NS = BN / TS;            // steps a thread
+  constexpr int STEPS = TN * JBN;        // 8-byte steps in all
+  constexpr int NS = (STEPS + NTH - 1) / NTH;  // steps a thread
+  constexpr bool REG = NTH % JBN == 0;   // a thread's steps: one byte column, TS tokens apart
+  constexpr int TS = REG ? NTH / JBN : 1;
   constexpr int F = KIND == 1 ? 2 : 1;   // metadata fields a group
   constexpr int MS = meta_size<MB>();
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   constexpr float BIAS = 8388608.0f + (KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f);
   constexpr bool FAST = HALF && MB == 2;  // fp16 metadata, fp16 tile: bytes (2e, 2e + 1) of a piece a pair
   static_assert(NB % 8 == 0 && GS % 8 == 0 && DIM % 64 == 0, "whole 8-channel pieces, one group each");
-  static_assert(NT % NBG == 0 && BN % TS == 0, "a thread's steps: one byte column, tokens TS apart");
-  const int jb = tid % NBG, t0 = tid / NBG;
-  const uint8_t* cp = codes + t0 * FB + 8 * jb;
-  const uint8_t* mp0 = meta + t0 * FBM;
-  uint2 raw[NS];
-  T2 s2[NS][K], z2[NS][K];
+  // step n's token and byte column (REG: t0 + n·TS and jb0)
+  const int jb0 = JB0 + ltid % JBN, t0 = T0 + ltid / JBN;
+  auto tok = [&](int n) { return REG ? t0 + n * TS : T0 + (ltid + n * NTH) / JBN; };
+  auto col = [&](int n) { return REG ? jb0 : JB0 + (ltid + n * NTH) % JBN; };
 #pragma unroll
-  for (int n = 0; n < NS; ++n) {
-    const bool live = t0 + n * TS < valid;
-    raw[n] = live ? *reinterpret_cast<const uint2*>(cp + n * TS * FB) : make_uint2(0, 0);
-    if constexpr (FAST) {
+  for (int n0 = 0; n0 < NS; n0 += 8) {
+    constexpr int B = NS < 8 ? NS : 8;
+    uint2 raw[B];
+    T2 s2[B][K1 - K0], z2[B][K1 - K0];
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        if (live) group_meta<F, MS, FBM % 4 == 0>(mp0 + n * TS * FBM + ((8 * jb + k * NB) / GS) * F * MS, s2[n][k], z2[n][k]);
-        else s2[n][k] = z2[n][k] = as_t2(0u);
+    for (int q = 0; q < B; ++q) {
+      const int i = ltid + (n0 + q) * NTH, t = tok(n0 + q), jb = col(n0 + q);
+      const bool live = (STEPS % NTH == 0 || i < STEPS) && n0 + q < NS && t < valid;
+      raw[q] = live ? *reinterpret_cast<const uint2*>(codes + t * FB + 8 * jb) : make_uint2(0, 0);
+      if constexpr (FAST) {
+#pragma unroll
+        for (int k = K0; k < K1; ++k) {
+          if (live) group_meta<F, MS, FBM % 4 == 0>(meta + t * FBM + ((8 * jb + k * NB) / GS) * F * MS, s2[q][k - K0], z2[q][k - K0]);
+          else s2[q][k - K0] = z2[q][k - K0] = as_t2(0u);
+        }
       }
     }
-  }
-  uint8_t* dst[K];  // plane k's piece at step 0
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int ch = 8 * jb + k * NB;
-    dst[k] = tile + (CH0 + ch / 64) * CHUNK + swz(t0, (ch % 64) / 8);
-  }
+    for (int q = 0; q < B; ++q) {
+      const int i = ltid + (n0 + q) * NTH, t = tok(n0 + q), jb = col(n0 + q);
+      if ((STEPS % NTH != 0 && i >= STEPS) || n0 + q >= NS) break;
+      const bool live = t < valid;
 #pragma unroll
-  for (int n = 0; n < NS; ++n) {
-    const int t = t0 + n * TS;
-    const bool live = t < valid;
+      for (int k = K0; k < K1; ++k) {
+        const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
+        uint32_t o4[4] = {0u, 0u, 0u, 0u};
+        if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
-      uint32_t o4[4] = {0u, 0u, 0u, 0u};
-      if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
+            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[q][k - K0], z2[q][k - K0]);
+          }
+        } else if (live) {
+          const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
+          const float s = meta_f32<MB>(mp);
+          const float z = KIND == 1 ? meta_f32<MB>(mp + MS) : 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t w = e < 2 ? raw[n].x : raw[n].y;
-          o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[n][k], z2[n][k]);
-        }
-      } else if (live) {
-        const uint8_t* mp = mp0 + n * TS * FBM + (ch / GS) * F * MS;
-        const float s = meta_f32<MB>(mp);
-        const float z = KIND == 1 ? meta_f32<MB>(mp + MS) : 0.0f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t w = e < 2 ? raw[n].x : raw[n].y;
-          const int sh0 = 16 * (e & 1) + k * BITS;  // bytes 2e and 2e + 1 of the piece
-          const float c0 = __uint_as_float(0x4B000000u | ((w >> sh0) & MASK)) - BIAS;
-          const float c1 = __uint_as_float(0x4B000000u | ((w >> (sh0 + 8)) & MASK)) - BIAS;
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
+            const int sh0 = 16 * (e & 1) + k * BITS;  // bytes 2e and 2e + 1 of the piece
+            const float c0 = __uint_as_float(0x4B000000u | ((w >> sh0) & MASK)) - BIAS;
+            const float c1 = __uint_as_float(0x4B000000u | ((w >> (sh0 + 8)) & MASK)) - BIAS;
 #if HALF
-          o4[e] = as_u32(__floats2half2_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
+            o4[e] = as_u32(__floats2half2_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
 #else
-          o4[e] = as_u32(__floats2bfloat162_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
+            o4[e] = as_u32(__floats2bfloat162_rn(fmaf(c0, s, z), fmaf(c1, s, z)));
 #endif
+          }
         }
+        // REG with TS a multiple of 8: the step-0 swizzle (the compiler keeps one base a plane)
+        const int ts = REG && TS % 8 == 0 ? t0 : t;
+        uint8_t* d = tile + (CH0 + ch / 64) * CHUNK + swz(ts, (ch % 64) / 8) + (t - ts) * 128;
+        *reinterpret_cast<uint4*>(d) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
       }
-      uint8_t* d = TS % 8 == 0 ? dst[k] + n * TS * 128 : tile + (CH0 + ch / 64) * CHUNK + swz(t, (ch % 64) / 8);
-      *reinterpret_cast<uint4*>(d) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
   }
 }
