@@ -346,28 +346,29 @@ def test_warpgroup_needs_sm90():
     assert "9.0" in cuda.plan_reason[lay] and "warpgroup" in cuda.plan_reason[lay]
 
 
+def _defaults_on_hopper_and_ampere(fmt):
+    """default_config at 128 and 32 rows on a mocked sm_90, and at 128 rows on a mocked sm_80 (nvcc found, builds
+    not run)."""
+    from quantmla.kernels.schedule import default_config
+
+    lay = PageLayout(TokenLayout(512, 64, preset(fmt)), 64)
+    with mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            many, few = default_config(128, lay, "cuda"), default_config(32, lay, "cuda")
+        with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+            ampere = default_config(128, lay, "cuda")
+    return many, few, ampere
+
+
 def test_default_config_takes_heads_as_m_at_64_rows_or_more(monkeypatch):
     """BF16 at 64 query rows or more: the heads-as-M kernel on Hopper; fewer rows, or a GPU before Hopper: Triton.
     Integer codes likewise, else the built tile."""
-    from quantmla.kernels.schedule import default_config
-
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    lay = PageLayout(TokenLayout(512, 64, preset("bf16")), 64)
-    with mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            many, few = default_config(128, lay, "cuda"), default_config(32, lay, "cuda")
-        with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
-            ampere = default_config(128, lay, "cuda")
+    many, few, ampere = _defaults_on_hopper_and_ampere("bf16")
     assert many.kernel == "cuda" and many.warpgroup and many.block_m == 64 and many.ctas_per_sm == 1
     assert few.kernel == "fused" and not few.warpgroup
     assert ampere.kernel == "fused" and not ampere.warpgroup
-    # integer codes: heads as M at 64 rows or more on Hopper; the built tile before Hopper and at 32 rows
-    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
-    with mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            many, few = default_config(128, lay, "cuda"), default_config(32, lay, "cuda")
-        with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
-            ampere = default_config(128, lay, "cuda")
+    many, few, ampere = _defaults_on_hopper_and_ampere("int4/int4")
     assert many.kernel == "cuda" and many.warpgroup and many.num_stages == 3
     assert few.kernel == "cuda" and not few.warpgroup and not few.tokens_m
     assert ampere.kernel == "cuda" and not ampere.warpgroup
