@@ -1,5 +1,6 @@
-// Absorbed-MLA decode over a BF16 paged cache with the query rows (heads x query tokens) as the MMA's M
-// dimension, on Hopper's warpgroup MMAs (sm_90a): the many-heads kernel (64 rows a CTA, 128 heads in two CTAs).
+// Absorbed-MLA decode over a BF16 or integer-code paged cache with the query rows (heads x query tokens) as the
+// MMA's M dimension, on Hopper's warpgroup MMAs (sm_90a): the many-heads kernel (64 rows a CTA, 128 heads in two
+// CTAs).
 //
 // One CTA of two warpgroups takes 64 query rows of one work unit (sequence b, tokens [start, end)). The query
 // block and each tile of BN = 64 tokens sit in shared memory as nine 64-channel chunks (eight of the latent, one
@@ -15,13 +16,20 @@
 //   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
 //           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
+// Integer codes (LOWBIT): thread 0 bulk-copies a tile's four page sections (codes and metadata of both paths) into
+// one of three raw stages, three tiles ahead, and the threads build the one tile from them (wg_build.cuh): fp16
+// operands where both paths' metadata is fp16 (HALF: the query block in fp16, each row scaled by a power of two
+// undone in the scores; P in fp16), else bf16. Every thread builds tile 0; with SPLIT each warpgroup then builds the
+// parts of the next tile it frees first (its tokens' RoPE rows under its output products, the latent chunks its
+// output products read after them), and one CTA barrier a tile orders both halves before the scores.
+//
 // Tokens past the unit's end are zeroed in the stage (a page's stale bytes may be NaN: the bulk copies take the
-// whole tile, and the threads zero those rows of the latent chunks; cp.async zero-fills them); tokens past a row's
-// causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
+// whole tile, and the threads zero those rows of the latent chunks; cp.async zero-fills them; the build writes
+// zeros); tokens past a row's causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
 // do (the sequence's own rows where it has one split, else the unit's partial rows for the combine kernel).
 //
 // Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
-// (and WG, NW, BN, HALF: fixed here); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
+// TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_ MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
 // accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong)
 
 #include <cuda.h>  // CUtensorMap

@@ -1,6 +1,7 @@
 """The plan of the heads-as-M decode kernel (mla_decode_wg.cu): 64 query rows a CTA (heads x query tokens) as the
 M of Hopper's warpgroup MMAs, two warpgroups, 64-token tiles, one CTA per SM. A BF16 cache's tiles land in two stages
-as they are stored; integer codes (LOWBIT) land in three raw stages and are built into one bf16 tile (wg_build.cuh).
+as they are stored; integer codes (LOWBIT) land in three raw stages and are built into one 16-bit tile (fp16 where
+both paths' metadata is fp16, else bf16; wg_build.cuh).
 It is the many-heads kernel: at 128 heads the products, not the bytes, set a call's time, and a 64-row warpgroup MMA
 gives them the tensor cores' full width."""
 
@@ -30,7 +31,7 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
         return f"{c.describe()} / {r.describe()}: both paths BF16, or both integer codes"
     if not c.quantized and (c.bits != 16 or r.bits != 16):  # a 16-bit path stores raw bf16
         return f"{c.describe()} / {r.describe()}: it reads a BF16 cache or integer codes"
-    for f, dim in ((c, tok.d_c), (r, tok.d_r)):
+    for f in (c, r):
         if f.quantized and (f.mode not in ("affine", "symmetric") or f.bits not in (2, 4, 8) or f.per_page
                             or f.group_size % 8):
             return (f"{f.describe()}: it reads a BF16 cache or 2-, 4- or 8-bit integer codes with per-token groups of 8 "
@@ -43,8 +44,8 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
 def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     """Dynamic shared memory of one CTA, bytes (the map of mla_decode_wg.cu, which asserts it): the query block and
     two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or one built tile and three raw
-    stages of a tile's four page sections (integer codes), P, the rows' maxima and sums, the stages' mbarriers, and
-    1024 bytes to align the chunks."""
+    stages of a tile's four page sections (integer codes), P, the rows' maxima and sums, the query rows' factors
+    (fp16 operands), the stages' mbarriers, and 1024 bytes to align the chunks."""
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
     tiles, raw = (2, WG_LOWBIT_STAGES * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
