@@ -323,10 +323,22 @@ def test_warpgroup_lowbit_plan(fmt, bits, smem):
     assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
 
 
+def test_warpgroup_fp8_plan():
+    """FP8 (fp8_ds_mla) on the heads-as-M kernel: e4m3 latent values with fp32 scales and the BF16 RoPE key through one
+    raw stage (656 bytes a token), built into a bf16 tile; no RoPE metadata to copy."""
+    lay, p = plan("fp8", 128, warpgroup=True)
+    m = dict(p.macros)
+    assert (m["LOWBIT"], m["RAW_N"], m["HALF"], m["KIND_C"], m["BITS_C"], m["MB_C"], m["KIND_R"], m["BITS_R"]) == \
+        (1, 1, 0, 3, 8, 4, 0, 16)
+    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0
+    assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 64 * 656 + 16 + 1024 == cuda.smem_bytes_wg(lay)
+    assert p.stages == 1 and p.describe().startswith("cuda/bf16/wg/M64N64w8s1c1")
+
+
 @pytest.mark.parametrize("fmt,rows,page,d_c,why", [
     ("bf16", 32, 64, 512, "64 or more"),
     ("int4/int4", 32, 64, 512, "64 or more"),
-    ("fp8", 128, 64, 512, "both paths BF16, or both integer codes"),
+    (CacheFormat(PathFormat(8, 128, "fp8", "float32"), PathFormat(4, 64)), 128, 64, 512, "a BF16 RoPE key"),
     (CacheFormat(PathFormat(4, 128), BF16), 128, 64, 512, "both paths BF16, or both integer codes"),
     (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 128, 64, 512, "per-token groups"),
     (CacheFormat(PathFormat(3, 128), PathFormat(4, 64)), 128, 64, 512, "2-, 4- or 8-bit"),

@@ -339,20 +339,21 @@ def test_decode_cuda_warpgroup_error_within_bf16_paths():
     assert wg <= 1.5 * tri, (wg, tri)
 
 
-WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym"]
+WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym", "fp8"]
 
 
 @pytest.mark.parametrize("name", WG_LOWBIT)
 @pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (40, 3)])
 def test_decode_cuda_warpgroup_lowbit(name, H, SQ):
-    """Integer codes on the heads-as-M kernel (raw stages of bulk copies, one tile built: wg_build.cuh) against
+    """Integer codes and FP8 on the heads-as-M kernel (raw stages of bulk copies, one tile built: wg_build.cuh) against
     the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs, lengths 0, 1, odd and across pages,
     causal multi-token rows, a second row block past the last row; the pages start random, so a partial last tile's
     stale codes and metadata (NaN or inf as fp16) must never reach the output."""
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=29 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=warpgroup_config(lay, H * SQ))
-    half = name not in ("int2/int8-sym-bf16",)  # fp16 operands where both paths' metadata is fp16
-    assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/M64N64w8s3c1"), md.variant
+    half = name not in ("int2/int8-sym-bf16", "fp8")  # fp16 operands where both paths' metadata is fp16
+    stages = 1 if name == "fp8" else 3  # raw stages: FP8's 656 bytes a token fit one
+    assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/M64N64w8s{stages}c1"), md.variant
 
 
 def test_decode_cuda_warpgroup_lowbit_query_ranges():
@@ -365,7 +366,7 @@ def test_decode_cuda_warpgroup_lowbit_query_ranges():
     assert md.variant.startswith("cuda/f16/wg/"), md.variant
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8"])
 def test_decode_cuda_warpgroup_lowbit_splits(name):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=41)
@@ -376,9 +377,10 @@ def test_decode_cuda_warpgroup_lowbit_splits(name):
 
 def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
     """Against fp64 over each format's own dequantized cache at 128 heads, the heads-as-M kernel's INT4/INT4 and
-    INT2/INT4 errors are within 2x its BF16 error (a value is rounded once, to fp16)."""
+    INT2/INT4 errors (a value rounded once, to fp16) and its FP8 error (rounded once, to bf16) are within 2x its BF16
+    error."""
     errs = {}
-    for name in ("bf16", "int4/int4", "int2/int4"):
+    for name in ("bf16", "int4/int4", "int2/int4", "fp8"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 4, seed=37)
         errs[name], md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
         assert "/wg/" in md.variant, md.variant

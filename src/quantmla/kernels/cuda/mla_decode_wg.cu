@@ -35,6 +35,7 @@
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #if HALF  // fp16 operands (low-bit plans with fp16 metadata): the query block scaled per row, P and the tile in fp16
@@ -85,7 +86,7 @@ constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
 #if LOWBIT  // a raw stage: a tile's four page sections as they are stored (codes, then metadata, of both paths)
 constexpr int RAW_CC = 0, RAW_RC = RAW_CC + BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
 constexpr int RAW = RAW_RM + BN * FB_RM;
-constexpr int STAGES = 3;              // raw stages; one built tile
+constexpr int STAGES = RAW_N;          // raw stages (3; FP8: 1, its 656 bytes a token); one built tile
 #else
 constexpr int RAW = 0;
 constexpr int STAGES = 2;              // tiles, as stored
@@ -195,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, bar);
       bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, bar);
       bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, bar);
-      bulk_g2s(raw + RAW_RM, pg + OFF_RM + t0 * FB_RM, BN * FB_RM, bar);
+      if (FB_RM) bulk_g2s(raw + RAW_RM, pg + OFF_RM + t0 * FB_RM, BN * FB_RM, bar);  // (a BF16 RoPE key has none)
     }
     return;
 #else
@@ -227,9 +228,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   };
   if (ntiles > 0) issue(0, sK);
   cp_async_commit();  // group 0: the query block and tile 0
-  if (ntiles > 1) issue(1, sK + TILE);
+  if (ntiles > 1 && (!LOWBIT || STAGES > 1)) issue(1, sK + TILE);
   cp_async_commit();
-  if (LOWBIT && ntiles > 2) issue(2, nullptr);
+  if (LOWBIT && STAGES > 2 && ntiles > 2) issue(2, nullptr);
 
   // this thread's rows r0 and r0 + 8 of the block, its columns 8j + cq (+ 1) of every n8 block
   const int r0 = 16 * warp + (lane >> 2), cq = 2 * (lane & 3);
@@ -393,14 +394,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // their byte columns
   auto build_part = [&](int it, bool rope) {
     if (it == 0 || it >= ntiles) return;
-    constexpr int KC = 8 / BITS_C, NBGC = D_C * BITS_C / 64;
+    constexpr int KC = BITS_C < 8 ? 8 / BITS_C : 1, NBGC = D_C * BITS_C / 64;
     const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
     const int valid = min(BN, end - (start + it * BN)), lt = tid & 127;
     uint8_t* st = stage(it);
     if (rope) {
       mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
-      if (wg == 0) build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, D_R * BITS_R / 64, 0, 8 / BITS_R, 0, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
-      else build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, D_R * BITS_R / 64, 0, 8 / BITS_R, 32, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+      constexpr int KR = BITS_R < 8 ? 8 / BITS_R : 1, NBGR = D_R * BITS_R / 64;
+      if (wg == 0) build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 0, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+      else build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
     } else if constexpr (KC > 1) {
       if (wg == 0) build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
       else build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);

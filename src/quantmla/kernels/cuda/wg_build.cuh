@@ -24,7 +24,7 @@
 // tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the token mod 8,
 // is the same at every step where that distance is a multiple of 8).
 template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0, int NTH = NT, int JB0 = 0,
-          int JBN = DIM * BITS / 64, int K0 = 0, int K1 = 8 / BITS, int T0 = 0, int TN = BN>
+          int JBN = DIM * BITS / 64, int K0 = 0, int K1 = (BITS < 8 ? 8 / BITS : 1), int T0 = 0, int TN = BN>
 __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ meta,
                                               uint8_t* __restrict__ tile, int valid, int ltid) {
   constexpr int NB = DIM * BITS / 8;     // code bytes a token
@@ -36,8 +36,9 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
   constexpr int MS = meta_size<MB>();
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   constexpr float BIAS = 8388608.0f + (KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f);
-  constexpr bool FAST = HALF && MB == 2;  // fp16 metadata, fp16 tile: bytes (2e, 2e + 1) of a piece a pair
-  static_assert(NB % 8 == 0 && GS % 8 == 0 && DIM % 64 == 0, "whole 8-channel pieces, one group each");
+  constexpr bool FAST = HALF && MB == 2 && KIND != 0 && KIND != 3;  // fp16 metadata and tile: a pair an HFMA2
+  static_assert(NB % 8 == 0 && (KIND == 0 || GS % 8 == 0) && DIM % 64 == 0, "whole 8-channel pieces, one group each");
+  static_assert(KIND != 0 || (BITS == 16 && !HALF), "16-bit values: bf16, copied into a bf16 tile as they are");
   // step n's token and byte column (REG: t0 + n·TS and jb0)
   const int jb0 = JB0 + ltid % JBN, t0 = T0 + ltid / JBN;
   auto tok = [&](int n) { return REG ? t0 + n * TS : T0 + (ltid + n * NTH) / JBN; };
@@ -65,11 +66,30 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
       const int i = ltid + (n0 + q) * NTH, t = tok(n0 + q), jb = col(n0 + q);
       if ((STEPS % NTH != 0 && i >= STEPS) || n0 + q >= NS) break;
       const bool live = t < valid;
+      if constexpr (KIND == 0) {  // bf16 values: 8 bytes (4 channels) into half a piece
+        const int ch = 4 * jb;
+        *reinterpret_cast<uint2*>(tile + (CH0 + ch / 64) * CHUNK + swz(t, (ch % 64) / 8) + 8 * (jb & 1)) = raw[q];
+      } else
 #pragma unroll
       for (int k = K0; k < K1; ++k) {
         const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
         uint32_t o4[4] = {0u, 0u, 0u, 0u};
-        if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
+        if constexpr (KIND == 3) {  // e4m3 values times the group's fp32 scale (one group: GS >= 8)
+          if (live) {
+            const float sc = meta_f32<MB>(meta + t * FBM + (ch / GS) * MS);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
+              __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * (e & 1))), __NV_E4M3);
+              const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+#if HALF
+              o4[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
+#else
+              o4[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+#endif
+            }
+          }
+        } else if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
