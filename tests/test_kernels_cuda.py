@@ -374,7 +374,7 @@ def _defaults_on_hopper_and_ampere(fmt):
 
 def test_default_config_takes_heads_as_m_at_64_rows_or_more(monkeypatch):
     """BF16 at 64 query rows or more: the heads-as-M kernel on Hopper; fewer rows, or a GPU before Hopper: Triton.
-    Integer codes likewise, else the built tile."""
+    Integer codes likewise, else the built tile; FP8 likewise, else Triton's tiles."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     many, few, ampere = _defaults_on_hopper_and_ampere("bf16")
     assert many.kernel == "cuda" and many.warpgroup and many.block_m == 64 and many.ctas_per_sm == 1
@@ -384,6 +384,9 @@ def test_default_config_takes_heads_as_m_at_64_rows_or_more(monkeypatch):
     assert many.kernel == "cuda" and many.warpgroup and many.num_stages == 3
     assert few.kernel == "cuda" and not few.warpgroup and not few.tokens_m
     assert ampere.kernel == "cuda" and not ampere.warpgroup
+    many, few, ampere = _defaults_on_hopper_and_ampere("fp8")  # FP8: one raw stage; Triton's tiles before Hopper
+    assert many.kernel == "cuda" and many.warpgroup and many.num_stages == 1
+    assert not few.warpgroup and ampere.kernel == "generic"
 
 
 def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):

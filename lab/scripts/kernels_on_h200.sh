@@ -32,8 +32,8 @@
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
-#                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4 and
-#                 INT2/INT4 beside the built tile, with and without products; then the 128-head shapes of every
+#                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
+#                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
 #                 format against vLLM's Triton decode (PEER=path/triton_decode_attention.py)
 #                 -> kernels/warpgroup_gpu_tests_h200.log, kernels/decode_warpgroup_tma_128h_h200.json,
 #                    kernels/decode_warpgroup_lowbit_128h_h200.json, kernels/decode_vs_peer_128h_h200.json
@@ -175,7 +175,7 @@ warpgroup() {
   timeout 150 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats bf16 --heads 128 \
     --shapes 32x8192,1x32768,64x4096 --tilings 16x64 --warpgroup --variants TMA=0 SKIP_QK=1,SKIP_PV=1 \
     --out "$OUT/kernels/decode_warpgroup_tma_128h_h200.json" 2>&1 | tail -15
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 128 \
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 --heads 128 \
     --shapes 32x8192,64x4096,1x32768 --tilings 16x64 --warpgroup --variants SKIP_QK=1,SKIP_PV=1 SKIP_QK=1 SKIP_PV=1 \
     --out "$OUT/kernels/decode_warpgroup_lowbit_128h_h200.json" 2>&1 | tail -15
   timeout 150 python3 -m quantmla.cli bench-kernel --no-sweep --heads 128 --methods bf16,fp8,int4/int4,int2/int4 --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \

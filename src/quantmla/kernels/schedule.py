@@ -84,10 +84,11 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
         cfg = None
         if cuda.warpgroup_reason(layout, rows) is None:
-            # BF16 or integer codes at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; None before Hopper). On
-            # the H200 at 128 heads, 32 x 8192: BF16 174 against the Triton kernel's 542 us
+            # BF16, FP8 or integer codes at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; None before
+            # Hopper). On the H200 at 128 heads, 32 x 8192: BF16 174 against the Triton kernel's 542 us
             # (lab/results/kernels/decode_warpgroup_128h_h200.json, decode_warpgroup_tma_128h_h200.json); INT4/INT4
-            # 212 against the built tile's 359 us (decode_warpgroup_lowbit_128h_h200.json)
+            # 211 against the built tile's 362 us (decode_warpgroup_lowbit_128h_h200.json); FP8 236 against Triton's
+            # 407 (decode_vs_peer_128h_h200.json at 9257a95 and 5d09173)
             cfg = cuda_config(rows, layout, device, warpgroup=True)
         if cfg is None and cuda.chosen(layout, rows):
             cfg = cuda_config(rows, layout, device)

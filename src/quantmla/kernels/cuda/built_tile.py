@@ -64,7 +64,7 @@ def chosen(layout: PageLayout, rows: int) -> bool:
     """Whether the API's default takes this kernel where the heads-as-M kernel (warpgroup.py, the first choice at 64
     rows or more on Hopper) cannot run, by the H200 measurements (lab/results/kernels/decode_vs_peer_h200.json against
     decode_triton_h200.json): at 16 query rows it is the faster kernel in every format; at 128 rows it is for integer
-    content codes only (FP8 runs faster in Triton's 64-row tiles)."""
+    content codes only (FP8 runs faster in Triton's 64-row tiles before Hopper)."""
     fmt = layout.token.fmt.content
     return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
 
