@@ -1,6 +1,6 @@
-// Integer codes into 16-bit values (T: bf16, or fp16 with HALF), two at a time, shared by the built-tile kernel's
-// tile build (tile_build.cuh) and the heads-as-M kernel's (wg_build.cuh). Included after ptx.cuh and the kernel's
-// T, T2 and HALF.
+// Integer codes and e4m3 values into 16-bit values (T: bf16, or fp16 with HALF), shared by the built-tile kernel's
+// tile build (tile_build.cuh) and the heads-as-M kernel's (wg_build.cuh). Included after ptx.cuh, cuda_fp8.h and the
+// kernel's T, T2 and HALF.
 #pragma once
 
 // one group's scale (and zero point) at mp, in both halves of T2. ADJ: (scale, zero) adjacent and 4-byte
@@ -37,4 +37,20 @@ __device__ __forceinline__ uint32_t expand_pair(uint32_t x, int o, T2 s2, T2 z2)
   const uint32_t v = and_or(x >> o, MASK * 0x10001u, 0x43004300u);  // 128.0 in each bf16
 #endif
   return as_u32(__hfma2(__hsub2(as_t2(v), off), s2, z2));
+}
+
+// 8 e4m3 values (raw: bytes 0 .. 7) times the group's scale sc, as four words of two T values each: widened to fp16
+// exactly, multiplied in fp32, rounded once
+__device__ __forceinline__ void e4m3_piece(uint2 raw, float sc, uint32_t (&o4)[4]) {
+  const uint32_t wv[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+#if HALF
+    o4[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
+#else
+    o4[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
+#endif
+  }
 }

@@ -43,18 +43,7 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
       uint32_t o4[4] = {0, 0, 0, 0};
       if (FULL || t < valid) {
         const uint2 raw = *reinterpret_cast<const uint2*>(codes + t * FB + 8 * j);
-        const uint32_t wv[2] = {raw.x, raw.y};
-        const float sc = meta_f32<MB>(meta + t * FBM + (8 * j / GS) * meta_size<MB>());
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(wv[e / 2] >> (16 * (e % 2))), __NV_E4M3);
-          const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-#if HALF
-          o4[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
-#else
-          o4[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
-#endif
-        }
+        e4m3_piece(raw, meta_f32<MB>(meta + t * FBM + (8 * j / GS) * meta_size<MB>()), o4);
       }
       *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + 8 * j) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }

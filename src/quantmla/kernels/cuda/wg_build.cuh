@@ -75,20 +75,7 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
         const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
         uint32_t o4[4] = {0u, 0u, 0u, 0u};
         if constexpr (KIND == 3) {  // e4m3 values times the group's fp32 scale (one group: GS >= 8)
-          if (live) {
-            const float sc = meta_f32<MB>(meta + t * FBM + (ch / GS) * MS);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
-              __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * (e & 1))), __NV_E4M3);
-              const float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-#if HALF
-              o4[e] = as_u32(__floats2half2_rn(f.x * sc, f.y * sc));
-#else
-              o4[e] = as_u32(__floats2bfloat162_rn(f.x * sc, f.y * sc));
-#endif
-            }
-          }
+          if (live) e4m3_piece(raw[q], meta_f32<MB>(meta + t * FBM + (ch / GS) * MS), o4);
         } else if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
