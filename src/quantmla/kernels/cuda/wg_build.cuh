@@ -4,7 +4,14 @@
 // constants (BN, NT, CHUNK), ptx.cuh and wgmma.cuh.
 #pragma once
 
-#include "code_expand.cuh"  // group_meta, expand_pair
+#include "code_expand.cuh"  // group_meta, expand_pair, e4m3_piece
+
+#ifndef BUILD_BATCH
+#define BUILD_BATCH 8  // a thread's steps whose codes and metadata are loaded before any is expanded
+#endif
+#ifndef SKIP_BUILD
+#define SKIP_BUILD 0  // timing experiments only (the result is wrong): the tile is not built
+#endif
 
 // Codes are planar (quant.packing): byte j of a token's NB = DIM·BITS/8 bytes holds channels j + k·NB in bits
 // [k·BITS, (k + 1)·BITS), k < 8 / BITS. A step of the build takes 8 bytes of one token (bytes 8·jb .. 8·jb + 7) and
@@ -43,9 +50,10 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
   const int jb0 = JB0 + ltid % JBN, t0 = T0 + ltid / JBN;
   auto tok = [&](int n) { return REG ? t0 + n * TS : T0 + (ltid + n * NTH) / JBN; };
   auto col = [&](int n) { return REG ? jb0 : JB0 + (ltid + n * NTH) % JBN; };
+  if constexpr (SKIP_BUILD) return;
 #pragma unroll
-  for (int n0 = 0; n0 < NS; n0 += 8) {
-    constexpr int B = NS < 8 ? NS : 8;
+  for (int n0 = 0; n0 < NS; n0 += BUILD_BATCH) {
+    constexpr int B = NS < BUILD_BATCH ? NS : BUILD_BATCH;
     uint2 raw[B];
     T2 s2[B][K1 - K0], z2[B][K1 - K0];
 #pragma unroll
