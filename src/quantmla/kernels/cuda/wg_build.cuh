@@ -7,7 +7,7 @@
 #include "code_expand.cuh"  // group_meta, expand_pair, e4m3_piece
 
 #ifndef BUILD_BATCH
-#define BUILD_BATCH 8  // a thread's steps whose codes and metadata are loaded before any is expanded
+#define BUILD_BATCH 4  // a thread's steps whose codes and metadata are loaded before any is expanded
 #endif
 #ifndef SKIP_BUILD
 #define SKIP_BUILD 0  // timing experiments only (the result is wrong): the tile is not built
@@ -25,9 +25,9 @@
 // are one swizzled 128-byte row of a chunk (no bank conflict). Tokens at or past `valid` get zeros (a page's stale
 // metadata may be NaN or inf, and P·V would take NaN · 0).
 // NTH threads (thread ltid of them) build byte columns [JB0, JB0 + JBN) of tokens [T0, T0 + TN), planes [K0, K1)
-// (the default: all of them, by all NT threads). Steps are taken 8 at a time a thread: every step's codes (and, with
-// fp16 metadata, its groups' scale and zero point) are loaded first, then expanded and stored (the loads do not
-// wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and are NTH / JBN
+// (the default: all of them, by all NT threads). Steps are taken BUILD_BATCH (4) at a time a thread: every step's
+// codes (and, with fp16 metadata, its groups' scale and zero point) are loaded first, then expanded and stored (the
+// loads do not wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and are NTH / JBN
 // tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the token mod 8,
 // is the same at every step where that distance is a multiple of 8).
 template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0, int NTH = NT, int JB0 = 0,
