@@ -168,6 +168,22 @@ def test_serve_bench_jobs_and_fp8_method():
     assert len(job_budgets_gib("longest")) == 2  # 32 requests exceed the job's 16
 
 
+def test_serve_bench_v3_slice_preset():
+    """The `v3-slice` geometry: DeepSeek-V3's attention (128 heads, q_lora 1536, d_c 512, d_r 64) in 8 layers with dense
+    MLPs, built without memory (meta device); its job budgets count 8 layers of 1152-byte BF16 records."""
+    from quantmla_lab.bench.serving.throughput import build_bench_model, job_budgets_gib
+
+    m = build_bench_model("v3-slice", device="meta")
+    c = m.config
+    assert (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.num_hidden_layers) == \
+        (128, 1536, 512, 64, 8)
+    attn = m.model.layers[0].self_attn
+    assert attn.q_b_proj.weight.shape == (128 * 192, 1536) and attn.o_proj.weight.shape == (7168, 128 * 128)
+    assert not hasattr(m.model.layers[-1].mlp, "experts")  # every MLP dense
+    b2 = job_budgets_gib("long", "v3-slice")[0]
+    assert abs(b2 - 2 * 340 * 64 * 1152 * 8 / (1 << 30)) < 1e-3
+
+
 def test_serve_bench_job_sets_its_chunk_budget_unless_given():
     """`--job long` batches 16384 tokens a step as its published runs do; an explicit --max-batched-tokens wins,
     and without --job the settings' default holds."""

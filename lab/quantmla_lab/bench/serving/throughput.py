@@ -33,6 +33,10 @@ PRESETS = {
     # DeepSeek-V2-Lite attention geometry; dense MLP of V2-Lite's dense-layer width
     "v2-lite": dict(layers=27, hidden=2048, heads=16, d_c=512, d_r=64, d_nope=128, d_v=128, intermediate=10944,
                     vocab=102400, q_lora_rank=None),
+    # DeepSeek-V3's attention geometry (128 heads, q_lora 1536) in 8 layers, dense MLPs of V3's dense-layer width:
+    # where decode attention runs on the many-heads kernel (mla_decode_wg.cu)
+    "v3-slice": dict(layers=8, hidden=7168, heads=128, d_c=512, d_r=64, d_nope=128, d_v=128, intermediate=18432,
+                     vocab=129280, q_lora_rank=1536),
     # toy sizes for CPU smoke runs
     "tiny": dict(layers=2, hidden=64, heads=4, d_c=32, d_r=16, d_nope=16, d_v=16, intermediate=96, vocab=128,
                  q_lora_rank=None),
