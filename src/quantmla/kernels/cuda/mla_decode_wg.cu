@@ -1,6 +1,6 @@
-// Absorbed-MLA decode over a BF16 or integer-code paged cache with the query rows (heads x query tokens) as the
-// MMA's M dimension, on Hopper's warpgroup MMAs (sm_90a): the many-heads kernel (64 rows a CTA, 128 heads in two
-// CTAs).
+// Absorbed-MLA decode over a BF16, FP8 or integer-code paged cache with the query rows (heads x query tokens) as
+// the MMA's M dimension, on Hopper's warpgroup MMAs (sm_90a): the many-heads kernel (64 rows a CTA, 128 heads in
+// two CTAs).
 //
 // One CTA of two warpgroups takes 64 query rows of one work unit (sequence b, tokens [start, end)). The query
 // block and each tile of BN = 64 tokens sit in shared memory as nine 64-channel chunks (eight of the latent, one
@@ -16,8 +16,8 @@
 //   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
 //           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
-// Integer codes (LOWBIT): thread 0 bulk-copies a tile's four page sections (codes and metadata of both paths) into
-// one of three raw stages, three tiles ahead, and the threads build the one tile from them (wg_build.cuh): fp16
+// Integer codes and FP8 (LOWBIT): thread 0 bulk-copies a tile's page sections (codes and metadata of both paths)
+// into one of RAW_N raw stages (3; FP8: 1), and the threads build the one tile from them (wg_build.cuh): fp16
 // operands where both paths' metadata is fp16 (HALF: the query block in fp16, each row scaled by a power of two
 // undone in the scores; P in fp16), else bf16. Every thread builds tile 0; with SPLIT each warpgroup then builds the
 // parts of the next tile it frees first (its tokens' RoPE rows under its output products, the latent chunks its
@@ -25,12 +25,15 @@
 //
 // Tokens past the unit's end are zeroed in the stage (a page's stale bytes may be NaN: the bulk copies take the
 // whole tile, and the threads zero those rows of the latent chunks; cp.async zero-fills them; the build writes
-// zeros); tokens past a row's causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the other CUDA decode kernels
-// do (the sequence's own rows where it has one split, else the unit's partial rows for the combine kernel).
+// zeros); tokens past a row's causal limit get P = 0. The epilogue writes the unit's output and log-sum-exp as the
+// other CUDA decode kernels do (the sequence's own rows where it has one split, else the unit's partial rows for
+// the combine kernel).
 //
 // Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
-// TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_ MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
-// accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong)
+// TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
+// MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent accumulator chains, summed
+// after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong), SKIP_BUILD and BUILD_BATCH
+// (wg_build.cuh)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -97,7 +100,7 @@ constexpr int SM_P = SM_K + (LOWBIT ? 1 : 2) * TILE;  // P [64 rows x 64 tokens]
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
 constexpr int SM_QF = SM_L + 2 * BM * 4;  // HALF: [BM] fp32, the factor that undoes a query row's scale
-constexpr int SM_RAW = SM_QF + (HALF ? BM * 4 : 0);  // LOWBIT: [3] raw stages
+constexpr int SM_RAW = SM_QF + (HALF ? BM * 4 : 0);  // LOWBIT: [STAGES] raw stages
 constexpr int SM_BAR = SM_RAW + STAGES * RAW;  // [STAGES] mbarriers of the bulk copies
 constexpr int SMEM = SM_BAR + (8 * STAGES + 15) / 16 * 16 + 1024;  // + the slack that aligns the chunks to 1024 bytes
 static_assert(RAW % 16 == 0, "raw stages of 16-byte aligned sections");
@@ -186,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // thread's cp.async, tokens past the unit's end zero-filled)
   auto issue = [&](int it, uint8_t* st) {
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-#if LOWBIT  // thread 0: the tile's four page sections into raw stage it % 3, one bulk copy each
+#if LOWBIT  // thread 0: the tile's page sections into raw stage it % STAGES, one bulk copy each
     if (tid == 0) {
       uint64_t* bar = &sBar[it % STAGES];
       uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
@@ -401,14 +404,26 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     if (rope) {
       mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
       constexpr int KR = BITS_R < 8 ? 8 / BITS_R : 1, NBGR = D_R * BITS_R / 64;
-      if (wg == 0) build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 0, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
-      else build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(raw + RAW_RC, raw + RAW_RM, st, valid, lt);
-    } else if constexpr (KC > 1) {
-      if (wg == 0) build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-      else build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-    } else {
-      if (wg == 0) build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-      else build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, NBGC / 2, NBGC / 2, 0, 1>(raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      if (wg == 0)
+        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 0, 32>(
+            raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+      else
+        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(
+            raw + RAW_RC, raw + RAW_RM, st, valid, lt);
+    } else if constexpr (KC > 1) {  // warpgroup g: the planes of channels 256g .. 256g + 255
+      if (wg == 0)
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    } else {  // one plane: warpgroup g's byte columns
+      if (wg == 0)
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, NBGC / 2, NBGC / 2, 0, 1>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
     }
   };
 #endif

@@ -27,9 +27,9 @@
 // NTH threads (thread ltid of them) build byte columns [JB0, JB0 + JBN) of tokens [T0, T0 + TN), planes [K0, K1)
 // (the default: all of them, by all NT threads). Steps are taken BUILD_BATCH (4) at a time a thread: every step's
 // codes (and, with fp16 metadata, its groups' scale and zero point) are loaded first, then expanded and stored (the
-// loads do not wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and are NTH / JBN
-// tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the token mod 8,
-// is the same at every step where that distance is a multiple of 8).
+// loads do not wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and
+// are NTH / JBN tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the
+// token mod 8, is the same at every step where that distance is a multiple of 8).
 template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0, int NTH = NT, int JB0 = 0,
           int JBN = DIM * BITS / 64, int K0 = 0, int K1 = (BITS < 8 ? 8 / BITS : 1), int T0 = 0, int TN = BN>
 __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ meta,
@@ -64,7 +64,8 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
       if constexpr (FAST) {
 #pragma unroll
         for (int k = K0; k < K1; ++k) {
-          if (live) group_meta<F, MS, FBM % 4 == 0>(meta + t * FBM + ((8 * jb + k * NB) / GS) * F * MS, s2[q][k - K0], z2[q][k - K0]);
+          if (live)
+            group_meta<F, MS, FBM % 4 == 0>(meta + t * FBM + ((8 * jb + k * NB) / GS) * F * MS, s2[q][k - K0], z2[q][k - K0]);
           else s2[q][k - K0] = z2[q][k - K0] = as_t2(0u);
         }
       }
@@ -88,7 +89,8 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
-            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[q][k - K0], z2[q][k - K0]);
+            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[q][k - K0],
+                                            z2[q][k - K0]);
           }
         } else if (live) {
           const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
