@@ -479,6 +479,11 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               ("fp8", 16, {"tokens_m": True}),
                                               ("bf16", 16, {"num_warps": 16, "block_n": 32}),  # one score a lane
                                               ("bf16", 128, {"warpgroup": True}),
+                                              ("int4/int4", 128, {"warpgroup": True}),  # fp16 operands
+                                              ("int2/int4", 64, {"warpgroup": True}),
+                                              (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
+                                                           PathFormat(8, 32, "symmetric")), 128, {"warpgroup": True}),
+                                              ("fp8", 128, {"warpgroup": True}),  # one raw stage, bf16 operands
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
                                                                                           grouping="page")), 64, {})])
