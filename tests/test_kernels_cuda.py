@@ -514,6 +514,20 @@ def test_tokens_m_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
         build.compile_cubin(tuple(sorted({**m, "PHASES": 1}.items())), "sm_90a")
 
 
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+def test_warpgroup_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
+    """The heads-as-M kernel's timing builds compile for the integer codes (the output products' k-steps committed
+    apart with each quarter of a warpgroup's chunks built after its k-step, no build at all, 16 steps a batch), and
+    the k-steps' builds are refused at compile time without the warpgroups' own builds (its static_assert)."""
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+    _, p = plan("int4/int4", 128, warpgroup=True)
+    m = dict(p.macros)
+    for extra in ({"PV_STEPS": 1}, {"SKIP_BUILD": 1}, {"BUILD_BATCH": 16}):
+        assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000
+    with pytest.raises(Exception, match="k-steps"):
+        build.compile_cubin(tuple(sorted({**m, "PV_STEPS": 1, "SPLIT": 0}.items())), "sm_90a")
+
+
 def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
     QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""

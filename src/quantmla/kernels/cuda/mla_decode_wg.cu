@@ -41,6 +41,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>  // std::integral_constant
+
 #if HALF  // fp16 operands (low-bit plans with fp16 metadata): the query block scaled per row, P and the tile in fp16
 typedef __half T;
 typedef __half2 T2;
@@ -69,6 +71,10 @@ typedef __nv_bfloat162 T2;
 #ifndef SPLIT
 #define SPLIT 0  // LOWBIT: each warpgroup builds the next tile's chunks its own output products read, after them
 #endif
+#ifndef PV_STEPS
+#define PV_STEPS 0  // SPLIT: the output products' k-steps committed apart, each 16 tokens of a warpgroup's chunks built
+#endif              // as soon as its k-step is done (a variant to time; not a default)
+static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
@@ -385,8 +391,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       fence_regs(o);  // the rescaled accumulators before the fence
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
-      wgmma_commit();
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        wgmma_m64n256_n(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4), 1);
+        if constexpr (PV_STEPS) wgmma_commit();  // a group a k-step (16 tokens)
+      }
+      if constexpr (!PV_STEPS) wgmma_commit();
     }
   };
 
@@ -395,9 +404,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // warpgroups' scores of the tile before are done), or the latent chunks 4g .. 4g + 3 its output products read
   // (free once its own output products of the tile before are done): their planes, or with one plane (8-bit codes)
   // their byte columns
+  // tokens [T0, T0 + TN) of warpgroup g's latent chunks of tile it
+  auto build_chunks = [&](int it, const uint8_t* raw, uint8_t* st, int valid, int lt, auto t0, auto tn) {
+    constexpr int T0 = decltype(t0)::value, TN = decltype(tn)::value;
+    constexpr int KC = BITS_C < 8 ? 8 / BITS_C : 1, NBGC = D_C * BITS_C / 64;
+    if constexpr (KC > 1) {  // warpgroup g: the planes of channels 256g .. 256g + 255
+      if (wg == 0)
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2, T0, TN>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC, T0, TN>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    } else {  // one plane: warpgroup g's byte columns
+      if (wg == 0)
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1, T0, TN>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+      else
+        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, NBGC / 2, NBGC / 2, 0, 1, T0, TN>(
+            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    }
+  };
   auto build_part = [&](int it, bool rope) {
     if (it == 0 || it >= ntiles) return;
-    constexpr int KC = BITS_C < 8 ? 8 / BITS_C : 1, NBGC = D_C * BITS_C / 64;
     const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
     const int valid = min(BN, end - (start + it * BN)), lt = tid & 127;
     uint8_t* st = stage(it);
@@ -410,20 +438,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       else
         build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(
             raw + RAW_RC, raw + RAW_RM, st, valid, lt);
-    } else if constexpr (KC > 1) {  // warpgroup g: the planes of channels 256g .. 256g + 255
-      if (wg == 0)
-        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2>(
-            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-      else
-        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC>(
-            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-    } else {  // one plane: warpgroup g's byte columns
-      if (wg == 0)
-        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1>(
-            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-      else
-        build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, NBGC / 2, NBGC / 2, 0, 1>(
-            raw + RAW_CC, raw + RAW_CM, st, valid, lt);
+    } else {
+      build_chunks(it, raw, st, valid, lt, std::integral_constant<int, 0>(), std::integral_constant<int, BN>());
     }
   };
 #endif
@@ -437,12 +453,33 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 #if LOWBIT && SPLIT
     build_part(it + 1, true);  // under this tile's output products
 #endif
+#if PV_STEPS
+    if (it + 1 < ntiles) {  // 16 tokens of this warpgroup's chunks of the next tile as each k-step is done with them
+      using std::integral_constant;
+      const int nt = it + 1, valid = min(BN, end - (start + nt * BN)), lt = tid & 127;
+      const uint8_t* raw = smem + SM_RAW + (nt % STAGES) * RAW;
+      uint8_t* st = stage(nt);
+      wgmma_wait<3>();
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 0>(), integral_constant<int, 16>());
+      wgmma_wait<2>();
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 16>(), integral_constant<int, 16>());
+      wgmma_wait<1>();
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 32>(), integral_constant<int, 16>());
+      wgmma_wait<0>();
+      fence_regs(o);
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 48>(), integral_constant<int, 16>());
+    } else {
+      wgmma_wait<0>();
+      fence_regs(o);
+    }
+#else
     if constexpr (!SKIP_PV) {
       wgmma_wait<0>();
       fence_regs(o);
     }
+#endif
 #if LOWBIT && SPLIT
-    build_part(it + 1, false);
+    if (!PV_STEPS) build_part(it + 1, false);
     fence_proxy_async();  // the parts built, to the next tile's products (after ready's barrier)
 #else
     __syncthreads();  // the stage and P are read: refill the stage two tiles ahead (LOWBIT: rebuild the tile)
