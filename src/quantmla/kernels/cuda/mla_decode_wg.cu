@@ -164,12 +164,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       m = max(m, piece_amax_bits(v[k]));
     }
     const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, m));
-    float scale = 1.0f;
-    if (amax > 8192.0f) {  // exact
-      int e;
-      frexpf(amax / 8192.0f, &e);
-      scale = ldexpf(1.0f, -e);
-    }
+    const float scale = row_scale_below_2p13(amax);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       const int pc = lane + 32 * k;

@@ -1,12 +1,17 @@
 """What every CUDA decode plan shares: the constants of one build (DecodePlan), the shared-memory budget of
-an H100/H200 SM, the codes of the layout's kinds, the kernel mode and why a device cannot run a plan."""
+an H100/H200 SM, the codes of the layout's kinds, fp8_ds_mla's shape, the kernel mode and why a device cannot run a
+plan."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quantmla.cache.layout import PageLayout
 
 SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
 SMEM_PER_CTA = 232448  # 227 KiB per block
@@ -75,3 +80,9 @@ def device_reason(device: torch.device | str, capability: tuple[int, int], why: 
     if torch.cuda.get_device_capability(device) < capability:
         return why
     return None
+
+
+def is_fp8(layout: PageLayout) -> bool:
+    """fp8_ds_mla's shape: e4m3 content with one fp32 scale a group, the RoPE key stored unquantized in bf16."""
+    c, r = layout.token.fmt.content, layout.token.fmt.rope
+    return c.mode == "fp8" and c.meta_dtype == "float32" and not c.per_page and not r.quantized and r.bits == 16

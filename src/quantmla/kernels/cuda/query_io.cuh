@@ -30,12 +30,7 @@ __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict
     if (QN % NT != 0 && i >= QN) break;
 #if HALF
     const float amax = __uint_as_float(sAmax[rr]);
-    float scale = 1.0f;
-    if (amax > 8192.0f) {  // exact power of two bringing the row below 2^13
-      int e;
-      frexpf(amax / 8192.0f, &e);
-      scale = ldexpf(1.0f, -e);
-    }
+    const float scale = row_scale_below_2p13(amax);
     const uint4 v = piece_to_half(qv[n], scale);
 #else
     const float scale = 1.0f;

@@ -28,6 +28,18 @@ __device__ __forceinline__ uint32_t piece_amax_bits(const uint4& v) {
   return m;
 }
 
+// the power of two that brings a query row whose largest |q| is amax below 2^13 (1 where it is already), for its
+// fp16 copy: exact, and undone in the scores
+__device__ __forceinline__ float row_scale_below_2p13(float amax) {
+  float scale = 1.0f;
+  if (amax > 8192.0f) {
+    int e;
+    frexpf(amax / 8192.0f, &e);
+    scale = ldexpf(1.0f, -e);
+  }
+  return scale;
+}
+
 // a piece as 8 fp16 values (BF16: bf16 values), each times `scale` (a power of two: exact)
 template <bool BF16 = false>
 __device__ __forceinline__ uint4 piece_to_half(const uint4& v, float scale) {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodePlan
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, is_fp8
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
@@ -17,12 +17,6 @@ FP8_TM_MIN_TOKENS = 1024
 """FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
 build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
 (docs/kernels.md, "FP8 on the tokens-as-M kernel")."""
-
-
-def is_fp8(layout: PageLayout) -> bool:
-    """fp8_ds_mla's shape: e4m3 content with one fp32 scale a group, the RoPE key stored unquantized in bf16."""
-    c, r = layout.token.fmt.content, layout.token.fmt.rope
-    return c.mode == "fp8" and c.meta_dtype == "float32" and not c.per_page and not r.quantized and r.bits == 16
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:

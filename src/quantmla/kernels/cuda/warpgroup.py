@@ -11,7 +11,7 @@ import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError
-from quantmla.kernels.cuda.plan import _KIND, _MB, _OUT, SMEM_PER_CTA, DecodePlan
+from quantmla.kernels.cuda.plan import _KIND, _MB, _OUT, SMEM_PER_CTA, DecodePlan, is_fp8
 
 WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
 WG_LOWBIT_STAGES, WG_FP8_STAGES = 3, 1  # raw stages: integer codes, FP8 (656 bytes a token: one stage fits)
@@ -27,9 +27,9 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
         return f"{rows} query rows: it takes {WG_MIN_ROWS} or more (heads x query tokens)"
     if (tok.d_c, tok.d_r) != (512, 64):
         return f"d_c {tok.d_c}, d_r {tok.d_r}: it reads DeepSeek's geometry, 512 and 64"
-    if fp8(layout):
-        if r.quantized or r.bits != 16 or c.group_size % 8:
-            return f"{c.describe()} / {r.describe()}: FP8 latent values with a BF16 RoPE key (fp8_ds_mla)"
+    if c.mode == "fp8":
+        if not is_fp8(layout) or c.group_size % 8:
+            return f"{c.describe()} / {r.describe()}: FP8 as fp8_ds_mla stores it (fp32 scales, a BF16 RoPE key)"
     elif c.quantized != r.quantized:
         return f"{c.describe()} / {r.describe()}: both paths BF16, or both integer codes (or FP8 and BF16)"
     elif not c.quantized and (c.bits != 16 or r.bits != 16):  # a 16-bit path stores raw bf16
@@ -52,16 +52,11 @@ def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     (fp16 operands), the stages' mbarriers, and 1024 bytes to align the chunks."""
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
-    stages = (WG_FP8_STAGES if fp8(layout) else WG_LOWBIT_STAGES) if lowbit else WG_STAGES
+    stages = (WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES) if lowbit else WG_STAGES
     tiles, raw = (2, stages * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
     qf = WG_BLOCK_M * 4 if lowbit and half_operands(layout) else 0  # the query rows' factors (fp16 operands)
     bars = 16 * -(-8 * stages // 16)
     return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + qf + raw + bars + 1024
-
-
-def fp8(layout: PageLayout) -> bool:
-    """Whether the layout's latent values are FP8 (e4m3 with fp32 scales: fp8_ds_mla)."""
-    return layout.token.fmt.content.mode == "fp8"
 
 
 def half_operands(layout: PageLayout) -> bool:
@@ -90,7 +85,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
         c, r = tok.fmt.content, tok.fmt.rope
-        stages = WG_FP8_STAGES if fp8(layout) else WG_LOWBIT_STAGES
+        stages = WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES
         macros.update(LOWBIT=1, SPLIT=1, TMA=0, RAW_N=stages, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
                       FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits,
                       GS_C=c.group_size, MB_C=_MB[c.meta_dtype],
