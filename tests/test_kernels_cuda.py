@@ -305,7 +305,7 @@ def test_warpgroup_lowbit_plan(fmt, bits, smem):
     lay, p = plan(fmt, 128, warpgroup=True)
     m, o, fb = dict(p.macros), lay.offsets, lay.token.field_bytes
     assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 3)
-    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and m["HALF"] == 1 and warpgroup.lowbit(p)
+    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and m["HALF"] == 1 and m["PV_STEPS"] == 1 and warpgroup.lowbit(p)
     assert p.describe().startswith("cuda/f16/wg/M64N64w8s3c1")
     assert (m["OFF_CC"], m["OFF_RC"], m["OFF_CM"], m["OFF_RM"]) == tuple(o[k] for k in
                                                                          ("content_codes", "rope_codes", "content_meta", "rope_meta"))
@@ -330,7 +330,7 @@ def test_warpgroup_fp8_plan():
     m = dict(p.macros)
     assert (m["LOWBIT"], m["RAW_N"], m["HALF"], m["KIND_C"], m["BITS_C"], m["MB_C"], m["KIND_R"], m["BITS_R"]) == \
         (1, 1, 0, 3, 8, 4, 0, 16)
-    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0
+    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0 and "PV_STEPS" not in m
     assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 64 * 656 + 16 + 1024 == cuda.smem_bytes_wg(lay)
     assert p.stages == 1 and p.describe().startswith("cuda/bf16/wg/M64N64w8s1c1")
 
@@ -517,12 +517,12 @@ def test_tokens_m_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
 def test_warpgroup_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
     """The heads-as-M kernel's timing builds compile for the integer codes (the output products' k-steps committed
-    apart with each quarter of a warpgroup's chunks built after its k-step, no build at all, 16 steps a batch), and
-    the k-steps' builds are refused at compile time without the warpgroups' own builds (its static_assert)."""
+    together, the whole chunks built after them; no build at all; 16 steps a batch), and the k-steps' builds (the
+    default) are refused at compile time without the warpgroups' own builds (its static_assert)."""
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
     _, p = plan("int4/int4", 128, warpgroup=True)
     m = dict(p.macros)
-    for extra in ({"PV_STEPS": 1}, {"SKIP_BUILD": 1}, {"BUILD_BATCH": 16}):
+    for extra in ({"PV_STEPS": 0}, {"SKIP_BUILD": 1}, {"BUILD_BATCH": 16}):
         assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000
     with pytest.raises(Exception, match="k-steps"):
         build.compile_cubin(tuple(sorted({**m, "PV_STEPS": 1, "SPLIT": 0}.items())), "sm_90a")
