@@ -330,7 +330,7 @@ def test_warpgroup_fp8_plan():
     m = dict(p.macros)
     assert (m["LOWBIT"], m["RAW_N"], m["HALF"], m["KIND_C"], m["BITS_C"], m["MB_C"], m["KIND_R"], m["BITS_R"]) == \
         (1, 1, 0, 3, 8, 4, 0, 16)
-    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0 and "PV_STEPS" not in m
+    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0 and m["PV_STEPS"] == 1
     assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 64 * 656 + 16 + 1024 == cuda.smem_bytes_wg(lay)
     assert p.stages == 1 and p.describe().startswith("cuda/bf16/wg/M64N64w8s1c1")
 

@@ -33,7 +33,7 @@
 // TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
 // MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent accumulator chains, summed
 // after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong), SKIP_BUILD and BUILD_BATCH
-// (wg_build.cuh); PV_STEPS (below: on by default for integer codes)
+// (wg_build.cuh); PV_STEPS (below: on by default)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -73,7 +73,7 @@ typedef __nv_bfloat162 T2;
 #endif
 #ifndef PV_STEPS
 #define PV_STEPS 0  // SPLIT: the output products' k-steps committed apart, each 16 tokens of a warpgroup's chunks built
-#endif              // as soon as its k-step is done (the plan's default for integer codes)
+#endif              // as soon as its k-step is done (the plan's default)
 static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
 #ifndef S_CHAINS
 #define S_CHAINS 1
