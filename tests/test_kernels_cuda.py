@@ -323,33 +323,6 @@ def test_warpgroup_lowbit_plan(fmt, bits, smem):
     assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
 
 
-@pytest.mark.parametrize("fmt,stages", [("int4/int4", 2), ("int2/int4", 3)])
-def test_warpgroup_rotating_slots_plan(fmt, stages):
-    """The rotating chunk slots (ROT): thirteen built chunks instead of nine (three groups of four latent chunks and the
-    RoPE chunk), with the most raw stages, up to three, that leave the CTA within 227 KiB; the rest of the plan as
-    without them; refused for BF16 and FP8."""
-    from quantmla.kernels.cuda import warpgroup
-
-    lay, p = plan(fmt, 128, warpgroup=True, rotate=True)
-    _, q = plan(fmt, 128, warpgroup=True)
-    m, mq = dict(p.macros), dict(q.macros)
-    assert m["ROT"] == 1 and m["PV_STEPS"] == 1 and m["RAW_N"] == p.stages == stages and "ROT" not in mq
-    bars = 16 * -(-8 * stages // 16)  # the raw stages' mbarriers, 16-byte aligned
-    assert p.smem == 9 * 8192 + 13 * 8192 + 8192 + 1024 + 512 + 256 + stages * 64 * lay.token.bytes_per_token + bars + 1024
-    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_wg(lay, stages, True) <= cuda.SMEM_PER_CTA
-    assert cuda.smem_bytes_wg(lay, stages + 1, True) > cuda.SMEM_PER_CTA or stages == 3
-    assert {k: v for k, v in m.items() if k not in ("ROT", "RAW_N", "SMEM_EXPECTED")} == \
-        {k: v for k, v in mq.items() if k not in ("RAW_N", "SMEM_EXPECTED")}
-    assert p.describe().startswith(f"cuda/f16/wg/rot/M64N64w8s{stages}c1")
-    for name in ("bf16", "fp8"):
-        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-            assert "rotating chunk slots" in warpgroup.warpgroup_plan(lay, 128, torch.bfloat16, rotate=True)
-    # 8-bit RoPE codes: two raw stages of 340 bytes a token leave no room for the thirteen chunks
-    lay, p = plan("int4/int8", 128, warpgroup=True, rotate=True)
-    assert p is None and "more than 232448" in cuda.plan_reason[lay]
-
-
 def test_warpgroup_fp8_plan():
     """FP8 (fp8_ds_mla) on the heads-as-M kernel: e4m3 latent values with fp32 scales and the BF16 RoPE key through one
     raw stage (656 bytes a token), built into a bf16 tile; no RoPE metadata to copy."""
@@ -511,11 +484,6 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
                                               (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
                                                            PathFormat(8, 32, "symmetric")), 128, {"warpgroup": True}),
                                               ("fp8", 128, {"warpgroup": True}),  # one raw stage, bf16 operands
-                                              ("int4/int4", 128, {"warpgroup": True, "rotate": True}),  # 2 raw stages
-                                              ("int2/int4", 128, {"warpgroup": True, "rotate": True}),  # 3
-                                              (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
-                                                           PathFormat(8, 32, "symmetric")), 128,
-                                               {"warpgroup": True, "rotate": True}),
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
                                                                                           grouping="page")), 64, {})])
@@ -558,9 +526,6 @@ def test_warpgroup_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
         assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000
     with pytest.raises(Exception, match="k-steps"):
         build.compile_cubin(tuple(sorted({**m, "PV_STEPS": 1, "SPLIT": 0}.items())), "sm_90a")
-    _, r = plan("int4/int4", 128, warpgroup=True, rotate=True)
-    with pytest.raises(Exception, match="rotating slots"):
-        build.compile_cubin(tuple(sorted({**dict(r.macros), "PV_STEPS": 0}.items())), "sm_90a")
 
 
 def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):

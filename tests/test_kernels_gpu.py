@@ -297,16 +297,15 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
         assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
 
 
-def warpgroup_config(lay, rows, rotate=False):
-    """The heads-as-M kernel's config (mla_decode_wg.cu: the query rows as the M of warpgroup MMAs; `rotate`: its
-    rotating chunk slots)."""
+def warpgroup_config(lay, rows):
+    """The heads-as-M kernel's config (mla_decode_wg.cu: the query rows as the M of warpgroup MMAs)."""
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
     if nvcc() is None:
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    cfg = cuda_config(rows, lay, "cuda", warpgroup=True, rotate=rotate)
-    assert cfg is not None and cfg.warpgroup and cfg.rotate == rotate, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    cfg = cuda_config(rows, lay, "cuda", warpgroup=True)
+    assert cfg is not None and cfg.warpgroup, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
     return cfg
 
 
@@ -341,24 +340,20 @@ def test_decode_cuda_warpgroup_error_within_bf16_paths():
 
 
 WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym", "fp8"]
-WG_ROTATE_FITS = ["int4/int4", "int2/int4", "int2/int8-sym-bf16", "int2/int4-sym"]  # 13 chunks and 2+ raw stages fit
-WG_ROTATE = [(n, r) for n in WG_LOWBIT for r in ((False, True) if n in WG_ROTATE_FITS else (False,))]
 
 
-@pytest.mark.parametrize("name,rotate", WG_ROTATE)
+@pytest.mark.parametrize("name", WG_LOWBIT)
 @pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (40, 3)])
-def test_decode_cuda_warpgroup_lowbit(name, rotate, H, SQ):
-    """Integer codes and FP8 on the heads-as-M kernel (raw stages of bulk copies, one tile built: wg_build.cuh; or its
-    rotating chunk slots) against the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs,
-    lengths 0, 1, odd and across pages (so 1, 2, 3 and more tiles: every phase of the rotation), causal multi-token
-    rows, a second row block past the last row; the pages start random, so a partial last tile's stale codes and
-    metadata (NaN or inf as fp16) must never reach the output."""
+def test_decode_cuda_warpgroup_lowbit(name, H, SQ):
+    """Integer codes and FP8 on the heads-as-M kernel (raw stages of bulk copies, one tile built: wg_build.cuh) against
+    the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs, lengths 0, 1, odd and across pages,
+    causal multi-token rows, a second row block past the last row; the pages start random, so a partial last tile's
+    stale codes and metadata (NaN or inf as fp16) must never reach the output."""
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=29 * H + SQ)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=warpgroup_config(lay, H * SQ, rotate))
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=warpgroup_config(lay, H * SQ))
     half = name not in ("int2/int8-sym-bf16", "fp8")  # fp16 operands where both paths' metadata is fp16
-    assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/{'rot/' if rotate else ''}M64N64w8s"), md.variant
-    if not rotate:  # raw stages: FP8's 656 bytes a token fit one; with the rotating slots, the most (2 or 3) that fit
-        assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/M64N64w8s{1 if name == 'fp8' else 3}c1")
+    stages = 1 if name == "fp8" else 3  # raw stages: FP8's 656 bytes a token fit one
+    assert md.variant.startswith(f"cuda/{'f16' if half else 'bf16'}/wg/M64N64w8s{stages}c1"), md.variant
 
 
 def test_decode_cuda_warpgroup_lowbit_query_ranges():
@@ -371,36 +366,13 @@ def test_decode_cuda_warpgroup_lowbit_query_ranges():
     assert md.variant.startswith("cuda/f16/wg/"), md.variant
 
 
-@pytest.mark.parametrize("name,rotate", [("int4/int4", False), ("int4/int4", True), ("int2/int4", False),
-                                         ("int2/int4", True), ("fp8", False)])
-def test_decode_cuda_warpgroup_lowbit_splits(name, rotate):
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8"])
+def test_decode_cuda_warpgroup_lowbit_splits(name):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=41)
-    cfg = warpgroup_config(lay, 128, rotate)
+    cfg = warpgroup_config(lay, 128)
     check_decode(lay, pages, bt, sl, 128, 1, seed=3, config=cfg, chunk_tokens=64)
     check_decode(lay, pages, bt, sl, 128, 1, seed=4, config=cfg, chunk_tokens=1 << 20)
-
-
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int2/int8-sym-bf16"])
-def test_decode_cuda_warpgroup_rotating_slots_same_outputs(name):
-    """The rotating chunk slots change where the tile's chunks are built and when, not the arithmetic: outputs and
-    log-sum-exps equal the one-tile build's bit for bit, over sequences of 1 to 157 tiles and hundreds of splits."""
-    api = _api()
-    lay, pages, bt, sl = make_cache(FORMATS[name], [10000, 64, 65, 130, 191, 7], seed=43)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    qc = torch.randn(6, 1, 128, D_C, generator=g, device="cuda").to(torch.bfloat16)
-    qr = torch.randn(6, 1, 128, D_R, generator=g, device="cuda").to(torch.bfloat16)
-    got = []
-    for rotate in (False, True):
-        for chunk in (64, 1 << 20):
-            out = torch.full((6, 1, 128, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
-            lse = torch.full((6, 1, 128), float("nan"), device="cuda")
-            md = api.get_mla_metadata(sl, 128, 1, lay, config=warpgroup_config(lay, 128, rotate), chunk_tokens=chunk)
-            api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 0.07, metadata=md, out=out, lse=lse)
-            assert ("/wg/rot/" in md.variant) == rotate, md.variant
-            got.append((out, lse))
-    for (o0, l0), (o1, l1) in zip(got[:2], got[2:]):
-        assert not torch.isnan(o1).any() and torch.equal(o0, o1) and torch.equal(l0, l1)
 
 
 def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
@@ -408,10 +380,9 @@ def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
     INT2/INT4 errors (a value rounded once, to fp16) and its FP8 error (rounded once, to bf16) are within 2x its BF16
     error."""
     errs = {}
-    for name in ("bf16", "int4/int4", "int2/int4", "fp8", "int4/int4 rotating", "int2/int4 rotating"):
-        fmt, rotate = name.split()[0], name.endswith("rotating")
-        lay, pages, bt, sl = make_cache(FORMATS[fmt], [4096] * 4, seed=37)
-        errs[name], md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128, rotate))
+    for name in ("bf16", "int4/int4", "int2/int4", "fp8"):
+        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 4, seed=37)
+        errs[name], md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
         assert "/wg/" in md.variant, md.variant
     print("warpgroup", {k: f"{v:.2e}" for k, v in errs.items()})
     for name, e in errs.items():

@@ -51,9 +51,7 @@ class DecodeConfig:
     token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2; None: the default for
     the layout, kernels.cuda.tokens_m_default_blocks);
     warpgroup: the CUDA kernel with the query rows as the M of Hopper's warpgroup MMAs (kernels/cuda/mla_decode_wg.cu;
-    BF16 caches at 64 rows or more, 64 rows a CTA);
-    rotate: with warpgroup and integer codes, the latent chunks in three rotating groups of slots, the next tile built
-    under the current tile's score and output products (mla_decode_wg.cu, ROT)."""
+    BF16 caches at 64 rows or more, 64 rows a CTA)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -69,11 +67,9 @@ class DecodeConfig:
     tokens_m: bool = False
     token_blocks: int | None = None
     warpgroup: bool = False
-    rotate: bool = False
 
     def describe(self) -> str:
-        wg = "cuda/wg/rot" if self.rotate else "cuda/wg"
-        cuda = "cuda/frag" if self.fragments else "cuda/tm" if self.tokens_m else wg if self.warpgroup else "cuda"
+        cuda = "cuda/frag" if self.fragments else "cuda/tm" if self.tokens_m else "cuda/wg" if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
@@ -120,7 +116,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
-                token_blocks: int | None = None, warpgroup: bool = False, rotate: bool = False) -> DecodeConfig | None:
+                token_blocks: int | None = None, warpgroup: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
@@ -129,8 +125,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     ``get_mla_metadata`` takes the built tile where units are short),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
     plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp), `tokens_m=False` for the built
-    tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only (`rotate`: its rotating chunk
-    slots, integer codes only)."""
+    tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -139,7 +134,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
     if warpgroup:
-        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, rotate=rotate))
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks))
     if not tokens_m and not warpgroup:
@@ -160,7 +155,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
                         tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None,
-                        warpgroup=bool(dict(plan.macros).get("WG")), rotate=bool(dict(plan.macros).get("ROT")))
+                        warpgroup=bool(dict(plan.macros).get("WG")))
 
 
 @dataclass

@@ -103,8 +103,7 @@ def main() -> None:
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 emptied before each timed call by zeroing (do_bench) or by reading a 256 MB buffer")
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --tokens-m or --warpgroup: other builds of its plan (e.g. TPW=1, S_CHAINS=2; ROT=1 the rotating "
-                         "chunk slots' plan), timed beside "
+                    help="with --tokens-m or --warpgroup: other builds of its plan (e.g. TPW=1, S_CHAINS=2), timed beside "
                          "it, their outputs compared with its")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -223,10 +222,7 @@ def main() -> None:
                     row("warpgroup_decode", us, plan, decode_only=True, units=md.num_units, tflops=tflop / us * 1e6)
                     for spec in a.variants:  # other builds of the plan (e.g. S_CHAINS=2, SKIP_QK=1): decode time, outputs
                         kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                        vbase = plan  # ROT=1: the plan with rotating chunk slots (its own raw stages and smem)
-                        if kw.pop("ROT", 0):
-                            vbase = cuda.decode_plan(lay, H, torch.bfloat16, dev, warpgroup=True, rotate=True)
-                        vp = dataclasses.replace(vbase, macros=tuple(sorted({**dict(vbase.macros), **kw}.items())))
+                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
                         got: list = []
                         us = time_decode(vp, md, got)
                         rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(got[0], base[0]))

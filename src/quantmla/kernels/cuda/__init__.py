@@ -32,7 +32,7 @@ from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
-                warpgroup: bool = False, rotate: bool = False) -> DecodePlan | None:
+                warpgroup: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
@@ -40,8 +40,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     for the tokens-as-M kernel; None: its default for the layout); `fragments=True` takes the path without a
     built tile (None where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu;
     None where it cannot read the layout, the reason from `tokens_m_reason`); `warpgroup=True` the heads-as-M
-    kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from `warpgroup_reason`; `rotate`:
-    its rotating chunk slots for integer codes).
+    kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from `warpgroup_reason`).
     Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32 x 16384:
     161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json). Default:
     8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build per
@@ -57,7 +56,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     if warpgroup:
-        plan = warpgroup_plan(layout, rows, out_dtype, rotate=rotate)
+        plan = warpgroup_plan(layout, rows, out_dtype)
         if isinstance(plan, str):
             plan_reason[layout] = f"heads as M: {plan}"
             return None

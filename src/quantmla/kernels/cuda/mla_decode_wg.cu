@@ -22,11 +22,6 @@
 // undone in the scores; P in fp16), else bf16. Every thread builds tile 0; with SPLIT each warpgroup then builds the
 // parts of the next tile it frees first (its tokens' RoPE rows under its output products, the latent chunks its
 // output products read after them), and one CTA barrier a tile orders both halves before the scores.
-// With ROT the latent chunks sit in three groups of four chunk slots (and the RoPE chunk in a slot of its own) that
-// rotate a tile: tile i's chunks 0-3 in group a, 4-7 in b, and c free. Under tile i's score products warpgroup 1
-// builds tile i + 1's chunks 0-3 into c; under its output products warpgroup 0 builds tile i + 1's chunks 4-7 into
-// a as each k-step frees 16 tokens of it; so tile i + 1 takes (c, a) and b is free next. Each warpgroup writes only
-// slots it alone read last (or that both read before the softmax's barriers), so the one CTA barrier a tile stays.
 //
 // Tokens past the unit's end are zeroed in the stage (a page's stale bytes may be NaN: the bulk copies take the
 // whole tile, and the threads zero those rows of the latent chunks; cp.async zero-fills them; the build writes
@@ -38,7 +33,7 @@
 // TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
 // MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent accumulator chains, summed
 // after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong), SKIP_BUILD and BUILD_BATCH
-// (wg_build.cuh); PV_STEPS (below: on by default); ROT (above)
+// (wg_build.cuh); PV_STEPS (below: on by default)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -80,10 +75,6 @@ typedef __nv_bfloat162 T2;
 #define PV_STEPS 0  // SPLIT: the output products' k-steps committed apart, each 16 tokens of a warpgroup's chunks built
 #endif              // as soon as its k-step is done (the plan's default)
 static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
-#ifndef ROT
-#define ROT 0  // LOWBIT: three rotating groups of latent chunk slots, the next tile built under both products (above)
-#endif
-static_assert(!ROT || PV_STEPS, "the rotating slots are built under the output products' k-steps (PV_STEPS)");
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
@@ -104,15 +95,14 @@ constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
 #if LOWBIT  // a raw stage: a tile's four page sections as they are stored (codes, then metadata, of both paths)
 constexpr int RAW_CC = 0, RAW_RC = RAW_CC + BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
 constexpr int RAW = RAW_RM + BN * FB_RM;
-constexpr int STAGES = RAW_N;          // raw stages (2 or 3; FP8: 1, its 656 bytes a token); one built tile
+constexpr int STAGES = RAW_N;          // raw stages (3; FP8: 1, its 656 bytes a token); one built tile
 #else
 constexpr int RAW = 0;
 constexpr int STAGES = 2;              // tiles, as stored
 #endif
 constexpr int SM_Q = 0;
 constexpr int SM_K = SM_Q + TILE;      // two stages (LOWBIT: the one built tile)
-constexpr int KSLOTS = ROT ? 13 : NCH;  // LOWBIT: built chunk slots (ROT: three groups of four, one RoPE slot)
-constexpr int SM_P = SM_K + (LOWBIT ? KSLOTS * CHUNK : 2 * TILE);  // P [64 rows x 64 tokens] bf16, one chunk
+constexpr int SM_P = SM_K + (LOWBIT ? 1 : 2) * TILE;  // P [64 rows x 64 tokens] bf16, one chunk
 constexpr int SM_MAX = SM_P + CHUNK;   // [2 tile parities][2 warpgroups][BM] fp32: the rows' tile maxima
 constexpr int SM_L = SM_MAX + 4 * BM * 4;  // [2 warpgroups][BM] fp32: the rows' sums
 constexpr int SM_QF = SM_L + 2 * BM * 4;  // HALF: [BM] fp32, the factor that undoes a query row's scale
@@ -266,14 +256,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const uint64_t dq = sw128_desc(sQ, 16, 1024);
   const uint64_t dp = sw128_desc(sP, 16, 1024);
   auto stage = [&](int it) { return sK + (LOWBIT ? 0 : (it & 1) * TILE); };
-  // where the chunks of tile it sit: latent chunks 4h .. 4h + 3 from base(it, h), the RoPE chunk at rope(it) (ROT:
-  // groups a = (3 - it % 3) % 3 and b = a + 1 of the three, so that tile it + 1's a is tile it's free group and its b
-  // tile it's a; the RoPE slot after them; else one tile)
-  auto base = [&](int it, int h) {
-    if constexpr (!ROT) return stage(it) + h * 4 * CHUNK;
-    return sK + ((3 - it % 3 + h) % 3) * 4 * CHUNK;
-  };
-  auto rope = [&](int it) { return ROT ? sK + 12 * CHUNK : stage(it) + CCH * CHUNK; };
 
   // tile it in its stage, ready for the warpgroup MMAs (both warpgroups' products of the tile before it are done
   // where the stage is shared: LOWBIT)
@@ -286,8 +268,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       if (it == 0) cp_async_wait<0>();  // the query block
       const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
       build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
-      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM,
-                                                                        rope(it) - CCH * CHUNK, valid, tid);
+      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
       fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
     }  // (SPLIT: the warpgroups built their parts after the last tile's output products, and fenced them)
     __syncthreads();
@@ -320,9 +301,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   auto scores_issue = [&](int it) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.0f, s2[i] = 0.0f;
-    const uint64_t dk0 = sw128_desc(base(it, 0) + wg * 32 * 128, 16, 1024);  // chunks 0-3, 4-7, the RoPE chunk
-    const uint64_t dk1 = ROT ? sw128_desc(base(it, 1) + wg * 32 * 128, 16, 1024) : 0;
-    const uint64_t dkr = ROT ? sw128_desc(rope(it) + wg * 32 * 128, 16, 1024) : 0;
+    const uint64_t dk = sw128_desc(stage(it) + wg * 32 * 128, 16, 1024);
     if constexpr (!SKIP_QK) {
       fence_regs(s);  // the zeroed accumulators before the fence (the compiler may not move them past it)
       fence_regs(s2);
@@ -330,10 +309,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 #pragma unroll
       for (int kk = 0; kk < NCH * 4; ++kk) {
         const uint32_t off = ((kk >> 2) * CHUNK + (kk & 3) * 32) >> 4;
-        const uint64_t dk = ROT ? (kk < 16 ? dk0 : kk < 32 ? dk1 : dkr) + ((((kk >> 2) & 3) * CHUNK + (kk & 3) * 32) >> 4)
-                                : dk0 + off;  // (one tile: its chunks in order)
-        if (S_CHAINS == 2 && kk >= 16) wgmma_m64n32_k(s2, dq + off, dk, 1);
-        else wgmma_m64n32_k(s, dq + off, dk, 1);
+        if (S_CHAINS == 2 && kk >= 16) wgmma_m64n32_k(s2, dq + off, dk + off, 1);
+        else wgmma_m64n32_k(s, dq + off, dk + off, 1);
       }
       wgmma_commit();
     }
@@ -404,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
       o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
     }
-    const uint64_t dv = sw128_desc(base(it, wg), CHUNK, 1024);
+    const uint64_t dv = sw128_desc(stage(it) + wg * 4 * CHUNK, CHUNK, 1024);
     if constexpr (!SKIP_PV) {
       fence_regs(o);  // the rescaled accumulators before the fence
       wgmma_fence();
@@ -423,19 +400,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   // (free once its own output products of the tile before are done): their planes, or with one plane (8-bit codes)
   // their byte columns
   // tokens [T0, T0 + TN) of warpgroup g's latent chunks of tile it
-  auto build_chunks = [&](int it, const uint8_t* raw, int valid, int lt, int h, auto t0, auto tn) {
+  auto build_chunks = [&](int it, const uint8_t* raw, uint8_t* st, int valid, int lt, auto t0, auto tn) {
     constexpr int T0 = decltype(t0)::value, TN = decltype(tn)::value;
     constexpr int KC = BITS_C < 8 ? 8 / BITS_C : 1, NBGC = D_C * BITS_C / 64;
-    uint8_t* st = base(it, h) - h * 4 * CHUNK;  // the tile whose chunks 4h .. 4h + 3 lie at base(it, h)
-    if constexpr (KC > 1) {  // latent chunks 4h .. 4h + 3: the planes of channels 256h .. 256h + 255
-      if (h == 0)
+    if constexpr (KC > 1) {  // warpgroup g: the planes of channels 256g .. 256g + 255
+      if (wg == 0)
         build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, 0, KC / 2, T0, TN>(
             raw + RAW_CC, raw + RAW_CM, st, valid, lt);
       else
         build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC, KC / 2, KC, T0, TN>(
             raw + RAW_CC, raw + RAW_CM, st, valid, lt);
-    } else {  // one plane: its byte columns
-      if (h == 0)
+    } else {  // one plane: warpgroup g's byte columns
+      if (wg == 0)
         build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0, 128, 0, NBGC / 2, 0, 1, T0, TN>(
             raw + RAW_CC, raw + RAW_CM, st, valid, lt);
       else
@@ -443,12 +419,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
             raw + RAW_CC, raw + RAW_CM, st, valid, lt);
     }
   };
-  auto build_part = [&](int it, bool rope_rows) {
+  auto build_part = [&](int it, bool rope) {
     if (it == 0 || it >= ntiles) return;
     const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
     const int valid = min(BN, end - (start + it * BN)), lt = tid & 127;
-    uint8_t* st = rope(it) - CCH * CHUNK;
-    if (rope_rows) {
+    uint8_t* st = stage(it);
+    if (rope) {
       mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
       constexpr int KR = BITS_R < 8 ? 8 / BITS_R : 1, NBGR = D_R * BITS_R / 64;
       if (wg == 0)
@@ -458,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(
             raw + RAW_RC, raw + RAW_RM, st, valid, lt);
     } else {
-      build_chunks(it, raw, valid, lt, wg, std::integral_constant<int, 0>(), std::integral_constant<int, BN>());
+      build_chunks(it, raw, st, valid, lt, std::integral_constant<int, 0>(), std::integral_constant<int, BN>());
     }
   };
 #endif
@@ -466,14 +442,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   for (int it = 0; it < ntiles; ++it) {
     ready(it);
     scores_issue(it);
-#if ROT
-    if (wg == 1 && it + 1 < ntiles) {  // the next tile's chunks 0-3 into the free group, under this tile's scores
-      const int nt = it + 1;
-      mbar_wait(&sBar[nt % STAGES], (nt / STAGES) & 1);
-      build_chunks(nt, smem + SM_RAW + (nt % STAGES) * RAW, min(BN, end - (start + nt * BN)), tid & 127, 0,
-                   std::integral_constant<int, 0>(), std::integral_constant<int, BN>());
-    }
-#endif
     scores_done();
     softmax(it);
     output_issue(it);
@@ -481,21 +449,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     build_part(it + 1, true);  // under this tile's output products
 #endif
 #if PV_STEPS
-    // 16 tokens of this warpgroup's chunks of the next tile as each k-step is done with them (ROT: warpgroup 0
-    // builds the next tile's chunks 4-7 into its own group; warpgroup 1 built its part under the scores)
-    if (it + 1 < ntiles && (!ROT || wg == 0)) {
+    if (it + 1 < ntiles) {  // 16 tokens of this warpgroup's chunks of the next tile as each k-step is done with them
       using std::integral_constant;
-      const int nt = it + 1, valid = min(BN, end - (start + nt * BN)), lt = tid & 127, h = ROT ? 1 : wg;
+      const int nt = it + 1, valid = min(BN, end - (start + nt * BN)), lt = tid & 127;
       const uint8_t* raw = smem + SM_RAW + (nt % STAGES) * RAW;
+      uint8_t* st = stage(nt);
       wgmma_wait<3>();
-      build_chunks(nt, raw, valid, lt, h, integral_constant<int, 0>(), integral_constant<int, 16>());
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 0>(), integral_constant<int, 16>());
       wgmma_wait<2>();
-      build_chunks(nt, raw, valid, lt, h, integral_constant<int, 16>(), integral_constant<int, 16>());
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 16>(), integral_constant<int, 16>());
       wgmma_wait<1>();
-      build_chunks(nt, raw, valid, lt, h, integral_constant<int, 32>(), integral_constant<int, 16>());
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 32>(), integral_constant<int, 16>());
       wgmma_wait<0>();
       fence_regs(o);
-      build_chunks(nt, raw, valid, lt, h, integral_constant<int, 48>(), integral_constant<int, 16>());
+      build_chunks(nt, raw, st, valid, lt, integral_constant<int, 48>(), integral_constant<int, 16>());
     } else {
       wgmma_wait<0>();
       fence_regs(o);

@@ -45,20 +45,18 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
     return None
 
 
-def smem_bytes_wg(layout: PageLayout | None = None, stages: int | None = None, rotate: bool = False) -> int:
+def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     """Dynamic shared memory of one CTA, bytes (the map of mla_decode_wg.cu, which asserts it): the query block and
-    two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or the built chunks (nine; with
-    `rotate` thirteen: three rotating groups of four latent chunks and the RoPE chunk) and `stages` raw stages of a
-    tile's four page sections (None: three for integer codes, one for FP8), P, the rows' maxima and sums, the query
-    rows' factors (fp16 operands), the stages' mbarriers, and 1024 bytes to align the chunks."""
+    two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or one built tile and three raw
+    stages of a tile's four page sections (integer codes), P, the rows' maxima and sums, the query rows' factors
+    (fp16 operands), the stages' mbarriers, and 1024 bytes to align the chunks."""
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
-    if stages is None:
-        stages = (WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES) if lowbit else WG_STAGES
-    chunks, raw = (9 + (13 if rotate else 9), stages * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (27, 0)
+    stages = (WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES) if lowbit else WG_STAGES
+    tiles, raw = (2, stages * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
     qf = WG_BLOCK_M * 4 if lowbit and half_operands(layout) else 0  # the query rows' factors (fp16 operands)
     bars = 16 * -(-8 * stages // 16)
-    return chunks * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + qf + raw + bars + 1024
+    return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + qf + raw + bars + 1024
 
 
 def half_operands(layout: PageLayout) -> bool:
@@ -69,21 +67,12 @@ def half_operands(layout: PageLayout) -> bool:
     return c.quantized and r.quantized and c.meta_dtype == r.meta_dtype == "float16"
 
 
-def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, rotate: bool = False) -> DecodePlan | str:
-    """The heads-as-M build for `layout` (or why there is none). `rotate` (integer codes): the latent chunks in three
-    rotating groups of slots, the next tile built under the current tile's score and output products (ROT), with
-    the most raw stages, up to three, that fit beside them."""
+def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
+    """The heads-as-M build for `layout` (or why there is none)."""
     why = warpgroup_reason(layout, rows)
     if why:
         return why
-    lowbit = layout.token.fmt.content.quantized
-    if rotate and (not lowbit or is_fp8(layout)):
-        return "rotating chunk slots: for integer codes (a BF16 cache has no build; FP8's stage leaves no room)"
-    raw_stages = None
-    if rotate:
-        raw_stages = next((n for n in range(WG_LOWBIT_STAGES, 1, -1)
-                       if smem_bytes_wg(layout, n, True) <= SMEM_PER_CTA), 2)
-    smem = smem_bytes_wg(layout, raw_stages, rotate)
+    smem = smem_bytes_wg(layout)
     if smem > SMEM_PER_CTA:
         return f"{smem} bytes of shared memory a CTA: more than {SMEM_PER_CTA}"
     tok, o = layout.token, layout.offsets
@@ -96,7 +85,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, rotate
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
         c, r = tok.fmt.content, tok.fmt.rope
-        stages = raw_stages or (WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES)
+        stages = WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES
         macros.update(LOWBIT=1, SPLIT=1, TMA=0, RAW_N=stages, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
                       FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits,
                       GS_C=c.group_size, MB_C=_MB[c.meta_dtype],
@@ -106,8 +95,6 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, rotate
         # the output products' k-steps committed apart, each one's tokens of the next tile built as it is done (at
         # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/kernels.md)
         macros["PV_STEPS"] = 1
-        if rotate:
-            macros["ROT"] = 1
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
 
 
