@@ -16,6 +16,8 @@
 #                 against cost per token                        -> kernels/decode_breakdown_h200.json
 # ncu-sections    Nsight Compute's throughput, memory, scheduler and warp-state sections of one decode call, INT4/INT4
 #                 and BF16 at 16 heads, 32 x 16384      -> kernels/ncu_sections_{int4,bf16}_32x16384_h200.txt
+# ncu-warpgroup   the same sections for the heads-as-M kernel at 128 heads, 32 x 8192 (INT4/INT4 and BF16)
+#                                                  -> kernels/ncu_sections_{int4,bf16}_128h_32x8192_h200.txt
 # ncu-fragments   the same for INT4/INT4's plan that reads the codes straight into the products' operands
 #                                                         -> kernels/ncu_sections_int4_fragments_32x16384_h200.txt
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
@@ -110,6 +112,18 @@ ncu-sections() {
       python3 -m quantmla_lab.bench.kernels.decode_once "$f" 16 32 16384 2>&1 | grep -v "^==PROF==" \
       > "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt"
     grep -i "shared\|throughput\|issue\|duration" "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt" | head -20
+  done
+}
+
+ncu-warpgroup() {
+  local f
+  for f in int4/int4 bf16; do
+    timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section InstructionStats --section Occupancy \
+      python3 -m quantmla_lab.bench.kernels.decode_once "$f" 128 32 8192 2>&1 | grep -v "^==PROF==" \
+      > "$OUT/kernels/ncu_sections_${f%%/*}_128h_32x8192_h200.txt"
+    grep -i "shared\|throughput\|issue\|duration\|pipe" "$OUT/kernels/ncu_sections_${f%%/*}_128h_32x8192_h200.txt" | head -24
   done
 }
 
