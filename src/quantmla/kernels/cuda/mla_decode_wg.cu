@@ -12,7 +12,9 @@
 //   scores  S[row, token] = Q·Kᵀ over 576 channels: warpgroup g takes tokens 32g .. 32g + 31 (m64n32k16, both
 //           operands from shared memory), in base-2 units (times qk_scale·log2 e).
 //   softmax the two warpgroups exchange their rows' tile maxima through shared memory (one named barrier), so both
-//           hold the same running maximum; each keeps its share of the rows' sums. P goes to shared memory in bf16.
+//           hold the same reference maximum a row, which moves only where a tile exceeds it by more than 2^8
+//           (MAX_SLACK; a warp skips the output's rescale where none of its rows moved); each keeps its share of the
+//           rows' sums. P (below 2^8) goes to shared memory in bf16.
 //   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
 //           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
@@ -31,9 +33,9 @@
 //
 // Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
 // TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
-// MB_ (C, R); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent accumulator chains, summed
-// after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong), SKIP_BUILD and BUILD_BATCH
-// (wg_build.cuh); PV_STEPS (below: on by default)
+// MB_ (C, R), MAX_SLACK (below); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
+// accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong),
+// SKIP_BUILD and BUILD_BATCH (wg_build.cuh); PV_STEPS (below: on by default)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -78,6 +80,9 @@ static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpg
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
+#ifndef MAX_SLACK
+#define MAX_SLACK 8  // base-2 units a tile's row maximum may exceed the row's reference before the output is rescaled
+#endif               // (0: at every increase, as exact softmax bookkeeping does)
 static_assert(S_CHAINS == 1 || S_CHAINS == 2, "one or two accumulator chains for the scores");
 static_assert(NW == 8 && BN == 64 && (HALF == 0 || LOWBIT), "the plan of this kernel: two warpgroups, 64-token tiles, "
               "bf16 (fp16 operands for integer codes only)");
@@ -352,10 +357,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     bar_sync(1, NT);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]));
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[h] = fast_exp2(m_run[h] - m_use);
-      m_run[h] = m_new;
+      // the row's reference maximum moves only where the tile's exceeds it by more than MAX_SLACK (P stays below
+      // 2^MAX_SLACK); both warpgroups decide alike (the same maxima)
+      const float m_tile = fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]);
+      alpha[h] = 1.0f;
+      if (m_tile > m_run[h] + (float)MAX_SLACK) {
+        alpha[h] = fast_exp2(m_run[h] - m_tile);
+        m_run[h] = m_tile;
+      }
+      const float m_use = m_run[h] == -INFINITY ? 0.0f : m_run[h];
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -376,10 +386,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 
   // the output of this warpgroup's 256 channels: rescaled by alpha, then P·V of tile it issued
   auto output_issue = [&](int it) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // some row of the warp moved
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
+      }
     }
     const uint64_t dv = sw128_desc(stage(it) + wg * 4 * CHUNK, CHUNK, 1024);
     if constexpr (!SKIP_PV) {
