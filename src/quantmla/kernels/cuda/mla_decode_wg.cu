@@ -33,9 +33,9 @@
 //
 // Macros (quantmla.kernels.cuda.warpgroup): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
 // TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
-// MB_ (C, R), MAX_SLACK and FULL_TILES (below); timing experiments: S_CHAINS (the scores' products on 1 or 2
-// independent accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results
-// wrong), SKIP_BUILD and BUILD_BATCH (wg_build.cuh); PV_STEPS (below: on by default)
+// MB_ (C, R), MAX_SLACK (below); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
+// accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong),
+// SKIP_BUILD and BUILD_BATCH (wg_build.cuh); PV_STEPS (below: on by default)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -79,9 +79,6 @@ typedef __nv_bfloat162 T2;
 static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
 #ifndef S_CHAINS
 #define S_CHAINS 1
-#endif
-#ifndef FULL_TILES
-#define FULL_TILES 1  // the softmax skips the per-token masks of tiles whose every token counts for the thread's rows
 #endif
 #ifndef MAX_SLACK
 #define MAX_SLACK 8  // base-2 units a tile's row maximum may exceed the row's reference before the output is rescaled
@@ -341,24 +338,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     // the rows' tile maxima, base 2; tokens past the unit's end or a row's causal limit are -inf
     const int n0 = start + it * BN, par = it & 1;
     float mx[2] = {-INFINITY, -INFINITY};
-    if (FULL_TILES && n0 + BN <= min(end, min(limit[0], limit[1]))) {  // every token counts for both rows
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        s[i] *= qf[(i >> 1) & 1];
-        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-      }
-    } else {
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int pos = n0 + wg * 32 + 8 * j + cq + e, i = 4 * j + 2 * h + e;
-            s[i] = pos < end && pos < limit[h] ? s[i] * qf[h] : -INFINITY;
-            mx[h] = fmaxf(mx[h], s[i]);
-          }
-    }
+        for (int e = 0; e < 2; ++e) {
+          const int pos = n0 + wg * 32 + 8 * j + cq + e, i = 4 * j + 2 * h + e;
+          s[i] = pos < end && pos < limit[h] ? s[i] * qf[h] : -INFINITY;
+          mx[h] = fmaxf(mx[h], s[i]);
+        }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
