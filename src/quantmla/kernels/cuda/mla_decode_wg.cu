@@ -11,10 +11,11 @@
 //
 //   scores  S[row, token] = Q·Kᵀ over 576 channels: warpgroup g takes tokens 32g .. 32g + 31 (m64n32k16, both
 //           operands from shared memory), in base-2 units (times qk_scale·log2 e).
-//   softmax the two warpgroups exchange their rows' tile maxima through shared memory (one named barrier), so both
-//           hold the same reference maximum a row, which moves only where a tile exceeds it by more than 2^8
-//           (MAX_SLACK; a warp skips the output's rescale where none of its rows moved); each keeps its share of the
-//           rows' sums. P (below 2^8) goes to shared memory in bf16.
+//   softmax both warpgroups hold the same reference maximum a row, which moves only where a tile exceeds it by more
+//           than 2^8 (MAX_SLACK). Each writes P of its tokens (below 2^8) against it to shared memory, in bf16, and
+//           one CTA barrier votes whether a row moved; only then (rare after the first tiles) are the tile maxima
+//           exchanged, the moved rows' P written again behind a second barrier, and the output rescaled (a warp
+//           skips its rescale where none of its rows moved). Each keeps its share of the rows' sums.
 //   output  O[row, channel] += P·V with V the tile's latent chunks read N-major (the same bytes the scores read
 //           K-major): warpgroup g owns channels 256g .. 256g + 255 (m64n256k16 over the 64 tokens of P).
 //
@@ -79,6 +80,9 @@ typedef __nv_bfloat162 T2;
 static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
 #ifndef S_CHAINS
 #define S_CHAINS 1
+#endif
+#ifndef SOFTMAX_VOTE
+#define SOFTMAX_VOTE 1  // P written against the reference maxima, one CTA barrier's vote a tile (below)
 #endif
 #ifndef MAX_SLACK
 #define MAX_SLACK 8  // base-2 units a tile's row maximum may exceed the row's reference before the output is rescaled
@@ -348,24 +352,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
           s[i] = pos < end && pos < limit[h] ? s[i] * qf[h] : -INFINITY;
           mx[h] = fmaxf(mx[h], s[i]);
         }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
-    }
-    bar_sync(1, NT);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // the row's reference maximum moves only where the tile's exceeds it by more than MAX_SLACK (P stays below
-      // 2^MAX_SLACK); both warpgroups decide alike (the same maxima)
-      const float m_tile = fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]);
-      alpha[h] = 1.0f;
-      if (m_tile > m_run[h] + (float)MAX_SLACK) {
-        alpha[h] = fast_exp2(m_run[h] - m_tile);
-        m_run[h] = m_tile;
-      }
-      const float m_use = m_run[h] == -INFINITY ? 0.0f : m_run[h];
+    // P of row r0 + 8h relative to m_use into shared memory (this warpgroup's 32 tokens); returns their sum
+    auto write_p = [&](int h, float m_use) {
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -378,10 +366,61 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         *reinterpret_cast<T2*>(sP + swz(r0 + 8 * h, col >> 3) + (col & 7) * 2) = __floats2bfloat162_rn(p0, p1);
 #endif
       }
-      l_run[h] = l_run[h] * alpha[h] + sum;
+      return sum;
+    };
+    // a row's reference maximum moves only where the tile's exceeds it by more than MAX_SLACK (P stays below
+    // 2^MAX_SLACK), so it moves where either warpgroup's share of the tile exceeds it: P is written against the
+    // reference first, and one CTA barrier votes; only where some row moved (rare after the first tiles) are the
+    // warpgroups' maxima exchanged and the moved rows' P written again, behind a second barrier
+#if !SOFTMAX_VOTE  // (timing: the tile maxima exchanged behind a barrier every tile, as before)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
+    }
+    bar_sync(1, NT);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_tile = fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]);
+      alpha[h] = 1.0f;
+      if (m_tile > m_run[h] + (float)MAX_SLACK) {
+        alpha[h] = fast_exp2(m_run[h] - m_tile);
+        m_run[h] = m_tile;
+      }
+      l_run[h] = l_run[h] * alpha[h] + write_p(h, m_run[h] == -INFINITY ? 0.0f : m_run[h]);
     }
     fence_proxy_async();
     bar_sync(1, NT);
+    return;
+#endif
+    bool exceeds = false;
+    float sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
+      exceeds |= mx[h] > m_run[h] + (float)MAX_SLACK;
+      alpha[h] = 1.0f;
+      sum[h] = write_p(h, m_run[h] == -INFINITY ? 0.0f : m_run[h]);
+    }
+    fence_proxy_async();
+    if (__syncthreads_or(exceeds)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_tile = fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]);
+        if (m_tile > m_run[h] + (float)MAX_SLACK) {
+          alpha[h] = fast_exp2(m_run[h] - m_tile);
+          m_run[h] = m_tile;
+          sum[h] = write_p(h, m_tile);
+        }
+      }
+      fence_proxy_async();
+      bar_sync(1, NT);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + sum[h];
   };
 
   // the output of this warpgroup's 256 channels: rescaled by alpha, then P·V of tile it issued
