@@ -103,29 +103,22 @@ breakdown() {
     --shapes 1x131072,8x16384,32x16384,264x32,264x512 --out "$OUT/kernels/decode_breakdown_h200.json" 2>&1 | tail -20
 }
 
-ncu-sections() {
-  local f
+# Nsight Compute's sections of one decode call of INT4/INT4 and BF16: heads, batch, context, file-name suffix
+ncu_pair() {
+  local f path
   for f in int4/int4 bf16; do
-    timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section SchedulerStats \
-      --section WarpStateStats --section InstructionStats --section Occupancy \
-      python3 -m quantmla_lab.bench.kernels.decode_once "$f" 16 32 16384 2>&1 | grep -v "^==PROF==" \
-      > "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt"
-    grep -i "shared\|throughput\|issue\|duration" "$OUT/kernels/ncu_sections_${f%%/*}_32x16384_h200.txt" | head -20
-  done
-}
-
-ncu-warpgroup() {
-  local f
-  for f in int4/int4 bf16; do
+    path="$OUT/kernels/ncu_sections_${f%%/*}_$4_h200.txt"
     timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section InstructionStats --section Occupancy \
-      python3 -m quantmla_lab.bench.kernels.decode_once "$f" 128 32 8192 2>&1 | grep -v "^==PROF==" \
-      > "$OUT/kernels/ncu_sections_${f%%/*}_128h_32x8192_h200.txt"
-    grep -i "shared\|throughput\|issue\|duration\|pipe" "$OUT/kernels/ncu_sections_${f%%/*}_128h_32x8192_h200.txt" | head -24
+      python3 -m quantmla_lab.bench.kernels.decode_once "$f" "$1" "$2" "$3" 2>&1 | grep -v "^==PROF==" > "$path"
+    grep -i "shared\|throughput\|issue\|duration\|pipe" "$path" | head -24
   done
 }
+
+ncu-sections() { ncu_pair 16 32 16384 32x16384; }
+
+ncu-warpgroup() { ncu_pair 128 32 8192 128h_32x8192; }
 
 ncu-fragments() {
   timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
