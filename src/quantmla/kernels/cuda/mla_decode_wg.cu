@@ -81,9 +81,6 @@ static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpg
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
-#ifndef SOFTMAX_VOTE
-#define SOFTMAX_VOTE 1  // P written against the reference maxima, one CTA barrier's vote a tile (below)
-#endif
 #ifndef MAX_SLACK
 #define MAX_SLACK 8  // base-2 units a tile's row maximum may exceed the row's reference before the output is rescaled
 #endif               // (0: at every increase, as exact softmax bookkeeping does)
@@ -372,28 +369,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     // 2^MAX_SLACK), so it moves where either warpgroup's share of the tile exceeds it: P is written against the
     // reference first, and one CTA barrier votes; only where some row moved (rare after the first tiles) are the
     // warpgroups' maxima exchanged and the moved rows' P written again, behind a second barrier
-#if !SOFTMAX_VOTE  // (timing: the tile maxima exchanged behind a barrier every tile, as before)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      if ((lane & 3) == 0) sMax[(par * 2 + wg) * BM + r0 + 8 * h] = mx[h];
-    }
-    bar_sync(1, NT);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_tile = fmaxf(mx[h], sMax[(par * 2 + (wg ^ 1)) * BM + r0 + 8 * h]);
-      alpha[h] = 1.0f;
-      if (m_tile > m_run[h] + (float)MAX_SLACK) {
-        alpha[h] = fast_exp2(m_run[h] - m_tile);
-        m_run[h] = m_tile;
-      }
-      l_run[h] = l_run[h] * alpha[h] + write_p(h, m_run[h] == -INFINITY ? 0.0f : m_run[h]);
-    }
-    fence_proxy_async();
-    bar_sync(1, NT);
-    return;
-#endif
     bool exceeds = false;
     float sum[2];
 #pragma unroll
