@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.kernels.cuda.plan import _KIND, _MB, _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, plan_reason
+from quantmla.kernels.cuda.plan import (_KIND, _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, path_codes,
+                                        plan_reason)
 from quantmla.quant.format import PathFormat
 
 NUM_WARPS = 8
@@ -19,19 +20,18 @@ BLOCK_N = 32
 def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     """(kind, bits, group, metadata code) of a path, or why the CUDA kernel cannot read it."""
     if not fmt.quantized:
-        return _KIND["raw"], 16, dim, 3
+        return path_codes(fmt, dim)
     if fmt.mode == "fp8":
-        return (_KIND["fp8"], 8, fmt.group_size, _MB[fmt.meta_dtype]) if fmt.group_size % 16 == 0 else \
-            "fp8 groups not a multiple of 16"
+        return path_codes(fmt, dim) if fmt.group_size % 16 == 0 else "fp8 groups not a multiple of 16"
     if fmt.bits not in (2, 4, 8):
         return f"{fmt.bits}-bit codes"
     if fmt.per_page:  # the 8-byte build steps read a page's (scale, zero) per channel pair
         if (fmt.group_size != 1 and fmt.group_size % 2) or (dim * fmt.bits // 8) % 8:
             return "per-page groups of an odd number of channels, or packed rows not a multiple of 8"
-        return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
+        return path_codes(fmt, dim)
     if fmt.group_size % 4 or (dim * fmt.bits // 8) % 4:
         return "groups or packed rows not a multiple of 4"
-    return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
+    return path_codes(fmt, dim)
 
 
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,

@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from quantmla.cache.layout import PageLayout
+    from quantmla.quant.format import PathFormat
 
 SMEM_PER_SM = 233472  # H100/H200: 228 KiB per SM
 SMEM_PER_CTA = 232448  # 227 KiB per block
@@ -80,6 +81,15 @@ def device_reason(device: torch.device | str, capability: tuple[int, int], why: 
     if torch.cuda.get_device_capability(device) < capability:
         return why
     return None
+
+
+def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
+    """(kind, bits, group, metadata code) of a path of `dim` channels, as the kernels' KIND_, BITS_, GS_ and MB_
+    macros take them. A 16-bit path is raw bf16: its group is the whole path and its metadata code bf16's, neither
+    read."""
+    if not fmt.quantized:
+        return _KIND["raw"], 16, dim, _MB["bfloat16"]
+    return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
 def is_fp8(layout: PageLayout) -> bool:

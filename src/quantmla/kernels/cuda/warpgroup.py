@@ -11,7 +11,7 @@ import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError
-from quantmla.kernels.cuda.plan import _KIND, _MB, _OUT, SMEM_PER_CTA, DecodePlan, is_fp8
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan, is_fp8, path_codes
 
 WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
 WG_LOWBIT_STAGES, WG_FP8_STAGES = 3, 1  # raw stages: integer codes, FP8 (656 bytes a token: one stage fits)
@@ -47,8 +47,8 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
 
 def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     """Dynamic shared memory of one CTA, bytes (the map of mla_decode_wg.cu, which asserts it): the query block and
-    two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or one built tile and three raw
-    stages of a tile's four page sections (integer codes), P, the rows' maxima and sums, the query rows' factors
+    two stages of nine 64 x 64 bf16 chunks (a BF16 cache; `layout` None or BF16) or one built tile and the raw
+    stages of a tile's four page sections (three for integer codes, one for FP8), P, the rows' maxima and sums, the query rows' factors
     (fp16 operands), the stages' mbarriers, and 1024 bytes to align the chunks."""
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
@@ -84,13 +84,11 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
     )
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
-        c, r = tok.fmt.content, tok.fmt.rope
         stages = WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES
         macros.update(LOWBIT=1, SPLIT=1, TMA=0, RAW_N=stages, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
-                      FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"], KIND_C=_KIND[c.mode], BITS_C=c.bits,
-                      GS_C=c.group_size, MB_C=_MB[c.meta_dtype],
-                      KIND_R=_KIND[r.mode] if r.quantized else _KIND["raw"], BITS_R=r.bits,
-                      GS_R=r.group_size if r.quantized else 8, MB_R=_MB[r.meta_dtype] if r.quantized else 3)
+                      FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"])
+        for p, (f, dim) in (("C", (tok.fmt.content, tok.d_c)), ("R", (tok.fmt.rope, tok.d_r))):
+            macros.update(zip((f"KIND_{p}", f"BITS_{p}", f"GS_{p}", f"MB_{p}"), path_codes(f, dim)))
         macros["HALF"] = int(half_operands(layout))
         # the output products' k-steps committed apart, each one's tokens of the next tile built as it is done (at
         # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/kernels.md)
