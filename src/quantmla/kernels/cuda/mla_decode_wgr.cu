@@ -20,7 +20,8 @@
 // mb's rows 16w + l / 4 (+ 8) are that word's byte 2·(mb % 2) (+ 1) in plane mb / 2.
 //
 // Macros: those of a heads-as-M LOWBIT plan with HALF (fp16 metadata on both paths), 2- or 4-bit content codes,
-// 2-, 4- or 8-bit RoPE codes; WGR=1 selects this source (build.py). SB: score k-steps a commit group (2).
+// 2-, 4- or 8-bit RoPE codes; WGR=1 selects this source (build.py). SB: score k-steps a commit group (3); timing experiments: SKIP_QK, SKIP_PV (a
+// phase's products left out, its operands still expanded: results wrong)
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -45,8 +46,9 @@ typedef __half2 T2;
 #define MAX_SLACK 8
 #endif
 #ifndef SB
-#define SB 2
+#define SB 3
 #endif
+
 static_assert(LOWBIT && HALF && NW == 8 && BN == 64, "integer codes with fp16 metadata, two warpgroups, 64-token tiles");
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
 static_assert((BITS_C == 2 || BITS_C == 4) && KIND_C != 0 && KIND_C != 3 && MB_C == 2, "2- or 4-bit content codes");
@@ -101,6 +103,11 @@ __device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[32], const uint32_t (
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
+// SKIP_QK / SKIP_PV: an operand the left-out product would have read, kept alive
+__device__ __forceinline__ void sink(const uint32_t (&a)[4]) {
+  asm volatile("" ::"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
+}
+
 // one group's scale and zero point of two tokens' metadata words (scale, zero adjacent; zero 0 where F = 1): the
 // first token's in the low halves
 template <int F>
@@ -160,7 +167,8 @@ __device__ __forceinline__ void scores_tile(const uint8_t* cc, const uint8_t* ra
 #pragma unroll
     for (int k = 0; k < SB; ++k) {
       const int s = S0 + g * SB + k;
-      wgmma_m64n64_rs(sa, a[g & 1][k], dq + (((s >> 2) * CHUNK + (s & 3) * 32) >> 4));
+      if constexpr (SKIP_QK) sink(a[g & 1][k]);
+      else wgmma_m64n64_rs(sa, a[g & 1][k], dq + (((s >> 2) * CHUNK + (s & 3) * 32) >> 4));
     }
     wgmma_commit();
   }
@@ -415,7 +423,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       output_a(cc, raw, kk, q, obyte, op0, valid, a[kk & 1]);
       wgmma_fence();
 #pragma unroll
-      for (int mb = 0; mb < 4; ++mb) wgmma_m64n64_rs(o[mb], a[kk & 1][mb], dp + ((kk * 32) >> 4));
+      for (int mb = 0; mb < 4; ++mb) {
+        if constexpr (SKIP_PV) sink(a[kk & 1][mb]);
+        else wgmma_m64n64_rs(o[mb], a[kk & 1][mb], dp + ((kk * 32) >> 4));
+      }
       wgmma_commit();
     }
     wgmma_wait<0>();
