@@ -48,9 +48,6 @@ typedef __half2 T2;
 #ifndef SB
 #define SB 3
 #endif
-#ifndef OVL
-#define OVL 1  // a tile's output products left running under the next tile's score expansions
-#endif
 
 static_assert(LOWBIT && HALF && NW == 8 && BN == 64, "integer codes with fp16 metadata, two warpgroups, 64-token tiles");
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
@@ -63,7 +60,6 @@ constexpr int BM = 64, NT = 256, D = D_C + D_R;
 constexpr int CHUNK = 64 * 128;                     // 64 rows x 64 fp16 channels, 128-byte swizzle
 constexpr int NCH = D / 64;                         // 9 chunks of the query block
 constexpr int KSTEPS = D / 16, KS_WG = KSTEPS / 2;  // 36 k-steps of 16 channels, 18 a warpgroup
-static_assert(KS_WG == 18 && D_C / 16 == 32 && D_R / 16 == 4, "16 latent and 2 RoPE k-steps a warpgroup");
 constexpr int NB_C = D_C * BITS_C / 8, NB_R = D_R * BITS_R / 8;  // code bytes a token
 constexpr int KC = 8 / BITS_C;                      // content planes
 constexpr int F_C = KIND_C == 1 ? 2 : 1, F_R = KIND_R == 1 ? 2 : 1;  // metadata fields a group
@@ -82,8 +78,7 @@ constexpr int SM_MAX = SM_X + 2 * 4 * 128 * 16;     // [2 warpgroups][4 warps][3
 constexpr int SM_AL = SM_MAX + 8 * 32 * 4;          // [64 rows] fp32: the rows' output factors (a rare tile)
 constexpr int SM_L = SM_AL + BM * 4;                // [2][4][32] fp32: the rows' partial sums
 constexpr int SM_QF = SM_L + 8 * 32 * 4;            // [64] fp32: a query row's scale undone, times qk_scale·log2 e
-constexpr int SM_LIM = SM_QF + BM * 4;              // [64] int: the tokens of the unit a row sees (its causal limit)
-constexpr int SM_RAW = SM_LIM + BM * 4;             // [STAGES] the other sections
+constexpr int SM_RAW = SM_QF + BM * 4;              // [STAGES] the other sections
 constexpr int SM_BAR = SM_RAW + STAGES * RAW;
 constexpr int SMEM = SM_BAR + (8 * STAGES + 15) / 16 * 16 + 1024;
 static_assert(FB_CC % 128 == 0 && CC % 1024 == 0, "whole 128-byte boxes of content codes");
@@ -131,32 +126,32 @@ __device__ __forceinline__ const uint32_t* cc_word(const uint8_t* cc, int t, int
                                            (byte & 15));
 }
 
-// the A operand of one score k-step for tokens ta and ta + 8: the path's channels c0 .. c0 + 15, this thread's code word
-// (bytes 4q .. 4q + 3 of the 16-channel block's bytes) shifted down to the channels' plane and expanded, one HFMA2 a
-// pair; each token's scale and zero point loaded where `reload` (a k-step that starts a metadata group)
+// the A operand of score k-step s (channels 16s .. 16s + 15 of the 576: the latent's for s < 32, else the RoPE key's)
+// for tokens ta and ta + 8: this thread's code word (bytes 4q .. 4q + 3 of the 16-channel block's bytes, one plane)
+// expanded, one HFMA2 a pair. Called in unrolled loops: s is a constant there, and the path's branch folds.
 template <bool ROPE>
-__device__ __forceinline__ void scores_a(const uint8_t* cc, const uint8_t* raw, int c0, int ta, int q, uint32_t (&a)[4],
-                                         T2 (&s2)[2], T2 (&z2)[2], bool reload) {
+__device__ __forceinline__ void scores_a_path(const uint8_t* cc, const uint8_t* raw, int s, int ta, int q, uint32_t (&a)[4],
+                                              T2 (&s2)[2], T2 (&z2)[2], bool reload) {
   constexpr int BITS = ROPE ? BITS_R : BITS_C, KIND = ROPE ? KIND_R : KIND_C;
   constexpr int NB = ROPE ? NB_R : NB_C, FBM = ROPE ? FB_RM : FB_CM;
   constexpr int GS = ROPE ? GS_R : GS_C, F = ROPE ? F_R : F_C;
-  const int shift = BITS * (c0 / NB), byte = c0 % NB + 4 * q, g = c0 / GS;
+  const int c0 = 16 * (ROPE ? s - D_C / 16 : s), plane = c0 / NB, byte = c0 % NB + 4 * q, g = c0 / GS;
   const uint8_t* meta = raw + (ROPE ? RAW_RM : RAW_CM);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = ta + 8 * h;
-    const uint32_t w = (ROPE ? *reinterpret_cast<const uint32_t*>(raw + RAW_RC + t * FB_RC + byte) : *cc_word(cc, t, byte)) >> shift;
+    const uint32_t w = ROPE ? *reinterpret_cast<const uint32_t*>(raw + RAW_RC + t * FB_RC + byte) : *cc_word(cc, t, byte);
     if (reload) group_meta<F, 2, FBM % 4 == 0>(meta + t * FBM + g * F * 2, s2[h], z2[h]);
-    a[h] = expand_pair<BITS, KIND>(__byte_perm(w, 0, 0x4140), 0, s2[h], z2[h]);      // channels 4q, 4q + 1
-    a[2 + h] = expand_pair<BITS, KIND>(__byte_perm(w, 0, 0x4342), 0, s2[h], z2[h]);  // channels 4q + 2, 4q + 3
+    a[h] = expand_pair<BITS, KIND>(__byte_perm(w, 0, 0x4140), plane * BITS, s2[h], z2[h]);      // channels 4q, 4q + 1
+    a[2 + h] = expand_pair<BITS, KIND>(__byte_perm(w, 0, 0x4342), plane * BITS, s2[h], z2[h]);  // channels 4q + 2, 4q + 3
   }
 }
 
-// the scores of warpgroup w's 18 k-steps into sa: latent channels 256w .. 256w + 255 (k-steps 0-15) and RoPE channels
-// 32w .. 32w + 31 (16, 17), one code plane of each for 4-bit codes; SB k-steps a commit group, a group's operands
-// expanded while the group before it runs (its buffer's last products, two groups back, waited for first)
-__device__ __forceinline__ void scores_tile(const uint8_t* cc, const uint8_t* raw, int w, int ta, int q, uint64_t dq,
-                                            float (&sa)[32]) {
+// the scores of this warpgroup's k-steps S0 .. S0 + KS_WG - 1 into sa: SB k-steps a commit group, a group's operands
+// expanded while the group before it runs (its buffer's last products, two groups back, waited for first); a token's
+// scale and zero point loaded where a k-step starts a metadata group
+template <int S0>
+__device__ __forceinline__ void scores_tile(const uint8_t* cc, const uint8_t* raw, int ta, int q, uint64_t dq, float (&sa)[32]) {
   uint32_t a[2][SB][4];
   T2 s2[2], z2[2];
 #pragma unroll
@@ -164,17 +159,16 @@ __device__ __forceinline__ void scores_tile(const uint8_t* cc, const uint8_t* ra
     if (g >= 2) wgmma_wait<1>();
 #pragma unroll
     for (int k = 0; k < SB; ++k) {
-      const int i = g * SB + k;
-      if (i < 16) scores_a<false>(cc, raw, 256 * w + 16 * i, ta, q, a[g & 1][k], s2, z2, i == 0 || (16 * i) % GS_C == 0);
-      else scores_a<true>(cc, raw, 32 * w + 16 * (i - 16), ta, q, a[g & 1][k], s2, z2, i == 16 || (16 * (i - 16)) % GS_R == 0);
+      const int s = S0 + g * SB + k;
+      if (s < D_C / 16) scores_a_path<false>(cc, raw, s, ta, q, a[g & 1][k], s2, z2, s == S0 || (16 * s) % GS_C == 0);
+      else scores_a_path<true>(cc, raw, s, ta, q, a[g & 1][k], s2, z2, s == D_C / 16 || s == S0 || (16 * (s - D_C / 16)) % GS_R == 0);
     }
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < SB; ++k) {
-      const int i = g * SB + k;  // the query block's chunk and 16-channel step of the k-step
-      const int off = i < 16 ? (4 * w + i / 4) * CHUNK + (i % 4) * 32 : (D_C / 64) * CHUNK + (2 * w + i - 16) * 32;
+      const int s = S0 + g * SB + k;
       if constexpr (SKIP_QK) sink(a[g & 1][k]);
-      else wgmma_m64n64_rs(sa, a[g & 1][k], dq + (off >> 4));
+      else wgmma_m64n64_rs(sa, a[g & 1][k], dq + (((s >> 2) * CHUNK + (s & 3) * 32) >> 4));
     }
     wgmma_commit();
   }
@@ -231,7 +225,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   float* sAl = reinterpret_cast<float*>(smem + SM_AL);
   float* sL = reinterpret_cast<float*>(smem + SM_L);
   float* sQf = reinterpret_cast<float*>(smem + SM_QF);
-  int* sLim = reinterpret_cast<int*>(smem + SM_LIM);
   uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
 
   const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127, warp = (tid >> 5) & 3, lane = tid & 31, q = lane & 3;
@@ -291,14 +284,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
     if (lane == 0) sQf[r] = qk_scale_log2 / scale;
   }
-  if (tid < BM) sLim[tid] = min(end, L - causal * (SQ - 1 - (row0 + tid) / H));
   fence_proxy_async();  // the query block, to the warpgroup MMAs
   __syncthreads();
 
   // this thread's rows (heads) once the partial scores met: 32wg + 8j + 2q + e, hh = 2j + e
-  float m_run[8], l_run[8];
+  float qf[8], m_run[8], l_run[8];
+  int lim[8];  // tokens of the unit a row sees: min(end, its causal limit)
 #pragma unroll
-  for (int hh = 0; hh < 8; ++hh) m_run[hh] = -INFINITY, l_run[hh] = 0.0f;
+  for (int hh = 0; hh < 8; ++hh) {
+    const int r = 32 * wg + 8 * (hh >> 1) + 2 * q + (hh & 1);
+    qf[hh] = sQf[r];
+    lim[hh] = min(end, L - causal * (SQ - 1 - (row0 + r) / H));
+    m_run[hh] = -INFINITY, l_run[hh] = 0.0f;
+  }
   float o[4][32];
 #pragma unroll
   for (int mb = 0; mb < 4; ++mb)
@@ -309,150 +307,133 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const int wi = 8 * warp + (lane >> 2);                            // its code word (output)
   const int obyte = (KC == 2 ? 128 * wg : 0) + 4 * wi, op0 = KC == 2 ? 0 : 2 * wg;
 
-  // tile it's scores into sa, once its stage has landed
-  float sa[32];
-  auto scores = [&](int it) {
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = start + it * BN, valid = min(BN, end - n0);
+    const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
+    mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
+
+    const uint8_t* cc = smem + SM_CC + (it % STAGES) * CC;
+    float sa[32];  // scores: this warpgroup's 18 k-steps
 #pragma unroll
     for (int i = 0; i < 32; ++i) sa[i] = 0.0f;
     fence_regs(sa);
-    scores_tile(smem + SM_CC + (it % STAGES) * CC, smem + SM_RAW + (it % STAGES) * RAW, wg, ta, q, dq, sa);
-  };
-  // tile it: the partial sums meet, the softmax, P, and the output products issued (not waited for)
-  auto tile = [&](int it) {
-    const int n0 = start + it * BN, valid = min(BN, end - n0);
-    const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
-    const uint8_t* cc = smem + SM_CC + (it % STAGES) * CC;
-      // the partial sums meet: warpgroup g hands the other the columns (rows of the block) 32(1 - g) .. of its
-      // accumulators and keeps its own, whose partner values sit at the same thread index of the other warpgroup
-      float s[16];
-      const bool w0 = wg == 0;  // (selects between constant indices: the accumulators stay in registers)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        sX[(wg * 4 + i) * 128 + lt] = make_float4(w0 ? sa[16 + 4 * i] : sa[4 * i], w0 ? sa[17 + 4 * i] : sa[4 * i + 1],
-                                                 w0 ? sa[18 + 4 * i] : sa[4 * i + 2], w0 ? sa[19 + 4 * i] : sa[4 * i + 3]);
-      bar_sync(1, NT);
-      if (tid == 0 && it >= 1 && it - 1 + STAGES < ntiles) issue(it - 1 + STAGES);  // every thread has read that stage
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 x = sX[((wg ^ 1) * 4 + i) * 128 + lt];
-        s[4 * i] = (w0 ? sa[4 * i] : sa[16 + 4 * i]) + x.x, s[4 * i + 1] = (w0 ? sa[4 * i + 1] : sa[17 + 4 * i]) + x.y;
-        s[4 * i + 2] = (w0 ? sa[4 * i + 2] : sa[18 + 4 * i]) + x.z, s[4 * i + 3] = (w0 ? sa[4 * i + 3] : sa[19 + 4 * i]) + x.w;
-      }
+    if (wg == 0) scores_tile<0>(cc, raw, ta, q, dq, sa);
+    else scores_tile<KS_WG>(cc, raw, ta, q, dq, sa);
 
-      // softmax: s[4j + 2h + e] is token ta + 8h, row 32wg + 8j + 2q + e (hh = 2j + e)
-      bool exceeds = false;
-      float sum[8];
-      auto write_p = [&](int hh, float m_use) {
-        const int r = 32 * wg + 8 * (hh >> 1) + 2 * q + (hh & 1);
-        float acc = 0.0f;
+    // the partial sums meet: warpgroup g hands the other the columns (rows of the block) 32(1 - g) .. of its
+    // accumulators and keeps its own, whose partner values sit at the same thread index of the other warpgroup
+    float s[16];
+    const bool w0 = wg == 0;  // (selects between constant indices: the accumulators stay in registers)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int t = ta + 8 * h;
-          const float p = fast_exp2(s[4 * (hh >> 1) + 2 * h + (hh & 1)] - m_use);
-          acc += p;
-          *reinterpret_cast<__half*>(sP + swz(r, t >> 3) + (t & 7) * 2) = __float2half_rn(p);
-        }
-        return acc;
-      };
+    for (int i = 0; i < 4; ++i)
+      sX[(wg * 4 + i) * 128 + lt] = make_float4(w0 ? sa[16 + 4 * i] : sa[4 * i], w0 ? sa[17 + 4 * i] : sa[4 * i + 1],
+                                               w0 ? sa[18 + 4 * i] : sa[4 * i + 2], w0 ? sa[19 + 4 * i] : sa[4 * i + 3]);
+    bar_sync(1, NT);
+    if (tid == 0 && it >= 1 && it - 1 + STAGES < ntiles) issue(it - 1 + STAGES);  // every thread has read that stage
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 x = sX[((wg ^ 1) * 4 + i) * 128 + lt];
+      s[4 * i] = (w0 ? sa[4 * i] : sa[16 + 4 * i]) + x.x, s[4 * i + 1] = (w0 ? sa[4 * i + 1] : sa[17 + 4 * i]) + x.y;
+      s[4 * i + 2] = (w0 ? sa[4 * i + 2] : sa[18 + 4 * i]) + x.z, s[4 * i + 3] = (w0 ? sa[4 * i + 3] : sa[19 + 4 * i]) + x.w;
+    }
+
+    // softmax: s[4j + 2h + e] is token ta + 8h, row 32wg + 8j + 2q + e (hh = 2j + e)
+    bool exceeds = false;
+    float sum[8];
+    auto write_p = [&](int hh, float m_use) {
+      const int r = 32 * wg + 8 * (hh >> 1) + 2 * q + (hh & 1);
+      float acc = 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = ta + 8 * h;
+        const float p = fast_exp2(s[4 * (hh >> 1) + 2 * h + (hh & 1)] - m_use);
+        acc += p;
+        *reinterpret_cast<__half*>(sP + swz(r, t >> 3) + (t & 7) * 2) = __float2half_rn(p);
+      }
+      return acc;
+    };
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& v = s[4 * (hh >> 1) + 2 * h + (hh & 1)];
+        v = n0 + ta + 8 * h < lim[hh] ? v * qf[hh] : -INFINITY;
+        exceeds |= v > m_run[hh] + (float)MAX_SLACK;
+      }
+      sum[hh] = write_p(hh, m_run[hh] == -INFINITY ? 0.0f : m_run[hh]);
+    }
+    fence_proxy_async();
+    float al[16];  // the output factors of the 16 rows of this thread's accumulator columns (8j + 2q + e, j < 8)
+    bool rescale = false;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) al[i] = 1.0f;
+    if (__syncthreads_or(exceeds)) {  // rare after the first tiles: the rows' tile maxima, over the warpgroup
 #pragma unroll
       for (int hh = 0; hh < 8; ++hh) {
-        const int r = 32 * wg + 8 * (hh >> 1) + 2 * q + (hh & 1);
-        const float qf = sQf[r];  // (the row's factor and limit from shared memory: registers are scarce)
-        const int lim = sLim[r];
+        float mx = fmaxf(s[4 * (hh >> 1) + (hh & 1)], s[4 * (hh >> 1) + 2 + (hh & 1)]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        if (lane < 4) sMax[(wg * 4 + warp) * 32 + 8 * (hh >> 1) + 2 * q + (hh & 1)] = mx;
+      }
+      bar_sync(2 + wg, 128);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& v = s[4 * (hh >> 1) + 2 * h + (hh & 1)];
-          v = n0 + ta + 8 * h < lim ? v * qf : -INFINITY;
-          exceeds |= v > m_run[hh] + (float)MAX_SLACK;
+      for (int hh = 0; hh < 8; ++hh) {
+        const int rl = 8 * (hh >> 1) + 2 * q + (hh & 1);
+        float mt = sMax[(wg * 4) * 32 + rl];
+#pragma unroll
+        for (int w2 = 1; w2 < 4; ++w2) mt = fmaxf(mt, sMax[(wg * 4 + w2) * 32 + rl]);
+        float alpha = 1.0f;
+        if (mt > m_run[hh] + (float)MAX_SLACK) {
+          alpha = fast_exp2(m_run[hh] - mt);
+          m_run[hh] = mt;
+          sum[hh] = write_p(hh, mt);
         }
-        sum[hh] = write_p(hh, m_run[hh] == -INFINITY ? 0.0f : m_run[hh]);
+        l_run[hh] *= alpha;
+        if (warp == 0 && lane < 4) sAl[32 * wg + rl] = alpha;
       }
       fence_proxy_async();
-      float al[16];  // the output factors of the 16 rows of this thread's accumulator columns (8j + 2q + e, j < 8)
-      bool rescale = false;
+      bar_sync(1, NT);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) al[i] = 1.0f;
-      if (__syncthreads_or(exceeds)) {  // rare after the first tiles: the rows' tile maxima, over the warpgroup
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-          float mx = fmaxf(s[4 * (hh >> 1) + (hh & 1)], s[4 * (hh >> 1) + 2 + (hh & 1)]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          if (lane < 4) sMax[(wg * 4 + warp) * 32 + 8 * (hh >> 1) + 2 * q + (hh & 1)] = mx;
+        for (int e = 0; e < 2; ++e) al[2 * j + e] = sAl[8 * j + 2 * q + e];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) rescale |= al[i] != 1.0f;
+    }
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) l_run[hh] += sum[hh];
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          o[mb][4 * j] *= al[2 * j], o[mb][4 * j + 1] *= al[2 * j + 1];
+          o[mb][4 * j + 2] *= al[2 * j], o[mb][4 * j + 3] *= al[2 * j + 1];
         }
-        bar_sync(2 + wg, 128);
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-          const int rl = 8 * (hh >> 1) + 2 * q + (hh & 1);
-          float mt = sMax[(wg * 4) * 32 + rl];
-#pragma unroll
-          for (int w2 = 1; w2 < 4; ++w2) mt = fmaxf(mt, sMax[(wg * 4 + w2) * 32 + rl]);
-          float alpha = 1.0f;
-          if (mt > m_run[hh] + (float)MAX_SLACK) {
-            alpha = fast_exp2(m_run[hh] - mt);
-            m_run[hh] = mt;
-            sum[hh] = write_p(hh, mt);
-          }
-          l_run[hh] *= alpha;
-          if (warp == 0 && lane < 4) sAl[32 * wg + rl] = alpha;
-        }
-        fence_proxy_async();
-        bar_sync(1, NT);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) al[2 * j + e] = sAl[8 * j + 2 * q + e];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) rescale |= al[i] != 1.0f;
-      }
-#pragma unroll
-      for (int hh = 0; hh < 8; ++hh) l_run[hh] += sum[hh];
-      if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            o[mb][4 * j] *= al[2 * j], o[mb][4 * j + 1] *= al[2 * j + 1];
-            o[mb][4 * j + 2] *= al[2 * j], o[mb][4 * j + 3] *= al[2 * j + 1];
-          }
-      }
+    }
 
-      if (it + 1 < ntiles) mbar_wait(&sBar[(it + 1) % STAGES], ((it + 1) / STAGES) & 1);  // the next tile's stage
-      // output: four k-steps of 16 tokens, the four M blocks' operands of the next expanded under the last
-      uint32_t a[2][4][4];
-#pragma unroll
-      for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        if (kk >= 2) wgmma_wait<1>();  // the products that read this buffer, two k-steps back
-        output_a(cc, raw, kk, q, obyte, op0, valid, a[kk & 1]);
-        wgmma_fence();
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb) {
-          if constexpr (SKIP_PV) sink(a[kk & 1][mb]);
-          else wgmma_m64n64_rs(o[mb], a[kk & 1][mb], dp + ((kk * 32) >> 4));
-        }
-        wgmma_commit();
-      }
-  };
-  // OVL: a tile's output products run under the next tile's score expansions; the scores' last wait covers both
-  if (ntiles > 0) {
-    mbar_wait(&sBar[0], 0);
-    scores(0);
-  }
-  for (int it = 0; it + 1 < ntiles; ++it) {
-    tile(it);
-    if (!OVL) wgmma_wait<0>();
-    scores(it + 1);
+    // output: four k-steps of 16 tokens, the four M blocks' operands of the next expanded under the last
+    uint32_t a[2][4][4];
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
-    fence_proxy_async();  // this thread's reads of tile it's stage, before the copy engine refills it
-  }
-  if (ntiles > 0) tile(ntiles - 1);
-  wgmma_wait<0>();
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      if (kk >= 2) wgmma_wait<1>();  // the products that read this buffer, two k-steps back
+      output_a(cc, raw, kk, q, obyte, op0, valid, a[kk & 1]);
+      wgmma_fence();
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb) {
+        if constexpr (SKIP_PV) sink(a[kk & 1][mb]);
+        else wgmma_m64n64_rs(o[mb], a[kk & 1][mb], dp + ((kk * 32) >> 4));
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
+    fence_proxy_async();  // this thread's reads of the stage, before the copy engine refills it
+  }
 
   // the rows' sums: over the lanes that share a row, then the warpgroup's four warps
 #pragma unroll
