@@ -26,7 +26,7 @@ from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_WARPS, smem_bytes_tm,
     tokens_m_default_blocks, tokens_m_plan, tokens_m_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
-    WG_BLOCK_M, WG_MIN_ROWS, code_tensor_map, lowbit, smem_bytes_wg, tensor_maps, warpgroup_plan, warpgroup_reason)
+    WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_plan, warpgroup_reason)
 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
@@ -92,10 +92,7 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     extra = []
     if dict(plan.macros).get("WG"):
         grid = (grid[1], grid[0])
-        if dict(plan.macros).get("WGR"):
-            extra = [("s", code_tensor_map(pages, plan))]
-        else:
-            extra = [] if lowbit(plan) else [("s", m) for m in tensor_maps(pages, plan)]
+        extra = [] if lowbit(plan) else [("s", m) for m in tensor_maps(pages, plan)]
     # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]

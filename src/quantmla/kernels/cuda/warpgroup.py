@@ -121,20 +121,3 @@ def tensor_maps(pages: torch.Tensor, plan: DecodePlan) -> tuple:
                                                    (64, 64, 1))
                            for off, width, row in ((m["OFF_CC"], m["D_C"], m["FB_CC"]), (m["OFF_RC"], m["D_R"], m["FB_RC"])))
     return _MAPS[key]
-
-
-def code_tensor_map(pages: torch.Tensor, plan: DecodePlan):
-    """The codes-in-registers kernel's tensor map (mla_decode_wgr.cu, WGR=1) over the pages' content codes: dims 16-bit
-    elements of a token's codes, tokens of a page, pages; boxes of 64 x 64 x 1 (128 bytes of 64 tokens) in the 128-byte
-    swizzle. Cached per buffer."""
-    from quantmla.kernels.cuda import driver
-
-    m = dict(plan.macros)
-    n_pages = pages.numel() // m["PAGE_BYTES"]
-    key = ("codes", pages.data_ptr(), n_pages, plan.macros)
-    if key not in _MAPS:
-        if not pages.is_contiguous():
-            raise QuantMLAError("the decode kernel reads the pages' codes through a tensor map: pass contiguous pages")
-        _MAPS[key] = driver.tensor_map_2byte(pages.data_ptr() + m["OFF_CC"], (m["FB_CC"] // 2, m["PS"], n_pages),
-                                             (m["FB_CC"], m["PAGE_BYTES"]), (64, 64, 1))
-    return _MAPS[key]
