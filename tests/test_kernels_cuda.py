@@ -563,57 +563,6 @@ def test_an_edited_header_is_another_build(tmp_path, monkeypatch):
     assert build.compile_cubin(p.macros, "sm_90a") != first
 
 
-def test_scores_phase_counts_the_span_from_the_copy_wait_to_the_vote():
-    """sass_count's scores phase: the opcodes from the first copy wait to the next BAR.RED, inclusive, by base
-    opcode; nothing where the span is missing."""
-    from quantmla_lab.bench.kernels.sass_count import scores_phase
-
-    ops = ["HMMA.16816.F32", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "LDSM.16.M88.4", "LOP3.LUT", "SHF.R.U32.HI",
-           "HMMA.16816.F32", "HMMA.16816.F32", "FFMA", "BAR.RED.OR.DEFER_BLOCKING", "HMMA.16816.F32", "BAR.RED.OR"]
-    r = scores_phase(ops)
-    assert r["scores_instructions"] == 8 and r["scores_HMMA"] == 2 and r["scores_LDSM"] == 1
-    assert (r["scores_LOP3"], r["scores_SHF"], r["scores_FFMA"], r["scores_LDS"]) == (1, 1, 1, 0)
-    assert scores_phase(ops[:8]) == {} and scores_phase(["HMMA.16816.F32", "BAR.RED.OR"]) == {}
-
-
-def test_loop_phases_follow_the_tile_loops_branches():
-    """sass_count's loop phases on a made-up loop: the scores along each channel half's path from the loop's top to
-    the vote, the vote with and without the copy issue, the output block the first tile skips, and P from the
-    skipped move to the back edge; nothing where the loop has no back edge."""
-    from quantmla_lab.bench.kernels.sass_count import loop_phases
-
-    body = ["IMAD", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "@!P0 BRA 0x{exit}", "@!P1 BRA 0x{half2}",
-            "HMMA", "HMMA", "BRA 0x{join}",                                   # first half: 2 and the jump
-            "HMMA", "HMMA", "HMMA", "HMMA",                                   # second half: 4
-            "FFMA", "BAR.RED.OR.DEFER_BLOCKING 0x0, P1",                      # join .. vote
-            "@P0 BRA 0x{issued}", "UBLKCP.S.G", "UBLKCP.S.G",                 # the copy issue
-            "@!P3 BRA 0x{out_end}", "HMMA", "HMMA", "HMMA", "HMMA",           # output: 4
-            "@P2 BRA 0x{exit}", "@!P1 BRA 0x{p}", "FMNMX", "SHFL",            # the loop's exit, the move (skipped)
-            "MUFU.EX2", "STS", "BRA 0x{top}",                                 # P and the back edge
-            "EXIT"]
-    idx = dict(top=0, half2=7, join=11, issued=16, out_end=21, p=25, exit=28)
-    lines = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx.items()})) for i, t in enumerate(body)]
-    r = loop_phases(lines)
-    assert r == {"loop_scores": [9, 10], "loop_vote": 2, "loop_vote_issuing": 4, "loop_output": 4, "loop_p": [3]}
-    assert loop_phases(lines[:-2]) == {}
-
-    # P in two versions (the full tiles' without guards, the last tile's with them): each path counted
-    p_split = ["@P0 BRA 0x{guarded}", "MUFU.EX2", "STS", "BRA 0x{pjoin}",  # full tiles: 1 + 3
-               "FSEL", "FSEL", "MUFU.EX2", "STS",                          # guarded: 4
-               "BRA 0x{top}", "EXIT"]                                      # join: the back edge
-    body2 = body[:25] + p_split
-    idx2 = dict(idx, guarded=29, pjoin=33, exit=34)
-    lines2 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx2.items()})) for i, t in enumerate(body2)]
-    assert loop_phases(lines2)["loop_p"] == [5, 6]
-
-    # the zeroing of a partial tile's metadata right after the copy wait: a block full tiles jump over
-    body3 = body[:3] + ["@P4 BRA 0x{zeroed}", "STS", "STS", "STS"] + body[3:]
-    idx3 = {k: v + 4 if v >= 3 else v for k, v in idx.items()} | {"zeroed": 7}
-    lines3 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx3.items()})) for i, t in enumerate(body3)]
-    r3 = loop_phases(lines3)
-    assert r3["loop_scores"] == [10, 11] and r3["loop_p"] == [3]  # the jump counted, the three stores not
-
-
 def test_a_build_is_looked_up_once_a_process(monkeypatch):
     """Launches ask for their cubin by the plan's constants: the sources are read and hashed (the disk cache's
     key) once a process, not at every eager launch (27 a decode step); another architecture or line info is

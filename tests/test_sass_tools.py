@@ -1,0 +1,75 @@
+"""The lab's readers of a decode kernel's SASS and of Nsight Compute's source page (no GPU): sass_count's phases
+of the tile loop, and sass_mix's instruction mix and stall reasons."""
+
+from quantmla_lab.bench.kernels.sass_mix import mix
+
+
+def test_scores_phase_counts_the_span_from_the_copy_wait_to_the_vote():
+    """sass_count's scores phase: the opcodes from the first copy wait to the next BAR.RED, inclusive, by base
+    opcode; nothing where the span is missing."""
+    from quantmla_lab.bench.kernels.sass_count import scores_phase
+
+    ops = ["HMMA.16816.F32", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "LDSM.16.M88.4", "LOP3.LUT", "SHF.R.U32.HI",
+           "HMMA.16816.F32", "HMMA.16816.F32", "FFMA", "BAR.RED.OR.DEFER_BLOCKING", "HMMA.16816.F32", "BAR.RED.OR"]
+    r = scores_phase(ops)
+    assert r["scores_instructions"] == 8 and r["scores_HMMA"] == 2 and r["scores_LDSM"] == 1
+    assert (r["scores_LOP3"], r["scores_SHF"], r["scores_FFMA"], r["scores_LDS"]) == (1, 1, 1, 0)
+    assert scores_phase(ops[:8]) == {} and scores_phase(["HMMA.16816.F32", "BAR.RED.OR"]) == {}
+
+
+def test_loop_phases_follow_the_tile_loops_branches():
+    """sass_count's loop phases on a made-up loop: the scores along each channel half's path from the loop's top to
+    the vote, the vote with and without the copy issue, the output block the first tile skips, and P from the
+    skipped move to the back edge; nothing where the loop has no back edge."""
+    from quantmla_lab.bench.kernels.sass_count import loop_phases
+
+    body = ["IMAD", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", "@!P0 BRA 0x{exit}", "@!P1 BRA 0x{half2}",
+            "HMMA", "HMMA", "BRA 0x{join}",                                   # first half: 2 and the jump
+            "HMMA", "HMMA", "HMMA", "HMMA",                                   # second half: 4
+            "FFMA", "BAR.RED.OR.DEFER_BLOCKING 0x0, P1",                      # join .. vote
+            "@P0 BRA 0x{issued}", "UBLKCP.S.G", "UBLKCP.S.G",                 # the copy issue
+            "@!P3 BRA 0x{out_end}", "HMMA", "HMMA", "HMMA", "HMMA",           # output: 4
+            "@P2 BRA 0x{exit}", "@!P1 BRA 0x{p}", "FMNMX", "SHFL",            # the loop's exit, the move (skipped)
+            "MUFU.EX2", "STS", "BRA 0x{top}",                                 # P and the back edge
+            "EXIT"]
+    idx = dict(top=0, half2=7, join=11, issued=16, out_end=21, p=25, exit=28)
+    lines = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx.items()})) for i, t in enumerate(body)]
+    r = loop_phases(lines)
+    assert r == {"loop_scores": [9, 10], "loop_vote": 2, "loop_vote_issuing": 4, "loop_output": 4, "loop_p": [3]}
+    assert loop_phases(lines[:-2]) == {}
+
+    # P in two versions (the full tiles' without guards, the last tile's with them): each path counted
+    p_split = ["@P0 BRA 0x{guarded}", "MUFU.EX2", "STS", "BRA 0x{pjoin}",  # full tiles: 1 + 3
+               "FSEL", "FSEL", "MUFU.EX2", "STS",                          # guarded: 4
+               "BRA 0x{top}", "EXIT"]                                      # join: the back edge
+    body2 = body[:25] + p_split
+    idx2 = dict(idx, guarded=29, pjoin=33, exit=34)
+    lines2 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx2.items()})) for i, t in enumerate(body2)]
+    assert loop_phases(lines2)["loop_p"] == [5, 6]
+
+    # the zeroing of a partial tile's metadata right after the copy wait: a block full tiles jump over
+    body3 = body[:3] + ["@P4 BRA 0x{zeroed}", "STS", "STS", "STS"] + body[3:]
+    idx3 = {k: v + 4 if v >= 3 else v for k, v in idx.items()} | {"zeroed": 7}
+    lines3 = [(16 * i, t.format(**{k: format(16 * v, "x") for k, v in idx3.items()})) for i, t in enumerate(body3)]
+    r3 = loop_phases(lines3)
+    assert r3["loop_scores"] == [10, 11] and r3["loop_p"] == [3]  # the jump counted, the three stores not
+
+
+def test_sass_mix_counts_instructions_a_warp_and_tile_and_stalls_by_reason(tmp_path):
+    """sass_mix on a made-up source page: opcodes without predicates or modifiers, executions over warps x tiles,
+    stall samples summed by reason (the not-issued columns left out), the most-sampled instruction first."""
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+            "stall_barrier", "stall_wait (Not Issued)"]
+    rows = [["0x0", "  LOP3.LUT R1, R2, 0xf, RZ, 0xc0, !PT", "10", "400", "7", "3", "99"],
+            ["0x10", "  @!P0 LOP3.LUT R3, R2, 0xf0, RZ, 0xc0, !PT", "2", "200", "2", "0", "99"],
+            ["0x20", "  HGMMA.64x64x16.F32 R56, R40, gdesc[UR8], R56", "30", "100", "0", "30", "99"]]
+    path = tmp_path / "sass.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in [["Kernel Name", "mla_decode"], head, *rows]))
+    out = mix(str(path), warp_tiles=100)
+    lines = out.splitlines()
+    assert lines[0] == "warp instructions executed: 700 (7.0 a warp and tile)"
+    assert lines[3].split() == ["LOP3", "6.0"] and lines[4].split() == ["HGMMA", "1.0"]
+    assert "warp-stall samples: 42, by reason:" in out
+    assert [ln.split()[:2] for ln in lines if ln.startswith("  barrier") or ln.startswith("  wait")] == \
+        [["barrier", "33"], ["wait", "9"]]
+    assert lines[-3].split()[:2] == ["30", "HGMMA.64x64x16.F32"]
