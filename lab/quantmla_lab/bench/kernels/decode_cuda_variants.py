@@ -227,7 +227,7 @@ def main() -> None:
                         got: list = []
                         try:
                             us = time_decode(vp, md, got)
-                        except QuantMLAError as e:  # a build this layout does not take (e.g. WGR=1 on a BF16 cache)
+                        except QuantMLAError as e:  # a build this layout does not take (its source rejects the macro)
                             row(f"warpgroup_{spec}_decode", None, vp, skipped=str(e).splitlines()[-1][:200])
                             continue
                         rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(got[0], base[0]))
