@@ -43,9 +43,9 @@ def _api():
     return api
 
 
-def make_cache(fmt, lens, seed, grow=0.0):
+def make_cache(fmt, lens, seed, grow=0.0, every=None):
     """Pages of random bytes holding `lens` tokens of random keys at random pages (`grow`: each token's values times
-    1 + grow·position, so that scores rise along a sequence)."""
+    1 + grow·position, so that scores rise along a sequence; `every` = (k, f): every k-th token's values times f)."""
     api = _api()
     lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -66,6 +66,9 @@ def make_cache(fmt, lens, seed, grow=0.0):
             r = torch.randn(n, D_R, generator=g, device="cuda") * 4
             if grow:
                 x, r = x * (1 + grow * pos[:, None]), r * (1 + grow * pos[:, None])
+            if every:
+                f = torch.where(pos % every[0] == 0, every[1], 1.0)[:, None]
+                x, r = x * f, r * f
             if fmt.rope.per_page:  # whole pages at once: each page quantized over its tokens
                 page_rope = {int(bt[b, i]): r[i * PAGE: (i + 1) * PAGE].bfloat16().float() for i in range(p)}
                 write_tokens(pages, lay, slots, x.bfloat16().float(), r, page_rope=page_rope)
@@ -388,6 +391,17 @@ def test_decode_cuda_warpgroup_rising_scores(name):
     cfg = warpgroup_config(lay, 128)
     check_decode(lay, pages, bt, sl, 128, 1, seed=6, config=cfg, chunk_tokens=1 << 20, lse_rel=True)
     check_decode(lay, pages, bt, sl, 128, 1, seed=7, config=cfg, chunk_tokens=512, lse_rel=True)
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_decode_cuda_warpgroup_lowbit_large_scales(name):
+    """Groups of scale 2^7 or more (every third token's values times 1000: scales of hundreds), whose codes the build
+    widens exactly (expand_pair: s·2^9 would overflow fp16), beside groups it widens as e4m3 patterns, in the same
+    tiles; against the oracle with hundreds of splits and with one."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], [700, 65, 4097], seed=53, every=(3, 1000.0))
+    cfg = warpgroup_config(lay, 128)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=8, config=cfg, chunk_tokens=1 << 20, lse_rel=True)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=9, config=cfg, chunk_tokens=128, lse_rel=True)
 
 
 def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():
