@@ -395,13 +395,15 @@ def test_decode_cuda_warpgroup_rising_scores(name):
 
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
 def test_decode_cuda_warpgroup_lowbit_large_scales(name):
-    """Groups of scale 2^7 or more (every third token's values times 1000: scales of hundreds), whose codes the build
-    widens exactly (expand_pair: s·2^9 would overflow fp16), beside groups it widens as e4m3 patterns, in the same
-    tiles; against the oracle with hundreds of splits and with one."""
+    """Groups of scale 2^7 or more (every third token's values times 1000: scales of hundreds, values of thousands in
+    the fp16 tile) beside ordinary ones in the same tiles, against the oracle with hundreds of splits and with one. The
+    queries are scaled by 2^-10, so that the scores stay in the range where the tile's fp16 rounding is not what the
+    test measures."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [700, 65, 4097], seed=53, every=(3, 1000.0))
     cfg = warpgroup_config(lay, 128)
-    check_decode(lay, pages, bt, sl, 128, 1, seed=8, config=cfg, chunk_tokens=1 << 20, lse_rel=True)
-    check_decode(lay, pages, bt, sl, 128, 1, seed=9, config=cfg, chunk_tokens=128, lse_rel=True)
+    small = torch.full((128,), 2.0 ** -10, device="cuda")
+    check_decode(lay, pages, bt, sl, 128, 1, seed=8, config=cfg, chunk_tokens=1 << 20, row_scale=small, lse_rel=True)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=9, config=cfg, chunk_tokens=128, row_scale=small, lse_rel=True)
 
 
 def test_decode_cuda_warpgroup_lowbit_error_within_twice_bf16():

@@ -13,9 +13,8 @@
 #define SKIP_BUILD 0  // timing experiments only (the result is wrong): the tile is not built
 #endif
 #ifndef E4M3_EXPAND
-#define E4M3_EXPAND 1  // affine 2- and 4-bit codes widened two at a time as e4m3 bit patterns (c·2^-9 exactly), one
-#endif                 // HFMA2 with the scale times 2^9: round(c·s + z), the same value; a group of scale 2^7 or
-                       // more takes expand_pair (0: expand_pair everywhere)
+#define E4M3_EXPAND 0  // 1: affine 2- and 4-bit codes widened two at a time as e4m3 bit patterns (c·2^-9 exactly),
+#endif                 // one HFMA2 with the scale times 2^9 (wrong for scales of 2^7 or more: a timing build)
 
 // Codes are planar (quant.packing): byte j of a token's NB = DIM·BITS/8 bytes holds channels j + k·NB in bits
 // [k·BITS, (k + 1)·BITS), k < 8 / BITS. A step of the build takes 8 bytes of one token (bytes 8·jb .. 8·jb + 7) and
@@ -89,27 +88,25 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
         uint32_t o4[4] = {0u, 0u, 0u, 0u};
         if constexpr (KIND == 3) {  // e4m3 values times the group's fp32 scale (one group: GS >= 8)
           if (live) e4m3_piece(raw[q], meta_f32<MB>(meta + t * FBM + (ch / GS) * MS), o4);
+#if HALF
+        } else if constexpr (FAST && E4M3_EXPAND && KIND == 1 && BITS <= 4) {  // (scales below 2^7 only: unguarded)
+          const T2 s9 = __hmul2(s2[q][k - K0], __float2half2_rn(512.0f));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // a word's four bytes of plane k: two pairs of channels
+            const uint32_t x = ((h ? raw[q].y : raw[q].x) >> (k * BITS)) & (MASK * 0x01010101u);
+            uint32_t v[2];  // its low and high 16 bits, each two e4m3 values widened to fp16
+            asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+                : "=r"(v[0]), "=r"(v[1]) : "r"(x));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) o4[2 * h + e] = as_u32(__hfma2(as_t2(v[e]), s9, z2[q][k - K0]));
+          }
+#endif
         } else if constexpr (FAST) {  // zero codes and metadata past `valid`: zeros
-          const T2 sc = s2[q][k - K0], zp = z2[q][k - K0];
-          if (E4M3_EXPAND && KIND == 1 && BITS <= 4 && __hlt(__low2half(sc), __float2half(128.0f))) {
-            // a code c as a byte is the e4m3 pattern of c·2^-9: two widened at once, one HFMA2 with s·2^9 (exact
-            // below 2^7) gives round(c·s + z), the value expand_pair gives
-            const T2 s9 = __hmul2(sc, __float2half2_rn(512.0f));
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // a word's four bytes of plane k: two pairs of channels
-              const uint32_t x = ((h ? raw[q].y : raw[q].x) >> (k * BITS)) & (MASK * 0x01010101u);
-              uint32_t v[2];  // its low and high 16 bits, each two e4m3 values widened to fp16
-              asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-                  : "=r"(v[0]), "=r"(v[1]) : "r"(x));
-#pragma unroll
-              for (int e = 0; e < 2; ++e) o4[2 * h + e] = as_u32(__hfma2(as_t2(v[e]), s9, zp));
-            }
-          } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
-              o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, sc, zp);
-            }
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
+            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2[q][k - K0],
+                                            z2[q][k - K0]);
           }
         } else if (live) {
           const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
