@@ -518,12 +518,12 @@ def test_tokens_m_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
 def test_warpgroup_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
     """The heads-as-M kernel's timing builds compile for the integer codes (the output products' k-steps committed
     together, the whole chunks built after them; no build at all; 16 steps a batch; the reference maxima moved at
-    every increase; every code widened by expand_pair), and the k-steps' builds (the
+    every increase; the codes widened as e4m3 bit patterns), and the k-steps' builds (the
     default) are refused at compile time without the warpgroups' own builds (its static_assert)."""
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
     _, p = plan("int4/int4", 128, warpgroup=True)
     m = dict(p.macros)
-    for extra in ({"PV_STEPS": 0}, {"SKIP_BUILD": 1}, {"BUILD_BATCH": 16}, {"MAX_SLACK": 0}, {"E4M3_EXPAND": 0}):
+    for extra in ({"PV_STEPS": 0}, {"SKIP_BUILD": 1}, {"BUILD_BATCH": 16}, {"MAX_SLACK": 0}, {"E4M3_EXPAND": 1}):
         assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000
     with pytest.raises(Exception, match="k-steps"):
         build.compile_cubin(tuple(sorted({**m, "PV_STEPS": 1, "SPLIT": 0}.items())), "sm_90a")
