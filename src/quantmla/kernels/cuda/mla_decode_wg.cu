@@ -36,7 +36,7 @@
 // TMA HALF (and WG, NW, BN: fixed here); LOWBIT SPLIT RAW_N OFF_CM OFF_RM FB_CM FB_RM and per path KIND_ BITS_ GS_
 // MB_ (C, R), MAX_SLACK (below); timing experiments: S_CHAINS (the scores' products on 1 or 2 independent
 // accumulator chains, summed after), SKIP_QK and SKIP_PV (ptx.cuh: a phase's products left out, results wrong),
-// SKIP_BUILD and BUILD_BATCH (wg_build.cuh); PV_STEPS (below: on by default)
+// SKIP_BUILD, BUILD_BATCH and E4M3_EXPAND (wg_build.cuh); PV_STEPS (below: on by default)
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
