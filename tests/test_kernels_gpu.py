@@ -400,6 +400,11 @@ def test_decode_cuda_warpgroup_lowbit_large_scales(name):
     queries are scaled by 2^-10, so that the scores stay in the range where the tile's fp16 rounding is not what the
     test measures."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [700, 65, 4097], seed=53, every=(3, 1000.0))
+    lat, _ = gather_sequences(pages, lay, bt, sl)  # the content groups' scales: (max - min) / (2^bits - 1)
+    c = lay.token.fmt.content
+    groups = lat.reshape(*lat.shape[:2], -1, c.group_size)
+    scale = (groups.amax(-1) - groups.amin(-1)) / (2 ** c.bits - 1)
+    assert (scale >= 128).any() and ((scale > 0) & (scale < 128)).any()  # both kinds of group are there
     cfg = warpgroup_config(lay, 128)
     small = torch.full((128,), 2.0 ** -10, device="cuda")
     check_decode(lay, pages, bt, sl, 128, 1, seed=8, config=cfg, chunk_tokens=1 << 20, row_scale=small, lse_rel=True)

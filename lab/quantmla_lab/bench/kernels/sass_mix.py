@@ -17,12 +17,11 @@ import csv
 import re
 from collections import Counter
 
+from quantmla_lab.bench.kernels.sass_phases import _num as _float
+
 
 def _num(x: str) -> int:
-    try:
-        return int(float(x.replace(",", "")))
-    except ValueError:
-        return 0
+    return int(_float(x))
 
 
 def mix(path: str, warp_tiles: int, top: int = 25) -> str:
