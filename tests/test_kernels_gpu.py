@@ -238,9 +238,17 @@ def tokens_m_config(lay, rows, plan=None):
     return cfg
 
 
-# the tokens-as-M plans: a warp's scores over one block of 16 tokens, or two warps' over two blocks
-TM_WARPS = [{"token_blocks": 1}, {"token_blocks": 2}]
-TM_IDS = ["t1", "t2"]
+# the tokens-as-M plans: a warp's scores over one block of 16 tokens, or two warps' over two blocks; and the
+# scores' and output's warps apart (8 warps), two CTAs an SM (128 registers) or one
+TM_WARPS = [{"token_blocks": 1}, {"token_blocks": 2}, {"token_blocks": 2, "specialized": True},
+            {"token_blocks": 1, "specialized": True, "ctas_per_sm": 1}]
+TM_IDS = ["t1", "t2", "t2ws", "t1ws1"]
+
+
+def tm_variant(warps: dict) -> str:
+    """The piece of a tokens-as-M plan's description that names its warps, e.g. "w4t2s" or "w8wss"."""
+    ws = warps.get("specialized", False)
+    return f"w{8 if ws else 4}{'t2' if warps['token_blocks'] == 2 else ''}{'ws' if ws else ''}s"
 
 
 @pytest.mark.parametrize("warps", TM_WARPS, ids=TM_IDS)
@@ -253,7 +261,7 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=13 * H + SQ)
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tokens_m_config(lay, H * SQ, warps))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    assert f"w4{'t2' if warps['token_blocks'] == 2 else ''}s" in md.variant, md.variant
+    assert tm_variant(warps) in md.variant, md.variant
 
 
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])

@@ -263,16 +263,26 @@ def main() -> None:
                 row("tokens_m_decode", time_decode(plan, md, base), plan, decode_only=True, units=md.num_units)
                 for spec in a.variants:  # other builds of the plan: decode time, and how far their outputs are
                     kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                    vp = plan  # TPW=1 or 2: that plan (its own shared-memory map), then the other macros
-                    if "TPW" in kw:
-                        vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, blocks_per_warp=kw.pop("TPW"))
+                    vp, vmd = plan, md  # TPW=1 or 2, WS=1, CTAS=1 or 2: that plan (its own shared-memory map and
+                    if {"TPW", "WS", "CTAS"} & kw.keys():  # units), then the other macros
+                        vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=kw.pop("CTAS", 2),
+                                                blocks_per_warp=kw.pop("TPW", dict(plan.macros).get("TPW", 1)),
+                                                specialized=bool(kw.pop("WS", 0)))
                         assert not isinstance(vp, str), vp
+                        if vp.ctas_per_sm != plan.ctas_per_sm or dict(vp.macros).get("WS"):  # the whole call too
+                            vcfg = dataclasses.replace(cfg, ctas_per_sm=vp.ctas_per_sm,
+                                                       specialized=bool(dict(vp.macros).get("WS")),
+                                                       token_blocks=dict(vp.macros).get("TPW", 1))
+                            vmd = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=vcfg)
+                            us_c, diff_c = time_call(vmd)
+                            row(f"tokens_m_{spec}", us_c, vp, units=vmd.num_units, max_abs_diff_vs_first=diff_c,
+                                variant_ran=vmd.variant)
                     vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), **kw}.items())))
                     got: list = []
-                    us_v = time_decode(vp, md, got)
+                    us_v = time_decode(vp, vmd, got)
                     rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
-                              for x, y in zip(got[0], base[0]))
-                    row(f"tokens_m_{spec}_decode", us_v, vp, decode_only=True, units=md.num_units,
+                              for x, y in zip(got[0], base[0])) if vmd is md else None
+                    row(f"tokens_m_{spec}_decode", us_v, vp, decode_only=True, units=vmd.num_units,
                         max_rel_diff_vs_default=rel)
                     if a.timeline:
                         row(f"tokens_m_{spec}_timeline", None, vp, **timeline(vp, md))

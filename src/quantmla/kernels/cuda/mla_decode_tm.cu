@@ -86,15 +86,40 @@ __device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
   }
 }
 
-static_assert(NW == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps, 64-token tiles, fp16 operands");
+// WS (warp specialization): 8 warps, the first NWR = 4 take the scores, the softmax and P of each tile, the other 4
+// its output products, a tile behind; the P·scale buffers pass between them on named barriers (full, empty) and the
+// output warps refill a stage once both have read it
+#ifndef WS
+#define WS 0
+#endif
+constexpr int NWR = WS ? NW / 2 : NW;  // warps of a role (with WS: scores, or output); without WS every warp has both
+static_assert(NWR == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 warps a role, 64-token tiles, fp16 operands");
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
+constexpr int NTR = 32 * NWR;          // threads of a role
+// named barriers: 0 the CTA's, 1 and 2 the two warps of a token group (TPW = 2); with WS the scores' warps (3), the
+// output warps (4), and a P buffer's full (5 + buffer: the scores' warps arrive) and empty (7 + buffer: the output
+// warps arrive)
+constexpr int BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9;
+// WS_REGS (with WS at two CTAs an SM, 128 registers a thread): the scores' warps take WS_REGS registers for the tile
+// loop and the output warps 256 - WS_REGS (setmaxnreg); 0: both keep 128
+#ifndef WS_REGS
+#define WS_REGS 0
+#endif
+static_assert(WS_REGS == 0 || (WS && WS_REGS % 8 == 0 && WS_REGS > 128 && WS_REGS <= 232), "setmaxnreg's steps");
+template <int N, bool INC>
+__device__ __forceinline__ void set_max_regs() {
+  if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+static_assert(!WS || ONE_BARRIER, "with WS, P·scale is double-buffered");
+static_assert(!WS || !PHASES, "the phases are thread 0's, one warp of the scores");
 #ifndef TPW
 #define TPW 1
 #endif
 constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4)
 constexpr int NGRP = NTB / TPW;        // token groups of TPW blocks: warp w takes blocks TPW·(w % NGRP) + i, i < TPW
-constexpr int KS = NW / NGRP;          // warps sharing a token group's scores, each over its share of the channels
+constexpr int KS = NWR / NGRP;          // warps sharing a token group's scores, each over its share of the channels
 constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp finishes: nb0 = w / NGRP (KS = 2) ..
 constexpr int RI = 2 * NB_OWN;         // .. a thread's own query rows ri: 8·(nb0 + (ri >> 1)) + 2t + (ri & 1)
 static_assert((TPW == 1 || TPW == 2) && (KS == 1 || KS == 2), "a warp takes 1 or 2 token blocks, 1 or 2 warps a group");
@@ -111,7 +136,7 @@ constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
 constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
 constexpr int LDQ = D + 8;             // query block row pitch (halves): 8 rows' ldmatrix pieces in distinct banks
 constexpr int LDP = BN + 8;            // P·scale row pitch (halves)
-constexpr int BW = FB_CC / NW;         // output: content bytes a warp owns per token
+constexpr int BW = FB_CC / NWR;         // output: content bytes a warp owns per token
 constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
 constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
@@ -143,7 +168,9 @@ constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP]
 constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // TPW = 2: [NW, 32, TPW] float4, the partial scores handed over
-constexpr int SM_BAR = SM_X + (KS == 2 ? NW * 32 * TPW * 16 : 0);  // an mbarrier per stage
+constexpr int SM_A = SM_X + (KS == 2 ? NWR * 32 * TPW * 16 : 0);  // WS: [NPBUF][BM + 4] fp32: a P buffer's rows'
+constexpr int SM_BAR = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);       // rescale factors, then whether any row moved
+                                                                      // then an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 
@@ -192,20 +219,24 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 
   // ---- the query pieces' loads; thread 0 then reads the first tiles' page numbers and issues their copies, and
   // each warp writes its rows of the query block on its own (no barrier until the block is whole) ---------------
+  // (with WS the scores' warps write the block and thread 0 fills every stage; the output warps refill them, and
+  // their first thread reads the page after those)
+  const bool scoring = !WS || warp < NWR;
   uint4 qv[RPW][CPL], qrv;
-  load_query_rows(qc, qr, qv, qrv, b, R, row0, warp, lane);
+  if (scoring) load_query_rows(qc, qr, qv, qrv, b, R, row0, warp, lane);
   mark(tl, 1);
   int pg_next = 0;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
     mbar_fence_init();
-    pg_next = start_tiles<STAGES>(ntiles, page_of, [&](int s, int pg) {
+    pg_next = start_tiles<STAGES + WS>(ntiles, page_of, [&](int s, int pg) {
       issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
+  if (WS && tid == NTR) pg_next = page_of(STAGES);
   mark(tl, 2);
-  write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
+  if (scoring) write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
@@ -229,6 +260,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int ri = 0; ri < 4; ++ri) ref[ri] = -INFINITY;
   own_reference(ref, mref, nb0);
   float oacc[OMB][2][4];
+  [[maybe_unused]] float alpha_unused[4];  // without WS move_reference rescales oacc itself
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
@@ -268,7 +300,61 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int i = 0; i < TPW; ++i) finish_scores(st, sc[i], qf, qsum, limit, tok_lo + 16 * i, valid, n0);
   };
 
-#if ONE_BARRIER
+#if WS
+  // The scores' warps: tile it's scores, their vote (BAR_SCORES), P of tile it into buffer it % 2 once the output
+  // warps have emptied it, with the rows' rescale factors where a reference moved; then full. The output warps: tile
+  // it's products once its buffer is full (its rows rescaled first where the buffer says so), empty, and thread NTR
+  // refills the stage with tile it + STAGES once every output warp is past it (the scores' warps were, at full).
+  if (scoring) {
+    if constexpr (WS_REGS) set_max_regs<WS_REGS, true>();
+    for (int it = 0; it < ntiles; ++it) {
+      const int n0 = start + it * BN, valid = min(BN, end - n0), buf = it & 1;
+      uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+      float sc[TPW][NB_OWN][4], alpha[4];
+      mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      if (it == 0) mark(tl, 4);
+      if (valid < BN) zero_past_end(st, valid, tid);
+      own_scores(st, sc, valid, n0);
+      const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
+      if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
+      if (it >= 2) bar_sync(BAR_EMPTY + buf, NT);
+      float* sA = reinterpret_cast<float*>(smem + SM_A) + buf * (BM + 4);
+      if (warp == 0 && g == 0 && moved) {
+#pragma unroll
+        for (int ri = 0; ri < 4; ++ri) sA[8 * (ri >> 1) + 2 * t + (ri & 1)] = alpha[ri];
+      }
+      if (tid == 0) sA[BM] = moved ? 1.0f : 0.0f;
+#pragma unroll
+      for (int i = 0; i < TPW; ++i)
+        tile_probabilities(st, sP + buf * P_ELEMS, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
+      bar_arrive(BAR_FULL + buf, NT);
+    }
+    if constexpr (WS_REGS) set_max_regs<128, false>();
+  } else {
+    if constexpr (WS_REGS) set_max_regs<256 - WS_REGS, false>();
+    for (int it = 0; it < ntiles; ++it) {
+      const int n0 = start + it * BN, buf = it & 1;
+      bar_sync(BAR_FULL + buf, NT);
+      const float* sA = reinterpret_cast<const float*>(smem + SM_A) + buf * (BM + 4);
+      if (sA[BM] != 0.0f) {
+#pragma unroll
+        for (int ri = 0; ri < 4; ++ri) rescale_rows(oacc, ri, sA[8 * (ri >> 1) + 2 * t + (ri & 1)]);
+      }
+      if (!SKIP_PV)
+        tile_output(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + buf * P_ELEMS, oacc, warp - NWR, g, t, lane,
+                    min(BN, end - n0));
+      if (it + 2 < ntiles) bar_arrive(BAR_EMPTY + buf, NT);
+      bar_sync(BAR_OUTPUT, NTR);
+      if (tid == NTR) {
+        const int nxt = it + STAGES;
+        if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                      start + nxt * BN);
+        pg_next = page_of(nxt + 1);
+      }
+    }
+    if constexpr (WS_REGS) set_max_regs<128, true>();
+  }
+#elif ONE_BARRIER
   // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
   // tile it - 2 for the last time), the output products of tile it - 1, P of tile it into the other P buffer.
   uint64_t ph[NPHASE + 1] = {};  // PHASES: clocks a phase, and the last clock
@@ -298,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                   min(BN, end - (n0 - BN)));
     phase(ph, 3);
     if (!scores) break;
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
 #pragma unroll
     for (int i = 0; i < TPW; ++i)
       tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run, zacc,
@@ -330,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                                     start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, sRed, tp, nb0, g, t);
+    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
 #pragma unroll
     for (int i = 0; i < TPW; ++i)
       tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t,
@@ -345,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // O = (2^(24-o)·acc + Σ P·zero) / l for every row of the warp's channels
   __syncthreads();  // every warp is done with sRed's tile maxima
 #pragma unroll
-  for (int ri = 0; ri < RI; ++ri) {
+  for (int ri = 0; ri < (scoring ? RI : 0); ++ri) {
     const int row = 8 * (nb0 + (ri >> 1)) + 2 * t + (ri & 1);
     float v[1 + CG];
     v[0] = l_run[ri];
@@ -380,17 +466,18 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     for (int w = 0; w < NGRP; ++w) z += sRed[(w * BM + row) * (1 + CG) + 1 + grp];
     return z;
   };
+  const int ow = WS ? warp - NWR : warp;  // the warp's output channels (with WS, the output warps' only)
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e, r = row0 + row;
-    if (r >= R) continue;
+    if (r >= R || (WS && scoring)) continue;
     const float inv = lsum[ri] > 0.0f ? 1.0f / lsum[ri] : 0.0f;
     const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
 #pragma unroll
     for (int mb = 0; mb < OMB; ++mb) {
       const int p = mb / (BT / 2), z = mb % (BT / 2);
-      const int c = p * FB_CC + BW * warp + BT * g + 2 * z;  // channels c (row g) and c + 1 (row g + 8)
-      const int grp = (p * FB_CC + BW * warp) / C_GS;
+      const int c = p * FB_CC + BW * ow + BT * g + 2 * z;  // channels c (row g) and c + 1 (row g + 8)
+      const int grp = (p * FB_CC + BW * ow) / C_GS;
       const float f = code_weight<C_BITS>(p);
       const float zs = zsum(grp, row);
       const float o0 = (oacc[mb][nb][e] * f + zs) * inv;
@@ -410,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       for (int i = 0; i < 2 * NMARK; ++i) dst[i] = tl[i];
       dst[2 * NMARK] = smid;
       dst[2 * NMARK + 1] = (uint64_t)ntiles;
-#if ONE_BARRIER
+#if ONE_BARRIER && !WS
       if constexpr (PHASES) {
 #pragma unroll
         for (int i = 0; i < NPHASE; ++i) dst[2 * NMARK + 2 + i] = ph[i];

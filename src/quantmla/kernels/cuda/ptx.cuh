@@ -92,6 +92,13 @@ __host__ __device__ constexpr int meta_size() { return MB == 4 ? 4 : 2; }
 // named barriers: bar_sync waits until n threads arrived at barrier id; bar_arrive arrives without waiting
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// bar_sync that also returns whether pred held in any of the n threads (__syncthreads_or on a named barrier)
+__device__ __forceinline__ bool bar_or(int id, int n, bool pred) {
+  uint32_t r;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(r) : "r"((uint32_t)pred), "r"(id), "r"(n) : "memory");
+  return r != 0;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Hopper bulk copies (sm_90): one thread copies a contiguous section into shared memory; an mbarrier

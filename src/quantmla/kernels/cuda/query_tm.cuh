@@ -29,10 +29,10 @@ __device__ __forceinline__ int q_position(int c) {
 }
 
 constexpr int QCH = D / 8;               // a query row's 16-byte pieces (8 channels each)
-constexpr int RPW = BM / NW;             // query rows a warp writes
+constexpr int RPW = BM / NWR;            // query rows a warp writes (of the NWR warps that write them)
 constexpr int CPL = D_C / 8 / 32;        // content pieces a lane reads of each of its rows: pieces lane + 32k
 constexpr int RPL = D_R / 8;             // RoPE pieces of a row: lane l reads piece l % RPL of row l / RPL
-static_assert(BM % NW == 0 && CPL == 2 && RPW * RPL == 32, "4 rows a warp: content in two passes, RoPE in one");
+static_assert(BM % NWR == 0 && CPL == 2 && RPW * RPL == 32, "4 rows a warp: content in two passes, RoPE in one");
 static_assert((C_GS & (C_GS - 1)) == 0 && (C_GS <= 256 || C_GS == 512),
               "a content group lies in one pass of the warp, or is the whole content");
 

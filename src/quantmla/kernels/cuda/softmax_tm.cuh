@@ -37,7 +37,7 @@ __device__ __forceinline__ void tile_probabilities(const uint8_t* st, T* sP, con
 // bytes, for tokens they mask
 __device__ __forceinline__ void zero_past_end(uint8_t* st, int valid, int tid) {
   uint32_t* m = reinterpret_cast<uint32_t*>(st + RAW_CM + valid * FB_CM);
-  for (int i = tid; i < (BN - valid) * FB_CM / 4; i += NT) m[i] = 0u;
+  for (int i = tid; i < (BN - valid) * FB_CM / 4; i += NTR) m[i] = 0u;  // by the NTR threads of the scores
 }
 
 // does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
@@ -58,12 +58,23 @@ __device__ __forceinline__ void own_reference(const float (&ref)[4], float (&mre
   for (int ri = 0; ri < RI; ++ri) mref[ri] = KS == 1 ? ref[ri] : (nb0 ? ref[2 + ri] : ref[ri]);
 }
 
-// after a vote that some row's maximum moved (rare; CTA-uniform): the tile's row maxima across the CTA through
-// sRed [NTB, BM] (a token block's maxima at its index); a row moves where it exceeds its reference by 8. Every warp moves every row's reference and
-// rescales its output accumulators; the own rows' sums are rescaled by the warps that own them
+// the output accumulators' row 8·(ri >> 1) + 2t + (ri & 1) times alpha
+__device__ __forceinline__ void rescale_rows(float (&oacc)[OMB][2][4], int ri, float alpha) {
+#pragma unroll
+  for (int mb = 0; mb < OMB; ++mb) {
+    oacc[mb][ri >> 1][ri & 1] *= alpha;
+    oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
+  }
+}
+
+// after a vote that some row's maximum moved (rare; uniform over the warps that score): the tile's row maxima across
+// those warps through sRed [NTB, BM] (a token block's maxima at its index); a row moves where it exceeds its reference
+// by 8. Every such warp moves every row's reference; without WS it rescales its output accumulators, with WS it
+// leaves each row's factor (1 where the row stays) in alpha for the output warps. The own rows' sums are rescaled by
+// the warps that own them
 __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], float (&ref)[4], float (&mref)[RI],
                                                float (&l_run)[RI], float (&zacc)[CG][RI], float (&oacc)[OMB][2][4],
-                                               float* sRed, int tp, int nb0, int g, int t) {
+                                               float (&alpha_out)[4], float* sRed, int tp, int nb0, int g, int t) {
 #pragma unroll
   for (int i = 0; i < TPW; ++i)
 #pragma unroll
@@ -74,15 +85,18 @@ __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4]
       for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       if (g == 0) sRed[(TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
     }
-  __syncthreads();
+  if constexpr (WS) bar_sync(BAR_MOVE, NTR);
+  else __syncthreads();
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
     float tm = sRed[row];
 #pragma unroll
     for (int w = 1; w < NTB; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+    alpha_out[ri] = 1.0f;
     if (tm > ref[ri] + 8.0f) {
       const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
+      alpha_out[ri] = alpha;
       ref[ri] = tm;
       if (KS == 1 || (ri >> 1) == nb0) {  // an own row: its sums
         const int own = KS == 1 ? ri : (ri & 1);
@@ -90,11 +104,7 @@ __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4]
 #pragma unroll
         for (int grp = 0; grp < CG; ++grp) zacc[grp][own] *= alpha;
       }
-#pragma unroll
-      for (int mb = 0; mb < OMB; ++mb) {
-        oacc[mb][ri >> 1][ri & 1] *= alpha;
-        oacc[mb][ri >> 1][(ri & 1) + 2] *= alpha;
-      }
+      if constexpr (!WS) rescale_rows(oacc, ri, alpha);
     }
   }
   own_reference(ref, mref, nb0);

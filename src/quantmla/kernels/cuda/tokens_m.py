@@ -13,6 +13,7 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
+TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 FP8_TM_MIN_TOKENS = 1024
 """FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
 build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
@@ -45,9 +46,11 @@ def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     return None
 
 
-def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS, blocks_per_warp: int = 1) -> int:
-    """Dynamic shared memory of one tokens-as-M CTA whose warps take `blocks_per_warp` token blocks each, bytes:
-    the map of mla_decode_tm.cu (which asserts it)."""
+def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS, blocks_per_warp: int = 1,
+                  specialized: bool = False) -> int:
+    """Dynamic shared memory of one tokens-as-M CTA whose warps take `blocks_per_warp` token blocks each (with
+    `specialized`, the scores' and the output's warps apart: each P buffer's row factors), bytes: the map of
+    mla_decode_tm.cu (which asserts it)."""
     tok = layout.token
     fb = tok.field_bytes
     a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
@@ -58,7 +61,8 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
     # two warps a token group: the partial scores they hand each other
     exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
-    return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + 8 * stages
+    factors = p_buffers * (bm + 4) * 4 if specialized else 0
+    return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + factors + 8 * stages
 
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:
@@ -68,12 +72,14 @@ def tokens_m_default_blocks(layout: PageLayout) -> int:
 
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  blocks_per_warp: int | None = None) -> DecodePlan | str:
+                  blocks_per_warp: int | None = None, specialized: bool = False) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
     of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
     tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
     None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM
-    (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168)."""
+    (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). `specialized`: 8 warps, 4 that take
+    the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
+    a thread)."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
@@ -82,32 +88,37 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         return f"{blocks_per_warp} token blocks a warp: the tokens-as-M kernel takes 1 or 2"
     if blocks_per_warp == 2 and is_fp8(layout):
         return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
+    if specialized and is_fp8(layout):
+        return "FP8 with the scores' and the output's warps apart: not built (its stages leave no room)"
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
-                if ctas_per_sm * (smem_bytes_tm(layout, s, p_buffers, blocks_per_warp) + SMEM_RESERVED) <= SMEM_PER_SM]
+                if ctas_per_sm * (smem_bytes_tm(layout, s, p_buffers, blocks_per_warp, specialized) + SMEM_RESERVED)
+                <= SMEM_PER_SM]
 
     # one barrier a tile (two P buffers, a stage refilled two tiles after its scores) where 3 stages fit, else
     # the vote and a barrier after P (one buffer, a stage refilled after the next tile's vote)
     p_buffers, stages = TM_P_BUFFERS, fits(TM_P_BUFFERS, TM_MIN_STAGES)
-    if not stages:
+    if not stages and not specialized:
         p_buffers, stages = 1, fits(1, 2)
     if not stages:
         return f"the stages do not fit {ctas_per_sm} CTAs per SM in shared memory"
     tok, o = layout.token, layout.offsets
     fb = tok.field_bytes
     stages = stages[0]
-    smem = smem_bytes_tm(layout, stages, p_buffers, blocks_per_warp)
+    smem = smem_bytes_tm(layout, stages, p_buffers, blocks_per_warp, specialized)
     macros = dict(
         TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
-        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS, BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
+        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS * (2 if specialized else 1), BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
         SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
+    if specialized:  # two CTAs an SM: 128 registers a thread, the scores' warps take 152 of the output's
+        macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
     if is_fp8(layout):
         macros["C_FP8"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
