@@ -4,7 +4,8 @@
         python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384
 
 Arguments: cache format, heads, batch, context; `--fragments` runs the CUDA kernel's plan that reads the
-codes straight into the products' operands instead, `--tokens-m` the kernel with tokens as the MMA's M dimension. Three calls run (the profiler skips two with -s 2);
+codes straight into the products' operands instead, `--tokens-m` the kernel with tokens as the MMA's M dimension (`--specialized`: its scores' and output's warps
+apart). Three calls run (the profiler skips two with -s 2);
 the pages are in random order and written by the append kernel, as in decode_speed.
 """
 
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("context", type=int)
     ap.add_argument("--fragments", action="store_true", help="the CUDA plan without a built tile")
     ap.add_argument("--tokens-m", action="store_true", help="the CUDA kernel with tokens as the MMA's M dimension")
+    ap.add_argument("--specialized", action="store_true", help="with --tokens-m: its scores' and output's warps apart")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_once needs a CUDA GPU")
@@ -44,7 +46,7 @@ def main() -> None:
     if a.tokens_m:
         from quantmla.kernels.schedule import cuda_config
 
-        cfg = cuda_config(a.heads, lay, "cuda", tokens_m=True)
+        cfg = cuda_config(a.heads, lay, "cuda", tokens_m=True, specialized=a.specialized)
         if cfg is None:
             raise SystemExit(f"no tokens-as-M plan for {a.format} at {a.heads} heads")
     md = api.get_mla_metadata(c.seq_lens, a.heads, 1, lay, config=cfg)
