@@ -266,7 +266,8 @@ def main() -> None:
                     vp, vmd = plan, md  # TPW=1 or 2, WS=1, CTAS=1 or 2: that plan (its own shared-memory map and
                     if {"TPW", "WS", "CTAS"} & kw.keys():  # units), then the other macros
                         vp = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=kw.pop("CTAS", 2),
-                                                blocks_per_warp=kw.pop("TPW", dict(plan.macros).get("TPW", 1)),
+                                                blocks_per_warp=kw.pop("TPW", 1 if kw.get("WS") else
+                                                                       dict(plan.macros).get("TPW", 1)),
                                                 specialized=bool(kw.pop("WS", 0)))
                         assert not isinstance(vp, str), vp
                         if vp.ctas_per_sm != plan.ctas_per_sm or dict(vp.macros).get("WS"):  # the whole call too
