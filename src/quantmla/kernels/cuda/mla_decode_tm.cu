@@ -100,13 +100,7 @@ constexpr int NTR = 32 * NWR;          // threads of a role
 // named barriers: 0 the CTA's, 1 and 2 the two warps of a token group (TPW = 2); with WS the scores' warps (3), the
 // output warps (4), and a P buffer's full (5 + buffer: the scores' warps arrive) and empty (7 + buffer: the output
 // warps arrive)
-constexpr int BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9, BAR_PART = 10;
-// WS_WORDS (with WS): the scores' warps take content words [0, WS_WORDS) of a token's FB_CC / 16 (tile_scores_words),
-// the output warps the rest and the RoPE key, a tile ahead, and hand those partial scores over through shared memory
-// (BAR_PART + buffer: the output warps arrive)
-#ifndef WS_WORDS
-#define WS_WORDS (FB_CC / 16)
-#endif
+constexpr int BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9;
 // WS_REGS (with WS at two CTAs an SM, 128 registers a thread): the scores' warps take WS_REGS registers for the tile
 // loop and the output warps 256 - WS_REGS (setmaxnreg); 0: both keep 128
 #ifndef WS_REGS
@@ -123,8 +117,6 @@ static_assert(!WS || !PHASES, "the phases are thread 0's, one warp of the scores
 #ifndef TPW
 #define TPW 1
 #endif
-static_assert(!WS || (TPW == 1 && WS_WORDS > 0 && WS_WORDS <= FB_CC / 16),
-              "with WS a warp scores one token block");
 constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4)
 constexpr int NGRP = NTB / TPW;        // token groups of TPW blocks: warp w takes blocks TPW·(w % NGRP) + i, i < TPW
 constexpr int KS = NWR / NGRP;          // warps sharing a token group's scores, each over its share of the channels
@@ -177,9 +169,8 @@ constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // TPW = 2: [NW, 32, TPW] float4, the partial scores handed over
 constexpr int SM_A = SM_X + (KS == 2 ? NWR * 32 * TPW * 16 : 0);  // WS: [NPBUF][BM + 4] fp32: a P buffer's rows'
-constexpr int SM_SB = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);       // rescale factors, then whether any row moved;
-constexpr int SM_BAR = SM_SB + (WS ? 2 * NWR * 32 * 32 : 0);         // [2][NWR, 32] 2 float4: the output warps' partial
-                                                                      // scores; then an mbarrier per stage
+constexpr int SM_BAR = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);       // rescale factors, then whether any row moved
+                                                                      // then an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 
@@ -275,7 +266,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
   const int tok_lo = 16 * TPW * tp + g;  // the scores' rows: tokens tok_lo + 16i and tok_lo + 16i + 8 of the tile
   float4* sX = reinterpret_cast<float4*>(smem + SM_X);
-  float4* sSB = reinterpret_cast<float4*>(smem + SM_SB);  // WS: the output warps' partial scores
 
   // the own rows' scores of a tile (stage st): with KS = 2 the warp's half of the channels, the other warp's half of
   // its own rows taken over through sX (a barrier of the two warps), then finished
@@ -324,19 +314,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
       if (valid < BN) zero_past_end(st, valid, tid);
-      {  // the warp's words of its token block, plus the output warps' part (BAR_PART), then finished
-        float part[1][2][4];
-        tile_scores_words<0, WS_WORDS, false>(st, qa, tok_lo, t, part);
-        bar_sync(BAR_PART + buf, NT);
-        const float4* x = sSB + ((buf * NWR + warp) * 32 + lane) * 2;
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-          const float4 y = x[nb];
-          sc[0][nb][0] = part[0][nb][0] + y.x, sc[0][nb][1] = part[0][nb][1] + y.y;
-          sc[0][nb][2] = part[0][nb][2] + y.z, sc[0][nb][3] = part[0][nb][3] + y.w;
-        }
-        finish_scores(st, sc[0], qf, qsum, limit, tok_lo, valid, n0);
-      }
+      own_scores(st, sc, valid, n0);
       const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
       if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
       if (it >= 2) bar_sync(BAR_EMPTY + buf, NT);
@@ -354,20 +332,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     if constexpr (WS_REGS) set_max_regs<128, false>();
   } else {
     if constexpr (WS_REGS) set_max_regs<256 - WS_REGS, false>();
-    // the partial scores of tile i (the words past WS_WORDS and the RoPE key of the block of warp - NWR) into its buffer
-    auto part_scores = [&](int i) {
-      float part[1][2][4];
-      mbar_wait(sBar + i % STAGES, (i / STAGES) & 1);
-      tile_scores_words<WS_WORDS, FB_CC / 16, true>(smem + SM_RAW + (i % STAGES) * RAW_BYTES, qa, tok_lo, t, part);
-      float4* x = sSB + (((i & 1) * NWR + warp - NWR) * 32 + lane) * 2;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb) x[nb] = make_float4(part[0][nb][0], part[0][nb][1], part[0][nb][2], part[0][nb][3]);
-      bar_arrive(BAR_PART + (i & 1), NT);
-    };
-    if (ntiles > 0) part_scores(0);
     for (int it = 0; it < ntiles; ++it) {
       const int n0 = start + it * BN, buf = it & 1;
-      if (it + 1 < ntiles) part_scores(it + 1);
       bar_sync(BAR_FULL + buf, NT);
       const float* sA = reinterpret_cast<const float*>(smem + SM_A) + buf * (BM + 4);
       if (sA[BM] != 0.0f) {

@@ -84,17 +84,15 @@ __device__ __forceinline__ void scores_word(float (&acc)[TPW][NP][2][4], const u
 // the RoPE key in the last half. sc[i][nb][e] is row 8nb + 2t + (e & 1) of token tok_lo + 16i + 8·(e >> 1):
 // Σ scale·codes·q, each group's scale folded in per token (a group split between halves is folded in each); the
 // zero points come in finish_scores
-// (tile_scores_words: the same over a thread's content words [W0, W1) of the row's 4·CM, word 4m + s being word s of
-// its 16 bytes of 64-byte block m, and the RoPE key where ROPE)
-template <int W0, int W1, bool ROPE>
-__device__ __forceinline__ void tile_scores_words(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[TPW][2][4]) {
+template <int KH>
+__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[TPW][2][4]) {
 #pragma unroll
   for (int i = 0; i < TPW; ++i)
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[i][nb][e] = 0.0f;
-  constexpr int M0 = W0 / 4, M1 = (W1 + 3) / 4;
+  constexpr int CM = FB_CC / 64, M0 = KH * CM / KS, M1 = (KH + 1) * CM / KS;
   constexpr int MPG = C_GS / 64;  // 64-channel blocks of a plane in one group
   float acc[TPW][NPC][2][4];
 #pragma unroll
@@ -114,7 +112,6 @@ __device__ __forceinline__ void tile_scores_words(const uint8_t* st, const T* qa
     }
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : 4); ++s) {
-      if (4 * m + s < W0 || 4 * m + s >= W1) continue;
       uint32_t wl[TPW], wh[TPW];
 #pragma unroll
       for (int i = 0; i < TPW; ++i) wl[i] = xl[i][s], wh[i] = xh[i][s];
@@ -133,7 +130,7 @@ __device__ __forceinline__ void tile_scores_words(const uint8_t* st, const T* qa
       }
     }
   }
-  if constexpr (ROPE) {
+  if constexpr (KH == KS - 1) {
     // the RoPE key: RW words a thread at byte 4·RW·t of each row
     uint32_t xl[TPW][RW], xh[TPW][RW];
 #pragma unroll
@@ -182,12 +179,6 @@ __device__ __forceinline__ void tile_scores_words(const uint8_t* st, const T* qa
       }
     }
   }
-}
-
-template <int KH>
-__device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int tok_lo, int t, float (&sc)[TPW][2][4]) {
-  constexpr int CW = FB_CC / 16;  // a thread's content words of a row
-  tile_scores_words<KH * CW / KS, (KH + 1) * CW / KS, KH == KS - 1>(st, qa, tok_lo, t, sc);
 }
 
 // the thread's own rows' scores (row blocks nb0 + nbl, nbl < NB_OWN) of token block i (tokens tok_lo, tok_lo + 8)

@@ -13,7 +13,7 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
-TM_WS_SCORE_REGS = 136  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 120)
+TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 FP8_TM_MIN_TOKENS = 1024
 """FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
 build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
@@ -61,7 +61,7 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
     # two warps a token group: the partial scores they hand each other
     exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
-    factors = p_buffers * (bm + 4) * 4 + 2 * TM_WARPS * 32 * 32 if specialized else 0  # and the partial scores
+    factors = p_buffers * (bm + 4) * 4 if specialized else 0
     return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + factors + 8 * stages
 
 
@@ -83,16 +83,13 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     why = tokens_m_reason(layout, rows)
     if why:
         return why
-    if blocks_per_warp is None:
-        blocks_per_warp = 1 if specialized else tokens_m_default_blocks(layout)
+    blocks_per_warp = tokens_m_default_blocks(layout) if blocks_per_warp is None else blocks_per_warp
     if blocks_per_warp not in (1, 2):
         return f"{blocks_per_warp} token blocks a warp: the tokens-as-M kernel takes 1 or 2"
     if blocks_per_warp == 2 and is_fp8(layout):
         return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
     if specialized and is_fp8(layout):
         return "FP8 with the scores' and the output's warps apart: not built (its stages leave no room)"
-    if specialized and blocks_per_warp != 1:
-        return "the scores' and the output's warps apart take one token block a warp"
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
@@ -120,9 +117,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
-    if specialized:  # the scores' warps take 3/4 of the content words; at two CTAs an SM their registers
-        macros.update(WS=1, WS_WORDS=3 * fb["content_codes"] // 64,
-                      **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 and TM_WS_SCORE_REGS != 128 else {}))
+    if specialized:  # two CTAs an SM: 128 registers a thread, the scores' warps take 152 of the output's
+        macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
     if is_fp8(layout):
         macros["C_FP8"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
