@@ -174,7 +174,7 @@ def test_off_switch_and_cpu():
 def test_tokens_m_plan(name, stages):
     """Tokens as the MMA's M dimension: its own source, 4 warps of 64-token tiles, the most stages that keep
     two CTAs per SM, and the shared-memory map of mla_decode_tm.cu."""
-    lay, p = plan(name, tokens_m=True, token_blocks=1)
+    lay, p = plan(name, tokens_m=True, token_blocks=1, specialized=False)
     m = dict(p.macros)
     assert build.source_of(p.macros) == build.SOURCE_TM and build.source_of(plan(name)[1].macros) == build.SOURCE
     assert (m["TM"], m["NW"], m["BN"], p.block_m, p.ctas_per_sm, p.stages) == (1, 4, 64, 16, 2, stages)
@@ -190,14 +190,14 @@ def test_tokens_m_plan_of_two_token_blocks_a_warp(name):
     """Two token blocks a warp (TPW=2: the default for 4-bit content codes, measured faster on the H200; 2-bit
     content keeps one): the partial scores' exchange in the shared-memory map, its own build name; other counts are
     refused with the reason."""
-    lay, p = plan(name, tokens_m=True, token_blocks=2)
+    lay, p = plan(name, tokens_m=True, token_blocks=2, specialized=False)
     m = dict(p.macros)
     assert (m["NW"], m["TPW"], p.num_warps) == (4, 2, 4) and p.describe().startswith("cuda/f16/tm/M16N64w4t2s")
     assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, p.stages, blocks_per_warp=2)
     assert cuda.smem_bytes_tm(lay, p.stages, blocks_per_warp=2) == cuda.smem_bytes_tm(lay, p.stages) + 4 * 32 * 16 * 2
-    one = plan(name, tokens_m=True, token_blocks=1)[1]
+    one = plan(name, tokens_m=True, token_blocks=1, specialized=False)[1]
     assert "TPW" not in dict(one.macros)  # one block a warp keeps the earlier build's cache key
-    default = plan(name, tokens_m=True)[1]
+    default = plan(name, tokens_m=True, specialized=False)[1]  # (the 4-warp plans'; the warps apart are the default)
     assert default == (p if name == "int4/int4" else one)
     lay, bad = plan(name, tokens_m=True, token_blocks=3)
     assert bad is None and "1 or 2" in cuda.plan_reason[lay]
@@ -506,7 +506,7 @@ def test_tokens_m_timing_builds_compile_for_sm90(tmp_path, monkeypatch):
     """The tokens-as-M kernel's timing builds (TIMELINE, and PHASES with it) compile, and PHASES alone or in the
     loop with two barriers is refused at compile time (its static_assert)."""
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    _, p = plan("int4/int4", tokens_m=True)
+    _, p = plan("int4/int4", tokens_m=True, specialized=False)
     m = dict(p.macros)
     for extra in ({"TIMELINE": 1}, {"TIMELINE": 1, "PHASES": 1}):
         assert build.compile_cubin(tuple(sorted({**m, **extra}.items())), "sm_90a").stat().st_size > 10_000

@@ -240,7 +240,8 @@ def tokens_m_config(lay, rows, plan=None):
 
 # the tokens-as-M plans: a warp's scores over one block of 16 tokens, or two warps' over two blocks; and the
 # scores' and output's warps apart (8 warps), two CTAs an SM (128 registers) or one
-TM_WARPS = [{"token_blocks": 1}, {"token_blocks": 2}, {"token_blocks": 1, "specialized": True},
+TM_WARPS = [{"token_blocks": 1, "specialized": False}, {"token_blocks": 2, "specialized": False},
+            {"token_blocks": 1, "specialized": True},
             {"token_blocks": 2, "specialized": True, "ctas_per_sm": 1}]
 TM_IDS = ["t1", "t2", "ws", "t2ws1"]
 

@@ -53,7 +53,8 @@ class DecodeConfig:
     warpgroup: the CUDA kernel with the query rows as the M of Hopper's warpgroup MMAs (kernels/cuda/mla_decode_wg.cu;
     BF16 caches at 64 rows or more, 64 rows a CTA);
     specialized: with tokens_m, 8 warps a CTA: 4 take a tile's scores, softmax and P, the other 4 its output
-    products a tile behind (WS in mla_decode_tm.cu; ctas_per_sm 1 or 2)."""
+    products a tile behind (WS in mla_decode_tm.cu; ctas_per_sm 1 or 2); False: 4 warps that take both; None: the
+    kernel's default for the layout (kernels.cuda.tokens_m_plan)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -69,7 +70,7 @@ class DecodeConfig:
     tokens_m: bool = False
     token_blocks: int | None = None
     warpgroup: bool = False
-    specialized: bool = False
+    specialized: bool | None = None
 
     def describe(self) -> str:
         tm = "cuda/tm/ws" if self.specialized else "cuda/tm"
@@ -120,7 +121,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
-                token_blocks: int | None = None, warpgroup: bool = False, specialized: bool = False,
+                token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel

@@ -72,17 +72,22 @@ def tokens_m_default_blocks(layout: PageLayout) -> int:
 
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  blocks_per_warp: int | None = None, specialized: bool = False) -> DecodePlan | str:
+                  blocks_per_warp: int | None = None, specialized: bool | None = None) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
     of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
     tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
     None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM
     (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). `specialized`: 8 warps, 4 that take
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
-    a thread)."""
+    a thread); None: `specialized` for integer codes where it fits, else not (measured on the H200: 1 to 4 % faster
+    than 4 warps, docs/kernels.md "The scores' and the output's warps apart")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
+    if specialized is None:
+        plan = None if is_fp8(layout) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True)
+        return plan if isinstance(plan, DecodePlan) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm,
+                                                                       blocks_per_warp, False)
     if blocks_per_warp is None:  # (with the warps apart one block a warp measured faster on the H200)
         blocks_per_warp = 1 if specialized else tokens_m_default_blocks(layout)
     if blocks_per_warp not in (1, 2):

@@ -1,0 +1,88 @@
+"""The tokens-as-M kernel with its scores' and output's warps apart (WS in mla_decode_tm.cu), host side without a
+GPU: which layouts get it by default, its shared-memory map and registers, and that its builds compile for sm_90a
+where nvcc is installed. The kernel itself runs in tests/test_kernels_gpu.py (the tokens-as-M cases)."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
+from quantmla.kernels import cuda
+from quantmla.kernels.cuda import build
+from quantmla.quant import PathFormat
+
+CUDA = torch.device("cuda")
+G64 = CacheFormat(PathFormat(4, 64), PathFormat(4, 32))  # 8 P·scale groups: two P buffers do not fit two CTAs
+
+
+def plan(fmt, **kw):
+    lay = PageLayout(TokenLayout(512, 64, preset(fmt) if isinstance(fmt, str) else fmt), 64)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        return lay, cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True, **kw)
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_warps_apart_are_the_default_for_integer_codes(name):
+    """2- and 4-bit codes get 8 warps (4 of scores, 4 of output), one token block a warp, two P buffers, the
+    setmaxnreg split at two CTAs an SM and the shared-memory map with each buffer's row factors."""
+    lay, p = plan(name)
+    m = dict(p.macros)
+    assert (m["WS"], m["NW"], m["WS_REGS"], m["ONE_BARRIER"], p.ctas_per_sm, p.num_warps) == (1, 8, 152, 1, 2, 8)
+    assert "TPW" not in m and p.describe().startswith("cuda/f16/tm/M16N64w8wss")
+    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_tm(lay, p.stages, specialized=True)
+    assert cuda.smem_bytes_tm(lay, p.stages, specialized=True) == cuda.smem_bytes_tm(lay, p.stages) + 2 * (16 + 4) * 4
+    assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
+    _, four = plan(name, specialized=False)
+    assert dict(four.macros)["NW"] == 4 and "WS" not in dict(four.macros) and four.stages == p.stages
+
+
+def test_warps_apart_where_they_do_not_fit_or_read():
+    """Content groups of 64 (two P buffers and three stages do not fit two CTAs): asked for, refused with the
+    reason; by default the 4-warp plan with one P buffer. FP8 keeps its 4-warp plan; two token blocks a warp and
+    one CTA an SM (no register split, the most stages) are plans of their own."""
+    lay, asked = plan(G64, specialized=True)
+    assert asked is None and "do not fit 2 CTAs" in cuda.plan_reason[lay]
+    _, default = plan(G64)
+    assert "WS" not in dict(default.macros) and dict(default.macros)["ONE_BARRIER"] == 0
+    lay, fp8 = plan("fp8")
+    assert "WS" not in dict(fp8.macros) and dict(fp8.macros)["NW"] == 4
+    lay, bad = plan("fp8", specialized=True)
+    assert bad is None and "FP8 with the scores' and the output's warps apart" in cuda.plan_reason[lay]
+    lay, one = plan("int4/int4", specialized=True, ctas_per_sm=1)
+    m = dict(one.macros)
+    assert (m["WS"], m["MIN_CTAS"], one.ctas_per_sm, one.stages) == (1, 1, 1, cuda.TM_MAX_STAGES) and "WS_REGS" not in m
+    _, two = plan("int4/int4", specialized=True, token_blocks=2)
+    assert dict(two.macros)["TPW"] == 2 and two.smem == cuda.smem_bytes_tm(lay, two.stages, blocks_per_warp=2,
+                                                                            specialized=True)
+
+
+def test_default_config_carries_the_warps_apart(monkeypatch):
+    """cuda_config's default for INT4/INT4 at 16 rows is the plan with the warps apart, and its config says so (the
+    launch builds the same plan from it); asked for 4 warps, the config says that."""
+    from quantmla.kernels.schedule import cuda_config
+
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        cfg = cuda_config(16, lay, "cuda")
+        four = cuda_config(16, lay, "cuda", specialized=False)
+    assert cfg.tokens_m and cfg.specialized and cfg.num_warps == 8 and cfg.describe().startswith("cuda/tm/ws ")
+    assert four.tokens_m and four.specialized is False and four.num_warps == 4
+
+
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,kw", [("int4/int4", {}), ("int2/int4", {}), ("int4/int4", {"ctas_per_sm": 1}),
+                                     ("int2/int4", {"token_blocks": 2})])
+def test_warps_apart_compile_for_sm90(name, kw, tmp_path, monkeypatch):
+    """Each plan with the warps apart builds for sm_90a (its static_asserts include the host's shared-memory map);
+    the per-phase clocks of thread 0 (PHASES) are refused at compile time, and so is a register split that is not
+    setmaxnreg's."""
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+    _, p = plan(name, specialized=True, **kw)
+    assert build.compile_cubin(p.macros, "sm_90a").stat().st_size > 10_000
+    m = dict(p.macros)
+    with pytest.raises(Exception, match="phases are thread 0's"):
+        build.compile_cubin(tuple(sorted({**m, "TIMELINE": 1, "PHASES": 1}.items())), "sm_90a")
+    with pytest.raises(Exception, match="setmaxnreg's steps"):
+        build.compile_cubin(tuple(sorted({**m, "WS_REGS": 150}.items())), "sm_90a")
