@@ -1,6 +1,10 @@
 """The lab's readers of a decode kernel's SASS and of Nsight Compute's source page (no GPU): sass_count's phases
 of the tile loop, and sass_mix's instruction mix and stall reasons."""
 
+import subprocess
+
+import pytest
+
 from quantmla_lab.bench.kernels.sass_mix import mix
 
 
@@ -73,3 +77,23 @@ def test_sass_mix_counts_instructions_a_warp_and_tile_and_stalls_by_reason(tmp_p
     assert [ln.split()[:2] for ln in lines if ln.startswith("  barrier") or ln.startswith("  wait")] == \
         [["barrier", "33"], ["wait", "9"]]
     assert lines[-3].split()[:2] == ["30", "HGMMA.64x64x16.F32"]
+
+
+def test_mma_rate_modes_compile_to_their_tensor_instructions(tmp_path):
+    """Every mode of the tensor-pipe benchmark (mma_rate.cu) builds for sm_90a with the kernels' ptx.cuh, and each
+    compiles to the instruction it times: HMMA for mma.sync on fp16 (and for e4m3, which sm_90 converts), IMMA for s8,
+    HGMMA, QGMMA and IGMMA for the warpgroup products on fp16, e4m3 and s8."""
+    from quantmla.kernels.cuda import build
+    from quantmla_lab.bench.kernels import mma_rate
+
+    if build.nvcc() is None:
+        pytest.skip("needs nvcc")
+    from quantmla_lab.bench.kernels.sass_count import cuobjdump
+
+    want = {0: "HMMA.16816", 1: "HGMMA.64x16x16", 2: "HMMA.16816", 3: "IMMA.16832.S8.S8", 4: "HGMMA.64x32x16",
+            5: "QGMMA.64x32x32", 6: "IGMMA.64x32x32", 7: "QGMMA.64x16x32"}
+    assert set(want) == set(mma_rate.NAME)
+    for mode, op in want.items():
+        sass = subprocess.run([cuobjdump(), "-sass", str(mma_rate.cubin(mode, 2, 8, tmp_path))], capture_output=True,
+                              text=True, check=True).stdout
+        assert op in sass, (mode, op)

@@ -1,7 +1,9 @@
 // Tensor-core issue rate at the decode kernel's occupancy: each warp runs ITERS rounds of CHAINS independent
 // products (fp16 operands, fp32 accumulators) on register operands, so the time is the tensor pipe's, not memory's.
 //   MODE 0: mma.sync m16n8k16 per warp;  MODE 1: wgmma m64n16k16 per warpgroup (A in registers, B in shared memory);
-//   MODE 2: mma.sync m16n8k32 on e4m3 operands (fp32 accumulators);  MODE 3: mma.sync m16n8k32 on s8 operands (s32)
+//   MODE 2: mma.sync m16n8k32 on e4m3 operands (fp32 accumulators);  MODE 3: mma.sync m16n8k32 on s8 operands (s32);
+//   wgmma per warpgroup, A in registers, B in shared memory: MODE 4 m64n32k16 f16, MODE 5 m64n32k32 e4m3 (fp32),
+//   MODE 6 m64n32k32 s8 (s32), MODE 7 m64n16k32 e4m3 (fp32)
 // Macros: MODE, CHAINS, ITERS. Blocks of 128 threads (one warpgroup); the sum of the accumulators goes to out[block] (so the
 // products are not removed).
 #include <cuda_fp16.h>
@@ -10,7 +12,7 @@
 #define MMA_TYPE "f16"
 typedef __half T;
 typedef __half2 T2;
-#include "ptx.cuh"  // src/quantmla/kernels/cuda (on the include path): mma16816, smem_u32
+#include "ptx.cuh"  // src/quantmla/kernels/cuda (on the include path): mma16816, smem_u32, fence_proxy_async
 #include "mma8.cuh"  // mma16832_e4m3, mma16832_s8
 
 // ---------------------------------------------------------------------------------------------------
@@ -22,8 +24,6 @@ typedef __half2 T2;
 // registers written before this are visible to the next wgmma (its A operand and accumulators)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// this thread's shared-memory writes, visible to the async proxy (wgmma's shared-memory operands) after a barrier
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // wait until at most N committed groups are in flight
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
@@ -54,13 +54,47 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t
         "+f"(d[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
+// d (+)= a·B over the warpgroup with 16 accumulators a thread (N = 32) or 8 (N = 16): the product named by OP (its
+// shape and types), A in registers (4 words a thread), B through `desc`; acc = 0 overwrites d. Float accumulators
+// ("f") or s32 ("r")
+#define WGMMA_N32(NAME, OP, C, T, SCALES)                                                                           \
+  __device__ __forceinline__ void NAME(T (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" OP " "                                              \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p" SCALES ";\n}\n" \
+                 : "+" C(d[0]), "+" C(d[1]), "+" C(d[2]), "+" C(d[3]), "+" C(d[4]), "+" C(d[5]), "+" C(d[6]),          \
+                   "+" C(d[7]), "+" C(d[8]), "+" C(d[9]), "+" C(d[10]), "+" C(d[11]), "+" C(d[12]), "+" C(d[13]),      \
+                   "+" C(d[14]), "+" C(d[15])                                                                          \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));                                \
+  }
+WGMMA_N32(wgmma_m64n32k16_f16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16", "f", float, ", 1, 1, 0")
+WGMMA_N32(wgmma_m64n32k32_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
+WGMMA_N32(wgmma_m64n32k32_s8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8", "r", int, "")
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
 #endif
+// the compiler keeps reads of 16 accumulators after the wait before them
+template <class T>
+__device__ __forceinline__ void fence_acc16(T (&d)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    if constexpr (sizeof(T) == 4 && T(0.5f) != T(0)) asm volatile("" : "+f"(d[e])::"memory");
+    else asm volatile("" : "+r"(d[e])::"memory");
+  }
+}
+constexpr bool WIDE = MODE >= 4 && MODE <= 6;  // 16 accumulators a thread and chain (N = 32)
 
 
 extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t seed) {
-  __shared__ __align__(128) T sB[CHAINS * 256];  // MODE 1: a 16 x 16 B block per chain, as core matrices
-  for (int i = threadIdx.x; i < CHAINS * 256; i += blockDim.x) sB[i] = __float2half(1e-3f * (i % 7));
-#if MODE == 1
+  __shared__ __align__(128) T sB[CHAINS * 512];  // wgmma: a B block of up to 1 KB per chain, as core matrices
+  for (int i = threadIdx.x; i < CHAINS * 512; i += blockDim.x) sB[i] = __float2half(1e-3f * (i % 7));
+#if MODE == 1 || MODE >= 4
   fence_proxy_async();
 #endif
   __syncthreads();
@@ -68,7 +102,9 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = (seed * (threadIdx.x + 1) * (i + 3)) & 0x03ff03ffu;  // small fp16 values
   float acc[CHAINS][2][4] = {};
-#if MODE != 1
+  float accw[WIDE ? CHAINS : 1][16] = {};
+  int acci[MODE == 6 ? CHAINS : 1][16] = {};
+#if MODE == 0 || MODE == 2 || MODE == 3
   const uint32_t b0 = a[0] ^ 0x1111u, b1 = a[1] ^ 0x2222u;
 #else
   const uint64_t desc = wgmma_desc(sB, 128, 256);
@@ -98,17 +134,31 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
 #else
     wgmma_fence();
 #pragma unroll
-    for (int c = 0; c < CHAINS; ++c) wgmma_m64n16k16(acc[c], a, desc + (uint64_t)(c * 32), 1);
+    for (int c = 0; c < CHAINS; ++c) {
+      const uint64_t dc = desc + (uint64_t)(c * 64);
+      if constexpr (MODE == 1) wgmma_m64n16k16(acc[c], a, dc, 1);
+      else if constexpr (MODE == 4) wgmma_m64n32k16_f16(accw[c], a, dc, 1);
+      else if constexpr (MODE == 5) wgmma_m64n32k32_e4m3(accw[c], a, dc, 1);
+      else if constexpr (MODE == 6) wgmma_m64n32k32_s8(acci[c], a, dc, 1);
+      else wgmma_m64n16k32_e4m3(acc[c], a, dc, 1);
+    }
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
-    for (int c = 0; c < CHAINS; ++c) fence_acc(acc[c]);
+    for (int c = 0; c < CHAINS; ++c) {
+      if constexpr (MODE == 6) fence_acc16(acci[c]);
+      else if constexpr (WIDE) fence_acc16(accw[c]);
+      else fence_acc(acc[c]);
+    }
 #endif
   }
   float s = 0.0f;
 #pragma unroll
-  for (int c = 0; c < CHAINS; ++c)
+  for (int c = 0; c < CHAINS; ++c) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) s += acc[c][e / 4][e % 4];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) s += (MODE == 6 ? (float)acci[MODE == 6 ? c : 0][e] : accw[WIDE ? c : 0][e]);
+  }
   atomicAdd(out + blockIdx.x % 1024, s);
 }
