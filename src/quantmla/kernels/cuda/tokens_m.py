@@ -66,8 +66,8 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
 
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:
-    """The token blocks a warp's scores take by default: 2 for 4-bit content codes, 1 for 2-bit (measured on the
-    H200, docs/kernels.md "Two token blocks a warp")."""
+    """The token blocks a warp's scores take by default in the 4-warp plans: 2 for 4-bit content codes, 1 for 2-bit
+    (measured on the H200, docs/kernels.md "Two token blocks a warp"); with the warps apart, 1."""
     return 2 if layout.token.fmt.content.bits == 4 and not is_fp8(layout) else 1
 
 
