@@ -4,8 +4,9 @@ by nvcc into the build cache, and read back with cuobjdump (from PATH or Triton'
 
     python -m quantmla_lab.bench.kernels.sass_count int4/int4 int2/int4 --rows 16
 
-`--tokens-m` takes the tokens-as-M kernel (the API's default at 16 rows on sm_90) and counts one tile's scores
-phase: the instructions from its copy wait (`SYNCS.PHASECHK`) to the vote's barrier (`BAR.RED`), by opcode
+`--tokens-m` takes the tokens-as-M kernel's 4-warp plan (`--specialized`: the plan with the scores' and the output's
+warps apart, the API's default for integer codes at 16 rows on sm_90, whose loop it does not split into phases) and
+counts one tile's scores phase: the instructions from its copy wait (`SYNCS.PHASECHK`) to the vote's barrier (`BAR.RED`), by opcode
 (`scores_*`; with two token blocks a warp that span holds both halves' code paths), and the tile loop's phases
 along the path a warp takes where the loop has one barrier a tile (`loop_*`, `loop_phases`).
 
@@ -133,12 +134,12 @@ def _format(name: str) -> CacheFormat:
 
 def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
           dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None,
-          token_blocks: int | None = None) -> dict:
+          token_blocks: int | None = None, specialized: bool = False) -> dict:
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None,
                                 tokens_m=tokens_m or None,
-                                token_blocks=token_blocks)
+                                token_blocks=token_blocks, specialized=specialized if tokens_m else None)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))
@@ -160,7 +161,7 @@ def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool =
     return {"format": name, "rows": rows, "plan": plan.describe(), "instructions": len(ops),
             "registers": int(reg.group(1)) if reg else None, "stack_bytes": int(stack.group(1)) if stack else None,
             **{op: c.get(op, 0) for op in BUILD_OPS}, **(scores_phase(full) if tokens_m else {}),
-            **(loop_phases(lines) if tokens_m and dict(macros).get("ONE_BARRIER") else {})}
+            **(loop_phases(lines) if tokens_m and dict(macros).get("ONE_BARRIER") and not dict(macros).get("WS") else {})}
 
 
 def main(argv=None) -> int:
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
     p.add_argument("--tokens-m", action="store_true", help="the tokens-as-M kernel, with its scores phase's counts")
     p.add_argument("--token-blocks", type=int, help="the tokens-as-M kernel: 16-token blocks a warp's scores take")
+    p.add_argument("--specialized", action="store_true", help="the tokens-as-M kernel with its warps apart")
     p.add_argument("--set", nargs="+", default=[], metavar="MACRO=V", help="compile with these macros replaced")
     p.add_argument("--dump", type=Path, help="write each plan's instructions into this folder")
     a = p.parse_args(argv)
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
         overrides[k] = int(v)
     for name in a.formats:
         r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides,
-                  token_blocks=a.token_blocks)
+                  token_blocks=a.token_blocks, specialized=a.specialized)
         if overrides:
             r = {**r, "set": " ".join(a.set)}
         print("  ".join(f"{k} {v}" for k, v in r.items()), flush=True)
