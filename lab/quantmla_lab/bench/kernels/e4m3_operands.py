@@ -1,5 +1,5 @@
 """What 8-bit products would cost in accuracy: the decode arithmetic of the tokens-as-M kernel emulated on the
-CPU with its query and probabilities as sums of e4m3 terms (the 2- and 4-bit codes are exact in e4m3), against
+CPU with its query and probabilities as sums of e4m3 or s8 terms (the 2- and 4-bit codes are exact in both), against
 fp64 attention over the same dequantized cache.
 
 One layer, one sequence, H query rows, T cached tokens of an INT4/INT4 (or INT2/INT4) cache with per-token
@@ -11,7 +11,10 @@ groups (content 128, RoPE 64 channels; fp16 scale and zero point), d_c 512, d_r 
 "bf16" is the BF16 path over a cache holding the same keys in bf16 (against fp64 over that cache); "fp16" is today's
 kernel (the query and p·scale in fp16, products exact, fp32 sums); "e4m3 qNpM" keeps N e4m3 terms of the query
 (after one factor a row, its largest |q| at 448) and M of p·scale (a power-of-two factor per row and 64-token tile,
-its largest at most 448): x = Σ e4m3 terms, each the rounded remainder of the terms before. "acc14" rounds every 32-wide partial sum
+its largest at most 448): x = Σ e4m3 terms, each the rounded remainder of the terms before. "s8 qNpM" does the same
+with s8 terms, the k-th in units of 2^-7k after a factor that takes the row's largest |q| (or the tile's largest
+p·scale, a power of two) to 127 (a remainder of at most half a unit then always fits the next term's ±127); their
+products sum exactly in s32, so only the terms round. "acc14" rounds every 32-wide partial sum
 to 14 significant bits before it joins the fp32 accumulator: a pessimistic model of an 8-bit tensor instruction
 that keeps fewer bits inside (measured on the H200 it is not; this brackets it).
 
@@ -47,6 +50,24 @@ def e4m3_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor
     y, out = x * f, torch.zeros_like(x)
     for _ in range(n):
         out = out + (y - out).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double()
+    return out / f
+
+
+def s8_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor:
+    """x (fp64, [..., K]) as the sum of n s8 terms in units of 1, 2^-7, 2^-14, ..., each the rounded remainder of
+    the terms before (so each is within ±64 after the first: no term is clipped), after a factor that takes the
+    largest |x| of each row (tile None), or a power of two that takes the largest of each row's `tile` consecutive
+    values, to at most 127."""
+    if tile is None:
+        f = 127.0 / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    else:
+        t = x.reshape(*x.shape[:-1], -1, tile)
+        f = torch.exp2(torch.floor(torch.log2(127.0 / t.abs().amax(-1, keepdim=True).clamp_min(1e-30))))
+        f = f.expand_as(t).reshape(x.shape)
+    y, out = x * f, torch.zeros_like(x)
+    for k in range(n):
+        unit = 2.0 ** (-7 * k)
+        out = out + torch.round((y - out) / unit).clamp(-127, 127) * unit
     return out / f
 
 
@@ -104,8 +125,10 @@ def decode(q: torch.Tensor, codes, scales, zeros, sm_scale: float, mode: str, ac
         p = torch.exp(s - s.amax(-1, keepdim=True)).float().double()
         o = chunked_dot(p.bfloat16().double(), kb[:, :D_C], acc_bits).double() / p.sum(-1, keepdim=True)
         return o.bfloat16().double()
-    nq, n = (int(mode[6]), int(mode[8])) if mode.startswith("e4m3") else (0, 0)  # "e4m3 q2p3": terms of q, of p
-    qq = q.half().double() if nq == 0 else e4m3_terms(q, nq)
+    nq, n = (int(mode[-3]), int(mode[-1])) if mode[:2] in ("e4", "s8") else (0, 0)  # "e4m3 q2p3": terms of q, of p
+    terms = s8_terms if mode.startswith("s8") else e4m3_terms
+    acc_bits = None if mode.startswith("s8") else acc_bits  # s32 sums are exact
+    qq = q.half().double() if nq == 0 else terms(q, nq)
     G = int(gch.max()) + 1
     s = torch.zeros(q.shape[0], codes.shape[0], dtype=torch.float64)
     for grp in range(G):  # each group's products on their own accumulators, the scale folded in fp32
@@ -118,7 +141,7 @@ def decode(q: torch.Tensor, codes, scales, zeros, sm_scale: float, mode: str, ac
     for grp in range(D_C // GC):
         ch = gch == grp
         ps = p * scales[:, grp].float().double()[None, :]  # [H, T] p·scale of the group
-        ps = ps.half().double() if n == 0 else e4m3_terms(ps, n, tile=64)
+        ps = ps.half().double() if n == 0 else terms(ps, n, tile=64)
         o[:, ch[:D_C]] = chunked_dot(ps, codes[:, ch], acc_bits).double() + (p @ zeros[:, grp].float().double())[:, None]
     return (o / p.sum(-1, keepdim=True)).bfloat16().double()
 
@@ -132,7 +155,8 @@ def main() -> None:
     a = ap.parse_args()
     if Path(a.out).exists():
         sys.exit(f"{a.out} exists: remove it or name another --out")
-    modes = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3"]
+    modes = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3", "s8 q1p2", "s8 q2p1",
+             "s8 q2p2"]
     res = {"device": "cpu (emulated arithmetic)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": source_commit(),
         "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_operands", *sys.argv[1:]]),
