@@ -25,9 +25,12 @@
 // ONE_BARRIER (the default) an iteration runs the scores of tile i, the vote (the one barrier), the output of
 // tile i - 1 and P of tile i into the other of two P buffers; a stage is refilled two tiles after its scores.
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
+// With WS (the default for integer codes) the CTA has 8 warps: warps 0-3 run the scores, the vote and P of each tile,
+// warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW (and TM, NW, BN, HALF: fixed here)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS NW (4, or 8 with WS)
+//   (and TM, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -97,10 +100,10 @@ static_assert(NWR == 4 && BN == 64 && HALF == 1, "the plan of this kernel: 4 war
 constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
 constexpr int NTR = 32 * NWR;          // threads of a role
-// named barriers: 0 the CTA's, 1 and 2 the two warps of a token group (TPW = 2); with WS the scores' warps (3), the
-// output warps (4), and a P buffer's full (5 + buffer: the scores' warps arrive) and empty (7 + buffer: the output
-// warps arrive)
-constexpr int BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9;
+// named barriers: 0 the CTA's, 1 and 2 the two warps of a token group (TPW = 2); with WS the scores' warps' vote (3)
+// and reference move (9), the output warps (4), and a P buffer's full (5 + buffer: the scores' warps arrive) and empty
+// (7 + buffer: the output warps arrive)
+enum : int { BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9 };
 // WS_REGS (with WS at two CTAs an SM, 128 registers a thread): the scores' warps take WS_REGS registers for the tile
 // loop and the output warps 256 - WS_REGS (setmaxnreg); 0: both keep 128
 #ifndef WS_REGS
@@ -119,7 +122,7 @@ static_assert(!WS || !PHASES, "the phases are thread 0's, one warp of the scores
 #endif
 constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4)
 constexpr int NGRP = NTB / TPW;        // token groups of TPW blocks: warp w takes blocks TPW·(w % NGRP) + i, i < TPW
-constexpr int KS = NWR / NGRP;          // warps sharing a token group's scores, each over its share of the channels
+constexpr int KS = NWR / NGRP;         // warps sharing a token group's scores, each over its share of the channels
 constexpr int NB_OWN = 2 / KS;         // 8-row blocks whose softmax a warp finishes: nb0 = w / NGRP (KS = 2) ..
 constexpr int RI = 2 * NB_OWN;         // .. a thread's own query rows ri: 8·(nb0 + (ri >> 1)) + 2t + (ri & 1)
 static_assert((TPW == 1 || TPW == 2) && (KS == 1 || KS == 2), "a warp takes 1 or 2 token blocks, 1 or 2 warps a group");
@@ -136,7 +139,7 @@ constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
 constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
 constexpr int LDQ = D + 8;             // query block row pitch (halves): 8 rows' ldmatrix pieces in distinct banks
 constexpr int LDP = BN + 8;            // P·scale row pitch (halves)
-constexpr int BW = FB_CC / NWR;         // output: content bytes a warp owns per token
+constexpr int BW = FB_CC / NWR;        // output: content bytes a warp owns per token
 constexpr int BT = BW / 8;             // output: content bytes a thread reads per token (8 at 4 bits, 4 at 2)
 constexpr int OMB = NPC * BT / 2;      // output: m16 channel blocks a warp owns (8)
 static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
@@ -168,9 +171,9 @@ constexpr int SM_P = SM_QF + BM * 4;                     // [NPBUF][CG, BM, LDP]
 constexpr int SM_RAW = align16(SM_P + NPBUF * P_ELEMS * 2);
 constexpr int SM_RED = SM_RAW + STAGES * RAW_BYTES;      // [NTB, BM, 1 + CG] fp32: cross-warp reductions
 constexpr int SM_X = SM_RED + NTB * BM * (1 + CG) * 4;   // TPW = 2: [NW, 32, TPW] float4, the partial scores handed over
-constexpr int SM_A = SM_X + (KS == 2 ? NWR * 32 * TPW * 16 : 0);  // WS: [NPBUF][BM + 4] fp32: a P buffer's rows'
-constexpr int SM_BAR = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);       // rescale factors, then whether any row moved
-                                                                      // then an mbarrier per stage
+// WS: [NPBUF][BM + 4] fp32, a P buffer's rows' rescale factors and then whether any row moved
+constexpr int SM_A = SM_X + (KS == 2 ? NWR * 32 * TPW * 16 : 0);
+constexpr int SM_BAR = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 
@@ -317,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       own_scores(st, sc, valid, n0);
       const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
       if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
-      if (it >= 2) bar_sync(BAR_EMPTY + buf, NT);
+      if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
       float* sA = reinterpret_cast<float*>(smem + SM_A) + buf * (BM + 4);
       if (warp == 0 && g == 0 && moved) {
 #pragma unroll
@@ -343,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       if (!SKIP_PV)
         tile_output(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + buf * P_ELEMS, oacc, warp - NWR, g, t, lane,
                     min(BN, end - n0));
-      if (it + 2 < ntiles) bar_arrive(BAR_EMPTY + buf, NT);
+      if (it + NPBUF < ntiles) bar_arrive(BAR_EMPTY + buf, NT);  // (the scores' warps wait only for those)
       bar_sync(BAR_OUTPUT, NTR);
       if (tid == NTR) {
         const int nxt = it + STAGES;
