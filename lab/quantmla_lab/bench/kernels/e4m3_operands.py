@@ -37,16 +37,21 @@ E4M3_MAX = 448.0
 D_C, D_R, GC, GR = 512, 64, 128, 64
 
 
-def e4m3_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor:
-    """x (fp64, [..., K]) as the sum of n e4m3 terms, each the rounded remainder of the terms before, after a
-    factor that takes the largest |x| of each row to 448 (tile None) or a power of two that takes the largest of
-    each row's `tile` consecutive values to at most 448 (an accumulator rescaled by 2^k is exact)."""
+def term_factor(x: torch.Tensor, top: float, tile: int | None = None) -> torch.Tensor:
+    """The factor (shaped as x) that takes the largest |x| of each row to `top` (tile None), or the power of two that
+    takes the largest of each row's `tile` consecutive values to at most `top` (an accumulator rescaled by 2^k is
+    exact)."""
     if tile is None:
-        f = E4M3_MAX / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    else:
-        t = x.reshape(*x.shape[:-1], -1, tile)
-        f = torch.exp2(torch.floor(torch.log2(E4M3_MAX / t.abs().amax(-1, keepdim=True).clamp_min(1e-30))))
-        f = f.expand_as(t).reshape(x.shape)
+        return (top / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).expand_as(x)
+    t = x.reshape(*x.shape[:-1], -1, tile)
+    f = torch.exp2(torch.floor(torch.log2(top / t.abs().amax(-1, keepdim=True).clamp_min(1e-30))))
+    return f.expand_as(t).reshape(x.shape)
+
+
+def e4m3_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor:
+    """x (fp64, [..., K]) as the sum of n e4m3 terms, each the rounded remainder of the terms before, after the
+    factor to 448 (term_factor)."""
+    f = term_factor(x, E4M3_MAX, tile)
     y, out = x * f, torch.zeros_like(x)
     for _ in range(n):
         out = out + (y - out).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double()
@@ -55,15 +60,9 @@ def e4m3_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor
 
 def s8_terms(x: torch.Tensor, n: int, tile: int | None = None) -> torch.Tensor:
     """x (fp64, [..., K]) as the sum of n s8 terms in units of 1, 2^-7, 2^-14, ..., each the rounded remainder of
-    the terms before (so each is within ±64 after the first: no term is clipped), after a factor that takes the
-    largest |x| of each row (tile None), or a power of two that takes the largest of each row's `tile` consecutive
-    values, to at most 127."""
-    if tile is None:
-        f = 127.0 / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    else:
-        t = x.reshape(*x.shape[:-1], -1, tile)
-        f = torch.exp2(torch.floor(torch.log2(127.0 / t.abs().amax(-1, keepdim=True).clamp_min(1e-30))))
-        f = f.expand_as(t).reshape(x.shape)
+    the terms before (so each is within ±64 after the first: no term is clipped), after the factor to 127
+    (term_factor)."""
+    f = term_factor(x, 127.0, tile)
     y, out = x * f, torch.zeros_like(x)
     for k in range(n):
         unit = 2.0 ** (-7 * k)
