@@ -287,7 +287,7 @@ def main() -> None:
                         max_rel_diff_vs_default=rel)
                     if a.timeline:
                         row(f"tokens_m_{spec}_timeline", None, vp, **timeline(vp, md))
-                        if dict(vp.macros)["ONE_BARRIER"]:
+                        if dict(vp.macros)["ONE_BARRIER"] and not dict(vp.macros).get("WS"):  # (thread 0's loop)
                             row(f"tokens_m_{spec}_phases", None, vp, **timeline(vp, md, phases=True))
                 if not a.timeline:  # the phase, stage and occupancy variants
                     m = dict(plan.macros)
@@ -297,7 +297,7 @@ def main() -> None:
                         row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                     pb = cuda.TM_P_BUFFERS if m["ONE_BARRIER"] else 1
                     for st in range(cuda.TM_MIN_STAGES if pb == 2 else 2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
-                        smem = cuda.smem_bytes_tm(lay, st, pb, m.get("TPW", 1))
+                        smem = cuda.smem_bytes_tm(lay, st, pb, m.get("TPW", 1), specialized=bool(m.get("WS")))
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
                                                  stages=st, smem=smem)
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
@@ -305,7 +305,7 @@ def main() -> None:
                         row(f"tokens_m_stages_{st}_no_products", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                 if a.timeline:
                     row("tokens_m_timeline", None, plan, **timeline(plan, md))
-                    if dict(plan.macros)["ONE_BARRIER"]:  # where thread 0's time in the tile loop goes
+                    if dict(plan.macros)["ONE_BARRIER"] and not dict(plan.macros).get("WS"):  # thread 0's tile loop
                         row("tokens_m_phases", None, plan, **timeline(plan, md, phases=True))
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "SKIP_QK": 1,
                                                                             "SKIP_PV": 1}.items())))
@@ -316,14 +316,14 @@ def main() -> None:
                     st = max((s for s in range(cuda.TM_MIN_STAGES, cuda.TM_MAX_STAGES + 1)
                               if 2 * (cuda.smem_bytes_tm(lay, s, 1, tpw) + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM),
                              default=None)
-                    if not dict(plan.macros)["ONE_BARRIER"] or st is None:
+                    if not dict(plan.macros)["ONE_BARRIER"] or dict(plan.macros).get("WS") or st is None:
                         continue
                     smem = cuda.smem_bytes_tm(lay, st, 1, tpw)
                     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "ONE_BARRIER": 0, "STAGES": st,
                                                                         "SMEM_EXPECTED": smem}.items())), stages=st, smem=smem)
                     row("tokens_m_two_barriers_decode", time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                     row("tokens_m_two_barriers_timeline", None, vp, **timeline(vp, md))
-                p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3)
+                p3 = cuda.tokens_m_plan(lay, H, torch.bfloat16, ctas_per_sm=3, specialized=False)
                 if not a.timeline and not isinstance(p3, str):  # three CTAs per SM (registers capped at 168, fewer stages)
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,
                                                                                                   num_stages=p3.stages))
