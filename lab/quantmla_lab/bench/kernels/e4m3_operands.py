@@ -14,7 +14,8 @@ kernel (the query and p·scale in fp16, products exact, fp32 sums); "e4m3 qNpM" 
 its largest at most 448): x = Σ e4m3 terms, each the rounded remainder of the terms before. "s8 qNpM" does the same
 with s8 terms, the k-th in units of 2^-7k after a factor that takes the row's largest |q| (or the tile's largest
 p·scale, a power of two) to 127 (a remainder of at most half a unit then always fits the next term's ±127); their
-products sum exactly in s32, so only the terms round. "acc14" rounds every 32-wide partial sum
+products sum exactly in s32, so only the terms round. "s8/e4m3 qNpM" takes s8 terms of the query and e4m3 terms of
+p·scale (the output products then accumulate in fp32 across tiles, as e4m3 `wgmma` does). "acc14" rounds every 32-wide partial sum
 to 14 significant bits before it joins the fp32 accumulator: a pessimistic model of an 8-bit tensor instruction
 that keeps fewer bits inside (measured on the H200 it is not; this brackets it).
 
@@ -125,14 +126,16 @@ def decode(q: torch.Tensor, codes, scales, zeros, sm_scale: float, mode: str, ac
         o = chunked_dot(p.bfloat16().double(), kb[:, :D_C], acc_bits).double() / p.sum(-1, keepdim=True)
         return o.bfloat16().double()
     nq, n = (int(mode[-3]), int(mode[-1])) if mode[:2] in ("e4", "s8") else (0, 0)  # "e4m3 q2p3": terms of q, of p
-    terms = s8_terms if mode.startswith("s8") else e4m3_terms
-    acc_bits = None if mode.startswith("s8") else acc_bits  # s32 sums are exact
-    qq = q.half().double() if nq == 0 else terms(q, nq)
+    qfmt, pfmt = (mode.split()[0].split("/") * 2)[:2]  # "s8/e4m3 q2p2": s8 terms of q, e4m3 of p·scale
+    terms = {"s8": s8_terms, "e4m3": e4m3_terms}
+    q_bits = None if qfmt == "s8" else acc_bits  # s32 sums are exact
+    p_bits = None if pfmt == "s8" else acc_bits
+    qq = q.half().double() if nq == 0 else terms[qfmt](q, nq)
     G = int(gch.max()) + 1
     s = torch.zeros(q.shape[0], codes.shape[0], dtype=torch.float64)
     for grp in range(G):  # each group's products on their own accumulators, the scale folded in fp32
         ch = gch == grp
-        s += (chunked_dot(qq[:, ch], codes[:, ch].T, acc_bits).double() * scales[:, grp].float().double()).float().double()
+        s += (chunked_dot(qq[:, ch], codes[:, ch].T, q_bits).double() * scales[:, grp].float().double()).float().double()
         s += zeros[:, grp].float().double() * qq[:, ch].sum(-1, keepdim=True)
     s = s.float().double() * sm_scale
     p = torch.exp(s - s.amax(-1, keepdim=True)).float().double()
@@ -140,8 +143,8 @@ def decode(q: torch.Tensor, codes, scales, zeros, sm_scale: float, mode: str, ac
     for grp in range(D_C // GC):
         ch = gch == grp
         ps = p * scales[:, grp].float().double()[None, :]  # [H, T] p·scale of the group
-        ps = ps.half().double() if n == 0 else terms(ps, n, tile=64)
-        o[:, ch[:D_C]] = chunked_dot(ps, codes[:, ch], acc_bits).double() + (p @ zeros[:, grp].float().double())[:, None]
+        ps = ps.half().double() if n == 0 else terms[pfmt](ps, n, tile=64)
+        o[:, ch[:D_C]] = chunked_dot(ps, codes[:, ch], p_bits).double() + (p @ zeros[:, grp].float().double())[:, None]
     return (o / p.sum(-1, keepdim=True)).bfloat16().double()
 
 
@@ -155,7 +158,7 @@ def main() -> None:
     if Path(a.out).exists():
         sys.exit(f"{a.out} exists: remove it or name another --out")
     modes = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3", "s8 q1p2", "s8 q2p1",
-             "s8 q2p2"]
+             "s8 q2p2", "s8/e4m3 q2p2", "s8/e4m3 q2p3"]
     res = {"device": "cpu (emulated arithmetic)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": source_commit(),
         "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_operands", *sys.argv[1:]]),
