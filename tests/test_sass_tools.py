@@ -91,7 +91,7 @@ def test_mma_rate_modes_compile_to_their_tensor_instructions(tmp_path):
     from quantmla_lab.bench.kernels.sass_count import cuobjdump
 
     want = {0: "HMMA.16816", 1: "HGMMA.64x16x16", 2: "HMMA.16816", 3: "IMMA.16832.S8.S8", 4: "HGMMA.64x32x16",
-            5: "QGMMA.64x32x32", 6: "IGMMA.64x32x32", 7: "QGMMA.64x16x32"}
+            5: "QGMMA.64x32x32", 6: "IGMMA.64x32x32", 7: "QGMMA.64x16x32", 8: "QGMMA.64x48x32"}
     assert set(want) == set(mma_rate.NAME)
     for mode, op in want.items():
         sass = subprocess.run([cuobjdump(), "-sass", str(mma_rate.cubin(mode, 2, 8, tmp_path))], capture_output=True,

@@ -3,7 +3,7 @@
 //   MODE 0: mma.sync m16n8k16 per warp;  MODE 1: wgmma m64n16k16 per warpgroup (A in registers, B in shared memory);
 //   MODE 2: mma.sync m16n8k32 on e4m3 operands (fp32 accumulators);  MODE 3: mma.sync m16n8k32 on s8 operands (s32);
 //   wgmma per warpgroup, A in registers, B in shared memory: MODE 4 m64n32k16 f16, MODE 5 m64n32k32 e4m3 (fp32),
-//   MODE 6 m64n32k32 s8 (s32), MODE 7 m64n16k32 e4m3 (fp32)
+//   MODE 6 m64n32k32 s8 (s32), MODE 7 m64n16k32 e4m3 (fp32), MODE 8 m64n48k32 e4m3 (fp32)
 // Macros: MODE, CHAINS, ITERS. Blocks of 128 threads (one warpgroup); the sum of the accumulators goes to out[block] (so the
 // products are not removed).
 #include <cuda_fp16.h>
@@ -54,7 +54,7 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t
         "+f"(d[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
-// d (+)= a·B over the warpgroup with 16 accumulators a thread (N = 32) or 8 (N = 16): the product named by OP (its
+// d (+)= a·B over the warpgroup with 16 accumulators a thread (N = 32): the product named by OP (its
 // shape and types), A in registers (4 words a thread), B through `desc`; acc = 0 overwrites d. Float accumulators
 // ("f") or s32 ("r")
 #define WGMMA_N32(NAME, OP, C, T, SCALES)                                                                           \
@@ -69,6 +69,17 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t
 WGMMA_N32(wgmma_m64n32k16_f16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16", "f", float, ", 1, 1, 0")
 WGMMA_N32(wgmma_m64n32k32_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
 WGMMA_N32(wgmma_m64n32k32_s8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8", "r", int, "")
+__device__ __forceinline__ void wgmma_m64n48k32_e4m3(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, "
+      "p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
 __device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc, int acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
@@ -79,21 +90,23 @@ __device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[2][4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
 #endif
-// the compiler keeps reads of 16 accumulators after the wait before them
-template <class T>
-__device__ __forceinline__ void fence_acc16(T (&d)[16]) {
+// the compiler keeps reads of N accumulators (fp32 or s32) after the wait before them
+template <int N>
+__device__ __forceinline__ void fence_accn(float (&d)[N]) {
 #pragma unroll
-  for (int e = 0; e < 16; ++e) {
-    if constexpr (sizeof(T) == 4 && T(0.5f) != T(0)) asm volatile("" : "+f"(d[e])::"memory");
-    else asm volatile("" : "+r"(d[e])::"memory");
-  }
+  for (int e = 0; e < N; ++e) asm volatile("" : "+f"(d[e])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_accn(int (&d)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) asm volatile("" : "+r"(d[e])::"memory");
 }
 constexpr bool WIDE = MODE >= 4 && MODE <= 6;  // 16 accumulators a thread and chain (N = 32)
 
 
 extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t seed) {
-  __shared__ __align__(128) T sB[CHAINS * 512];  // wgmma: a B block of up to 1 KB per chain, as core matrices
-  for (int i = threadIdx.x; i < CHAINS * 512; i += blockDim.x) sB[i] = __float2half(1e-3f * (i % 7));
+  __shared__ __align__(128) T sB[CHAINS * 768];  // wgmma: a B block of up to 1.5 KB per chain, as core matrices
+  for (int i = threadIdx.x; i < CHAINS * 768; i += blockDim.x) sB[i] = __float2half(1e-3f * (i % 7));
 #if MODE == 1 || MODE >= 4
   fence_proxy_async();
 #endif
@@ -103,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
   for (int i = 0; i < 4; ++i) a[i] = (seed * (threadIdx.x + 1) * (i + 3)) & 0x03ff03ffu;  // small fp16 values
   float acc[CHAINS][2][4] = {};
   float accw[WIDE ? CHAINS : 1][16] = {};
+  float acc48[MODE == 8 ? CHAINS : 1][24] = {};  // MODE 8: 24 accumulators a thread and chain (N = 48)
   int acci[MODE == 6 ? CHAINS : 1][16] = {};
 #if MODE == 0 || MODE == 2 || MODE == 3
   const uint32_t b0 = a[0] ^ 0x1111u, b1 = a[1] ^ 0x2222u;
@@ -135,19 +149,21 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
     wgmma_fence();
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) {
-      const uint64_t dc = desc + (uint64_t)(c * 64);
+      const uint64_t dc = desc + (uint64_t)(c * 96);
       if constexpr (MODE == 1) wgmma_m64n16k16(acc[c], a, dc, 1);
       else if constexpr (MODE == 4) wgmma_m64n32k16_f16(accw[c], a, dc, 1);
       else if constexpr (MODE == 5) wgmma_m64n32k32_e4m3(accw[c], a, dc, 1);
       else if constexpr (MODE == 6) wgmma_m64n32k32_s8(acci[c], a, dc, 1);
+      else if constexpr (MODE == 8) wgmma_m64n48k32_e4m3(acc48[c], a, dc, 1);
       else wgmma_m64n16k32_e4m3(acc[c], a, dc, 1);
     }
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
     for (int c = 0; c < CHAINS; ++c) {
-      if constexpr (MODE == 6) fence_acc16(acci[c]);
-      else if constexpr (WIDE) fence_acc16(accw[c]);
+      if constexpr (MODE == 6) fence_accn(acci[c]);
+      else if constexpr (WIDE) fence_accn(accw[c]);
+      else if constexpr (MODE == 8) fence_accn(acc48[c]);
       else fence_acc(acc[c]);
     }
 #endif
@@ -159,6 +175,8 @@ extern "C" __global__ void __launch_bounds__(128) mma_rate(float* out, uint32_t 
     for (int e = 0; e < 8; ++e) s += acc[c][e / 4][e % 4];
 #pragma unroll
     for (int e = 0; e < 16; ++e) s += (MODE == 6 ? (float)acci[MODE == 6 ? c : 0][e] : accw[WIDE ? c : 0][e]);
+#pragma unroll
+    for (int e = 0; e < 24; ++e) s += acc48[MODE == 8 ? c : 0][e];
   }
   atomicAdd(out + blockIdx.x % 1024, s);
 }

@@ -1,7 +1,7 @@
 """The tensor pipe's rate at the decode kernel's occupancy (mma_rate.cu): mma.sync m16n8k16 per warp against wgmma
 m64n16k16 and m64n32k16 per warpgroup, fp16 operands in registers (wgmma's B in shared memory), fp32 accumulators;
 mma.sync m16n8k32 on 8-bit operands (e4m3 into fp32, s8 into s32); wgmma on 8-bit operands at N = 32 and 16 (e4m3,
-s8), 4-warp CTAs at 1 to 4 CTAs per SM. Gives the floor that
+s8) and 48 (e4m3), 4-warp CTAs at 1 to 4 CTAs per SM. Gives the floor that
 the products alone put under a tokens-as-M decode tile, and what 8-bit operands would buy. Each row names the tensor
 and conversion instructions its build compiled to (SASS opcodes, from cuobjdump): on sm_90 the e4m3 mma.sync is
 F2FP conversions and HMMA.16816, no 8-bit tensor instruction.
@@ -29,10 +29,11 @@ from quantmla_lab.bench.kernels.decode_speed import source_commit
 SOURCE = Path(__file__).with_name("mma_rate.cu")
 # per warp (mma.sync: two a chain step) / per warpgroup (wgmma)
 FLOP = {0: 2 * 16 * 8 * 16 * 2, 1: 2 * 64 * 16 * 16, 2: 2 * 16 * 8 * 32 * 2, 3: 2 * 16 * 8 * 32 * 2,
-        4: 2 * 64 * 32 * 16, 5: 2 * 64 * 32 * 32, 6: 2 * 64 * 32 * 32, 7: 2 * 64 * 16 * 32}
+        4: 2 * 64 * 32 * 16, 5: 2 * 64 * 32 * 32, 6: 2 * 64 * 32 * 32, 7: 2 * 64 * 16 * 32, 8: 2 * 64 * 48 * 32}
 NAME = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n16k16 f16", 2: "mma.sync m16n8k32 e4m3", 3: "mma.sync m16n8k32 s8",
-        4: "wgmma m64n32k16 f16", 5: "wgmma m64n32k32 e4m3", 6: "wgmma m64n32k32 s8", 7: "wgmma m64n16k32 e4m3"}
-WGMMA = {1, 4, 5, 6, 7}  # modes whose unit is a warpgroup
+        4: "wgmma m64n32k16 f16", 5: "wgmma m64n32k32 e4m3", 6: "wgmma m64n32k32 s8", 7: "wgmma m64n16k32 e4m3",
+        8: "wgmma m64n48k32 e4m3"}
+WGMMA = {1, 4, 5, 6, 7, 8}  # modes whose unit is a warpgroup
 
 
 def cubin(mode: int, chains: int, iters: int, tmp: Path) -> Path:
