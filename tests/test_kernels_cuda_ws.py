@@ -52,6 +52,9 @@ def test_warps_apart_where_they_do_not_fit_or_read():
     lay, one = plan("int4/int4", specialized=True, ctas_per_sm=1)
     m = dict(one.macros)
     assert (m["WS"], m["MIN_CTAS"], one.ctas_per_sm, one.stages) == (1, 1, 1, cuda.TM_MAX_STAGES) and "WS_REGS" not in m
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # three CTAs an SM: 4 warps by default
+        three = cuda.tokens_m_plan(lay, 16, torch.bfloat16, ctas_per_sm=3)
+    assert "WS" not in dict(three.macros) and dict(three.macros)["MIN_CTAS"] == 3
     _, two = plan("int4/int4", specialized=True, token_blocks=2)
     assert dict(two.macros)["TPW"] == 2 and two.smem == cuda.smem_bytes_tm(lay, two.stages, blocks_per_warp=2,
                                                                             specialized=True)

@@ -79,13 +79,15 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM
     (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). `specialized`: 8 warps, 4 that take
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
-    a thread); None: `specialized` for integer codes where it fits, else not (measured on the H200: 1 to 4 % faster
-    than 4 warps, docs/kernels.md "The scores' and the output's warps apart")."""
+    a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
+    was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/kernels.md "The scores'
+    and the output's warps apart")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
     if specialized is None:
-        plan = None if is_fp8(layout) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True)
+        apart = not is_fp8(layout) and ctas_per_sm <= 2
+        plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True) if apart else None
         return plan if isinstance(plan, DecodePlan) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm,
                                                                        blocks_per_warp, False)
     if blocks_per_warp is None:  # (with the warps apart one block a warp measured faster on the H200)
@@ -118,8 +120,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
-        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS * (2 if specialized else 1), BN=TM_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype],
-        SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
+        R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS * (2 if specialized else 1), BN=TM_BLOCK_N, STAGES=stages,
+        OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
