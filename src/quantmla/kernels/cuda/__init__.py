@@ -33,13 +33,13 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
-                ctas_per_sm: int | None = None, wgmma_scores: bool = False) -> DecodePlan | None:
+                ctas_per_sm: int | None = None) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a warp's scores take,
     for the tokens-as-M kernel; None: its default for the layout; `specialized` its scores' and output's warps apart
-    or not, None its default; `ctas_per_sm` of them, default 2; `wgmma_scores` its scores on warpgroup MMAs); `fragments=True` takes the path without a
+    or not, None its default; `ctas_per_sm` of them, default 2); `fragments=True` takes the path without a
     built tile (None where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu;
     None where it cannot read the layout, the reason from `tokens_m_reason`); `warpgroup=True` the heads-as-M
     kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from `warpgroup_reason`).
@@ -65,7 +65,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         return plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
-                             specialized=specialized, wgmma_scores=wgmma_scores)
+                             specialized=specialized)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None

@@ -26,12 +26,10 @@
 // tile i - 1 and P of tile i into the other of two P buffers; a stage is refilled two tiles after its scores.
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 // With WS (the default for integer codes) the CTA has 8 warps: warps 0-3 run the scores, the vote and P of each tile,
-// warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order. With WG_QK the
-// scores' warps issue their products as warpgroup MMAs (scores_wg.cuh), the query block read from shared memory by
-// the tensor cores, asynchronously.
+// warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order.
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS WG_QK NW (4, or 8 with WS)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS NW (4, or 8 with WS)
 //   (and TM, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
@@ -41,11 +39,9 @@
 typedef __half T;
 typedef __half2 T2;
 #define MMA_TYPE "f16"
-#define WG_AB "f16"
 
 #include "ptx.cuh"
 #include "out_io.cuh"
-#include "wgmma.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "the tokens-as-M decode kernel copies its stages with sm_90 bulk copies"
@@ -124,9 +120,6 @@ static_assert(!WS || !PHASES, "the phases are thread 0's, one warp of the scores
 #ifndef TPW
 #define TPW 1
 #endif
-#ifndef WG_QK
-#define WG_QK 0  // the scores' products as warpgroup MMAs (with WS, one token block a warp)
-#endif
 constexpr int NTB = BN / 16;           // the scores' token blocks of 16 (4)
 constexpr int NGRP = NTB / TPW;        // token groups of TPW blocks: warp w takes blocks TPW·(w % NGRP) + i, i < TPW
 constexpr int KS = NWR / NGRP;         // warps sharing a token group's scores, each over its share of the channels
@@ -170,7 +163,7 @@ constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
 constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
 
 // shared memory map (bytes)
-constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order (q_at)
+constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
 constexpr int SM_QSUM = SM_Q + BM * LDQ * 2;             // [NG, BM] fp32: Σ_group q · qk_scale·log2 e
 constexpr int SM_QF = SM_QSUM + NG * BM * 4;             // [BM] fp32: qk_scale·log2 e / the row's fp16 scaling
 constexpr int P_ELEMS = CG * BM * LDP;
@@ -205,7 +198,6 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 }
 
 #include "scores_tm.cuh"
-#include "scores_wg.cuh"
 #include "softmax_tm.cuh"
 #include "output_tm.cuh"
 
@@ -248,7 +240,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   if (WS && tid == NTR) pg_next = page_of(STAGES);
   mark(tl, 2);
   if (scoring) write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
-  if constexpr (WG_QK) fence_proxy_async();  // the query block, visible to the warpgroup MMAs
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
@@ -276,17 +267,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   zero_acc(oacc);
   // the query fragments: ldmatrix rows (8·(i >> 1) + lane % 8) and halves 8·(i & 1) of a k-step, i = lane / 8
   const T* qa = sQ + (8 * ((lane >> 3) >> 1) + (lane & 7)) * LDQ + 8 * ((lane >> 3) & 1);
-  // WG_QK: the query block as the scores' B operand (q_at: core matrices 256 bytes apart along K, 128 along the rows)
-  [[maybe_unused]] const uint64_t dq = plain_desc(sQ, 256, 128);
   const int tok_lo = 16 * TPW * tp + g;  // the scores' rows: tokens tok_lo + 16i and tok_lo + 16i + 8 of the tile
   float4* sX = reinterpret_cast<float4*>(smem + SM_X);
 
   // the own rows' scores of a tile (stage st): with KS = 2 the warp's half of the channels, the other warp's half of
   // its own rows taken over through sX (a barrier of the two warps), then finished
   auto own_scores = [&](const uint8_t* st, float (&sc)[TPW][NB_OWN][4], int valid, int n0) {
-#if WG_QK
-    tile_scores_wg(st, dq, tok_lo, t, sc);
-#else
     float part[TPW][2][4];
     if constexpr (KS == 1) {
       tile_scores<0>(st, qa, tok_lo, t, part);
@@ -313,7 +299,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         for (int e = 0; e < 4; ++e) sc[i][0][e] = (nb0 ? part[i][1][e] : part[i][0][e]) + yv[e];
       }
     }
-#endif
 #pragma unroll
     for (int i = 0; i < TPW; ++i) finish_scores(st, sc[i], qf, qsum, limit, tok_lo + 16 * i, valid, n0);
   };

@@ -28,14 +28,6 @@ __device__ __forceinline__ int q_position(int c) {
   return C_FP8 ? kstep * 16 + 2 * t + (i & 1) + 8 * (i >> 1) : kstep * 16 + 2 * t + (i >> 1) + 8 * (i & 1);
 }
 
-// the query block's element (halves from sQ) of row `row` at position `pos`: rows of LDQ halves, or with WG_QK the
-// K-major B operand of the scores' warpgroup MMAs without swizzle: per k-step of 16 positions 512 bytes of four
-// 8 x 16-byte core matrices, (positions 8kh .. 8kh + 7, rows 8nh .. 8nh + 7) at 256·kh + 128·nh bytes
-__device__ __forceinline__ int q_at(int row, int pos) {
-  if constexpr (WG_QK) return (pos >> 4) * 256 + ((pos >> 3) & 1) * 128 + (row >> 3) * 64 + (row & 7) * 8 + (pos & 7);
-  else return row * LDQ + pos;
-}
-
 constexpr int QCH = D / 8;               // a query row's 16-byte pieces (8 channels each)
 constexpr int RPW = BM / NWR;            // query rows a warp writes (of the NWR warps that write them)
 constexpr int CPL = D_C / 8 / 32;        // content pieces a lane reads of each of its rows: pieces lane + 32k
@@ -87,14 +79,13 @@ __device__ __forceinline__ float segment_sum(float x) {
 // FP8: channels c + 4v + (0, 1) at q + (0, 1), c + 4v + (2, 3) at q + (8, 9). FP8's RoPE part is stored in bf16
 // (times the same power of two: exact), for the bf16 products with the key
 template <bool BF16>
-__device__ __forceinline__ void store_piece(T* sQ, int row, const int (&pos)[2], const uint4& piece, float scale) {
+__device__ __forceinline__ void store_piece(T* qrow, const int (&pos)[2], const uint4& piece, float scale) {
   const uint4 hv = piece_to_half<BF16>(piece, scale);
   const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
   for (int v = 0; v < 2; ++v) {
-    *reinterpret_cast<uint32_t*>(sQ + q_at(row, pos[v])) = C_FP8 ? h[2 * v] : __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
-    *reinterpret_cast<uint32_t*>(sQ + q_at(row, pos[v] + 8)) =
-        C_FP8 ? h[2 * v + 1] : __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
+    *reinterpret_cast<uint32_t*>(qrow + pos[v]) = C_FP8 ? h[2 * v] : __byte_perm(h[2 * v], h[2 * v + 1], 0x5410);
+    *reinterpret_cast<uint32_t*>(qrow + pos[v] + 8) = C_FP8 ? h[2 * v + 1] : __byte_perm(h[2 * v], h[2 * v + 1], 0x7632);
   }
 }
 
@@ -134,11 +125,11 @@ __device__ __forceinline__ void write_query_rows(const uint4 (&qv)[RPW][CPL], co
       sQsum[((32 + lane) / WC) * BM + rr] = s1 * qk_scale_log2;
     }
 #pragma unroll
-    for (int k = 0; k < CPL; ++k) store_piece<false>(sQ, rr, pos[k], qv[j][k], scale);
+    for (int k = 0; k < CPL; ++k) store_piece<false>(sQ + rr * LDQ, pos[k], qv[j][k], scale);
     if (lane == 0) sQf[rr] = qk_scale_log2 * (big ? __uint_as_float(((abits >> 23) - 12u) << 23) : 1.0f);
   }
   const int rr = RPW * warp + lane / RPL;
-  store_piece<bool(C_FP8)>(sQ, rr, rpos, qrv, rscale);
+  store_piece<bool(C_FP8)>(sQ + rr * LDQ, rpos, qrv, rscale);
   if constexpr (RG > 0) {
     constexpr int WR = R_GS / 8;  // lanes holding a RoPE group's pieces
     const float s2 = segment_sum<WR>(piece_sum(qrv));

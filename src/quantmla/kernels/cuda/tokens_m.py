@@ -72,8 +72,7 @@ def tokens_m_default_blocks(layout: PageLayout) -> int:
 
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  blocks_per_warp: int | None = None, specialized: bool | None = None,
-                  wgmma_scores: bool = False) -> DecodePlan | str:
+                  blocks_per_warp: int | None = None, specialized: bool | None = None) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
     of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
     tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
@@ -82,15 +81,13 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
     a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
     was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/kernels.md "The scores'
-    and the output's warps apart"). `wgmma_scores` (with the warps apart and a block a warp, integer codes): the
-    scores' products as warpgroup MMAs, the same sums bit for bit; not the default (on the H200 0 to 4 % slower,
-    docs/kernels.md "The scores on warpgroup MMAs")."""
+    and the output's warps apart")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
     if specialized is None:
         apart = not is_fp8(layout) and ctas_per_sm <= 2
-        plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True, wgmma_scores) if apart else None
+        plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True) if apart else None
         return plan if isinstance(plan, DecodePlan) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm,
                                                                        blocks_per_warp, False)
     if blocks_per_warp is None:  # (with the warps apart one block a warp measured faster on the H200)
@@ -101,8 +98,6 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
     if specialized and is_fp8(layout):
         return "FP8 with the scores' and the output's warps apart: not built (its stages leave no room)"
-    if wgmma_scores and (not specialized or blocks_per_warp != 1):
-        return "the scores on warpgroup MMAs: with the scores' and the output's warps apart, one token block a warp"
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
@@ -134,6 +129,4 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
     if is_fp8(layout):
         macros["C_FP8"] = 1
-    if wgmma_scores:
-        macros["WG_QK"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)

@@ -1,7 +1,6 @@
-// Hopper warpgroup MMAs (wgmma). The heads-as-M decode kernel (mla_decode_wg.cu) reads bf16 or fp16 operands from
-// shared memory as 64-channel chunks of [rows x 128 bytes] in the 128-byte swizzle: 16-byte unit j of row r sits at
-// r·128 + ((j ^ (r % 8)) << 4), chunks 1024-byte aligned. The tokens-as-M kernel's scores (WG_QK) take their A
-// operand from registers and the query block without swizzle (plain_desc).
+// Hopper warpgroup MMAs (wgmma) on bf16 operands in shared memory, for the heads-as-M decode kernel
+// (mla_decode_wg.cu). Operands are 64-channel chunks of [rows x 128 bytes] in the 128-byte swizzle: 16-byte unit j
+// of row r sits at r·128 + ((j ^ (r % 8)) << 4), chunks 1024-byte aligned.
 #pragma once
 
 #ifndef WG_AB
@@ -19,12 +18,6 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo, uint
   return a | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-// a shared-memory matrix descriptor without swizzle: 8 x 16-byte core matrices (128 contiguous bytes each), `lbo`
-// bytes apart along K and `sbo` bytes apart along M or N (both multiples of 16)
-__device__ __forceinline__ uint64_t plain_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -34,39 +27,6 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-template <int N, int M>
-__device__ __forceinline__ void fence_regs(float (&d)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) fence_regs(d[i]);
-}
-template <int N, int M, int K>
-__device__ __forceinline__ void fence_regs(float (&d)[N][M][K]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) fence_regs(d[i]);
-}
-// wgmma_fence after the A operands in a[] are computed (the compiler may not move their instructions past it)
-template <int N>
-__device__ __forceinline__ void wgmma_fence_after(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-  wgmma_fence();
-}
-
-// d (+)= a·B over k16: m64n16k16, A in registers (each warp's 16 rows of the 64 in the mma.m16n8k16 A layout),
-// B K-major through the descriptor db; d as two m16n8 accumulators (d[j][e]: row g + 8·(e >> 1), column
-// 8j + 2·(t % 4) + (e & 1)); scale_d = 0 overwrites d
-__device__ __forceinline__ void wgmma_m64n16_rs(float (&d)[2][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32." WG_AB "." WG_AB " "
-      "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
 // d[16] (+)= A·B over k16: m64n32k16, bf16 A and B from shared memory (descriptors), fp32 accumulators
