@@ -295,6 +295,57 @@ def test_decode_cuda_tokens_m_splits(name, warps):
     check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
 
 
+def launch_bucket_units(name: str, launches: int, splits: int = 16) -> None:
+    """The engine's graph-bucket schedule on the tokens-as-M kernel with its warps apart: 64 sequences of 0 to 700
+    tokens, each cut into `splits` spans of whole tiles, so that most units are empty (`StaticDecodePlan.update`'s
+    arithmetic), launched `launches` times. The outputs must equal the 4-warp plan's bit for bit."""
+    api = _api()
+    lens = [0, 1, 63, 700] * 16
+    lay, pages, bt, sl = make_cache(FORMATS[name], lens, seed=23)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qc = torch.randn(len(lens), 1, 16, D_C, generator=g, device="cuda").to(torch.bfloat16)
+    qr = torch.randn(len(lens), 1, 16, D_R, generator=g, device="cuda").to(torch.bfloat16)
+    outs = {}
+    for ws in (False, True):
+        cfg = tokens_m_config(lay, 16, {"token_blocks": 1, "specialized": ws})
+        md = api.get_mla_metadata(torch.full_like(sl, 1024), 16, 1, lay, config=cfg, chunk_tokens=1024 // splits)
+        n = sl.long().cpu()[:, None]
+        span = torch.clamp(-(-n // splits), min=64)
+        span = -(-span // 64) * 64
+        i = torch.arange(splits)[None, :]
+        units = torch.stack([torch.arange(len(lens))[:, None].expand(-1, splits), torch.minimum(n, i * span),
+                             torch.minimum(n, (i + 1) * span), torch.full((len(lens), splits), splits)], -1)
+        assert md.num_units == units.shape[0] * splits and (units[..., 1] == units[..., 2]).float().mean() > 0.7
+        md.units.copy_(units.reshape(-1, 4).to(torch.int32))
+        out = torch.full((len(lens), 1, 16, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
+        for _ in range(launches if ws else 1):
+            api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 1 / math.sqrt(192), metadata=md, out=out)
+        torch.cuda.synchronize()
+        assert (ws and "w8wss" in md.variant) or (not ws and "w4s" in md.variant), md.variant
+        outs[ws] = out
+    assert torch.equal(outs[True], outs[False]) and not outs[True].isnan().any()
+    assert torch.all(outs[True][sl == 0] == 0)
+
+
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+def test_decode_cuda_tokens_m_warps_apart_finish_on_empty_units(name):
+    """Units without tiles (the engine's graph buckets are mostly such) never leave a CTA waiting: the output warps
+    take their registers back only after the scores' warps have given theirs. Run in a process of its own, so that a
+    kernel that hangs fails the test instead of stopping the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"import test_kernels_gpu as t; t.launch_bucket_units({name!r}, 300)"
+    here = Path(__file__).parent
+    env = {**__import__("os").environ, "PYTHONPATH": f"{here}:{here.parent / 'src'}:{here.parent / 'lab'}"}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the tokens-as-M kernel with its warps apart did not finish 300 launches over empty units in 240 s")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_decode_cuda_tokens_m_error_within_twice_bf16():
     """Against fp64 over its own dequantized cache, each format's tokens-as-M error (4- and 8-warp CTAs) is within
     2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""

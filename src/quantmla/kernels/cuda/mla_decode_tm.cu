@@ -101,9 +101,9 @@ constexpr int BM = 16;                 // query rows per CTA
 constexpr int NT = 32 * NW;
 constexpr int NTR = 32 * NWR;          // threads of a role
 // named barriers: 0 the CTA's, 1 and 2 the two warps of a token group (TPW = 2); with WS the scores' warps' vote (3)
-// and reference move (9), the output warps (4), and a P buffer's full (5 + buffer: the scores' warps arrive) and empty
-// (7 + buffer: the output warps arrive)
-enum : int { BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9 };
+// and reference move (9), the output warps (4), a P buffer's full (5 + buffer: the scores' warps arrive) and empty
+// (7 + buffer: the output warps arrive), and with WS_REGS the scores' warps' registers given back after the loop (10)
+enum : int { BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MOVE = 9, BAR_REGS = 10 };
 // WS_REGS (with WS at two CTAs an SM, 128 registers a thread): the scores' warps take WS_REGS registers for the tile
 // loop and the output warps 256 - WS_REGS (setmaxnreg); 0: both keep 128
 #ifndef WS_REGS
@@ -332,7 +332,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         tile_probabilities(st, sP + buf * P_ELEMS, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
       bar_arrive(BAR_FULL + buf, NT);
     }
-    if constexpr (WS_REGS) set_max_regs<128, false>();
+    if constexpr (WS_REGS) {
+      set_max_regs<128, false>();
+      bar_arrive(BAR_REGS, NT);  // their registers are back in the CTA's pool
+    }
   } else {
     if constexpr (WS_REGS) set_max_regs<256 - WS_REGS, false>();
     for (int it = 0; it < ntiles; ++it) {
@@ -355,7 +358,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         pg_next = page_of(nxt + 1);
       }
     }
-    if constexpr (WS_REGS) set_max_regs<128, true>();
+    // Back to 128 once the scores' warps have given theirs back: in a unit without tiles these warps would otherwise
+    // take their registers back before the scores' warps had taken theirs, and those would wait for them for ever
+    if constexpr (WS_REGS) {
+      bar_sync(BAR_REGS, NT);
+      set_max_regs<128, true>();
+    }
   }
 #elif ONE_BARRIER
   // Tile it: its scores, one vote (a barrier: every warp has written P of tile it - 1 and read the stage of
