@@ -416,25 +416,26 @@ def test_engine_on_gpu_moe_falls_back_to_eager_steps():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_engine_on_gpu_deepseek_cache_geometry_matches_generate():
-    """DeepSeek's cache geometry (d_c 512, d_r 64, 16 heads, 64-token pages) in a 2-layer model, so decode steps run
-    the CUDA kernels the serving jobs run (the tokens-as-M kernel with its warps apart for INT4/INT4 and INT2/INT4,
-    groups 128/64, and for FP8 where units are long) inside captured graphs, beside BF16: contexts of 1 to 1000
-    tokens (empty splits, partial tiles, several pages a split), greedy outputs as generate()."""
+@pytest.mark.parametrize("heads", [16, 128])
+def test_engine_on_gpu_deepseek_cache_geometry_matches_generate(heads):
+    """DeepSeek's cache geometry (d_c 512, d_r 64, 64-token pages) in a 2-layer model, so decode steps run the CUDA
+    kernels the serving jobs run inside captured graphs: at 16 heads the tokens-as-M kernel (its warps apart for
+    INT4/INT4 and INT2/INT4, groups 128/64), at 128 the heads-as-M kernel, for BF16, FP8, INT4/INT4 and INT2/INT4.
+    Contexts of 1 to 1000 tokens (empty splits, partial tiles, several pages a split); greedy outputs as generate()."""
     from quantmla.cache.layout import PageLayout, TokenLayout
     from quantmla.kernels import api
     from quantmla_lab.bench.serving.throughput import method_config
 
-    model = tiny_model("deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
-                       num_key_value_heads=16, qk_nope_head_dim=32, v_head_dim=32, hidden_size=256,
+    model = tiny_model("deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=heads,
+                       num_key_value_heads=heads, qk_nope_head_dim=32, v_head_dim=32, hidden_size=256,
                        intermediate_size=256, vocab_size=512, first_k_dense_replace=2,
                        max_position_embeddings=2048).cuda()
     prompts = _prompts((1000, 130, 64, 1, 257, 700), vocab=512, seed=7)
     for name in ("int4/int4", "int2/int4", "fp8", "bf16"):
         quant = method_config(name, 128, 64)
-        if name.startswith("int"):
-            lay = PageLayout(TokenLayout(512, 64, quant.format_for(0)), 64)
-            assert api.default_config(16, lay, torch.device("cuda")).describe().startswith("cuda/tm/ws"), name
+        lay = PageLayout(TokenLayout(512, 64, quant.format_for(0)), 64)
+        kernel = api.default_config(heads, lay, torch.device("cuda")).describe()
+        assert kernel.startswith("cuda/wg" if heads == 128 else "cuda/tm/ws" if name.startswith("int") else "cuda"), kernel
         rep, st = engine_agreement(model, quant, prompts, 24, tie_tol=2e-2, page_size=64, num_pages=48,
                                    max_num_batched_tokens=1024, graph_buckets=(1, 2, 4, 8))
         assert st["cuda_graphs"] and st["graph_steps"] > 0, (name, st)
