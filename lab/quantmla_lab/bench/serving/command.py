@@ -55,6 +55,9 @@ def add_arguments(p):
     p.add_argument("--device", default=d.device, help="torch device (the benchmark is meant for cuda)")
     p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help="compute dtype")
     p.add_argument("--max-seconds", type=float, default=0.0, help="start no new run after this many seconds")
+    p.add_argument("--stall-seconds", type=float, default=d.stall_seconds,
+                   help="end with status 3, naming the method and step, when one engine step or graph capture runs this "
+                        "long (a kernel that never returns); 0: never")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
@@ -173,6 +176,9 @@ def check_args(args) -> None:
 
     for b in args.budgets_gib:
         check_positive(b, "--budgets-gib")
+    if args.stall_seconds < 0:
+        raise QuantMLAError(f"--stall-seconds {args.stall_seconds:g}: give seconds a step may run before the run is "
+                            "declared stuck, or 0 to never end it")
 
     if not args.device.startswith("cuda") or torch.cuda.is_available():
         check_device(args.device)  # a name torch does not know, a GPU index past the count
@@ -219,6 +225,7 @@ def run(args) -> int:
         rope_group=args.rope_group, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
+        stall_seconds=args.stall_seconds,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     cmd = getattr(args, "command_line", " ".join(sys.argv))

@@ -26,6 +26,7 @@ from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
+from quantmla_lab.bench.serving.stall import StallWatch
 
 GIB = 1 << 30
 
@@ -66,6 +67,7 @@ class BenchSettings:
     device: str = "cuda"
     dtype: str = "bfloat16"
     max_seconds: float = 0.0  # stop starting new runs after this many seconds (0: no limit)
+    stall_seconds: float = 300.0  # end the process (status 3) when a step or capture runs this long (0: never)
     warmup: bool = True
     graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
 
@@ -212,6 +214,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         pass
     budgets = sorted(s.budgets_gib)
     engines: dict[str, Engine] = {}
+    watch = StallWatch(s.stall_seconds) if s.stall_seconds > 0 else None
     for m in s.methods:
         base, rope_block = rope_pages_method(m)
         q = method_config(base, s.content_group, s.rope_group)
@@ -222,6 +225,8 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
+            if watch is not None:
+                e.observers.append(watch.observer(m))
             if s.warmup:
                 warm = [Request(f"w{i}", job[i].prompt[: max(2, min(len(job[i].prompt), 300 + 50 * i))],
                                 SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(min(3, len(job)))]
@@ -293,6 +298,8 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                 f"peak batch {run['peak_batch']:4d}  preemptions {run['preemptions']:4d}")
     for e in engines.values():
         e.close()
+    if watch is not None:
+        watch.close()
     # ratios to BF16 at the same budget
     base = {r["budget_gib"]: r["tokens_per_s"] for r in result["runs"] if r["method"] == "bf16"}
     for r in result["runs"]:
