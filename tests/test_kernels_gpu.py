@@ -302,6 +302,7 @@ def launch_bucket_units(name: str, launches: int, splits: int = 16) -> None:
     api = _api()
     lens = [0, 1, 63, 700] * 16
     lay, pages, bt, sl = make_cache(FORMATS[name], lens, seed=23)
+    bt = torch.nn.functional.pad(bt, (0, 1024 // PAGE - bt.shape[1]))  # the bucket's rows: pages for 1024 tokens
     g = torch.Generator(device="cuda").manual_seed(5)
     qc = torch.randn(len(lens), 1, 16, D_C, generator=g, device="cuda").to(torch.bfloat16)
     qr = torch.randn(len(lens), 1, 16, D_R, generator=g, device="cuda").to(torch.bfloat16)
