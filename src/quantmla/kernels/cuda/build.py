@@ -23,7 +23,8 @@ SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's 
 SOURCE_WG = Path(__file__).with_name("mla_decode_wg.cu")  # heads as M on warpgroup MMAs (plans with WG=1)
 # the headers the sources include: part of every build's cache key
 HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh", "query_pieces.cuh",
-           "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh", "wgmma.cuh", "wg_build.cuh", "code_expand.cuh")
+           "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh", "wgmma.cuh", "wg_build.cuh", "code_expand.cuh",
+           "query_s8.cuh", "scores_s8.cuh")
 
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:

@@ -42,6 +42,8 @@ typedef __half2 T2;
 
 #include "ptx.cuh"
 #include "out_io.cuh"
+#define WG_AB "f16"
+#include "wgmma.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "the tokens-as-M decode kernel copies its stages with sm_90 bulk copies"
@@ -178,6 +180,7 @@ constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
 
 #include "query_pieces.cuh"
+#include "query_s8.cuh"
 #include "query_tm.cuh"
 
 // content code byte `col` of token row `row` of a stage
@@ -198,6 +201,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 }
 
 #include "scores_tm.cuh"
+#include "scores_s8.cuh"
 #include "softmax_tm.cuh"
 #include "output_tm.cuh"
 
@@ -240,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   if (WS && tid == NTR) pg_next = page_of(STAGES);
   mark(tl, 2);
   if (scoring) write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
+  if constexpr (S8_QK) fence_proxy_async();  // the s8 query block, visible to the warpgroup MMAs
   __syncthreads();  // the query block, its sums and factors are written (and the barriers initialised)
   mark(tl, 3);
 
@@ -273,6 +278,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // the own rows' scores of a tile (stage st): with KS = 2 the warp's half of the channels, the other warp's half of
   // its own rows taken over through sX (a barrier of the two warps), then finished
   auto own_scores = [&](const uint8_t* st, float (&sc)[TPW][NB_OWN][4], int valid, int n0) {
+#if S8_QK
+    tile_scores_s8(st, smem + SM_Q, tok_lo, t, sc);
+#else
     float part[TPW][2][4];
     if constexpr (KS == 1) {
       tile_scores<0>(st, qa, tok_lo, t, part);
@@ -299,6 +307,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         for (int e = 0; e < 4; ++e) sc[i][0][e] = (nb0 ? part[i][1][e] : part[i][0][e]) + yv[e];
       }
     }
+#endif
 #pragma unroll
     for (int i = 0; i < TPW; ++i) finish_scores(st, sc[i], qf, qsum, limit, tok_lo + 16 * i, valid, n0);
   };

@@ -106,6 +106,7 @@ __device__ __forceinline__ void write_query_rows(const uint4 (&qv)[RPW][CPL], co
   }
   const uint32_t ramax = piece_amax_bits(qrv);
   float rscale = 1.0f;  // the scale of the RoPE piece's row, lane / RPL
+  [[maybe_unused]] float rinv = 0.0f;  // S8_QK: 127 / the largest |q| of the RoPE piece's row
 #pragma unroll
   for (int j = 0; j < RPW; ++j) {
     const int rr = RPW * warp + j;
@@ -117,6 +118,8 @@ __device__ __forceinline__ void write_query_rows(const uint4 (&qv)[RPW][CPL], co
     const bool big = __uint_as_float(abits) > 8192.0f;
     const float scale = big ? __uint_as_float((127u - ((abits >> 23) - 127u - 12u)) << 23) : 1.0f;
     if (lane / RPL == j) rscale = scale;
+    [[maybe_unused]] const float amax = __uint_as_float(abits), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (S8_QK && lane / RPL == j) rinv = inv;
     const float s0 = segment_sum<WC>(piece_sum(qv[j][0])), s1 = segment_sum<WC>(piece_sum(qv[j][1]));
     if constexpr (C_GS == 512) {
       if (lane == 0) sQsum[rr] = (s0 + s1) * qk_scale_log2;
@@ -124,12 +127,22 @@ __device__ __forceinline__ void write_query_rows(const uint4 (&qv)[RPW][CPL], co
       sQsum[(lane / WC) * BM + rr] = s0 * qk_scale_log2;
       sQsum[((32 + lane) / WC) * BM + rr] = s1 * qk_scale_log2;
     }
+#if S8_QK
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) store_piece_s8(reinterpret_cast<uint8_t*>(sQ), rr, 8 * (lane + 32 * k), qv[j][k], inv);
+    if (lane == 0) sQf[rr] = qk_scale_log2 * amax * (1.0f / (127.0f * 256.0f));
+#else
 #pragma unroll
     for (int k = 0; k < CPL; ++k) store_piece<false>(sQ + rr * LDQ, pos[k], qv[j][k], scale);
     if (lane == 0) sQf[rr] = qk_scale_log2 * (big ? __uint_as_float(((abits >> 23) - 12u) << 23) : 1.0f);
+#endif
   }
   const int rr = RPW * warp + lane / RPL;
+#if S8_QK
+  store_piece_s8(reinterpret_cast<uint8_t*>(sQ), rr, D_C + 8 * (lane % RPL), qrv, rinv);
+#else
   store_piece<bool(C_FP8)>(sQ + rr * LDQ, rpos, qrv, rscale);
+#endif
   if constexpr (RG > 0) {
     constexpr int WR = R_GS / 8;  // lanes holding a RoPE group's pieces
     const float s2 = segment_sum<WR>(piece_sum(qrv));

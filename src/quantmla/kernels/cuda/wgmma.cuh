@@ -18,6 +18,12 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo, uint
   return a | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// a shared-memory matrix descriptor without swizzle: 8 x 16-byte core matrices (128 contiguous bytes each), `lbo`
+// bytes apart along K and `sbo` bytes apart along M or N (both multiples of 16)
+__device__ __forceinline__ uint64_t plain_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
