@@ -26,10 +26,12 @@
 // tile i - 1 and P of tile i into the other of two P buffers; a stage is refilled two tiles after its scores.
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 // With WS (the default for integer codes) the CTA has 8 warps: warps 0-3 run the scores, the vote and P of each tile,
-// warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order.
+// warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order. With S8_QK
+// (INT4/INT4 with WS; not a default) the scores' warps issue their products as 8-bit warpgroup MMAs on the query in
+// two s8 terms (scores_s8.cuh, query_s8.cuh).
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
-//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS NW (4, or 8 with WS)
+//   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS S8_QK NW (4, or 8 with WS)
 //   (and TM, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
