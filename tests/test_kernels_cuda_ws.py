@@ -115,3 +115,26 @@ def test_s8_scores_build_for_sm90(tmp_path, monkeypatch):
     _, p2 = plan("int2/int4", specialized=True)
     with pytest.raises(Exception, match="8-bit warpgroup scores"):
         build.compile_cubin(tuple(sorted({**dict(p2.macros), "S8_QK": 1}.items())), "sm_90a")
+
+
+def test_s8_scores_plan_and_config(monkeypatch):
+    """s8_scores asks for the build with S8_QK: INT4/INT4 (groups 128/64) with the warps apart and one token block a
+    warp; any other format, 4 warps or two token blocks are refused with the reason; the config carries it and names
+    it ("cuda/tm/wsq"), and the launch rebuilds the same plan from the config."""
+    from quantmla.kernels.schedule import cuda_config
+
+    lay, p = plan("int4/int4", s8_scores=True)
+    m = dict(p.macros)
+    assert (m["S8_QK"], m["WS"], p.num_warps) == (1, 1, 8) and "TPW" not in m and "w8wsqs" in p.describe()
+    assert dict(plan("int4/int4")[1].macros).get("S8_QK") is None  # not the default
+    for name, kw, why in (("int2/int4", {}, "read INT4/INT4 with groups 128/64"),
+                          ("int4/int4", {"specialized": False}, "one token block a warp"),
+                          ("int4/int4", {"token_blocks": 2}, "one token block a warp")):
+        lay2, refused = plan(name, s8_scores=True, **kw)
+        assert refused is None and why in cuda.plan_reason[lay2], (name, kw)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        cfg = cuda_config(16, lay, "cuda", s8_scores=True)
+        again = cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True, token_blocks=cfg.token_blocks,
+                                 specialized=cfg.specialized, s8_scores=cfg.s8_scores, ctas_per_sm=cfg.ctas_per_sm)
+    assert cfg.s8_scores and cfg.describe().startswith("cuda/tm/wsq ") and again == p

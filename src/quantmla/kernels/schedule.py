@@ -54,7 +54,9 @@ class DecodeConfig:
     BF16 caches at 64 rows or more, 64 rows a CTA);
     specialized: with tokens_m, 8 warps a CTA: 4 take a tile's scores, softmax and P, the other 4 its output
     products a tile behind (WS in mla_decode_tm.cu; ctas_per_sm 1 or 2); False: 4 warps that take both; None: the
-    kernel's default for the layout (kernels.cuda.tokens_m_plan)."""
+    kernel's default for the layout (kernels.cuda.tokens_m_plan);
+    s8_scores: with tokens_m and specialized, the scores' products as 8-bit warpgroup MMAs (S8_QK, INT4/INT4; not the
+    default)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -71,9 +73,10 @@ class DecodeConfig:
     token_blocks: int | None = None
     warpgroup: bool = False
     specialized: bool | None = None
+    s8_scores: bool = False
 
     def describe(self) -> str:
-        tm = "cuda/tm/ws" if self.specialized else "cuda/tm"
+        tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "")
         cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else "cuda/wg" if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
@@ -122,7 +125,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
-                ctas_per_sm: int | None = None) -> DecodeConfig | None:
+                ctas_per_sm: int | None = None, s8_scores: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
@@ -130,9 +133,9 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     INT4/INT4 at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8
     ``get_mla_metadata`` takes the built tile where units are short),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
-    plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp; `specialized` its scores'
-    and output's warps apart, `ctas_per_sm` of them), `tokens_m=False` for the built tile only, `warpgroup=True` for
-    the heads-as-M kernel on warpgroup MMAs only."""
+    plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp; `specialized` its scores' and
+    output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs), `tokens_m=False` for
+    the built tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -144,7 +147,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
-                                      specialized=specialized, ctas_per_sm=ctas_per_sm))
+                                      specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores))
     if not tokens_m and not warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
                                       fragments=fragments))
@@ -163,7 +166,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
                         tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None,
-                        warpgroup=bool(dict(plan.macros).get("WG")), specialized=bool(dict(plan.macros).get("WS")))
+                        warpgroup=bool(dict(plan.macros).get("WG")), specialized=bool(dict(plan.macros).get("WS")),
+                        s8_scores=bool(dict(plan.macros).get("S8_QK")))
 
 
 @dataclass

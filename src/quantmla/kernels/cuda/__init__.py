@@ -33,21 +33,22 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
-                ctas_per_sm: int | None = None) -> DecodePlan | None:
+                ctas_per_sm: int | None = None, s8_scores: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a warp's scores take,
     for the tokens-as-M kernel; None: its default for the layout; `specialized` its scores' and output's warps apart
-    or not, None its default; `ctas_per_sm` of them, default 2); `fragments=True` takes the path without a
-    built tile (None where it cannot read the layout); `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu;
-    None where it cannot read the layout, the reason from `tokens_m_reason`); `warpgroup=True` the heads-as-M
-    kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from `warpgroup_reason`).
-    Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32 x 16384:
-    161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json). Default:
-    8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build per
-    64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
-    lab/results/kernels/decode_cuda_tilings_128h_h200.json)."""
+    or not, None its default; `ctas_per_sm` of them, default 2; `s8_scores` its scores on 8-bit warpgroup MMAs);
+    `fragments=True` takes the path without a built tile (None where it cannot read the layout); `tokens_m=True` the
+    tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
+    `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
+    `warpgroup_reason`). Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32
+    x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
+    Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
+    per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
+    lab/results/kernels/decode_cuda_tilings_128h_h200.json).
+    """
     why = device_reason(device, (9, 0) if tokens_m or warpgroup else (8, 0),
                         "tokens as M: needs compute capability 9.0 (bulk copies)" if tokens_m
                         else "heads as M: needs compute capability 9.0 (warpgroup MMAs)" if warpgroup
@@ -65,7 +66,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         return plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
-                             specialized=specialized)
+                             specialized=specialized, s8_scores=s8_scores)
         if isinstance(plan, str):
             plan_reason[layout] = f"tokens as M: {plan}"
             return None

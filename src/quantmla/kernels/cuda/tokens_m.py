@@ -72,7 +72,8 @@ def tokens_m_default_blocks(layout: PageLayout) -> int:
 
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
-                  blocks_per_warp: int | None = None, specialized: bool | None = None) -> DecodePlan | str:
+                  blocks_per_warp: int | None = None, specialized: bool | None = None,
+                  s8_scores: bool = False) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
     of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
     tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
@@ -81,12 +82,16 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
     a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
     was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/kernels.md "The scores'
-    and the output's warps apart")."""
+    and the output's warps apart"). `s8_scores` (INT4/INT4 with groups 128/64, the warps apart, a block a
+    warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default (not
+    yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
     if specialized is None:
         apart = not is_fp8(layout) and ctas_per_sm <= 2
+        if s8_scores:  # only with the warps apart: asked for, never dropped
+            return tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True, True)
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True) if apart else None
         return plan if isinstance(plan, DecodePlan) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm,
                                                                        blocks_per_warp, False)
@@ -98,6 +103,14 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
     if specialized and is_fp8(layout):
         return "FP8 with the scores' and the output's warps apart: not built (its stages leave no room)"
+    if s8_scores:
+        f = layout.token.fmt
+        if not specialized or blocks_per_warp != 1:
+            return ("the scores on 8-bit warpgroup MMAs: with the scores' and the output's warps apart, one token "
+                    "block a warp")
+        if (f.content.bits, f.rope.bits, f.content.group_size, f.rope.group_size) != (4, 4, 128, 64):
+            return (f"the scores on 8-bit warpgroup MMAs read INT4/INT4 with groups 128/64, not {f.content.describe()} "
+                    f"+ {f.rope.describe()}")
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
@@ -129,4 +142,6 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
     if is_fp8(layout):
         macros["C_FP8"] = 1
+    if s8_scores:
+        macros["S8_QK"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
