@@ -44,6 +44,9 @@
 # e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
 #                 terms: the operand layouts against fp64 products of the same terms   -> kernels/e4m3_scores_h200.json
 #                                                                         -> kernels/mma_rate_h200.json
+# s8-scores       the tokens-as-M kernel's scores on 8-bit warpgroup MMAs (S8_QK): its GPU tests against the oracle
+#                 and fp64, then its decode kernel beside the default, with the layout checks and without output products
+#                 -> kernels/tokens_m_s8_scores_gpu_tests_h200.log, kernels/decode_tokens_m_s8_scores_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -187,6 +190,15 @@ warpgroup() {
     --out "$OUT/kernels/decode_warpgroup_lowbit_128h_h200.json" 2>&1 | tail -15
   timeout 150 python3 -m quantmla.cli bench-kernel --no-sweep --heads 128 --methods bf16,fp8,int4/int4,int2/int4 --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \
     --out "$OUT/kernels/decode_vs_peer_128h_h200.json" 2>&1 | tail -8
+}
+
+s8-scores() {
+  timeout 240 python3 -m pytest -q -rfs tests/test_kernels_gpu.py -k "s8 or tokens_m_error" -s 2>&1 | grep -v -i warn \
+    > "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
+  tail -3 "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
+  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4 --heads 16 \
+    --shapes 32x16384,1x131072,64x4096 --tilings 8x32 --tokens-m --variants S8_QK=1 S8_QK=1,S8_AORDER=1 \
+    S8_QK=1,S8_DESC=1 S8_QK=1,SKIP_PV=1 SKIP_PV=1 --out "$OUT/kernels/decode_tokens_m_s8_scores_h200.json" 2>&1 | tail -20
 }
 
 mma-rate() {
