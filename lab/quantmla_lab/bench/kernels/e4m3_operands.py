@@ -148,17 +148,22 @@ def decode(q: torch.Tensor, codes, scales, zeros, sm_scale: float, mode: str, ac
     return (o / p.sum(-1, keepdim=True)).bfloat16().double()
 
 
+MODES = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3", "s8 q1p2", "s8 q2p1",
+         "s8 q2p2", "s8/e4m3 q2p2", "s8/e4m3 q2p3"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=MODES,
+                    help='arithmetics to emulate ("s8 q2p0": two s8 terms of the query, p·scale in fp16 as today)')
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if Path(a.out).exists():
         sys.exit(f"{a.out} exists: remove it or name another --out")
-    modes = ["bf16", "fp16", "e4m3 q1p1", "e4m3 q2p2", "e4m3 q3p2", "e4m3 q2p3", "e4m3 q3p3", "s8 q1p2", "s8 q2p1",
-             "s8 q2p2", "s8/e4m3 q2p2", "s8/e4m3 q2p3"]
+    modes = a.modes
     res = {"device": "cpu (emulated arithmetic)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": source_commit(),
         "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_operands", *sys.argv[1:]]),
