@@ -246,7 +246,7 @@ TM_WARPS = [{"token_blocks": 1, "specialized": False}, {"token_blocks": 2, "spec
 TM_IDS = ["t1", "t2", "ws", "t2ws1"]
 
 
-S8 = {"token_blocks": 1, "specialized": True, "s8_scores": True}  # the scores on 8-bit warpgroup MMAs (INT4/INT4)
+S8 = {"token_blocks": 1, "specialized": True, "s8_scores": True}  # the scores on 8-bit warpgroup MMAs
 
 
 def tm_variant(warps: dict) -> str:
@@ -259,7 +259,7 @@ def tm_variant(warps: dict) -> str:
 @pytest.mark.parametrize("name,warps", [pytest.param(n, w, id=f"{n}-{i}") for n in ("int4/int4", "int2/int4", "int4/int4-g64/g32")
                                         for w, i in zip(TM_WARPS, TM_IDS)
                                         if not (w.get("specialized") and n.endswith("g64/g32"))]  # (refused: no room)
-                                       + [pytest.param("int4/int4", S8, id="int4/int4-s8")])
+                                       + [pytest.param(n, S8, id=f"{n}-s8") for n in ("int4/int4", "int2/int4")])
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
 def test_decode_cuda_tokens_m(name, H, SQ, warps):
     """Tokens as the MMA's M dimension (mla_decode_tm.cu) against the same fp32 oracle: NaN-poisoned outputs,
@@ -293,7 +293,8 @@ def test_decode_cuda_tokens_m_query_ranges(warps):
 @pytest.mark.parametrize("name,warps", [pytest.param(n, w, id=f"{n}-{i}") for n in ("int4/int4", "int2/int4")
                                         for w, i in zip(TM_WARPS, TM_IDS)]
                                        + [pytest.param("fp8", TM_WARPS[0], id="fp8-t1"),
-                                          pytest.param("int4/int4", S8, id="int4/int4-s8")])
+                                          pytest.param("int4/int4", S8, id="int4/int4-s8"),
+                                          pytest.param("int2/int4", S8, id="int2/int4-s8")])
 def test_decode_cuda_tokens_m_splits(name, warps):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS[name], [20000, 3, 511], seed=17)
@@ -362,7 +363,7 @@ def test_decode_cuda_tokens_m_error_within_twice_bf16():
     errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
     for name in ("int4/int4", "int2/int4"):
         lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
-        for w, wid in zip(TM_WARPS + [S8] * (name == "int4/int4"), TM_IDS + ["s8"]):
+        for w, wid in zip(TM_WARPS + [S8], TM_IDS + ["s8"]):
             errs[f"{name} {wid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
             assert md.variant.startswith("cuda/f16/tm/"), md.variant
     lay, pages, bt, sl = make_cache(FORMATS["fp8"], [4096] * 8, seed=21)

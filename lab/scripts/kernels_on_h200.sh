@@ -196,7 +196,7 @@ s8-scores() {
   timeout 240 python3 -m pytest -q -rfs tests/test_kernels_gpu.py -k "s8 or tokens_m_error" -s 2>&1 | grep -v -i warn \
     > "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
   tail -3 "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
-  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4 --heads 16 \
+  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 16 \
     --shapes 32x16384,1x131072,64x4096 --tilings 8x32 --tokens-m --variants S8_QK=1 S8_QK=1,S8_AORDER=1 \
     S8_QK=1,S8_DESC=1 S8_QK=1,SKIP_PV=1 SKIP_PV=1 --out "$OUT/kernels/decode_tokens_m_s8_scores_h200.json" 2>&1 | tail -20
 }

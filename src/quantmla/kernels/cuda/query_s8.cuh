@@ -7,11 +7,12 @@
 #ifndef S8_QK
 #define S8_QK 0
 #endif
-static_assert(!S8_QK || (WS && TPW == 1 && !C_FP8 && C_BITS == 4 && R_BITS == 4 && C_GS == 128 && R_GS == 64 &&
-                         FB_CC == 256 && FB_RC == 32),
-              "8-bit warpgroup scores: the warps apart, a block a warp, INT4/INT4 with groups 128/64");
+static_assert(!S8_QK || (WS && TPW == 1 && !C_FP8 && (C_BITS == 4 || C_BITS == 2) && R_BITS == 4 && C_GS == 128 &&
+                         R_GS == 64 && FB_RC == 32),
+              "8-bit warpgroup scores: the warps apart, a block a warp, INT4/INT4 or INT2/INT4 with groups 128/64");
 
-constexpr int Q8_KSTEPS = 18;            // 16 content k-steps (4 column blocks x 2 halves x 2 planes) and 2 of RoPE
+// 16 content k-steps (column blocks x 2 halves x planes: 4 x 2 x 2 at 4 bits, 2 x 2 x 4 at 2 bits), 2 of RoPE
+constexpr int Q8_KSTEPS = 18;
 constexpr int Q8_BYTES = Q8_KSTEPS * 1024;  // per k-step 32 rows (16 query rows x 2 terms) x 32 bytes
 
 // byte offset in the s8 query block of element (row n of 32, k of 32) of k-step s
@@ -21,9 +22,9 @@ __host__ __device__ constexpr int q8_at(int s, int n, int k) {
 
 // the k-step and k of channel c (a multiple of 4; c .. c + 3 sit at k .. k + 3 of the same k-step)
 __device__ __forceinline__ int2 q8_position(int c) {
-  if (c < D_C) {  // plane p, byte b = 64m + 16t + 8h + 4u + j: k-step (2m + h)·2 + p, k 16u + 4t + j
+  if (c < D_C) {  // plane p, byte b = 64m + 16t + 8h + 4u + j: k-step (2m + h)·NPC + p, k 16u + 4t + j
     const int p = c / FB_CC, b = c % FB_CC, m = b >> 6, t = (b >> 4) & 3, h = (b >> 3) & 1, u = (b >> 2) & 1;
-    return make_int2((2 * m + h) * 2 + p, 16 * u + 4 * t);
+    return make_int2((2 * m + h) * NPC + p, 16 * u + 4 * t);
   }
   const int cr = c - D_C, p = cr / FB_RC, b = cr % FB_RC, t = b >> 3, u = (b >> 2) & 1;  // RoPE: byte 8t + 4u + j
   return make_int2(16 + p, 16 * u + 4 * t);

@@ -82,9 +82,9 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
     a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
     was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/kernels.md "The scores'
-    and the output's warps apart"). `s8_scores` (INT4/INT4 with groups 128/64, the warps apart, a block a
-    warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default (not
-    yet measured on the H200, docs/kernels.md "What is next")."""
+    and the output's warps apart"). `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a block a
+    warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default (not yet
+    measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
@@ -108,9 +108,9 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         if not specialized or blocks_per_warp != 1:
             return ("the scores on 8-bit warpgroup MMAs: with the scores' and the output's warps apart, one token "
                     "block a warp")
-        if (f.content.bits, f.rope.bits, f.content.group_size, f.rope.group_size) != (4, 4, 128, 64):
-            return (f"the scores on 8-bit warpgroup MMAs read INT4/INT4 with groups 128/64, not {f.content.describe()} "
-                    f"+ {f.rope.describe()}")
+        if f.content.bits not in (2, 4) or (f.rope.bits, f.content.group_size, f.rope.group_size) != (4, 128, 64):
+            return ("the scores on 8-bit warpgroup MMAs read INT4/INT4 or INT2/INT4 with groups 128/64, not "
+                    f"{f.content.describe()} + {f.rope.describe()}")
 
     def fits(p_buffers: int, least: int) -> list[int]:
         return [s for s in range(TM_MAX_STAGES, least - 1, -1)
