@@ -27,7 +27,7 @@
 // Without it, the output of tile i - 1 and the scores of tile i, the vote, P of tile i and a second barrier.
 // With WS (the default for integer codes) the CTA has 8 warps: warps 0-3 run the scores, the vote and P of each tile,
 // warps 4-7 (one warpgroup) its output products a tile behind, the same arithmetic in the same order. With S8_QK
-// (INT4/INT4 with WS; not a default) the scores' warps issue their products as 8-bit warpgroup MMAs on the query in
+// (INT4/INT4 or INT2/INT4 with WS; not a default) the scores' warps issue their products as 8-bit warpgroup MMAs on the query in
 // two s8 terms (scores_s8.cuh, query_s8.cuh).
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM

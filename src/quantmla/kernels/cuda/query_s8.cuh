@@ -14,6 +14,7 @@ static_assert(!S8_QK || (WS && TPW == 1 && !C_FP8 && (C_BITS == 4 || C_BITS == 2
 // 16 content k-steps (column blocks x 2 halves x planes: 4 x 2 x 2 at 4 bits, 2 x 2 x 4 at 2 bits), 2 of RoPE
 constexpr int Q8_KSTEPS = 18;
 constexpr int Q8_BYTES = Q8_KSTEPS * 1024;  // per k-step 32 rows (16 query rows x 2 terms) x 32 bytes
+static_assert(!S8_QK || (Q8_BYTES <= BM * LDQ * 2 && SM_Q % 16 == 0), "the s8 query block takes the fp16 block's place");
 
 // byte offset in the s8 query block of element (row n of 32, k of 32) of k-step s
 __host__ __device__ constexpr int q8_at(int s, int n, int k) {
