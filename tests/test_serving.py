@@ -531,3 +531,23 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
             assert pad < 2 * max(n, b[0]), (n, pad)  # never more than double the chunk
             if 512 <= n <= 4096:
                 assert pad - n < 512  # fine steps where prompts usually fall
+
+
+def test_bucket_units_cover_each_sequence_once_in_whole_tiles():
+    """A graph bucket's units (StaticDecodePlan.update's, and the GPU test of empty units'): each sequence's spans,
+    in order, cover its tokens exactly once; every span but a sequence's last is whole key tiles and at least the
+    shortest span; the spans past a sequence's end are empty; every row says how many splits its sequence has."""
+    import numpy as np
+
+    from quantmla.serving.triton_backend import bucket_units
+
+    lens = np.array([0, 1, 63, 64, 65, 700, 1024, 4097])
+    u = bucket_units(lens, 16, 128, 64)
+    assert u.shape == (8, 16, 4) and (u[:, :, 0] == np.arange(8)[:, None]).all() and (u[:, :, 3] == 16).all()
+    for b, n in enumerate(lens):
+        starts, ends = u[b, :, 1], u[b, :, 2]
+        assert starts[0] == 0 and ends[-1] == n and (starts[1:] == ends[:-1]).all() and (ends >= starts).all()
+        full = ends[ends < n] - starts[ends < n]
+        assert (full % 64 == 0).all() and (full >= 128).all()
+    assert (u[:2, 1:, 1] == u[:2, 1:, 2]).all()  # 0 and 1 tokens: one span, then empty units
+    assert u[7, 0, 2] == 320  # ceil(4097 / 16) = 257 tokens, rounded up to whole tiles

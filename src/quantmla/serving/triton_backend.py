@@ -86,18 +86,26 @@ class StaticDecodePlan:
     def update(self, lens: np.ndarray, buffer: int = 0) -> None:
         """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place, through
         pinned host set ``buffer`` (0 or 1)."""
-        n = np.asarray(lens, dtype=np.int64)[:, None]
         for kind, md in self.md.items():
             S, min_span, tile = self.split[kind]
-            span = np.maximum(min_span, -(-n // S))  # ceil(len / S) tokens, at least min_span,
-            span = -(-span // tile) * tile  # in whole key tiles
-            h = self.host[kind][buffer].numpy().reshape(self.b, S, 4)
-            i = np.arange(S)[None, :]
-            h[:, :, 0] = np.arange(self.b)[:, None]
-            h[:, :, 1] = np.minimum(n, i * span)
-            h[:, :, 2] = np.minimum(n, (i + 1) * span)
-            h[:, :, 3] = S
+            self.host[kind][buffer].numpy().reshape(self.b, S, 4)[:] = bucket_units(lens, S, min_span, tile)
             md.units.copy_(self.host[kind][buffer], non_blocking=True)
+
+
+def bucket_units(lens: np.ndarray, splits: int, min_span: int, tile: int) -> np.ndarray:
+    """A graph bucket's work units: int64 [b, splits, 4] rows (sequence, token start, token end, splits). Sequence i
+    is cut into spans of ceil(len / splits) tokens, at least `min_span`, in whole key tiles of `tile` tokens; the
+    spans past its end are empty (start = end = len), as most of a bucket's units are."""
+    n = np.asarray(lens, dtype=np.int64)[:, None]
+    span = np.maximum(min_span, -(-n // splits))  # ceil(len / S) tokens, at least min_span,
+    span = -(-span // tile) * tile  # in whole key tiles
+    i = np.arange(splits)[None, :]
+    units = np.empty((n.shape[0], splits, 4), dtype=np.int64)
+    units[:, :, 0] = np.arange(n.shape[0])[:, None]
+    units[:, :, 1] = np.minimum(n, i * span)
+    units[:, :, 2] = np.minimum(n, (i + 1) * span)
+    units[:, :, 3] = splits
+    return units
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -157,4 +165,4 @@ class TritonPagedBackend(AttentionBackend):
         return api.mla_prefill_attention(q_nope, q_rope, kv, kr.to(kv.dtype), s.softmax_scale)
 
 
-__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "triton_available"]
+__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_units", "triton_available"]

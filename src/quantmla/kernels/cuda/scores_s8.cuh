@@ -35,12 +35,6 @@ __device__ __forceinline__ void wgmma_m64n32k32_u8s8(int32_t (&d)[16], const uin
       : "r"(a[0]), "r"(a[S8_AORDER ? 2 : 1]), "r"(a[S8_AORDER ? 1 : 2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-template <int N>
-__device__ __forceinline__ void fence_iregs(int32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-
 // sc += (256·d[term 1] + d[term 2])·(s_lo, s_hi): one group's products folded with its tokens' scales
 __device__ __forceinline__ void fold_s8(float (&sc)[2][4], const int32_t (&d)[16], float s_lo, float s_hi) {
 #pragma unroll
@@ -92,8 +86,8 @@ __device__ __forceinline__ void tile_scores_s8(const uint8_t* st, const uint8_t*
           asm volatile("" : "+r"(a[h][j][0]), "+r"(a[h][j][1]), "+r"(a[h][j][2]), "+r"(a[h][j][3])::"memory");
         }
       if (mm == 0) {
-        fence_iregs(acc[0]);
-        fence_iregs(acc[1]);
+        fence_regs(acc[0]);
+        fence_regs(acc[1]);
       }
       wgmma_fence();
 #pragma unroll
@@ -105,8 +99,8 @@ __device__ __forceinline__ void tile_scores_s8(const uint8_t* st, const uint8_t*
       wgmma_commit();
     }
     wgmma_wait<0>();
-    fence_iregs(acc[0]);
-    fence_iregs(acc[1]);
+    fence_regs(acc[0]);
+    fence_regs(acc[1]);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int p = p0 + j, grp = (p * FB_CC + 128 * bp) / C_GS;
@@ -124,16 +118,16 @@ __device__ __forceinline__ void tile_scores_s8(const uint8_t* st, const uint8_t*
     ra[p][0] = rwl.x & mask, ra[p][1] = rwh.x & mask, ra[p][2] = rwl.y & mask, ra[p][3] = rwh.y & mask;
     asm volatile("" : "+r"(ra[p][0]), "+r"(ra[p][1]), "+r"(ra[p][2]), "+r"(ra[p][3])::"memory");
   }
-  fence_iregs(acc[0]);
-  fence_iregs(acc[1]);
+  fence_regs(acc[0]);
+  fence_regs(acc[1]);
   wgmma_fence();
 #pragma unroll
   for (int p = 0; p < 2; ++p)
     if (!SKIP_QK) wgmma_m64n32k32_u8s8(acc[p], ra[p], q8_desc(sQ8, 16 + p), 0);
   wgmma_commit();
   wgmma_wait<0>();
-  fence_iregs(acc[0]);
-  fence_iregs(acc[1]);
+  fence_regs(acc[0]);
+  fence_regs(acc[1]);
   const uint8_t* rml = st + RAW_RM + tok_lo * FB_RM;
   const float r_lo = meta_sz(rml, 0).x, r_hi = meta_sz(rml + 8 * FB_RM, 0).x;
   fold_s8(sc[0], acc[0], r_lo, r_hi);

@@ -34,6 +34,11 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void fence_regs(int32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
 
 // d[16] (+)= A·B over k16: m64n32k16, bf16 A and B from shared memory (descriptors), fp32 accumulators
 // (thread t of the warpgroup: rows 16·(t / 32) + (t % 32) / 4 (+ 8), columns 8j + 2·(t % 4) (+ 1) at d[4j ..]);
