@@ -321,46 +321,48 @@ def test_decode_transposed_orientation(name):
 @pytest.mark.parametrize("name", ["bf16", "int4/int4"])
 def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
     """A graph bucket's fixed-shape schedule, rewritten for the real lengths before a replay, covers every
-    token once, spreads each sequence over all its splits (not the pool-wide worst case the graph was
-    built for) and gives the reference attention."""
+    token once, deals the bucket's units out by length (a long sequence gets more splits than the bucket's
+    S per row, a short one fewer; not the pool-wide worst case the graph was built for), says each
+    sequence's units to the combine, and gives the reference attention, the same after a second update
+    for other lengths (the combine's passes over more than its one-step block of splits included)."""
     import types
 
     import numpy as np
 
     from quantmla.serving.triton_backend import StaticDecodePlan
 
-    lens = [1, 40, 77, 130]
-    lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
-    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 16)  # a GPU of 16 SMs: 4 splits for 4 sequences
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 16)  # a GPU of 16 SMs: 4 splits a row for 4 rows
     H = 4
-    backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
-                                    kinds={"k": lay}, decode_config=None)
-    plan = StaticDecodePlan(backend, b=len(lens), max_len=4096)  # a pool far longer than the sequences
-    plan.update(np.asarray(lens))
-    md = plan.md["k"]
-    S = md.max_splits
-    assert S > 1 and md.num_units == len(lens) * S
-    units = md.units.cpu().tolist()
-    for b, n in enumerate(lens):
-        mine = [u for u in units if u[0] == b]
-        assert len(mine) == S and all(u[3] == S for u in mine)
-        covered = sorted(t for u in mine for t in range(u[1], u[2]))
-        assert covered == list(range(n))
-        busy = sum(u[2] > u[1] for u in mine)
-        _, min_span, tile = plan.split["k"]
-        assert all(u[1] % tile == 0 for u in mine if u[2] > u[1])  # splits start on key-tile boundaries
-        span = -(-max(min_span, -(-n // S)) // tile) * tile
-        assert busy == -(-n // span) and busy >= min(S, -(-n // min_span)) - 1, (n, busy)  # spread out
-    g = torch.Generator().manual_seed(2)
-    qc = torch.randn(len(lens), 1, H, D_C, generator=g).to(DEV, torch.bfloat16)
-    qr = torch.randn(len(lens), 1, H, D_R, generator=g).to(DEV, torch.bfloat16)
-    out = torch.full((len(lens), 1, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
-    lse = torch.full((len(lens), 1, H), float("nan"), device=DEV)
-    wide = torch.zeros(len(lens), 4096 // PAGE, dtype=bt.dtype, device=bt.device)  # the graph's block-table width
-    wide[:, : bt.shape[1]] = bt
-    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), wide, sl, lay, 0.125, metadata=md, out=out, lse=lse)
-    ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
-    check(o, l, ro, rl)
+    for lens in ([1, 40, 77, 130], [0, 3, 150, 1]):
+        lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
+                                        kinds={"k": lay}, decode_config=None)
+        plan = StaticDecodePlan(backend, b=len(lens), max_len=4096)  # a pool far longer than the sequences
+        plan.update(np.asarray(lens))
+        md = plan.md["k"]
+        S, min_span, tile = plan.split["k"]
+        assert S == md.max_splits > 1 and md.num_units == len(lens) * S
+        units, info = md.units.cpu().tolist(), md.seq_info.cpu().tolist()
+        used = sum(k for _, k in info)
+        for b, n in enumerate(lens):
+            first, k = info[b]
+            mine = units[first: first + k]
+            assert all(u[0] == b and u[3] == k for u in mine) and sum(u[0] == b for u in units[:used]) == k
+            assert [t for u in mine for t in range(u[1], u[2])] == list(range(n))  # in order, once
+            assert all(u[1] % tile == 0 for u in mine)  # splits start on key-tile boundaries
+        assert max(k for _, k in info) > S  # the longest sequence takes more than its row's share
+        rest = units[used:]
+        assert rest and all(u[1] == u[2] and u[3] == 2 for u in rest)  # empty units, partial rows only
+        g = torch.Generator().manual_seed(2)
+        qc = torch.randn(len(lens), 1, H, D_C, generator=g).to(DEV, torch.bfloat16)
+        qr = torch.randn(len(lens), 1, H, D_R, generator=g).to(DEV, torch.bfloat16)
+        out = torch.full((len(lens), 1, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
+        lse = torch.full((len(lens), 1, H), float("nan"), device=DEV)
+        wide = torch.zeros(len(lens), 4096 // PAGE, dtype=bt.dtype, device=bt.device)  # the graph's block-table width
+        wide[:, : bt.shape[1]] = bt
+        o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), wide, sl, lay, 0.125, metadata=md, out=out, lse=lse)
+        ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
+        check(o, l, ro, rl)
 
 
 # -- read (prefill chunks) ---------------------------------------------------------------------------

@@ -305,9 +305,9 @@ def test_decode_cuda_tokens_m_splits(name, warps):
 
 def launch_bucket_units(name: str, launches: int, splits: int = 16) -> None:
     """The engine's graph-bucket schedule on the tokens-as-M kernel with its warps apart: 64 sequences of 0 to 700
-    tokens, each cut into `splits` spans of whole tiles, so that most units are empty (the engine's `bucket_units`),
-    launched `launches` times. The outputs must equal the 4-warp plan's bit for bit."""
-    from quantmla.serving.triton_backend import bucket_units
+    tokens in a bucket of `splits` units a row, dealt out by length, so that most units are empty (the engine's
+    `bucket_schedule`), launched `launches` times. The outputs must equal the 4-warp plan's bit for bit."""
+    from quantmla.serving.triton_backend import bucket_schedule
 
     api = _api()
     lens = [0, 1, 63, 700] * 16
@@ -320,9 +320,10 @@ def launch_bucket_units(name: str, launches: int, splits: int = 16) -> None:
     for ws in (False, True):
         cfg = tokens_m_config(lay, 16, {"token_blocks": 1, "specialized": ws})
         md = api.get_mla_metadata(torch.full_like(sl, 1024), 16, 1, lay, config=cfg, chunk_tokens=1024 // splits)
-        units = torch.from_numpy(bucket_units(sl.cpu().numpy(), splits, 64, 64))
-        assert md.num_units == units.shape[0] * splits and (units[..., 1] == units[..., 2]).float().mean() > 0.7
-        md.units.copy_(units.reshape(-1, 4).to(torch.int32))
+        units, info = (torch.from_numpy(a) for a in bucket_schedule(sl.cpu().numpy(), md.num_units, 64, 64))
+        assert md.num_units == len(lens) * splits and (units[:, 1] == units[:, 2]).float().mean() > 0.7
+        md.units.copy_(units.to(torch.int32))
+        md.seq_info.copy_(info.to(torch.int32))
         out = torch.full((len(lens), 1, 16, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
         for _ in range(launches if ws else 1):
             api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 1 / math.sqrt(192), metadata=md, out=out)

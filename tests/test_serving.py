@@ -116,6 +116,10 @@ def test_engine_triton_kernels_interpreted(v3):
         assert rep.ok, rep.details
         # the kernels run q and p in bf16: exact agreement here, ties (if any) within bf16 rounding
         assert rep.exact + rep.ties == len(prompts)
+    # three sequences in a bucket of 4 rows: its units dealt the same to every row (the schedule measured against)
+    rep, st = engine_agreement(v3, INT4, prompts, 6, tie_tol=2e-2, backend="triton", cuda_graphs="emulate",
+                               num_pages=12, graph_buckets=(1, 2, 4), max_num_batched_tokens=32, graph_units="rows")
+    assert st["graph_steps"] > 0 and rep.exact + rep.ties == len(prompts), rep.details
 
 
 def test_engine_takes_the_decode_tiling_from_its_config(v3):
@@ -318,6 +322,8 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
         Engine(tiny_model("deepseek_v3"), EngineConfig(kv_budget_bytes=100))
     with pytest.raises(QuantMLAError, match="KV budget"):
         Engine(tiny_model("deepseek_v3"), EngineConfig())
+    with pytest.raises(QuantMLAError, match="graph_units 'even': use one of length, rows"):
+        Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, graph_units="even"))
 
 
 @pytest.mark.parametrize("path", local_reference_models() or [None])
@@ -533,21 +539,34 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
                 assert pad - n < 512  # fine steps where prompts usually fall
 
 
-def test_bucket_units_cover_each_sequence_once_in_whole_tiles():
-    """A graph bucket's units (StaticDecodePlan.update's, and the GPU test of empty units'): each sequence's spans,
-    in order, cover its tokens exactly once; every span but a sequence's last is whole key tiles and at least the
-    shortest span; the spans past a sequence's end are empty; every row says how many splits its sequence has."""
+def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
+    """A graph bucket's work (StaticDecodePlan.update's, and the GPU test of empty units'): its units are those
+    get_mla_metadata cuts for the same lengths and as many programs, in order, each sequence's spans covering its
+    tokens once in whole key tiles; the units past them are empty and write partial rows only; and the longest
+    span is the shortest that fits the bucket's units."""
     import numpy as np
 
-    from quantmla.serving.triton_backend import bucket_units
+    from quantmla.kernels import schedule
+    from quantmla.serving.triton_backend import bucket_schedule
 
-    lens = np.array([0, 1, 63, 64, 65, 700, 1024, 4097])
-    u = bucket_units(lens, 16, 128, 64)
-    assert u.shape == (8, 16, 4) and (u[:, :, 0] == np.arange(8)[:, None]).all() and (u[:, :, 3] == 16).all()
-    for b, n in enumerate(lens):
-        starts, ends = u[b, :, 1], u[b, :, 2]
-        assert starts[0] == 0 and ends[-1] == n and (starts[1:] == ends[:-1]).all() and (ends >= starts).all()
-        full = ends[ends < n] - starts[ends < n]
-        assert (full % 64 == 0).all() and (full >= 128).all()
-    assert (u[:2, 1:, 1] == u[:2, 1:, 2]).all()  # 0 and 1 tokens: one span, then empty units
-    assert u[7, 0, 2] == 320  # ceil(4097 / 16) = 257 tokens, rounded up to whole tiles
+    cfg = schedule.DecodeConfig(block_n=64, min_chunk=128, ctas_per_sm=1)
+    for lens, U in (([0, 1, 63, 64, 65, 700, 1024, 4097], 128), ([21000, 16500, 1, 1], 64), ([5000] * 4, 4),
+                    ([300, 70000], 16), ([1] * 8, 8)):
+        units, info = bucket_schedule(np.array(lens), U, 128, 64)
+        md = schedule.get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, config=cfg, num_sms=U)
+        used = md.num_units
+        assert units.shape == (U, 4) and (units[:used] == md.units.numpy()).all(), lens
+        assert (info == md.seq_info.numpy()).all()
+        assert (units[used:, 1] == units[used:, 2]).all() and (units[used:, 3] == 2).all()
+        for b, n in enumerate(lens):
+            first, k = info[b]
+            mine = units[first: first + k]
+            assert (mine[:, 0] == b).all() and (mine[:, 3] == k).all() and mine[0, 1] == 0 and mine[-1, 2] == n
+            assert (mine[1:, 1] == mine[:-1, 2]).all() and (mine[:, 1] % 64 == 0).all()
+            assert (np.diff(mine[:, 1:3], axis=1)[:-1] >= 128).all()
+        tiles = -(-np.array(lens) // 64)
+        c = max(-(-(units[:used, 2] - units[:used, 1]) // 64))
+        assert c <= 2 or np.maximum(1, -(-tiles // (c - 1))).sum() > U  # one tile less would not fit
+    assert bucket_schedule(np.array([700, 5]), 2, 128, 64)[0][:, 3].tolist() == [1, 1]  # one unit a row: no partials
+    with pytest.raises(ValueError, match="cannot hold"):
+        bucket_schedule(np.array([1, 1, 1]), 2, 128, 64)

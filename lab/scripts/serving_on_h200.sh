@@ -44,6 +44,11 @@
 # step-grid-graphs the step grid's batch 1 and 32 of 16K with decode steps as CUDA-graph replays (as serve-bench
 #                 runs them), launched ahead of the previous step's tokens and one at a time, 30 costliest kernels
 #                               -> profile/step_grid_graphs_h200.json, profile/step_grid_graphs_no_overlap_h200.json
+# graph-units-grid graph decode steps at batches that pad their bucket (5, 9, 13) and fill it (8, 16), 16K contexts, four
+#                 formats, the bucket's units dealt out by length and the same to every row, one process each
+#                               -> profile/step_grid_graph_units_{length,rows}_h200.json
+# graph-units-long the tight long job (1.26 GiB, four formats) with the units dealt by length and by row
+#                               -> serving/long_1.26gib_graph_units_{length,rows}_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -210,6 +215,20 @@ step-grid-graphs() {
     --top 30 --out "$OUT/profile/step_grid_graphs_h200.json" 2>&1 | quiet 14
   timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 32 --contexts 16384 --warm 12 \
     --no-overlap --top 30 --out "$OUT/profile/step_grid_graphs_no_overlap_h200.json" 2>&1 | quiet 14
+}
+
+graph-units-grid() {
+  for u in length rows; do
+    timeout 200 python3 -m quantmla_lab.bench.serving.step_grid --batches 5 8 9 13 16 --contexts 16384 --warm 12 \
+      --graph-units $u --out "$OUT/profile/step_grid_graph_units_${u}_h200.json" 2>&1 | quiet 24
+  done
+}
+
+graph-units-long() {
+  for u in length rows; do
+    timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+      "${GRP[@]}" --graph-units $u --out "$OUT/serving/long_1.26gib_graph_units_${u}_h200.json" 2>&1 | quiet 8
+  done
 }
 
 step-grid-full() {

@@ -239,6 +239,45 @@ def _mla_decode_kernel(
         tl.store(PLSE + prow, lse, mask=rmask)
 
 
+@triton.jit
+def _combine_one_step(PO, PLSE, first, n, rows, rmask, dc, R, D_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A sequence's n <= BLOCK_S partials merged in one round trip: (m_safe [R], den [R], acc [R, D])."""
+    sidx = tl.arange(0, BLOCK_S)
+    ok = (sidx < n)[:, None] & rmask[None, :]
+    pr = (first + sidx).to(tl.int64)[:, None] * R + rows[None, :]  # [S, R] partial rows
+    lse_s = tl.load(PLSE + pr, mask=ok, other=float("-inf"))
+    o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)  # [S, R, D]
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe[None, :])
+    return m_safe, tl.sum(w, 0), tl.sum(w[:, :, None] * o_s, 0)
+
+
+@triton.jit
+def _combine_passes(PO, PLSE, first, n, rows, rmask, dc, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A sequence's n partials merged BLOCK_S at a time: a pass for the maximum, one for the sums."""
+    sidx = tl.arange(0, BLOCK_S)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i0 in range(0, n, BLOCK_S):
+        s = i0 + sidx
+        pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
+        lse_s = tl.load(PLSE + pr, mask=(s < n)[:, None] & rmask[None, :], other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse_s, 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for i0 in range(0, n, BLOCK_S):
+        s = i0 + sidx
+        ok = (s < n)[:, None] & rmask[None, :]
+        pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
+        w = tl.exp(tl.load(PLSE + pr, mask=ok, other=float("-inf")) - m_safe[None, :])  # [S, R]
+        den += tl.sum(w, 0)
+        o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o_s, 0)
+    return m_safe, den, acc
+
+
 @triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(
     PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -247,8 +286,9 @@ def _mla_combine_kernel(
     """Merge the split partials of sequences with more than one unit (others were written directly).
     Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits, and each
     reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps. With
-    ONE_STEP (no sequence has more than BLOCK_S splits) a program loads its log-sum-exps and partials at once:
-    one round trip to memory instead of a pass for the maximum and one for the sums."""
+    ONE_STEP a program whose sequence has at most BLOCK_S splits loads its log-sum-exps and partials at once:
+    one round trip to memory instead of a pass for the maximum and one for the sums (a sequence with more,
+    which a CUDA graph's schedule may deal out, takes the passes)."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     db = tl.program_id(2)
@@ -258,35 +298,13 @@ def _mla_combine_kernel(
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         dc = db * BLOCK_D + tl.arange(0, BLOCK_D)
-        sidx = tl.arange(0, BLOCK_S)
         if ONE_STEP:
-            ok = (sidx < n)[:, None] & rmask[None, :]
-            pr = (first + sidx).to(tl.int64)[:, None] * R + rows[None, :]  # [S, R] partial rows
-            lse_s = tl.load(PLSE + pr, mask=ok, other=float("-inf"))
-            o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)  # [S, R, D]
-            m = tl.max(lse_s, 0)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            w = tl.exp(lse_s - m_safe[None, :])
-            den = tl.sum(w, 0)
-            acc = tl.sum(w[:, :, None] * o_s, 0)
+            if n <= BLOCK_S:
+                m_safe, den, acc = _combine_one_step(PO, PLSE, first, n, rows, rmask, dc, R, D_C, BLOCK_S)
+            else:
+                m_safe, den, acc = _combine_passes(PO, PLSE, first, n, rows, rmask, dc, R, D_C, BLOCK_R, BLOCK_D, BLOCK_S)
         else:
-            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            for i0 in range(0, n, BLOCK_S):
-                s = i0 + sidx
-                pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
-                lse_s = tl.load(PLSE + pr, mask=(s < n)[:, None] & rmask[None, :], other=float("-inf"))
-                m = tl.maximum(m, tl.max(lse_s, 0))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            den = tl.zeros([BLOCK_R], tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-            for i0 in range(0, n, BLOCK_S):
-                s = i0 + sidx
-                ok = (s < n)[:, None] & rmask[None, :]
-                pr = (first + s).to(tl.int64)[:, None] * R + rows[None, :]
-                w = tl.exp(tl.load(PLSE + pr, mask=ok, other=float("-inf")) - m_safe[None, :])  # [S, R]
-                den += tl.sum(w, 0)
-                o_s = tl.load(PO + pr[:, :, None] * D_C + dc[None, None, :], mask=ok[:, :, None], other=0.0)
-                acc += tl.sum(w[:, :, None] * o_s, 0)
+            m_safe, den, acc = _combine_passes(PO, PLSE, first, n, rows, rmask, dc, R, D_C, BLOCK_R, BLOCK_D, BLOCK_S)
         has = den > 0.0
         d_safe = tl.where(has, den, 1.0)
         o = acc / d_safe[:, None]

@@ -10,6 +10,9 @@ from quantmla.cache.layout import DEFAULT_PAGE_SIZE
 from quantmla.serving.scheduler import SchedulerStats
 
 
+GRAPH_UNITS = ("length", "rows")  # EngineConfig.graph_units
+
+
 @dataclass
 class EngineConfig:
     """quant: cache formats (None: BF16 on both paths). The pool size is ``num_pages`` or, from
@@ -34,7 +37,10 @@ class EngineConfig:
     gated MLP's gate with up, its SiLU and product then one kernel (``serving/mlp.py``; ``Engine.mlps`` says which).
     ``overlap_steps``: a pure decode step replayed from a CUDA graph is launched before the previous one's tokens
     reach the host, its input tokens taken from that step's output on the device (``serving/overlap.py``), so
-    the GPU does not idle while the host schedules (not with ``rope_pages``)."""
+    the GPU does not idle while the host schedules (not with ``rope_pages``). ``graph_units``: how a decode step
+    replayed from a CUDA graph deals its bucket's fixed work units out before each replay: "length" (in proportion to
+    the real sequences' lengths, as ``get_mla_metadata`` would for them: ``serving.triton_backend.bucket_schedule``)
+    or "rows" (the same number to every row of the bucket, padded rows too: the schedule to measure against)."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -57,6 +63,7 @@ class EngineConfig:
     fused_rope: bool = True
     merged_projections: bool = True
     overlap_steps: bool = True
+    graph_units: str = "length"
 
 
 @dataclass

@@ -34,7 +34,7 @@ from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
 from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
-from quantmla.serving.config import EngineConfig, JobStats
+from quantmla.serving.config import GRAPH_UNITS, EngineConfig, JobStats
 from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
 from quantmla.serving.scheduler import (
     FINISHED,
@@ -57,7 +57,7 @@ BF16_CONFIG = QuantCacheConfig(content=BF16, rope=BF16, method="bf16")
 
 
 def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, decode_config=None,
-                 stage_rows: int = 0) -> AttentionBackend:
+                 stage_rows: int = 0, graph_units: str = "length") -> AttentionBackend:
     device = torch.device(device)
     if name == "torch":
         return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
@@ -65,7 +65,7 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, 
         ok, why = triton_available(device, spec, formats, page_size)
         if ok:
             return TritonPagedBackend(spec, formats, num_pages, page_size, device, dtype, decode_config=decode_config,
-                                      stage_rows=stage_rows)
+                                      stage_rows=stage_rows, graph_units=graph_units)
         if name == "triton":
             raise QuantMLAError(f"the Triton attention backend cannot run here: {why}")
         return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
@@ -93,6 +93,8 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
+        if config.graph_units not in GRAPH_UNITS:
+            raise QuantMLAError(f"graph_units {config.graph_units!r}: use one of {', '.join(GRAPH_UNITS)}")
         if config.rope_block and not config.rope_pages:
             raise QuantMLAError(f"rope_block {config.rope_block} sets the RoPE scales' blocks inside a page: it needs "
                                 "rope_pages=True")
@@ -128,7 +130,8 @@ class Engine:
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
-                                    decode_config=config.decode_config, stage_rows=stage_rows)
+                                    decode_config=config.decode_config, stage_rows=stage_rows,
+                                    graph_units=config.graph_units)
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, torch.nn.Module] = {}  # layer -> its MLA module, patched

@@ -8,9 +8,9 @@
   d_n + d_r + d_v multiply-adds per head instead of 2·d_c + d_r).
 
 Under CUDA graphs the decode split schedule must have a fixed shape: :class:`StaticDecodePlan` keeps,
-per batch-size bucket, the split structure of a max-length batch and rewrites its work-unit rows
-(sequence, token start, token end, splits) for the real lengths before each replay; units past a
-sequence's end are empty and the combine kernel gives them zero weight.
+per batch-size bucket, a fixed number of work units and, before each replay, deals them out to the real
+sequences in proportion to their lengths (:func:`bucket_schedule`): it rewrites the unit rows (sequence,
+token start, token end, splits) and each sequence's (first unit, splits) that the combine kernel reads.
 """
 
 from __future__ import annotations
@@ -52,22 +52,23 @@ def triton_available(device: torch.device, spec, formats: dict[int, CacheFormat]
 class StaticDecodePlan:
     """Fixed-shape decode schedules (one per page layout kind) for a CUDA-graph bucket of b rows.
 
-    The graph fixes the number of work units, b × S: S splits per sequence, chosen so that the bucket
-    fills the GPU (about ``num_sms × ctas_per_sm`` programs, as :func:`get_mla_metadata` aims for) but
-    no split is shorter than the config's ``min_chunk``. Before each replay :meth:`update` cuts every
-    real sequence into spans of ``ceil(len / S)`` tokens (at least ``min_chunk``), rounded up to whole
-    key tiles so that no tile straddles two splits, so the work follows the real lengths, not the
-    graph's worst case (the pool's whole capacity)."""
+    The graph fixes the number of work units, U = b × S, S chosen so that the bucket fills the GPU
+    (about ``num_sms × ctas_per_sm`` programs, as :func:`get_mla_metadata` aims for) but no split of a
+    max-length row is shorter than the config's ``min_chunk``. Before each replay :meth:`update` deals the
+    U units out to the real rows by length (:func:`bucket_schedule`), as ``get_mla_metadata`` would for
+    those lengths: a bucket that holds fewer or shorter sequences than its rows gives each of them more
+    splits, and a long sequence gets more than a short one, so the one wave of programs ends when the
+    longest span does, not the longest sequence's S-th part (``by_length=False``: S to every row)."""
 
-    def __init__(self, backend: TritonPagedBackend, b: int, max_len: int):
+    def __init__(self, backend: TritonPagedBackend, b: int, max_len: int, by_length: bool = True):
         from quantmla.kernels import schedule
 
         api = _kernels()
-        self.b, self.max_len = b, max_len
+        self.b, self.max_len, self.by_length = b, max_len, by_length
         H, dev = backend.spec.num_heads, backend.device
         self.md: dict[tuple, object] = {}
-        self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per sequence, shortest span, tile)
-        self.host: dict[tuple, torch.Tensor] = {}
+        self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per row, shortest span, tile)
+        self.host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, layout in backend.kinds.items():
             cfg = (backend.decode_config or api.default_config)(H, layout, dev)
             head_blocks = -(-H // cfg.block_m)
@@ -81,39 +82,81 @@ class StaticDecodePlan:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
             self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
             # two pinned sets used in turn: a step's units may still be on their way while the next is prepared
-            self.host[kind] = torch.zeros(2, b * S, 4, dtype=torch.int32, pin_memory=dev.type == "cuda")
+            pin = dev.type == "cuda"
+            self.host[kind] = (torch.zeros(2, b * S, 4, dtype=torch.int32, pin_memory=pin),
+                               torch.zeros(2, b, 2, dtype=torch.int32, pin_memory=pin))
 
     def update(self, lens: np.ndarray, buffer: int = 0) -> None:
-        """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units in place, through
-        pinned host set ``buffer`` (0 or 1)."""
+        """lens: int [b] real lengths (padded rows 1). Rewrites every kind's work units and per-sequence
+        (first unit, splits) in place, through pinned host set ``buffer`` (0 or 1)."""
         for kind, md in self.md.items():
             S, min_span, tile = self.split[kind]
-            self.host[kind][buffer].numpy().reshape(self.b, S, 4)[:] = bucket_units(lens, S, min_span, tile)
-            md.units.copy_(self.host[kind][buffer], non_blocking=True)
+            units, info = self.host[kind]
+            units[buffer].numpy()[:], info[buffer].numpy()[:] = bucket_schedule(lens, self.b * S, min_span, tile,
+                                                                                self.by_length)
+            md.units.copy_(units[buffer], non_blocking=True)
+            md.seq_info.copy_(info[buffer], non_blocking=True)
 
 
-def bucket_units(lens: np.ndarray, splits: int, min_span: int, tile: int) -> np.ndarray:
-    """A graph bucket's work units: int64 [b, splits, 4] rows (sequence, token start, token end, splits). Sequence i
-    is cut into spans of ceil(len / splits) tokens, at least `min_span`, in whole key tiles of `tile` tokens; the
-    spans past its end are empty (start = end = len), as most of a bucket's units are."""
-    n = np.asarray(lens, dtype=np.int64)[:, None]
-    span = np.maximum(min_span, -(-n // splits))  # ceil(len / S) tokens, at least min_span,
-    span = -(-span // tile) * tile  # in whole key tiles
-    i = np.arange(splits)[None, :]
-    units = np.empty((n.shape[0], splits, 4), dtype=np.int64)
-    units[:, :, 0] = np.arange(n.shape[0])[:, None]
-    units[:, :, 1] = np.minimum(n, i * span)
-    units[:, :, 2] = np.minimum(n, (i + 1) * span)
-    units[:, :, 3] = splits
-    return units
+def bucket_schedule(lens: np.ndarray, num_units: int, min_span: int, tile: int,
+                    by_length: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """A graph bucket's work for real lengths: (units int64 [num_units, 4] rows (sequence, token start, token end,
+    splits), seq_info int64 [b, 2] rows (first unit, splits)), num_units >= b.
+
+    Every sequence is cut into spans of whole key tiles of `tile` tokens, each at most c tiles, c the fewest (and at
+    least `min_span` tokens) for which the spans fit in `num_units`; a sequence's spans are then evened out (equal
+    whole tiles, the last one shorter), so its splits are ceil(len / c tiles) and work follows length. A sequence of
+    0 tokens has one empty unit. The units past the last sequence's are empty, say 2 splits and name sequence 0:
+    the kernels write only their own partial rows, which no sequence's combine reads (they exist only where the
+    bucket has more units than sequences, so it always has partial rows).
+
+    by_length=False: every row gets num_units // b splits of ceil(len / splits) tokens (at least `min_span`, whole
+    tiles), empty past its end, whatever the other rows' lengths."""
+    n = np.asarray(lens, dtype=np.int64).reshape(-1)
+    b = n.shape[0]
+    if num_units < b:
+        raise ValueError(f"{num_units} units cannot hold {b} sequences")
+    if not by_length:
+        S = num_units // b
+        span = -(-np.maximum(min_span, -(-n // S)) // tile) * tile
+        i = np.arange(S)[None, :]
+        units = np.zeros((b, S, 4), dtype=np.int64)
+        units[:, :, 0] = np.arange(b)[:, None]
+        units[:, :, 1] = np.minimum(n[:, None], i * span[:, None])
+        units[:, :, 2] = np.minimum(n[:, None], (i + 1) * span[:, None])
+        units[:, :, 3] = S
+        return units.reshape(-1, 4), np.stack([np.arange(b) * S, np.full(b, S)], axis=1)
+    t = -(-n // tile)  # key tiles a sequence
+    fits = lambda c: np.maximum(1, -(-t // c)).sum() <= num_units  # noqa: E731
+    lo = max(-(-min_span // tile), -(-int(np.maximum(t, 1).sum()) // num_units), 1)
+    hi = max(lo, int(t.max(initial=1)))  # c = the longest sequence's tiles: one unit each, b <= num_units
+    while lo < hi:  # the fewest tiles a span for which the spans fit
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    splits = np.maximum(1, -(-t // lo))
+    per = -(-t // splits)  # tiles a span, evened out
+    splits = np.where(per > 0, -(-t // np.maximum(per, 1)), 1)
+    first = np.concatenate(([0], np.cumsum(splits)[:-1]))
+    used = int(splits.sum())
+    seq = np.repeat(np.arange(b), splits)
+    j = np.arange(used) - first[seq]
+    units = np.zeros((num_units, 4), dtype=np.int64)
+    units[:used, 0] = seq
+    units[:used, 1] = np.minimum(n[seq], j * per[seq] * tile)
+    units[:used, 2] = np.minimum(n[seq], (j + 1) * per[seq] * tile)
+    units[:used, 3] = splits[seq]
+    units[used:, 3] = 2
+    return units, np.stack([first, splits], axis=1)
 
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None, stage_rows: int = 0):
+    def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None, stage_rows: int = 0,
+                 graph_units: str = "length"):
         """decode_config: the decode tiling per page layout, called as ``kernels.api.default_config(rows,
-        layout, device)`` is (None: that default)."""
+        layout, device)`` is (None: that default); graph_units: how CUDA-graph buckets deal their work units out,
+        "length" or "rows" (:class:`StaticDecodePlan`)."""
         api = _kernels()
         for slot, f in formats.items():
             api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
@@ -127,6 +170,7 @@ class TritonPagedBackend(AttentionBackend):
             self.kind_of[slot] = k
         self.graph_safe = self.device.type == "cuda"
         self.decode_config = decode_config
+        self.graph_units = graph_units
 
     def write(self, slot, latent, k_rope, slot_mapping, stage_rows=None):
         stage = self.rope_stage.get(slot)
@@ -134,7 +178,7 @@ class TritonPagedBackend(AttentionBackend):
                                    rope_stage=stage, stage_rows=None if stage is None else stage_rows)
 
     def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
-        return StaticDecodePlan(self, b, max_len)
+        return StaticDecodePlan(self, b, max_len, by_length=self.graph_units == "length")
 
     def _metadata(self, slot: int, meta: AttnMeta):
         kind = self.kind_of[slot]
@@ -165,4 +209,4 @@ class TritonPagedBackend(AttentionBackend):
         return api.mla_prefill_attention(q_nope, q_rope, kv, kr.to(kv.dtype), s.softmax_scale)
 
 
-__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_units", "triton_available"]
+__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_schedule", "triton_available"]

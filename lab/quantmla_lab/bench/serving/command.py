@@ -58,6 +58,9 @@ def add_arguments(p):
     p.add_argument("--stall-seconds", type=float, default=d.stall_seconds,
                    help="end with status 3, naming the method and step, when one engine step or graph capture runs this "
                         "long (a kernel that never returns); 0: never")
+    p.add_argument("--graph-units", default=d.graph_units, choices=("length", "rows"),
+                   help="how a decode graph bucket deals its work units out: by the real lengths, or the same to every "
+                        "row (EngineConfig.graph_units)")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
@@ -225,7 +228,7 @@ def run(args) -> int:
         rope_group=args.rope_group, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
-        stall_seconds=args.stall_seconds,
+        stall_seconds=args.stall_seconds, graph_units=args.graph_units,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     cmd = getattr(args, "command_line", " ".join(sys.argv))

@@ -176,7 +176,7 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
         cfg = EngineConfig(quant=q, num_pages=pages, page_size=ps, max_num_seqs=batch, max_num_batched_tokens=batch,
                            watermark=0.0, backend=a.backend, cuda_graphs=a.cuda_graphs, max_model_len=tokens + 1,
                            fused_rope=not a.no_fused_rope, merged_projections=not a.no_merged_projections,
-                           overlap_steps=not a.no_overlap)
+                           overlap_steps=not a.no_overlap, graph_units=a.graph_units)
         e = Engine(model, cfg)
         pt["rope"], pt["projections"] = e.rope, e.projections
         if a.cuda_graphs and not e.use_graphs:
@@ -264,7 +264,7 @@ def run_grid(a) -> dict:
            "memory_GiB": memory / GiB, "headroom_GiB": a.headroom_gib, "preset": a.preset,
            "content_group": a.content_group, "rope_group": a.rope_group, "page_size": a.page_size,
            "warm_steps": a.warm, "steps": a.steps, "weights_resident_bytes": resident,
-           "cuda_graphs": a.cuda_graphs, "overlap_steps": not a.no_overlap,
+           "cuda_graphs": a.cuda_graphs, "overlap_steps": not a.no_overlap, "graph_units": a.graph_units,
            "how": ("CUDA-graph replays of" if a.cuda_graphs else "eager") + " full-batch decode steps; prompts of "
                   "`context` tokens with cached_prefix = context - 1 over a "
                   "pool of random N(0, 1) records (no prefill); parts per step from torch.profiler; host = wall - GPU",
@@ -356,6 +356,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="with --cuda-graphs, each decode step waits for the previous one's tokens before it is launched "
                         "(EngineConfig.overlap_steps)")
+    p.add_argument("--graph-units", default="length", choices=("length", "rows"),
+                   help="how a decode graph bucket deals its work units out (EngineConfig.graph_units)")
     p.add_argument("--backend", default=None, help="attention backend (default: auto on CUDA, torch on the CPU)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="device memory the points must fit (default: the device's)")
