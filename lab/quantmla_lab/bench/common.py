@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,14 @@ def record(**fields) -> dict:
 
     return {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3"] + sys.argv), "commit": source_commit(), "torch": torch.__version__, **fields}
+
+
+def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """``ap``'s arguments, ending the process if its ``--out`` file exists (a result is never overwritten)."""
+    a = ap.parse_args()
+    if a.out and Path(a.out).exists():
+        sys.exit(f"{a.out} exists: remove it or name another --out")
+    return a
 
 
 def save(res: dict, path: str | None) -> None:

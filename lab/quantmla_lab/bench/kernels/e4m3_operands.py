@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from quantmla_lab.bench.common import parse_fresh
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 E4M3_MAX = 448.0
@@ -160,9 +161,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=MODES,
                     help='arithmetics to emulate ("s8 q2p0": two s8 terms of the query, p·scale in fp16 as today)')
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    if Path(a.out).exists():
-        sys.exit(f"{a.out} exists: remove it or name another --out")
+    a = parse_fresh(ap)
     modes = a.modes
     res = {"device": "cpu (emulated arithmetic)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": source_commit(),

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
+from quantmla_lab.bench.common import parse_fresh
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 SOURCE = Path(__file__).with_name("e4m3_scores.cu")
@@ -86,9 +87,7 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    if Path(a.out).exists():
-        sys.exit(f"{a.out} exists: remove it or name another --out")
+    a = parse_fresh(ap)
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": source_commit(),
         "command": " ".join(["python -m quantmla_lab.bench.kernels.e4m3_scores", *sys.argv[1:]]), "rows": []}

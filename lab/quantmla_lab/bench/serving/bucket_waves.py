@@ -24,6 +24,7 @@ import numpy as np
 
 from quantmla.serving.config import EngineConfig
 from quantmla.serving.triton_backend import bucket_schedule
+from quantmla_lab.bench.common import parse_fresh
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 JOBS = {"long": ((16384, 24576), (1024, 1536)), "longest": ((61440, 65536), (1024, 1024)), "uniform 16K": ((16384, 16384), (0, 0))}
@@ -46,9 +47,7 @@ def main() -> None:
     ap.add_argument("--min-span", type=int, default=128)
     ap.add_argument("--draws", type=int, default=50)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    if Path(a.out).exists():
-        sys.exit(f"{a.out} exists: remove it or name another --out")
+    a = parse_fresh(ap)
     buckets = EngineConfig().graph_buckets
     rng = np.random.default_rng(0)
     res = {"device": "cpu (schedules only)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
