@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from quantmla.cache.layout import PageLayout
@@ -246,13 +247,10 @@ def get_mla_metadata(
     cfg = config or default_config(rows, layout, device)
     bn = cfg.block_n
     hb = -(-rows // cfg.block_m)
-    tiles = [-(-n // bn) for n in lens]
+    tiles = np.asarray([-(-n // bn) for n in lens], dtype=np.int64)
     if chunk_tokens is None:
         target_units = max(1, (num_sms or num_sms_of(device)) * cfg.ctas_per_sm // hb)
-        chunk_tiles = max(-(-cfg.min_chunk // bn), -(-sum(max(t, 1) for t in tiles) // target_units))
-        # no partial second wave: grow the chunk until the units fit in the programs that run at once
-        while sum(-(-t // chunk_tiles) for t in tiles) > target_units and chunk_tiles < max(tiles + [1]):
-            chunk_tiles += 1
+        chunk_tiles = fewest_tiles(tiles, target_units, -(-cfg.min_chunk // bn))
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     if config is None and cfg.tokens_m and layout is not None and chunk_tiles * bn < _fp8_tm_min_tokens(layout):
@@ -261,26 +259,49 @@ def get_mla_metadata(
         if built is not None:
             return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=built, num_sms=num_sms,
                                     chunk_tokens=chunk_tokens)
-    units: list[tuple[int, int, int, int]] = []
-    info: list[tuple[int, int]] = []
-    for b, (n, nt) in enumerate(zip(lens, tiles)):
-        splits = max(1, -(-nt // chunk_tiles))
-        per = -(-nt // splits) if nt else 0  # tiles per split, balanced
-        splits = max(1, -(-nt // per)) if per else 1
-        info.append((len(units), splits))
-        for i in range(splits):
-            units.append((b, min(n, i * per * bn), min(n, (i + 1) * per * bn), splits))
+    units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
     return MLAMetadata(
-        units=torch.tensor(units, dtype=torch.int32, device=device).reshape(-1, 4),
-        seq_info=torch.tensor(info, dtype=torch.int32, device=device).reshape(-1, 2),
+        units=torch.from_numpy(units).to(device=device, dtype=torch.int32).reshape(-1, 4),
+        seq_info=torch.from_numpy(info).to(device=device, dtype=torch.int32).reshape(-1, 2),
         num_units=len(units),
-        max_splits=max(s for _, s in info) if info else 1,
+        max_splits=int(info[:, 1].max()) if len(info) else 1,
         num_heads=num_heads,
         q_len=q_len,
         config=cfg,
         seq_lens=lens,
         chunk_tokens=chunk_tiles * bn,
     )
+
+
+def fewest_tiles(tiles: np.ndarray, num_units: int, min_tiles: int) -> int:
+    """The fewest key tiles a split may hold (at least `min_tiles`) for which sequences of `tiles` key tiles each
+    take at most `num_units` units, one at least a sequence (or, where even one a sequence is more, the longest
+    sequence's tiles: one unit each)."""
+    t = np.asarray(tiles, dtype=np.int64)
+    fits = lambda c: int(np.maximum(1, -(-t // c)).sum()) <= num_units  # noqa: E731
+    lo = max(min_tiles, -(-int(np.maximum(t, 1).sum()) // max(1, num_units)), 1)
+    hi = max(lo, int(t.max(initial=1)))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
+def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences of `lens` tokens cut into splits of at most `chunk_tiles` key tiles of `tile` tokens, evened out
+    (equal whole tiles, the last one shorter; a sequence of 0 tokens one empty unit) -> (units int64 [U, 4] rows
+    (sequence, token start, token end, splits), seq_info int64 [B, 2] rows (first unit, splits))."""
+    n = np.asarray(lens, dtype=np.int64).reshape(-1)
+    t = -(-n // tile)
+    splits = np.maximum(1, -(-t // chunk_tiles))
+    per = -(-t // splits)  # tiles a split, balanced
+    splits = np.where(per > 0, -(-t // np.maximum(per, 1)), 1)
+    first = (np.cumsum(splits) - splits).astype(np.int64)
+    seq = np.repeat(np.arange(len(n)), splits)
+    j = np.arange(len(seq)) - first[seq]
+    units = np.stack([seq, np.minimum(n[seq], j * per[seq] * tile), np.minimum(n[seq], (j + 1) * per[seq] * tile),
+                      splits[seq]], axis=1).astype(np.int64).reshape(-1, 4)
+    return units, np.stack([first, splits], axis=1).astype(np.int64).reshape(-1, 2)
 
 
 def _fp8_tm_min_tokens(layout: PageLayout) -> int:

@@ -112,6 +112,8 @@ def bucket_schedule(lens: np.ndarray, num_units: int, min_span: int, tile: int,
 
     by_length=False: every row gets num_units // b splits of ceil(len / splits) tokens (at least `min_span`, whole
     tiles), empty past its end, whatever the other rows' lengths."""
+    from quantmla.kernels.schedule import cut_units, fewest_tiles
+
     n = np.asarray(lens, dtype=np.int64).reshape(-1)
     b = n.shape[0]
     if num_units < b:
@@ -126,27 +128,11 @@ def bucket_schedule(lens: np.ndarray, num_units: int, min_span: int, tile: int,
         units[:, :, 2] = np.minimum(n[:, None], (i + 1) * span[:, None])
         units[:, :, 3] = S
         return units.reshape(-1, 4), np.stack([np.arange(b) * S, np.full(b, S)], axis=1)
-    t = -(-n // tile)  # key tiles a sequence
-    fits = lambda c: np.maximum(1, -(-t // c)).sum() <= num_units  # noqa: E731
-    lo = max(-(-min_span // tile), -(-int(np.maximum(t, 1).sum()) // num_units), 1)
-    hi = max(lo, int(t.max(initial=1)))  # c = the longest sequence's tiles: one unit each, b <= num_units
-    while lo < hi:  # the fewest tiles a span for which the spans fit
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    splits = np.maximum(1, -(-t // lo))
-    per = -(-t // splits)  # tiles a span, evened out
-    splits = np.where(per > 0, -(-t // np.maximum(per, 1)), 1)
-    first = np.concatenate(([0], np.cumsum(splits)[:-1]))
-    used = int(splits.sum())
-    seq = np.repeat(np.arange(b), splits)
-    j = np.arange(used) - first[seq]
+    cut, info = cut_units(n, fewest_tiles(-(-n // tile), num_units, -(-min_span // tile)), tile)
     units = np.zeros((num_units, 4), dtype=np.int64)
-    units[:used, 0] = seq
-    units[:used, 1] = np.minimum(n[seq], j * per[seq] * tile)
-    units[:used, 2] = np.minimum(n[seq], (j + 1) * per[seq] * tile)
-    units[:used, 3] = splits[seq]
-    units[used:, 3] = 2
-    return units, np.stack([first, splits], axis=1)
+    units[: len(cut)] = cut
+    units[len(cut):, 3] = 2
+    return units, info
 
 
 class TritonPagedBackend(AttentionBackend):
