@@ -539,11 +539,28 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
                 assert pad - n < 512  # fine steps where prompts usually fall
 
 
+def _split_oracle(lens: list[int], units: int, min_tiles: int, tile: int) -> list[tuple[int, int, int, int]]:
+    """The split cut written out in plain Python, as a check of schedule.fewest_tiles and cut_units: the fewest key
+    tiles a split (from the even share, at least min_tiles) for which every sequence's splits, one at least, fit in
+    `units`; each sequence's splits evened out to equal whole tiles."""
+    tiles = [-(-n // tile) for n in lens]
+    chunk = max(min_tiles, -(-sum(max(t, 1) for t in tiles) // units), 1)
+    while sum(max(1, -(-t // chunk)) for t in tiles) > units:
+        chunk += 1
+    rows = []
+    for b, (n, t) in enumerate(zip(lens, tiles)):
+        k = max(1, -(-t // chunk))
+        per = -(-t // k)
+        k = -(-t // per) if per else 1
+        rows += [(b, min(n, i * per * tile), min(n, (i + 1) * per * tile), k) for i in range(k)]
+    return rows
+
+
 def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
-    """A graph bucket's work (StaticDecodePlan.update's, and the GPU test of empty units'): its units are those
-    get_mla_metadata cuts for the same lengths and as many programs, in order, each sequence's spans covering its
-    tokens once in whole key tiles; the units past them are empty and write partial rows only; and the longest
-    span is the shortest that fits the bucket's units."""
+    """A graph bucket's work (StaticDecodePlan.update's, and the GPU test of empty units'): its units are the cut
+    written out in plain Python (_split_oracle), and get_mla_metadata's for the same lengths and as many programs,
+    in order, each sequence's spans covering its tokens once in whole key tiles; the units past them are empty and
+    write partial rows only; and the longest span is the shortest that fits the bucket's units."""
     import numpy as np
 
     from quantmla.kernels import schedule
@@ -551,12 +568,13 @@ def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
 
     cfg = schedule.DecodeConfig(block_n=64, min_chunk=128, ctas_per_sm=1)
     for lens, U in (([0, 1, 63, 64, 65, 700, 1024, 4097], 128), ([21000, 16500, 1, 1], 64), ([5000] * 4, 4),
-                    ([300, 70000], 16), ([1] * 8, 8)):
+                    ([300, 70000], 16), ([1] * 8, 8), ([24000, 17000, 20500, 16384, 25000], 256)):
         units, info = bucket_schedule(np.array(lens), U, 128, 64)
+        want = _split_oracle(lens, U, 2, 64)
+        used = len(want)
+        assert units.shape == (U, 4) and units[:used].tolist() == [list(r) for r in want], lens
         md = schedule.get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, config=cfg, num_sms=U)
-        used = md.num_units
-        assert units.shape == (U, 4) and (units[:used] == md.units.numpy()).all(), lens
-        assert (info == md.seq_info.numpy()).all()
+        assert md.units.tolist() == units[:used].tolist() and (info == md.seq_info.numpy()).all()
         assert (units[used:, 1] == units[used:, 2]).all() and (units[used:, 3] == 2).all()
         for b, n in enumerate(lens):
             first, k = info[b]
