@@ -568,7 +568,8 @@ def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
 
     cfg = schedule.DecodeConfig(block_n=64, min_chunk=128, ctas_per_sm=1)
     for lens, U in (([0, 1, 63, 64, 65, 700, 1024, 4097], 128), ([21000, 16500, 1, 1], 64), ([5000] * 4, 4),
-                    ([300, 70000], 16), ([1] * 8, 8), ([24000, 17000, 20500, 16384, 25000], 256)):
+                    ([300, 70000], 16), ([1] * 8, 8), ([24000, 17000, 20500, 16384, 25000], 256),
+                    ([24000, 17000, 20500, 16384, 25000], 6)):
         units, info = bucket_schedule(np.array(lens), U, 128, 64)
         want = _split_oracle(lens, U, 2, 64)
         used = len(want)
@@ -585,6 +586,13 @@ def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
         tiles = -(-np.array(lens) // 64)
         c = max(-(-(units[:used, 2] - units[:used, 1]) // 64))
         assert c <= 2 or np.maximum(1, -(-tiles // (c - 1))).sum() > U  # one tile less would not fit
+    rng = np.random.default_rng(0)  # fewest_tiles' window and its halving, against the oracle's linear search
+    for _ in range(300):
+        b = int(rng.integers(1, 65))
+        lens = rng.integers(0, int(rng.choice([3, 2000, 70000])), b).tolist()
+        U = int(rng.integers(b, 300))
+        assert bucket_schedule(np.array(lens), U, 128, 64)[0][: len(want := _split_oracle(lens, U, 2, 64))].tolist() \
+            == [list(r) for r in want], (lens, U)
     assert bucket_schedule(np.array([700, 5]), 2, 128, 64)[0][:, 3].tolist() == [1, 1]  # one unit a row: no partials
     with pytest.raises(ValueError, match="cannot hold"):
         bucket_schedule(np.array([1, 1, 1]), 2, 128, 64)

@@ -276,11 +276,20 @@ def get_mla_metadata(
 def fewest_tiles(tiles: np.ndarray, num_units: int, min_tiles: int) -> int:
     """The fewest key tiles a split may hold (at least `min_tiles`) for which sequences of `tiles` key tiles each
     take at most `num_units` units, one at least a sequence (or, where even one a sequence is more, the longest
-    sequence's tiles: one unit each)."""
+    sequence's tiles: one unit each).
+
+    The answer c lies between ceil(T / num_units) and ceil(T / (num_units - b)), T the tiles in all and b the
+    sequences (each sequence's units round up by less than one): where that window is narrow, all of it is tried
+    at once; else it is searched by halving."""
     t = np.asarray(tiles, dtype=np.int64)
+    total, b, longest = int(np.maximum(t, 1).sum()), t.shape[0], int(t.max(initial=1))
+    lo = max(min_tiles, -(-total // max(1, num_units)), 1)
+    hi = max(lo, min(longest, -(-total // (num_units - b)) if num_units > b else longest))
+    if hi - lo < 64:
+        c = np.arange(lo, hi + 1)
+        units = np.maximum(1, -(-t[None, :] // c[:, None])).sum(axis=1)
+        return int(c[np.argmax(units <= num_units)])
     fits = lambda c: int(np.maximum(1, -(-t // c)).sum()) <= num_units  # noqa: E731
-    lo = max(min_tiles, -(-int(np.maximum(t, 1).sum()) // max(1, num_units)), 1)
-    hi = max(lo, int(t.max(initial=1)))
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
