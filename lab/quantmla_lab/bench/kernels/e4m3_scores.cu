@@ -1,5 +1,5 @@
-// The scores of one 16-token tile on e4m3 products, the operand layout of the e4m3 scores design (docs/kernels.md,
-// "What is next": built into the decode kernel, measured slower on sm_90, removed):
+// The scores of one 16-token tile on e4m3 products, the operand layout of the e4m3 scores design (docs/decode_designs.md,
+// "8-bit operands through `mma.sync`": built into the decode kernel, measured slower on sm_90, removed):
 // Sᵀ[token, row] = Σ_c code(token, c)·2^-9 · q(row, c), the codes read from the cache's packed planes and the
 // query given as NQ e4m3 terms. One warp; the result is in the scaled units the caller undoes (2^9 for the codes,
 // the query's factor a row).

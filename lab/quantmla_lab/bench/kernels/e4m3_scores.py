@@ -1,7 +1,7 @@
 """The e4m3 scores design's operand layout on the GPU (e4m3_scores.cu; the design itself is measured slower on sm_90,
-where mma.sync on e4m3 is conversions and fp16 products: docs/kernels.md): a 16-token tile's scores from the cache's packed
-2- or 4-bit codes read straight into e4m3 A operands (a shift and an AND for four codes) and the query as 1 to 3
-e4m3 terms, on mma.sync m16n8k32. Checks the operand layouts (the kernel against fp64 products of the same e4m3
+where mma.sync on e4m3 is conversions and fp16 products: docs/decode_designs.md): a 16-token tile's scores from the
+cache's packed 2- or 4-bit codes read straight into e4m3 A operands (a shift and an AND for four codes) and the query as
+1 to 3 e4m3 terms, on mma.sync m16n8k32. Checks the operand layouts (the kernel against fp64 products of the same e4m3
 terms: fp32 rounding only, or a layout is wrong) and measures what the query's terms cost against fp64 scores.
 
     python -m quantmla_lab.bench.kernels.e4m3_scores --out out/e4m3_scores_h200.json

@@ -23,7 +23,7 @@
 // REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata, built only when asked for): no B, and C and
 // E read the stage's codes, expanding them in registers straight into the mma operands (tile_frag.cuh).
 // Per token the tile's 3.3 KB of shared-memory traffic becomes its codes read twice, at the price of two
-// expansions instead of one: on the H200 it issues 1.6x the instructions and runs slower (docs/kernels.md).
+// expansions instead of one: on the H200 it issues 1.6x the instructions and runs slower (docs/decode_designs.md).
 // The stage's code rows are padded, so it is copied by cp.async.
 //
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build

@@ -17,7 +17,7 @@ TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' wa
 FP8_TM_MIN_TOKENS = 1024
 """FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
 build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
-(docs/kernels.md, "FP8 on the tokens-as-M kernel")."""
+(docs/decode_tokens_m.md, "FP8 on the tokens-as-M kernel")."""
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
@@ -67,7 +67,7 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:
     """The token blocks a warp's scores take by default in the 4-warp plans: 2 for 4-bit content codes, 1 for 2-bit
-    (measured on the H200, docs/kernels.md "Two token blocks a warp"); with the warps apart, 1."""
+    (measured on the H200, docs/decode_tokens_m.md "Two token blocks a warp"); with the warps apart, 1."""
     return 2 if layout.token.fmt.content.bits == 4 and not is_fp8(layout) else 1
 
 
@@ -81,10 +81,10 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). `specialized`: 8 warps, 4 that take
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
     a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
-    was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/kernels.md "The scores'
-    and the output's warps apart"). `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a block a
-    warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default (not yet
-    measured on the H200, docs/kernels.md "What is next")."""
+    was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/decode_tokens_m.md "The
+    scores' and the output's warps apart"). `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
+    block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
+    (not yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why

@@ -91,7 +91,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
             macros.update(zip((f"KIND_{p}", f"BITS_{p}", f"GS_{p}", f"MB_{p}"), path_codes(f, dim)))
         macros["HALF"] = int(half_operands(layout))
         # the output products' k-steps committed apart, each one's tokens of the next tile built as it is done (at
-        # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/kernels.md)
+        # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/decode_heads_m.md)
         macros["PV_STEPS"] = 1
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
 
