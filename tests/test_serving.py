@@ -391,6 +391,18 @@ def test_serve_bench_command_at_toy_size(tmp_path):
     bf16 = [r for r in res["runs"] if r["method"] == "bf16"]
     assert all(r["ratio_to_bf16"] == 1.0 for r in bf16)
     assert bf16[0]["preemptions"] > 0  # the smaller budget is pressured
+    prompt_tokens = res["job"]["prompt_tokens"]
+    for r in res["runs"]:  # the step log accounts for every step, prompt token and decode row of the run
+        log = r["step_log"]
+        pre, dec = log["prefill_steps"], log["decode_by_batch"]
+        assert len(pre) == r["steps"] - r["decode_steps"] and sum(d["steps"] for d in dec.values()) == r["decode_steps"]
+        decode_rows = sum(p["decode_rows"] for p in pre) + sum(int(b) * d["steps"] for b, d in dec.items())
+        assert sum(p["prompt_tokens"] for p in pre) + decode_rows == r["computed_tokens"]
+        assert r["preemptions"] or sum(p["prompt_tokens"] for p in pre) == prompt_tokens
+        sampled = sum(p["sampled"] for p in pre) + sum(int(b) * d["steps"] for b, d in dec.items())
+        assert sampled == r["output_tokens"] and all(p["decode_rows"] <= p["sampled"] for p in pre)
+        assert all(0 <= p["launch_ms"] <= p["total_ms"] for p in pre)
+        assert abs(log["prefill_total_s"] - r["mixed_s"]) <= 0.05 * r["mixed_s"] + 0.01, (log["prefill_total_s"], r["mixed_s"])
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from quantmla.errors import QuantMLAError
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.serving.stall import StallWatch
+from quantmla_lab.bench.serving.step_log import StepLog
 
 GIB = 1 << 30
 
@@ -265,7 +266,12 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
             e = engines[m]
             try:
                 pages = e.set_budget(int(b * GIB))
-                outs = e.generate(job)
+                steps = StepLog()
+                e.observers.append(steps)
+                try:
+                    outs = e.generate(job)
+                finally:
+                    e.observers.remove(steps)
             except Exception as err:
                 result.setdefault("errors", []).append({"method": m, "budget_gib": b, "stage": "run",
                                                         "error": f"{type(err).__name__}: {err}"})
@@ -283,12 +289,14 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                 "tokens_per_s": round(st.tokens_per_s, 2),
                 "peak_batch": st.scheduler.peak_batch, "peak_running": st.scheduler.peak_running,
                 "preemptions": st.scheduler.preemptions, "recomputed_tokens": st.scheduler.recomputed_tokens,
+                "computed_tokens": st.scheduler.computed_tokens,
                 "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
                 "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
                 "prefill_graph_steps": st.prefill_graph_steps, "eager_chunks": st.eager_chunks,
                 "peak_pages_used": st.scheduler.peak_pages_used,
                 "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
                 "mixed_s": round(st.mixed_s, 3),
+                "step_log": steps.summary(),
             }
             if bad:
                 run["incomplete_requests"] = bad[:20]

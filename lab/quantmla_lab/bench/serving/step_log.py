@@ -1,0 +1,51 @@
+"""Each engine step of a serve-bench run as the host sees it, through the engine's public observer hook.
+
+A step's ``launch_ms`` is the host time until all its GPU work was queued and ``total_ms`` until its tokens were
+back (``serving.graphs.StepTiming``). Where ``launch_ms`` is close to ``total_ms`` the step waits on the host
+(Python launches, metadata, copies); where it is much shorter the GPU sets the step's time.
+
+- Steps that prefill (prompt chunks, with or without decode rows) are kept one record each, in order: their kind
+  ("prefill_graph" or "eager"), prompt tokens, chunks, decode rows, tokens sampled (the decode rows and the
+  chunks that end a prompt), launch_ms and total_ms.
+- Pure decode steps are summed by batch: steps, the sum and median of total_ms, the median of launch_ms.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from quantmla.serving.graphs import EngineObserver
+
+
+class StepLog(EngineObserver):
+    """Collects one run's steps; ``summary()`` gives the JSON the run's result keeps."""
+
+    def __init__(self):
+        self.prefill: list[dict] = []
+        self.decode: dict[int, list[tuple[float, float]]] = {}
+
+    def step_end(self, timing) -> None:
+        plan = timing.plan
+        launch = timing.launch_s if timing.launch_s is not None else float("nan")
+        if plan.is_decode:
+            self.decode.setdefault(len(plan.items), []).append((1e3 * timing.total_s, 1e3 * launch))
+            return
+        chunks = [it.n for it in plan.items if it.n > 1 or not it.sample]
+        self.prefill.append({"kind": timing.kind, "prompt_tokens": sum(chunks), "chunks": len(chunks),
+                             "decode_rows": len(plan.items) - len(chunks),
+                             "sampled": sum(1 for it in plan.items if it.sample), "launch_ms": round(1e3 * launch, 3),
+                             "total_ms": round(1e3 * timing.total_s, 3)})
+
+    def summary(self) -> dict:
+        pre = self.prefill
+        return {
+            "prefill_steps": pre,
+            "prefill_total_s": round(sum(r["total_ms"] for r in pre) / 1e3, 3),
+            "prefill_launch_s": round(sum(r["launch_ms"] for r in pre) / 1e3, 3),
+            "decode_by_batch": {
+                str(b): {"steps": len(v), "total_s": round(sum(t for t, _ in v) / 1e3, 4),
+                         "total_ms_median": round(statistics.median(t for t, _ in v), 3),
+                         "launch_ms_median": round(statistics.median(la for _, la in v), 3)}
+                for b, v in sorted(self.decode.items())
+            },
+        }
