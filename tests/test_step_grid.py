@@ -47,3 +47,27 @@ def test_step_grid_cuda_graphs_on_the_cpu_is_skipped_with_the_reason(tmp_path):
     (pt,) = res["points"]
     assert res["cuda_graphs"] is True and res["how"].startswith("CUDA-graph replays")
     assert pt["status"] == "skipped" and pt["reason"].startswith("--cuda-graphs: the engine does not replay graphs")
+
+
+def test_ratio_bounds_model_splits_each_run_exactly():
+    """ratio_bounds: at scale 1 the model's wall is each run's measured wall (mixed + decode + the rest), so its
+    ratios are the measured ones; a free decode attention leaves mixed steps + decode steps x R; R is the
+    grid's line in the batch."""
+    from quantmla_lab.bench.serving.ratio_bounds import parts, rest_of_step, wall
+
+    grid = {"points": [{"batch": b, "replay_us": 2000 + 10 * b + 50 * b, "parts": {"attention": {"us_per_step": 50 * b}}}
+                       for b in (1, 8, 32)]}
+    R = rest_of_step(grid)
+    assert abs(R[0] - 2e-3) < 1e-9 and abs(R[1] - 1e-5) < 1e-12
+    runs = [{"method": "bf16", "wall_s": 30.0, "mixed_s": 10.0, "graph_decode_s": 19.5, "eager_decode_s": 0.0,
+             "decode_steps": 6000, "steps": 6010, "output_tokens": 6010},
+            {"method": "int4/int4", "wall_s": 14.0, "mixed_s": 9.0, "graph_decode_s": 4.8, "eager_decode_s": 0.1,
+             "decode_steps": 1500, "steps": 1510, "output_tokens": 6010}]
+    x = {r["method"]: parts(r, r["output_tokens"], R) for r in runs}
+    for r in runs:
+        assert abs(wall(x[r["method"]], 1.0, 1.0) - r["wall_s"]) < 1e-9
+    v = x["int4/int4"]
+    assert abs(v["mean_batch"] - 4.0) < 1e-12  # 6010 tokens, 10 of them sampled by mixed steps, over 1500 steps
+    free = wall(v, 1.0, 0.0)
+    assert abs(free - (9.0 + 1500 * (R[0] + 4 * R[1]) + v["other_s"])) < 1e-9
+    assert wall(v, 0.5, 1.0) < wall(v, 1.0, 1.0) and free < wall(v, 1.0, 0.5) < wall(v, 1.0, 1.0)

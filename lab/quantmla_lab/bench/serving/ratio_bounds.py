@@ -39,7 +39,8 @@ def parts(run: dict, output_tokens: int, R: tuple[float, float]) -> dict:
     """A run's wall split: mixed s, decode steps, mean batch, R and A a step, the rest s."""
     dec_s = run["graph_decode_s"] + run["eager_decode_s"]
     steps = run["decode_steps"]
-    batch = (output_tokens - (run["steps"] - steps)) / steps  # decode rows a step (one token a row); the rest sample in mixed steps
+    # decode rows a step, about: each mixed step counted as sampling one token (R moves 3 us a row, so this is enough)
+    batch = (output_tokens - (run["steps"] - steps)) / steps
     r = R[0] + R[1] * batch
     return {"mixed_s": run["mixed_s"], "decode_steps": steps, "mean_batch": batch, "R_ms": 1e3 * r,
             "A_ms": 1e3 * (dec_s / steps - r), "other_s": run["wall_s"] - run["mixed_s"] - dec_s}
