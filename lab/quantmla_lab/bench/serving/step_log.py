@@ -26,7 +26,7 @@ class StepLog(EngineObserver):
 
     def step_end(self, timing) -> None:
         plan = timing.plan
-        launch = timing.launch_s if timing.launch_s is not None else float("nan")
+        launch = timing.launch_s
         if plan.is_decode:
             self.decode.setdefault(len(plan.items), []).append((1e3 * timing.total_s, 1e3 * launch))
             return
