@@ -400,7 +400,7 @@ def test_serve_bench_command_at_toy_size(tmp_path):
         assert sum(p["prompt_tokens"] for p in pre) + decode_rows == r["computed_tokens"]
         assert r["preemptions"] or sum(p["prompt_tokens"] for p in pre) == prompt_tokens
         sampled = sum(p["sampled"] for p in pre) + sum(int(b) * d["steps"] for b, d in dec.items())
-        assert sampled == r["output_tokens"] and all(p["decode_rows"] <= p["sampled"] for p in pre)
+        assert sampled == r["output_tokens"]
         assert all(0 <= p["launch_ms"] <= p["total_ms"] for p in pre)
         assert abs(log["prefill_total_s"] - r["mixed_s"]) <= 0.05 * r["mixed_s"] + 0.01, (log["prefill_total_s"], r["mixed_s"])
 
@@ -566,6 +566,36 @@ def _split_oracle(lens: list[int], units: int, min_tiles: int, tile: int) -> lis
         k = -(-t // per) if per else 1
         rows += [(b, min(n, i * per * tile), min(n, (i + 1) * per * tile), k) for i in range(k)]
     return rows
+
+
+def test_fewest_tiles_against_a_linear_search():
+    """schedule.fewest_tiles against the rule written as a linear search: the fewest tiles a split (at least
+    min_tiles and the even share) for which every sequence's units fit; where even one unit a sequence is more
+    than the units (fewer units than sequences), the longest sequence's tiles. Narrow windows, wide ones (the
+    halving) and more sequences than units; and get_mla_metadata with more sequences than programs stays one
+    unit a sequence."""
+    import numpy as np
+
+    from quantmla.kernels import schedule
+
+    def linear(t, U, m):
+        c = max(m, -(-sum(max(x, 1) for x in t) // max(1, U)), 1)
+        top = max(c, max(t, default=1))
+        while c < top and sum(max(1, -(-x // c)) for x in t) > U:
+            c += 1
+        return c
+
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        b = int(rng.integers(0, 80))
+        t = (-(-rng.integers(0, int(rng.choice([3, 2000, 70000])), b) // 64)).tolist()
+        U = int(rng.integers(max(1, b // 2), 300))
+        m = int(rng.integers(0, 5))
+        assert schedule.fewest_tiles(np.array(t, dtype=np.int64), U, m) == linear(t, U, m), (t, U, m)
+    assert schedule.fewest_tiles(np.array([40] * 100 + [1] * 100), 132, 2) == 40
+    md = schedule.get_mla_metadata(torch.tensor([2500] * 100 + [60] * 100, dtype=torch.int32), 16, 1, num_sms=132,
+                                   config=schedule.DecodeConfig(block_n=64, min_chunk=128, ctas_per_sm=1))
+    assert md.num_units == 200 and md.max_splits == 1
 
 
 def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():

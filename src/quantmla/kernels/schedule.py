@@ -287,8 +287,8 @@ def fewest_tiles(tiles: np.ndarray, num_units: int, min_tiles: int) -> int:
     hi = max(lo, min(longest, -(-total // (num_units - b)) if num_units > b else longest))
     if hi - lo < 64:
         c = np.arange(lo, hi + 1)
-        units = np.maximum(1, -(-t[None, :] // c[:, None])).sum(axis=1)
-        return int(c[np.argmax(units <= num_units)])
+        fit = np.maximum(1, -(-t[None, :] // c[:, None])).sum(axis=1) <= num_units
+        return int(c[np.argmax(fit)]) if fit.any() else hi  # none fits (fewer units than sequences): hi
     fits = lambda c: int(np.maximum(1, -(-t // c)).sum()) <= num_units  # noqa: E731
     while lo < hi:
         mid = (lo + hi) // 2
