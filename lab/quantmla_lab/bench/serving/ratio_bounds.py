@@ -6,8 +6,10 @@
 
 A model on measured figures, not a measurement. Each run's wall time is its mixed (prefilling) steps plus its decode
 steps plus the rest (wall - mixed - decode). A decode step is R + A: R the step without attention (projections, MLP,
-norms, append, sampling: the same in every format), fitted as a line in the batch on the step grid's graph replays
-(replay time - attention time at 16K contexts); A = the run's mean decode step - R at the run's mean decode batch.
+norms, append, sampling), fitted as one line in the batch over every format on the step grid's graph replays (replay
+time - attention time at 16K contexts; the integer formats' R is 30 to 47 us above BF16's, mostly their append, so
+their A here holds that difference and a free attention slightly overstates their gain); A = the run's mean decode
+step - R at the run's mean decode batch.
 The grid scales every format's mixed steps by p (a faster prefill) and one format's A by a (a faster decode kernel
 for that format, the baseline's kernel unchanged), and gives that format's whole-job ratio to BF16 and to FP8.
 """

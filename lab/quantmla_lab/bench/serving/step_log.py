@@ -4,9 +4,12 @@ A step's ``launch_ms`` is the host time until all its GPU work was queued and ``
 back (``serving.graphs.StepTiming``). Where ``launch_ms`` is close to ``total_ms`` the step waits on the host
 (Python launches, metadata, copies); where it is much shorter the GPU sets the step's time.
 
-- Steps that prefill (prompt chunks, with or without decode rows) are kept one record each, in order: their kind
-  ("prefill_graph" or "eager"), prompt tokens, chunks, decode rows, tokens sampled (the decode rows and the
-  chunks that end a prompt), launch_ms and total_ms.
+- Steps that prefill (prompt chunks, a preempted sequence's recomputed tokens included, with or without decode
+  rows) are kept one record each, in order: their kind ("prefill_graph", "eager", or "graph_decode" where every
+  chunk is one token, which the engine then runs and times as a decode step), prompt tokens, chunks, decode rows,
+  tokens sampled (the decode rows and the chunks that end a prompt), launch_ms and total_ms.
+- The counts are exact where no sequence ends while a step launched ahead of it is in flight (an end-of-sequence
+  token or NaN logits): serve-bench ignores EOS, so only NaN logits can make the log count a dropped row.
 - Pure decode steps are summed by batch: steps, the sum and median of total_ms, the median of launch_ms.
 """
 
@@ -30,7 +33,7 @@ class StepLog(EngineObserver):
         if plan.is_decode:
             self.decode.setdefault(len(plan.items), []).append((1e3 * timing.total_s, 1e3 * launch))
             return
-        chunks = [it.n for it in plan.items if it.n > 1 or not it.sample]
+        chunks = [it.n for it in plan.items if it.n > 1 or not it.sample or it.start < it.seq.prompt_len]
         self.prefill.append({"kind": timing.kind, "prompt_tokens": sum(chunks), "chunks": len(chunks),
                              "decode_rows": len(plan.items) - len(chunks),
                              "sampled": sum(1 for it in plan.items if it.sample), "launch_ms": round(1e3 * launch, 3),
