@@ -52,6 +52,27 @@ def wall(x: dict, p: float, a: float) -> float:
     return p * x["mixed_s"] + x["decode_steps"] * 1e-3 * (x["R_ms"] + a * x["A_ms"]) + x["other_s"]
 
 
+def budget_model(runs: dict, R: tuple[float, float], log=print) -> dict:
+    """One budget's runs (method -> run, BF16 among them) -> parts and ratio grids against BF16 and FP8."""
+    x = {m: parts(r, r["output_tokens"], R) for m, r in runs.items()}
+    for m, v in x.items():
+        log(f"{m:>10}: mixed {v['mixed_s']:.1f} s, {v['decode_steps']} decode steps at batch {v['mean_batch']:.1f}: "
+            f"R {v['R_ms']:.2f} + A {v['A_ms']:.2f} ms, other {v['other_s']:.2f} s")
+    ratios = {}
+    for base in ("bf16", "fp8"):
+        for m in x:
+            if m in ("bf16", base) or base not in x:
+                continue
+            grid_m = [[wall(x[base], p, 1.0) / wall(x[m], p, att) for att in ATTENTION] for p in PREFILL]
+            measured = runs[m]["tokens_per_s"] / runs[base]["tokens_per_s"]
+            ratios[f"{m} x {base}"] = {"measured": measured, "model": grid_m}
+            log(f"\n{m} x {base.upper()} (measured {measured:.2f}); rows: mixed steps x {PREFILL}, columns: {m}'s "
+                f"attention x {ATTENTION}")
+            for p, row in zip(PREFILL, grid_m):
+                log(f"  {p:4}: " + "  ".join(f"{v:5.2f}" for v in row))
+    return {"parts": x, "ratios": ratios}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default="lab/results/serving/long_1.26gib_h200.json")
@@ -60,30 +81,22 @@ def main() -> int:
     a = parse_fresh(ap)
     job, grid = json.load(open(a.job)), json.load(open(a.grid))
     R = rest_of_step(grid)
-    runs = {r["method"]: r for r in job["runs"]}
-    if "bf16" not in runs:
+    by_budget: dict[float, dict] = {}
+    for r in job["runs"]:
+        by_budget.setdefault(r["budget_gib"], {})[r["method"]] = r
+    if not any("bf16" in runs for runs in by_budget.values()):
         ap.error(f"{a.job} has no BF16 run to compare against")
-    x = {m: parts(r, r["output_tokens"], R) for m, r in runs.items()}
     print(f"R(batch) = {1e3 * R[0]:.3f} + {1e3 * R[1]:.4f} * batch ms ({a.grid})")
-    for m, v in x.items():
-        print(f"{m:>10}: mixed {v['mixed_s']:.1f} s, {v['decode_steps']} decode steps at batch {v['mean_batch']:.1f}: "
-              f"R {v['R_ms']:.2f} + A {v['A_ms']:.2f} ms, other {v['other_s']:.2f} s")
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python3", "-m", "quantmla_lab.bench.serving.ratio_bounds"] + sys.argv[1:]),
            "job": a.job, "job_commit": job.get("commit"), "grid": a.grid, "grid_commit": grid.get("commit"),
-           "R_ms": [1e3 * R[0], 1e3 * R[1]], "parts": x, "prefill_scale": PREFILL, "attention_scale": ATTENTION,
-           "ratios": {}, "note": "a model on measured figures, not a measurement"}
-    for base in ("bf16", "fp8"):
-        for m in x:
-            if m in ("bf16", base) or base not in x:
-                continue
-            grid_m = [[wall(x[base], p, 1.0) / wall(x[m], p, att) for att in ATTENTION] for p in PREFILL]
-            measured = runs[m]["tokens_per_s"] / runs[base]["tokens_per_s"]
-            out["ratios"][f"{m} x {base}"] = {"measured": measured, "model": grid_m}
-            print(f"\n{m} x {base.upper()} (measured {measured:.2f}); rows: mixed steps x {PREFILL}, columns: {m}'s "
-                  f"attention x {ATTENTION}")
-            for p, row in zip(PREFILL, grid_m):
-                print(f"  {p:4}: " + "  ".join(f"{v:5.2f}" for v in row))
+           "R_ms": [1e3 * R[0], 1e3 * R[1]], "prefill_scale": PREFILL, "attention_scale": ATTENTION, "budgets": {},
+           "note": "a model on measured figures, not a measurement"}
+    for b, runs in sorted(by_budget.items()):
+        if "bf16" not in runs:
+            continue
+        print(f"\n== {b:g} GiB ==")
+        out["budgets"][f"{b:g}"] = budget_model(runs, R)
     save(out, a.out)
     return 0
 
