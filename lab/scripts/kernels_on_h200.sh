@@ -47,6 +47,9 @@
 # s8-scores       the tokens-as-M kernel's scores on 8-bit warpgroup MMAs (S8_QK): its GPU tests against the oracle
 #                 and fp64, then its decode kernel beside the default, with the layout checks and without output products
 #                 -> kernels/tokens_m_s8_scores_gpu_tests_h200.log, kernels/decode_tokens_m_s8_scores_h200.json
+# short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
+#                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
+#                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
 #
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
@@ -199,6 +202,12 @@ s8-scores() {
   timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 16 \
     --shapes 32x16384,1x131072,64x4096 --tilings 8x32 --tokens-m --variants S8_QK=1 S8_QK=1,S8_AORDER=1 \
     S8_QK=1,S8_DESC=1 S8_QK=1,SKIP_PV=1 SKIP_PV=1 --out "$OUT/kernels/decode_tokens_m_s8_scores_h200.json" 2>&1 | tail -20
+}
+
+short-units() {
+  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 16 \
+    --shapes 1x2048,2x1536,8x1536,16x1536,64x1536 --tilings 8x32 --tokens-m \
+    --out "$OUT/kernels/decode_short_units_h200.json" 2>&1 | tail -24
 }
 
 mma-rate() {
