@@ -322,6 +322,8 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
         Engine(tiny_model("deepseek_v3"), EngineConfig(kv_budget_bytes=100))
     with pytest.raises(QuantMLAError, match="KV budget"):
         Engine(tiny_model("deepseek_v3"), EngineConfig())
+    with pytest.raises(QuantMLAError, match="prefill_graph_max 0: the largest prefill graph holds at least one"):
+        Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, prefill_graph_max=0))
     with pytest.raises(QuantMLAError, match="graph_units 'even': use one of length, rows"):
         Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, graph_units="even"))
 
@@ -489,6 +491,18 @@ def test_budget_cut_prompt_runs_eagerly_beside_graph_parts(v3):
                                    num_pages=16, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
         assert st["eager_chunks"] >= 1 and st["prefill_graph_steps"] >= 2, st
         assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
+
+
+def test_whole_prompts_longer_than_the_largest_prefill_graph_run_eagerly(v3):
+    """A whole-prompt chunk longer than prefill_graph_max runs eagerly, unpadded, beside a shorter one that replays its
+    graph (emulated); outputs as generate(). Without the cap both replay graphs."""
+    prompts = _prompts((10, 30), seed=6)
+    kw = dict(backend="torch", cuda_graphs="emulate", num_pages=16, graph_buckets=(1, 2), max_num_batched_tokens=64)
+    rep, st = engine_agreement(v3, BF16_CONFIG, prompts, 4, tie_tol=2e-2, prefill_graph_max=16, **kw)
+    assert st["eager_chunks"] == 1 and st["prefill_graph_steps"] == 1, st
+    assert rep.ok, rep.details
+    _, st = engine_agreement(v3, BF16_CONFIG, prompts, 4, tie_tol=2e-2, **kw)
+    assert st["eager_chunks"] == 0 and st["prefill_graph_steps"] == 1, st
 
 
 @pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", "emulate")])

@@ -56,6 +56,7 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
     prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
+    prefill_graph_max: int = 4096  # largest: a longer chunk keeps the GPU busier than its launches, so runs eagerly
     decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
     rope_pages: bool = False
     rope_block: int = 0

@@ -9,8 +9,9 @@ rows absorbed, prefill chunks as the backend chooses; both return per-head value
 module's own ``o_proj``. A step runs the model once over the flat batch of all scheduled tokens
 (``[1, N]`` with per-token positions): decode tokens first, then prefill chunks. Pure decode steps
 replay CUDA graphs captured per batch-size bucket when the backend allows, each launched before the previous
-step's tokens reach the host (:mod:`quantmla.serving.overlap`); first prompt chunks replay
-graphs captured per token bucket (``prefill_buckets``), a prompt's later chunks run eagerly (the graphs
+step's tokens reach the host (:mod:`quantmla.serving.overlap`); first prompt chunks of up to
+``prefill_graph_max`` tokens replay graphs captured per token bucket (``prefill_buckets``), longer ones and a prompt's
+later chunks run eagerly (the graphs
 live in :mod:`quantmla.serving.graphs`). A probe that finds the model's step synchronizing with the host
 keeps steps eager (the engine says why). ``Engine.observers`` takes :class:`EngineObserver` objects,
 told of every step and graph capture with host timings (how the benchmarks time and profile it).
@@ -93,6 +94,9 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
+        if config.prefill_graph_max < 1:
+            raise QuantMLAError(f"prefill_graph_max {config.prefill_graph_max}: the largest prefill graph holds at least "
+                                "one token (a large value keeps every whole-prompt chunk on graphs)")
         if config.graph_units not in GRAPH_UNITS:
             raise QuantMLAError(f"graph_units {config.graph_units!r}: use one of {', '.join(GRAPH_UNITS)}")
         if config.rope_block and not config.rope_pages:

@@ -323,15 +323,18 @@ class DecodeGraphs:
 
 
 class PrefillGraphs:
-    """Per token bucket (powers of two), a CUDA graph of one whole-prompt prefill chunk: the model over
-    the prompt padded to the bucket, the last real token's argmax. Padding tokens (id 0, position 0)
-    write to the null page and sit after every real token, so causal attention keeps them out of the
-    real rows; the chunk's own keys are read back quantized through its slot buffer, as in eager steps."""
+    """Per token bucket (``prefill_buckets``, up to ``EngineConfig.prefill_graph_max``), a CUDA graph of one
+    whole-prompt prefill chunk: the model over the prompt padded to the bucket, the last real token's argmax.
+    Padding tokens (id 0, position 0) write to the null page and sit after every real token, so causal attention
+    keeps them out of the real rows; the chunk's own keys are read back quantized through its slot buffer, as in
+    eager steps."""
 
     def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
         cfg = engine.config
-        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size)
+        # no graph above prefill_graph_max: such a chunk's GPU time outlasts its eager launches, and a bucket's padding
+        # (the next power of two above 4096 tokens) would be computed as if real
+        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size, cfg.prefill_graph_max)
         buckets = prefill_buckets(cfg.prefill_graph_min, top)
         self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
         dev, pin = engine.device, engine.device.type == "cuda"

@@ -1,0 +1,82 @@
+"""How many padding tokens do a serve-bench run's prefill graphs compute, for a given largest prefill graph?
+
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.prefill_padding lab/results/serving/long_1.26gib_h200.json \
+        --graph-max 16384 4096 --out lab/results/serving/prefill_padding_long_1.26gib.json
+
+Replays each run of the result through the engine's own scheduler (``serving.scheduler.Scheduler``: same job, pages,
+token budget and watermark; no model), and counts, for every step that prefills, the whole-prompt chunks that a
+prefill graph would take (``start == 0`` and at most the largest bucket: ``Engine._prefill_graphs_step``'s rule) and
+the tokens their buckets (``serving.graphs.prefill_buckets``) add. The replay gives the measured step and decode-step
+counts exactly; the script checks that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+from quantmla.serving.graphs import prefill_buckets
+from quantmla.serving.scheduler import Scheduler, Sequence
+from quantmla_lab.bench.common import parse_fresh, save
+from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
+
+
+def padding(job, pages: int, s: BenchSettings, graph_max: int, graph_min: int = 128) -> dict:
+    """One run replayed: steps, decode steps, graph chunks, their tokens and the padding their buckets add."""
+    top = min(s.max_num_batched_tokens, graph_max)
+    buckets = prefill_buckets(graph_min, top)
+    largest = min(top, buckets[-1])
+    sched = Scheduler(pages, s.page_size, s.max_num_seqs, s.max_num_batched_tokens, s.watermark)
+    for i, r in enumerate(job):
+        sched.add(Sequence(r, i, set()))
+    chunks = tokens = pad = eager_tokens = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        if not plan.items:
+            raise RuntimeError("the scheduler made no progress")
+        if not plan.is_decode:
+            for it in plan.items:
+                if it.n > 1 and it.start == 0 and it.n <= largest:
+                    chunks, tokens = chunks + 1, tokens + it.n
+                    pad += next(b for b in buckets if b >= it.n) - it.n
+                elif it.n > 1:
+                    eager_tokens += it.n
+        sched.commit(plan, [1 if it.sample else None for it in plan.items])
+    st = sched.stats
+    return {"steps": st.steps, "decode_steps": st.decode_steps, "graph_chunks": chunks, "graph_tokens": tokens,
+            "padding_tokens": pad, "eager_chunk_tokens": eager_tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result")
+    ap.add_argument("--graph-max", type=int, nargs="+", default=[16384, 4096])
+    ap.add_argument("--out", required=True)
+    a = parse_fresh(ap)
+    res = json.load(open(a.result))
+    st = res["settings"]
+    s = BenchSettings(**{k: st[k] for k in ("requests", "prompt_min", "prompt_max", "output_min", "output_max", "seed",
+                                             "page_size", "max_num_seqs", "max_num_batched_tokens", "watermark")})
+    job = make_job(s, vocab=100)
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python3", "-m", "quantmla_lab.bench.serving.prefill_padding"] + sys.argv[1:]),
+           "source": a.result, "source_commit": res.get("commit"), "runs": []}
+    for run in res["runs"]:
+        for g in a.graph_max:
+            r = padding(job, run["pages"], s, g)
+            if (r["steps"], r["decode_steps"]) != (run["steps"], run["decode_steps"]):
+                sys.exit(f"{run['method']} at {run['budget_gib']} GiB: the replay gives {r['steps']} steps, "
+                         f"{r['decode_steps']} decode steps; the run measured {run['steps']}, {run['decode_steps']}")
+            out["runs"].append({"method": run["method"], "budget_gib": run["budget_gib"], "graph_max": g,
+                                "mixed_s": run["mixed_s"], **r})
+            print(f"{run['method']:>10} {run['budget_gib']:g} GiB, graphs up to {g:5d} tokens: {r['graph_chunks']:3d} "
+                  f"graph chunks of {r['graph_tokens']} tokens + {r['padding_tokens']} padding; "
+                  f"{r['eager_chunk_tokens']} tokens in eager chunks")
+    save(out, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
