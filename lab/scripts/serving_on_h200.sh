@@ -49,6 +49,8 @@
 #                               -> profile/step_grid_graph_units_{length,rows}_h200.json
 # graph-units-long the tight long job (1.26 GiB, four formats) with the units dealt by length and by row
 #                               -> serving/long_1.26gib_graph_units_{length,rows}_h200.json
+# prefill-graph-cap the same job (units by length) with prefill graphs up to 16384 tokens, against graph-units-long's
+#                 length run (up to 4096, the default)  -> serving/long_1.26gib_prefill_graphs_16384_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -229,6 +231,11 @@ graph-units-long() {
     timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
       "${GRP[@]}" --graph-units $u --out "$OUT/serving/long_1.26gib_graph_units_${u}_h200.json" 2>&1 | quiet 8
   done
+}
+
+prefill-graph-cap() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --prefill-graph-max 16384 --out "$OUT/serving/long_1.26gib_prefill_graphs_16384_h200.json" 2>&1 | quiet 8
 }
 
 step-grid-full() {

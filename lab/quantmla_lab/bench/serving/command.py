@@ -61,6 +61,8 @@ def add_arguments(p):
     p.add_argument("--graph-units", default=d.graph_units, choices=("length", "rows"),
                    help="how a decode graph bucket deals its work units out: by the real lengths, or the same to every "
                         "row (EngineConfig.graph_units)")
+    p.add_argument("--prefill-graph-max", type=int, default=d.prefill_graph_max,
+                   help="largest prefill graph (tokens): longer first chunks run eagerly (EngineConfig.prefill_graph_max)")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
@@ -228,7 +230,7 @@ def run(args) -> int:
         rope_group=args.rope_group, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
-        stall_seconds=args.stall_seconds, graph_units=args.graph_units,
+        stall_seconds=args.stall_seconds, graph_units=args.graph_units, prefill_graph_max=args.prefill_graph_max,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     cmd = getattr(args, "command_line", " ".join(sys.argv))

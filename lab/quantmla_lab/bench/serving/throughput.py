@@ -70,6 +70,7 @@ class BenchSettings:
     max_seconds: float = 0.0  # stop starting new runs after this many seconds (0: no limit)
     stall_seconds: float = 300.0  # end the process (status 3) when a step or capture runs this long (0: never)
     graph_units: str = "length"  # EngineConfig.graph_units: a decode graph bucket's units dealt out by length, or by row
+    prefill_graph_max: int = 4096  # EngineConfig.prefill_graph_max: longer first chunks run eagerly
     warmup: bool = True
     graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
 
@@ -223,7 +224,8 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         cfg = EngineConfig(quant=q, kv_budget_bytes=int(max(budgets) * GIB), page_size=s.page_size,
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len,
-                           rope_pages=rope_block is not None, rope_block=rope_block or 0, graph_units=s.graph_units)
+                           rope_pages=rope_block is not None, rope_block=rope_block or 0, graph_units=s.graph_units,
+                           prefill_graph_max=s.prefill_graph_max)
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
