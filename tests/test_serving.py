@@ -322,8 +322,8 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
         Engine(tiny_model("deepseek_v3"), EngineConfig(kv_budget_bytes=100))
     with pytest.raises(QuantMLAError, match="KV budget"):
         Engine(tiny_model("deepseek_v3"), EngineConfig())
-    with pytest.raises(QuantMLAError, match="prefill_graph_max 0: the largest prefill graph holds at least one"):
-        Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, prefill_graph_max=0))
+    with pytest.raises(QuantMLAError, match="prefill_graph_max 1: a prefill chunk has 2 tokens or more"):
+        Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, prefill_graph_max=1))
     with pytest.raises(QuantMLAError, match="graph_units 'even': use one of length, rows"):
         Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, graph_units="even"))
 
@@ -491,6 +491,19 @@ def test_budget_cut_prompt_runs_eagerly_beside_graph_parts(v3):
                                    num_pages=16, graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
         assert st["eager_chunks"] >= 1 and st["prefill_graph_steps"] >= 2, st
         assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
+
+
+def test_prefill_graph_buckets_stop_at_the_cap():
+    """No prefill bucket above prefill_graph_max, whether or not the cap is a bucket size; the token budget still
+    rounds up to its bucket; a cap under the smallest bucket is one bucket of the cap."""
+    from quantmla.serving.graphs import graph_buckets_for_prefill, prefill_buckets
+
+    b, top = graph_buckets_for_prefill(128, 16384, 5000)
+    assert b[-1] == 4096 and top == 4096 and b == [x for x in prefill_buckets(128, 16384) if x <= 4096]
+    assert graph_buckets_for_prefill(128, 16384, 4096) == (b, 4096)
+    assert graph_buckets_for_prefill(128, 2432, 4096) == (prefill_buckets(128, 2432), 2432)  # 2560 covers 2432
+    assert graph_buckets_for_prefill(128, 16384, 100) == ([100], 100)
+    assert graph_buckets_for_prefill(128, 16384, 1 << 20) == (prefill_buckets(128, 16384), 16384)
 
 
 def test_whole_prompts_longer_than_the_largest_prefill_graph_run_eagerly(v3):

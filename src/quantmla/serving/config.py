@@ -56,7 +56,8 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
     prefill_graphs: bool = True  # whole-prompt chunks replay graphs padded to a token bucket (with cuda_graphs)
     prefill_graph_min: int = 128  # smallest prefill bucket (tokens)
-    prefill_graph_max: int = 4096  # largest: a longer chunk keeps the GPU busier than its launches, so runs eagerly
+    prefill_graph_max: int = 4096  # no bucket above it: longer first chunks keep the GPU busier than their launches
+    # take, so they run eagerly, unpadded
     decode_config: Callable | None = None  # (rows, layout, device) -> DecodeConfig
     rope_pages: bool = False
     rope_block: int = 0
@@ -78,7 +79,7 @@ class JobStats:
     graph_steps: int = 0
     eager_steps: int = 0
     prefill_graph_steps: int = 0  # steps whose whole-prompt chunks (and decode rows) replayed graphs
-    eager_chunks: int = 0  # chunks of those steps that ran eagerly (a prompt's part after a budget cut)
+    eager_chunks: int = 0  # chunks of those steps that ran eagerly (a later part, or a first chunk above the graphs)
     graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
     eager_decode_steps: int = 0  # pure decode steps run eagerly
     eager_decode_s: float = 0.0

@@ -93,9 +93,9 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
-        if config.prefill_graph_max < 1:
-            raise QuantMLAError(f"prefill_graph_max {config.prefill_graph_max}: the largest prefill graph holds at least "
-                                "one token (a large value keeps every whole-prompt chunk on graphs)")
+        if config.prefill_graph_max < 2:
+            raise QuantMLAError(f"prefill_graph_max {config.prefill_graph_max}: a prefill chunk has 2 tokens or more, so "
+                                "the largest prefill graph needs at least 2 (prefill_graphs=False turns them off)")
         if config.graph_units not in GRAPH_UNITS:
             raise QuantMLAError(f"graph_units {config.graph_units!r}: use one of {', '.join(GRAPH_UNITS)}")
         if config.rope_block and not config.rope_pages:
@@ -384,10 +384,11 @@ class Engine:
         return self._decode_graphs().run(items)
 
     def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
-        """A step with prefill chunks that hold a whole prompt (start 0, up to the largest bucket): each
-        such chunk through a prefill graph, decode rows through the decode graphs, the other chunks (a
-        prompt's later part, cut by the token budget) in one eager forward. The sequences are
-        independent, so this is the flat eager step split in parts. None: run the step eagerly."""
+        """A step with prefill chunks that start a prompt and fit the largest prefill graph (start 0, at most
+        ``PrefillGraphs.max_tokens``): each such chunk through a prefill graph, decode rows through the decode
+        graphs, the other chunks (a prompt's later part, cut by the token budget, or a first chunk longer than the
+        largest graph) in one eager forward. The sequences are independent, so this is the flat eager step split in
+        parts. None (no chunk fits a graph): the whole step runs eagerly, decode rows included."""
         if self._prefill is None:
             self._prefill = PrefillGraphs(self)
         pg = self._prefill

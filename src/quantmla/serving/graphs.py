@@ -100,6 +100,16 @@ def prefill_buckets(lo: int, top: int) -> list[int]:
         b = b * 2 if b < 512 or b >= 4096 else b + (256 if b < 2048 else 512)
 
 
+def graph_buckets_for_prefill(lo: int, top: int, cap: int) -> tuple[list[int], int]:
+    """(buckets, largest chunk) of the prefill graphs for chunks of at most `top` tokens: ``prefill_buckets`` no
+    larger than `cap` (EngineConfig.prefill_graph_max; one bucket of `cap` tokens where none is), so no chunk above
+    `cap` is padded into a graph: such a chunk's GPU time outlasts its eager launches, and above 4096 tokens the
+    next bucket doubles, its padding computed as if real."""
+    top = min(top, cap)
+    buckets = [b for b in prefill_buckets(lo, top) if b <= cap] or [top]
+    return buckets, min(top, buckets[-1])
+
+
 def capture_step(step, pool) -> tuple[object, object, str | None]:
     """Probe `step` for host synchronization, then capture it as a CUDA graph (warm-up on a side stream,
     as torch requires) -> (graph, its output, None), or (None, None, why not)."""
@@ -332,13 +342,11 @@ class PrefillGraphs:
     def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
         cfg = engine.config
-        # no graph above prefill_graph_max: such a chunk's GPU time outlasts its eager launches, and a bucket's padding
-        # (the next power of two above 4096 tokens) would be computed as if real
-        top = min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size, cfg.prefill_graph_max)
-        buckets = prefill_buckets(cfg.prefill_graph_min, top)
-        self.buckets, self.max_tokens = buckets, min(top, buckets[-1])
+        self.buckets, self.max_tokens = graph_buckets_for_prefill(
+            cfg.prefill_graph_min, min(cfg.max_num_batched_tokens, engine.max_pages_per_seq * cfg.page_size),
+            cfg.prefill_graph_max)
         dev, pin = engine.device, engine.device.type == "cuda"
-        N = buckets[-1]
+        N = self.buckets[-1]
         self.host = torch.zeros(4, N, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, stage rows
         self.host_row = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
         self.buf = torch.zeros(4, N, dtype=torch.int64, device=dev)

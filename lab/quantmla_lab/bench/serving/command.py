@@ -62,7 +62,8 @@ def add_arguments(p):
                    help="how a decode graph bucket deals its work units out: by the real lengths, or the same to every "
                         "row (EngineConfig.graph_units)")
     p.add_argument("--prefill-graph-max", type=int, default=d.prefill_graph_max,
-                   help="largest prefill graph (tokens): longer first chunks run eagerly (EngineConfig.prefill_graph_max)")
+                   help="no prefill graph above this many tokens: longer first chunks run eagerly "
+                        "(EngineConfig.prefill_graph_max)")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")

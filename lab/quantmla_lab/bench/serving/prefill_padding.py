@@ -5,8 +5,9 @@
 
 Replays each run of the result through the engine's own scheduler (``serving.scheduler.Scheduler``: same job, pages,
 token budget and watermark; no model), and counts, for every step that prefills, the whole-prompt chunks that a
-prefill graph would take (``start == 0`` and at most the largest bucket: ``Engine._prefill_graphs_step``'s rule) and
-the tokens their buckets (``serving.graphs.prefill_buckets``) add. The replay gives the measured step and decode-step
+prefill graph would take (``start == 0`` and at most the largest graph's tokens: ``Engine._prefill_graphs_step``'s
+rule) and the tokens their buckets (``serving.graphs.graph_buckets_for_prefill``, as the engine's) add. The engine
+also caps the buckets at a sequence's page capacity, which no prompt of the job exceeds. The replay gives the measured step and decode-step
 counts exactly; the script checks that.
 """
 
@@ -17,7 +18,7 @@ import datetime
 import json
 import sys
 
-from quantmla.serving.graphs import prefill_buckets
+from quantmla.serving.graphs import graph_buckets_for_prefill
 from quantmla.serving.scheduler import Scheduler, Sequence
 from quantmla_lab.bench.common import parse_fresh, save
 from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
@@ -25,9 +26,7 @@ from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
 
 def padding(job, pages: int, s: BenchSettings, graph_max: int, graph_min: int = 128) -> dict:
     """One run replayed: steps, decode steps, graph chunks, their tokens and the padding their buckets add."""
-    top = min(s.max_num_batched_tokens, graph_max)
-    buckets = prefill_buckets(graph_min, top)
-    largest = min(top, buckets[-1])
+    buckets, largest = graph_buckets_for_prefill(graph_min, s.max_num_batched_tokens, graph_max)
     sched = Scheduler(pages, s.page_size, s.max_num_seqs, s.max_num_batched_tokens, s.watermark)
     for i, r in enumerate(job):
         sched.add(Sequence(r, i, set()))
