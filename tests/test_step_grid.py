@@ -71,3 +71,19 @@ def test_ratio_bounds_model_splits_each_run_exactly():
     free = wall(v, 1.0, 0.0)
     assert abs(free - (9.0 + 1500 * (R[0] + 4 * R[1]) + v["other_s"])) < 1e-9
     assert wall(v, 0.5, 1.0) < wall(v, 1.0, 1.0) and free < wall(v, 1.0, 0.5) < wall(v, 1.0, 1.0)
+
+
+def test_prefill_padding_counts_the_engines_buckets():
+    """prefill_padding replays a job through the scheduler: a 300-token prompt within the budget is one graph chunk
+    padded to the 512-token bucket; with no graph above 256 tokens it is an eager chunk and nothing is padded."""
+    from quantmla_lab.bench.serving.prefill_padding import padding
+    from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
+
+    s = BenchSettings(requests=1, prompt_min=300, prompt_max=300, output_min=3, output_max=3, page_size=16,
+                      max_num_batched_tokens=512)
+    job = make_job(s, vocab=100)
+    r = padding(job, 64, s, graph_max=4096)
+    assert (r["graph_chunks"], r["graph_tokens"], r["padding_tokens"], r["eager_chunk_tokens"]) == (1, 300, 212, 0)
+    assert r["steps"] == 3 and r["decode_steps"] == 2
+    r = padding(job, 64, s, graph_max=256)
+    assert (r["graph_chunks"], r["padding_tokens"], r["eager_chunk_tokens"]) == (0, 0, 300)

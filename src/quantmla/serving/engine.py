@@ -11,8 +11,8 @@ module's own ``o_proj``. A step runs the model once over the flat batch of all s
 replay CUDA graphs captured per batch-size bucket when the backend allows, each launched before the previous
 step's tokens reach the host (:mod:`quantmla.serving.overlap`); first prompt chunks of up to
 ``prefill_graph_max`` tokens replay graphs captured per token bucket (``prefill_buckets``), longer ones and a
-prompt's later chunks run eagerly (the graphs live in :mod:`quantmla.serving.graphs`). A probe that finds the model's step synchronizing with the host
-keeps steps eager (the engine says why). ``Engine.observers`` takes :class:`EngineObserver` objects,
+prompt's later chunks run eagerly (the graphs live in :mod:`quantmla.serving.graphs`). A probe that finds the
+model's step synchronizing with the host keeps steps eager (the engine says why). ``Engine.observers`` takes :class:`EngineObserver` objects,
 told of every step and graph capture with host timings (how the benchmarks time and profile it).
 
 >>> engine = Engine(model, EngineConfig(quant=QuantCacheConfig.of_bits(4, 4), kv_budget_bytes=2 << 30))

@@ -19,30 +19,25 @@ import json
 import sys
 
 from quantmla.serving.graphs import graph_buckets_for_prefill
-from quantmla.serving.scheduler import Scheduler, Sequence
 from quantmla_lab.bench.common import parse_fresh, save
+from quantmla_lab.bench.serving.projection import job_scheduler, plans
 from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
 
 
 def padding(job, pages: int, s: BenchSettings, graph_max: int, graph_min: int = 128) -> dict:
     """One run replayed: steps, decode steps, graph chunks, their tokens and the padding their buckets add."""
     buckets, largest = graph_buckets_for_prefill(graph_min, s.max_num_batched_tokens, graph_max)
-    sched = Scheduler(pages, s.page_size, s.max_num_seqs, s.max_num_batched_tokens, s.watermark)
-    for i, r in enumerate(job):
-        sched.add(Sequence(r, i, set()))
+    sched = job_scheduler(job, pages, s)
     chunks = tokens = pad = eager_tokens = 0
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        if not plan.items:
-            raise RuntimeError("the scheduler made no progress")
-        if not plan.is_decode:
-            for it in plan.items:
-                if it.n > 1 and it.start == 0 and it.n <= largest:
-                    chunks, tokens = chunks + 1, tokens + it.n
-                    pad += next(b for b in buckets if b >= it.n) - it.n
-                elif it.n > 1:
-                    eager_tokens += it.n
-        sched.commit(plan, [1 if it.sample else None for it in plan.items])
+    for plan in plans(sched):
+        if plan.is_decode:
+            continue
+        for it in plan.items:
+            if it.n > 1 and it.start == 0 and it.n <= largest:
+                chunks, tokens = chunks + 1, tokens + it.n
+                pad += next(b for b in buckets if b >= it.n) - it.n
+            elif it.n > 1:
+                eager_tokens += it.n
     st = sched.stats
     return {"steps": st.steps, "decode_steps": st.decode_steps, "graph_chunks": chunks, "graph_tokens": tokens,
             "padding_tokens": pad, "eager_chunk_tokens": eager_tokens}

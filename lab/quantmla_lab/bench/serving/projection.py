@@ -31,22 +31,35 @@ from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
 GIB = 1 << 30
 
 
-def replay(job, pages: int, s: BenchSettings) -> dict:
-    """Run the scheduler over the job; per-step compositions and the counters serve-bench reports."""
+def job_scheduler(job, pages: int, s: BenchSettings) -> Scheduler:
+    """The engine's scheduler with serve-bench's settings and every request of the job waiting."""
     sched = Scheduler(pages, s.page_size, s.max_num_seqs, s.max_num_batched_tokens, s.watermark)
     for i, r in enumerate(job):
         sched.add(Sequence(r, i, set()))
-    dec_b, mix_tokens, mix_rows = [], [], []
+    return sched
+
+
+def plans(sched: Scheduler):
+    """Each step's plan until the job is done, committed after the caller has seen it (a token for every sampling
+    row; no model). The scheduler is deterministic, so this is the measured run's sequence of steps."""
     while sched.has_unfinished():
         plan = sched.schedule()
         if not plan.items:
             raise RuntimeError("the scheduler made no progress")
+        yield plan
+        sched.commit(plan, [1 if it.sample else None for it in plan.items])
+
+
+def replay(job, pages: int, s: BenchSettings) -> dict:
+    """Run the scheduler over the job; per-step compositions and the counters serve-bench reports."""
+    sched = job_scheduler(job, pages, s)
+    dec_b, mix_tokens, mix_rows = [], [], []
+    for plan in plans(sched):
         if plan.is_decode:
             dec_b.append(len(plan.items))
         else:
             mix_tokens.append(sum(it.n for it in plan.items if it.n > 1 or not it.sample))
             mix_rows.append(sum(1 for it in plan.items if it.n == 1 and it.sample))
-        sched.commit(plan, [1 if it.sample else None for it in plan.items])
     st = sched.stats
     return {"steps": st.steps, "decode_steps": st.decode_steps, "preemptions": st.preemptions,
             "recomputed_tokens": st.recomputed_tokens, "output_tokens": st.output_tokens,
