@@ -318,13 +318,16 @@ def test_decode_transposed_orientation(name):
 
 
 # -- the CUDA-graph decode schedule ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["bf16", "int4/int4"])
-def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
+@pytest.mark.parametrize("name,min_chunk", [("bf16", None), ("int4/int4", None), ("int4/int4", 64)])
+def test_static_graph_plan_follows_real_lengths(name, min_chunk, monkeypatch):
     """A graph bucket's fixed-shape schedule, rewritten for the real lengths before a replay, covers every
     token once, deals the bucket's units out by length (a long sequence gets more splits than the bucket's
     S per row, a short one fewer; not the pool-wide worst case the graph was built for), says each
     sequence's units to the combine, and gives the reference attention, the same after a second update
-    for other lengths (the combine's passes over more than its one-step block of splits included)."""
+    for other lengths (the combine's passes over more than its one-step block of splits included).
+    Lengths scale with S x the config's shortest span (4 x 16 tokens in the interpreter, 8 x 128 for BF16
+    on an H200), so the longest sequence needs more than S splits wherever the test runs; min_chunk 64
+    is a GPU-like span under the interpreter."""
     import types
 
     import numpy as np
@@ -333,15 +336,24 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
 
     monkeypatch.setattr(schedule, "num_sms_of", lambda device: 16)  # a GPU of 16 SMs: 4 splits a row for 4 rows
     H = 4
-    for lens in ([1, 40, 77, 130], [0, 3, 150, 1]):
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS[name]), PAGE)
+
+    def config(rows, layout, device):
+        cfg = api.default_config(rows, layout, device)
+        return cfg if min_chunk is None else dataclasses.replace(cfg, min_chunk=min_chunk)
+
+    backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
+                                    kinds={"k": lay}, decode_config=config)
+    max_len = 8192
+    plan = StaticDecodePlan(backend, b=4, max_len=max_len)  # a pool far longer than the sequences
+    S, min_span, tile = plan.split["k"]
+    md = plan.md["k"]
+    assert S == md.max_splits > 1 and md.num_units == 4 * S
+    f = S * min_span // 64  # 1 in the interpreter's default config
+    for lens in ([1, 40 * f, 77 * f, 130 * f], [0, 3, 150 * f, 1]):
+        assert (S + 1) * min_span < max(lens) <= max_len
         lay, pool, bt, sl = make_cache(FORMATS[name], lens, seed=5)
-        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
-                                        kinds={"k": lay}, decode_config=None)
-        plan = StaticDecodePlan(backend, b=len(lens), max_len=4096)  # a pool far longer than the sequences
         plan.update(np.asarray(lens))
-        md = plan.md["k"]
-        S, min_span, tile = plan.split["k"]
-        assert S == md.max_splits > 1 and md.num_units == len(lens) * S
         units, info = md.units.cpu().tolist(), md.seq_info.cpu().tolist()
         used = sum(k for _, k in info)
         for b, n in enumerate(lens):
@@ -352,13 +364,13 @@ def test_static_graph_plan_follows_real_lengths(name, monkeypatch):
             assert all(u[1] % tile == 0 for u in mine)  # splits start on key-tile boundaries
         assert max(k for _, k in info) > S  # the longest sequence takes more than its row's share
         rest = units[used:]
-        assert rest and all(u[1] == u[2] and u[3] == 2 for u in rest)  # empty units, partial rows only
+        assert all(u[1] == u[2] and u[3] == 2 for u in rest)  # what is left: empty units, partial rows only
         g = torch.Generator().manual_seed(2)
         qc = torch.randn(len(lens), 1, H, D_C, generator=g).to(DEV, torch.bfloat16)
         qr = torch.randn(len(lens), 1, H, D_R, generator=g).to(DEV, torch.bfloat16)
         out = torch.full((len(lens), 1, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
         lse = torch.full((len(lens), 1, H), float("nan"), device=DEV)
-        wide = torch.zeros(len(lens), 4096 // PAGE, dtype=bt.dtype, device=bt.device)  # the graph's block-table width
+        wide = torch.zeros(len(lens), max_len // PAGE, dtype=bt.dtype, device=bt.device)  # the graph's table width
         wide[:, : bt.shape[1]] = bt
         o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), wide, sl, lay, 0.125, metadata=md, out=out, lse=lse)
         ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
