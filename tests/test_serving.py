@@ -405,6 +405,8 @@ def test_serve_bench_command_at_toy_size(tmp_path):
         assert sampled == r["output_tokens"]
         assert all(0 <= p["launch_ms"] <= p["total_ms"] for p in pre)
         assert abs(log["prefill_total_s"] - r["mixed_s"]) <= 0.05 * r["mixed_s"] + 0.01, (log["prefill_total_s"], r["mixed_s"])
+        compiled = sum(p["compiles"] for p in pre) + sum(d["compiles"] for d in dec.values())
+        assert compiled == log["compiles"]["count"] == 0  # the torch backend compiles nothing
 
 
 @pytest.mark.gpu

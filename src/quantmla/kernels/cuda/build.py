@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ def nvcc() -> str | None:
 
 
 _VERSION: dict = {}
+BUILDS: list[tuple[str, float]] = []  # (cubin file name, seconds) of each nvcc build this process ran, in order
 
 
 def _nvcc_version(exe: str) -> str:
@@ -81,10 +83,12 @@ def compile_cubin(macros: tuple[tuple[str, int], ...], arch: str, out: Path | No
         tmp_out = Path(tmp) / path.name
         cmd = [exe, "-cubin", "-O3", "-std=c++17", f"-gencode=arch={code},code={arch}", *extra,
                *[f"-D{k}={v}" for k, v in macros], "-o", str(tmp_out), str(source)]
+        t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise QuantMLAError(f"nvcc failed to build the CUDA decode kernel ({' '.join(cmd)}):\n{r.stderr.strip()}")
         os.replace(tmp_out, path)
+        BUILDS.append((path.name, time.perf_counter() - t0))
     return path
 
 
