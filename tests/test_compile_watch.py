@@ -43,6 +43,23 @@ def test_compile_watch_counts_triton_compiles_and_keeps_other_hooks(monkeypatch)
     assert [r for _, r in seen].count("outside") == 4 and len(seen) == 10  # the hooks already set still ran
 
 
+def test_compile_watch_skipped_compiles_and_hooks_set_meanwhile(monkeypatch):
+    """A compile that a hook already set tells Triton to skip is not counted; a hook set while the watch is
+    installed stays set after it; a watch is installed once."""
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: kw["repr"] == "skipped")
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    w = CompileWatch()
+    with w:
+        assert knobs.runtime.jit_cache_hook(key="k1", repr="skipped", fn=None) is True  # Triton stops there
+        _compile("kept", 0.01)
+        other = lambda **kw: None  # noqa: E731
+        knobs.runtime.jit_post_compile_hook = other
+    assert (w.count, w.kernels) == (1, {"kept": 1}) and w.summary()["triton_watched"]
+    assert knobs.runtime.jit_post_compile_hook is other and knobs.runtime.jit_cache_hook(repr="skipped")
+    with pytest.raises(RuntimeError, match="once"):
+        w.__enter__()
+
+
 def test_compile_watch_counts_nvcc_builds(tmp_path, monkeypatch):
     """A build that runs nvcc is counted; one found in the on-disk cache is not."""
     fake = tmp_path / "bin" / "nvcc"
@@ -58,6 +75,8 @@ def test_compile_watch_counts_nvcc_builds(tmp_path, monkeypatch):
         assert w.snapshot()[0] == 0
         build.compile_cubin((("A", 2),), "sm_90a")
         assert w.snapshot()[0] == 1 and w.summary()["nvcc_builds"] == 1
+    build.compile_cubin((("A", 3),), "sm_90a")  # after the watch
+    assert w.snapshot()[0] == 1 and w.summary()["nvcc_builds"] == 1
 
 
 def test_step_log_puts_compiles_in_the_step_that_ends_next(monkeypatch):

@@ -406,7 +406,8 @@ def test_serve_bench_command_at_toy_size(tmp_path):
         assert all(0 <= p["launch_ms"] <= p["total_ms"] for p in pre)
         assert abs(log["prefill_total_s"] - r["mixed_s"]) <= 0.05 * r["mixed_s"] + 0.01, (log["prefill_total_s"], r["mixed_s"])
         compiled = sum(p["compiles"] for p in pre) + sum(d["compiles"] for d in dec.values())
-        assert compiled == log["compiles"]["count"] == 0  # the torch backend compiles nothing
+        assert compiled == log["compiles"]["count"] == 0  # the torch backend compiles nothing (per-step
+        # attribution: tests/test_compile_watch.py)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@
 # jobs            the three named jobs at every budget of each (BF16 holds about 2, 8 and 32 requests; `longest` 2 and 8):
 #                 BF16, FP8, INT4/INT4, INT2/INT4, each job's own chunk budget, one process a job
 #                                                        -> serving/{short,long,longest}_budgets_h200.json
-# tight           the long and longest jobs where BF16 holds about 2 requests (1.26 and 3.74 GiB), four formats
+# tight           the long and longest jobs where BF16 holds about 2 requests (1.26 and 3.74 GiB), four formats:
+#                 tight-long and tight-longest, about 280 s each with the warm-up (one device call each)
 #                                       -> serving/long_1.26gib_h200.json, serving/longest_3.74gib_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
@@ -47,10 +48,10 @@
 # graph-units-grid graph decode steps at batches that pad their bucket (5, 9, 13) and fill it (8, 16), 16K contexts, four
 #                 formats, the bucket's units dealt out by length and the same to every row, one process each
 #                               -> profile/step_grid_graph_units_{length,rows}_h200.json
-# graph-units-long the tight long job (1.26 GiB, four formats) with the units dealt by length and by row
+# graph-units-long the tight long job (1.26 GiB; FP8, INT4/INT4, INT2/INT4) with the units dealt by length and by row
 #                               -> serving/long_1.26gib_graph_units_{length,rows}_h200.json
-# prefill-graph-cap the same job (units by length) with prefill graphs up to 16384 tokens, against graph-units-long's
-#                 length run (up to 4096, the default)  -> serving/long_1.26gib_prefill_graphs_16384_h200.json
+# prefill-graph-cap the tight long job (units by length) with prefill graphs up to 16384 tokens, against tight-long
+#                 (up to 4096, the default)  -> serving/long_1.26gib_prefill_graphs_16384_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -119,11 +120,19 @@ jobs() {
   done
 }
 
-tight() {
-  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+tight-long() {
+  timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --out "$OUT/serving/long_1.26gib_h200.json" 2>&1 | quiet 8
-  timeout 290 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 3.74 --methods bf16 fp8 int4/int4 int2/int4 \
+}
+
+tight-longest() {
+  timeout 400 python3 -m quantmla.cli serve-bench --job longest --budgets-gib 3.74 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --out "$OUT/serving/longest_3.74gib_h200.json" 2>&1 | quiet 8
+}
+
+tight() {
+  tight-long
+  tight-longest
 }
 
 long() {
@@ -228,13 +237,13 @@ graph-units-grid() {
 
 graph-units-long() {
   for u in length rows; do
-    timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+    timeout 280 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 int2/int4 \
       "${GRP[@]}" --graph-units $u --out "$OUT/serving/long_1.26gib_graph_units_${u}_h200.json" 2>&1 | quiet 8
   done
 }
 
 prefill-graph-cap() {
-  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
+  timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --prefill-graph-max 16384 --out "$OUT/serving/long_1.26gib_prefill_graphs_16384_h200.json" 2>&1 | quiet 8
 }
 
