@@ -228,6 +228,12 @@ def test_serve_bench_negative_stall_limit(tmp_path, capsys):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_serve_bench_repeats_below_one(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "serve-bench", "--repeats", "0", "--out", tmp_path / "s.json")
+    assert_clean_error(rc, out, err, "--repeats 0", "1 or more", command="serve-bench")
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_serve_bench_group_not_dividing_the_model(ckpts, tmp_path, capsys):
     rc, out, err = run_cli(capsys, "serve-bench", "--model", ckpts / "mla", "--methods", "int4/int4",
                            "--content-group", "64", "--out", tmp_path / "s.json")

@@ -381,11 +381,13 @@ def test_serve_bench_command_at_toy_size(tmp_path):
     rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",
                "--prompt-len", "20", "50", "--output-len", "4", "8", "--budgets-gib", "0.00002", "0.0001",
                "--page-size", "16", "--content-group", "32", "--rope-group", "16", "--backend", "torch", "--out", str(out),
-               "--methods", "bf16", "int4/int4", "int2/int4"])
+               "--methods", "bf16", "int4/int4", "int2/int4", "--repeats", "2"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)
-    assert len(res["runs"]) == 6
+    assert len(res["runs"]) == 12 and res["summary"]["repeats"] == 2
+    assert [(r["budget_gib"], r["repeat"], r["method"]) for r in res["runs"][:4]] == [
+        (0.00002, 0, "bf16"), (0.00002, 0, "int4/int4"), (0.00002, 0, "int2/int4"), (0.00002, 1, "bf16")]
     for r in res["runs"]:
         assert r["all_complete_and_unique"] and r["completed"] == 5
         for k in ("requests", "output_tokens", "wall_s", "tokens_per_s", "peak_batch", "preemptions", "ratio_to_bf16"):
@@ -408,6 +410,31 @@ def test_serve_bench_command_at_toy_size(tmp_path):
         compiled = sum(p["compiles"] for p in pre) + sum(d["compiles"] for d in dec.values())
         assert compiled == log["compiles"]["count"] == 0  # the torch backend compiles nothing (per-step
         # attribution: tests/test_compile_watch.py)
+
+
+def test_serve_bench_ratios_and_medians_over_repeats():
+    """Each run's ratios pair it with the baseline's run of the same budget and repeat; the summary's ratios are
+    the medians of those, and the tools that model one run per method read the median run."""
+    from quantmla_lab.bench.serving.throughput_report import add_ratios, format_table, representative_runs, summarize
+
+    tps = {("bf16", 0): 100.0, ("fp8", 0): 180.0, ("int4/int4", 0): 300.0,
+           ("bf16", 1): 110.0, ("fp8", 1): 170.0, ("int4/int4", 1): 320.0,
+           ("bf16", 2): 90.0, ("fp8", 2): 175.0, ("int4/int4", 2): 310.0}
+    runs = [{"budget_gib": 1.0, "method": m, "repeat": k, "tokens_per_s": t, "wall_s": 1.0, "peak_batch": 1,
+             "preemptions": 0, "output_tokens": 1} for (m, k), t in tps.items()]
+    add_ratios(runs)
+    by = {(r["method"], r["repeat"]): r for r in runs}
+    assert by[("int4/int4", 1)]["ratio_to_bf16"] == round(320 / 110, 3)  # paired within a repeat
+    assert by[("int4/int4", 2)]["ratio_to_fp8"] == round(310 / 175, 3)
+    sm = summarize({"runs": runs})
+    assert sm["repeats"] == 3 and sm["median_tokens_per_s"]["int4/int4"] == {1.0: 310.0}
+    assert sm["ratio_by_budget"]["int4/int4"][1.0] == round(300 / 100, 3)  # median of 3.0, 2.909, 3.444
+    assert sm["ratio_to_fp8_by_budget"]["int4/int4"][1.0] == round(310 / 175, 3)  # of 1.667, 1.882, 1.771
+    rep = representative_runs(runs)
+    assert [(r["method"], r["repeat"]) for r in rep] == [("bf16", 0), ("fp8", 2), ("int4/int4", 2)]
+    assert len(format_table({"runs": runs}).splitlines()) == 10
+    one = [r for r in runs if r["repeat"] == 0]
+    assert representative_runs(one) == one
 
 
 @pytest.mark.gpu

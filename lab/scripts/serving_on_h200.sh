@@ -19,6 +19,8 @@
 # tight           the long and longest jobs where BF16 holds about 2 requests (1.26 and 3.74 GiB), four formats:
 #                 tight-long and tight-longest, about 280 s each with the warm-up (one device call each)
 #                                       -> serving/long_1.26gib_h200.json, serving/longest_3.74gib_h200.json
+# long-fp8-repeats the tight long job's FP8 and INT4/INT4 three times in turn: the median ratio of the 1.8x goal
+#                                                        -> serving/long_1.26gib_fp8_int4_repeats_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
 # longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json
@@ -135,6 +137,11 @@ tight() {
   tight-longest
 }
 
+long-fp8-repeats() {
+  timeout 500 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 --repeats 3 \
+    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
+}
+
 long() {
   timeout 480 python3 -m quantmla.cli serve-bench --job long --budgets-gib 5.04 --methods bf16 fp8 int4/int4 int2/int4 \
     int4/int4-page int2/int4-page "${GRP[@]}" --max-batched-tokens 16384 --out "$OUT/serving/long_5.04gib_h200.json" 2>&1 | quiet 10
@@ -235,7 +242,12 @@ graph-units-grid() {
   done
 }
 
-graph-units-long() {
+graph-units-long-fp8-repeats() {
+  timeout 500 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 --repeats 3 \
+    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
+}
+
+long() {
   for u in length rows; do
     timeout 280 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 int2/int4 \
       "${GRP[@]}" --graph-units $u --out "$OUT/serving/long_1.26gib_graph_units_${u}_h200.json" 2>&1 | quiet 8

@@ -24,9 +24,11 @@ import argparse
 import json
 import sys
 
+from quantmla_lab.bench.serving.throughput_report import representative_runs
+
 
 def breakdown(result: dict) -> list[dict]:
-    runs = result["runs"]
+    runs = representative_runs(result["runs"])  # a result with repeats: each method's median run
     base = {r["budget_gib"]: r for r in runs if r["method"] == "bf16"}
     rows = []
     for r in runs:
@@ -58,7 +60,7 @@ def breakdown(result: dict) -> list[dict]:
 def per_step(result: dict) -> list[dict]:
     """Mean seconds of a pure decode step and of a step with prefill chunks, per run (ms)."""
     out = []
-    for r in result["runs"]:
+    for r in representative_runs(result["runs"]):
         mixed = r["steps"] - r["decode_steps"]
         dec = r["graph_decode_s"] + r.get("eager_decode_s", 0.0)
         out.append({"budget_gib": r["budget_gib"], "method": r["method"],

@@ -17,11 +17,11 @@ from quantmla_lab.bench.serving.throughput import (
     JOBS,
     PRESETS,
     BenchSettings,
-    format_table,
     job_budgets_gib,
     run_bench,
     save,
 )
+from quantmla_lab.bench.serving.throughput_report import format_table
 
 CHECKS_DEVICE = True  # check_args checks --device (after the model path), with the GPU job's own advice
 
@@ -55,6 +55,8 @@ def add_arguments(p):
     p.add_argument("--device", default=d.device, help="torch device (the benchmark is meant for cuda)")
     p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help="compute dtype")
     p.add_argument("--max-seconds", type=float, default=0.0, help="start no new run after this many seconds")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="run each budget's methods this many times in turn (the summary and figure take medians)")
     p.add_argument("--stall-seconds", type=float, default=d.stall_seconds,
                    help="end with status 3, naming the method and step, when one engine step or graph capture runs this "
                         "long (a kernel that never returns); 0: never")
@@ -182,6 +184,8 @@ def check_args(args) -> None:
 
     for b in args.budgets_gib:
         check_positive(b, "--budgets-gib")
+    if args.repeats < 1:
+        raise QuantMLAError(f"--repeats {args.repeats}: give how many times each method runs at each budget (1 or more)")
     if args.stall_seconds < 0:
         raise QuantMLAError(f"--stall-seconds {args.stall_seconds:g}: give seconds a step may run before the run is "
                             "declared stuck, or 0 to never end it")
@@ -232,6 +236,7 @@ def run(args) -> int:
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
         stall_seconds=args.stall_seconds, graph_units=args.graph_units, prefill_graph_max=args.prefill_graph_max,
+        repeats=args.repeats,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     cmd = getattr(args, "command_line", " ".join(sys.argv))

@@ -22,6 +22,7 @@ from quantmla.serving.graphs import graph_buckets_for_prefill
 from quantmla_lab.bench.common import parse_fresh, save
 from quantmla_lab.bench.serving.projection import job_scheduler, plans
 from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
+from quantmla_lab.bench.serving.throughput_report import representative_runs
 
 
 def padding(job, pages: int, s: BenchSettings, graph_max: int, graph_min: int = 128) -> dict:
@@ -57,7 +58,7 @@ def main() -> int:
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python3", "-m", "quantmla_lab.bench.serving.prefill_padding"] + sys.argv[1:]),
            "source": a.result, "source_commit": res.get("commit"), "runs": []}
-    for run in res["runs"]:
+    for run in representative_runs(res["runs"]):  # a result with repeats: each method's median run
         for g in a.graph_max:
             r = padding(job, run["pages"], s, g)
             if (r["steps"], r["decode_steps"]) != (run["steps"], run["decode_steps"]):

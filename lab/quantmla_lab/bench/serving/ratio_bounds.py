@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from quantmla_lab.bench.common import parse_fresh, save
+from quantmla_lab.bench.serving.throughput_report import representative_runs
 
 PREFILL = (1.0, 0.75, 0.5)
 ATTENTION = (1.0, 0.75, 0.5, 0.25, 0.0)
@@ -82,7 +83,7 @@ def main() -> int:
     job, grid = json.load(open(a.job)), json.load(open(a.grid))
     R = rest_of_step(grid)
     by_budget: dict[float, dict] = {}
-    for r in job["runs"]:
+    for r in representative_runs(job["runs"]):  # a result with repeats: each method's median run
         by_budget.setdefault(r["budget_gib"], {})[r["method"]] = r
     if not any("bf16" in runs for runs in by_budget.values()):
         ap.error(f"{a.job} has no BF16 run to compare against")

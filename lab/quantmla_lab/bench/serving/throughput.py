@@ -28,6 +28,7 @@ from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.serving.compile_watch import CompileWatch
 from quantmla_lab.bench.serving.stall import StallWatch
+from quantmla_lab.bench.serving.throughput_report import add_ratios, summarize
 from quantmla_lab.bench.serving.step_log import StepLog
 
 GIB = 1 << 30
@@ -73,6 +74,7 @@ class BenchSettings:
     graph_units: str = "length"  # EngineConfig.graph_units: a decode graph bucket's units dealt out by length, or by row
     prefill_graph_max: int = 4096  # EngineConfig.prefill_graph_max: longer first chunks run eagerly
     warmup: bool = True
+    repeats: int = 1  # each budget's methods run this many times in turn; the summary takes medians
     graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
 
 
@@ -267,68 +269,64 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
             result["cuda_graph_benefit"] = graph_benefit(engines, vocab, log)
         except Exception as err:
             result.setdefault("errors", []).append({"stage": "graph_benefit", "error": f"{type(err).__name__}: {err}"})
-    for b in budgets:
-        for m in s.methods:
-            if m not in engines:
-                continue
-            if s.max_seconds and time.perf_counter() - t_start > s.max_seconds:
-                result["skipped"].append({"budget_gib": b, "method": m, "why": f"time limit {s.max_seconds}s"})
-                log(f"skip {m} at {b} GiB: time limit")
-                continue
-            e = engines[m]
-            try:
-                pages = e.set_budget(int(b * GIB))
-                with CompileWatch() as compiles:
-                    steps = StepLog(compiles)
-                    e.observers.append(steps)
-                    try:
-                        outs = e.generate(job)
-                    finally:
-                        e.observers.remove(steps)
-            except Exception as err:
-                result.setdefault("errors", []).append({"method": m, "budget_gib": b, "stage": "run",
-                                                        "error": f"{type(err).__name__}: {err}"})
-                log(f"  {b:g} GiB {m}: failed: {type(err).__name__}: {err}")
-                continue
-            st = e.stats
-            bad = [o.request_id for o, r in zip(outs, job) if not o.ok or len(o.output_ids) != r.params.max_new_tokens]
-            ids = [o.request_id for o in outs]
-            run = {
-                "budget_gib": b, "budget_bytes": int(b * GIB), "method": m, "pages": pages,
-                "tokens_capacity": pages * s.page_size,
-                "requests": len(outs), "completed": st.completed, "failed": st.failed,
-                "all_complete_and_unique": not bad and len(set(ids)) == len(ids) == len(job),
-                "output_tokens": st.output_tokens, "wall_s": round(st.wall_s, 4),
-                "tokens_per_s": round(st.tokens_per_s, 2),
-                "peak_batch": st.scheduler.peak_batch, "peak_running": st.scheduler.peak_running,
-                "preemptions": st.scheduler.preemptions, "recomputed_tokens": st.scheduler.recomputed_tokens,
-                "computed_tokens": st.scheduler.computed_tokens,
-                "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
-                "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
-                "prefill_graph_steps": st.prefill_graph_steps, "eager_chunks": st.eager_chunks,
-                "peak_pages_used": st.scheduler.peak_pages_used,
-                "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
-                "mixed_s": round(st.mixed_s, 3),
-                "step_log": steps.summary(),
-            }
-            if bad:
-                run["incomplete_requests"] = bad[:20]
-            result["runs"].append(run)
-            if on_run is not None:
-                on_run(result)
-            log(f"  {b:g} GiB {m:10s} {pages:6d} pages  {run['tokens_per_s']:10.1f} tok/s  wall {run['wall_s']:7.2f}s  "
-                f"peak batch {run['peak_batch']:4d}  preemptions {run['preemptions']:4d}"
-                + (f"  compiled {c['count']} kernels in the run ({c['seconds']:.2f}s)" if (c := run["step_log"]["compiles"])["count"]
-                   else ""))
+    for b, rep, m in ((b, rep, m) for b in budgets for rep in range(s.repeats) for m in s.methods):
+        if m not in engines:
+            continue
+        if s.max_seconds and time.perf_counter() - t_start > s.max_seconds:
+            result["skipped"].append({"budget_gib": b, "method": m, "repeat": rep,
+                                      "why": f"time limit {s.max_seconds}s"})
+            log(f"skip {m} at {b} GiB: time limit")
+            continue
+        e = engines[m]
+        try:
+            pages = e.set_budget(int(b * GIB))
+            with CompileWatch() as compiles:
+                steps = StepLog(compiles)
+                e.observers.append(steps)
+                try:
+                    outs = e.generate(job)
+                finally:
+                    e.observers.remove(steps)
+        except Exception as err:
+            result.setdefault("errors", []).append({"method": m, "budget_gib": b, "repeat": rep, "stage": "run",
+                                                    "error": f"{type(err).__name__}: {err}"})
+            log(f"  {b:g} GiB {m}: failed: {type(err).__name__}: {err}")
+            continue
+        st = e.stats
+        bad = [o.request_id for o, r in zip(outs, job) if not o.ok or len(o.output_ids) != r.params.max_new_tokens]
+        ids = [o.request_id for o in outs]
+        run = {
+            "budget_gib": b, "budget_bytes": int(b * GIB), "method": m, "repeat": rep, "pages": pages,
+            "tokens_capacity": pages * s.page_size,
+            "requests": len(outs), "completed": st.completed, "failed": st.failed,
+            "all_complete_and_unique": not bad and len(set(ids)) == len(ids) == len(job),
+            "output_tokens": st.output_tokens, "wall_s": round(st.wall_s, 4),
+            "tokens_per_s": round(st.tokens_per_s, 2),
+            "peak_batch": st.scheduler.peak_batch, "peak_running": st.scheduler.peak_running,
+            "preemptions": st.scheduler.preemptions, "recomputed_tokens": st.scheduler.recomputed_tokens,
+            "computed_tokens": st.scheduler.computed_tokens,
+            "steps": st.scheduler.steps, "decode_steps": st.scheduler.decode_steps,
+            "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
+            "prefill_graph_steps": st.prefill_graph_steps, "eager_chunks": st.eager_chunks,
+            "peak_pages_used": st.scheduler.peak_pages_used,
+            "graph_decode_s": round(st.graph_decode_s, 3), "eager_decode_s": round(st.eager_decode_s, 3),
+            "mixed_s": round(st.mixed_s, 3),
+            "step_log": steps.summary(),
+        }
+        if bad:
+            run["incomplete_requests"] = bad[:20]
+        result["runs"].append(run)
+        if on_run is not None:
+            on_run(result)
+        log(f"  {b:g} GiB {m:10s}" + (f" rep {rep}" if s.repeats > 1 else "") + f" {pages:6d} pages  {run['tokens_per_s']:10.1f} tok/s  wall {run['wall_s']:7.2f}s  "
+            f"peak batch {run['peak_batch']:4d}  preemptions {run['preemptions']:4d}"
+            + (f"  compiled {c['count']} kernels in the run ({c['seconds']:.2f}s)" if (c := run["step_log"]["compiles"])["count"]
+               else ""))
     for e in engines.values():
         e.close()
     if watch is not None:
         watch.close()
-    # ratios to BF16 at the same budget
-    base = {r["budget_gib"]: r["tokens_per_s"] for r in result["runs"] if r["method"] == "bf16"}
-    for r in result["runs"]:
-        bt = base.get(r["budget_gib"])
-        r["ratio_to_bf16"] = round(r["tokens_per_s"] / bt, 3) if bt else None
+    add_ratios(result["runs"])
     result["summary"] = summarize(result)
     result["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return result
@@ -360,35 +358,6 @@ def graph_benefit(engines: dict, vocab: int, log=print, sizes=(8, 64), prompt: i
             log(f"  decode step {m} batch {b}: graph {row['graph_step_ms']:.2f} ms, eager {row['eager_step_ms']:.2f} ms "
                 f"({row['speedup']:.1f}x)")
     return rows
-
-
-def summarize(result: dict) -> dict:
-    runs = result["runs"]
-    budgets = sorted({r["budget_gib"] for r in runs})
-    out = {"pressured_budget_gib": budgets[0] if budgets else None, "ratio_by_budget": {}}
-    for m in {r["method"] for r in runs} - {"bf16"}:
-        curve = {r["budget_gib"]: r["ratio_to_bf16"] for r in runs if r["method"] == m}
-        out["ratio_by_budget"][m] = curve
-        gains = [b for b in budgets if curve.get(b) is not None and curve[b] >= 1.1]
-        # the gain "starts" at the largest budget from which every smaller budget also gains >= 10 %
-        start = None
-        for b in budgets:
-            if curve.get(b) is not None and curve[b] >= 1.1:
-                start = b
-            else:
-                break
-        out.setdefault("gain_starts_at_gib", {})[m] = start
-        out.setdefault("budgets_with_gain", {})[m] = gains
-    return out
-
-
-def format_table(result: dict) -> str:
-    lines = [f"{'budget':>8} {'method':>10} {'tok/s':>10} {'x BF16':>7} {'wall s':>8} {'peak':>5} {'preempt':>7} {'out tok':>8}"]
-    for r in result["runs"]:
-        ratio = "" if r.get("ratio_to_bf16") is None else f"{r['ratio_to_bf16']:.2f}"
-        lines.append(f"{r['budget_gib']:>6g}Gi {r['method']:>10} {r['tokens_per_s']:>10.1f} {ratio:>7} {r['wall_s']:>8.2f} "
-                     f"{r['peak_batch']:>5} {r['preemptions']:>7} {r['output_tokens']:>8}")
-    return "\n".join(lines)
 
 
 def save(result: dict, path: str) -> None:

@@ -1,9 +1,11 @@
-"""The serve-bench figure: whole-job throughput and its ratio to BF16 over the KV budgets."""
+"""A serve-bench result: ratios to the baselines, medians over repeats, the summary, the table and the figure
+(whole-job throughput and its ratio to BF16 over the KV budgets)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 
 from quantmla.errors import QuantMLAError
 
@@ -24,6 +26,77 @@ def load_result(path: str) -> dict:
     return res
 
 
+def add_ratios(runs: list[dict]) -> None:
+    """Each run's ``ratio_to_bf16`` and ``ratio_to_fp8``: its tokens/s over the baseline's at the same budget and
+    repeat (None where that baseline did not run)."""
+    for base in ("bf16", "fp8"):
+        ref = {(r["budget_gib"], r.get("repeat", 0)): r["tokens_per_s"] for r in runs if r["method"] == base}
+        for r in runs:
+            t = ref.get((r["budget_gib"], r.get("repeat", 0)))
+            r[f"ratio_to_{base}"] = round(r["tokens_per_s"] / t, 3) if t else None
+
+
+def representative_runs(runs: list[dict]) -> list[dict]:
+    """One run per (budget, method): the median by tokens/s of its repeats (the lower middle one of an even count),
+    in the order the runs came; a result of one repeat is returned as it is. Tools that model one run of each
+    method (ratio_bounds, prefill_padding, breakdown) read these."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["budget_gib"], r["method"]), []).append(r)
+    keep = {id(sorted(g, key=lambda r: r["tokens_per_s"])[(len(g) - 1) // 2]) for g in groups.values()}
+    return [r for r in runs if id(r) in keep]
+
+
+def _median_ratios(runs: list[dict], m: str, key: str) -> dict:
+    """budget -> median over repeats of method m's paired ratio `key` (None where there is none)."""
+    out: dict = {}
+    for b in sorted({r["budget_gib"] for r in runs if r["method"] == m}):
+        v = [r[key] for r in runs if r["method"] == m and r["budget_gib"] == b and r.get(key) is not None]
+        out[b] = round(statistics.median(v), 3) if v else None
+    return out
+
+
+def summarize(result: dict) -> dict:
+    """Ratios by budget (with repeats: the median of each repeat's paired ratio), median tokens/s, and where the
+    gain over BF16 starts."""
+    runs = result["runs"]
+    budgets = sorted({r["budget_gib"] for r in runs})
+    out = {"pressured_budget_gib": budgets[0] if budgets else None, "ratio_by_budget": {}}
+    out["repeats"] = max((r.get("repeat", 0) for r in runs), default=0) + 1
+    out["median_tokens_per_s"] = {
+        m: {b: round(statistics.median(v), 2) for b in budgets
+            if (v := [r["tokens_per_s"] for r in runs if r["method"] == m and r["budget_gib"] == b])}
+        for m in dict.fromkeys(r["method"] for r in runs)}
+    if any(r["method"] == "fp8" for r in runs):
+        out["ratio_to_fp8_by_budget"] = {m: _median_ratios(runs, m, "ratio_to_fp8")
+                                         for m in dict.fromkeys(r["method"] for r in runs) if m not in ("bf16", "fp8")}
+    for m in {r["method"] for r in runs} - {"bf16"}:
+        curve = _median_ratios(runs, m, "ratio_to_bf16")
+        out["ratio_by_budget"][m] = curve
+        gains = [b for b in budgets if curve.get(b) is not None and curve[b] >= 1.1]
+        # the gain "starts" at the largest budget from which every smaller budget also gains >= 10 %
+        start = None
+        for b in budgets:
+            if curve.get(b) is not None and curve[b] >= 1.1:
+                start = b
+            else:
+                break
+        out.setdefault("gain_starts_at_gib", {})[m] = start
+        out.setdefault("budgets_with_gain", {})[m] = gains
+    return out
+
+
+def format_table(result: dict) -> str:
+    fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = [f"{'budget':>8} {'method':>10} {'rep':>3} {'tok/s':>10} {'x BF16':>7} {'x FP8':>6} {'wall s':>8} {'peak':>5} "
+             f"{'preempt':>7} {'out tok':>8}"]
+    for r in result["runs"]:
+        lines.append(f"{r['budget_gib']:>6g}Gi {r['method']:>10} {r.get('repeat', 0):>3} {r['tokens_per_s']:>10.1f} "
+                     f"{fmt(r.get('ratio_to_bf16')):>7} {fmt(r.get('ratio_to_fp8')):>6} {r['wall_s']:>8.2f} "
+                     f"{r['peak_batch']:>5} {r['preemptions']:>7} {r['output_tokens']:>8}")
+    return "\n".join(lines)
+
+
 def plot_curve(result: dict, path: str) -> str:
     """Write a two-panel PNG (tokens/s per method; ratio to BF16 per method) over the budgets -> path."""
     import matplotlib
@@ -33,13 +106,14 @@ def plot_curve(result: dict, path: str) -> str:
 
     runs = [r for r in result["runs"] if r.get("tokens_per_s")]
     methods = list(dict.fromkeys(r["method"] for r in runs))
+    summary = summarize({"runs": runs})  # medians over repeats
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
     for i, m in enumerate(methods):
-        rs = sorted((r for r in runs if r["method"] == m), key=lambda r: r["budget_gib"])
-        x = [r["budget_gib"] for r in rs]
-        ax.plot(x, [r["tokens_per_s"] for r in rs], marker="o", ms=4, color=f"C{i}", label=m)
-        if m != "bf16" and all(r.get("ratio_to_bf16") for r in rs):
-            bx.plot(x, [r["ratio_to_bf16"] for r in rs], marker="o", ms=4, color=f"C{i}", label=m)
+        tps = sorted(summary["median_tokens_per_s"][m].items())
+        ax.plot([b for b, _ in tps], [t for _, t in tps], marker="o", ms=4, color=f"C{i}", label=m)
+        ratios = sorted(summary["ratio_by_budget"].get(m, {}).items())
+        if m != "bf16" and ratios and all(v for _, v in ratios):
+            bx.plot([b for b, _ in ratios], [v for _, v in ratios], marker="o", ms=4, color=f"C{i}", label=m)
     bx.axhline(PAPER_RATIO, color="gray", ls="--", lw=1, label=f"paper ({PAPER_RATIO}x)")
     bx.axhline(1.0, color="black", lw=0.5)
     for a in (ax, bx):
