@@ -87,6 +87,7 @@ def summarize(result: dict) -> dict:
 
 
 def format_table(result: dict) -> str:
+    """One line a run: budget, method, repeat, tok/s, ratios to BF16 and FP8, wall s, peak batch, preemptions."""
     fmt = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
     lines = [f"{'budget':>8} {'method':>10} {'rep':>3} {'tok/s':>10} {'x BF16':>7} {'x FP8':>6} {'wall s':>8} {'peak':>5} "
              f"{'preempt':>7} {'out tok':>8}"]
