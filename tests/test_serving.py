@@ -385,9 +385,16 @@ def test_serve_bench_command_at_toy_size(tmp_path):
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)
-    assert len(res["runs"]) == 12 and res["summary"]["repeats"] == 2
+    assert len(res["runs"]) == 12
+    assert res["summary"]["runs_per_method"] == {m: {"2e-05": 2, "0.0001": 2} for m in ("bf16", "int4/int4", "int2/int4")}
     assert [(r["budget_gib"], r["repeat"], r["method"]) for r in res["runs"][:4]] == [
         (0.00002, 0, "bf16"), (0.00002, 0, "int4/int4"), (0.00002, 0, "int2/int4"), (0.00002, 1, "bf16")]
+    runs = {(r["budget_gib"], r["repeat"], r["method"]): r for r in res["runs"]}
+    for (b, k, m), r in runs.items():  # a repeat schedules the same job again, and pairs with its own BF16 run
+        first = runs[(b, 0, m)]
+        assert [r[x] for x in ("pages", "steps", "decode_steps", "preemptions")] == [
+            first[x] for x in ("pages", "steps", "decode_steps", "preemptions")]
+        assert r["ratio_to_bf16"] == round(r["tokens_per_s"] / runs[(b, k, "bf16")]["tokens_per_s"], 3)
     for r in res["runs"]:
         assert r["all_complete_and_unique"] and r["completed"] == 5
         for k in ("requests", "output_tokens", "wall_s", "tokens_per_s", "peak_batch", "preemptions", "ratio_to_bf16"):
@@ -414,27 +421,43 @@ def test_serve_bench_command_at_toy_size(tmp_path):
 
 def test_serve_bench_ratios_and_medians_over_repeats():
     """Each run's ratios pair it with the baseline's run of the same budget and repeat; the summary's ratios are
-    the medians of those, and the tools that model one run per method read the median run."""
+    the medians of those (the lower middle one of an even count: one repeat's figure, never an average), and the
+    tools that model one run per method read one whole repeat per budget."""
     from quantmla_lab.bench.serving.throughput_report import add_ratios, format_table, representative_runs, summarize
 
-    tps = {("bf16", 0): 100.0, ("fp8", 0): 180.0, ("int4/int4", 0): 300.0,
-           ("bf16", 1): 110.0, ("fp8", 1): 170.0, ("int4/int4", 1): 320.0,
-           ("bf16", 2): 90.0, ("fp8", 2): 175.0, ("int4/int4", 2): 310.0}
-    runs = [{"budget_gib": 1.0, "method": m, "repeat": k, "tokens_per_s": t, "wall_s": 1.0, "peak_batch": 1,
-             "preemptions": 0, "output_tokens": 1} for (m, k), t in tps.items()]
+    def job(tps):
+        return [{"budget_gib": 1.0, "method": m, "repeat": k, "tokens_per_s": t, "wall_s": 1e3 / t, "peak_batch": 1,
+                 "preemptions": 0, "output_tokens": 1} for (m, k), t in tps.items()]
+
+    runs = job({("bf16", 0): 100.0, ("fp8", 0): 150.0, ("int4/int4", 0): 300.0,
+                ("bf16", 1): 110.0, ("fp8", 1): 200.0, ("int4/int4", 1): 320.0,
+                ("bf16", 2): 90.0, ("fp8", 2): 175.0, ("int4/int4", 2): 310.0})
     add_ratios(runs)
     by = {(r["method"], r["repeat"]): r for r in runs}
     assert by[("int4/int4", 1)]["ratio_to_bf16"] == round(320 / 110, 3)  # paired within a repeat
-    assert by[("int4/int4", 2)]["ratio_to_fp8"] == round(310 / 175, 3)
+    assert by[("int4/int4", 0)]["ratio_to_fp8"] == round(300 / 150, 3)
     sm = summarize({"runs": runs})
-    assert sm["repeats"] == 3 and sm["median_tokens_per_s"]["int4/int4"] == {1.0: 310.0}
-    assert sm["ratio_by_budget"]["int4/int4"][1.0] == round(300 / 100, 3)  # median of 3.0, 2.909, 3.444
-    assert sm["ratio_to_fp8_by_budget"]["int4/int4"][1.0] == round(310 / 175, 3)  # of 1.667, 1.882, 1.771
-    rep = representative_runs(runs)
-    assert [(r["method"], r["repeat"]) for r in rep] == [("bf16", 0), ("fp8", 2), ("int4/int4", 2)]
+    assert sm["runs_per_method"]["int4/int4"] == {1.0: 3} and sm["median_tokens_per_s"]["int4/int4"] == {1.0: 310.0}
+    assert sm["ratio_by_budget"]["int4/int4"][1.0] == round(300 / 100, 3)  # of 3.0, 2.909, 3.444
+    # of 2.0, 1.6, 1.771: the paired median 1.771, not the ratio of the medians (310 / 175 = 1.771 too, so:)
+    assert sm["ratio_to_fp8_by_budget"]["int4/int4"][1.0] == round(310 / 175, 3)
+    assert sm["ratio_to_fp8_by_budget"]["int4/int4"][1.0] != round(310 / 200, 3)
+    rep = representative_runs(runs)  # summed wall times: repeat 0 10+6.67+3.33, 1 9.09+5+3.13, 2 11.1+5.71+3.23
+    assert [(r["method"], r["repeat"]) for r in rep] == [("bf16", 0), ("fp8", 0), ("int4/int4", 0)]
     assert len(format_table({"runs": runs}).splitlines()) == 10
     one = [r for r in runs if r["repeat"] == 0]
     assert representative_runs(one) == one
+
+    # an even count takes the lower middle repeat's figure; a repeat without its baseline has no ratio
+    even = job({("bf16", 0): 100.0, ("int4/int4", 0): 300.0, ("bf16", 1): 100.0, ("int4/int4", 1): 340.0,
+                ("int4/int4", 2): 500.0})
+    add_ratios(even)
+    assert [r["ratio_to_bf16"] for r in even if r["method"] == "int4/int4"] == [3.0, 3.4, None]
+    sm = summarize({"runs": even})
+    assert sm["ratio_by_budget"]["int4/int4"][1.0] == 3.0 and sm["median_tokens_per_s"]["int4/int4"][1.0] == 340.0
+    assert sm["runs_per_method"] == {"bf16": {1.0: 2}, "int4/int4": {1.0: 3}}
+    # whole repeats only (repeat 2 lacks BF16); of two, the lower middle by summed wall time: repeat 1's 12.9 s
+    assert {r["repeat"] for r in representative_runs(even)} == {1}
 
 
 @pytest.mark.gpu

@@ -139,7 +139,7 @@ tight() {
 
 long-fp8-repeats() {
   timeout 500 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 --repeats 3 \
-    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
+    --max-seconds 380 "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
 }
 
 long() {
@@ -242,12 +242,7 @@ graph-units-grid() {
   done
 }
 
-graph-units-long-fp8-repeats() {
-  timeout 500 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 --repeats 3 \
-    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
-}
-
-long() {
+graph-units-long() {
   for u in length rows; do
     timeout 280 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 int2/int4 \
       "${GRP[@]}" --graph-units $u --out "$OUT/serving/long_1.26gib_graph_units_${u}_h200.json" 2>&1 | quiet 8

@@ -27,6 +27,7 @@ import numpy as np
 
 from quantmla.serving.scheduler import Scheduler, Sequence
 from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
+from quantmla_lab.bench.serving.throughput_report import representative_runs
 
 GIB = 1 << 30
 
@@ -97,13 +98,14 @@ def main(argv=None) -> int:
     bpt = {m: v["page_bytes_all_layers"] for m, v in res["methods"].items()}
     per_method: dict[str, list] = {}
     mismatches = []
-    for run in res["runs"]:
+    for run in representative_runs(res["runs"]):  # a result with repeats: one repeat per budget
         r = replay(job, run["pages"], base)
         for k in ("steps", "decode_steps", "preemptions", "recomputed_tokens", "output_tokens"):
             if r[k] != run[k]:
                 mismatches.append(f"{run['method']} {run['budget_gib']} GiB {k}: replay {r[k]}, measured {run[k]}")
         per_method.setdefault(run["method"], []).append((r, run))
-    print(f"replay of {len(res['runs'])} measured runs: " + ("identical counters" if not mismatches else f"{len(mismatches)} differences"))
+    replayed = sum(len(v) for v in per_method.values())
+    print(f"replay of {replayed} measured runs: " + ("identical counters" if not mismatches else f"{len(mismatches)} differences"))
     for m in mismatches[:10]:
         print("  " + m)
     model = {m: fit(v) for m, v in per_method.items()}

@@ -28,8 +28,8 @@ from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.serving.compile_watch import CompileWatch
 from quantmla_lab.bench.serving.stall import StallWatch
-from quantmla_lab.bench.serving.throughput_report import add_ratios, summarize
 from quantmla_lab.bench.serving.step_log import StepLog
+from quantmla_lab.bench.serving.throughput_report import add_ratios, summarize
 
 GIB = 1 << 30
 
@@ -275,7 +275,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         if s.max_seconds and time.perf_counter() - t_start > s.max_seconds:
             result["skipped"].append({"budget_gib": b, "method": m, "repeat": rep,
                                       "why": f"time limit {s.max_seconds}s"})
-            log(f"skip {m} at {b} GiB: time limit")
+            log(f"skip {m} at {b} GiB" + (f", repeat {rep}" if s.repeats > 1 else "") + ": time limit")
             continue
         e = engines[m]
         try:
@@ -290,7 +290,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         except Exception as err:
             result.setdefault("errors", []).append({"method": m, "budget_gib": b, "repeat": rep, "stage": "run",
                                                     "error": f"{type(err).__name__}: {err}"})
-            log(f"  {b:g} GiB {m}: failed: {type(err).__name__}: {err}")
+            log(f"  {b:g} GiB {m}" + (f" repeat {rep}" if s.repeats > 1 else "") + f": failed: {type(err).__name__}: {err}")
             continue
         st = e.stats
         bad = [o.request_id for o, r in zip(outs, job) if not o.ok or len(o.output_ids) != r.params.max_new_tokens]
@@ -318,10 +318,11 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         result["runs"].append(run)
         if on_run is not None:
             on_run(result)
-        log(f"  {b:g} GiB {m:10s}" + (f" rep {rep}" if s.repeats > 1 else "") + f" {pages:6d} pages  {run['tokens_per_s']:10.1f} tok/s  wall {run['wall_s']:7.2f}s  "
+        c = run["step_log"]["compiles"]
+        log(f"  {b:g} GiB {m:10s}" + (f" rep {rep}" if s.repeats > 1 else "")
+            + f" {pages:6d} pages  {run['tokens_per_s']:10.1f} tok/s  wall {run['wall_s']:7.2f}s  "
             f"peak batch {run['peak_batch']:4d}  preemptions {run['preemptions']:4d}"
-            + (f"  compiled {c['count']} kernels in the run ({c['seconds']:.2f}s)" if (c := run["step_log"]["compiles"])["count"]
-               else ""))
+            + (f"  compiled {c['count']} kernels in the run ({c['seconds']:.2f}s)" if c["count"] else ""))
     for e in engines.values():
         e.close()
     if watch is not None:

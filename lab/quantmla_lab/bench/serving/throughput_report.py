@@ -37,39 +37,49 @@ def add_ratios(runs: list[dict]) -> None:
 
 
 def representative_runs(runs: list[dict]) -> list[dict]:
-    """One run per (budget, method): the median by tokens/s of its repeats (the lower middle one of an even count),
-    in the order the runs came; a result of one repeat is returned as it is. Tools that model one run of each
-    method (ratio_bounds, prefill_padding, breakdown) read these."""
-    groups: dict[tuple, list[dict]] = {}
+    """The runs of one repeat per budget, in the order they came: the repeat whose wall time summed over its methods
+    is the median (the lower middle one of an even count), among the repeats in which every method of that budget ran
+    where there are such. One repeat's runs pair as the summary's ratios do; a result of one repeat is returned as it
+    is. Tools that model one run of each method (ratio_bounds, prefill_padding, breakdown, projection) read these."""
+    by_budget: dict[float, dict[int, list[dict]]] = {}
     for r in runs:
-        groups.setdefault((r["budget_gib"], r["method"]), []).append(r)
-    keep = {id(sorted(g, key=lambda r: r["tokens_per_s"])[(len(g) - 1) // 2]) for g in groups.values()}
-    return [r for r in runs if id(r) in keep]
+        by_budget.setdefault(r["budget_gib"], {}).setdefault(r.get("repeat", 0), []).append(r)
+    keep: set[tuple[float, int]] = set()
+    for b, reps in by_budget.items():
+        methods = {r["method"] for rs in reps.values() for r in rs}
+        whole = {k: rs for k, rs in reps.items() if {r["method"] for r in rs} == methods} or reps
+        order = sorted(whole, key=lambda k: (sum(r["wall_s"] for r in whole[k]), k))
+        keep.add((b, order[(len(order) - 1) // 2]))
+    return [r for r in runs if (r["budget_gib"], r.get("repeat", 0)) in keep]
 
 
 def _median_ratios(runs: list[dict], m: str, key: str) -> dict:
-    """budget -> median over repeats of method m's paired ratio `key` (None where there is none)."""
+    """budget -> the median (the lower middle one of an even count) over repeats of method m's paired ratio `key`,
+    None where it has none."""
     out: dict = {}
     for b in sorted({r["budget_gib"] for r in runs if r["method"] == m}):
         v = [r[key] for r in runs if r["method"] == m and r["budget_gib"] == b and r.get(key) is not None]
-        out[b] = round(statistics.median(v), 3) if v else None
+        out[b] = statistics.median_low(v) if v else None
     return out
 
 
 def summarize(result: dict) -> dict:
-    """Ratios by budget (with repeats: the median of each repeat's paired ratio), median tokens/s, and where the
-    gain over BF16 starts."""
+    """Ratios by budget (with repeats: the median of the repeats' paired ratios, the lower middle one of an even
+    count, so that every figure is one repeat's), median tokens/s likewise, the runs each method has at each budget
+    (a time limit can cut a repeat short), and where the gain over BF16 starts."""
     runs = result["runs"]
     budgets = sorted({r["budget_gib"] for r in runs})
+    methods = list(dict.fromkeys(r["method"] for r in runs))
     out = {"pressured_budget_gib": budgets[0] if budgets else None, "ratio_by_budget": {}}
-    out["repeats"] = max((r.get("repeat", 0) for r in runs), default=0) + 1
-    out["median_tokens_per_s"] = {
-        m: {b: round(statistics.median(v), 2) for b in budgets
-            if (v := [r["tokens_per_s"] for r in runs if r["method"] == m and r["budget_gib"] == b])}
-        for m in dict.fromkeys(r["method"] for r in runs)}
-    if any(r["method"] == "fp8" for r in runs):
-        out["ratio_to_fp8_by_budget"] = {m: _median_ratios(runs, m, "ratio_to_fp8")
-                                         for m in dict.fromkeys(r["method"] for r in runs) if m not in ("bf16", "fp8")}
+
+    def of(m, b):
+        return [r["tokens_per_s"] for r in runs if r["method"] == m and r["budget_gib"] == b]
+
+    out["runs_per_method"] = {m: {b: len(of(m, b)) for b in budgets if of(m, b)} for m in methods}
+    out["median_tokens_per_s"] = {m: {b: statistics.median_low(of(m, b)) for b in budgets if of(m, b)} for m in methods}
+    if "fp8" in methods:
+        out["ratio_to_fp8_by_budget"] = {m: _median_ratios(runs, m, "ratio_to_fp8") for m in methods
+                                         if m not in ("bf16", "fp8")}
     for m in {r["method"] for r in runs} - {"bf16"}:
         curve = _median_ratios(runs, m, "ratio_to_bf16")
         out["ratio_by_budget"][m] = curve
