@@ -460,6 +460,24 @@ def test_serve_bench_ratios_and_medians_over_repeats():
     assert {r["repeat"] for r in representative_runs(even)} == {1}
 
 
+def test_slow_steps_against_a_reference_run():
+    """Steps over both the ratio and the floor count, their excess comes out of the wall time, and runs of different
+    jobs are refused."""
+    from quantmla_lab.bench.serving.slow_steps import slow_steps
+
+    def run(ms, tokens=(100, 200, 300)):
+        steps = [{"prompt_tokens": t, "chunks": 1, "decode_rows": 0, "total_ms": x, "launch_ms": x / 2}
+                 for t, x in zip(tokens, ms)]
+        return {"method": "int4/int4", "budget_gib": 1.0, "wall_s": 10.0, "tokens_per_s": 100.0, "output_tokens": 1000,
+                "step_log": {"prefill_steps": steps}}
+
+    out = slow_steps(run([1000.0, 250.0, 400.0]), run([200.0, 100.0, 300.0]), ratio=1.5, min_ms=300.0)
+    assert [s["step"] for s in out["slow_steps"]] == [0]  # 250 ms: 2.5x but under the floor; 400: under 1.5x
+    assert out["excess_s"] == 0.8 and out["tokens_per_s_without_excess"] == round(1000 / 9.2, 1)
+    with pytest.raises(ValueError, match="same job"):
+        slow_steps(run([1.0, 1.0, 1.0]), run([1.0, 1.0, 1.0], tokens=(100, 200, 301)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_on_gpu_with_graphs_matches_generate():
