@@ -40,6 +40,8 @@
 #                 at long chunks (16384 of 16384, 4096 of 20480, 8192, 1536)   -> prefill/split_diagonal_h200.json
 # prefill-tilings the default tiling against the 128-query tiling, deeper pipelines and key blocks through tensor
 #                 descriptors, at long and short chunks                      -> prefill/tilings_tma_h200.json
+# prefill-sdpa    one chunk's attention: the engine's kernel against torch's SDPA backends (cuDNN, flash, efficient)
+#                 at the long jobs' chunks                                  -> prefill/sdpa_backends_h200.json
 # projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows, and the
 #                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_triton_h200.json
 # step-grid-merged the (eager) step grid, and the same engine without merged projections at batch 1 and 32 of 16K
@@ -214,6 +216,11 @@ prefill-tilings() {
     --prefill-shapes 16384x16384 4096x20480 2048x18432 4096x4096 1536x1536 \
     --prefill-configs "M128 N64 w8 s3" "M128 N64 w8 s3 tma" "M64 N64 w4 s2 tma" "M128 N64 w8 s4 tma" "M128 N128 w8 s2 tma" \
     --out "$OUT/prefill/tilings_tma_h200.json" 2>&1 | grep "^{'n'" | tee -a "$LOG"
+}
+
+prefill-sdpa() {
+  timeout 300 python3 -m quantmla_lab.bench.serving.prefill_sdpa --out "$OUT/prefill/sdpa_backends_h200.json" 2>&1 \
+    | quiet 40
 }
 
 projection-gemms() {
