@@ -185,3 +185,22 @@ def test_slow_steps_against_a_reference_run():
     assert out["excess_s"] == 0.8 and out["tokens_per_s_without_excess"] == round(1000 / 9.2, 1)
     with pytest.raises(ValueError, match="same job"):
         slow_steps(run([1.0, 1.0, 1.0]), run([1.0, 1.0, 1.0], tokens=(100, 200, 301)))
+
+
+def test_host_profile_profiles_only_the_prefilling_steps(tmp_path):
+    """host_profile's timed and profiled runs see the same prefilling steps (decode steps left out), and the profile
+    is per prefilling step: the engine's step function is called once a step."""
+    from quantmla_lab.bench.serving.host_profile import main
+
+    out = tmp_path / "host.json"
+    assert main(["--preset", "tiny", "--device", "cpu", "--prompt", "60", "--batched-tokens", "32", "--new", "4",
+                 "--requests", "3", "--kv-budget-gib", "0.001", "--methods", "int4/int4", "--content-group", "32",
+                 "--rope-group", "16", "--top", "60", "--backend", "torch", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["methods"]["int4/int4"]
+    steps = r["steps"]
+    assert [(s["prompt_tokens"], s["decode_rows"]) for s in steps] == \
+        [(s["prompt_tokens"], s["decode_rows"]) for s in r["profiled_steps"]]
+    assert sum(s["prompt_tokens"] for s in steps) == sum(60 + 97 * i for i in range(3))  # no preemption here
+    assert all(0 < s["launch_ms"] <= s["total_ms"] for s in steps)
+    eager = [f for f in r["by_cumulative_time"] if f["function"].endswith("(_eager)")]
+    assert eager and eager[0]["calls_per_step"] == 1.0
