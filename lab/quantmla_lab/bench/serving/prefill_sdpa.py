@@ -1,4 +1,4 @@
-"""One prefill chunk's attention: the engine's kernel against torch's SDPA backends (cuDNN, flash, efficient).
+"""One prefill chunk's attention: the engine's kernel against torch's SDPA backends (cuDNN, flash, efficient) and varlen_attn.
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.prefill_sdpa --out $OUT/prefill/sdpa_backends_h200.json
 
@@ -75,6 +75,25 @@ def sdpa_chunk(backend: str, q_nope, q_rope, kv, k_rope, scale: float) -> torch.
     return o[0, :, :, :d_v].transpose(0, 1)
 
 
+def varlen_chunk(q_nope, q_rope, kv, k_rope, scale: float) -> torch.Tensor:
+    """The chunk through ``torch.nn.attention.varlen.varlen_attn`` (flash attention; causal there is lower-right,
+    and its tokens-first layout is the engine's: no transposes; v zero-padded to k's width) -> [n, H, d_v]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    n, d_n, (T, H) = q_nope.shape[0], q_nope.shape[-1], kv.shape[:2]
+    d_v = kv.shape[-1] - d_n
+    q = torch.cat([q_nope, q_rope], -1)
+    k = torch.cat([kv[..., :d_n], k_rope[:, None, :].expand(T, H, -1)], -1)
+    v = torch.nn.functional.pad(kv[..., d_n:], (0, k.shape[-1] - d_v))
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+    try:  # torch 2.11 names causal attention is_causal; later versions take it as the window (-1, 0)
+        o = varlen_attn(q, k, v, cu_q, cu_k, n, T, is_causal=True, scale=scale)
+    except TypeError:
+        o = varlen_attn(q, k, v, cu_q, cu_k, n, T, window_size=(-1, 0), scale=scale)
+    return o[..., :d_v]
+
+
 def reference_rows(q_nope, q_rope, kv, k_rope, scale: float, rows: torch.Tensor) -> torch.Tensor:
     """fp64 attention of the chunk's queries ``rows`` -> [len(rows), H, d_v]."""
     n, d_n, T = q_nope.shape[0], q_nope.shape[-1], kv.shape[0]
@@ -107,6 +126,7 @@ def measure(shapes, H=16, d_n=128, d_r=64, d_v=128, backends=BACKENDS, device="c
         cands = {"kernel": lambda: mla_prefill_attention(q_nope, q_rope, kv, k_rope, scale)}
         for b in backends:
             cands[f"sdpa_{b}"] = lambda b=b: sdpa_chunk(b, q_nope, q_rope, kv, k_rope, scale)
+        cands["varlen_attn"] = lambda: varlen_chunk(q_nope, q_rope, kv, k_rope, scale)
         cands["sdpa_operands"] = lambda: sdpa_operands(q_nope, q_rope, kv, k_rope, pad_v=False)
         row = {"n": n, "T": T, "heads": H, "tflop": flop / 1e12,
                "kernel_config": default_prefill_config(n, T).describe(), "candidates": {}}
