@@ -146,7 +146,6 @@ def measure(shapes, H=16, d_n=128, d_r=64, d_v=128, backends=BACKENDS, device="c
                   + (f"  err {c['rel_err_fp64']:.2e}" if "rel_err_fp64" in c else "") if "ms" in c else c["error"]),
                   flush=True)
         rows.append(row)
-        del q_nope, q_rope, kv, k_rope
         torch.cuda.empty_cache()
     return rows
 
