@@ -202,5 +202,6 @@ def test_host_profile_profiles_only_the_prefilling_steps(tmp_path):
         [(s["prompt_tokens"], s["decode_rows"]) for s in r["profiled_steps"]]
     assert sum(s["prompt_tokens"] for s in steps) == sum(60 + 97 * i for i in range(3))  # no preemption here
     assert all(0 < s["launch_ms"] <= s["total_ms"] for s in steps)
+    assert all(s["syncs"] == 0 and s["sync_sites"] == {} for s in r["profiled_steps"])  # no CUDA here: none to count
     eager = [f for f in r["by_cumulative_time"] if f["function"].endswith("(_eager)")]
     assert eager and eager[0]["calls_per_step"] == 1.0

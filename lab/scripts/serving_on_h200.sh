@@ -42,8 +42,9 @@
 #                 descriptors, at long and short chunks                      -> prefill/tilings_tma_h200.json
 # prefill-sdpa    one chunk's attention: the engine's kernel against torch's SDPA backends (cuDNN, flash, efficient)
 #                 at the long jobs' chunks                                  -> prefill/sdpa_backends_h200.json
-# host-profile    the host time of prefilling steps at the long job's shape (prompts of 20K tokens, 16384 a step):
-#                 launch and total ms a step, and the Python functions it goes to (cProfile), FP8 and INT4/INT4
+# host-profile    the host time of prefilling steps at the long job's shape (prompts of 20K tokens, 16384 a step, the
+#                 tight budget: BF16 preempts): launch and total ms a step, and the Python functions it goes to
+#                 (cProfile), BF16, FP8 and INT4/INT4
 #                                                                   -> profile/host_prefill_steps_h200.json
 # projection-gemms cuBLAS's time for each projection weight alone and for the stacked ones, 1 to 64 rows, and the
 #                 Triton candidate that streams the weight (skinny_gemm.py)   -> profile/projection_gemms_triton_h200.json
@@ -228,6 +229,7 @@ prefill-sdpa() {
 
 host-profile() {
   timeout 300 python3 -m quantmla_lab.bench.serving.host_profile --prompt 20000 --batched-tokens 16384 \
+    --kv-budget-gib 1.26 --methods bf16 fp8 int4/int4 \
     --out "$OUT/profile/host_prefill_steps_h200.json" 2>&1 | quiet 120
 }
 

@@ -8,8 +8,9 @@ timed, and once under ``cProfile`` switched on only inside the steps that prefil
 prompts are longer than the step's token budget, so that, as in the ``long`` job, later steps carry a prompt's
 remainder beside the decode rows of the requests already in. Reported per method: each prefilling step of the
 timed run (prompt tokens, decode rows, kind, launch and total ms: host seconds until its GPU work was queued and
-until its tokens were back), and the profiled run's costliest functions by own time and by cumulative time, in
-ms per prefilling step. The profiler slows the host, so its figures place the time; the timed run measures it.
+until its tokens were back), the profiled run's synchronizing CUDA calls in each such step and where in Python they
+are made (torch's sync debug mode), and its costliest functions by own time and by cumulative time, in ms per
+prefilling step. The profiler slows the host, so its figures place the time; the timed run measures it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import warnings
 
 import torch
 
@@ -28,13 +30,17 @@ from quantmla_lab.bench.serving.throughput import build_bench_model, method_conf
 
 
 class PrefillSteps(EngineObserver):
-    """Records every prefilling step's timing and, with ``profiler`` given, profiles only those steps."""
+    """Records every prefilling step's timing and, with ``profiler`` given, profiles only those steps; with
+    ``syncs`` (the list a ``warnings.catch_warnings(record=True)`` fills while torch's CUDA sync debug mode warns),
+    each step's synchronizing calls and where in Python they were made."""
 
-    def __init__(self, profiler: cProfile.Profile | None = None):
+    def __init__(self, profiler: cProfile.Profile | None = None, syncs: list | None = None):
         self.steps: list[dict] = []
-        self.profiler = profiler
+        self.profiler, self.syncs, self._seen = profiler, syncs, 0
 
     def step_begin(self, plan):
+        if self.syncs is not None:
+            self._seen = len(self.syncs)
         if self.profiler is not None and not plan.is_decode:
             self.profiler.enable()
 
@@ -44,10 +50,19 @@ class PrefillSteps(EngineObserver):
             return
         if self.profiler is not None:
             self.profiler.disable()
-        self.steps.append({"prompt_tokens": sum(it.n for it in plan.items if it.n > 1 or it.start == 0),
-                           "decode_rows": sum(1 for it in plan.items if it.n == 1 and it.start > 0),
-                           "kind": timing.kind, "launch_ms": round(1e3 * timing.launch_s, 2),
-                           "total_ms": round(1e3 * timing.total_s, 2)})
+        step = {"prompt_tokens": sum(it.n for it in plan.items if it.n > 1 or it.start == 0),
+                "decode_rows": sum(1 for it in plan.items if it.n == 1 and it.start > 0),
+                "kind": timing.kind, "launch_ms": round(1e3 * timing.launch_s, 2),
+                "total_ms": round(1e3 * timing.total_s, 2)}
+        if self.syncs is not None:
+            new = self.syncs[self._seen:]
+            where = {}
+            for w in new:
+                k = f"{w.filename.split('/src/')[-1].split('site-packages/')[-1]}:{w.lineno}"
+                where[k] = where.get(k, 0) + 1
+            step["syncs"] = len(new)
+            step["sync_sites"] = where
+        self.steps.append(step)
 
 
 def top_functions(prof: cProfile.Profile, steps: int, n: int, key: str) -> list[dict]:
@@ -98,18 +113,27 @@ def main(argv=None) -> int:
         e.generate(reqs())
         e.observers.remove(timed)
         prof = cProfile.Profile()
-        profiled = PrefillSteps(prof)
-        e.observers.append(profiled)
-        e.generate(reqs())
-        e.observers.remove(profiled)
+        with warnings.catch_warnings(record=True) as syncs:
+            warnings.simplefilter("always")
+            if a.device != "cpu":
+                torch.cuda.set_sync_debug_mode("warn")
+            profiled = PrefillSteps(prof, syncs)
+            e.observers.append(profiled)
+            try:
+                e.generate(reqs())
+            finally:
+                if a.device != "cpu":
+                    torch.cuda.set_sync_debug_mode("default")
+            e.observers.remove(profiled)
         n = len(profiled.steps)
         res["methods"][m] = {"steps": timed.steps, "profiled_steps": profiled.steps,
                              "by_own_time": top_functions(prof, n, a.top, "tottime"),
                              "by_cumulative_time": top_functions(prof, n, a.top, "cumtime")}
         print(f"== {m}: {n} prefilling steps")
-        for s in timed.steps:
+        for s, sp in zip(timed.steps, profiled.steps):
             print(f"  {s['prompt_tokens']:6d} prompt tokens + {s['decode_rows']:2d} decode rows, {s['kind']:13s} "
-                  f"launch {s['launch_ms']:8.2f} ms, total {s['total_ms']:8.2f} ms")
+                  f"launch {s['launch_ms']:8.2f} ms, total {s['total_ms']:8.2f} ms; {sp['syncs']} syncs "
+                  + ", ".join(f"{k} x{v}" for k, v in sorted(sp["sync_sites"].items(), key=lambda kv: -kv[1])[:4]))
         print("  own time, ms a step (profiled):")
         for r in res["methods"][m]["by_own_time"][:25]:
             print(f"    {r['own_ms_per_step']:8.3f}  x{r['calls_per_step']:<7} {r['function'][:110]}")
