@@ -72,7 +72,7 @@ tests() {
   } 2>&1 | tee "$log"
   local xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_cuda.py tests/test_kernels.py -q -rfs -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py tests/test_kernels_cuda.py tests/test_kernels.py -q -rfs -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
@@ -182,7 +182,7 @@ e4m3-scores() {
 }
 
 warpgroup() {
-  timeout 120 python3 -m pytest -q -x tests/test_kernels_gpu.py -k warpgroup -s 2>&1 | grep -v -i warn \
+  timeout 120 python3 -m pytest -q -x tests/test_kernels_gpu_warpgroup.py -s 2>&1 | grep -v -i warn \
     > "$OUT/kernels/warpgroup_gpu_tests_h200.log"
   tail -3 "$OUT/kernels/warpgroup_gpu_tests_h200.log"
   timeout 150 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats bf16 --heads 128 \
