@@ -576,3 +576,20 @@ def test_chunk_context_slots_start_on_16_bytes(v3):
     assert lens == [5, 7, 13]
     for _, s in seen:  # a sequence's own pages, positions 0..T-1
         assert len(set(s)) == len(s)
+
+
+def test_decode_rows_replay_their_graph_beside_eager_chunks(v3):
+    """EngineConfig.mixed_decode_graphs: in a step whose prompt chunks run eagerly (no prefill graphs here) and hold
+    at most that many tokens, the decode rows replay their graph (emulated) beside the chunks' forward; outputs as
+    generate(). Above the threshold, or with 0, such steps run whole and eagerly."""
+    prompts = _prompts((6, 30, 21, 9), seed=7)  # the longer prompts arrive in parts beside the first ones' decode rows
+    kw = dict(tie_tol=2e-2, backend="triton", cuda_graphs="emulate", num_pages=16, graph_buckets=(1, 2, 4),
+              max_num_batched_tokens=16, prefill_graphs=False)
+    split = {}
+    for limit in (0, 8, 16):
+        rep, st = engine_agreement(v3, INT4, prompts, 5, mixed_decode_graphs=limit, **kw)
+        assert rep.exact + rep.ties == len(prompts) and rep.ok, (limit, rep.details)
+        split[limit] = st["prefill_graph_steps"]
+        # a split step runs its chunks (one or more) in one eager forward; a whole eager step counts none
+        assert (st["eager_chunks"] >= st["prefill_graph_steps"] > 0) if limit else st["eager_chunks"] == 0
+    assert split[0] == 0 and 0 < split[8] < split[16], split

@@ -60,6 +60,8 @@
 #                               -> serving/long_1.26gib_graph_units_{length,rows}_h200.json
 # prefill-graph-cap the tight long job (units by length) with prefill graphs up to 16384 tokens, against tight-long
 #                 (up to 4096, the default)  -> serving/long_1.26gib_prefill_graphs_16384_h200.json
+# mixed-decode-graphs the tight long job (FP8, INT4/INT4, INT2/INT4) with decode rows replaying their graphs beside
+#                 eager prompt chunks of up to 8192 tokens, against tight-long  -> serving/long_1.26gib_mixed_decode_graphs_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -269,6 +271,11 @@ graph-units-long() {
 prefill-graph-cap() {
   timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --prefill-graph-max 16384 --out "$OUT/serving/long_1.26gib_prefill_graphs_16384_h200.json" 2>&1 | quiet 8
+}
+
+mixed-decode-graphs() {
+  timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --mixed-decode-graphs 8192 --out "$OUT/serving/long_1.26gib_mixed_decode_graphs_h200.json" 2>&1 | quiet 8
 }
 
 step-grid-full() {

@@ -40,7 +40,10 @@ class EngineConfig:
     the GPU does not idle while the host schedules (not with ``rope_pages``). ``graph_units``: how a decode step
     replayed from a CUDA graph deals its bucket's fixed work units out before each replay: "length" (in proportion to
     the real sequences' lengths, as ``get_mla_metadata`` would for them: ``serving.triton_backend.bucket_schedule``)
-    or "rows" (the same number to every row of the bucket, padded rows too: the schedule to measure against)."""
+    or "rows" (the same number to every row of the bucket, padded rows too: the schedule to measure against).
+    ``mixed_decode_graphs``: in a step whose prompt chunks run eagerly and hold at most this many tokens, the decode
+    rows replay their decode graph beside the chunks' forward instead of joining it (0: never): a second pass over
+    the weights on the GPU, in place of the eager decode rows' launches on the host."""
 
     quant: QuantCacheConfig | None = None
     kv_budget_bytes: int | None = None
@@ -66,6 +69,7 @@ class EngineConfig:
     merged_projections: bool = True
     overlap_steps: bool = True
     graph_units: str = "length"
+    mixed_decode_graphs: int = 0
 
 
 @dataclass
@@ -78,7 +82,7 @@ class JobStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     graph_steps: int = 0
     eager_steps: int = 0
-    prefill_graph_steps: int = 0  # steps whose whole-prompt chunks (and decode rows) replayed graphs
+    prefill_graph_steps: int = 0  # steps run in parts: whole-prompt chunks and decode rows through graphs, the rest eager
     eager_chunks: int = 0  # chunks of those steps that ran eagerly (a later part, or a first chunk above the graphs)
     graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
     eager_decode_steps: int = 0  # pure decode steps run eagerly

@@ -266,8 +266,9 @@ class Engine:
                 for j, k in enumerate(dec):
                     out[k] = toks[j] if items[k].sample else None
                 return out, None
-        if pre and self.use_prefill_graphs and len(dec) <= self._graph_max():
-            got = self._prefill_graphs_step(items, dec, pre)
+        apart = bool(dec) and self.use_graphs and sum(items[k].n for k in pre) <= self.config.mixed_decode_graphs
+        if pre and (self.use_prefill_graphs or apart) and len(dec) <= self._graph_max():
+            got = self._prefill_graphs_step(items, dec, pre, apart)
             if got is not None:
                 self.stats.prefill_graph_steps += 1
                 return got, None
@@ -385,17 +386,19 @@ class Engine:
     def _graphs_run(self, items) -> list[int]:
         return self._decode_graphs().run(items)
 
-    def _prefill_graphs_step(self, items, dec: list[int], pre: list[int]) -> list[int | None] | None:
+    def _prefill_graphs_step(self, items, dec: list[int], pre: list[int], apart: bool = False) -> list[int | None] | None:
         """A step with prefill chunks that start a prompt and fit the largest prefill graph (start 0, at most
         ``PrefillGraphs.max_tokens``): each such chunk through a prefill graph, decode rows through the decode
         graphs, the other chunks (a prompt's later part, cut by the token budget, or a first chunk longer than the
         largest graph) in one eager forward. The sequences are independent, so this is the flat eager step split in
-        parts. None (no chunk fits a graph): the whole step runs eagerly, decode rows included."""
-        if self._prefill is None:
-            self._prefill = PrefillGraphs(self)
-        pg = self._prefill
-        whole = [k for k in pre if items[k].start == 0 and items[k].n <= pg.max_tokens]
-        if not whole or (dec and not self.use_graphs):
+        parts. None (no chunk fits a graph, and not ``apart``: the decode rows through their graphs beside eager
+        chunks, ``EngineConfig.mixed_decode_graphs``): the whole step runs eagerly, decode rows included."""
+        whole = []
+        if self.use_prefill_graphs:
+            if self._prefill is None:
+                self._prefill = PrefillGraphs(self)
+            whole = [k for k in pre if items[k].start == 0 and items[k].n <= self._prefill.max_tokens]
+        if not (whole or apart) or (dec and not self.use_graphs):
             return None
         rest = [k for k in pre if k not in set(whole)]
         # A capture failure returns None midway; the eager step that follows recomputes every part of
@@ -407,7 +410,7 @@ class Engine:
                 out[k] = toks[j]
             self.stats.eager_chunks += len(rest)
         for k in whole:
-            tok = pg.run(items[k])
+            tok = self._prefill.run(items[k])
             if tok is None:
                 return None
             out[k] = tok if items[k].sample else None

@@ -66,6 +66,9 @@ def add_arguments(p):
     p.add_argument("--prefill-graph-max", type=int, default=d.prefill_graph_max,
                    help="no prefill graph above this many tokens: longer first chunks run eagerly "
                         "(EngineConfig.prefill_graph_max)")
+    p.add_argument("--mixed-decode-graphs", type=int, default=d.mixed_decode_graphs,
+                   help="decode rows replay their graph beside eager prompt chunks of at most this many tokens "
+                        "(EngineConfig.mixed_decode_graphs; 0: never)")
     p.add_argument("--check", action="store_true", help="first check greedy agreement with transformers generate()")
     p.add_argument("--check-only", action="store_true", help="run only the agreement check")
     p.add_argument("--tie-tol", type=float, default=2e-2, help="agreement check: relative logit margin counted as a tie")
@@ -236,7 +239,7 @@ def run(args) -> int:
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, cuda_graphs=not args.no_cuda_graphs,
         backend=args.backend, device=args.device, dtype=args.dtype, max_seconds=args.max_seconds,
         stall_seconds=args.stall_seconds, graph_units=args.graph_units, prefill_graph_max=args.prefill_graph_max,
-        repeats=args.repeats,
+        mixed_decode_graphs=args.mixed_decode_graphs, repeats=args.repeats,
     )
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     cmd = getattr(args, "command_line", " ".join(sys.argv))

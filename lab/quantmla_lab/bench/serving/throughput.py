@@ -73,6 +73,7 @@ class BenchSettings:
     stall_seconds: float = 300.0  # end the process (status 3) when a step or capture runs this long (0: never)
     graph_units: str = "length"  # EngineConfig.graph_units: a decode graph bucket's units dealt out by length, or by row
     prefill_graph_max: int = 4096  # EngineConfig.prefill_graph_max: longer first chunks run eagerly
+    mixed_decode_graphs: int = 0  # EngineConfig.mixed_decode_graphs: decode rows through graphs beside short chunks
     warmup: bool = True
     repeats: int = 1  # each budget's methods run this many times in turn; the summary takes medians
     graph_benefit: bool = True  # time decode steps with and without CUDA graphs on a small decode-heavy job
@@ -236,7 +237,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
                            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                            watermark=s.watermark, backend=s.backend, cuda_graphs=s.cuda_graphs, max_model_len=max_len,
                            rope_pages=rope_block is not None, rope_block=rope_block or 0, graph_units=s.graph_units,
-                           prefill_graph_max=s.prefill_graph_max)
+                           prefill_graph_max=s.prefill_graph_max, mixed_decode_graphs=s.mixed_decode_graphs)
         t0 = time.perf_counter()
         try:
             e = Engine(model, cfg)
