@@ -82,7 +82,8 @@ class JobStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     graph_steps: int = 0
     eager_steps: int = 0
-    prefill_graph_steps: int = 0  # steps run in parts: whole-prompt chunks and decode rows through graphs, the rest eager
+    prefill_graph_steps: int = 0  # steps whose whole-prompt chunks (and decode rows) replayed graphs, the rest eager
+    mixed_graph_steps: int = 0  # steps whose decode rows replayed a graph beside eager chunks (mixed_decode_graphs)
     eager_chunks: int = 0  # chunks of those steps that ran eagerly (a later part, or a first chunk above the graphs)
     graph_decode_s: float = 0.0  # time in decode steps replayed from CUDA graphs
     eager_decode_steps: int = 0  # pure decode steps run eagerly

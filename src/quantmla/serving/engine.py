@@ -270,7 +270,6 @@ class Engine:
         if pre and (self.use_prefill_graphs or apart) and len(dec) <= self._graph_max():
             got = self._prefill_graphs_step(items, dec, pre, apart)
             if got is not None:
-                self.stats.prefill_graph_steps += 1
                 return got, None
         self.stats.eager_steps += 1
         return self._eager(items)
@@ -404,6 +403,11 @@ class Engine:
         # A capture failure returns None midway; the eager step that follows recomputes every part of
         # this step, rewriting the same slots (a step's writes depend only on its own tokens).
         out: list[int | None] = [None] * len(items)
+        launch = None
+        if dec:  # queued first: the GPU replays the decode rows while the host launches the rest
+            launch = self._decode_graphs().launch([items[k] for k in dec])
+            if launch is None:
+                return None
         if rest:
             toks, _ = self._eager([items[k] for k in rest])
             for j, k in enumerate(rest):
@@ -414,12 +418,14 @@ class Engine:
             if tok is None:
                 return None
             out[k] = tok if items[k].sample else None
-        if dec:
-            toks = self._graphs_run([items[k] for k in dec])
-            if toks is None:
-                return None
+        if launch is not None:
+            toks = self._graphs.tokens(launch)
             for j, k in enumerate(dec):
                 out[k] = toks[j] if items[k].sample else None
+        if whole:
+            self.stats.prefill_graph_steps += 1
+        else:
+            self.stats.mixed_graph_steps += 1
         return out
 
     # -- overlapped decode steps (serving/overlap.py) ---------------------------------------------
@@ -521,11 +527,12 @@ class Engine:
                 if self.stage is not None:
                     self.stage.update(sched.running)
                 t1 = time.perf_counter()
-                g0, p0 = self.stats.graph_steps, self.stats.prefill_graph_steps
+                g0, p0, m0 = self.stats.graph_steps, self.stats.prefill_graph_steps, self.stats.mixed_graph_steps
                 sampled, logits = self._execute(plan)  # returns after the sampled tokens reached the host
                 dt = time.perf_counter() - t1
                 kind = "graph_decode" if self.stats.graph_steps > g0 else \
-                    "prefill_graph" if self.stats.prefill_graph_steps > p0 else "eager"
+                    "prefill_graph" if self.stats.prefill_graph_steps > p0 else \
+                    "mixed_graph" if self.stats.mixed_graph_steps > m0 else "eager"
                 if kind == "graph_decode":
                     self.stats.graph_decode_s += dt
                 elif all(it.n == 1 for it in plan.items):

@@ -31,8 +31,9 @@ from quantmla.serving.scheduler import StepPlan
 @dataclass
 class StepTiming:
     """One engine step as an observer sees it. ``kind``: "graph_decode" (a pure decode step replayed
-    from a CUDA graph), "prefill_graph" (a step in parts: whole-prompt chunks replayed from prefill
-    graphs, decode rows through the decode graphs, the other chunks eager) or "eager". ``launch_s``: host seconds from the step's
+    from a CUDA graph), "prefill_graph" (whole-prompt chunks replayed from prefill graphs, any decode
+    rows through the decode graphs, the other chunks eager), "mixed_graph" (decode rows through the decode graphs
+    beside eager chunks: ``EngineConfig.mixed_decode_graphs``) or "eager". ``launch_s``: host seconds from the step's
     start until its last model forward returned or its last graph replay was launched (all its GPU work
     queued); ``total_s``: host seconds until its sampled tokens reached the host, counted for a decode step
     launched ahead (``EngineConfig.overlap_steps``) from the later of its start and the previous such step's

@@ -5,9 +5,9 @@ back (``serving.graphs.StepTiming``). Where ``launch_ms`` is close to ``total_ms
 (Python launches, metadata, copies); where it is much shorter the GPU sets the step's time.
 
 - Steps that prefill (prompt chunks, a preempted sequence's recomputed tokens included, with or without decode
-  rows) are kept one record each, in order: their kind ("prefill_graph", "eager", or "graph_decode" where every
-  chunk is one token, which the engine then runs and times as a decode step), prompt tokens, chunks, decode rows,
-  tokens sampled (the decode rows and the chunks that end a prompt), launch_ms and total_ms.
+  rows) are kept one record each, in order: their kind ("prefill_graph", "mixed_graph", "eager", or "graph_decode"
+  where every chunk is one token, which the engine then runs and times as a decode step), prompt tokens, chunks,
+  decode rows, tokens sampled (the decode rows and the chunks that end a prompt), launch_ms and total_ms.
 - The counts are exact where no sequence ends while a step launched ahead of it is in flight (an end-of-sequence
   token or NaN logits): serve-bench ignores EOS, so only NaN logits can make the log count a dropped row.
 - Pure decode steps are summed by batch: steps, the sum and median of total_ms, the median of launch_ms.
