@@ -1,6 +1,6 @@
 """Host time of a job's prefilling steps: how long each takes to launch, and which Python functions that time is in.
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.host_profile --out $OUT/profile/host_mixed_steps_h200.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.host_profile --out $OUT/profile/host_prefill_steps_h200.json
 
 The serve-bench model (v2-lite geometry, random weights) runs one small job three times per method, as serve-bench
 runs jobs (CUDA graphs for decode rows and short first chunks, the rest eager): once to compile and capture, once
@@ -29,6 +29,9 @@ from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.serving.throughput import build_bench_model, method_config
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # the words of torch's sync debug mode warnings
+
+
 class PrefillSteps(EngineObserver):
     """Records every prefilling step's timing and, with ``profiler`` given, profiles only those steps; with
     ``syncs`` (the list a ``warnings.catch_warnings(record=True)`` fills while torch's CUDA sync debug mode warns),
@@ -50,12 +53,13 @@ class PrefillSteps(EngineObserver):
             return
         if self.profiler is not None:
             self.profiler.disable()
-        step = {"prompt_tokens": sum(it.n for it in plan.items if it.n > 1 or it.start == 0),
-                "decode_rows": sum(1 for it in plan.items if it.n == 1 and it.start > 0),
+        decode = [it.n == 1 and it.start >= it.seq.prompt_len for it in plan.items]  # a generated token's row
+        step = {"prompt_tokens": sum(it.n for it, d in zip(plan.items, decode) if not d),
+                "decode_rows": sum(decode),
                 "kind": timing.kind, "launch_ms": round(1e3 * timing.launch_s, 2),
                 "total_ms": round(1e3 * timing.total_s, 2)}
         if self.syncs is not None:
-            new = self.syncs[self._seen:]
+            new = [w for w in self.syncs[self._seen:] if SYNC_WARNING in str(w.message)]
             where = {}
             for w in new:
                 k = f"{w.filename.split('/src/')[-1].split('site-packages/')[-1]}:{w.lineno}"
@@ -67,6 +71,8 @@ class PrefillSteps(EngineObserver):
 
 def top_functions(prof: cProfile.Profile, steps: int, n: int, key: str) -> list[dict]:
     """The n functions with the most ``key`` time ("tottime": own, "cumtime": with callees), ms per step."""
+    if steps == 0:
+        return []
     st = pstats.Stats(prof)
     rows = []
     for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
@@ -122,9 +128,13 @@ def main(argv=None) -> int:
             try:
                 e.generate(reqs())
             finally:
+                prof.disable()
+                e.observers.remove(profiled)
                 if a.device != "cpu":
                     torch.cuda.set_sync_debug_mode("default")
-            e.observers.remove(profiled)
+        if len(profiled.steps) != len(timed.steps):
+            raise RuntimeError(f"{m}: the profiled run took {len(profiled.steps)} prefilling steps, the timed run "
+                               f"{len(timed.steps)}: the same job should schedule the same steps")
         n = len(profiled.steps)
         res["methods"][m] = {"steps": timed.steps, "profiled_steps": profiled.steps,
                              "by_own_time": top_functions(prof, n, a.top, "tottime"),
