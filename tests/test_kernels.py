@@ -405,6 +405,39 @@ def test_read_matches_the_reference_reader(name):
     assert empty[0].shape == (0, D_C) and empty[1].shape == (0, D_R)
 
 
+def test_read_copies_slots_off_16_bytes(monkeypatch):
+    """A view of slots that starts off 16 bytes (a step's later chunk in the engine's one slot array) reaches the
+    read kernel as an aligned copy, so Triton never compiles the kernel for a second pointer alignment; the values
+    are the reader's."""
+    import quantmla.kernels.read as read_mod
+    from quantmla.cache.paged import read_tokens
+    from quantmla.kernels import read_from_pages
+
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4"]), PAGE)
+    g = torch.Generator().manual_seed(9)
+    pool = PagePool(lay, 4, device=DEV)
+    every = torch.randperm(4 * PAGE, generator=g)[:21].to(DEV)
+    append_to_pages(pool.layer(0), lay, every, torch.randn(21, D_C, generator=g).to(DEV),
+                    torch.randn(21, D_R, generator=g).to(DEV))
+    seen, real = [], read_mod._read_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[2].data_ptr() % 16)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(read_mod, "_read_kernel", Spy())
+    view = every[1:]  # int64 at offset 8 bytes
+    assert view.data_ptr() % 16 == 8
+    c, r = read_from_pages(pool.layer(0), lay, view, dtype=torch.float32)
+    read_from_pages(pool.layer(0), lay, every, dtype=torch.float32)
+    assert seen == [0, 0]
+    ref_c, ref_r = read_tokens(pool.layer(0), lay, view)
+    torch.testing.assert_close(c, ref_c, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r, ref_r, rtol=1e-6, atol=1e-6)
+
 def _prefill_inputs(n, T, H, d_n, d_r, d_v, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q_nope, q_rope = torch.randn(n, H, d_n, generator=g), torch.randn(n, H, d_r, generator=g)

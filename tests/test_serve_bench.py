@@ -202,6 +202,36 @@ def test_host_profile_profiles_only_the_prefilling_steps(tmp_path):
         [(s["prompt_tokens"], s["decode_rows"]) for s in r["profiled_steps"]]
     assert sum(s["prompt_tokens"] for s in steps) == sum(60 + 97 * i for i in range(3))  # no preemption here
     assert all(0 < s["launch_ms"] <= s["total_ms"] for s in steps)
-    assert all(s["syncs"] == 0 and s["sync_sites"] == {} for s in r["profiled_steps"])  # no CUDA here: none to count
     eager = [f for f in r["by_cumulative_time"] if f["function"].endswith("(_eager)")]
     assert eager and eager[0]["calls_per_step"] == 1.0
+
+
+def test_host_profile_counts_only_sync_warnings_inside_prefilling_steps():
+    """PrefillSteps counts the warnings torch's sync debug mode raises inside a prefilling step, by Python site, and
+    neither other warnings nor those of decode steps; a one-token chunk of a prompt is a prompt token, not a row."""
+    import types
+    import warnings
+
+    from quantmla_lab.bench.serving.host_profile import SYNC_WARNING, PrefillSteps
+
+    def warn(msg, line):
+        return warnings.WarningMessage(msg, UserWarning, "/x/src/quantmla/serving/engine.py", line)
+
+    def item(n, start, prompt_len):
+        return types.SimpleNamespace(n=n, start=start, seq=types.SimpleNamespace(prompt_len=prompt_len))
+
+    syncs: list = []
+    obs = PrefillSteps(syncs=syncs)
+    mixed = types.SimpleNamespace(is_decode=False, items=[item(1, 40, 30), item(5, 0, 9), item(1, 9, 10)])
+    decode = types.SimpleNamespace(is_decode=True, items=[item(1, 41, 30)])
+    obs.step_begin(decode)
+    syncs.append(warn(f"called a {SYNC_WARNING}", 7))
+    obs.step_end(types.SimpleNamespace(plan=decode, kind="graph_decode", launch_s=0.001, total_s=0.002))
+    obs.step_begin(mixed)
+    syncs += [warn(f"called a {SYNC_WARNING}", 291), warn(f"called a {SYNC_WARNING}", 291),
+              warn(f"called a {SYNC_WARNING}", 327), warn("some deprecation", 12)]
+    obs.step_end(types.SimpleNamespace(plan=mixed, kind="eager", launch_s=0.010, total_s=0.020))
+    (step,) = obs.steps
+    assert step["syncs"] == 3 and step["sync_sites"] == {"quantmla/serving/engine.py:291": 2,
+                                                          "quantmla/serving/engine.py:327": 1}
+    assert (step["prompt_tokens"], step["decode_rows"]) == (6, 1)

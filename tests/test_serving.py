@@ -554,30 +554,6 @@ def test_bucket_schedule_deals_units_by_length_as_get_mla_metadata():
         bucket_schedule(np.array([1, 1, 1]), 2, 128, 64)
 
 
-def test_chunk_context_slots_start_on_16_bytes(v3):
-    """Several prompt chunks in one eager step: each chunk's context slots (one device array for the step) start on
-    16 bytes whatever the lengths before them, so the kernels that read them see one pointer alignment, and they
-    are the chunk's own slots, one a position."""
-    e = Engine(v3, EngineConfig(quant=INT4, backend="torch", max_num_batched_tokens=64, num_pages=16, page_size=8,
-                                cuda_graphs=False))
-    seen = []
-    inner = e.backend.prefill
-
-    def prefill(slot, view, c, q_nope, q_rope):
-        if slot == 0:
-            seen.append((c.slots.data_ptr() % 16, c.slots.tolist()))
-        return inner(slot, view, c, q_nope, q_rope)
-
-    e.backend.prefill = prefill
-    prompts = _prompts((7, 13, 5))
-    e.generate([Request(i, p, SamplingParams(max_new_tokens=2, ignore_eos=True)) for i, p in enumerate(prompts)])
-    assert len(seen) == 3 and all(a == 0 for a, _ in seen)  # three chunks of odd length, one step
-    lens = sorted(len(s) for _, s in seen)
-    assert lens == [5, 7, 13]
-    for _, s in seen:  # a sequence's own pages, positions 0..T-1
-        assert len(set(s)) == len(s)
-
-
 def test_decode_rows_replay_their_graph_beside_eager_chunks(v3):
     """EngineConfig.mixed_decode_graphs: in a step whose prompt chunks run eagerly (no prefill graphs here) and hold
     at most that many tokens, the decode rows replay their graph (emulated) beside the chunks' forward; outputs as

@@ -448,6 +448,8 @@ def read_from_pages(
         return oc, orr
     consts, _ = _layout_constexprs(layout)
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
+    if slots.data_ptr() % 16:  # a view off 16 bytes (a later chunk's slots) is copied: Triton would compile the
+        slots = slots.clone()  # kernel again for the other pointer alignment
     _read_kernel[(-(-T // block_t),)](
         oc, orr, slots, pages, pc16, pr16, T, oc.stride(0), orr.stride(0), **consts, BLOCK_T=block_t, num_warps=4
     )

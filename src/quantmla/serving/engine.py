@@ -310,14 +310,12 @@ class Engine:
             if items[k].sample:
                 row_of[k] = len(rows)
                 rows.append(j)
-        if pre:  # every chunk's context slots, one host-to-device copy per step (read by every layer); each
-            # chunk's slots start on 16 bytes (an even count of int64 before them), so that the kernels that read
-            # them see one pointer alignment and compile once
+        if pre:  # every chunk's context slots, one host-to-device copy per step (read by every layer)
             ctx = []
             for k in pre:
                 it = items[k]
-                p = np.arange(-(-(it.start + it.n) // 2) * 2)
-                ctx.append(slot_of(it.seq.pages, np.minimum(p, it.start + it.n - 1), ps))
+                p = np.arange(it.start + it.n)
+                ctx.append(slot_of(it.seq.pages, p, ps))
             ctx_t = torch.from_numpy(np.concatenate(ctx)).to(dev)
         off = 0
         for k in pre:
@@ -326,7 +324,7 @@ class Engine:
             T = it.start + it.n
             meta.chunks.append(PrefillChunk(flat, it.n, T, torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg,
                                      slots=ctx_t[off: off + T]))
-            off += -(-T // 2) * 2
+            off += T
             if it.sample:
                 row_of[k] = len(rows)
                 rows.append(flat + it.n - 1)

@@ -21,6 +21,7 @@ import argparse
 import torch
 
 from quantmla.kernels.api import default_prefill_config, mla_prefill_attention
+from quantmla.reference.prefill import prefill_attention
 from quantmla_lab.bench.common import parse_fresh, record, save
 
 BACKENDS = ("cudnn", "flash", "efficient")
@@ -96,14 +97,21 @@ def varlen_chunk(q_nope, q_rope, kv, k_rope, scale: float) -> torch.Tensor:
 
 
 def reference_rows(q_nope, q_rope, kv, k_rope, scale: float, rows: torch.Tensor) -> torch.Tensor:
-    """fp64 attention of the chunk's queries ``rows`` -> [len(rows), H, d_v]."""
-    n, d_n, T = q_nope.shape[0], q_nope.shape[-1], kv.shape[0]
-    q = torch.cat([q_nope[rows], q_rope[rows]], -1).double()
-    k = torch.cat([kv[..., :d_n], k_rope[:, None, :].expand(T, kv.shape[1], -1)], -1).double()
-    s = torch.einsum("rhd,thd->rht", q, k) * scale
-    pos = (T - n + rows.to(s.device))[:, None, None]
-    s.masked_fill_(torch.arange(T, device=s.device)[None, None, :] > pos, float("-inf"))
-    return torch.einsum("rht,thv->rhv", torch.softmax(s, -1), kv[..., d_n:].double())
+    """fp64 attention of the chunk's queries ``rows`` (ascending) -> [len(rows), H, d_v]: the library's oracle
+    (``reference.prefill.prefill_attention``) on each run of consecutive rows, as the last queries of the context
+    that ends with them."""
+    n, T = q_nope.shape[0], kv.shape[0]
+    r = rows.tolist()
+    runs, start = [], 0
+    for i in range(1, len(r) + 1):
+        if i == len(r) or r[i] != r[i - 1] + 1:
+            runs.append((r[start], r[i - 1] + 1))
+            start = i
+    out = []
+    for a, b in runs:
+        end = T - n + b  # the context the queries a..b-1 see ends at the last one's position
+        out.append(prefill_attention(q_nope[a:b], q_rope[a:b], kv[:end], k_rope[:end], scale, torch.float64))
+    return torch.cat(out)
 
 
 def chunk_tensors(n: int, T: int, H: int, d_n: int, d_r: int, d_v: int, device: str, seed: int = 0):
