@@ -8,88 +8,30 @@ import os
 
 import pytest
 import torch
-
 import triton
 import triton.language as tl
+from helpers.cpu_decode import D_C, D_R, DEV, FORMATS, PAGE, check, make_cache, reference, run_decode
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.cache.paged import PagePool, gather_sequences, write_tokens
 from quantmla.errors import UnsupportedFormatError
 from quantmla.kernels import (
     DecodeConfig,
+    api,
     append_to_pages,
     check_layout_supported,
     get_mla_metadata,
     mla_decode_with_kvcache,
+    schedule,
 )
-from quantmla.kernels import api, schedule
 from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
-from quantmla.quant import BF16, PathFormat
+from quantmla.quant import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs CUDA or TRITON_INTERPRET=1",
 )
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-D_C, D_R, PAGE = 64, 32, 16
-
-FORMATS = {
-    "bf16": CacheFormat(BF16, BF16),
-    "int4/int4": CacheFormat(PathFormat(4, 32), PathFormat(4, 16)),
-    "int2/int4": CacheFormat(PathFormat(2, 32), PathFormat(4, 32)),
-    "int4/int8": CacheFormat(PathFormat(4, 16), PathFormat(8, 32)),
-    "int2/int8-sym-bf16meta": CacheFormat(PathFormat(2, 16, "symmetric", "bfloat16"), PathFormat(8, 16, "symmetric")),
-    "int8/int2": CacheFormat(PathFormat(8, 64), PathFormat(2, 16)),  # RoPE chunks < 16: generic kernel
-    "fp8": CacheFormat(PathFormat(8, 32, "fp8", "float32"), BF16),  # fp8_ds_mla's record: fp32 scales, bf16 RoPE
-    "fp8/fp8-f16meta": CacheFormat(PathFormat(8, 16, "fp8"), PathFormat(8, 16, "fp8", "bfloat16")),
-    "int2/int8-sym-clipped": CacheFormat(PathFormat(2, 32, clip=0.875), PathFormat(8, 16, "symmetric", clip=0.9375)),
-}
-
-
-def make_cache(fmt, lens, seed=0, scale=1.0):
-    """A poisoned pool holding random sequences of `lens`, written through the append kernel."""
-    g = torch.Generator().manual_seed(seed)
-    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
-    pool = PagePool(lay, sum(lay.pages_for(n) for n in lens) + 3, device=DEV)
-    pool.data.copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))  # NaN-ish garbage
-    pool.append_slots("pad", 5)  # a foreign sequence first, so pages are not in order
-    for i, n in enumerate(lens):
-        slots = pool.append_slots(i, n)
-        x = (torch.randn(n, D_C, generator=g) * 2 + 0.3).to(DEV)
-        r = (torch.randn(n, D_R, generator=g) * 3 * scale).to(DEV)
-        append_to_pages(pool.layer(0), lay, slots.to(DEV), x, r)
-    ids = list(range(len(lens)))
-    return lay, pool, pool.block_table(ids), pool.seq_lens(ids)
-
-
-def reference(lay, pool, bt, sl, qc, qr, scale):
-    c, k = gather_sequences(pool.layer(0), lay, bt, sl)
-    return absorbed_attention(qc.double(), qr.double(), c.double(), k.double(), scale, sl)
-
-
-def run_decode(lay, pool, bt, sl, H, SQ, scale=0.125, seed=1, **md_kw):
-    g = torch.Generator().manual_seed(seed)
-    B = bt.shape[0]
-    qc = torch.randn(B, SQ, H, D_C, generator=g).to(DEV, torch.bfloat16)
-    qr = torch.randn(B, SQ, H, D_R, generator=g).to(DEV, torch.bfloat16)
-    out = torch.full((B, SQ, H, D_C), float("nan"), dtype=torch.bfloat16, device=DEV)
-    lse = torch.full((B, SQ, H), float("nan"), device=DEV)
-    md = get_mla_metadata(sl, H, SQ, lay, **md_kw)
-    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, scale, metadata=md, out=out, lse=lse)
-    ro, rl = reference(lay, pool, bt, sl, qc, qr, scale)
-    return o, l, ro, rl, md
-
-
-def check(o, l, ro, rl, tol=2e-2):
-    assert not torch.isnan(o).any(), "unwritten (NaN-poisoned) output elements"
-    assert not torch.isnan(l).any(), "unwritten (NaN-poisoned) lse elements"
-    empty = torch.isinf(rl)
-    assert torch.equal(torch.isinf(l).cpu(), empty.cpu()), "rows that see no token must give lse = -inf"
-    assert torch.all(o.float()[empty] == 0)
-    rel = (o.double() - ro).norm() / ro.norm().clamp_min(1e-30)
-    assert rel < tol, f"relative error {rel:.3g}"
-    assert (l.double() - rl)[~empty].abs().max().item() < tol
 
 
 # -- append ------------------------------------------------------------------------------------------
@@ -124,58 +66,6 @@ def test_decode_matches_reference_varlen_with_splits(name):
     o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=4, SQ=1, chunk_tokens=32)
     assert md.max_splits > 1  # the combine kernel ran (the GPU's 128-token tiles split 300 tokens too)
     check(o, l, ro, rl)
-
-
-def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
-    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of 128."""
-    for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128)]:
-        br, bd, bs = schedule.combine_blocks(B, 16, 512, splits, 132)
-        assert schedule.combine_one_step(splits, bs) and bs * br * bd <= schedule.COMBINE_ONE_STEP_TILE
-        assert B * -(-16 // br) * (512 // bd) >= 256  # still about two programs an SM
-    br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
-    assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
-    br, bd, bs = schedule.combine_blocks(8, 16, 512, 33, 132, one_step=False)  # the two-pass blocks, for benchmarks
-    assert not schedule.combine_one_step(33, bs) and bs * br * bd == schedule.COMBINE_TILE
-
-
-@pytest.mark.parametrize("one_step", [True, False])
-def test_combine_merges_partials_like_fp64(one_step):
-    """The combine kernel in one step (every split in one tile) and in several, against an fp64 log-sum-exp merge:
-    sequences of 0 (written directly), 1, 3 and 9 splits, empty units (lse -inf), rows past R, NaN-poisoned output."""
-    from quantmla.kernels.decode import _mla_combine_kernel
-
-    g = torch.Generator().manual_seed(7)
-    R, DC, counts = 3, 32, [9, 1, 3, 0, 9]
-    info, first = [], 0
-    for n in counts:
-        info.append((first, n))
-        first += n
-    po = torch.randn(first, R, DC, generator=g) * 3
-    plse = torch.randn(first, R, generator=g) * 4
-    plse[2, 1] = plse[5] = float("-inf")  # empty units: one row of one, every row of another
-    plse[first - 9:first - 6] = float("-inf")
-    plse[10:13, 0] = float("-inf")  # a row whose every split is empty
-    out = torch.full((len(counts), R, DC), float("nan"), device=DEV)
-    lse = torch.full((len(counts), R), float("nan"), device=DEV)
-    block_r, block_d = 4, 16
-    block_s = 16 if one_step else 4
-    assert schedule.combine_one_step(max(counts), block_s) == one_step
-    _mla_combine_kernel[(len(counts), -(-R // block_r), DC // block_d)](
-        po.to(DEV), plse.to(DEV), torch.tensor(info, dtype=torch.int32, device=DEV), out, lse, R, D_C=DC,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, ONE_STEP=one_step)
-    out, lse = out.cpu(), lse.cpu()
-    for b, (f, n) in enumerate(info):
-        if n <= 1:  # written by the decode kernel itself: the combine leaves it alone
-            assert torch.isnan(out[b]).all() and torch.isnan(lse[b]).all()
-            continue
-        l64, o64 = plse[f:f + n].double(), po[f:f + n].double()
-        ref_lse = torch.logsumexp(l64, 0)  # [R]
-        w = torch.exp(l64 - ref_lse[None]).nan_to_num(0.0)  # rows with every split empty have weight 0
-        ref_o = (w[:, :, None] * o64).sum(0)
-        empty = torch.isinf(ref_lse)
-        assert torch.equal(torch.isinf(lse[b]), empty)
-        assert torch.allclose(lse[b][~empty].double(), ref_lse[~empty], rtol=0, atol=1e-5)
-        assert torch.allclose(out[b].double(), ref_o, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "int4/int8"])

@@ -31,12 +31,15 @@ from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, wr
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
+    CombineShape,
     DecodeConfig,
     MLAMetadata,
     _next_pow2,
+    _pow2,
     num_sms_of,
     combine_blocks,
     combine_one_step,
+    combine_shape,
     decode_bytes,
     decode_flops,
     default_config,
@@ -75,10 +78,6 @@ def _use_triton(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 # What the kernels support (checked before any launch)
 # --------------------------------------------------------------------------------------------------
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def _path_args(fmt: PathFormat, dim: int, path: str) -> tuple[int, int, bool, bool]:
     """(bits, group size, affine, bf16 metadata) of a path, or UnsupportedFormatError."""
     if not fmt.quantized:
@@ -331,10 +330,11 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
-        block_r, block_d, block_s = combine_blocks(B, R, DC, metadata.max_splits, num_sms_of(device))
-        _mla_combine_kernel[(B, -(-R // block_r), DC // block_d)](
-            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
-            ONE_STEP=combine_one_step(metadata.max_splits, block_s), num_warps=4, num_stages=2,
+        c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
+        c.check(R, DC)
+        _mla_combine_kernel[(B, -(-R // c.block_r), DC // c.block_d)](
+            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
+            ONE_STEP=c.one_step, num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

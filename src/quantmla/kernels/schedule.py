@@ -4,7 +4,7 @@ and the work a step does (``decode_flops``, ``decode_bytes``).
 ``get_mla_metadata`` cuts every sequence into units of whole key tiles so that about ``num_SMs x
 ctas_per_sm`` programs run; one unit is (sequence, first token, end token, splits of that sequence).
 It is computed once per decode step and reused by every layer. ``combine_blocks`` sizes the combine
-kernel's programs. ``kernels.api`` re-exports all of it.
+kernel's programs (``combine_shape``). ``kernels.api`` re-exports all of it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def interpreting() -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,7 +180,8 @@ class MLAMetadata:
     """The split-KV schedule of one decode step (reuse it for every layer).
 
     units: int32 [U, 4] rows (sequence, token start, token end, splits of that sequence);
-    seq_info: int32 [B, 2] rows (first unit, splits)."""
+    seq_info: int32 [B, 2] rows (first unit, splits); combine: the combine kernel's program shape (None: sized by
+    ``combine_shape`` for these sequences and splits at launch)."""
 
     units: torch.Tensor
     seq_info: torch.Tensor
@@ -187,6 +192,7 @@ class MLAMetadata:
     config: DecodeConfig
     seq_lens: list[int]
     chunk_tokens: int
+    combine: CombineShape | None = None
     workspace: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -227,11 +233,14 @@ def get_mla_metadata(
     config: DecodeConfig | None = None,
     num_sms: int | None = None,
     chunk_tokens: int | None = None,
+    combine: CombineShape | None = None,
 ) -> MLAMetadata:
     """Split every sequence into work units so that at most ``num_sms × ctas_per_sm`` programs run (one
     wave: a second, partial wave would double the step's time), as many as the lengths allow.
 
-    Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size.
+    Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size; ``combine``
+    the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
+    eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
     Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
     built-tile kernel rather than the tokens-as-M one (measured faster there).
     """
@@ -258,7 +267,7 @@ def get_mla_metadata(
         built = cuda_config(rows, layout, device, tokens_m=False)
         if built is not None:
             return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=built, num_sms=num_sms,
-                                    chunk_tokens=chunk_tokens)
+                                    chunk_tokens=chunk_tokens, combine=combine)
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
     return MLAMetadata(
         units=torch.from_numpy(units).to(device=device, dtype=torch.int32).reshape(-1, 4),
@@ -270,6 +279,7 @@ def get_mla_metadata(
         config=cfg,
         seq_lens=lens,
         chunk_tokens=chunk_tiles * bn,
+        combine=combine,
     )
 
 
@@ -346,6 +356,31 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_
 def combine_one_step(max_splits: int, block_s: int) -> bool:
     """Whether a combine program reads every split of a sequence in one step (at most ``max_splits``)."""
     return max_splits <= block_s
+
+
+@dataclass(frozen=True)
+class CombineShape:
+    """A combine program's shape, the kernel's constexprs (one compiled variant each): block_r query rows and block_d
+    latent channels a program, block_s splits read a step; one_step: a sequence of at most block_s splits is read in
+    one step (one with more takes the two passes). Any shape merges any split counts correctly."""
+
+    block_r: int
+    block_d: int
+    block_s: int
+    one_step: bool
+
+    def check(self, rows: int, d_c: int) -> None:
+        """QuantMLAError unless this shape can merge `rows` query rows of `d_c` channels."""
+        if not all(_pow2(x) for x in (self.block_r, self.block_d, self.block_s)) or d_c % self.block_d:
+            raise QuantMLAError(f"combine shape {self} for {rows} rows of {d_c} channels: block_r, block_d and block_s "
+                                f"must be powers of two and block_d must divide d_c")
+
+
+def combine_shape(B: int, R: int, d_c: int, max_splits: int, num_sms: int) -> CombineShape:
+    """The combine shape the API launches for B sequences of R query rows, up to ``max_splits`` splits each
+    (``combine_blocks``, one step where every split fits)."""
+    r, d, s = combine_blocks(B, R, d_c, max_splits, num_sms)
+    return CombineShape(r, d, s, combine_one_step(max_splits, s))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
 from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
 from quantmla.serving.config import GRAPH_UNITS, EngineConfig, JobStats
-from quantmla.serving.graphs import NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, greedy
+from quantmla.serving.graphs import (
+    NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, graph_rows, greedy)
 from quantmla.serving.scheduler import (
     FINISHED,
     Request,
@@ -304,6 +305,7 @@ class Engine:
             meta.block_tables = torch.from_numpy(bt).to(dev)
             meta.seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
             meta.max_seq_len = max(lens)
+            meta.graph_rows = graph_rows(self, len(dec))
         flat = len(dec)
         rows, row_of = [], {}
         for j, k in enumerate(dec):

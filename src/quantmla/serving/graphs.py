@@ -199,6 +199,21 @@ class DecodeLaunch:
     event: object  # torch.cuda.Event recorded after the copy back; None on the CPU
 
 
+def decode_buckets(engine) -> list[int]:
+    """The row counts of an engine's decode graphs: its configured buckets up to the most rows a step holds."""
+    cap = engine._graph_max()
+    return sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
+
+
+def graph_rows(engine, rows: int) -> tuple[int, int] | None:
+    """(rows, max_seq_len) of the decode graph bucket that holds `rows` decode rows, or None where the engine replays
+    no decode graphs. Its eager decode calls (rows riding in mixed steps) take that bucket's combine shape, so they
+    compile no variant of the combine kernel that the graphs do not."""
+    if not engine.use_graphs or not 0 < rows <= engine._graph_max():
+        return None
+    return next(b for b in decode_buckets(engine) if b >= rows), engine.max_pages_per_seq * engine.config.page_size
+
+
 class DecodeGraphs:
     """Per batch-size bucket, a CUDA graph of the whole decode step (model forward + greedy tokens).
 
@@ -212,7 +227,7 @@ class DecodeGraphs:
     def __init__(self, engine):  # the quantmla.serving.engine.Engine whose steps these graphs replay
         self.e = engine
         cap = engine._graph_max()
-        self.buckets = sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
+        self.buckets = decode_buckets(engine)
         B, W, dev = cap, engine.max_pages_per_seq, engine.device
         pin = dev.type == "cuda"
         # ids, positions, slots, seq_lens, stage rows, source rows (-1: the id is in row 0)

@@ -80,6 +80,7 @@ class StaticDecodePlan:
             S = proto.max_splits
             if proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
+            proto.combine = schedule.combine_shape(b, H, layout.token.d_c, S, schedule.num_sms_of(dev))
             self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
             # two pinned sets used in turn: a step's units may still be on their way while the next is prepared
             pin = dev.type == "cuda"
@@ -157,6 +158,7 @@ class TritonPagedBackend(AttentionBackend):
         self.graph_safe = self.device.type == "cuda"
         self.decode_config = decode_config
         self.graph_units = graph_units
+        self._graph_combine: dict[tuple[int, int], dict] = {}
 
     def write(self, slot, latent, k_rope, slot_mapping, stage_rows=None):
         stage = self.rope_stage.get(slot)
@@ -166,6 +168,13 @@ class TritonPagedBackend(AttentionBackend):
     def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
         return StaticDecodePlan(self, b, max_len, by_length=self.graph_units == "length")
 
+    def graph_combine(self, b: int, max_len: int) -> dict:
+        """Per layout kind, the combine shape of the decode graph of `b` rows up to `max_len` tokens (its static
+        plan's; computed once)."""
+        if (b, max_len) not in self._graph_combine:
+            self._graph_combine[b, max_len] = {k: md.combine for k, md in self.static_plan(b, max_len).md.items()}
+        return self._graph_combine[b, max_len]
+
     def _metadata(self, slot: int, meta: AttnMeta):
         kind = self.kind_of[slot]
         if meta.plan is not None:
@@ -174,7 +183,8 @@ class TritonPagedBackend(AttentionBackend):
         if kind not in cache:
             H, layout = self.spec.num_heads, self.kinds[kind]
             cfg = None if self.decode_config is None else self.decode_config(H, layout, meta.seq_lens.device)
-            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg)
+            combine = None if meta.graph_rows is None else self.graph_combine(*meta.graph_rows)[kind]
+            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine)
         return cache[kind]
 
     def decode(self, slot, q_lat, q_rope, meta):

@@ -1,0 +1,157 @@
+"""The combine step of a split decode: its program shapes (``schedule.combine_blocks``, ``CombineShape``), the kernel
+against an fp64 log-sum-exp merge, any shape merging a decode as the default does, bad shapes refused before launch,
+and an engine's eager decode calls taking its CUDA graphs' shapes (so a mixed step compiles no other variant)."""
+
+import os
+
+import pytest
+import torch
+from helpers.cpu_decode import DEV, FORMATS, check, make_cache, run_decode
+
+from quantmla.cache.config import QuantCacheConfig
+from quantmla.errors import QuantMLAError
+from quantmla.kernels import decode, schedule
+from quantmla.kernels.schedule import CombineShape
+from quantmla.serving.engine import Engine, EngineConfig
+from quantmla.serving.graphs import EngineObserver, decode_buckets
+from quantmla.serving.scheduler import SamplingParams
+from quantmla_lab.bench.serving.agreement import compare
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
+    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of 128."""
+    for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128)]:
+        br, bd, bs = schedule.combine_blocks(B, 16, 512, splits, 132)
+        assert schedule.combine_one_step(splits, bs) and bs * br * bd <= schedule.COMBINE_ONE_STEP_TILE
+        assert B * -(-16 // br) * (512 // bd) >= 256  # still about two programs an SM
+    br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
+    assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
+    br, bd, bs = schedule.combine_blocks(8, 16, 512, 33, 132, one_step=False)  # the two-pass blocks, for benchmarks
+    assert not schedule.combine_one_step(33, bs) and bs * br * bd == schedule.COMBINE_TILE
+
+
+@pytest.mark.parametrize("one_step", [True, False])
+def test_combine_merges_partials_like_fp64(one_step):
+    """The combine kernel in one step (every split in one tile) and in several, against an fp64 log-sum-exp merge:
+    sequences of 0 (written directly), 1, 3 and 9 splits, empty units (lse -inf), rows past R, NaN-poisoned output."""
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    g = torch.Generator().manual_seed(7)
+    R, DC, counts = 3, 32, [9, 1, 3, 0, 9]
+    info, first = [], 0
+    for n in counts:
+        info.append((first, n))
+        first += n
+    po = torch.randn(first, R, DC, generator=g) * 3
+    plse = torch.randn(first, R, generator=g) * 4
+    plse[2, 1] = plse[5] = float("-inf")  # empty units: one row of one, every row of another
+    plse[first - 9:first - 6] = float("-inf")
+    plse[10:13, 0] = float("-inf")  # a row whose every split is empty
+    out = torch.full((len(counts), R, DC), float("nan"), device=DEV)
+    lse = torch.full((len(counts), R), float("nan"), device=DEV)
+    block_r, block_d = 4, 16
+    block_s = 16 if one_step else 4
+    assert schedule.combine_one_step(max(counts), block_s) == one_step
+    _mla_combine_kernel[(len(counts), -(-R // block_r), DC // block_d)](
+        po.to(DEV), plse.to(DEV), torch.tensor(info, dtype=torch.int32, device=DEV), out, lse, R, D_C=DC,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, ONE_STEP=one_step)
+    out, lse = out.cpu(), lse.cpu()
+    for b, (f, n) in enumerate(info):
+        if n <= 1:  # written by the decode kernel itself: the combine leaves it alone
+            assert torch.isnan(out[b]).all() and torch.isnan(lse[b]).all()
+            continue
+        l64, o64 = plse[f:f + n].double(), po[f:f + n].double()
+        ref_lse = torch.logsumexp(l64, 0)  # [R]
+        w = torch.exp(l64 - ref_lse[None]).nan_to_num(0.0)  # rows with every split empty have weight 0
+        ref_o = (w[:, :, None] * o64).sum(0)
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse[b]), empty)
+        assert torch.allclose(lse[b][~empty].double(), ref_lse[~empty], rtol=0, atol=1e-5)
+        assert torch.allclose(out[b].double(), ref_o, rtol=1e-5, atol=1e-5)
+
+
+
+
+@pytest.mark.parametrize("shape", [CombineShape(1, 16, 2, True), CombineShape(4, 64, 4, False),
+                                   CombineShape(2, 32, 16, True), CombineShape(16, 8, 1, False)])
+def test_any_combine_shape_merges_a_decode_like_the_default(shape):
+    """Sequences of up to 10 splits merged by programs of other shapes (fewer splits a step than a sequence has, with
+    and without one_step; more rows a block than the call has): within the same bound of the fp64 oracle as the
+    default, NaN-poisoned outputs all written, and within fp32 summation order of the default's output."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [0, 1, 17, 40, 150], seed=5)
+    o, l, ro, rl, md = run_decode(lay, pool, bt, sl, H=3, SQ=2, chunk_tokens=16)
+    assert md.max_splits == 10 and md.combine is None
+    o2, l2, ro2, rl2, md2 = run_decode(lay, pool, bt, sl, H=3, SQ=2, chunk_tokens=16, combine=shape)
+    assert md2.combine == shape
+    check(o2, l2, ro2, rl2)
+    assert torch.allclose(o2.float(), o.float(), rtol=0, atol=1e-2) and torch.equal(torch.isinf(l2), torch.isinf(l))
+    assert torch.allclose(l2[~torch.isinf(l)], l[~torch.isinf(l)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,match", [(CombineShape(3, 16, 2, True), "powers of two"),
+                                         (CombineShape(4, 128, 2, True), "divide d_c")])
+def test_bad_combine_shapes_raise_before_launch(shape, match, monkeypatch):
+    lay, pool, bt, sl = make_cache(FORMATS["bf16"], [40, 9], seed=2)
+    launched = []
+    monkeypatch.setattr(decode, "_mla_combine_kernel", type("Spy", (), {"__getitem__": lambda s, g: launched.append(g)})())
+    with pytest.raises(QuantMLAError, match=match):
+        run_decode(lay, pool, bt, sl, H=2, SQ=1, chunk_tokens=16, combine=shape)
+    assert not launched
+
+
+class _CombineSpy:
+    """Stands in for the combine kernel: records each launch's rows, most splits and constexprs, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(po, plse, seq_info, out, lse, R, **kw):
+            self.calls.append(dict(B=grid[0], R=R, D_C=kw["D_C"], max_splits=int(seq_info[:, 1].max()),
+                                   shape=CombineShape(kw["BLOCK_R"], kw["BLOCK_D"], kw["BLOCK_S"], kw["ONE_STEP"])))
+            return self.kernel[grid](po, plse, seq_info, out, lse, R, **kw)
+        return launch
+
+
+class _StepKinds(EngineObserver):
+    """Tags the combine launches of each step with the step's kind."""
+
+    def __init__(self, spy):
+        self.spy, self.seen, self.kinds = spy, 0, []
+
+    def step_end(self, timing):
+        self.kinds += [timing.kind] * (len(self.spy.calls) - self.seen)
+        self.seen = len(self.spy.calls)
+
+
+def test_eager_decode_rows_take_their_graph_buckets_combine_shape(v3, monkeypatch):
+    """Decode rows riding in eager mixed steps (1 to 3 of them, buckets 1, 2 and 4) launch the combine kernel only in
+    shapes the decode graphs launch it in, the shape of the bucket that holds them, where their own rows and splits
+    would give other shapes; outputs as generate()."""
+    spy = _CombineSpy(decode._mla_combine_kernel)
+    monkeypatch.setattr(decode, "_mla_combine_kernel", spy)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (20, 22, 25, 100, 90)]
+    quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
+    cfg = EngineConfig(quant=quant, page_size=16, num_pages=40, backend="triton", cuda_graphs="emulate",
+                       graph_buckets=(1, 2, 4), max_num_batched_tokens=32, prefill_graphs=False, overlap_steps=False)
+    with Engine(v3, cfg) as eng:
+        watch = _StepKinds(spy)
+        eng.observers.append(watch)
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        max_len = eng.max_pages_per_seq * cfg.page_size
+        buckets = decode_buckets(eng)
+        graph_shapes = {b: set(eng.backend.graph_combine(b, max_len).values()) for b in buckets}
+    rep = compare(v3, quant, prompts, [o.output_ids for o in outs], 8, 2e-2)
+    assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
+    eager = [c for c, k in zip(spy.calls, watch.kinds) if k == "eager"]
+    assert {c["B"] for c in eager} >= {1, 3} and "graph_decode" in watch.kinds, eager
+    sms, own = schedule.num_sms_of(torch.device(DEV)), 0
+    for c in eager:
+        bucket = graph_shapes[next(b for b in buckets if b >= c["B"])]
+        assert c["shape"] in bucket, c
+        own += schedule.combine_shape(c["B"], c["R"], c["D_C"], c["max_splits"], sms) not in bucket
+    assert own, "no eager call's own rows and splits give another shape than its bucket's (this would show nothing)"
