@@ -23,6 +23,26 @@ def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64, **t
         return lay, cuda.decode_plan(lay, rows, out, CUDA, **tiling)
 
 
+def test_a_plan_is_made_once_a_process(monkeypatch):
+    """decode_plan is a pure function of its arguments past the device: a second call returns the same plan without
+    planning again, a refused plan says its reason again (another call may have replaced it), and the device is asked
+    every time (a plan for sm_90 is not returned on sm_80)."""
+    made = []
+    real = cuda.tokens_m_plan
+    monkeypatch.setattr(cuda, "tokens_m_plan", lambda *a, **k: made.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(cuda, "_PLANS", {})
+    lay, p = plan("int4/int4", 16, tokens_m=True)
+    assert plan("int4/int4", 16, tokens_m=True)[1] is p and made == [16]
+    _, bad = plan("int4/int4", 32, tokens_m=True)
+    assert bad is None and made == [16, 32] and "at most 16" in cuda.plan_reason[lay]
+    cuda.plan_reason[lay] = "another call's reason"
+    assert plan("int4/int4", 32, tokens_m=True)[1] is None and "at most 16" in cuda.plan_reason[lay] and made == [16, 32]
+    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+        assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True) is None
+    assert "9.0" in cuda.plan_reason[lay]
+    assert plan("int4/int4", 16, tokens_m=True, specialized=False)[1] is not p and made == [16, 32, 16]
+
+
 def test_page_metadata_plan_copies_the_page_section():
     """A RoPE path grouped per page: the stage copies the page's metadata section (not per-token rows) and
     the shared-memory map counts it once per tile."""
@@ -248,114 +268,6 @@ def test_tokens_m_needs_sm90():
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
         assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True) is None
     assert "9.0" in cuda.plan_reason[lay]
-
-
-@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
-def test_warpgroup_plan(out):
-    """The heads-as-M kernel: 64 rows a CTA, two warpgroups, one CTA per SM, its shared memory under the 227 KiB a
-    CTA may ask for, the bf16 layout's section offsets."""
-    lay, p = plan("bf16", 128, out=out, warpgroup=True)
-    m = dict(p.macros)
-    assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 2)
-    assert m["WG"] == 1 and m["TMA"] == 1 and m["OFF_RC"] == lay.offsets["rope_codes"] and m["FB_CC"] == 1024
-    assert m["FB_RC"] == 128
-    assert p.smem == m["SMEM_EXPECTED"] == cuda.smem_bytes_wg() <= cuda.SMEM_PER_CTA
-    assert p.describe().startswith("cuda/bf16/wg/M64N64w8")
-    assert build.source_of(p.macros).name == "mla_decode_wg.cu"
-
-
-def test_warpgroup_tensor_maps_describe_the_page_sections(monkeypatch):
-    """The two tensor maps the heads-as-M kernel copies its tiles through: 16-bit elements over the latent and RoPE
-    sections of every page (channels, tokens, pages), 64 x 64 x 1 boxes in the 128-byte swizzle, 128-byte aligned
-    buffers, built once per pages buffer."""
-    import ctypes
-
-    from quantmla.kernels.cuda import driver, warpgroup
-
-    lay, p = plan("bf16", 128, warpgroup=True)
-    pages = torch.zeros(5, lay.page_bytes, dtype=torch.uint8)
-    calls = []
-
-    class Encode:
-        argtypes = None
-
-        def __call__(self, buf, dtype, rank, addr, dims, strides, box, steps, interleave, swizzle, l2, oob):
-            calls.append((dtype, rank, addr.value, list(dims), list(strides), list(box), list(steps), interleave, swizzle))
-            return 0
-
-    monkeypatch.setattr(driver, "_lib", lambda: type("Lib", (), {"cuTensorMapEncodeTiled": Encode()}))
-    monkeypatch.setattr(warpgroup, "_MAPS", {})
-    maps = warpgroup.tensor_maps(pages, p)
-    assert warpgroup.tensor_maps(pages, p) == maps and len(calls) == 2  # cached
-    base, pb = pages.data_ptr(), lay.page_bytes
-    assert calls == [(1, 3, base + lay.offsets["content_codes"], [512, 64, 5], [1024, pb], [64, 64, 1], [1, 1, 1], 0, 3),
-                     (1, 3, base + lay.offsets["rope_codes"], [64, 64, 5], [128, pb], [64, 64, 1], [1, 1, 1], 0, 3)]
-    assert all(ctypes.addressof(m) % 128 == 0 and ctypes.sizeof(m) == 128 for m in maps)
-    with pytest.raises(Exception, match="contiguous"):
-        warpgroup.tensor_maps(torch.zeros(5, 2 * lay.page_bytes, dtype=torch.uint8)[:, ::2], p)
-
-
-@pytest.mark.parametrize("fmt,bits,smem", [("int4/int4", (4, 4), 217632), ("int2/int4", (2, 4), 193056)])
-def test_warpgroup_lowbit_plan(fmt, bits, smem):
-    """Integer codes on the heads-as-M kernel: three raw stages of a tile's four page sections (bulk copies, no tensor
-    maps) and one built tile, fp16 operands where the metadata is fp16; the layout's offsets, field widths, groups and
-    metadata kinds as macros."""
-    from quantmla.kernels.cuda import warpgroup
-
-    lay, p = plan(fmt, 128, warpgroup=True)
-    m, o, fb = dict(p.macros), lay.offsets, lay.token.field_bytes
-    assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 3)
-    assert m["LOWBIT"] == 1 and m["TMA"] == 0 and m["HALF"] == 1 and m["PV_STEPS"] == 1 and warpgroup.lowbit(p)
-    assert p.describe().startswith("cuda/f16/wg/M64N64w8s3c1")
-    assert (m["OFF_CC"], m["OFF_RC"], m["OFF_CM"], m["OFF_RM"]) == tuple(o[k] for k in
-                                                                         ("content_codes", "rope_codes", "content_meta", "rope_meta"))
-    assert (m["FB_CC"], m["FB_RC"], m["FB_CM"], m["FB_RM"]) == (64 * bits[0], 8 * bits[1], 16, 4)
-    assert (m["BITS_C"], m["BITS_R"], m["GS_C"], m["GS_R"], m["KIND_C"], m["MB_C"]) == (*bits, 128, 64, 1, 2)
-    # the query block, one built tile, P, the maxima and sums, the query rows' factors, three raw stages, three
-    # mbarriers, the alignment slack
-    assert p.smem == smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 256 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
-    assert p.smem == cuda.smem_bytes_wg(lay) <= cuda.SMEM_PER_CTA
-    assert not warpgroup.lowbit(plan("bf16", 128, warpgroup=True)[1])
-    # bf16 metadata: bf16 operands, no query factors
-    sym = CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"), PathFormat(8, 32, "symmetric"))
-    lay, p = plan(sym, 128, warpgroup=True)
-    assert dict(p.macros)["HALF"] == 0 and p.describe().startswith("cuda/bf16/wg/")
-    assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 3 * 64 * lay.token.bytes_per_token + 32 + 1024
-
-
-def test_warpgroup_fp8_plan():
-    """FP8 (fp8_ds_mla) on the heads-as-M kernel: e4m3 latent values with fp32 scales and the BF16 RoPE key through one
-    raw stage (656 bytes a token), built into a bf16 tile; no RoPE metadata to copy."""
-    lay, p = plan("fp8", 128, warpgroup=True)
-    m = dict(p.macros)
-    assert (m["LOWBIT"], m["RAW_N"], m["HALF"], m["KIND_C"], m["BITS_C"], m["MB_C"], m["KIND_R"], m["BITS_R"]) == \
-        (1, 1, 0, 3, 8, 4, 0, 16)
-    assert m["FB_CC"] == 512 and m["FB_CM"] == 16 and m["FB_RC"] == 128 and m["FB_RM"] == 0 and m["PV_STEPS"] == 1
-    assert p.smem == 2 * 9 * 8192 + 8192 + 1024 + 512 + 64 * 656 + 16 + 1024 == cuda.smem_bytes_wg(lay)
-    assert p.stages == 1 and p.describe().startswith("cuda/bf16/wg/M64N64w8s1c1")
-
-
-@pytest.mark.parametrize("fmt,rows,page,d_c,why", [
-    ("bf16", 32, 64, 512, "64 or more"),
-    ("int4/int4", 32, 64, 512, "64 or more"),
-    (CacheFormat(PathFormat(8, 128, "fp8", "float32"), PathFormat(4, 64)), 128, 64, 512, "a BF16 RoPE key"),
-    (CacheFormat(PathFormat(4, 128), BF16), 128, 64, 512, "both paths BF16, or both integer codes"),
-    (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 128, 64, 512, "per-token groups"),
-    (CacheFormat(PathFormat(3, 128), PathFormat(4, 64)), 128, 64, 512, "2-, 4- or 8-bit"),
-    ("bf16", 128, 32, 512, "multiple of 64"),
-    ("bf16", 128, 64, 256, "DeepSeek's geometry"),
-])
-def test_warpgroup_refused_with_reason(fmt, rows, page, d_c, why):
-    """Where the heads-as-M kernel cannot read a layout, asking for it gives no plan and says why."""
-    lay, p = plan(fmt, rows, page=page, d_c=d_c, warpgroup=True)
-    assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
-
-
-def test_warpgroup_needs_sm90():
-    lay = PageLayout(TokenLayout(512, 64, preset("bf16")), 64)
-    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
-        assert cuda.decode_plan(lay, 128, torch.bfloat16, CUDA, warpgroup=True) is None
-    assert "9.0" in cuda.plan_reason[lay] and "warpgroup" in cuda.plan_reason[lay]
 
 
 def _defaults_on_hopper_and_ampere(fmt):

@@ -58,21 +58,34 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if why:
         plan_reason[layout] = why
         return None
+    key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
+           specialized, ctas_per_sm, s8_scores)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
+                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores)
+    if isinstance(plan, str):
+        plan_reason[layout] = plan
+        return None
+    return plan
+
+
+_PLANS: dict = {}  # decode_plan's arguments past the device -> its plan, or why there is none (a pure function of them)
+
+
+def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
+          specialized, ctas_per_sm, s8_scores) -> DecodePlan | str:
+    """decode_plan on a device that can run the kernels: the plan, or why there is none."""
     if warpgroup:
         plan = warpgroup_plan(layout, rows, out_dtype)
-        if isinstance(plan, str):
-            plan_reason[layout] = f"heads as M: {plan}"
-            return None
-        return plan
+        return f"heads as M: {plan}" if isinstance(plan, str) else plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
                              specialized=specialized, s8_scores=s8_scores)
-        if isinstance(plan, str):
-            plan_reason[layout] = f"tokens as M: {plan}"
-            return None
-        return plan
-    return built_tile_plan(layout, rows, out_dtype, num_warps=num_warps, block_n=block_n, ksplit=ksplit,
+        return f"tokens as M: {plan}" if isinstance(plan, str) else plan
+    plan = built_tile_plan(layout, rows, out_dtype, num_warps=num_warps, block_n=block_n, ksplit=ksplit,
                            fragments=fragments)
+    return plan if plan is not None else plan_reason.get(layout, "no built-tile plan")
 
 
 def prepare(plan: DecodePlan, device: torch.device) -> None:
