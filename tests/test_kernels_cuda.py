@@ -62,7 +62,7 @@ def test_page_metadata_in_blocks_is_refused_and_falls_back_to_triton(monkeypatch
     CUDA kernel warns and runs Triton. A block of the whole page is one set and keeps its plan."""
     import types
 
-    from quantmla.kernels import api
+    from quantmla.kernels import launch
     from quantmla.kernels.schedule import DecodeConfig, default_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -80,7 +80,7 @@ def test_page_metadata_in_blocks_is_refused_and_falls_back_to_triton(monkeypatch
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         assert default_config(16, lay, "cuda").kernel != "cuda"
         with pytest.warns(UserWarning, match="metadata set per 16 tokens.*the Triton kernel runs instead"):
-            assert api._launch_cuda((1, 1), args, lay, DecodeConfig(block_m=16, block_n=32, num_warps=8,
+            assert launch.launch_cuda((1, 1), args, lay, DecodeConfig(block_m=16, block_n=32, num_warps=8,
                                                                     kernel="cuda")) is None
 
 
@@ -445,7 +445,7 @@ def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     """Where the CUDA kernel cannot run a call, the API warns and the Triton kernel runs; with
     QUANTMLA_DECODE_KERNEL=cuda it is an error naming why."""
     from quantmla.errors import UnsupportedFormatError
-    from quantmla.kernels import api
+    from quantmla.kernels import launch
     from quantmla.kernels.schedule import DecodeConfig
 
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
@@ -454,10 +454,10 @@ def test_launch_falls_back_with_a_warning_or_raises_when_asked(monkeypatch):
     args = (None, None, pages, None, None, None, None, None, out, None, None, None, 0, 16, 1, 16, 1, 1.0)
     cfg = DecodeConfig(block_m=16, block_n=32, kernel="cuda")
     with pytest.warns(UserWarning, match="not a CUDA device"):
-        assert api._launch_cuda((1, 1), args, lay, cfg) is None
+        assert launch.launch_cuda((1, 1), args, lay, cfg) is None
     monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "cuda")
     with pytest.raises(UnsupportedFormatError, match="not a CUDA device"):
-        api._launch_cuda((1, 1), args, lay, cfg)
+        launch.launch_cuda((1, 1), args, lay, cfg)
 
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
-from quantmla.kernels import api, codegen
+from quantmla.kernels import api, codegen, support
 
 triton = pytest.importorskip("triton")
 
@@ -45,7 +45,7 @@ def compile_sm90(fn, args: tuple, constexprs: dict, num_warps: int, num_stages: 
 
 def _decode_args(layout: PageLayout, heads: int):
     pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
-    _, pc, pr = api._views(pages, layout)
+    _, pc, pr = support.page_views(pages, layout)
     q = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
     qr = torch.zeros(1, 1, heads, D_R, dtype=torch.bfloat16)
     i32 = torch.zeros(4, dtype=torch.int32)
@@ -65,7 +65,7 @@ def decode_case(name: str, heads: int) -> None:
     else:
         from quantmla.kernels.decode import _mla_decode_kernel as fn
 
-        consts, _ = api._layout_constexprs(layout)
+        consts, _ = support.layout_constexprs(layout)
         consts = {**consts, **opts, "DEQ": cfg.deq}
     k = compile_sm90(fn, args, consts, cfg.num_warps, cfg.num_stages)
     assert "mma" in k.asm["ptx"]  # the scores and values go through the tensor cores
@@ -87,8 +87,8 @@ def append_read_case(name: str) -> None:
 
     layout = PageLayout(TokenLayout(D_C, D_R, preset(name)), PAGE)
     pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
-    _, pc, pr = api._views(pages, layout)
-    consts, (cbf, rbf) = api._layout_constexprs(layout)
+    _, pc, pr = support.page_views(pages, layout)
+    consts, (cbf, rbf) = support.layout_constexprs(layout)
     xc = torch.zeros(4, D_C, dtype=torch.bfloat16)
     xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int64)
@@ -112,13 +112,13 @@ def page_rope_case(heads: int, block: int = 0) -> None:
     rope = PathFormat(4, 1, grouping="page", block=block)
     layout = PageLayout(TokenLayout(D_C, D_R, CacheFormat(PathFormat(4, 128), rope)), PAGE)
     cfg = api.default_config(heads, layout)  # no device: the GPU tilings
-    consts, (cbf, rbf) = api._layout_constexprs(layout)
+    consts, (cbf, rbf) = support.layout_constexprs(layout)
     assert consts["R_PAGE"] and cfg.kernel != "fused"
     compile_sm90(_mla_decode_kernel, _decode_args(layout, heads),
                  {**consts, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "DOT_F32": False, "DEQ": cfg.deq},
                  cfg.num_warps, cfg.num_stages)
     pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
-    _, pc, pr = api._views(pages, layout)
+    _, pc, pr = support.page_views(pages, layout)
     xc = torch.zeros(4, D_C, dtype=torch.bfloat16)
     xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int64)

@@ -21,22 +21,20 @@ run raise :class:`UnsupportedFormatError` before anything is launched.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, write_tokens_staged
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
+from quantmla.kernels.launch import launch_decode
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
     CombineShape,
     DecodeConfig,
     MLAMetadata,
     _next_pow2,
-    _pow2,
-    num_sms_of,
     combine_blocks,
     combine_one_step,
     combine_shape,
@@ -45,8 +43,9 @@ from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is he
     default_config,
     get_mla_metadata,
     interpreting,
+    num_sms_of,
 )
-from quantmla.quant.format import PathFormat
+from quantmla.kernels.support import KERNEL_BITS, check_layout_supported, layout_constexprs, page_views  # noqa: F401
 from quantmla.reference.absorbed import absorbed_attention
 from quantmla.reference.prefill import prefill_attention
 
@@ -65,9 +64,6 @@ __all__ = [
     "decode_bytes",
 ]
 
-KERNEL_BITS = (2, 4, 8)
-MAX_D_C = 512
-MAX_D_R = 128
 LOG2E = 1.4426950408889634
 
 
@@ -76,161 +72,8 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# What the kernels support (checked before any launch)
-# --------------------------------------------------------------------------------------------------
-def _path_args(fmt: PathFormat, dim: int, path: str) -> tuple[int, int, bool, bool]:
-    """(bits, group size, affine, bf16 metadata) of a path, or UnsupportedFormatError."""
-    if not fmt.quantized:
-        return 16, dim, True, False
-    if fmt.mode == "fp8":
-        fmt.check_dim(dim, path)
-        if not _pow2(dim // fmt.group_size):
-            raise UnsupportedFormatError(f"{path}: the kernels need a power-of-two number of FP8 groups, got {dim // fmt.group_size}")
-        return 8, fmt.group_size, False, fmt.meta_dtype == "bfloat16"
-    if fmt.bits not in KERNEL_BITS:
-        raise UnsupportedFormatError(
-            f"{path}: the Triton kernels take {KERNEL_BITS}-bit codes or BF16, not {fmt.bits}-bit "
-            "(3-bit packing is a CPU/accuracy format)"
-        )
-    if fmt.mode not in ("affine", "symmetric"):
-        raise UnsupportedFormatError(f"{path}: unknown mode {fmt.mode!r}")
-    fmt.check_dim(dim, path)
-    return fmt.bits, fmt.group_size, fmt.mode == "affine", fmt.meta_dtype == "bfloat16"
-
-
-def check_layout_supported(layout: PageLayout) -> None:
-    """Raise UnsupportedFormatError unless the decode and append kernels can run `layout`."""
-    if not isinstance(layout, PageLayout):
-        raise QuantMLAError(f"expected a cache.layout.PageLayout, got {type(layout).__name__}")
-    tok = layout.token
-    if not (_pow2(tok.d_c) and 16 <= tok.d_c <= MAX_D_C):
-        raise UnsupportedFormatError(f"the kernels need a power-of-two latent rank d_c in [16, {MAX_D_C}], got {tok.d_c}")
-    if not (_pow2(tok.d_r) and 16 <= tok.d_r <= MAX_D_R):
-        raise UnsupportedFormatError(f"the kernels need a power-of-two RoPE dim d_r in [16, {MAX_D_R}], got {tok.d_r}")
-    _path_args(tok.fmt.content, tok.d_c, "content path")
-    _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
-    if layout.page_bytes % 16:
-        raise UnsupportedFormatError("page size in bytes must be a multiple of 16")  # layout guarantees it
-
-
-def _layout_constexprs(layout: PageLayout) -> dict:
-    tok = layout.token
-    cb, cg, ca, cbf = _path_args(tok.fmt.content, tok.d_c, "content path")
-    rb, rg, ra, rbf = _path_args(tok.fmt.rope, tok.d_r, "RoPE path")
-    o = layout.offsets
-    r_page = layout.rope_meta_block  # tokens a RoPE metadata set of the page serves (0: per-token metadata)
-    return dict(
-        D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
-        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"],
-        OFF_RM=o["rope_page_meta"] if r_page else o["rope_meta"], R_PAGE=r_page,
-        C_BITS=cb, C_GS=cg, C_AFFINE=ca, C_FP8=tok.fmt.content.mode == "fp8" and tok.fmt.content.quantized,
-        C_MB=tok.fmt.content.meta_elem_bytes,
-        R_BITS=rb, R_GS=rg, R_AFFINE=ra, R_FP8=tok.fmt.rope.mode == "fp8" and tok.fmt.rope.quantized,
-        R_MB=tok.fmt.rope.meta_elem_bytes,
-    ), (cbf, rbf)
-
-
-def _views(pages: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """uint8 pages plus the 16-bit views the content and RoPE sections are read through."""
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != layout.page_bytes:
-        raise QuantMLAError(
-            f"kv_pages must be one layer's uint8 [num_pages, {layout.page_bytes}] pages, got {pages.dtype} {tuple(pages.shape)}"
-        )
-    if not pages.is_contiguous():
-        raise QuantMLAError("kv_pages must be contiguous (one layer of PagePool.data)")
-
-    def view(fmt: PathFormat) -> torch.Tensor:  # the path's 16-bit values, or its metadata's dtype
-        return pages.view(torch.bfloat16 if not fmt.quantized else fmt.torch_meta_dtype)
-
-    return pages, view(layout.token.fmt.content), view(layout.token.fmt.rope)
-
-
-# --------------------------------------------------------------------------------------------------
 # Decode
 # --------------------------------------------------------------------------------------------------
-_FALLBACK: dict = {}
-
-
-def _is_compile_error(e: Exception) -> bool:
-    name = type(e).__name__
-    return name in ("CompilationError", "OutOfResources", "CompileTimeAssertionFailure") or "PassManager" in str(e) or (
-        isinstance(e, RuntimeError) and ("MLIR" in str(e) or "LLVM" in str(e) or "ptxas" in str(e))
-    )
-
-
-def _launch_decode(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str:
-    """Launch the configured kernel; on a compile failure fall back (fused -> generic -> deq 1 ->
-    one stage) with a warning. Returns the variant that ran."""
-    from quantmla.kernels import codegen
-    from quantmla.kernels.decode import _mla_decode_kernel
-
-    if cfg.kernel == "cuda":
-        variant = _launch_cuda(grid, args, layout, cfg)
-        if variant is not None:
-            return variant
-        tcfg = default_config(args[15], layout)  # Triton's tiling of these rows, at the schedule's row block
-        cfg = tcfg if tcfg.block_m == cfg.block_m else replace(tcfg, block_m=cfg.block_m, kernel="generic")
-    consts, _ = _layout_constexprs(layout)
-    tries = []
-    if cfg.kernel == "fused" and codegen.supported(layout):
-        tries.append(("fused", 0, cfg.num_stages))
-        if cfg.unpack == "asm":
-            tries.append(("fused-tl", 0, cfg.num_stages))
-    tries += [("generic", cfg.deq, cfg.num_stages), ("generic", 1, cfg.num_stages), ("generic", 1, 1)]
-    key = (layout, cfg)
-    first = _FALLBACK.get(key, 0)
-    last = None
-    for i, (kind, deq, stages) in enumerate(tries[first:], start=first):
-        try:
-            opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=interpreting(), num_warps=cfg.num_warps, num_stages=stages)
-            if kind.startswith("fused"):
-                unpack = "tl" if kind == "fused-tl" else cfg.unpack
-                codegen.fused_kernel(layout, unpack, cfg.orient)[grid](*args, **opts)
-            else:
-                _mla_decode_kernel[grid](*args, **consts, DEQ=deq, **opts)
-            if i != first:
-                _FALLBACK[key] = i
-                warnings.warn(f"decode kernel {tries[first]} for {cfg.describe()} failed to compile ({last}); ran {tries[i]}")
-            return f"{kind}/d{deq}/s{stages}" if kind == "generic" else f"{kind}/{cfg.unpack if kind == 'fused' else 'tl'}/{cfg.orient}"
-        except Exception as e:  # compile-time failures only (nothing has been launched)
-            if not _is_compile_error(e) or interpreting():
-                raise
-            last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    raise QuantMLAError(f"the decode kernel did not compile for {cfg.describe()}: {last}")
-
-
-_CUDA_FAILED: dict = {}  # plan -> why its build failed (tried once per process)
-
-
-def _launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None:
-    """Run the CUDA C++ kernel (kernels/cuda) over the Triton kernel's arguments. Where it cannot (no plan
-    for this layout, rows and output dtype, or a build that failed) it warns and returns None, and the
-    Triton kernel runs; QUANTMLA_DECODE_KERNEL=cuda makes that an error."""
-    from quantmla.kernels import cuda
-
-    R, out, device = args[15], args[8], args[2].device
-    plan = cuda.decode_plan(layout, R, out.dtype, device, num_warps=cfg.num_warps, block_n=cfg.block_n,
-                            fragments=cfg.fragments, tokens_m=cfg.tokens_m, token_blocks=cfg.token_blocks,
-                            warpgroup=cfg.warpgroup, specialized=cfg.specialized, s8_scores=cfg.s8_scores,
-                            ctas_per_sm=cfg.ctas_per_sm if cfg.tokens_m else None)
-    if plan is None:
-        why = cuda.plan_reason.get(layout, "no plan")
-    elif plan.block_m != cfg.block_m:
-        why = f"its row block is {plan.block_m}, the schedule's {cfg.block_m}"
-    elif plan in _CUDA_FAILED:
-        why = _CUDA_FAILED[plan]
-    else:
-        try:
-            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
-            return plan.describe()
-        except QuantMLAError as e:
-            why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
-    if cuda.mode() == "cuda":
-        raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}")
-    warnings.warn(f"the CUDA decode kernel cannot run this call ({why}); the Triton kernel runs instead")
-    return None
-
-
 def mla_decode_with_kvcache(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -266,7 +109,7 @@ def mla_decode_with_kvcache(
         raise UnsupportedFormatError(f"the decode kernel takes 1 to {MAX_Q_LEN} query tokens per sequence, got {SQ}")
     if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.reshape(-1).shape[0] != B:
         raise QuantMLAError(f"block_table must be [B={B}, max_pages] and seq_lens [B={B}]")
-    pages, pc16, pr16 = _views(kv_pages, layout)
+    pages, pc16, pr16 = page_views(kv_pages, layout)
     out_dtype = q_latent.dtype if q_latent.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
     if not _use_triton(kv_pages):  # CPU: the torch reference of the same computation
@@ -326,7 +169,7 @@ def mla_decode_with_kvcache(
         qc, qr, pages, pc16, pr16, bt, sl, metadata.units, out, lse, po, plse,
         bt.stride(0), H, SQ, R, 1 if causal else 0, float(softmax_scale) * LOG2E,
     )
-    metadata.workspace["variant"] = _launch_decode(grid, args, layout, cfg)
+    metadata.workspace["variant"] = launch_decode(grid, args, layout, cfg)
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
@@ -371,7 +214,7 @@ def append_to_pages(
     T = xc.shape[0]
     if xr.shape[0] != T or slots.shape[0] != T:
         raise QuantMLAError(f"latent has {T} tokens, k_rope {xr.shape[0]}, slots {slots.shape[0]}")
-    pages, pc16, pr16 = _views(kv_pages, layout)
+    pages, pc16, pr16 = page_views(kv_pages, layout)
     if not _use_triton(kv_pages):
         if per_page:
             write_tokens_staged(pages, layout, slots, xc, xr, rope_stage, stage_rows)
@@ -382,7 +225,7 @@ def append_to_pages(
         return
     from quantmla.kernels.append import _append_kernel, _page_rope_kernel, _stage_rope_kernel
 
-    consts, (cbf, rbf) = _layout_constexprs(layout)
+    consts, (cbf, rbf) = layout_constexprs(layout)
     consts.pop("R_PAGE")
     if xc.stride(-1) != 1:
         xc = xc.contiguous()
@@ -435,7 +278,7 @@ def read_from_pages(
     check_layout_supported(layout)
     tok = layout.token
     slots = slots.reshape(-1)
-    pages, pc16, pr16 = _views(kv_pages, layout)
+    pages, pc16, pr16 = page_views(kv_pages, layout)
     if not _use_triton(kv_pages):
         lat, kr = read_tokens(pages, layout, slots)
         return lat.to(dtype), kr.to(dtype)
@@ -446,7 +289,7 @@ def read_from_pages(
     orr = torch.empty((T, tok.d_r), dtype=dtype, device=kv_pages.device)
     if T == 0:
         return oc, orr
-    consts, _ = _layout_constexprs(layout)
+    consts, _ = layout_constexprs(layout)
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
     if slots.data_ptr() % 16:  # a view off 16 bytes (a later chunk's slots) is copied: Triton would compile the
         slots = slots.clone()  # kernel again for the other pointer alignment
