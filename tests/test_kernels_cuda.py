@@ -7,20 +7,12 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.cuda_plans import CUDA, plan
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
 from quantmla.kernels import cuda
 from quantmla.kernels.cuda import build
 from quantmla.quant import BF16, PathFormat
-
-CUDA = torch.device("cuda")
-
-
-def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64, **tiling):
-    fmt = preset(name_or_fmt) if isinstance(name_or_fmt, str) else name_or_fmt
-    lay = PageLayout(TokenLayout(d_c, d_r, fmt), page)
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        return lay, cuda.decode_plan(lay, rows, out, CUDA, **tiling)
 
 
 def test_a_plan_is_made_once_a_process(monkeypatch):

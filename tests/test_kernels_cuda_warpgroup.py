@@ -6,20 +6,12 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.cuda_plans import CUDA, plan
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
 from quantmla.kernels import cuda
 from quantmla.kernels.cuda import build
 from quantmla.quant import BF16, PathFormat
-
-CUDA = torch.device("cuda")
-
-
-def plan(name_or_fmt, rows=16, page=64, out=torch.bfloat16, d_c=512, d_r=64, **tiling):
-    fmt = preset(name_or_fmt) if isinstance(name_or_fmt, str) else name_or_fmt
-    lay = PageLayout(TokenLayout(d_c, d_r, fmt), page)
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        return lay, cuda.decode_plan(lay, rows, out, CUDA, **tiling)
 
 
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
@@ -75,7 +67,7 @@ def test_warpgroup_lowbit_plan(fmt, bits, smem):
     from quantmla.kernels.cuda import warpgroup
 
     lay, p = plan(fmt, 128, warpgroup=True)
-    m, o, fb = dict(p.macros), lay.offsets, lay.token.field_bytes
+    m, o = dict(p.macros), lay.offsets
     assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.stages) == (64, 8, 64, 1, 3)
     assert m["LOWBIT"] == 1 and m["TMA"] == 0 and m["HALF"] == 1 and m["PV_STEPS"] == 1 and warpgroup.lowbit(p)
     assert p.describe().startswith("cuda/f16/wg/M64N64w8s3c1")

@@ -52,3 +52,28 @@ def test_sdpa_operands_lay_the_chunk_out_as_sdpa_takes_it():
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, T), scale=0.25)
     want = reference_rows(q_nope, q_rope, kv, k_rope, 0.25, torch.arange(n))
     assert torch.allclose(o[0, :, :, :dv].transpose(0, 1), want, atol=1e-10)
+
+
+def test_packed_buffers_hold_the_chunk_as_views():
+    """The packed operands: after the RoPE key is written into its slots, SDPA's q, k and v are views of the two
+    buffers (no copies) and attend as the reference does; an unfilled slot does not."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from quantmla_lab.bench.serving.prefill_sdpa import fill_rope_slot, packed_operands, packed_views
+
+    n, T, H, dn, dr, dv = 4, 9, 2, 8, 4, 6
+    q_nope, q_rope, kv, k_rope = [t.double() for t in chunk_tensors(n, T, H, dn, dr, dv, "cpu")]
+    q, kvr = packed_operands(q_nope, q_rope, kv, k_rope)
+    assert kvr.shape == (T, H, dn + dr + dv) and not kvr[..., dn: dn + dr].any()
+    want = reference_rows(q_nope, q_rope, kv, k_rope, 0.25, torch.arange(n))
+
+    def attend():
+        qv, k, v = packed_views(q, kvr, dn, dr)
+        assert qv.data_ptr() == q.data_ptr() and k.data_ptr() == kvr.data_ptr() and v.untyped_storage().data_ptr() == \
+            kvr.untyped_storage().data_ptr() and v.shape[-1] == dv and k.stride(-1) == 1 == v.stride(-1)
+        o = torch.nn.functional.scaled_dot_product_attention(qv, k, v, attn_mask=causal_lower_right(n, T), scale=0.25)
+        return o[0].transpose(0, 1)
+
+    assert not torch.allclose(attend(), want, atol=1e-3)
+    fill_rope_slot(kvr, k_rope, dn)
+    assert torch.allclose(attend(), want, atol=1e-10)

@@ -23,20 +23,32 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
 from quantmla.cache.layout import CacheFormat
-from quantmla.cache.paged import slot_of
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
-from quantmla.serving.backends import AttentionBackend, AttnMeta, PrefillChunk, TorchPagedBackend
+from quantmla.serving import fused_rope, mlp, norms
+from quantmla.serving.backends import AttentionBackend, AttnMeta, TorchPagedBackend
 from quantmla.serving.config import GRAPH_UNITS, EngineConfig, JobStats
+from quantmla.serving.eager_step import eager_inputs
+from quantmla.serving.fused_rope import step_pieces
 from quantmla.serving.graphs import (
-    NONFINITE, DecodeGraphs, EngineObserver, PrefillGraphs, StepTiming, graph_rows, greedy)
+    NONFINITE,
+    DecodeGraphs,
+    EngineObserver,
+    PrefillGraphs,
+    StepTiming,
+    graph_rows,
+    greedy,
+)
+from quantmla.serving.merged import MergedLinears, merge_reason
+from quantmla.serving.overlap import PendingStep, nonfinite_error, source_rows
+from quantmla.serving.patching import patch, unpatch
+from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.scheduler import (
     FINISHED,
     Request,
@@ -46,12 +58,6 @@ from quantmla.serving.scheduler import (
     Sequence,
     StepPlan,
 )
-from quantmla.serving import fused_rope, mlp, norms
-from quantmla.serving.fused_rope import step_pieces
-from quantmla.serving.merged import MergedLinears, merge_reason
-from quantmla.serving.overlap import PendingStep, nonfinite_error, source_rows
-from quantmla.serving.patching import patch, unpatch
-from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.triton_backend import TritonPagedBackend, triton_available
 
 BF16_CONFIG = QuantCacheConfig(content=BF16, rope=BF16, method="bf16")
@@ -277,67 +283,15 @@ class Engine:
 
     def _eager(self, items) -> tuple[list[int | None], list | None]:
         """Run items (decode rows and prefill chunks, any mix) as one eager model forward."""
-        ps = self.config.page_size
-        dec = [k for k, it in enumerate(items) if it.n == 1]
-        pre = [k for k, it in enumerate(items) if it.n > 1]
-        order = dec + pre
-        ids, pos, slots = [], [], []
-        for k in order:
-            it = items[k]
-            p = np.arange(it.start, it.start + it.n)
-            ids.append(np.asarray(it.seq.tokens[it.start: it.start + it.n], dtype=np.int64))
-            pos.append(p)
-            slots.append(slot_of(it.seq.pages, p, ps))
-        dev = self.device
-        ids_t = torch.from_numpy(np.concatenate(ids)).to(dev)
-        pos_t = torch.from_numpy(np.concatenate(pos)).to(dev)
-        meta = AttnMeta(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), num_decode=len(dec))
-        if self.stage is not None:
-            rows = np.concatenate([np.full(items[k].n, self.stage.row(items[k].seq), dtype=np.int32) for k in order])
-            meta.stage_rows = torch.from_numpy(rows).to(dev)
-        if dec:
-            width = max(len(items[k].seq.pages) for k in dec)
-            bt = np.zeros((len(dec), width), dtype=np.int32)
-            for j, k in enumerate(dec):
-                pg = items[k].seq.pages
-                bt[j, : len(pg)] = pg
-            lens = [items[k].start + 1 for k in dec]
-            meta.block_tables = torch.from_numpy(bt).to(dev)
-            meta.seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-            meta.max_seq_len = max(lens)
-            meta.graph_rows = graph_rows(self, len(dec))
-        flat = len(dec)
-        rows, row_of = [], {}
-        for j, k in enumerate(dec):
-            if items[k].sample:
-                row_of[k] = len(rows)
-                rows.append(j)
-        if pre:  # every chunk's context slots, one host-to-device copy per step (read by every layer)
-            ctx = []
-            for k in pre:
-                it = items[k]
-                p = np.arange(it.start + it.n)
-                ctx.append(slot_of(it.seq.pages, p, ps))
-            ctx_t = torch.from_numpy(np.concatenate(ctx)).to(dev)
-        off = 0
-        for k in pre:
-            it = items[k]
-            npg = -(-(it.start + it.n) // ps)
-            T = it.start + it.n
-            meta.chunks.append(PrefillChunk(flat, it.n, T, torch.tensor(it.seq.pages[:npg], dtype=torch.int32, device=dev), npg,
-                                     slots=ctx_t[off: off + T]))
-            off += T
-            if it.sample:
-                row_of[k] = len(rows)
-                rows.append(flat + it.n - 1)
-            flat += it.n
-        logits = self._forward(ids_t, pos_t, meta, torch.tensor(rows, dtype=torch.long, device=dev))
+        x = eager_inputs(items, self.config.page_size, self.device, self.stage)
+        x.meta.graph_rows = graph_rows(self, x.meta.num_decode)
+        logits = self._forward(x.ids, x.pos, x.meta, torch.tensor(x.rows, dtype=torch.long, device=self.device))
         toks = greedy(logits).tolist()
-        out = [toks[row_of[k]] if k in row_of else None for k in range(len(items))]
+        out = [toks[x.row_of[k]] if k in x.row_of else None for k in range(len(items))]
         kept = None
         if self.config.keep_logits:
             lg = logits.float().cpu()
-            kept = [lg[row_of[k]] if k in row_of else None for k in range(len(items))]
+            kept = [lg[x.row_of[k]] if k in x.row_of else None for k in range(len(items))]
         return out, kept
 
     # -- CUDA graphs for decode ------------------------------------------------------------------

@@ -6,7 +6,10 @@ A chunk is n queries, the last n of T positions, over T context tokens in the no
 prefills in: q_nope [n, H, d_n] and q_rope [n, H, d_r], kv [T, H, d_n + d_v] (``kv_b_proj`` of the latent),
 k_rope [T, d_r]. Each candidate takes those tensors as the engine holds them and returns [n, H, d_v]; its time
 includes whatever it must copy to get there (SDPA wants q and k as [H, S, d_n + d_r], and flash attention v as wide
-as k). Causal is lower-right (query i sees keys up to T - n + i). Where a backend offers no lower-right mask
+as k). ``sdpa_cudnn_packed`` starts instead from buffers the projections could write (:func:`packed_operands`: q in
+``q_b_proj``'s per-head layout, k_nope, a RoPE slot and v per head in one buffer from a ``kv_b_proj`` widened by d_r
+zero rows a head) and copies only the RoPE key into its slots; ``kv_b_proj`` and ``kv_b_proj_widened`` time the
+up-projection of the context's latent (d_c 512) without and with the zero rows, the widening's price. Causal is lower-right (query i sees keys up to T - n + i). Where a backend offers no lower-right mask
 (cuDNN), the chunk is two calls merged by their log-sum-exps (:func:`merge_two_parts`): the keys before the chunk
 with no mask and the chunk's own keys with the top-left mask, which is lower-right there. Every output is checked
 against an fp64 reference on 3 blocks of 128 queries (first, middle, last). Times are ``triton.testing.do_bench``
@@ -25,6 +28,7 @@ from quantmla.reference.prefill import prefill_attention
 from quantmla_lab.bench.common import parse_fresh, record, save
 
 BACKENDS = ("cudnn", "flash", "efficient")
+NOT_ATTENTION = ("sdpa_operands", "kv_b_proj", "kv_b_proj_widened")  # rows timed beside the candidates
 
 
 def causal_pairs(n: int, T: int) -> int:
@@ -53,6 +57,48 @@ def sdpa_operands(q_nope, q_rope, kv, k_rope, pad_v: bool):
     return q, k, v
 
 
+def packed_operands(q_nope, q_rope, kv, k_rope):
+    """The chunk as a projection could write it for SDPA without copies: q [n, H, d_n + d_r] (``q_b_proj``'s own
+    per-head layout, RoPE applied in place) and kvr [T, H, d_n + d_r + d_v] (k_nope, the RoPE key's slot, v per head:
+    ``kv_b_proj`` with d_r zero rows a head at the slot). The slot is left empty here (:func:`fill_rope_slot`)."""
+    d_n = q_nope.shape[-1]
+    d_r = k_rope.shape[-1]
+    q = torch.cat([q_nope, q_rope], -1)
+    kvr = torch.cat([kv[..., :d_n], torch.zeros(*kv.shape[:2], d_r, dtype=kv.dtype, device=kv.device), kv[..., d_n:]], -1)
+    return q, kvr
+
+
+def fill_rope_slot(kvr: torch.Tensor, k_rope: torch.Tensor, d_n: int) -> None:
+    """Writes the shared RoPE key [T, d_r] into every head's slot of kvr (a strided copy of T x H x d_r values)."""
+    kvr[:, :, d_n: d_n + k_rope.shape[-1]].copy_(k_rope[:, None, :].expand(-1, kvr.shape[1], -1))
+
+
+def packed_views(q: torch.Tensor, kvr: torch.Tensor, d_n: int, d_r: int):
+    """SDPA's q [1, H, n, d_n + d_r], k [1, H, T, d_n + d_r] and v [1, H, T, d_v] as views of the packed buffers."""
+    return q.transpose(0, 1)[None], kvr[..., : d_n + d_r].transpose(0, 1)[None], kvr[..., d_n + d_r:].transpose(0, 1)[None]
+
+
+def cudnn_two_parts(q, k, v, n: int, scale: float) -> torch.Tensor:
+    """cuDNN's fused attention of n queries, the last n of T keys, under the lower-right causal mask: the chunk's own
+    keys with the top-left mask and, where a context precedes them, the context's keys unmasked, merged by their
+    log-sum-exps (``torch.ops.aten._scaled_dot_product_cudnn_attention`` returns them) -> [1, H, n, d_v]."""
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+    T = k.shape[2]
+    o2, lse2 = cudnn(q, k[:, :, T - n:], v[:, :, T - n:], None, True, 0.0, True, False, scale=scale)[:2]
+    if n == T:
+        return o2
+    o1, lse1 = cudnn(q, k[:, :, :T - n], v[:, :, :T - n], None, True, 0.0, False, False, scale=scale)[:2]
+    return merge_two_parts(o1, lse1.reshape(o1.shape[:-1]), o2, lse2.reshape(o2.shape[:-1]))
+
+
+def cudnn_packed_chunk(q: torch.Tensor, kvr: torch.Tensor, k_rope: torch.Tensor, d_n: int, scale: float) -> torch.Tensor:
+    """The chunk through cuDNN from the packed buffers: the RoPE key written into its slots, then the views -> [n, H,
+    d_v]; the only copy is the slot's."""
+    fill_rope_slot(kvr, k_rope, d_n)
+    qv, k, v = packed_views(q, kvr, d_n, k_rope.shape[-1])
+    return cudnn_two_parts(qv, k, v, q.shape[0], scale)[0].transpose(0, 1)
+
+
 def sdpa_chunk(backend: str, q_nope, q_rope, kv, k_rope, scale: float) -> torch.Tensor:
     """The chunk's attention through one SDPA backend -> [n, H, d_v]."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -61,13 +107,7 @@ def sdpa_chunk(backend: str, q_nope, q_rope, kv, k_rope, scale: float) -> torch.
     n, T, d_v = q_nope.shape[0], kv.shape[0], kv.shape[-1] - q_nope.shape[-1]
     q, k, v = sdpa_operands(q_nope, q_rope, kv, k_rope, pad_v=backend == "flash")
     if backend == "cudnn":
-        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
-        o2, lse2 = cudnn(q, k[:, :, T - n:], v[:, :, T - n:], None, True, 0.0, True, False, scale=scale)[:2]
-        if n == T:
-            o = o2
-        else:
-            o1, lse1 = cudnn(q, k[:, :, :T - n], v[:, :, :T - n], None, True, 0.0, False, False, scale=scale)[:2]
-            o = merge_two_parts(o1, lse1.reshape(o1.shape[:-1]), o2, lse2.reshape(o2.shape[:-1]))
+        o = cudnn_two_parts(q, k, v, n, scale)
     else:
         sdp = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
         with sdpa_kernel(sdp):
@@ -137,18 +177,28 @@ def measure(shapes, H=16, d_n=128, d_r=64, d_v=128, backends=BACKENDS, device="c
             cands[f"sdpa_{b}"] = lambda b=b: sdpa_chunk(b, q_nope, q_rope, kv, k_rope, scale)
         cands["varlen_attn"] = lambda: varlen_chunk(q_nope, q_rope, kv, k_rope, scale)
         cands["sdpa_operands"] = lambda: sdpa_operands(q_nope, q_rope, kv, k_rope, pad_v=False)
+        if "cudnn" in backends:  # from buffers the projections could write: the RoPE slot's copy and nothing else
+            qp, kvr = packed_operands(q_nope, q_rope, kv, k_rope)
+            cands["sdpa_cudnn_packed"] = lambda qp=qp, kvr=kvr: cudnn_packed_chunk(qp, kvr, k_rope, d_n, scale)
+            # what kv_b_proj's d_r zero rows a head cost: the up-projection of the context's latent, as is and widened
+            lat = torch.randn(T, 512, device=device).bfloat16()
+            w = torch.randn(H * (d_n + d_v), 512, device=device).bfloat16()
+            w_wide = torch.randn(H * (d_n + d_r + d_v), 512, device=device).bfloat16()
+            cands["kv_b_proj"] = lambda lat=lat, w=w: lat @ w.t()
+            cands["kv_b_proj_widened"] = lambda lat=lat, w=w_wide: lat @ w.t()
         row = {"n": n, "T": T, "heads": H, "tflop": flop / 1e12,
                "kernel_config": default_prefill_config(n, T).describe(), "candidates": {}}
         for name, fn in cands.items():
             try:
                 out = fn()
                 c = {}
-                if name != "sdpa_operands":
+                attends = name not in NOT_ATTENTION
+                if attends:
                     err = (out[check].double() - ref).norm() / ref.norm()
                     c["rel_err_fp64"] = float(err)
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 c["ms"] = ms
-                if name != "sdpa_operands":  # the operands' copies alone do no attention
+                if attends:  # the operands' copies and the up-projections alone do no attention
                     c["tflops"] = flop / ms / 1e9
             except Exception as e:  # a backend that refuses the shape: recorded, not fatal
                 c = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
