@@ -62,6 +62,9 @@
 #                 (up to 4096, the default)  -> serving/long_1.26gib_prefill_graphs_16384_h200.json
 # mixed-decode-graphs the tight long job (FP8, INT4/INT4, INT2/INT4) with decode rows replaying their graphs beside
 #                 eager prompt chunks of up to 8192 tokens, against tight-long  -> serving/long_1.26gib_mixed_decode_graphs_h200.json
+# long-chunks     the tight long job (FP8, INT4/INT4) with 4096- and 8192-token chunk budgets, one process each, against
+#                 tight-long's 16384: decode rows ride along more, shorter prefilling steps
+#                 -> serving/long_1.26gib_chunks_{4096,8192}_h200.json (long-chunks-4096, long-chunks-8192: one call each)
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -276,6 +279,21 @@ prefill-graph-cap() {
 mixed-decode-graphs() {
   timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --mixed-decode-graphs 8192 --out "$OUT/serving/long_1.26gib_mixed_decode_graphs_h200.json" 2>&1 | quiet 8
+}
+
+long-chunks-4096() {
+  timeout 290 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
+    --max-batched-tokens 4096 --out "$OUT/serving/long_1.26gib_chunks_4096_h200.json" 2>&1 | quiet 8
+}
+
+long-chunks-8192() {
+  timeout 260 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
+    --max-batched-tokens 8192 --out "$OUT/serving/long_1.26gib_chunks_8192_h200.json" 2>&1 | quiet 8
+}
+
+long-chunks() {
+  long-chunks-4096
+  long-chunks-8192
 }
 
 step-grid-full() {
