@@ -94,12 +94,15 @@ def test_any_combine_shape_merges_a_decode_like_the_default(shape):
 @pytest.mark.parametrize("shape,match", [(CombineShape(3, 16, 2, True), "powers of two"),
                                          (CombineShape(4, 128, 2, True), "divide d_c")])
 def test_bad_combine_shapes_raise_before_launch(shape, match, monkeypatch):
+    from quantmla.kernels import api
+
     lay, pool, bt, sl = make_cache(FORMATS["bf16"], [40, 9], seed=2)
     launched = []
     monkeypatch.setattr(decode, "_mla_combine_kernel", type("Spy", (), {"__getitem__": lambda s, g: launched.append(g)})())
+    monkeypatch.setattr(api, "launch_decode", lambda *a: launched.append("decode"))
     with pytest.raises(QuantMLAError, match=match):
         run_decode(lay, pool, bt, sl, H=2, SQ=1, chunk_tokens=16, combine=shape)
-    assert not launched
+    assert not launched  # neither the decode kernel nor the combine
 
 
 class _CombineSpy:
@@ -128,30 +131,39 @@ class _StepKinds(EngineObserver):
 
 
 def test_eager_decode_rows_take_their_graph_buckets_combine_shape(v3, monkeypatch):
-    """Decode rows riding in eager mixed steps (1 to 3 of them, buckets 1, 2 and 4) launch the combine kernel only in
-    shapes the decode graphs launch it in, the shape of the bucket that holds them, where their own rows and splits
-    would give other shapes; outputs as generate()."""
+    """Decode rows riding in eager mixed steps (1 to 4 of them) launch the combine kernel only in shapes that the decode
+    graphs' replays launch it in, where their own rows and splits would give other shapes. With 8 "SMs", bucket 8 has
+    one split a row and launches no combine, so 3 or 4 rows take bucket 2's shape; a bucket list in which no graph
+    launches it gives None (the call's own shape). Outputs as generate()."""
+    from quantmla.kernels import api
+    from quantmla.serving.triton_backend import bucket_splits, decode_tiling
+
     spy = _CombineSpy(decode._mla_combine_kernel)
     monkeypatch.setattr(decode, "_mla_combine_kernel", spy)
+    sms = 8  # the CPU interpreter's schedule takes 4: too few for the buckets' shapes to differ from the rows' own
+    for mod in (schedule, api):
+        monkeypatch.setattr(mod, "num_sms_of", lambda device: sms)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (20, 22, 25, 100, 90)]
     quant = QuantCacheConfig.of_bits(4, 4, 32, 16)
     cfg = EngineConfig(quant=quant, page_size=16, num_pages=40, backend="triton", cuda_graphs="emulate",
-                       graph_buckets=(1, 2, 4), max_num_batched_tokens=32, prefill_graphs=False, overlap_steps=False)
+                       graph_buckets=(1, 2, 8), max_num_batched_tokens=32, prefill_graphs=False, overlap_steps=False)
     with Engine(v3, cfg) as eng:
         watch = _StepKinds(spy)
         eng.observers.append(watch)
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
-        max_len = eng.max_pages_per_seq * cfg.page_size
-        buckets = decode_buckets(eng)
-        graph_shapes = {b: set(eng.backend.graph_combine(b, max_len).values()) for b in buckets}
+        be, max_len = eng.backend, eng.max_pages_per_seq * cfg.page_size
+        (lay,) = be.kinds.values()
+        splits = {b: bucket_splits(decode_tiling(be, lay), v3.config.num_attention_heads, b, max_len, sms)[0]
+                  for b in decode_buckets(eng)}
+        assert splits[8] == 1 and splits[2] > 1 and splits[1] > 1, splits
+        assert set(be.graph_combine((8,), max_len).values()) == {None}
+        assert be.graph_combine((8, 2, 1), max_len) == be.graph_combine((2, 1), max_len)
     rep = compare(v3, quant, prompts, [o.output_ids for o in outs], 8, 2e-2)
     assert rep.exact + rep.ties == len(prompts) and rep.ok, rep.details
     eager = [c for c, k in zip(spy.calls, watch.kinds) if k == "eager"]
-    assert {c["B"] for c in eager} >= {1, 3} and "graph_decode" in watch.kinds, eager
-    sms, own = schedule.num_sms_of(torch.device(DEV)), 0
-    for c in eager:
-        bucket = graph_shapes[next(b for b in buckets if b >= c["B"])]
-        assert c["shape"] in bucket, c
-        own += schedule.combine_shape(c["B"], c["R"], c["D_C"], c["max_splits"], sms) not in bucket
-    assert own, "no eager call's own rows and splits give another shape than its bucket's (this would show nothing)"
+    replays = {c["shape"] for c, k in zip(spy.calls, watch.kinds) if k == "graph_decode"}
+    assert {c["B"] for c in eager} >= {1, 3} and replays, (eager, replays)
+    assert {c["shape"] for c in eager} <= replays, (eager, replays)
+    own = {schedule.combine_shape(c["B"], c["R"], c["D_C"], c["max_splits"], sms) for c in eager}
+    assert own - replays, "every eager call's own shape is a replay's too (this would show nothing)"

@@ -153,6 +153,8 @@ def mla_decode_with_kvcache(
     if lse is None:
         lse = torch.empty((B, SQ, H), dtype=torch.float32, device=device)
     if metadata.max_splits > 1:
+        c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
+        c.check(R, DC)  # before any launch
         key = (R, DC, str(device))
         ws = metadata.workspace.get(key)
         if ws is None:
@@ -173,8 +175,6 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
-        c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
-        c.check(R, DC)
         _mla_combine_kernel[(B, -(-R // c.block_r), DC // c.block_d)](
             po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
             ONE_STEP=c.one_step, num_warps=4, num_stages=2,

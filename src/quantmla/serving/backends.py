@@ -59,7 +59,9 @@ class AttnMeta:
     chunks: list[PrefillChunk] = field(default_factory=list)
     max_seq_len: int = 0  # upper bound of seq_lens (a static bound under CUDA graphs)
     plan: object | None = None  # a backend's fixed-shape decode schedule (CUDA graphs), else None
-    graph_rows: tuple[int, int] | None = None  # eager decode rows: (rows, max_seq_len) of the graph bucket that holds them
+    # eager decode rows: (buckets, max_seq_len) of the decode graphs whose combine shape they take, the bucket that
+    # holds them first, then the smaller ones (None: no decode graphs)
+    graph_buckets: tuple[tuple[int, ...], int] | None = None
     stage_rows: torch.Tensor | None = None  # [N] int32: each token's row in the RoPE stage (per-page RoPE paths)
     backend_state: dict = field(default_factory=dict)  # per-step scratch a backend shares across layers
 

@@ -42,7 +42,7 @@ from quantmla.serving.graphs import (
     EngineObserver,
     PrefillGraphs,
     StepTiming,
-    graph_rows,
+    graph_buckets,
     greedy,
 )
 from quantmla.serving.merged import MergedLinears, merge_reason
@@ -284,7 +284,7 @@ class Engine:
     def _eager(self, items) -> tuple[list[int | None], list | None]:
         """Run items (decode rows and prefill chunks, any mix) as one eager model forward."""
         x = eager_inputs(items, self.config.page_size, self.device, self.stage)
-        x.meta.graph_rows = graph_rows(self, x.meta.num_decode)
+        x.meta.graph_buckets = graph_buckets(self, x.meta.num_decode)
         logits = self._forward(x.ids, x.pos, x.meta, torch.tensor(x.rows, dtype=torch.long, device=self.device))
         toks = greedy(logits).tolist()
         out = [toks[x.row_of[k]] if k in x.row_of else None for k in range(len(items))]

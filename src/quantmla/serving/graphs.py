@@ -205,13 +205,16 @@ def decode_buckets(engine) -> list[int]:
     return sorted({b for b in engine.config.graph_buckets if b < cap} | {cap})
 
 
-def graph_rows(engine, rows: int) -> tuple[int, int] | None:
-    """(rows, max_seq_len) of the decode graph bucket that holds `rows` decode rows, or None where the engine replays
-    no decode graphs. Its eager decode calls (rows riding in mixed steps) take that bucket's combine shape, so they
-    compile no variant of the combine kernel that the graphs do not."""
+def graph_buckets(engine, rows: int) -> tuple[tuple[int, ...], int] | None:
+    """(buckets, max_seq_len): the decode graph bucket that holds `rows` decode rows, then the smaller buckets, largest
+    first; None where the engine replays no decode graphs. Its eager decode calls (rows riding in mixed steps) take the
+    combine shape of the first of them whose graph launches the combine kernel, so they compile no variant of it that
+    the graphs do not (``TritonPagedBackend.graph_combine``)."""
     if not engine.use_graphs or not 0 < rows <= engine._graph_max():
         return None
-    return next(b for b in decode_buckets(engine) if b >= rows), engine.max_pages_per_seq * engine.config.page_size
+    buckets = decode_buckets(engine)
+    top = next(i for i, b in enumerate(buckets) if b >= rows)
+    return tuple(buckets[top::-1]), engine.max_pages_per_seq * engine.config.page_size
 
 
 class DecodeGraphs:

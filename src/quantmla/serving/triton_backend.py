@@ -70,15 +70,11 @@ class StaticDecodePlan:
         self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per row, shortest span, tile)
         self.host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, layout in backend.kinds.items():
-            cfg = (backend.decode_config or api.default_config)(H, layout, dev)
-            head_blocks = -(-H // cfg.block_m)
-            target = max(1, schedule.num_sms_of(dev) * cfg.ctas_per_sm // head_blocks)
-            min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
-            S = max(1, min(target // b, -(-max_len // min_span)))  # b·S programs: one wave, not a partial second
+            cfg = decode_tiling(backend, layout)
+            S, chunk, min_span = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
-                                         config=cfg, chunk_tokens=-(-max_len // S))
-            S = proto.max_splits
-            if proto.num_units != b * S:
+                                         config=cfg, chunk_tokens=chunk)
+            if proto.max_splits != S or proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
             proto.combine = schedule.combine_shape(b, H, layout.token.d_c, S, schedule.num_sms_of(dev))
             self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
@@ -97,6 +93,29 @@ class StaticDecodePlan:
                                                                                 self.by_length)
             md.units.copy_(units[buffer], non_blocking=True)
             md.seq_info.copy_(info[buffer], non_blocking=True)
+
+
+def decode_tiling(backend, layout: PageLayout):
+    """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads: its ``decode_config``, else the API's
+    default."""
+    return (backend.decode_config or _kernels().default_config)(backend.spec.num_heads, layout, backend.device)
+
+
+def bucket_splits(cfg, H: int, b: int, max_len: int, num_sms: int) -> tuple[int, int, int]:
+    """A graph bucket's splits of each row for decode config `cfg` (a ``DecodeConfig``) at H heads: (S, the split's
+    tokens, the shortest span in tokens). S makes b·S programs one wave of ``num_sms × ctas_per_sm`` (not a partial
+    second) where no split of a `max_len` row is shorter than the config's ``min_chunk``; the splits are whole key
+    tiles, evened out as ``get_mla_metadata`` cuts them, so S can come out below that."""
+    from quantmla.kernels.schedule import cut_units
+
+    head_blocks = -(-H // cfg.block_m)
+    target = max(1, num_sms * cfg.ctas_per_sm // head_blocks)
+    min_span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
+    S = max(1, min(target // b, -(-max_len // min_span)))
+    per = -(-max_len // S)  # tokens a split
+    chunk = max(1, -(-per // cfg.block_n)) * cfg.block_n  # in whole tiles
+    _, info = cut_units(np.array([max_len]), chunk // cfg.block_n, cfg.block_n)
+    return int(info[0, 1]), chunk, min_span
 
 
 def bucket_schedule(lens: np.ndarray, num_units: int, min_span: int, tile: int,
@@ -168,12 +187,21 @@ class TritonPagedBackend(AttentionBackend):
     def static_plan(self, b: int, max_len: int) -> StaticDecodePlan:
         return StaticDecodePlan(self, b, max_len, by_length=self.graph_units == "length")
 
-    def graph_combine(self, b: int, max_len: int) -> dict:
-        """Per layout kind, the combine shape of the decode graph of `b` rows up to `max_len` tokens (its static
-        plan's; computed once)."""
-        if (b, max_len) not in self._graph_combine:
-            self._graph_combine[b, max_len] = {k: md.combine for k, md in self.static_plan(b, max_len).md.items()}
-        return self._graph_combine[b, max_len]
+    def graph_combine(self, buckets: tuple[int, ...], max_len: int) -> dict:
+        """Per layout kind, the combine shape that the first of the decode graph buckets `buckets` (rows, up to
+        `max_len` tokens) to launch the combine kernel launches it in, or None where none does (a bucket whose rows
+        have one split each launches none). Computed once, without building the buckets' plans."""
+        from quantmla.kernels import schedule
+
+        if (buckets, max_len) not in self._graph_combine:
+            H, sms = self.spec.num_heads, schedule.num_sms_of(self.device)
+            got = {}
+            for kind, layout in self.kinds.items():
+                cfg = decode_tiling(self, layout)
+                got[kind] = next((schedule.combine_shape(b, H, layout.token.d_c, S, sms) for b in buckets
+                                  if (S := bucket_splits(cfg, H, b, max_len, sms)[0]) > 1), None)
+            self._graph_combine[buckets, max_len] = got
+        return self._graph_combine[buckets, max_len]
 
     def _metadata(self, slot: int, meta: AttnMeta):
         kind = self.kind_of[slot]
@@ -183,7 +211,7 @@ class TritonPagedBackend(AttentionBackend):
         if kind not in cache:
             H, layout = self.spec.num_heads, self.kinds[kind]
             cfg = None if self.decode_config is None else self.decode_config(H, layout, meta.seq_lens.device)
-            combine = None if meta.graph_rows is None else self.graph_combine(*meta.graph_rows)[kind]
+            combine = None if meta.graph_buckets is None else self.graph_combine(*meta.graph_buckets)[kind]
             cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine)
         return cache[kind]
 
@@ -205,4 +233,5 @@ class TritonPagedBackend(AttentionBackend):
         return api.mla_prefill_attention(q_nope, q_rope, kv, kr.to(kv.dtype), s.softmax_scale)
 
 
-__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_schedule", "triton_available"]
+__all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_schedule", "bucket_splits",
+           "decode_tiling", "triton_available"]

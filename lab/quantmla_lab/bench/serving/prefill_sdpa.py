@@ -7,10 +7,11 @@ prefills in: q_nope [n, H, d_n] and q_rope [n, H, d_r], kv [T, H, d_n + d_v] (``
 k_rope [T, d_r]. Each candidate takes those tensors as the engine holds them and returns [n, H, d_v]; its time
 includes whatever it must copy to get there (SDPA wants q and k as [H, S, d_n + d_r], and flash attention v as wide
 as k). ``sdpa_cudnn_packed`` starts instead from buffers the projections could write (:func:`packed_operands`: q in
-``q_b_proj``'s per-head layout, k_nope, a RoPE slot and v per head in one buffer from a ``kv_b_proj`` widened by d_r
-zero rows a head) and copies only the RoPE key into its slots; ``kv_b_proj`` and ``kv_b_proj_widened`` time the
-up-projection of the context's latent (d_c 512) without and with the zero rows, the widening's price. Causal is lower-right (query i sees keys up to T - n + i). Where a backend offers no lower-right mask
-(cuDNN), the chunk is two calls merged by their log-sum-exps (:func:`merge_two_parts`): the keys before the chunk
+``q_b_proj``'s per-head layout, k_nope, a RoPE slot and v per head in one buffer from a ``kv_b_proj`` widened by
+d_r zero rows a head) and copies only the RoPE key into its slots; ``kv_b_proj`` and ``kv_b_proj_widened`` time
+the up-projection of the context's latent (d_c 512) without and with the zero rows, the widening's price.
+Causal is lower-right (query i sees keys up to T - n + i). Where a backend offers no lower-right mask (cuDNN), the
+chunk is two calls merged by their log-sum-exps (:func:`merge_two_parts`): the keys before the chunk
 with no mask and the chunk's own keys with the top-left mask, which is lower-right there. Every output is checked
 against an fp64 reference on 3 blocks of 128 queries (first, middle, last). Times are ``triton.testing.do_bench``
 medians (L2 flushed between runs); TFLOP/s count 2 x (d_n + d_r + d_v) FLOPs a query, key and head over the
@@ -180,12 +181,12 @@ def measure(shapes, H=16, d_n=128, d_r=64, d_v=128, backends=BACKENDS, device="c
         if "cudnn" in backends:  # from buffers the projections could write: the RoPE slot's copy and nothing else
             qp, kvr = packed_operands(q_nope, q_rope, kv, k_rope)
             cands["sdpa_cudnn_packed"] = lambda qp=qp, kvr=kvr: cudnn_packed_chunk(qp, kvr, k_rope, d_n, scale)
-            # what kv_b_proj's d_r zero rows a head cost: the up-projection of the context's latent, as is and widened
-            lat = torch.randn(T, 512, device=device).bfloat16()
-            w = torch.randn(H * (d_n + d_v), 512, device=device).bfloat16()
-            w_wide = torch.randn(H * (d_n + d_r + d_v), 512, device=device).bfloat16()
-            cands["kv_b_proj"] = lambda lat=lat, w=w: lat @ w.t()
-            cands["kv_b_proj_widened"] = lambda lat=lat, w=w_wide: lat @ w.t()
+        # what kv_b_proj's d_r zero rows a head cost: the up-projection of the context's latent, as is and widened
+        lat = torch.randn(T, 512, device=device).bfloat16()
+        w = torch.randn(H * (d_n + d_v), 512, device=device).bfloat16()
+        w_wide = torch.randn(H * (d_n + d_r + d_v), 512, device=device).bfloat16()
+        cands["kv_b_proj"] = lambda lat=lat, w=w: lat @ w.t()
+        cands["kv_b_proj_widened"] = lambda lat=lat, w=w_wide: lat @ w.t()
         row = {"n": n, "T": T, "heads": H, "tflop": flop / 1e12,
                "kernel_config": default_prefill_config(n, T).describe(), "candidates": {}}
         for name, fn in cands.items():
