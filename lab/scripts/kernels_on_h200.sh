@@ -7,6 +7,9 @@
 # bench           `quantmla bench-kernel`: every format against BF16 at DeepSeek shapes, with the
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
+# schedule-long   one layer's decode (decode + combine) at the tight long job's decode batches (4, 7 and 13 of 20480
+#                 tokens, 16 heads): FP8, INT4/INT4, INT2/INT4, every tiling at 1 and 2 CTAs an SM
+#                                                                -> decode_schedule/long_decode_batches_h200.json
 # tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
 # phases          the default 16-row plan without its tile build, score products or output products (times only):
 #                 each phase's share of a call              -> kernels/decode_cuda_phases_h200.json
@@ -54,7 +57,7 @@
 # Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/kernels"
+mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 EXTRA=()
 STEPS=()
@@ -85,6 +88,12 @@ serving-shapes() {
   timeout 240 python3 -m quantmla.cli bench-kernel --heads 16 --methods int4/int4,int2/int4 \
     --shapes 64x1536,20x2048,6x2048,32x16384 --sweep-shape 64x1536 --out "$OUT/kernels/decode_serving_shapes_h200.json" 2>&1 \
     | grep -v "^check " | tail -30
+}
+
+schedule-long() {
+  timeout 400 python3 -m quantmla_lab.bench.kernels.decode_schedule --methods fp8 int4/int4 int2/int4 \
+    --shapes16 4x20480,7x20480,13x20480 --shapes128 "" --ctas 1 2 \
+    --out "$OUT/decode_schedule/long_decode_batches_h200.json" 2>&1 | grep "^== best\|failed" | tail -20
 }
 
 tilings() {
