@@ -167,3 +167,31 @@ def test_eager_decode_rows_take_their_graph_buckets_combine_shape(v3, monkeypatc
     assert {c["shape"] for c in eager} <= replays, (eager, replays)
     own = {schedule.combine_shape(c["B"], c["R"], c["D_C"], c["max_splits"], sms) for c in eager}
     assert own - replays, "every eager call's own shape is a replay's too (this would show nothing)"
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
+    """bucket_splits, which the eager rows' shapes come from without building plans, gives each bucket's static plan's
+    splits (its graph launches the combine exactly where they are more than 1), for INT4/INT4 and BF16 tilings."""
+    import types
+
+    from quantmla.cache.layout import PageLayout, TokenLayout
+    from quantmla.kernels import api
+    from quantmla.serving.triton_backend import StaticDecodePlan, bucket_splits, decode_tiling
+
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: sms)
+    seen = set()
+    for name in ("int4/int4", "bf16"):
+        lay = PageLayout(TokenLayout(64, 32, FORMATS[name]), 16)
+        for H in (4, 16):
+            backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=H), device=torch.device(DEV),
+                                            kinds={"k": lay}, decode_config=None)
+            for b in (1, 3, 8, 32):
+                for max_len in (16, 1000, 20480):
+                    plan = StaticDecodePlan(backend, b, max_len)
+                    S = bucket_splits(decode_tiling(backend, lay), H, b, max_len, sms)[0]
+                    md = plan.md["k"]
+                    assert S == md.max_splits == plan.split["k"][0], (name, H, b, max_len)
+                    assert md.combine == api.combine_shape(b, H, 64, S, sms)
+                    seen.add(S > 1)
+    assert seen == {True, False}
