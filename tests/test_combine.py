@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA or TRITON_INTERPRET=1",
 )
 def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
-    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of 128."""
+    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of
+    128."""
     for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128)]:
         br, bd, bs = schedule.combine_blocks(B, 16, 512, splits, 132)
         assert schedule.combine_one_step(splits, bs) and bs * br * bd <= schedule.COMBINE_ONE_STEP_TILE
@@ -98,7 +99,8 @@ def test_bad_combine_shapes_raise_before_launch(shape, match, monkeypatch):
 
     lay, pool, bt, sl = make_cache(FORMATS["bf16"], [40, 9], seed=2)
     launched = []
-    monkeypatch.setattr(decode, "_mla_combine_kernel", type("Spy", (), {"__getitem__": lambda s, g: launched.append(g)})())
+    spy = type("Spy", (), {"__getitem__": lambda s, g: launched.append(g)})()
+    monkeypatch.setattr(decode, "_mla_combine_kernel", spy)
     monkeypatch.setattr(api, "launch_decode", lambda *a: launched.append("decode"))
     with pytest.raises(QuantMLAError, match=match):
         run_decode(lay, pool, bt, sl, H=2, SQ=1, chunk_tokens=16, combine=shape)
