@@ -1,0 +1,150 @@
+"""What a serve-bench job would take at other chunk budgets (``--max-batched-tokens``): the engine's own scheduler
+replayed on the job, each step priced from a measured run.
+
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.chunk_model \
+        --job lab/results/serving/long_1.26gib_warmup_h200.json --methods fp8 int4/int4 --chunks 4096 8192 16384 \
+        --out lab/results/serving/chunk_model_long_1.26gib.json
+
+A model on measured figures, not a measurement. The job (its prompt and output lengths, from the run's settings and
+seed) goes through ``serving.scheduler.Scheduler`` with the run's pages, page size, watermark and sequence cap, so
+the steps, their chunks and the decode rows riding in them are the engine's. A step with no prompt tokens costs the
+run's median decode step at its batch (``step_log.decode_by_batch``; a line through those medians for batches the
+run did not have). A prefilling step costs max(host, GPU): host the run's median launch time of prefilling steps
+with decode rows (or without), GPU = k x (``TOKEN_US`` a prompt token + ``PAIR_NS`` a causal (query, key) pair
++ ``CONTEXT_US`` a context token read back and up-projected), the constants from the prefill profile of the
+``long`` shape (``docs/prefill.md``: dense and elementwise parts 6.9 us a token, attention 97.1 ms for the 134M
+pairs of a 16384-token prompt, ``kv_b_proj`` of the context about 0.16 us a token). k makes the run's own chunk
+budget reproduce its measured prefilling seconds, so the model is exact there and says how the rest moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
+from quantmla_lab.bench.common import parse_fresh, record, save
+
+TOKEN_US = (94.2 + 18.6 + 0.9) * 1e3 / 16384  # dense, elementwise and append parts of a prefill step, a token
+PAIR_NS = 97.1e6 / (16384 * 16385 // 2)  # the prefill attention of a 16384-token prompt, a causal pair
+CONTEXT_US = 0.16  # kv_b_proj (d_c 512 -> 16 heads x 256) of a context token at about 700 TFLOP/s, 27 layers
+
+
+def job_lengths(settings: dict) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of serve-bench's job for these settings (``throughput.make_job``'s draws)."""
+    rng = np.random.default_rng(settings["seed"])
+    n = settings["requests"]
+    p = rng.integers(settings["prompt_min"], settings["prompt_max"] + 1, n)
+    o = rng.integers(settings["output_min"], settings["output_max"] + 1, n)
+    return [(int(a), int(b)) for a, b in zip(p, o)]
+
+
+def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, watermark: float) -> list[dict]:
+    """The scheduler's steps for the job: per step its prompt tokens, causal pairs, context tokens read back and
+    decode rows."""
+    sched = Scheduler(pages, page_size, max_seqs, chunk, watermark)
+    for i, (p, o) in enumerate(lengths):
+        sched.add(Sequence(Request(i, [3] * p, SamplingParams(max_new_tokens=o, ignore_eos=True)), i, set()))
+    steps = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        if not plan.items:
+            raise RuntimeError("the scheduler planned an empty step with requests unfinished")
+        tokens = pairs = context = rows = 0
+        for it in plan.items:
+            if it.n == 1 and it.start >= it.seq.prompt_len:
+                rows += 1
+                continue
+            tokens += it.n
+            pairs += it.n * it.start + it.n * (it.n + 1) // 2
+            context += it.start + it.n
+        steps.append({"tokens": tokens, "pairs": pairs, "context": context, "rows": rows})
+        sched.commit(plan, [5 if it.sample else None for it in plan.items])
+    return steps
+
+
+def decode_cost(by_batch: dict) -> callable:
+    """Seconds of a decode step of b rows: the run's median at b, else a line through the medians."""
+    b = np.array([int(k) for k in by_batch], float)
+    ms = np.array([v["total_ms_median"] for v in by_batch.values()])
+    slope, icpt = np.polyfit(b, ms, 1) if len(b) > 1 else (0.0, float(ms[0]))
+    med = {int(k): v["total_ms_median"] for k, v in by_batch.items()}
+    return lambda rows: 1e-3 * med.get(rows, icpt + slope * rows)
+
+
+def prefill_gpu_s(step: dict) -> float:
+    return 1e-6 * (TOKEN_US * step["tokens"] + 1e-3 * PAIR_NS * step["pairs"] + CONTEXT_US * step["context"])
+
+
+def model(run: dict, settings: dict, chunks: list[int]) -> dict:
+    """One method's run -> its modelled wall, prefilling and decode seconds at each chunk budget."""
+    log = run["step_log"]
+    pre = log["prefill_steps"]
+    host = {r: float(np.median([s["launch_ms"] for s in pre if (s["decode_rows"] > 0) == r] or [0.0])) * 1e-3
+            for r in (False, True)}
+    dec = decode_cost(log["decode_by_batch"])
+    lengths = job_lengths(settings)
+    args = (run["pages"], settings["page_size"])
+    rest = dict(max_seqs=settings["max_num_seqs"], watermark=settings["watermark"])
+
+    def price(steps, k):
+        mixed = sum(max(host[s["rows"] > 0], k * prefill_gpu_s(s)) for s in steps if s["tokens"])
+        decode = sum(dec(s["rows"]) for s in steps if not s["tokens"])
+        return mixed, decode
+
+    own = replay(lengths, *args, settings["max_num_batched_tokens"], **rest)
+    lo, hi = 1e-3, 1e4  # k: the run's own chunk budget gives its measured prefilling seconds
+    for _ in range(80):
+        k = (lo * hi) ** 0.5
+        lo, hi = (k, hi) if price(own, k)[0] < run["mixed_s"] else (lo, k)
+    if abs(price(own, k)[0] - run["mixed_s"]) > 0.01 * run["mixed_s"]:
+        raise ValueError(f"{run['method']}: no GPU factor reproduces the run's {run['mixed_s']:.2f} prefilling "
+                         f"seconds (its host floors alone give {price(own, 0.0)[0]:.2f})")
+    out = {"k": k, "measured": {"wall_s": run["wall_s"], "mixed_s": run["mixed_s"],
+                                "decode_s": run["graph_decode_s"] + run["eager_decode_s"]}, "chunks": {}}
+    for c in chunks:
+        steps = own if c == settings["max_num_batched_tokens"] else replay(lengths, *args, c, **rest)
+        mixed, decode = price(steps, k)
+        out["chunks"][str(c)] = {"prefilling_steps": sum(1 for s in steps if s["tokens"]),
+                                 "decode_steps": sum(1 for s in steps if not s["tokens"]),
+                                 "rows_riding": sum(s["rows"] for s in steps if s["tokens"]),
+                                 "mixed_s": round(mixed, 3), "decode_s": round(decode, 3),
+                                 "wall_s": round(mixed + decode, 3)}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", default="lab/results/serving/long_1.26gib_warmup_h200.json",
+                   help="a serve-bench result with step logs (one budget)")
+    p.add_argument("--methods", nargs="+", default=["fp8", "int4/int4"])
+    p.add_argument("--chunks", nargs="+", type=int, default=[4096, 8192, 16384])
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    with open(a.job) as f:
+        res = json.load(f)
+    runs = {r["method"]: r for r in res["runs"] if r["method"] in a.methods and "step_log" in r}
+    missing = [m for m in a.methods if m not in runs]
+    if missing:
+        raise SystemExit(f"{a.job} has no run with a step log for {', '.join(missing)}; it has "
+                         f"{', '.join(r['method'] for r in res['runs'])}")
+    out = record(source=a.job, source_commit=res.get("commit"), note="a model on measured figures, not a measurement",
+                 constants={"TOKEN_US": TOKEN_US, "PAIR_NS": PAIR_NS, "CONTEXT_US": CONTEXT_US},
+                 methods={m: model(r, res["settings"], a.chunks) for m, r in runs.items()})
+    for c in a.chunks:
+        line = "  ".join(f"{m} {v['chunks'][str(c)]['wall_s']:.2f} s (mixed {v['chunks'][str(c)]['mixed_s']:.2f}, "
+                         f"riding rows {v['chunks'][str(c)]['rows_riding']})" for m, v in out["methods"].items())
+        print(f"chunks of {c:>6}: {line}")
+    if len(a.methods) == 2:
+        m0, m1 = a.methods
+        out["ratio"] = {str(c): round(out["methods"][m0]["chunks"][str(c)]["wall_s"]
+                                      / out["methods"][m1]["chunks"][str(c)]["wall_s"], 4) for c in a.chunks}
+        print(f"{m1} over {m0} (wall ratio, modelled): {out['ratio']}")
+    save(out, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
