@@ -173,8 +173,9 @@ def test_eager_decode_rows_take_their_graph_buckets_combine_shape(v3, monkeypatc
 
 @pytest.mark.parametrize("sms", [4, 132])
 def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
-    """bucket_splits, which the eager rows' shapes come from without building plans, gives each bucket's static plan's
-    splits (its graph launches the combine exactly where they are more than 1), for INT4/INT4 and BF16 tilings."""
+    """bucket_splits, which the eager rows' shapes come from without building plans, gives the splits that
+    get_mla_metadata cuts a bucket's max_len rows into at one wave of programs (the static plan's; its graph launches
+    the combine exactly where they are more than 1), for INT4/INT4 and BF16 tilings."""
     import types
 
     from quantmla.cache.layout import PageLayout, TokenLayout
@@ -190,10 +191,15 @@ def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
                                             kinds={"k": lay}, decode_config=None)
             for b in (1, 3, 8, 32):
                 for max_len in (16, 1000, 20480):
+                    cfg = decode_tiling(backend, lay)
+                    S = bucket_splits(cfg, H, b, max_len, sms)[0]
+                    # independently: one wave's splits of a max_len row, cut by get_mla_metadata itself
+                    span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n
+                    want = max(1, min(max(1, sms * cfg.ctas_per_sm // -(-H // cfg.block_m)) // b, -(-max_len // span)))
+                    md = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), H, 1, lay, config=cfg,
+                                              chunk_tokens=-(-max_len // want))
+                    assert S == md.max_splits and md.num_units == b * S, (name, H, b, max_len)
                     plan = StaticDecodePlan(backend, b, max_len)
-                    S = bucket_splits(decode_tiling(backend, lay), H, b, max_len, sms)[0]
-                    md = plan.md["k"]
-                    assert S == md.max_splits == plan.split["k"][0], (name, H, b, max_len)
-                    assert md.combine == api.combine_shape(b, H, 64, S, sms)
+                    assert plan.split["k"][0] == S and plan.md["k"].combine == api.combine_shape(b, H, 64, S, sms)
                     seen.add(S > 1)
     assert seen == {True, False}

@@ -8,7 +8,8 @@
 #                 config sweep; extra arguments after `--` go to bench-kernel   -> kernels/decode_h200.json
 # serving-shapes  the decode kernel at the serving job's shapes (16 heads)      -> kernels/decode_serving_shapes_h200.json
 # schedule-long   one layer's decode (decode + combine) at the tight long job's decode batches (4, 7 and 13 of 20480
-#                 tokens, 16 heads): FP8, INT4/INT4, INT2/INT4, every tiling at 1 and 2 CTAs an SM
+#                 tokens, 16 heads): FP8, INT4/INT4, INT2/INT4, every tiling at 1 and 2 CTAs an SM, each split as
+#                 get_mla_metadata cuts it (an eager call's; a graph bucket deals its units by length)
 #                                                                -> decode_schedule/long_decode_batches_h200.json
 # tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
 # phases          the default 16-row plan without its tile build, score products or output products (times only):
@@ -54,7 +55,8 @@
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
 #
-# Files go under $OUT/kernels/ (default OUT=/tmp/out), named as in lab/results/kernels/.
+# Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
+# lab/results/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"

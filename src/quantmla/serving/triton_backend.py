@@ -177,7 +177,7 @@ class TritonPagedBackend(AttentionBackend):
         self.graph_safe = self.device.type == "cuda"
         self.decode_config = decode_config
         self.graph_units = graph_units
-        self._graph_combine: dict[tuple[int, int], dict] = {}
+        self._graph_combine: dict[tuple[tuple[int, ...], int], dict] = {}
 
     def write(self, slot, latent, k_rope, slot_mapping, stage_rows=None):
         stage = self.rope_stage.get(slot)

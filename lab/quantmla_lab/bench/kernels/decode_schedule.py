@@ -81,6 +81,7 @@ def main(argv=None) -> int:
                     res["best"].append(dict(method=m, heads=heads, batch=B, context=L, best=best["describe"],
                                             best_us=best["us"], default_us=dflt))
                     print(f"== best {m} H{heads} {B}x{L}: {best['describe']} {best['us']:.1f} us (default {dflt} us)", flush=True)
+                save(res, a.out)  # after every shape: a run cut short keeps what it timed
                 del cache
                 torch.cuda.empty_cache()
     save(res, a.out)

@@ -10,11 +10,13 @@ seed) goes through ``serving.scheduler.Scheduler`` with the run's pages, page si
 the steps, their chunks and the decode rows riding in them are the engine's. A step with no prompt tokens costs the
 run's median decode step at its batch (``step_log.decode_by_batch``; a line through those medians for batches the
 run did not have). A prefilling step costs max(host, GPU): host the run's median launch time of prefilling steps
-with decode rows (or without), GPU = k x (``TOKEN_US`` a prompt token + ``PAIR_NS`` a causal (query, key) pair
-+ ``CONTEXT_US`` a context token read back and up-projected), the constants from the prefill profile of the
-``long`` shape (``docs/prefill.md``: dense and elementwise parts 6.9 us a token, attention 97.1 ms for the 134M
-pairs of a 16384-token prompt, ``kv_b_proj`` of the context about 0.16 us a token). k makes the run's own chunk
-budget reproduce its measured prefilling seconds, so the model is exact there and says how the rest moves.
+with decode rows (a floor for every prefilling step), GPU = k x (a prompt token's dense, elementwise and append time
++ a causal (query, key) pair's attention time + a context token's ``kv_b_proj`` time). Those three come from the
+prefill profile of the ``long`` shape (``--profile``, ``step_profile --phase prefill``: 4 prompts of 20480 tokens
+in 16384-token chunks), whose steps the same scheduler replays to count their tokens, pairs and context tokens; the
+context's share of the dense time is its share of the dense FLOPs. k makes the run's own chunk budget reproduce its
+measured prefilling seconds, so the model is exact there and says how the rest moves; a run whose prefilling steps
+the host floors alone account for leaves k undetermined and is refused.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ import numpy as np
 from quantmla.serving.scheduler import Request, SamplingParams, Scheduler, Sequence
 from quantmla_lab.bench.common import parse_fresh, record, save
 
-TOKEN_US = (94.2 + 18.6 + 0.9) * 1e3 / 16384  # dense, elementwise and append parts of a prefill step, a token
-PAIR_NS = 97.1e6 / (16384 * 16385 // 2)  # the prefill attention of a 16384-token prompt, a causal pair
-CONTEXT_US = 0.16  # kv_b_proj (d_c 512 -> 16 heads x 256) of a context token at about 700 TFLOP/s, 27 layers
+PROFILE = "lab/results/prefill/rates_long_h200.json"
 
 
 def job_lengths(settings: dict) -> list[tuple[int, int]]:
@@ -43,7 +43,7 @@ def job_lengths(settings: dict) -> list[tuple[int, int]]:
 
 def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, watermark: float) -> list[dict]:
     """The scheduler's steps for the job: per step its prompt tokens, causal pairs, context tokens read back and
-    decode rows."""
+    decode rows (items of one token, as the engine takes them)."""
     sched = Scheduler(pages, page_size, max_seqs, chunk, watermark)
     for i, (p, o) in enumerate(lengths):
         sched.add(Sequence(Request(i, [3] * p, SamplingParams(max_new_tokens=o, ignore_eos=True)), i, set()))
@@ -54,7 +54,7 @@ def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, water
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
         tokens = pairs = context = rows = 0
         for it in plan.items:
-            if it.n == 1 and it.start >= it.seq.prompt_len:
+            if it.n == 1:
                 rows += 1
                 continue
             tokens += it.n
@@ -74,23 +74,43 @@ def decode_cost(by_batch: dict) -> callable:
     return lambda rows: 1e-3 * med.get(rows, icpt + slope * rows)
 
 
-def prefill_gpu_s(step: dict) -> float:
-    return 1e-6 * (TOKEN_US * step["tokens"] + 1e-3 * PAIR_NS * step["pairs"] + CONTEXT_US * step["context"])
+def step_costs(profile: dict, method: str, model: dict) -> dict:
+    """GPU seconds a prompt token, a causal pair and a context token, from the prefill profile's parts for `method`
+    (else its BF16 run) over the profile's own steps, replayed; `model`: the serve-bench run's geometry."""
+    prof = profile["methods"].get(method) or profile["methods"]["bf16"]
+    parts, flops = prof["parts"], prof["prefill"]
+    steps = replay([(profile["prompt"], 1)] * profile["batch"], 1 << 20, 64, profile["max_num_batched_tokens"], 256,
+                   0.0)[: profile["steps"]]
+    mean = {k: float(np.mean([st[k] for st in steps])) for k in ("tokens", "pairs", "context")}
+    layers, heads = model["layers"], model["heads"]
+    ctx_flop = 2 * model["d_c"] * heads * (model["d_nope"] + model["d_v"]) * layers * mean["context"]
+    dense_s = 1e-6 * parts["projections and MLP"]["us_per_step"]
+    ctx_s = dense_s * ctx_flop / (1e12 * flops["dense_TFLOP_per_step"])
+    token_s = dense_s - ctx_s + 1e-6 * (parts["other"]["us_per_step"] + parts["cache append"]["us_per_step"])
+    return {"token_s": token_s / mean["tokens"], "pair_s": 1e-6 * parts["attention"]["us_per_step"] / mean["pairs"],
+            "context_s": ctx_s / mean["context"], "profile_steps": steps}
 
 
-def model(run: dict, settings: dict, chunks: list[int]) -> dict:
-    """One method's run -> its modelled wall, prefilling and decode seconds at each chunk budget."""
+def prefill_gpu_s(step: dict, c: dict) -> float:
+    return c["token_s"] * step["tokens"] + c["pair_s"] * step["pairs"] + c["context_s"] * step["context"]
+
+
+def model(run: dict, settings: dict, chunks: list[int], costs: dict) -> dict:
+    """One method's run -> its modelled wall, prefilling and decode seconds at each chunk budget; `costs`:
+    :func:`step_costs`."""
     log = run["step_log"]
     pre = log["prefill_steps"]
-    host = {r: float(np.median([s["launch_ms"] for s in pre if (s["decode_rows"] > 0) == r] or [0.0])) * 1e-3
-            for r in (False, True)}
+    launches = [s["launch_ms"] for s in pre if s["decode_rows"] > 0] or [s["launch_ms"] for s in pre]
+    if not launches:
+        raise ValueError(f"{run['method']}: the run's step log has no prefilling step")
+    host = 1e-3 * float(np.median(launches))
     dec = decode_cost(log["decode_by_batch"])
     lengths = job_lengths(settings)
     args = (run["pages"], settings["page_size"])
     rest = dict(max_seqs=settings["max_num_seqs"], watermark=settings["watermark"])
 
     def price(steps, k):
-        mixed = sum(max(host[s["rows"] > 0], k * prefill_gpu_s(s)) for s in steps if s["tokens"])
+        mixed = sum(max(host, k * prefill_gpu_s(s, costs)) for s in steps if s["tokens"])
         decode = sum(dec(s["rows"]) for s in steps if not s["tokens"])
         return mixed, decode
 
@@ -99,10 +119,11 @@ def model(run: dict, settings: dict, chunks: list[int]) -> dict:
     for _ in range(80):
         k = (lo * hi) ** 0.5
         lo, hi = (k, hi) if price(own, k)[0] < run["mixed_s"] else (lo, k)
-    if abs(price(own, k)[0] - run["mixed_s"]) > 0.01 * run["mixed_s"]:
-        raise ValueError(f"{run['method']}: no GPU factor reproduces the run's {run['mixed_s']:.2f} prefilling "
-                         f"seconds (its host floors alone give {price(own, 0.0)[0]:.2f})")
-    out = {"k": k, "measured": {"wall_s": run["wall_s"], "mixed_s": run["mixed_s"],
+    floor = price(own, 0.0)[0]
+    if floor >= 0.98 * run["mixed_s"] or abs(price(own, k)[0] - run["mixed_s"]) > 0.01 * run["mixed_s"]:
+        raise ValueError(f"{run['method']}: no GPU factor is determined by the run's {run['mixed_s']:.2f} prefilling "
+                         f"seconds (its host floors alone give {floor:.2f})")
+    out = {"k": k, "host_floor_ms": 1e3 * host, "measured": {"wall_s": run["wall_s"], "mixed_s": run["mixed_s"],
                                 "decode_s": run["graph_decode_s"] + run["eager_decode_s"]}, "chunks": {}}
     for c in chunks:
         steps = own if c == settings["max_num_batched_tokens"] else replay(lengths, *args, c, **rest)
@@ -121,6 +142,7 @@ def main(argv=None) -> int:
                    help="a serve-bench result with step logs (one budget)")
     p.add_argument("--methods", nargs="+", default=["fp8", "int4/int4"])
     p.add_argument("--chunks", nargs="+", type=int, default=[4096, 8192, 16384])
+    p.add_argument("--profile", default=PROFILE, help="a prefill profile (step_profile --phase prefill)")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     with open(a.job) as f:
@@ -130,9 +152,13 @@ def main(argv=None) -> int:
     if missing:
         raise SystemExit(f"{a.job} has no run with a step log for {', '.join(missing)}; it has "
                          f"{', '.join(r['method'] for r in res['runs'])}")
-    out = record(source=a.job, source_commit=res.get("commit"), note="a model on measured figures, not a measurement",
-                 constants={"TOKEN_US": TOKEN_US, "PAIR_NS": PAIR_NS, "CONTEXT_US": CONTEXT_US},
-                 methods={m: model(r, res["settings"], a.chunks) for m, r in runs.items()})
+    with open(a.profile) as f:
+        profile = json.load(f)
+    costs = {m: step_costs(profile, m, res["model"]) for m in runs}
+    out = record(source=a.job, source_commit=res.get("commit"), profile=a.profile, profile_commit=profile.get("commit"),
+                 note="a model on measured figures, not a measurement",
+                 costs={m: {k: v for k, v in c.items()} for m, c in costs.items()},
+                 methods={m: model(r, res["settings"], a.chunks, costs[m]) for m, r in runs.items()})
     for c in a.chunks:
         line = "  ".join(f"{m} {v['chunks'][str(c)]['wall_s']:.2f} s (mixed {v['chunks'][str(c)]['mixed_s']:.2f}, "
                          f"riding rows {v['chunks'][str(c)]['rows_riding']})" for m, v in out["methods"].items())
