@@ -50,7 +50,8 @@ def test_profile_costs_add_back_to_its_steps():
     for m in ("bf16", "int4/int4", "fp8"):  # fp8: the profile has none, so BF16's parts
         c = step_costs(prof, m, GEOMETRY)
         parts = (prof["methods"].get(m) or prof["methods"]["bf16"])["parts"]
-        want = 1e-6 * sum(parts[k]["us_per_step"] for k in ("projections and MLP", "other", "cache append", "attention"))
+        timed = ("projections and MLP", "other", "cache append", "attention")
+        want = 1e-6 * sum(parts[k]["us_per_step"] for k in timed)
         got = sum(prefill_gpu_s(s, c) for s in c["profile_steps"]) / len(c["profile_steps"])
         assert got == pytest.approx(want, rel=1e-9)
         assert len(c["profile_steps"]) == prof["steps"] and c["context_s"] < c["token_s"]
