@@ -87,3 +87,23 @@ def test_prefill_padding_counts_the_engines_buckets():
     assert r["steps"] == 3 and r["decode_steps"] == 2
     r = padding(job, 64, s, graph_max=256)
     assert (r["graph_chunks"], r["padding_tokens"], r["eager_chunk_tokens"]) == (0, 0, 300)
+
+
+def test_ctas_per_sm_reaches_the_engines_decode_tiling(tmp_path, monkeypatch):
+    """--ctas-per-sm N gives the engine a decode_config: the API's default tiling with N programs an SM."""
+    from quantmla.cache.layout import PageLayout, TokenLayout, preset
+    from quantmla.kernels.api import default_config
+
+    seen = []
+    real = step_grid.Engine
+    monkeypatch.setattr(step_grid, "Engine", lambda model, cfg: seen.append(cfg.decode_config) or real(model, cfg))
+    out = tmp_path / "grid.json"
+    step_grid.main(["--preset", "tiny", "--device", "cpu", "--content-group", "32", "--rope-group", "16",
+                    "--methods", "int4/int4", "--batches", "1", "--contexts", "32", "--warm", "2", "--steps", "1",
+                    "--ctas-per-sm", "2", "--out", str(out)])  # the CPU's default tiling has 1
+    assert json.loads(out.read_text())["ctas_per_sm"] == 2
+    (tiling,) = seen
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    got, want = tiling(16, lay, "cpu"), default_config(16, lay, "cpu")
+    assert want.ctas_per_sm == 1 and got.ctas_per_sm == 2 and got.block_n == want.block_n and got.kernel == want.kernel
+    assert step_grid.decode_tiling(None) is None

@@ -65,6 +65,8 @@
 # long-chunks     the tight long job (FP8, INT4/INT4) with 4096- and 8192-token chunk budgets, one process each, against
 #                 tight-long's 16384: decode rows ride along more, shorter prefilling steps
 #                 -> serving/long_1.26gib_chunks_{4096,8192}_h200.json (long-chunks-4096, long-chunks-8192: one call each)
+# step-grid-ctas  graph decode steps at the tight long job's batches (4, 7, 13 of 20480 tokens), FP8 and INT4/INT4, with
+#                 the decode schedule at 1 and at 2 programs an SM      -> profile/step_grid_long_ctas{1,2}_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
@@ -294,6 +296,15 @@ long-chunks-8192() {
 long-chunks() {
   long-chunks-4096
   long-chunks-8192
+}
+
+step-grid-ctas() {
+  local k
+  for k in 1 2; do
+    timeout 270 python3 -m quantmla_lab.bench.serving.step_grid --cuda-graphs --batches 4 7 13 --contexts 20480 \
+      --methods fp8 int4/int4 --warm 12 --ctas-per-sm "$k" --top 20 --max-seconds 200 \
+      --out "$OUT/profile/step_grid_long_ctas${k}_h200.json" 2>&1 | quiet 10
+  done
 }
 
 step-grid-full() {

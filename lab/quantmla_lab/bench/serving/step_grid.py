@@ -176,7 +176,8 @@ def profile_point(model, method: str, batch: int, context: int, a, copy_gbps: fl
         cfg = EngineConfig(quant=q, num_pages=pages, page_size=ps, max_num_seqs=batch, max_num_batched_tokens=batch,
                            watermark=0.0, backend=a.backend, cuda_graphs=a.cuda_graphs, max_model_len=tokens + 1,
                            fused_rope=not a.no_fused_rope, merged_projections=not a.no_merged_projections,
-                           overlap_steps=not a.no_overlap, graph_units=a.graph_units)
+                           overlap_steps=not a.no_overlap, graph_units=a.graph_units,
+                           decode_config=decode_tiling(a.ctas_per_sm))
         e = Engine(model, cfg)
         pt["rope"], pt["projections"] = e.rope, e.projections
         if a.cuda_graphs and not e.use_graphs:
@@ -265,6 +266,7 @@ def run_grid(a) -> dict:
            "content_group": a.content_group, "rope_group": a.rope_group, "page_size": a.page_size,
            "warm_steps": a.warm, "steps": a.steps, "weights_resident_bytes": resident,
            "cuda_graphs": a.cuda_graphs, "overlap_steps": not a.no_overlap, "graph_units": a.graph_units,
+           "ctas_per_sm": a.ctas_per_sm,
            "how": ("CUDA-graph replays of" if a.cuda_graphs else "eager") + " full-batch decode steps; prompts of "
                   "`context` tokens with cached_prefix = context - 1 over a "
                   "pool of random N(0, 1) records (no prefill); parts per step from torch.profiler; host = wall - GPU",
@@ -359,6 +361,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-units", default="length", choices=("length", "rows"),
                    help="how a decode graph bucket deals its work units out (EngineConfig.graph_units)")
     p.add_argument("--backend", default=None, help="attention backend (default: auto on CUDA, torch on the CPU)")
+    p.add_argument("--ctas-per-sm", type=int, default=None, choices=(1, 2),
+                   help="the decode schedule's programs an SM (the API's default tiling otherwise; "
+                        "EngineConfig.decode_config)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="device memory the points must fit (default: the device's)")
     p.add_argument("--headroom-gib", type=float, default=4.0, help="memory left beside weights and cache (activations)")
@@ -367,6 +372,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None)
     p.add_argument("--from-json", default=None, help="print the table of a saved result and exit")
     return p
+
+
+def decode_tiling(ctas_per_sm: int | None):
+    """EngineConfig.decode_config for --ctas-per-sm: the API's default tiling with that many programs an SM (None: the
+    default itself)."""
+    if ctas_per_sm is None:
+        return None
+    from dataclasses import replace
+
+    from quantmla.kernels.api import default_config
+
+    return lambda rows, layout, device: replace(default_config(rows, layout, device), ctas_per_sm=ctas_per_sm)
 
 
 def main(argv=None) -> int:
