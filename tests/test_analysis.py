@@ -242,7 +242,6 @@ def test_analyze_command_errors(tmp_path, capsys):
 def test_analyze_default_output_and_unwritable_output(tmp_path, monkeypatch, capsys):
     """The default output is out/analysis/<model>, outside the tracked results/; an unwritable --out is
     reported before the model is loaded."""
-    import quantmla.evaluation.harness as H
     from quantmla.cli import main
 
     model_dir, heldout = _checkpoint(tmp_path)
@@ -255,7 +254,7 @@ def test_analyze_default_output_and_unwritable_output(tmp_path, monkeypatch, cap
     def no_work(*a, **k):
         raise AssertionError("weights were loaded before the output was checked")
 
-    monkeypatch.setattr(H, "load_model", no_work)
+    monkeypatch.setattr("quantmla.model.load.load_model", no_work)
     (tmp_path / "a-file").write_text("")
     assert main(args + ["--out", str(tmp_path / "a-file" / "sub")]) == 2
     assert "cannot write into" in capsys.readouterr().err

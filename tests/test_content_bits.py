@@ -7,7 +7,8 @@ import torch
 
 from quantmla.calibration.bits import allocate_content_bits, content_sensitivity
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.harness import RowSpec, named_config, prepare
+from quantmla.evaluation.configs import named_config
+from quantmla.evaluation.harness import RowSpec, prepare
 from quantmla.model.spec import load_spec
 from quantmla.model.tiny import tiny_model
 from quantmla.quant import PathFormat
@@ -150,10 +151,9 @@ def test_a_high_group_that_does_not_divide_d_c_fails_before_the_error_model(monk
 
 def test_eval_refuses_a_high_group_that_does_not_divide_d_c_before_loading(tmp_path, capsys, monkeypatch):
     from quantmla.cli import main
-    from quantmla.evaluation import harness
     from quantmla.corpus.datasets import models_root
 
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr("quantmla.model.load.load_model", lambda *a, **k: pytest.fail("weights were read"))
     out = tmp_path / "out"
     rc = main(["eval", str(models_root() / "qmla-ref-deepseek-v3"), "--rows", "MIX2.5@g256/INT4:quantmla-rope-channel",
                "--groups", "32/16", "--out", str(out)])

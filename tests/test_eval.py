@@ -435,12 +435,11 @@ def test_eval_output_rules(checkpoint, tmp_path, monkeypatch, capsys):
     jpath = tmp_path / "out" / "eval" / "accuracy.json"
     first = jpath.read_text()
     assert len(json.loads(first)["rows"]) == 2
-    import quantmla.evaluation.harness as H
 
     def no_work(*a, **k):
         raise AssertionError("weights were loaded before the output was checked")
 
-    monkeypatch.setattr(H, "load_model", no_work)
+    monkeypatch.setattr("quantmla.model.load.load_model", no_work)
     assert main(base + ["--ppl-chunks", "1"]) == 2
     err = capsys.readouterr().err
     assert "ppl_chunks 2 (the file) vs 1 (this run)" in err and "--overwrite" in err
@@ -458,13 +457,12 @@ def test_eval_output_rules(checkpoint, tmp_path, monkeypatch, capsys):
 def test_eval_refuses_bad_sizes_up_front(checkpoint, tmp_path, monkeypatch, capsys):
     """Zero chunks, lengths beyond the model's positions or without samples, and an unwritable output are
     refused before the model is loaded (they used to write a 0.0 bits/byte row or an empty retrieval)."""
-    import quantmla.evaluation.harness as H
     from quantmla.cli import main
 
     def no_work(*a, **k):
         raise AssertionError("weights were loaded before the arguments were checked")
 
-    monkeypatch.setattr(H, "load_model", no_work)
+    monkeypatch.setattr("quantmla.model.load.load_model", no_work)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "INT4/INT4",

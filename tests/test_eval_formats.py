@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantmla.evaluation.harness import RowSpec, named_config
+from quantmla.evaluation.configs import named_config
+from quantmla.evaluation.harness import RowSpec
 from quantmla.evaluation.line_recall import make_line_samples
 from quantmla.model.tiny import tiny_model
 

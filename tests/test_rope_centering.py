@@ -85,7 +85,8 @@ def test_centring_lowers_the_rope_objective_and_is_the_context_mean_key():
     """On the shipped deepseek-v3-like reference: the held-out RoPE objective never ends above plain
     RTN's, and the slots with large common RoPE-key components get an offset."""
     from quantmla.corpus.datasets import DEFAULT_MODEL, model_path
-    from quantmla.evaluation.harness import load_eval_data, load_model
+    from quantmla.evaluation.harness import load_eval_data
+    from quantmla.model.load import load_model
 
     path = model_path(DEFAULT_MODEL)
     if not path.exists():

@@ -157,9 +157,8 @@ def test_eval_rtn_on_a_calibrated_checkpoint_reads_through_its_offsets(ckpts, tm
 def test_eval_refuses_kivi_on_a_calibrated_checkpoint(ckpts, tmp_path, capsys, monkeypatch):
     """KIVI stores RoPE keys its own way: on a calibrated checkpoint it would drop the offsets, so eval refuses
     before reading the weights."""
-    from quantmla.evaluation import harness
 
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("eval read the weights first"))
+    monkeypatch.setattr("quantmla.model.load.load_model", lambda *a, **k: pytest.fail("eval read the weights first"))
     rc, out, err = run_cli(capsys, "eval", ckpts / "cal", "--config", "INT4/INT4", "--method", "kivi", "--content-group",
                            "32", "--rope-group", "16", "--out", tmp_path / "res")
     assert_clean_error(rc, err, "eval", "KIVI baseline", "without the checkpoint's RoPE offsets", "original checkpoint")
@@ -246,11 +245,10 @@ LOADERS = {"load_quantized": _load_quantized, "Engine.from_pretrained": _engine,
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("case", BROKEN)
 def test_every_loader_refuses_a_broken_quantization_config(case, loader, ckpts, tmp_path, capsys, monkeypatch):
-    from quantmla.evaluation import harness
 
     edit, needle = BROKEN[case]
     path = copy_ckpt(ckpts / "cal", tmp_path / "ckpt", edit_qc=edit)
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("the CLI read the weights first"))
+    monkeypatch.setattr("quantmla.model.load.load_model", lambda *a, **k: pytest.fail("the CLI read the weights first"))
     with pytest.raises(QuantMLAError, match=needle):
         LOADERS[loader](path, capsys, tmp_path)
 
@@ -302,9 +300,8 @@ def test_spec_of_an_mla_config_without_kv_lora_rank(ckpts, tmp_path, capsys):
 
 
 def test_serve_refuses_a_prompt_past_the_models_positions(ckpts, tmp_path, capsys, monkeypatch):
-    from quantmla.evaluation import harness
 
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("serve loaded the weights first"))
+    monkeypatch.setattr("quantmla.model.load.load_model", lambda *a, **k: pytest.fail("serve loaded the weights first"))
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_ids": [5, 6]}\n{"id": "long", "prompt_ids": ' + json.dumps([5] * 510) + "}\n")
     rc, out, err = run_cli(capsys, "serve", ckpts / "mla", "--prompts", f, "--device", "cpu", "--max-new-tokens", "4")
@@ -373,9 +370,8 @@ def _not_writable(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("command", ["serve", "analyze", "serve-bench", "bench-kernel", "train-reference"])
 def test_unwritable_output_refused_before_the_work(command, ckpts, tmp_path, capsys, monkeypatch):
-    from quantmla.evaluation import harness
 
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("the weights were read first"))
+    monkeypatch.setattr("quantmla.model.load.load_model", lambda *a, **k: pytest.fail("the weights were read first"))
     bad = _not_writable(tmp_path)
     (tmp_path / "p.txt").write_text("def f(x):\n")
     argv = {"serve": [ckpts / "mla", "--prompts", tmp_path / "p.txt", "--device", "cpu", "--out", bad],

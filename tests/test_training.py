@@ -146,7 +146,8 @@ class CountingCache:
 
 
 def test_bits_per_byte_matches_manual(tokenizer):
-    from quantmla.evaluation.perplexity import bits_per_byte, token_chunks
+    from quantmla.corpus.chunks import token_chunks
+    from quantmla.evaluation.perplexity import bits_per_byte
 
     model = _tiny_model(vocab=len(tokenizer))
     texts = ["import os\nprint(os.getcwd())\n" * 20, "def g(a, b):\n    return a + b\n" * 20]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from quantmla import jsonfile
 
 
 def record(**fields) -> dict:
@@ -33,10 +34,11 @@ def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def save(res: dict, path: str | None) -> None:
-    """Write ``res`` as indented JSON to ``path`` (nothing when path is None)."""
+    """Write ``res`` to ``path`` as strict JSON (:func:`quantmla.jsonfile.write`; objects JSON cannot hold as their
+    ``str``), making its folder; nothing when path is None."""
     if path:
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        jsonfile.write(path, res, default=str)
 
 
 def short_job_parser(doc: str) -> argparse.ArgumentParser:

@@ -37,7 +37,8 @@ def slice_figures(model_dir: str | Path, heldout: str | Path, *, seq_len: int = 
     import transformers
 
     from quantmla.corpus.datasets import load_retrieval, load_texts
-    from quantmla.evaluation.perplexity import bits_per_byte, token_chunks
+    from quantmla.corpus.chunks import token_chunks
+    from quantmla.evaluation.perplexity import bits_per_byte
     from quantmla.evaluation.retrieval import retrieval_accuracy
 
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)

@@ -8,7 +8,6 @@ RoPE amplification factor. Writes <out>/analysis.json, <out>/summary.md and four
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -89,13 +88,13 @@ def check_formats(spec, args) -> None:
 
 def run(args) -> int:
     from quantmla.analysis.plots import plot_all
-    from quantmla.analysis.run import analyze_model, json_clean
+    from quantmla.analysis.run import analyze_model
+    from quantmla import jsonfile
     from quantmla.checks import check_output_dir
     from quantmla.errors import QuantMLAError
     from quantmla.corpus import datasets as DS
-    from quantmla.evaluation.command import resolve_model
-    from quantmla.evaluation.harness import check_model_dir, load_model
-    from quantmla.evaluation.perplexity import token_chunks
+    from quantmla.model.load import check_model_dir, load_model, resolve_model
+    from quantmla.corpus.chunks import token_chunks
 
     path = resolve_model(args.model)
     check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
@@ -115,8 +114,7 @@ def run(args) -> int:
     result["model"] = name
     result["settings"]["heldout"] = f"{args.kind} ({root.name})"
     result["seconds"] = round(time.time() - t0, 1)
-    with open(os.path.join(out, "analysis.json"), "w") as f:
-        json.dump(json_clean(result), f, indent=1)
+    jsonfile.write(os.path.join(out, "analysis.json"), result)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary_markdown(result, name))
     files = [] if args.no_plots else plot_all(result, out, title=name)

@@ -78,10 +78,6 @@ def collect_layer_tensors(model: torch.nn.Module, input_ids: torch.Tensor, layer
     return out
 
 
-def _finite(x: float) -> float | None:
-    return None if (x is None or (isinstance(x, float) and not math.isfinite(x))) else x
-
-
 def analyze_layer(batches: list[LayerTensors], pair_index, bits: Iterable[int], content_group: int, rope_group: int,
                   paths: Iterable[str] = PATHS, pair_bits: int = 4) -> dict:
     """All measurements of one layer (see DEFINITIONS)."""
@@ -220,14 +216,3 @@ def summarize(per_layer: list[dict], bits) -> dict:
         "note": "‖Δo¹ − Δo‖/‖Δo‖ at the highest bit width, worst layer and path: the first-order model's error",
     }
     return out
-
-
-def json_clean(x):
-    """NaN/Inf -> None, recursively (strict JSON)."""
-    if isinstance(x, dict):
-        return {k: json_clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_clean(v) for v in x]
-    if isinstance(x, float):
-        return _finite(x)
-    return x

@@ -9,12 +9,12 @@ formats other than the checkpoint's raises :class:`QuantMLAError`.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from quantmla import jsonfile
 from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
 from quantmla.errors import NotMLAError, QuantMLAError
 
@@ -47,7 +47,7 @@ def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dt
         tokenizer.save_pretrained(str(out))
     if report is not None:
         d = report.to_dict() if hasattr(report, "to_dict") else dict(report)
-        (out / REPORT_FILE).write_text(json.dumps(d, indent=1))
+        jsonfile.write(out / REPORT_FILE, d)
     return out
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from quantmla.corpus.chunks import token_chunks
 from quantmla.errors import QuantMLAError
 
 
@@ -48,24 +49,16 @@ def default_documents(max_bytes: int = 400_000) -> list[str]:
 
 
 def token_rows(tokenizer, docs: list[str], seq_len: int, max_rows: int | None = None) -> torch.Tensor:
-    """Documents joined with EOS into one token stream, cut into rows of seq_len tokens."""
+    """``LongTensor [n, seq_len]``, 2 <= n <= max_rows: the documents joined with EOS into one token stream and cut
+    into rows (:func:`quantmla.corpus.chunks.token_chunks`), or a clear error where the text is too short."""
     if seq_len < 2:
         raise QuantMLAError(f"calibration sequence length must be >= 2, got {seq_len}")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    stream: list[int] = []
-    for i, d in enumerate(docs):
-        if i and eos is not None:
-            stream.append(eos)
-        stream.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
-        if max_rows is not None and len(stream) >= max_rows * seq_len:
-            break
-    n = len(stream) // seq_len
-    if max_rows is not None:
-        n = min(n, max_rows)
-    if n < 2:
-        raise QuantMLAError(f"calibration text gives {len(stream)} tokens, fewer than 2 rows of {seq_len}: "
+    rows = token_chunks(tokenizer, docs, seq_len, max_rows)
+    if rows.shape[1] != seq_len or rows.shape[0] < 2:
+        full = rows.shape[0] if rows.shape[1] == seq_len else 0
+        raise QuantMLAError(f"calibration text gives {full} full row(s) of {seq_len} tokens, fewer than 2: "
                             "give more text or a shorter --seq-len")
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return rows
 
 
 def load_calibration_ids(tokenizer, source: str, seq_len: int, rows: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from quantmla import jsonfile
 from quantmla.calibration.arguments import add_arguments as calibrate_arguments
 from quantmla.calibration.arguments import calibration_ids, preflight
 
@@ -105,8 +106,7 @@ def run_streamed(args) -> int:
     else:
         report = calibrate_streamed(args.model, args.out, ids, quant, device=args.device, progress=_printer(quiet), **opts)
     if args.stream_report:
-        with open(args.stream_report, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+        jsonfile.write(args.stream_report, report.to_dict())
     if getattr(args, "json", False):
         d = report.to_dict()
         d["seconds_wall"] = time.perf_counter() - t0

@@ -93,14 +93,6 @@ def add_arguments(p):
                    help="with --from-json: rewrite the generated accuracy summary block of this README")
 
 
-def resolve_model(name: str) -> str:
-    if os.path.isdir(name) or os.sep in name or name.startswith("."):
-        return name
-    from quantmla.corpus.datasets import models_root
-
-    return str(models_root() / name)
-
-
 def _log(msg: str) -> None:
     print(f"[eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -173,7 +165,8 @@ def check_rope_block(tokens: int) -> int:
 def _rows(args, add, rows):
     """rows_for's rows before the content clip (see there)."""
     from quantmla.errors import QuantMLAError
-    from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows, named_config
+    from quantmla.evaluation.configs import named_config
+    from quantmla.evaluation.harness import ROPE_CHANNEL, RowSpec, default_rows
 
     from quantmla.cli import CLIError
 
@@ -354,8 +347,8 @@ def run(args) -> int:
     from quantmla.evaluation import claims, table
     from quantmla.corpus.datasets import REFERENCE_MODELS, models_root
     from quantmla.cache.layout import DEFAULT_PAGE_SIZE
-    from quantmla.evaluation.harness import (CALIBRATED, ROPE_CHANNEL, check_model_dir, evaluate_row, load_eval_data,
-                                             load_model)
+    from quantmla.evaluation.harness import CALIBRATED, ROPE_CHANNEL, evaluate_row, load_eval_data
+    from quantmla.model.load import check_model_dir, load_model, resolve_model
 
     if args.from_json:
         return from_json(args)

@@ -33,8 +33,6 @@ layout); a preset added there runs in every grid under its name. The configurati
 from __future__ import annotations
 
 import copy
-import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -47,7 +45,7 @@ from quantmla.cache.kivi import KIVICache, KIVIFormat, KIVILayout
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE, CacheFormat
 from quantmla.cache.rope_channel import RopeChannelCache, RopeChannelFormat, RopeChannelLayout
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.configs import PRESETS, CacheConfig, int_config, mix_config, named_config  # noqa: F401
+from quantmla.evaluation.configs import CacheConfig, named_config
 from quantmla.corpus.calibration_text import calibration_texts
 from quantmla.corpus.datasets import RETRIEVAL_LENGTHS
 from quantmla.model.spec import MLASpec, load_spec
@@ -193,37 +191,7 @@ def default_rows(content_group: int = 64, rope_group: int = 32, quick: bool = Fa
     return rows
 
 
-# -- models and data -----------------------------------------------------------------------------------
-
-
-def check_model_dir(path: str) -> MLASpec:
-    """The spec of a checkpoint directory, or a clear error (missing path, no config, not MLA)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (train one with `quantmla train-reference` "
-                                "or pass a checkpoint directory)")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path!r} is a file; pass the checkpoint directory that holds config.json")
-    spec = load_spec(path)  # FileNotFoundError without config.json, NotMLAError for non-MLA models
-    spec.require_latent_cache()
-    return spec
-
-
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) from a checkpoint directory, fp32 compute, eval mode."""
-    check_model_dir(path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as e:
-        raise QuantMLAError(f"{path}: cannot load the weights ({e}); the checkpoint directory must hold them "
-                            "(model.safetensors or its shards) next to config.json") from None
-    model = model.to(device).eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise QuantMLAError(f"{path}: no usable tokenizer ({e}); the checkpoint directory must hold its tokenizer files") from None
-    return model, tok
+# -- data -------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -249,7 +217,7 @@ def load_eval_data(tokenizer, *, heldout_root: str | None = None, seq_len: int =
     held-out code), and `calib_n` calibration rows of `calib_len` tokens from training text.
     Raises QuantMLAError when the held-out set cannot give what is asked (never a smaller set)."""
     from quantmla.corpus import datasets as DS
-    from quantmla.evaluation.perplexity import token_chunks
+    from quantmla.corpus.chunks import token_chunks
 
     root = DS.heldout_root(heldout_root)
     if not (root / f"{kind}.jsonl").exists():
@@ -442,13 +410,3 @@ def _summarize_report(report) -> dict:
     if layers:
         out["layers"] = layers
     return out
-
-
-def finite(x):
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [finite(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from quantmla.corpus.chunks import token_chunks
 from quantmla.evaluation.tokens import token_byte_lengths
 
 _BYTE_LENGTHS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -47,25 +48,6 @@ def _byte_lengths(tokenizer) -> torch.Tensor:
     except TypeError:  # a tokenizer without weak references is not cached
         pass
     return lengths
-
-
-def token_chunks(tokenizer, texts: Sequence[str], seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
-    """``LongTensor [n, seq_len]``: the documents' token stream (EOS between documents) cut
-    into consecutive chunks; a last partial chunk is dropped unless it is the only one."""
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for i, t in enumerate(texts):
-        if i and eos is not None:
-            stream.append(eos)
-        stream.extend(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"])
-        if max_chunks is not None and len(stream) >= max_chunks * seq_len:
-            break
-    n = len(stream) // seq_len
-    if n == 0:
-        return torch.tensor([stream], dtype=torch.long)
-    if max_chunks is not None:
-        n = min(n, max_chunks)
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
 def _as_chunks(tokenizer, data, seq_len: int, max_chunks: int | None) -> list[torch.Tensor]:

@@ -22,7 +22,8 @@ import json
 import os
 
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.harness import EVAL_MODE, METHODS, finite
+from quantmla import jsonfile
+from quantmla.evaluation.harness import EVAL_MODE, METHODS
 from quantmla.evaluation.intervals import paired_difference, wilson
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
@@ -300,7 +301,7 @@ def write(rows: list[dict], out_dir: str, base: list[dict] | None = None, claim_
     os.makedirs(out_dir, exist_ok=True)
     jpath, mpath = os.path.join(out_dir, "accuracy.json"), os.path.join(out_dir, "accuracy.md")
     doc = {"eval_mode": EVAL_MODE, "data": data, "rows": allrows}
-    for path, text in ((jpath, json.dumps(finite(doc), indent=1)), (mpath, markdown(allrows, claim_lines))):
+    for path, text in ((jpath, jsonfile.dumps(jsonfile.strict(doc)) + "\n"), (mpath, markdown(allrows, claim_lines))):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)

@@ -100,7 +100,7 @@ def run(args) -> int:
     from quantmla.checks import check_device, check_output_file, check_positive
     from quantmla.cli import CLIError
     from quantmla.errors import QuantMLAError
-    from quantmla.evaluation.harness import check_model_dir, load_model
+    from quantmla.model.load import check_model_dir, load_model
     from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
     from quantmla.serving.scheduler import Request, SamplingParams
 

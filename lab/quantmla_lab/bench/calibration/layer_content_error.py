@@ -16,7 +16,8 @@ import torch
 
 from quantmla.calibration.capture import capture_calibration_data
 from quantmla.calibration.objectives import OutputDistortion, content_dequant, rope_logits
-from quantmla.evaluation.harness import load_eval_data, load_model
+from quantmla.evaluation.harness import load_eval_data
+from quantmla.model.load import load_model
 from quantmla.model.spec import load_spec
 from quantmla.quant import PathFormat
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import sys
 
 import torch
@@ -21,9 +20,11 @@ import torch
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache
 from quantmla.calibration import calibrate
-from quantmla.evaluation.harness import load_eval_data, load_model
+from quantmla.evaluation.harness import load_eval_data
+from quantmla.model.load import load_model
 from quantmla.evaluation.perplexity import bits_per_byte
 from quantmla.evaluation.retrieval import retrieval_accuracy
+from quantmla_lab.bench.common import save
 
 
 def main(argv=None) -> int:
@@ -60,10 +61,9 @@ def main(argv=None) -> int:
         rows.append({"variant": name, "bits_per_byte": bpb, "retrieval": ret, "calibration": q.describe()})
         print(f"{name:<26} bpb {bpb:.4f} ({100 * (bpb / base - 1):+.2f} %)  " + "  ".join(f"{L}: {100 * v:.0f} %" for L, v in ret.items()), flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"model": a.model, "device": "cpu", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                       "command": " ".join(["python"] + sys.argv), "chunks": a.chunks, "retrieval_n": a.retrieval_n,
-                       "bf16_bits_per_byte": base, "rows": rows}, f, indent=1)
+        save({"model": a.model, "device": "cpu", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "command": " ".join(["python"] + sys.argv), "chunks": a.chunks, "retrieval_n": a.retrieval_n,
+              "bf16_bits_per_byte": base, "rows": rows}, a.out)
     return 0
 
 

@@ -12,7 +12,8 @@ import sys
 import torch
 
 from quantmla.calibration.capture import capture_calibration_data
-from quantmla.evaluation.harness import load_eval_data, load_model
+from quantmla.evaluation.harness import load_eval_data
+from quantmla.model.load import load_model
 from quantmla.model.spec import load_spec
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import sys
@@ -27,8 +26,11 @@ import torch
 from quantmla.cache.hf_cache import QuantMLACache
 from quantmla.calibration import calibrate
 from quantmla.corpus.datasets import REFERENCE_MODELS, model_path
-from quantmla.evaluation.harness import bf16_cache, load_eval_data, load_model, named_config
+from quantmla.evaluation.configs import named_config
+from quantmla.evaluation.harness import bf16_cache, load_eval_data
+from quantmla.model.load import load_model
 from quantmla.evaluation.perplexity import bits_per_byte
+from quantmla_lab.bench.common import save
 
 
 def _without_offsets(model, quant):
@@ -83,8 +85,7 @@ def main(argv=None) -> int:
            "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
            "date": datetime.date.today().isoformat(), "chunks": a.chunks, "calib_rows": a.calib_n, "rows": rows}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        save(doc, a.out)
     return 0
 
 

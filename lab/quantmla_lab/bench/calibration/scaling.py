@@ -61,6 +61,7 @@ from quantmla_lab.bench.calibration.scaling_model import (
     rope_keys,
     step_work,
 )
+from quantmla_lab.bench.common import save
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "results")  # lab/results
 
@@ -359,8 +360,7 @@ def main(argv=None) -> int:
         pred = {"content_fit_s": m["content_s_per_step_mac"] * steps * step_work(p),
                 "rope_fit_s": m["rope_s_per_key"] * rope_keys(p), "capture_s": m["capture_s_per_mac"] * capture_work(p)}
         res["dsv3_attention_point"] = {**p, "runs": [r], "predicted": pred, "step_mac": step_work(p)}
-        with open(args.dsv3_point, "w") as f:
-            json.dump(res, f, indent=1)
+        save(res, args.dsv3_point)
         print(json.dumps({k: v for k, v in r.items() if k != "layers"}, indent=1), json.dumps(pred, indent=1))
         return 0
     if args.reproject:  # refit the cost model and the projection of an existing results file
@@ -373,8 +373,7 @@ def main(argv=None) -> int:
             res["projection_dsv3_measured"] = project_measured(res["dsv3_point"], rates)
         res["assumed_h200_rates"] = ASSUMED
         res["dsv3_geometry"] = DSV3
-        with open(args.reproject, "w") as f:
-            json.dump(res, f, indent=1)
+        save(res, args.reproject)
         print(json.dumps({k: res[k] for k in ("cost_model", "projection_dsv3", "projection_dsv3_measured") if k in res}, indent=1))
         return 0
 
@@ -403,9 +402,8 @@ def main(argv=None) -> int:
     def remaining() -> float | None:
         return None if args.time_limit is None else args.time_limit - (time.perf_counter() - t_start)
 
-    def save(path):
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+    def save_to(path):
+        save(res, path)
 
     def run(p: dict, n_steps: int):
         left = remaining()
@@ -428,7 +426,7 @@ def main(argv=None) -> int:
         print(f"warm-up ({code or 'ok'}) {res['warmup_s']:.1f}s", flush=True)
         if code != 0:
             res["error"] = f"warm-up point failed: {code}"
-            save(out)
+            save_to(out)
             print(f"wrote {out}: {res['error']}")
             return 1
 
@@ -460,7 +458,7 @@ def main(argv=None) -> int:
         else:
             walls.append(wall)
             res["points"].append(entry)
-        save(out + ".partial")
+        save_to(out + ".partial")
 
     machine["load_average_end"] = os.getloadavg()
     if res["points"]:
@@ -468,7 +466,7 @@ def main(argv=None) -> int:
         res["projection_dsv3"] = {name: project(res["cost_model"], n, sl)
                                   for name, (n, sl) in {"16x512": (16, 512), "64x1024": (64, 1024)}.items()}
     res["wall_s"] = time.perf_counter() - t_start
-    save(out)
+    save_to(out)
     if os.path.exists(out + ".partial"):
         os.remove(out + ".partial")
     print(markdown(res))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import time
 
 import torch
@@ -32,6 +31,7 @@ from quantmla.calibration.capture import capture_calibration_data
 from quantmla.calibration.rope import closed_forms
 from quantmla.model.spec import load_spec
 from quantmla.transforms import LayerTransform, RopeTransform, fuse_transforms
+from quantmla_lab.bench.common import save
 
 
 def _bpb(model, tok, chunks, seq_len, quant, batch_size):
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from quantmla.evaluation.harness import load_eval_data, load_model
+    from quantmla.evaluation.harness import load_eval_data
+    from quantmla.model.load import load_model
 
     model, tok = load_model(args.model, dtype=torch.float32)
     model.to(args.device).eval()
@@ -149,8 +150,7 @@ def main(argv=None) -> int:
             out = {"model": args.model, "device": args.device, "seq_len": args.seq_len, "chunks": len(chunks),
                    "calib": list(calib.shape), "steps": args.steps,
                    "cache_formats": {k: v.describe() for k, v in cfgs.items()}, "seed": args.seed, "rows": rows}
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            save(out, args.out)
     return 0
 
 

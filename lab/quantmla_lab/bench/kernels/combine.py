@@ -13,7 +13,6 @@ contexts).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from quantmla.kernels import schedule
 from quantmla.kernels.decode import _mla_combine_kernel
 from quantmla_lab.bench.kernels import decode_speed
+from quantmla_lab.bench.common import save
 
 SHAPES = ((1, 264), (1, 128), (8, 33), (8, 16), (32, 8), (64, 4))
 
@@ -65,8 +65,7 @@ def main() -> None:
         diff = float((outs["api"] - outs["two_pass"]).abs().max())
         res["rows"][-1]["max_abs_diff_vs_api"] = diff
         assert diff < 1e-4, f"the two combines disagree by {diff} at {B} x {S}"
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, a.out)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def run(args) -> int:
     from quantmla.checks import check_output_file
     from quantmla.errors import QuantMLAError
     from quantmla_lab.bench.kernels.decode_speed import run_bench
-    from quantmla_lab.bench.kernels.decode_speed_report import goals, plot, save
+    from quantmla_lab.bench.common import save
+    from quantmla_lab.bench.kernels.decode_speed_report import goals, plot
 
     if Path(args.out).exists() and not args.overwrite:
         raise QuantMLAError(f"--out {args.out} already exists; pass --overwrite to replace it, or choose another path")

@@ -13,7 +13,6 @@ decode kernel's time against tokens per unit separates the fixed cost from the c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -22,6 +21,7 @@ import torch
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.kernels import api
 from quantmla_lab.bench.kernels import decode_speed
+from quantmla_lab.bench.common import save
 
 
 def kernel_times(fn, calls: int) -> dict[str, float]:
@@ -96,8 +96,7 @@ def main() -> None:
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                commit=decode_speed.source_commit(), command="python -m quantmla_lab.bench.kernels.decode_breakdown "
                f"--formats {a.formats} --shapes {a.shapes} --heads {a.heads}", rows=rows, fits=fits)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, a.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import sys
 
 import torch
@@ -21,6 +20,7 @@ from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
 from quantmla.kernels import api, cuda, schedule
 from quantmla_lab.bench.kernels import decode_speed as bench
+from quantmla_lab.bench.common import save
 
 
 TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per tile); the first is the default
@@ -130,8 +130,7 @@ def main() -> None:
                                     "plan": plan.describe() if plan else None,
                                     "macros": dict(plan.macros) if plan else None, **kw})
                 print(f"{name:10s} {B}x{L:<7d} {vname:22s} {us or float('nan'):8.1f} us  {kw}", flush=True)
-                with open(a.out, "w") as f:  # every row as it comes: a later failure keeps the rows before it
-                    json.dump(res, f, indent=1)
+                save(res, a.out)  # every row as it comes: a later failure keeps the rows before it
 
             def time_call(md) -> tuple[float, float]:
                 """One decode call through the public API (schedule, decode and combine) over md's units, into a
@@ -328,8 +327,7 @@ def main() -> None:
                     md3 = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=dataclasses.replace(cfg, ctas_per_sm=3,
                                                                                                   num_stages=p3.stages))
                     row("tokens_m_c3_decode", time_decode(p3, md3), p3, decode_only=True, units=md3.num_units)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, a.out)
 
 
 if __name__ == "__main__":

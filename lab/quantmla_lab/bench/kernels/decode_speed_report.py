@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from quantmla.cache.layout import PRESETS as METHODS
@@ -70,8 +69,3 @@ def plot(res: dict, path: str | Path) -> Path:
     plt.close(fig)
     return out
 
-
-def save(res: dict, path: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(res, indent=1, default=str))

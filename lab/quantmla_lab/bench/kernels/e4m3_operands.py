@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from quantmla_lab.bench.common import parse_fresh
+from quantmla_lab.bench.common import parse_fresh, save
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 E4M3_MAX = 448.0
@@ -186,8 +184,7 @@ def main() -> None:
                        **{m: sorted(v)[len(v) // 2] for m, v in errs.items()}}
                 res["rows"].append(row)
                 print(" ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    save(res, a.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
-from quantmla_lab.bench.common import parse_fresh
+from quantmla_lab.bench.common import parse_fresh, save
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 SOURCE = Path(__file__).with_name("e4m3_scores.cu")
@@ -98,8 +98,7 @@ def main() -> None:
                 r["layout_ok"] = r["finite"] and r["vs_same_terms_fp64"] < 1e-5
                 res["rows"].append(r)
                 print(json.dumps(r), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    save(res, a.out)
     if not all(r["layout_ok"] for r in res["rows"]):
         sys.exit("an operand layout is wrong: the kernel's scores differ from the fp64 products of the same terms")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import re
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 
 from quantmla.kernels.cuda import build, driver
 from quantmla_lab.bench.kernels.decode_speed import source_commit
+from quantmla_lab.bench.common import save
 
 SOURCE = Path(__file__).with_name("mma_rate.cu")
 # per warp (mma.sync: two a chain step) / per warpgroup (wgmma)
@@ -96,8 +96,7 @@ def main() -> None:
                          "ctas_per_sm": cps, "warps_per_sm": 4 * cps, "s": t, "tflops": flop / t / 1e12}
                     res["rows"].append(r)
                     print(f"{r['mode']:23s} chains {chains} warps/SM {4 * cps:2d}: {r['tflops']:7.1f} TFLOP/s", flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    save(res, a.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import json
 import sys
 
 from quantmla_lab.bench.serving.throughput_report import representative_runs
+from quantmla_lab.bench.common import save
 
 
 def breakdown(result: dict) -> list[dict]:
@@ -88,9 +89,9 @@ def main(argv=None) -> int:
     for r in steps:
         print(f"{r['budget_gib']:>7g}G {r['method']:>10} {r['decode_ms_per_step']:>15.2f} {r['prefill_ms_per_step']:>16.1f}")
     if a.out:
-        json.dump({"source": a.result, "source_device": result.get("device"), "source_date": result.get("date"),
-                   "source_commit": result.get("commit"), "command": " ".join(["python3"] + sys.argv),
-                   "rows": rows, "per_step": steps}, open(a.out, "w"), indent=1)
+        save({"source": a.result, "source_device": result.get("device"), "source_date": result.get("date"),
+              "source_commit": result.get("commit"), "command": " ".join(["python3"] + sys.argv),
+              "rows": rows, "per_step": steps}, a.out)
     return 0
 
 

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import timeit
-from pathlib import Path
 
 import numpy as np
 
 from quantmla.serving.config import EngineConfig
 from quantmla.serving.triton_backend import bucket_schedule
-from quantmla_lab.bench.common import parse_fresh
+from quantmla_lab.bench.common import parse_fresh, save
 from quantmla_lab.bench.kernels.decode_speed import source_commit
 
 JOBS = {"long": ((16384, 24576), (1024, 1536)), "longest": ((61440, 65536), (1024, 1024)), "uniform 16K": ((16384, 16384), (0, 0))}
@@ -81,8 +79,7 @@ def main() -> None:
             print(f"{job:<12} {b:>5} {bucket:>6} {row['rows_tiles']:>11.0f} {row['length_tiles']:>13.0f} "
                   f"{row['ratio']:>6.2f} {row['rows_busy']:>9.2f} {row['length_busy']:>11.2f} {row['rows_host_us']:>12.1f} "
                   f"{row['length_host_us']:>6.1f}", flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    save(res, a.out)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ import os
 import sys
 import time
 
+from quantmla_lab.bench.common import save
 from quantmla_lab.bench.serving.throughput import (
     JOBS,
     PRESETS,
     BenchSettings,
     job_budgets_gib,
     run_bench,
-    save,
 )
 from quantmla_lab.bench.serving.throughput_report import format_table
 

@@ -28,6 +28,7 @@ import numpy as np
 from quantmla.serving.scheduler import Scheduler, Sequence
 from quantmla_lab.bench.serving.throughput import BenchSettings, make_job
 from quantmla_lab.bench.serving.throughput_report import representative_runs
+from quantmla_lab.bench.common import save
 
 GIB = 1 << 30
 
@@ -151,8 +152,7 @@ def main(argv=None) -> int:
                "source_device": res.get("device"), "replay_mismatches": mismatches, "step_model": model,
                "reproduction": repro, "projections": proj,
                "note": "projection from a step-time model fitted on the source's measured runs; not a measurement"}
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        save(out, a.out)
     return 0
 
 

@@ -12,7 +12,6 @@ with random weights and dense MLPs (the MoE routing of random weights says nothi
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import sys
@@ -362,10 +361,6 @@ def graph_benefit(engines: dict, vocab: int, log=print, sizes=(8, 64), prompt: i
     return rows
 
 
-def save(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
 
 
 def _source_commit() -> str | None:

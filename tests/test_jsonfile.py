@@ -1,0 +1,37 @@
+"""Result files: strict JSON, the same document back, lists of scalars on one line."""
+
+import json
+import math
+
+import pytest
+
+from quantmla import jsonfile
+
+
+def test_dumps_gives_the_same_document_back_with_scalar_lists_on_one_line():
+    doc = {"rows": [{"per_sample": [True, False, True], "ms": [1.5, 2, None], "name": "é"}, {}],
+           "empty": [], "nested": [[1, 2], [3]], "n": 3, "s": "a\nb"}
+    text = jsonfile.dumps(doc)
+    assert json.loads(text) == doc
+    assert '"per_sample": [true, false, true]' in text and '"ms": [1.5, 2, null]' in text
+    small = {"a": [1, "x"], "b": [[1, 2], {"c": []}]}
+    assert jsonfile.dumps(small) == '{\n "a": [1, "x"],\n "b": [\n  [1, 2],\n  {\n   "c": []\n  }\n ]\n}'
+
+
+def test_strict_replaces_non_finite_floats_and_write_refuses_nothing(tmp_path):
+    doc = {"a": [1.0, math.nan, math.inf], "b": (-math.inf, 2), "c": {"d": math.nan}}
+    path = tmp_path / "r.json"
+    jsonfile.write(path, doc)
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text and text.endswith("}\n")
+    assert json.loads(text) == {"a": [1.0, None, None], "b": [None, 2], "c": {"d": None}}
+
+
+def test_default_serializes_what_json_cannot_and_unknown_objects_fail_without_it():
+    class Thing:
+        def __str__(self):
+            return "thing"
+
+    assert json.loads(jsonfile.dumps({"x": Thing(), "y": [Thing()]}, default=str)) == {"x": "thing", "y": ["thing"]}
+    with pytest.raises(TypeError):
+        jsonfile.dumps({"x": Thing()})
