@@ -41,12 +41,18 @@ def job_lengths(settings: dict) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(p, o)]
 
 
-def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, watermark: float) -> list[dict]:
+def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, watermark: float,
+           stats: dict | None = None) -> list[dict]:
     """The scheduler's steps for the job: per step its prompt tokens, causal pairs, context tokens read back and
-    decode rows (items of one token, as the engine takes them)."""
+    decode rows (items of one token, as the engine takes them). `stats`, where given, receives the scheduler's
+    counters (``SchedulerStats``: preemptions, recomputed tokens, peak running sequences). A job with a request that
+    `pages` can never hold is refused."""
     sched = Scheduler(pages, page_size, max_seqs, chunk, watermark)
     for i, (p, o) in enumerate(lengths):
         sched.add(Sequence(Request(i, [3] * p, SamplingParams(max_new_tokens=o, ignore_eos=True)), i, set()))
+    if sched.stats.failed:
+        raise ValueError(f"{sched.stats.failed} of the job's requests can never fit {pages} pages of {page_size} "
+                         f"tokens: {sched.finished[0].error}")
     steps = []
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -62,6 +68,8 @@ def replay(lengths, pages: int, page_size: int, chunk: int, max_seqs: int, water
             context += it.start + it.n
         steps.append({"tokens": tokens, "pairs": pairs, "context": context, "rows": rows})
         sched.commit(plan, [5 if it.sample else None for it in plan.items])
+    if stats is not None:
+        stats.update(sched.stats.to_dict())
     return steps
 
 
@@ -95,39 +103,51 @@ def prefill_gpu_s(step: dict, c: dict) -> float:
     return c["token_s"] * step["tokens"] + c["pair_s"] * step["pairs"] + c["context_s"] * step["context"]
 
 
+class Prices:
+    """A method's step prices, fitted to its measured run (``run``: one serve-bench run with a step log): a decode
+    step of b rows at the run's median for b (:func:`decode_cost`), a prefilling step at max(host, k x its GPU cost)
+    with host the run's median launch time of prefilling steps with decode rows and k the factor that makes the run's
+    own steps (replayed at its own budgets) cost its measured prefilling seconds."""
+
+    def __init__(self, run: dict, settings: dict, costs: dict):
+        pre = run["step_log"]["prefill_steps"]
+        launches = [s["launch_ms"] for s in pre if s["decode_rows"] > 0] or [s["launch_ms"] for s in pre]
+        if not launches:
+            raise ValueError(f"{run['method']}: the run's step log has no prefilling step")
+        self.host, self.costs = 1e-3 * float(np.median(launches)), costs
+        self.dec = decode_cost(run["step_log"]["decode_by_batch"])
+        self.measured_batches = max(int(b) for b in run["step_log"]["decode_by_batch"])
+        self.own = replay(job_lengths(settings), run["pages"], settings["page_size"], settings["max_num_batched_tokens"],
+                          settings["max_num_seqs"], settings["watermark"])
+        lo, hi = 1e-3, 1e4  # k: the run's own chunk budget gives its measured prefilling seconds
+        for _ in range(80):
+            self.k = (lo * hi) ** 0.5
+            lo, hi = (self.k, hi) if self.price(self.own)[0] < run["mixed_s"] else (lo, self.k)
+        floor = self.price(self.own, 0.0)[0]
+        if floor >= 0.98 * run["mixed_s"] or abs(self.price(self.own)[0] - run["mixed_s"]) > 0.01 * run["mixed_s"]:
+            raise ValueError(f"{run['method']}: no GPU factor is determined by the run's {run['mixed_s']:.2f} "
+                             f"prefilling seconds (its host floors alone give {floor:.2f})")
+
+    def price(self, steps: list[dict], k: float | None = None) -> tuple[float, float]:
+        """(prefilling seconds, decode seconds) of replayed steps."""
+        k = self.k if k is None else k
+        mixed = sum(max(self.host, k * prefill_gpu_s(s, self.costs)) for s in steps if s["tokens"])
+        decode = sum(self.dec(s["rows"]) for s in steps if not s["tokens"])
+        return mixed, decode
+
+
 def model(run: dict, settings: dict, chunks: list[int], costs: dict) -> dict:
     """One method's run -> its modelled wall, prefilling and decode seconds at each chunk budget; `costs`:
     :func:`step_costs`."""
-    log = run["step_log"]
-    pre = log["prefill_steps"]
-    launches = [s["launch_ms"] for s in pre if s["decode_rows"] > 0] or [s["launch_ms"] for s in pre]
-    if not launches:
-        raise ValueError(f"{run['method']}: the run's step log has no prefilling step")
-    host = 1e-3 * float(np.median(launches))
-    dec = decode_cost(log["decode_by_batch"])
+    pr = Prices(run, settings, costs)
     lengths = job_lengths(settings)
     args = (run["pages"], settings["page_size"])
     rest = dict(max_seqs=settings["max_num_seqs"], watermark=settings["watermark"])
-
-    def price(steps, k):
-        mixed = sum(max(host, k * prefill_gpu_s(s, costs)) for s in steps if s["tokens"])
-        decode = sum(dec(s["rows"]) for s in steps if not s["tokens"])
-        return mixed, decode
-
-    own = replay(lengths, *args, settings["max_num_batched_tokens"], **rest)
-    lo, hi = 1e-3, 1e4  # k: the run's own chunk budget gives its measured prefilling seconds
-    for _ in range(80):
-        k = (lo * hi) ** 0.5
-        lo, hi = (k, hi) if price(own, k)[0] < run["mixed_s"] else (lo, k)
-    floor = price(own, 0.0)[0]
-    if floor >= 0.98 * run["mixed_s"] or abs(price(own, k)[0] - run["mixed_s"]) > 0.01 * run["mixed_s"]:
-        raise ValueError(f"{run['method']}: no GPU factor is determined by the run's {run['mixed_s']:.2f} prefilling "
-                         f"seconds (its host floors alone give {floor:.2f})")
-    out = {"k": k, "host_floor_ms": 1e3 * host, "measured": {"wall_s": run["wall_s"], "mixed_s": run["mixed_s"],
+    out = {"k": pr.k, "host_floor_ms": 1e3 * pr.host, "measured": {"wall_s": run["wall_s"], "mixed_s": run["mixed_s"],
                                 "decode_s": run["graph_decode_s"] + run["eager_decode_s"]}, "chunks": {}}
     for c in chunks:
-        steps = own if c == settings["max_num_batched_tokens"] else replay(lengths, *args, c, **rest)
-        mixed, decode = price(steps, k)
+        steps = pr.own if c == settings["max_num_batched_tokens"] else replay(lengths, *args, c, **rest)
+        mixed, decode = pr.price(steps)
         out["chunks"][str(c)] = {"prefilling_steps": sum(1 for s in steps if s["tokens"]),
                                  "decode_steps": sum(1 for s in steps if not s["tokens"]),
                                  "rows_riding": sum(s["rows"] for s in steps if s["tokens"]),

@@ -1,0 +1,139 @@
+"""What a serve-bench job would take at other KV budgets: the engine's scheduler replayed on the job with each
+format's page count at each budget, every step priced from a measured run of that format.
+
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.serving.budget_model \
+        --job lab/results/serving/long_1.26gib_warmup_h200.json --budgets-gib 0.8 1.0 1.26 1.6 2.0 \
+        --out lab/results/serving/budget_model_long.json
+
+A model on measured figures, not a measurement. A format's pages at a budget are the budget's bytes over a page's
+bytes in every layer (``Engine.set_budget``: ``cache.layout``'s page of the format, times the layers), checked
+against the run's own page count. Steps are priced as ``chunk_model.Prices`` prices them: a decode step at the run's
+median for its batch, a line through those medians beyond the run's largest batch (counted as ``extrapolated_steps``);
+a prefilling step at max(the run's host floor, k x the prefill profile's GPU cost of its tokens, causal pairs and
+context read back), k fitted to the run's own prefilling seconds. Preemption by recompute is the scheduler's own, so a
+budget that holds fewer requests pays their prompts again. The model leaves out what does not follow the steps: the
+job-shaped warm-up and compiles. At the run's own budget it gives the run's step counts; its wall seconds there are
+saved beside the measured ones, and ``--compare`` puts runs of the same job at other budgets beside the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from quantmla.cache.layout import PageLayout, TokenLayout, preset
+from quantmla_lab.bench.common import parse_fresh, record, save
+from quantmla_lab.bench.serving.chunk_model import PROFILE, Prices, job_lengths, replay, step_costs
+
+GIB = 1 << 30
+
+
+def page_bytes(method: str, model: dict, settings: dict) -> int:
+    """Bytes of one page of `method`'s cache over all layers (the serve-bench model's geometry)."""
+    fmt = preset(method)
+    lay = PageLayout(TokenLayout(model["d_c"], model["d_r"], fmt), settings["page_size"])
+    return lay.page_bytes * model["layers"]
+
+
+def at_budget(pr: Prices, run: dict, settings: dict, budget_gib: float, pbytes: int) -> dict:
+    """One format's modelled job at one budget."""
+    pages = int(budget_gib * GIB) // pbytes
+    stats: dict = {}
+    steps = replay(job_lengths(settings), pages, settings["page_size"], settings["max_num_batched_tokens"],
+                   settings["max_num_seqs"], settings["watermark"], stats=stats)
+    mixed, decode = pr.price(steps)
+    dec = [s["rows"] for s in steps if not s["tokens"]]
+    return {"pages": pages, "prefilling_steps": sum(1 for s in steps if s["tokens"]), "decode_steps": len(dec),
+            "mean_decode_batch": round(sum(dec) / max(1, len(dec)), 2), "peak_running": stats["peak_running"],
+            "preemptions": stats["preemptions"], "recomputed_tokens": stats["recomputed_tokens"],
+            "extrapolated_steps": sum(1 for r in dec if r > pr.measured_batches),
+            "mixed_s": round(mixed, 3), "decode_s": round(decode, 3), "wall_s": round(mixed + decode, 3)}
+
+
+KEYS = ("decode_steps", "preemptions", "peak_running", "wall_s", "mixed_s")
+
+
+def compare(out: dict, path: str, settings: dict) -> None:
+    """Put the measured figures of the serve-bench result at `path` beside the model's (``out["budgets"][b][m]
+    ["measured"]``), after checking that it ran the same job."""
+    with open(path) as f:
+        res = json.load(f)
+    job = ("seed", "requests", "prompt_min", "prompt_max", "output_min", "output_max", "page_size",
+           "max_num_batched_tokens", "max_num_seqs", "watermark")
+    diff = [k for k in job if res["settings"].get(k) != settings[k]]
+    if diff:
+        raise SystemExit(f"{path} ran another job than the model's source ({', '.join(diff)} differ)")
+    for run in res["runs"]:
+        if str(run["budget_gib"]) not in out["budgets"]:
+            raise SystemExit(f"{path} ran {run['budget_gib']} GiB, which is not among the modelled budgets")
+        row = out["budgets"][str(run["budget_gib"])].get(run["method"])
+        if row is None:  # a method the model leaves out
+            continue
+        got = {k: run[k] for k in KEYS}
+        got["prefilling_steps"] = run["steps"] - run["decode_steps"]
+        got["decode_s"] = round(run["graph_decode_s"] + run["eager_decode_s"], 3)
+        row.setdefault("measured", []).append({"source": path, "commit": res.get("commit"), **got})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", default="lab/results/serving/long_1.26gib_warmup_h200.json",
+                   help="a serve-bench result with step logs (one budget)")
+    p.add_argument("--methods", nargs="+", default=None, help="default: every method of the result with a step log")
+    p.add_argument("--budgets-gib", nargs="+", type=float, required=True)
+    p.add_argument("--profile", default=PROFILE, help="a prefill profile (step_profile --phase prefill)")
+    p.add_argument("--compare", nargs="*", default=[], metavar="RESULT",
+                   help="serve-bench results of the same job at other budgets: their measured steps, preemptions and "
+                        "seconds are saved beside the model's at the same budget (which must be among --budgets-gib)")
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    with open(a.job) as f:
+        res = json.load(f)
+    settings, geometry = res["settings"], res["model"]
+    if len(settings["budgets_gib"]) != 1:
+        raise SystemExit(f"{a.job} ran budgets {settings['budgets_gib']}; give a result of one budget")
+    runs = {r["method"]: r for r in res["runs"] if "step_log" in r}
+    methods = a.methods or list(runs)
+    missing = [m for m in methods if m not in runs]
+    if missing:
+        raise SystemExit(f"{a.job} has no run with a step log for {', '.join(missing)}; it has "
+                         f"{', '.join(r['method'] for r in res['runs'])}")
+    with open(a.profile) as f:
+        profile = json.load(f)
+    own = settings["budgets_gib"][0]
+    out = record(source=a.job, source_commit=res.get("commit"), profile=a.profile, profile_commit=profile.get("commit"),
+                 note="a model on measured figures, not a measurement", methods={}, budgets={})
+    for m in methods:
+        pbytes = page_bytes(m, geometry, settings)
+        if int(own * GIB) // pbytes != runs[m]["pages"]:
+            raise SystemExit(f"{m}: {own} GiB gives {int(own * GIB) // pbytes} pages of {pbytes} bytes, the run had "
+                             f"{runs[m]['pages']}: the page size of this format is not the run's")
+        pr = Prices(runs[m], settings, step_costs(profile, m, geometry))
+        out["methods"][m] = {"k": pr.k, "host_floor_ms": 1e3 * pr.host, "page_bytes": pbytes,
+                             "measured_batches": pr.measured_batches, "measured_wall_s": runs[m]["wall_s"],
+                             "modelled_wall_s_at_own_budget": round(sum(pr.price(pr.own)), 3)}
+        for b in a.budgets_gib:
+            out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, runs[m], settings, b, pbytes)
+    for path in a.compare:
+        compare(out, path, settings)
+    for b, row in out["budgets"].items():
+        for base in ("bf16", "fp8"):
+            if base in row:
+                row[f"x_{base}"] = {m: round(row[base]["wall_s"] / v["wall_s"], 4) for m, v in row.items()
+                                    if m in methods and m != base}
+        for m, v in row.items():
+            for meas in v.get("measured", []) if m in methods else []:
+                print(f"{float(b):6.2f} GiB  {m}: measured {meas['wall_s']:.2f} s, {meas['decode_steps']} decode steps "
+                      f"(model {v['wall_s']:.2f} s, {v['decode_steps']}; {meas['source']})")
+        print(f"{float(b):6.2f} GiB  " + "  ".join(
+            f"{m} {v['wall_s']:7.2f} s (holds {v['peak_running']:2d}, steps {v['decode_steps']})"
+            for m, v in row.items() if m in methods))
+        for base in ("bf16", "fp8"):
+            if f"x_{base}" in row:
+                print(f"{'':12s}over {base}: " + "  ".join(f"{m} {x:.3f}" for m, x in row[f"x_{base}"].items()))
+    save(out, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""The KV-budget model on the CPU: each format's page count follows its layout, the replay at a measured run's own
+budget gives that run's step counts, preemptions and recomputed tokens exactly, a tighter budget preempts more, and
+budgets or results it cannot model are refused with the reason."""
+
+import json
+
+import pytest
+
+from quantmla_lab.bench.serving.budget_model import GIB, at_budget, main, page_bytes
+from quantmla_lab.bench.serving.chunk_model import PROFILE, Prices, step_costs
+
+RUN = "lab/results/serving/long_1.26gib_warmup_h200.json"
+
+
+@pytest.fixture(scope="module")
+def measured():
+    with open(RUN) as f, open(PROFILE) as g:
+        return json.load(f), json.load(g)
+
+
+def test_page_bytes_give_the_runs_pages(measured):
+    res, _ = measured
+    want = {"bf16": 1152, "fp8": 656, "int4/int4": 308, "int2/int4": 180}  # bytes a token and layer, d_c 512, d_r 64
+    for run in res["runs"]:
+        pb = page_bytes(run["method"], res["model"], res["settings"])
+        assert pb == want[run["method"]] * 64 * 27
+        assert int(res["settings"]["budgets_gib"][0] * GIB) // pb == run["pages"]
+
+
+@pytest.mark.parametrize("method", ["bf16", "int4/int4"])
+def test_the_runs_own_budget_gives_its_steps_and_preemptions(measured, method):
+    res, prof = measured
+    run = next(r for r in res["runs"] if r["method"] == method)
+    pr = Prices(run, res["settings"], step_costs(prof, method, res["model"]))
+    got = at_budget(pr, run, res["settings"], res["settings"]["budgets_gib"][0],
+                    page_bytes(method, res["model"], res["settings"]))
+    assert got["decode_steps"] == run["decode_steps"] and got["prefilling_steps"] == run["steps"] - run["decode_steps"]
+    assert (got["preemptions"], got["recomputed_tokens"], got["peak_running"]) == (
+        run["preemptions"], run["recomputed_tokens"], run["peak_running"])
+    assert got["extrapolated_steps"] == 0
+    assert got["wall_s"] == pytest.approx(run["wall_s"], rel=0.01)  # k fits the prefilling seconds; decode at medians
+    if method == "bf16":
+        assert run["preemptions"] > 0  # the check covers recompute
+
+
+def test_a_tighter_budget_holds_fewer_and_recomputes_more(measured):
+    res, prof = measured
+    run = next(r for r in res["runs"] if r["method"] == "bf16")
+    pr = Prices(run, res["settings"], step_costs(prof, "bf16", res["model"]))
+    pb = page_bytes("bf16", res["model"], res["settings"])
+    tight, loose = (at_budget(pr, run, res["settings"], b, pb) for b in (0.8, 2.0))
+    assert tight["peak_running"] < loose["peak_running"] and tight["decode_steps"] > loose["decode_steps"]
+    assert tight["wall_s"] > loose["wall_s"]
+    assert tight["extrapolated_steps"] == 0 < loose["extrapolated_steps"]  # batch 3: beyond the run's 1 and 2
+
+
+def test_a_budget_below_the_longest_request_is_refused(measured):
+    res, prof = measured
+    run = next(r for r in res["runs"] if r["method"] == "bf16")
+    pr = Prices(run, res["settings"], step_costs(prof, "bf16", res["model"]))
+    with pytest.raises(ValueError, match="can never fit 269 pages"):
+        at_budget(pr, run, res["settings"], 0.5, page_bytes("bf16", res["model"], res["settings"]))
+
+
+def test_results_it_cannot_model_are_refused(tmp_path, measured):
+    res, _ = measured
+    two = dict(res, settings=dict(res["settings"], budgets_gib=[1.26, 5.04]))
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(two))
+    with pytest.raises(SystemExit, match=r"ran budgets \[1.26, 5.04\]; give a result of one budget"):
+        main(["--job", str(path), "--budgets-gib", "1.0"])
+    wrong = dict(res, settings=dict(res["settings"], page_size=32))
+    path.write_text(json.dumps(wrong))
+    with pytest.raises(SystemExit, match="the page size of this format is not the run's"):
+        main(["--job", str(path), "--budgets-gib", "1.0", "--methods", "fp8"])
+    with pytest.raises(SystemExit, match="no run with a step log for int8"):
+        main(["--job", RUN, "--budgets-gib", "1.0", "--methods", "int8"])
+
+
+def test_compare_puts_measured_runs_beside_the_model_and_refuses_another_job(tmp_path):
+    """The run at 5.04 GiB (another budget, another process) has the model's decode steps, preemptions and peak
+    sequences exactly; a result of another job is refused."""
+    out = tmp_path / "m.json"
+    other = "lab/results/serving/long_5.04gib_warps_apart_h200.json"
+    assert main(["--job", RUN, "--budgets-gib", "5.04", "--methods", "bf16", "int4/int4", "--compare", other,
+                 "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["budgets"]["5.04"]
+    for m in ("bf16", "int4/int4"):
+        (meas,) = row[m]["measured"]
+        assert meas["source"] == other and meas["decode_steps"] == row[m]["decode_steps"]
+        assert (meas["preemptions"], meas["peak_running"]) == (row[m]["preemptions"], row[m]["peak_running"])
+    assert row["x_bf16"]["int4/int4"] == pytest.approx(row["bf16"]["wall_s"] / row["int4/int4"]["wall_s"], abs=1e-4)
+    with pytest.raises(SystemExit, match="ran another job than the model's source"):
+        main(["--job", RUN, "--budgets-gib", "14.95", "--compare",
+              "lab/results/serving/longest_14.95gib_overlap_h200.json"])
+    with pytest.raises(SystemExit, match="ran 5.04 GiB, which is not among the modelled budgets"):
+        main(["--job", RUN, "--budgets-gib", "1.0", "--compare", other])
