@@ -65,6 +65,11 @@
 # long-chunks     the tight long job (FP8, INT4/INT4) with 4096- and 8192-token chunk budgets, one process each, against
 #                 tight-long's 16384: decode rows ride along more, shorter prefilling steps
 #                 -> serving/long_1.26gib_chunks_{4096,8192}_h200.json (long-chunks-4096, long-chunks-8192: one call each)
+# long-budgets    the long job at two more budgets where BF16 holds 1 to 2 requests, four formats, one process (and one
+#                 device call) each: 0.98 and 1.14 GiB, where the budget model (budget_model.py,
+#                 serving/budget_model_long.json) puts INT4/INT4 over FP8 at its highest (2.00x) and lowest (1.72x) of
+#                 that band; checks the model's swing between budgets
+#                 -> serving/long_{0.98,1.14}gib_h200.json (long-0.98, long-1.14: one call each)
 # step-grid-ctas  graph decode steps at the tight long job's batches (4, 7, 13 of 20480 tokens), FP8 and INT4/INT4, with
 #                 the decode schedule at 1 and at 2 programs an SM      -> profile/step_grid_long_ctas{1,2}_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
@@ -296,6 +301,19 @@ long-chunks-8192() {
 long-chunks() {
   long-chunks-4096
   long-chunks-8192
+}
+
+long-at() {
+  timeout 560 python3 -m quantmla.cli serve-bench --job long --budgets-gib "$1" --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --out "$OUT/serving/long_${1}gib_h200.json" 2>&1 | quiet 8
+}
+
+long-0.98() { long-at 0.98; }
+long-1.14() { long-at 1.14; }
+
+long-budgets() {
+  long-0.98
+  long-1.14
 }
 
 step-grid-ctas() {
