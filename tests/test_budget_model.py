@@ -95,3 +95,17 @@ def test_compare_puts_measured_runs_beside_the_model_and_refuses_another_job(tmp
               "lab/results/serving/longest_14.95gib_overlap_h200.json"])
     with pytest.raises(SystemExit, match="ran 5.04 GiB, which is not among the modelled budgets"):
         main(["--job", RUN, "--budgets-gib", "1.0", "--compare", other])
+
+
+def test_prefill_scale_shortens_the_prefilling_steps_only(tmp_path):
+    runs = {}
+    for scale in ("1.0", "0.5"):
+        out = tmp_path / f"s{scale}.json"
+        assert main(["--job", RUN, "--budgets-gib", "1.26", "--methods", "int4/int4", "--prefill-scale", scale,
+                     "--out", str(out)]) == 0
+        runs[scale] = json.loads(out.read_text())
+    full, half = (runs[s]["budgets"]["1.26"]["int4/int4"] for s in ("1.0", "0.5"))
+    assert half["decode_s"] == full["decode_s"] and half["decode_steps"] == full["decode_steps"]
+    floor = runs["0.5"]["methods"]["int4/int4"]["host_floor_ms"] * 1e-3 * half["prefilling_steps"]
+    assert max(floor, 0.5 * full["mixed_s"]) <= half["mixed_s"] < 0.6 * full["mixed_s"]  # a few steps sit on the floor
+    assert runs["0.5"]["prefill_scale"] == 0.5

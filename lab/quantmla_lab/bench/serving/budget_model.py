@@ -14,6 +14,7 @@ context read back), k fitted to the run's own prefilling seconds. Preemption by 
 budget that holds fewer requests pays their prompts again. The model leaves out what does not follow the steps: the
 job-shaped warm-up and compiles. At the run's own budget it gives the run's step counts; its wall seconds there are
 saved beside the measured ones, and ``--compare`` puts runs of the same job at other budgets beside the model's.
+``--prefill-scale S`` asks what a prefill S times as long would give (every prefilling step's GPU time times S).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=None, help="default: every method of the result with a step log")
     p.add_argument("--budgets-gib", nargs="+", type=float, required=True)
     p.add_argument("--profile", default=PROFILE, help="a prefill profile (step_profile --phase prefill)")
+    p.add_argument("--prefill-scale", type=float, default=1.0, metavar="S",
+                   help="a what-if: every prefilling step's GPU time times S (its host floor unchanged), as a prefill "
+                        "S times as long would give")
     p.add_argument("--compare", nargs="*", default=[], metavar="RESULT",
                    help="serve-bench results of the same job at other budgets: their measured steps, preemptions and "
                         "seconds are saved beside the model's at the same budget (which must be among --budgets-gib)")
@@ -102,13 +106,15 @@ def main(argv=None) -> int:
         profile = json.load(f)
     own = settings["budgets_gib"][0]
     out = record(source=a.job, source_commit=res.get("commit"), profile=a.profile, profile_commit=profile.get("commit"),
-                 note="a model on measured figures, not a measurement", methods={}, budgets={})
+                 note="a model on measured figures, not a measurement", prefill_scale=a.prefill_scale, methods={},
+                 budgets={})
     for m in methods:
         pbytes = page_bytes(m, geometry, settings)
         if int(own * GIB) // pbytes != runs[m]["pages"]:
             raise SystemExit(f"{m}: {own} GiB gives {int(own * GIB) // pbytes} pages of {pbytes} bytes, the run had "
                              f"{runs[m]['pages']}: the page size of this format is not the run's")
         pr = Prices(runs[m], settings, step_costs(profile, m, geometry))
+        pr.k *= a.prefill_scale
         out["methods"][m] = {"k": pr.k, "host_floor_ms": 1e3 * pr.host, "page_bytes": pbytes,
                              "measured_batches": pr.measured_batches, "measured_wall_s": runs[m]["wall_s"],
                              "modelled_wall_s_at_own_budget": round(sum(pr.price(pr.own)), 3)}
