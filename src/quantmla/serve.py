@@ -1,4 +1,4 @@
-"""``quantmla.serve``: the offline serving engine, by the name the serving issue gives it.
+"""``quantmla.serve``: the offline serving engine's public names.
 
 The same objects as :mod:`quantmla.serving` (which also holds the scheduler, the attention backends
 and the cache-pressure benchmark); ``quantmla serve`` is its command line.
