@@ -9,7 +9,7 @@ from quantmla import jsonfile
 
 
 def test_dumps_gives_the_same_document_back_with_scalar_lists_on_one_line():
-    doc = {"rows": [{"per_sample": [True, False, True], "ms": [1.5, 2, None], "name": "é"}, {}],
+    doc = {"rows": [{"per_sample": [True, False, True], "ms": [1.5, 2, None], "name": "é\ud800"}, {}],
            "empty": [], "nested": [[1, 2], [3]], "n": 3, "s": "a\nb"}
     text = jsonfile.dumps(doc)
     assert json.loads(text) == doc
@@ -35,3 +35,26 @@ def test_default_serializes_what_json_cannot_and_unknown_objects_fail_without_it
     assert json.loads(jsonfile.dumps({"x": Thing(), "y": [Thing()]}, default=str)) == {"x": "thing", "y": ["thing"]}
     with pytest.raises(TypeError):
         jsonfile.dumps({"x": Thing()})
+
+
+def test_keys_are_written_as_json_dumps_writes_them():
+    doc = {True: 1, None: 2, 1.5: 3, 7: 4, "é": 5, "nan": {float("nan"): 6}}
+    assert json.loads(jsonfile.dumps(doc)) == json.loads(json.dumps(doc))
+    assert jsonfile.dumps({"é": 1}).isascii()
+    with pytest.raises(TypeError, match="not tuple"):
+        jsonfile.dumps({(1, 2): 3})
+
+
+def test_the_labs_save_writes_numpy_and_torch_scalars_as_numbers_and_refuses_other_objects(tmp_path):
+    import numpy as np
+    import torch
+
+    from quantmla_lab.bench.common import save
+
+    path = tmp_path / "sub" / "r.json"
+    save({"a": np.float32(1.5), "b": torch.tensor(2), "c": [np.int64(3)], "d": np.float64("nan")}, str(path))
+    assert json.loads(path.read_text()) == {"a": 1.5, "b": 2, "c": [3], "d": None}
+    with pytest.raises(TypeError, match="a ndarray is not JSON"):
+        save({"x": np.zeros(3)}, str(path))
+    save({"x": torch.float16}, str(path), default=str)
+    assert json.loads(path.read_text()) == {"x": "torch.float16"}

@@ -24,6 +24,16 @@ def strict(x):
     return x
 
 
+def _key(k) -> str:
+    """A dict key as ``json.dumps`` writes it: strings as they are, numbers, booleans and None by their JSON
+    spelling; any other key is refused."""
+    if isinstance(k, str):
+        return k
+    if k is None or isinstance(k, (bool, int, float)):
+        return json.dumps(k)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
+
+
 def _flat(x) -> bool:
     return isinstance(x, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in x)
 
@@ -31,15 +41,15 @@ def _flat(x) -> bool:
 def dumps(doc, indent: int = 1, *, default=None, _level: int = 0) -> str:
     """``doc`` as indented JSON with lists of scalars on one line; ``default`` as in ``json.dumps``."""
     if _flat(doc) or not isinstance(doc, (dict, list, tuple)) or not doc:
-        return json.dumps(doc, ensure_ascii=False, default=default)
+        return json.dumps(doc, default=default)
     pad, inner = " " * (indent * _level), " " * (indent * (_level + 1))
     sub = lambda v: dumps(v, indent, default=default, _level=_level + 1)  # noqa: E731
     if isinstance(doc, dict):
-        body = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {sub(v)}" for k, v in doc.items()]
+        body = [f"{inner}{json.dumps(_key(k))}: {sub(v)}" for k, v in doc.items()]
         return "{\n" + ",\n".join(body) + "\n" + pad + "}"
     return "[\n" + ",\n".join(inner + sub(v) for v in doc) + "\n" + pad + "]"
 
 
 def write(path: str | Path, doc, *, default=None) -> None:
     """Write ``dumps(strict(doc))`` and a newline to ``path``."""
-    Path(path).write_text(dumps(strict(doc), default=default) + "\n", encoding="utf-8")
+    Path(path).write_text(dumps(strict(doc), default=default) + "\n")

@@ -33,12 +33,19 @@ def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
-def save(res: dict, path: str | None) -> None:
-    """Write ``res`` to ``path`` as strict JSON (:func:`quantmla.jsonfile.write`; objects JSON cannot hold as their
-    ``str``), making its folder; nothing when path is None."""
+def plain(x):
+    """A numpy or one-element torch scalar as the Python number it holds; anything else JSON cannot hold is refused."""
+    if hasattr(x, "item") and getattr(x, "ndim", None) == 0 or isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.item()
+    raise TypeError(f"a {type(x).__name__} is not JSON")
+
+
+def save(res: dict, path: str | None, default=plain) -> None:
+    """Write ``res`` to ``path`` as strict JSON (:func:`quantmla.jsonfile.write`; ``default`` turns what JSON cannot
+    hold into what it can, as in ``json.dumps``), making its folder; nothing when path is None."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        jsonfile.write(path, res, default=str)
+        jsonfile.write(path, res, default=default)
 
 
 def short_job_parser(doc: str) -> argparse.ArgumentParser:

@@ -53,6 +53,8 @@ def token_rows(tokenizer, docs: list[str], seq_len: int, max_rows: int | None = 
     into rows (:func:`quantmla.corpus.chunks.token_chunks`), or a clear error where the text is too short."""
     if seq_len < 2:
         raise QuantMLAError(f"calibration sequence length must be >= 2, got {seq_len}")
+    if max_rows is not None and max_rows < 2:
+        raise QuantMLAError(f"calibration needs at least 2 rows of tokens, {max_rows} asked for")
     rows = token_chunks(tokenizer, docs, seq_len, max_rows)
     if rows.shape[1] != seq_len or rows.shape[0] < 2:
         full = rows.shape[0] if rows.shape[1] == seq_len else 0

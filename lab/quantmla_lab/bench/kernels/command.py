@@ -44,7 +44,7 @@ def run(args) -> int:
     check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
     res = run_bench(args)
     res["goals"] = goals(res)
-    save(res, args.out)
+    save(res, args.out, default=str)
     print(f"figure {plot(res, args.out)}")
     print("\ngoals:")
     for k, v in res["goals"].items():

@@ -6,8 +6,8 @@ format's page count at each budget, every step priced from a measured run of tha
         --out lab/results/serving/budget_model_long.json
 
 A model on measured figures, not a measurement. A format's pages at a budget are the budget's bytes over a page's
-bytes in every layer (``Engine.set_budget``: ``cache.layout``'s page of the format, times the layers), checked
-against the run's own page count. Steps are priced as ``chunk_model.Prices`` prices them: a decode step at the run's
+bytes in every layer (``Engine.set_budget``, with the page bytes the run's engine saved), checked against the run's
+own page count. Steps are priced as ``chunk_model.Prices`` prices them: a decode step at the run's
 median for its batch, a line through those medians beyond the run's largest batch (counted as ``extrapolated_steps``);
 a prefilling step at max(the run's host floor, k x the prefill profile's GPU cost of its tokens, causal pairs and
 context read back), k fitted to the run's own prefilling seconds. Preemption by recompute is the scheduler's own, so a
@@ -22,21 +22,26 @@ from __future__ import annotations
 import argparse
 import json
 
-from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.serving.chunk_model import PROFILE, Prices, job_lengths, replay, step_costs
 
 GIB = 1 << 30
 
 
-def page_bytes(method: str, model: dict, settings: dict) -> int:
-    """Bytes of one page of `method`'s cache over all layers (the serve-bench model's geometry)."""
-    fmt = preset(method)
-    lay = PageLayout(TokenLayout(model["d_c"], model["d_r"], fmt), settings["page_size"])
-    return lay.page_bytes * model["layers"]
+def page_bytes(res: dict, method: str) -> int:
+    """Bytes of one page of `method`'s cache over all layers, as the run's engine counted them (``Engine.page_bytes``,
+    saved by serve-bench); a run whose budget also held a RoPE stage (``-page`` methods) is refused: the model does
+    not count the stage's bytes."""
+    run = next(r for r in res["runs"] if r["method"] == method)
+    pbytes = res["methods"][method]["page_bytes_all_layers"]
+    if run["budget_bytes"] // pbytes != run["pages"]:
+        raise SystemExit(f"{method}: the run's {run['budget_bytes']} bytes give {run['budget_bytes'] // pbytes} pages "
+                         f"of {pbytes} bytes, the run had {run['pages']}: its budget held more than pages (a RoPE "
+                         "stage?), which the model does not count")
+    return pbytes
 
 
-def at_budget(pr: Prices, run: dict, settings: dict, budget_gib: float, pbytes: int) -> dict:
+def at_budget(pr: Prices, settings: dict, budget_gib: float, pbytes: int) -> dict:
     """One format's modelled job at one budget."""
     pages = int(budget_gib * GIB) // pbytes
     stats: dict = {}
@@ -51,25 +56,31 @@ def at_budget(pr: Prices, run: dict, settings: dict, budget_gib: float, pbytes: 
             "mixed_s": round(mixed, 3), "decode_s": round(decode, 3), "wall_s": round(mixed + decode, 3)}
 
 
-KEYS = ("decode_steps", "preemptions", "peak_running", "wall_s", "mixed_s")
+KEYS = ("pages", "decode_steps", "preemptions", "peak_running", "wall_s", "mixed_s")
+JOB = ("seed", "requests", "prompt_min", "prompt_max", "output_min", "output_max", "page_size",
+       "max_num_batched_tokens", "max_num_seqs", "watermark", "content_group", "rope_group", "preset", "model_path")
 
 
-def compare(out: dict, path: str, settings: dict) -> None:
+def compare(out: dict, path: str, source: dict) -> None:
     """Put the measured figures of the serve-bench result at `path` beside the model's (``out["budgets"][b][m]
-    ["measured"]``), after checking that it ran the same job."""
+    ["measured"]``), after checking that it ran the same job on the same model and formats as `source` (the result
+    the model comes from) and that each run had the model's pages."""
     with open(path) as f:
         res = json.load(f)
-    job = ("seed", "requests", "prompt_min", "prompt_max", "output_min", "output_max", "page_size",
-           "max_num_batched_tokens", "max_num_seqs", "watermark")
-    diff = [k for k in job if res["settings"].get(k) != settings[k]]
+    diff = [k for k in JOB if res["settings"].get(k) != source["settings"].get(k)]
+    diff += ["model"] if res["model"] != source["model"] else []
     if diff:
         raise SystemExit(f"{path} ran another job than the model's source ({', '.join(diff)} differ)")
+    budgets = {float(b): b for b in out["budgets"]}
     for run in res["runs"]:
-        if str(run["budget_gib"]) not in out["budgets"]:
+        if float(run["budget_gib"]) not in budgets:
             raise SystemExit(f"{path} ran {run['budget_gib']} GiB, which is not among the modelled budgets")
-        row = out["budgets"][str(run["budget_gib"])].get(run["method"])
+        row = out["budgets"][budgets[float(run["budget_gib"])]].get(run["method"])
         if row is None:  # a method the model leaves out
             continue
+        if run["pages"] != row["pages"]:
+            raise SystemExit(f"{path}: {run['method']} at {run['budget_gib']} GiB had {run['pages']} pages, the "
+                             f"model {row['pages']}")
         got = {k: run[k] for k in KEYS}
         got["prefilling_steps"] = run["steps"] - run["decode_steps"]
         got["decode_s"] = round(run["graph_decode_s"] + run["eager_decode_s"], 3)
@@ -104,24 +115,20 @@ def main(argv=None) -> int:
                          f"{', '.join(r['method'] for r in res['runs'])}")
     with open(a.profile) as f:
         profile = json.load(f)
-    own = settings["budgets_gib"][0]
     out = record(source=a.job, source_commit=res.get("commit"), profile=a.profile, profile_commit=profile.get("commit"),
                  note="a model on measured figures, not a measurement", prefill_scale=a.prefill_scale, methods={},
                  budgets={})
     for m in methods:
-        pbytes = page_bytes(m, geometry, settings)
-        if int(own * GIB) // pbytes != runs[m]["pages"]:
-            raise SystemExit(f"{m}: {own} GiB gives {int(own * GIB) // pbytes} pages of {pbytes} bytes, the run had "
-                             f"{runs[m]['pages']}: the page size of this format is not the run's")
+        pbytes = page_bytes(res, m)
         pr = Prices(runs[m], settings, step_costs(profile, m, geometry))
         pr.k *= a.prefill_scale
         out["methods"][m] = {"k": pr.k, "host_floor_ms": 1e3 * pr.host, "page_bytes": pbytes,
                              "measured_batches": pr.measured_batches, "measured_wall_s": runs[m]["wall_s"],
                              "modelled_wall_s_at_own_budget": round(sum(pr.price(pr.own)), 3)}
         for b in a.budgets_gib:
-            out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, runs[m], settings, b, pbytes)
+            out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, settings, b, pbytes)
     for path in a.compare:
-        compare(out, path, settings)
+        compare(out, path, res)
     for b, row in out["budgets"].items():
         for base in ("bf16", "fp8"):
             if base in row:

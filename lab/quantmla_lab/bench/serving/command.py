@@ -253,17 +253,17 @@ def run(args) -> int:
 
             save({"device": _device_name(args.device),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": cmd, "correctness": check}, args.out)
+                  "command": cmd, "correctness": check}, args.out, default=str)
             print(json.dumps({"ok": check["ok"], "ok_up_to_kernel_rounding": check["ok_up_to_kernel_rounding"]}))
             return 0 if check["ok"] else 1
     def partial(res):
-        save({**res, "command": cmd, "correctness": check, "partial": True}, args.out)
+        save({**res, "command": cmd, "correctness": check, "partial": True}, args.out, default=str)
 
     result = run_bench(s, log, on_run=partial)
     result["command"] = cmd
     if check is not None:
         result["correctness"] = check
-    save(result, args.out)
+    save(result, args.out, default=str)
     log(f"saved {args.out}")
     if result.get("runs"):
         log(f"figure: {_figure(result, args.out)}")

@@ -1,0 +1,39 @@
+"""Documents -> calibration rows: one token stream with EOS between documents, cut into full rows, and a clear error
+where the text or the row count cannot give two rows."""
+
+import pytest
+import torch
+
+from quantmla.calibration.data import token_rows
+from quantmla.corpus.chunks import token_chunks
+from quantmla.errors import QuantMLAError
+
+
+class CharTokenizer:
+    """One token a character (its code point), EOS 0."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, verbose=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_rows_are_the_stream_cut_with_eos_between_documents():
+    rows = token_rows(CharTokenizer(), ["abcde", "fgh"], seq_len=3)
+    assert rows.tolist() == [[97, 98, 99], [100, 101, 0], [102, 103, 104]]
+    assert token_rows(CharTokenizer(), ["abcdefghij"], seq_len=2, max_rows=3).shape == (3, 2)
+
+
+def test_a_stream_shorter_than_a_chunk_is_one_partial_chunk_for_evaluation():
+    assert torch.equal(token_chunks(CharTokenizer(), ["ab"], 8), torch.tensor([[97, 98]]))
+
+
+@pytest.mark.parametrize("docs, seq_len, rows, why", [
+    (["abc"], 4, None, "gives 0 full row"),
+    (["abcdefg"], 4, None, "gives 1 full row"),
+    (["abcdefghijkl"], 4, 1, "at least 2 rows of tokens, 1 asked for"),
+    (["abcdefghijkl"], 1, None, "sequence length must be >= 2"),
+])
+def test_too_little_text_or_too_few_rows_is_refused(docs, seq_len, rows, why):
+    with pytest.raises(QuantMLAError, match=why):
+        token_rows(CharTokenizer(), docs, seq_len, rows)
