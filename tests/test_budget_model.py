@@ -29,6 +29,8 @@ def test_page_bytes_give_the_runs_pages_and_a_rope_stage_is_refused(measured):
     staged["runs"][2]["pages"] -= 3  # as where a RoPE stage took part of the budget
     with pytest.raises(SystemExit, match="its budget held more than pages"):
         page_bytes(staged, "int4/int4")
+    with pytest.raises(SystemExit, match="int4/int4-page16: its budget also held a RoPE stage"):
+        page_bytes(res, "int4/int4-page16")
 
 
 @pytest.mark.parametrize("method", ["bf16", "int4/int4"])
@@ -88,7 +90,7 @@ def test_compare_puts_measured_runs_beside_the_model_and_refuses_another_job(tmp
         (meas,) = row[m]["measured"]
         assert meas["source"] == other and meas["decode_steps"] == row[m]["decode_steps"]
         assert (meas["preemptions"], meas["peak_running"]) == (row[m]["preemptions"], row[m]["peak_running"])
-    assert row["x_bf16"]["int4/int4"] > 1
+    assert row["x_bf16"]["int4/int4"] == pytest.approx(row["bf16"]["wall_s"] / row["int4/int4"]["wall_s"], abs=1e-4)
     with pytest.raises(SystemExit, match="ran another job than the model's source"):
         main(["--job", RUN, "--budgets-gib", "14.95", "--compare",
               "lab/results/serving/longest_14.95gib_overlap_h200.json"])

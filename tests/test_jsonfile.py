@@ -52,9 +52,12 @@ def test_the_labs_save_writes_numpy_and_torch_scalars_as_numbers_and_refuses_oth
     from quantmla_lab.bench.common import save
 
     path = tmp_path / "sub" / "r.json"
-    save({"a": np.float32(1.5), "b": torch.tensor(2), "c": [np.int64(3)], "d": np.float64("nan")}, str(path))
-    assert json.loads(path.read_text()) == {"a": 1.5, "b": 2, "c": [3], "d": None}
-    with pytest.raises(TypeError, match="a ndarray is not JSON"):
-        save({"x": np.zeros(3)}, str(path))
+    save({"a": np.float32(1.5), "b": torch.tensor(2), "c": [np.int64(3)], "d": np.float32("nan"),
+          "e": torch.tensor(float("inf"))}, str(path))
+    assert json.loads(path.read_text()) == {"a": 1.5, "b": 2, "c": [3], "d": None, "e": None}
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+    for bad, name in ((np.zeros(3), "ndarray"), (torch.ones(1, 1), "Tensor"), (np.longdouble(1), "longdouble")):
+        with pytest.raises(TypeError, match=f"a {name} is not JSON"):
+            save({"x": bad}, str(path))
     save({"x": torch.float16}, str(path), default=str)
     assert json.loads(path.read_text()) == {"x": "torch.float16"}

@@ -34,9 +34,12 @@ def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def plain(x):
-    """A numpy or one-element torch scalar as the Python number it holds; anything else JSON cannot hold is refused."""
-    if hasattr(x, "item") and getattr(x, "ndim", None) == 0 or isinstance(x, torch.Tensor) and x.numel() == 1:
-        return x.item()
+    """A numpy or torch scalar (0-d) as the Python number it holds (non-finite floats as None); anything else JSON
+    cannot hold is refused."""
+    if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
+        v = x.item()
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return jsonfile.strict(v)
     raise TypeError(f"a {type(x).__name__} is not JSON")
 
 

@@ -24,6 +24,7 @@ import json
 
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.serving.chunk_model import PROFILE, Prices, job_lengths, replay, step_costs
+from quantmla_lab.bench.serving.throughput import rope_pages_method
 
 GIB = 1 << 30
 
@@ -32,6 +33,8 @@ def page_bytes(res: dict, method: str) -> int:
     """Bytes of one page of `method`'s cache over all layers, as the run's engine counted them (``Engine.page_bytes``,
     saved by serve-bench); a run whose budget also held a RoPE stage (``-page`` methods) is refused: the model does
     not count the stage's bytes."""
+    if rope_pages_method(method)[1] is not None:
+        raise SystemExit(f"{method}: its budget also held a RoPE stage, which the model does not count")
     run = next(r for r in res["runs"] if r["method"] == method)
     pbytes = res["methods"][method]["page_bytes_all_layers"]
     if run["budget_bytes"] // pbytes != run["pages"]:
