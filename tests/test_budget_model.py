@@ -125,3 +125,23 @@ def test_prefill_scale_shortens_the_prefilling_steps_only(tmp_path):
     floor = runs["0.5"]["methods"]["int4/int4"]["host_floor_ms"] * 1e-3 * half["prefilling_steps"]
     assert max(floor, 0.5 * full["mixed_s"]) <= half["mixed_s"] < 0.6 * full["mixed_s"]  # a few steps sit on the floor
     assert runs["0.5"]["prefill_scale"] == 0.5
+
+
+def test_the_summary_counts_the_band_and_sets_measured_ratios_beside_the_model(tmp_path):
+    out = tmp_path / "s.json"
+    other = "lab/results/serving/long_1.26gib_h200.json"  # the same job at the model's own budget, another process
+    assert main(["--job", RUN, "--budgets-gib", "0.98", "1.14", "1.26", "5.04", "--band", "0.9", "1.3",
+                 "--goal", "int4/int4:fp8=1.8", "--compare", other, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["band_gib"] == [0.98, 1.26]
+    v = s["ratios"]["int4/int4 over fp8"]
+    xs = [doc["budgets"][b]["x_fp8"]["int4/int4"] for b in ("0.98", "1.14", "1.26")]
+    assert v["budgets"] == 3 and v["median"] == sorted(xs)[1] and (v["min"], v["max"]) == (min(xs), max(xs))
+    assert v["at_goal"] == sum(x >= 1.8 for x in xs) and 0 < v["at_goal"] < 3  # 2.00x at 0.98, 1.72x at 1.14
+    with open(other) as f:
+        walls = {r["method"]: r["wall_s"] for r in json.load(f)["runs"]}
+    assert v["measured"] == {"1.26": round(walls["fp8"] / walls["int4/int4"], 4)}
+    assert "goal" not in s["ratios"]["int2/int4 over bf16"]
+    with pytest.raises(SystemExit, match="write METHOD:BASE=X"):
+        main(["--job", RUN, "--budgets-gib", "1.26", "--goal", "int4/int4>1.8"])

@@ -15,12 +15,16 @@ budget that holds fewer requests pays their prompts again. The model leaves out 
 job-shaped warm-up and compiles. At the run's own budget it gives the run's step counts; its wall seconds there are
 saved beside the measured ones, and ``--compare`` puts runs of the same job at other budgets beside the model's.
 ``--prefill-scale S`` asks what a prefill S times as long would give (every prefilling step's GPU time times S).
+The summary gives each ratio's median and range over the budgets of ``--band``, the budgets at each ``--goal``,
+and the compared runs' own ratios (from one process each) at those budgets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.serving.chunk_model import PROFILE, Prices, job_lengths, replay, step_costs
@@ -90,6 +94,41 @@ def compare(out: dict, path: str, source: dict) -> None:
         row.setdefault("measured", []).append({"source": path, "commit": res.get("commit"), **got})
 
 
+def measured_ratios(row: dict, methods: list[str]) -> None:
+    """Each compared result's own ratios at this budget (``row["measured_x_bf16"][source][method]``): its runs of the
+    base and of the method, from one process."""
+    for base in ("bf16", "fp8"):
+        by_source: dict = {}
+        for m in methods:
+            for meas in row.get(m, {}).get("measured", []):
+                by_source.setdefault(meas["source"], {})[m] = meas["wall_s"]
+        got = {src: {m: round(walls[base] / w, 4) for m, w in walls.items() if m != base}
+               for src, walls in by_source.items() if base in walls and len(walls) > 1}
+        if got:
+            row[f"measured_x_{base}"] = got
+
+
+def summary(out: dict, band: list[float] | None, goals: dict) -> dict:
+    """Median, range and (where a goal is given) the count of budgets at it, of every modelled ratio over the
+    budgets in `band`; beside them the measured ratios at those budgets (one a budget: their median over sources)."""
+    budgets = [b for b in out["budgets"] if band is None or band[0] <= float(b) <= band[1]]
+    res = {"band_gib": [float(budgets[0]), float(budgets[-1])] if budgets else None, "ratios": {}}
+    for base in ("bf16", "fp8"):
+        names = {m for b in budgets for m in out["budgets"][b].get(f"x_{base}", {})}
+        for m in sorted(names):
+            xs = [out["budgets"][b][f"x_{base}"][m] for b in budgets if m in out["budgets"][b].get(f"x_{base}", {})]
+            v = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs), "budgets": len(xs)}
+            if (m, base) in goals:
+                v["goal"] = goals[(m, base)]
+                v["at_goal"] = sum(x >= v["goal"] for x in xs)
+            meas = {b: float(np.median([r[m] for r in out["budgets"][b][f"measured_x_{base}"].values() if m in r]))
+                    for b in budgets if any(m in r for r in out["budgets"][b].get(f"measured_x_{base}", {}).values())}
+            if meas:
+                v["measured"] = {b: round(x, 4) for b, x in meas.items()}
+            res["ratios"][f"{m} over {base}"] = v
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", default="lab/results/serving/long_1.26gib_warmup_h200.json",
@@ -100,6 +139,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-scale", type=float, default=1.0, metavar="S",
                    help="a what-if: every prefilling step's GPU time times S (its host floor unchanged), as a prefill "
                         "S times as long would give")
+    p.add_argument("--band", nargs=2, type=float, default=None, metavar=("LO", "HI"),
+                   help="the summary's budgets: those from LO to HI GiB (default: all)")
+    p.add_argument("--goal", nargs="*", default=[], metavar="METHOD:BASE=X",
+                   help="count the summary's budgets where METHOD runs at least X times BASE (e.g. int4/int4:fp8=1.8)")
     p.add_argument("--compare", nargs="*", default=[], metavar="RESULT",
                    help="serve-bench results of the same job at other budgets: their measured steps, preemptions and "
                         "seconds are saved beside the model's at the same budget (which must be among --budgets-gib)")
@@ -132,6 +175,14 @@ def main(argv=None) -> int:
             out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, settings, b, pbytes)
     for path in a.compare:
         compare(out, path, res)
+    goals = {}
+    for g in a.goal:
+        try:
+            pair, x = g.split("=")
+            m, base = pair.rsplit(":", 1)
+            goals[(m, base)] = float(x)
+        except ValueError:
+            raise SystemExit(f"--goal {g!r}: write METHOD:BASE=X, e.g. int4/int4:fp8=1.8") from None
     for b, row in out["budgets"].items():
         for base in ("bf16", "fp8"):
             if base in row:
@@ -147,6 +198,12 @@ def main(argv=None) -> int:
         for base in ("bf16", "fp8"):
             if f"x_{base}" in row:
                 print(f"{'':12s}over {base}: " + "  ".join(f"{m} {x:.3f}" for m, x in row[f"x_{base}"].items()))
+        measured_ratios(row, methods)
+    out["summary"] = summary(out, a.band, goals)
+    for name, v in out["summary"]["ratios"].items():
+        print(f"{name}: median {v['median']:.3f} ({v['min']:.3f} to {v['max']:.3f}) over {v['budgets']} budgets"
+              + (f", at least {v['goal']} at {v['at_goal']}" if "goal" in v else "")
+              + (f"; measured {v['measured']}" if "measured" in v else ""))
     save(out, a.out)
     return 0
 
