@@ -145,3 +145,19 @@ def test_the_summary_counts_the_band_and_sets_measured_ratios_beside_the_model(t
     assert "goal" not in s["ratios"]["int2/int4 over bf16"]
     with pytest.raises(SystemExit, match="write METHOD:BASE=X"):
         main(["--job", RUN, "--budgets-gib", "1.26", "--goal", "int4/int4>1.8"])
+
+
+def test_measured_ratios_of_two_runs_at_a_budget_are_the_lower_one(tmp_path):
+    """Two runs at one budget: the summary's measured ratio is the lower of the two (one run's, as serve-bench's
+    medians of an even count), not their mean."""
+    runs = ("lab/results/serving/long_1.26gib_h200.json", "lab/results/serving/long_1.26gib_beside_budgets_h200.json")
+    out = tmp_path / "two.json"
+    assert main(["--job", RUN, "--budgets-gib", "1.26", "--methods", "fp8", "int4/int4", "--compare", *runs,
+                 "--out", str(out)]) == 0
+    ratios = []
+    for path in runs:
+        with open(path) as f:
+            walls = {r["method"]: r["wall_s"] for r in json.load(f)["runs"]}
+        ratios.append(round(walls["fp8"] / walls["int4/int4"], 4))
+    assert ratios[0] != ratios[1]
+    assert json.loads(out.read_text())["summary"]["ratios"]["int4/int4 over fp8"]["measured"] == {"1.26": min(ratios)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import numpy as np
 
@@ -110,7 +111,8 @@ def measured_ratios(row: dict, methods: list[str]) -> None:
 
 def summary(out: dict, band: list[float] | None, goals: dict) -> dict:
     """Median, range and (where a goal is given) the count of budgets at it, of every modelled ratio over the
-    budgets in `band`; beside them the measured ratios at those budgets (one a budget: their median over sources)."""
+    budgets in `band`; beside them the measured ratios at those budgets (one a budget: their median over sources, the
+    lower middle one of an even count, as serve-bench's medians, so each is one run's ratio)."""
     budgets = [b for b in out["budgets"] if band is None or band[0] <= float(b) <= band[1]]
     res = {"band_gib": [float(budgets[0]), float(budgets[-1])] if budgets else None, "ratios": {}}
     for base in ("bf16", "fp8"):
@@ -121,7 +123,7 @@ def summary(out: dict, band: list[float] | None, goals: dict) -> dict:
             if (m, base) in goals:
                 v["goal"] = goals[(m, base)]
                 v["at_goal"] = sum(x >= v["goal"] for x in xs)
-            meas = {b: float(np.median([r[m] for r in out["budgets"][b][f"measured_x_{base}"].values() if m in r]))
+            meas = {b: statistics.median_low([r[m] for r in out["budgets"][b][f"measured_x_{base}"].values() if m in r])
                     for b in budgets if any(m in r for r in out["budgets"][b].get(f"measured_x_{base}", {}).values())}
             if meas:
                 v["measured"] = {b: round(x, 4) for b, x in meas.items()}
