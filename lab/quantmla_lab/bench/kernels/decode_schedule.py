@@ -55,8 +55,9 @@ def main(argv=None) -> int:
         for B, L in bench.parse_shapes(shapes, f"--shapes{heads}"):
             for m in a.methods:
                 layout = PageLayout(TokenLayout(bench.D_C, bench.D_R, bench.METHODS[m]), bench.PAGE)
-                default = api.default_config(heads, layout, "cuda")
                 cache = bench.Cache(layout, [L] * B, seed=B)
+                # the API's own choice for these lengths (FP8 over short units switches to the built tile there)
+                default = api.get_mla_metadata(cache.seq_lens, heads, 1, layout).config
                 q = bench.queries(B, 1, heads)
                 times = []
                 for tiling in tilings(m, heads):
