@@ -31,8 +31,8 @@ def tilings(method: str, heads: int) -> list[api.DecodeConfig]:
         c += [api.DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, kernel=kernel),
               api.DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel=kernel)]
         if kernel != "generic":  # the dequantizing kernel at 64 rows, both tile rebuilds
-            c += [api.DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic", deq=d)
-                  for d in ((0, 1) if method != "bf16" else (0,))]
+            c += [api.DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1, kernel="generic",
+                                   deq=d) for d in ((0, 1) if method != "bf16" else (0,))]
     return c
 
 
@@ -69,19 +69,20 @@ def main(argv=None) -> int:
                         except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
                             print(f"{m:10} H{heads} {B}x{L} {cfg.describe():44} failed: {type(e).__name__}", flush=True)
                             continue
-                        row = dict(method=m, heads=heads, batch=B, context=L, config=asdict(cfg), describe=cfg.describe(),
-                                   units=md.num_units, splits=md.max_splits, us=round(t * 1e6, 2),
-                                   default=cfg == default)
+                        row = dict(method=m, heads=heads, batch=B, context=L, config=asdict(cfg),
+                                   describe=cfg.describe(), units=md.num_units, splits=md.max_splits,
+                                   us=round(t * 1e6, 2), default=cfg == default)
                         res["rows"].append(row)
                         times.append(row)
-                        print(f"{m:10} H{heads:3} {B:3}x{L:<6} {cfg.describe():44} units {md.num_units:5} {t * 1e6:8.1f} us",
-                              flush=True)
+                        print(f"{m:10} H{heads:3} {B:3}x{L:<6} {cfg.describe():44} units {md.num_units:5} "
+                              f"{t * 1e6:8.1f} us", flush=True)
                 if times:
                     best = min(times, key=lambda r: r["us"])
                     dflt = next((r["us"] for r in times if r["default"]), None)
                     res["best"].append(dict(method=m, heads=heads, batch=B, context=L, best=best["describe"],
                                             best_us=best["us"], default_us=dflt))
-                    print(f"== best {m} H{heads} {B}x{L}: {best['describe']} {best['us']:.1f} us (default {dflt} us)", flush=True)
+                    print(f"== best {m} H{heads} {B}x{L}: {best['describe']} {best['us']:.1f} us (default {dflt} us)",
+                          flush=True)
                 save(res, a.out)  # after every shape: a run cut short keeps what it timed
                 del cache
                 torch.cuda.empty_cache()
