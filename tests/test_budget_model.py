@@ -161,3 +161,27 @@ def test_measured_ratios_of_two_runs_at_a_budget_are_the_lower_one(tmp_path):
         ratios.append(round(walls["fp8"] / walls["int4/int4"], 4))
     assert ratios[0] != ratios[1]
     assert json.loads(out.read_text())["summary"]["ratios"]["int4/int4 over fp8"]["measured"] == {"1.26": min(ratios)}
+
+
+def test_decode_scale_shortens_one_formats_decode_steps_only(tmp_path):
+    """``--decode-scale int4/int4=0.8``: INT4/INT4's decode seconds are 0.8 times as long, its steps, prefilling
+    seconds and the other formats unchanged; a bad factor or a method the job does not model is refused."""
+    runs = {}
+    for name, extra in (("base", []), ("scaled", ["--decode-scale", "int4/int4=0.8"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["--job", RUN, "--budgets-gib", "0.98", "1.26", "--methods", "fp8", "int4/int4", *extra,
+                     "--out", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["scaled"]["decode_scale"] == {"int4/int4": 0.8}
+    for b in ("0.98", "1.26"):
+        base, scaled = runs["base"]["budgets"][b], runs["scaled"]["budgets"][b]
+        assert scaled["fp8"] == base["fp8"]
+        i4, j4 = base["int4/int4"], scaled["int4/int4"]
+        assert j4["decode_steps"] == i4["decode_steps"] and j4["mixed_s"] == i4["mixed_s"]
+        assert j4["decode_s"] == pytest.approx(0.8 * i4["decode_s"], rel=1e-3)
+        assert scaled["x_fp8"]["int4/int4"] > base["x_fp8"]["int4/int4"]
+    for bad, why in (("int4/int4=0", "S > 0"), ("int4/int4=fast", "S > 0"), ("=0.9", "S > 0"),
+                     ("int2/int4=0.9", "int2/int4 is not among the modelled methods")):
+        with pytest.raises(SystemExit, match=why):
+            main(["--job", RUN, "--budgets-gib", "1.26", "--methods", "fp8", "int4/int4", "--decode-scale", bad])
+

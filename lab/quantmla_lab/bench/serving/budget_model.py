@@ -14,7 +14,9 @@ context read back), k fitted to the run's own prefilling seconds. Preemption by 
 budget that holds fewer requests pays their prompts again. The model leaves out what does not follow the steps: the
 job-shaped warm-up and compiles. At the run's own budget it gives the run's step counts; its wall seconds there are
 saved beside the measured ones, and ``--compare`` puts runs of the same job at other budgets beside the model's.
-``--prefill-scale S`` asks what a prefill S times as long would give (every prefilling step's GPU time times S).
+``--prefill-scale S`` asks what a prefill S times as long would give (every prefilling step's GPU time times S),
+``--decode-scale METHOD=S`` what decode steps S times as long in one format would give (each of its decode steps'
+seconds times S: a faster decode kernel or engine step for that format alone).
 The summary gives each ratio's median and range over the budgets of ``--band``, the budgets at each ``--goal``,
 and the compared runs' own ratios (from one process each) at those budgets.
 """
@@ -131,6 +133,24 @@ def summary(out: dict, band: list[float] | None, goals: dict) -> dict:
     return res
 
 
+def parse_decode_scale(items: list[str], methods: list[str]) -> dict:
+    """``METHOD=S`` items -> {method: S}, refusing a method the job does not model and factors that are not
+    positive."""
+    out = {}
+    for item in items:
+        m, _, x = item.rpartition("=")
+        try:
+            s = float(x)
+        except ValueError:
+            s = None
+        if not m or s is None or not s > 0:
+            raise SystemExit(f"--decode-scale {item!r}: write METHOD=S with S > 0, e.g. int4/int4=0.9")
+        if m not in methods:
+            raise SystemExit(f"--decode-scale {item!r}: {m} is not among the modelled methods ({', '.join(methods)})")
+        out[m] = s
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", default="lab/results/serving/long_1.26gib_warmup_h200.json",
@@ -141,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-scale", type=float, default=1.0, metavar="S",
                    help="a what-if: every prefilling step's GPU time times S (its host floor unchanged), as a prefill "
                         "S times as long would give")
+    p.add_argument("--decode-scale", nargs="*", default=[], metavar="METHOD=S",
+                   help="a what-if: every decode step of METHOD S times as long (e.g. int4/int4=0.9)")
     p.add_argument("--band", nargs=2, type=float, default=None, metavar=("LO", "HI"),
                    help="the summary's budgets: those from LO to HI GiB (default: all)")
     p.add_argument("--goal", nargs="*", default=[], metavar="METHOD:BASE=X",
@@ -161,15 +183,18 @@ def main(argv=None) -> int:
     if missing:
         raise SystemExit(f"{a.job} has no run with a step log for {', '.join(missing)}; it has "
                          f"{', '.join(r['method'] for r in res['runs'])}")
+    decode_scale = parse_decode_scale(a.decode_scale, methods)
     with open(a.profile) as f:
         profile = json.load(f)
     out = record(source=a.job, source_commit=res.get("commit"), profile=a.profile, profile_commit=profile.get("commit"),
-                 note="a model on measured figures, not a measurement", prefill_scale=a.prefill_scale, methods={},
-                 budgets={})
+                 note="a model on measured figures, not a measurement", prefill_scale=a.prefill_scale,
+                 decode_scale=decode_scale, methods={}, budgets={})
     for m in methods:
         pbytes = page_bytes(res, m)
         pr = Prices(runs[m], settings, step_costs(profile, m, geometry))
         pr.k *= a.prefill_scale
+        if m in decode_scale:
+            pr.dec = lambda rows, dec=pr.dec, s=decode_scale[m]: s * dec(rows)
         out["methods"][m] = {"k": pr.k, "host_floor_ms": 1e3 * pr.host, "page_bytes": pbytes,
                              "measured_batches": pr.measured_batches, "measured_wall_s": runs[m]["wall_s"],
                              "modelled_wall_s_at_own_budget": round(sum(pr.price(pr.own)), 3)}
