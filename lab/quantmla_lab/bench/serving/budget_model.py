@@ -16,7 +16,8 @@ job-shaped warm-up and compiles. At the run's own budget it gives the run's step
 saved beside the measured ones, and ``--compare`` puts runs of the same job at other budgets beside the model's.
 ``--prefill-scale S`` asks what a prefill S times as long would give (every prefilling step's GPU time times S),
 ``--decode-scale METHOD=S`` what decode steps S times as long in one format would give (each of its decode steps'
-seconds times S: a faster decode kernel or engine step for that format alone).
+seconds times S: a faster decode kernel or engine step for that format alone; decode rows that ride in prefilling
+steps keep their price). With either scale, ``modelled_wall_s_at_own_budget`` is the what-if's wall, not the fit's.
 The summary gives each ratio's median and range over the budgets of ``--band``, the budgets at each ``--goal``,
 and the compared runs' own ratios (from one process each) at those budgets.
 """
