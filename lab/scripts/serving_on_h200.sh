@@ -70,6 +70,8 @@
 #                 serving/budget_model_long.json) puts INT4/INT4 over FP8 at its highest (2.00x) and lowest (1.72x) of
 #                 that band; checks the model's swing between budgets
 #                 -> serving/long_{0.98,1.14}gib_h200.json (long-0.98, long-1.14: one call each)
+# short-0.1       the short job at 0.1 GiB (BF16 holds about 2 requests), four formats, one process, with the step logs
+#                 that budget_model.py prices other budgets from   -> serving/short_0.1gib_h200.json
 # step-grid-ctas  graph decode steps at the tight long job's batches (4, 7, 13 of 20480 tokens), FP8 and INT4/INT4, with
 #                 the decode schedule at 1 and at 2 programs an SM      -> profile/step_grid_long_ctas{1,2}_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
@@ -314,6 +316,11 @@ long-1.14() { long-at 1.14; }
 long-budgets() {
   long-0.98
   long-1.14
+}
+
+short-0.1() {
+  timeout 400 python3 -m quantmla.cli serve-bench --job short --budgets-gib 0.1 --methods bf16 fp8 int4/int4 int2/int4 \
+    "${GRP[@]}" --out "$OUT/serving/short_0.1gib_h200.json" 2>&1 | quiet 8
 }
 
 step-grid-ctas() {
