@@ -349,6 +349,47 @@ def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m
     assert kept.config == default  # a config passed in is the one that runs
 
 
+@pytest.mark.parametrize("name,b,built", [
+    ("fp8", 4, True),         # a 59392-token row in 66 splits: units of 960 tokens, the built tile
+    ("fp8", 32, False),       # 8 splits: units of 7424 tokens, tokens as M
+    ("int4/int4", 4, False),  # integer codes: tokens as M at any length
+])
+def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, built):
+    """A decode graph bucket's plan and combine shape use the API's config for the units the bucket cuts a max_len
+    row into (``config_for_units``), so FP8 over short units replays the built tile as an eager call's
+    get_mla_metadata reads it; a backend's own ``decode_config`` is kept."""
+    import types
+
+    from quantmla.kernels import api, schedule
+    from quantmla.serving.triton_backend import StaticDecodePlan, bucket_splits, decode_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
+    lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
+    max_len = 928 * 64  # FP8's pages at 0.98 GiB in the long job
+    real_cuda_config = schedule.cuda_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        default = schedule.default_config(16, lay, "cuda")
+        on_cuda = lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw)  # noqa: E731
+        monkeypatch.setattr(schedule, "cuda_config", on_cuda)
+        for mod in (api, schedule):  # the CUDA device's default, on the CPU
+            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
+                                        kinds={"k": lay}, decode_config=None)
+        cfg = decode_tiling(backend, lay, b, max_len)
+        plan = StaticDecodePlan(backend, b, max_len)
+        eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
+        backend.decode_config = lambda rows, layout, device: default
+        kept = decode_tiling(backend, lay, b, max_len)
+    assert default.tokens_m and decode_tiling.__defaults__ == (None, None)
+    assert cfg.kernel == "cuda" and cfg.tokens_m == (not built) and (cfg == default) == (not built)
+    assert plan.md["k"].config == cfg == eager.config  # the graph replays what an eager call of those rows reads
+    S = bucket_splits(cfg, 16, b, max_len, 132)[0]
+    assert plan.split["k"][0] == S and plan.md["k"].combine == api.combine_shape(b, 16, 512, S, 132)
+    assert kept == default  # a backend's decode_config is the one that runs
+
+
 def test_failed_tokens_m_build_falls_back_to_the_built_tile():
     """Where the default's tokens-as-M build fails, the config is the built tile's (and the failure is kept);
     asked for the tokens-as-M kernel alone, there is no config."""

@@ -262,12 +262,9 @@ def get_mla_metadata(
         chunk_tiles = fewest_tiles(tiles, target_units, -(-cfg.min_chunk // bn))
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
-    if config is None and cfg.tokens_m and layout is not None and chunk_tiles * bn < _fp8_tm_min_tokens(layout):
-        # FP8 over short units: the built tile (measured faster there), where it builds
-        built = cuda_config(rows, layout, device, tokens_m=False)
-        if built is not None:
-            return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=built, num_sms=num_sms,
-                                    chunk_tokens=chunk_tokens, combine=combine)
+    if config is None and (chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn)) is not cfg:
+        return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
+                                chunk_tokens=chunk_tokens, combine=combine)
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
     return MLAMetadata(
         units=torch.from_numpy(units).to(device=device, dtype=torch.int32).reshape(-1, 4),
@@ -321,6 +318,19 @@ def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray
     units = np.stack([seq, np.minimum(n[seq], j * per[seq] * tile), np.minimum(n[seq], (j + 1) * per[seq] * tile),
                       splits[seq]], axis=1).astype(np.int64).reshape(-1, 4)
     return units, np.stack([first, splits], axis=1).astype(np.int64).reshape(-1, 2)
+
+
+def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,
+                     unit_tokens: int) -> DecodeConfig:
+    """The default config `cfg` for work units of `unit_tokens` tokens: an FP8 cache on the tokens-as-M kernel whose
+    units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead (measured faster there),
+    where that builds; every other config is kept. ``get_mla_metadata`` applies it to an eager call's units, the
+    engine's decode graphs to a bucket's."""
+    if cfg.tokens_m and layout is not None and unit_tokens < _fp8_tm_min_tokens(layout):
+        built = cuda_config(rows, layout, device, tokens_m=False)
+        if built is not None:
+            return built
+    return cfg
 
 
 def _fp8_tm_min_tokens(layout: PageLayout) -> int:

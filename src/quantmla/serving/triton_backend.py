@@ -70,7 +70,7 @@ class StaticDecodePlan:
         self.split: dict[tuple, tuple[int, int, int]] = {}  # kind -> (splits per row, shortest span, tile)
         self.host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, layout in backend.kinds.items():
-            cfg = decode_tiling(backend, layout)
+            cfg = decode_tiling(backend, layout, b, max_len)
             S, chunk, min_span = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
                                          config=cfg, chunk_tokens=chunk)
@@ -95,10 +95,21 @@ class StaticDecodePlan:
             md.seq_info.copy_(info[buffer], non_blocking=True)
 
 
-def decode_tiling(backend, layout: PageLayout):
+def decode_tiling(backend, layout: PageLayout, b: int | None = None, max_len: int | None = None):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads: its ``decode_config``, else the API's
-    default."""
-    return (backend.decode_config or _kernels().default_config)(backend.spec.num_heads, layout, backend.device)
+    default; for a graph bucket of `b` rows up to `max_len` tokens, the API's default for the units that bucket cuts
+    a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, as an eager call's
+    ``get_mla_metadata`` reads it)."""
+    from quantmla.kernels import schedule
+
+    H, dev = backend.spec.num_heads, backend.device
+    if backend.decode_config is not None:
+        return backend.decode_config(H, layout, dev)
+    cfg = _kernels().default_config(H, layout, dev)
+    if b is None:
+        return cfg
+    chunk = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))[1]
+    return schedule.config_for_units(cfg, H, layout, dev, chunk)
 
 
 def bucket_splits(cfg, H: int, b: int, max_len: int, num_sms: int) -> tuple[int, int, int]:
@@ -197,9 +208,9 @@ class TritonPagedBackend(AttentionBackend):
             H, sms = self.spec.num_heads, schedule.num_sms_of(self.device)
             got = {}
             for kind, layout in self.kinds.items():
-                cfg = decode_tiling(self, layout)
                 got[kind] = next((schedule.combine_shape(b, H, layout.token.d_c, S, sms) for b in buckets
-                                  if (S := bucket_splits(cfg, H, b, max_len, sms)[0]) > 1), None)
+                                  if (S := bucket_splits(decode_tiling(self, layout, b, max_len), H, b, max_len,
+                                                         sms)[0]) > 1), None)
             self._graph_combine[buckets, max_len] = got
         return self._graph_combine[buckets, max_len]
 
