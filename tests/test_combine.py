@@ -156,7 +156,8 @@ def test_eager_decode_rows_take_their_graph_buckets_combine_shape(v3, monkeypatc
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
         be, max_len = eng.backend, eng.max_pages_per_seq * cfg.page_size
         (lay,) = be.kinds.values()
-        splits = {b: bucket_splits(decode_tiling(be, lay), v3.config.num_attention_heads, b, max_len, sms)[0]
+        H = v3.config.num_attention_heads
+        splits = {b: bucket_splits(decode_tiling(be, lay, b, max_len), H, b, max_len, sms)[0]
                   for b in decode_buckets(eng)}
         assert splits[8] == 1 and splits[2] > 1 and splits[1] > 1, splits
         assert set(be.graph_combine((8,), max_len).values()) == {None}
@@ -191,7 +192,7 @@ def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
                                             kinds={"k": lay}, decode_config=None)
             for b in (1, 3, 8, 32):
                 for max_len in (16, 1000, 20480):
-                    cfg = decode_tiling(backend, lay)
+                    cfg = decode_tiling(backend, lay, b, max_len)
                     S = bucket_splits(cfg, H, b, max_len, sms)[0]
                     # independently: one wave's splits of a max_len row, cut by get_mla_metadata itself
                     span = -(-max(cfg.min_chunk, 1) // cfg.block_n) * cfg.block_n

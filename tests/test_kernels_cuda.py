@@ -322,7 +322,9 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("fp8", [131072], False),          # 256 units of 512 tokens: the built tile
     ("fp8", [16384] * 8, False),
     ("fp8", [16384] * 32, True),       # units of 2048 tokens: tokens as M
-    ("fp8", [4096] * 64, True),        # 1024 tokens, FP8_TM_MIN_TOKENS
+    ("fp8", [4096] * 64, True),        # 1024 tokens
+    ("fp8", [20480] * 4, False),       # 320 tokens
+    ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
 ])
 def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
@@ -349,24 +351,26 @@ def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m
     assert kept.config == default  # a config passed in is the one that runs
 
 
-@pytest.mark.parametrize("name,b,built", [
-    ("fp8", 4, True),         # a 59392-token row in 66 splits: units of 960 tokens, the built tile
-    ("fp8", 32, False),       # 8 splits: units of 7424 tokens, tokens as M
-    ("int4/int4", 4, False),  # integer codes: tokens as M at any length
+@pytest.mark.parametrize("name,b,max_len,built", [
+    ("fp8", 4, 26112, True),         # the long job's rows (max_model_len) in 66 splits of 7 tiles: the built tile
+    ("fp8", 8, 26112, False),        # 33 splits of 13 tiles: tokens as M
+    ("fp8", 32, 26112, False),       # 8 splits of 51 tiles
+    ("fp8", 7, 12288, True),         # 6 tiles: the built tile, whose splits give another combine shape
+    ("int4/int4", 4, 26112, False),  # integer codes: tokens as M at any length
 ])
-def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, built):
-    """A decode graph bucket's plan and combine shape use the API's config for the units the bucket cuts a max_len
-    row into (``config_for_units``), so FP8 over short units replays the built tile as an eager call's
-    get_mla_metadata reads it; a backend's own ``decode_config`` is kept."""
+def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, built):
+    """A decode graph bucket's plan and its combine shape (``graph_combine``, which eager rows in mixed steps launch
+    the combine kernel in) use the API's config for the units the bucket cuts a max_len row into
+    (``config_for_units``), so FP8 over short units replays the built tile as an eager call of b rows of max_len reads
+    it; a backend's own ``decode_config`` is kept, and rows without a longest length are refused."""
     import types
 
     from quantmla.kernels import api, schedule
-    from quantmla.serving.triton_backend import StaticDecodePlan, bucket_splits, decode_tiling
+    from quantmla.serving.triton_backend import StaticDecodePlan, TritonPagedBackend, bucket_splits, decode_tiling
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
     lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-    max_len = 928 * 64  # FP8's pages at 0.98 GiB in the long job
     real_cuda_config = schedule.cuda_config
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
@@ -376,17 +380,21 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
         for mod in (api, schedule):  # the CUDA device's default, on the CPU
             monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
         backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
-                                        kinds={"k": lay}, decode_config=None)
+                                        kinds={"k": lay}, decode_config=None, _graph_combine={})
         cfg = decode_tiling(backend, lay, b, max_len)
         plan = StaticDecodePlan(backend, b, max_len)
+        combine = TritonPagedBackend.graph_combine(backend, (b,), max_len)["k"]
         eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
+        other = real_cuda_config(16, lay, "cuda", tokens_m=built)  # the kernel the rule does not pick
+        with pytest.raises(ValueError, match="together, or neither"):
+            decode_tiling(backend, lay, b)
         backend.decode_config = lambda rows, layout, device: default
         kept = decode_tiling(backend, lay, b, max_len)
-    assert default.tokens_m and decode_tiling.__defaults__ == (None, None)
-    assert cfg.kernel == "cuda" and cfg.tokens_m == (not built) and (cfg == default) == (not built)
+    assert default.tokens_m and cfg.kernel == "cuda" and cfg.tokens_m == (not built) and (cfg == default) == (not built)
     assert plan.md["k"].config == cfg == eager.config  # the graph replays what an eager call of those rows reads
-    S = bucket_splits(cfg, 16, b, max_len, 132)[0]
-    assert plan.split["k"][0] == S and plan.md["k"].combine == api.combine_shape(b, 16, 512, S, 132)
+    assert combine == plan.md["k"].combine == api.combine_shape(b, 16, 512, plan.split["k"][0], 132)
+    if (b, max_len) == (7, 12288):  # the other kernel's splits give another shape: graph_combine follows the bucket's
+        assert api.combine_shape(b, 16, 512, bucket_splits(other, 16, b, max_len, 132)[0], 132) != combine
     assert kept == default  # a backend's decode_config is the one that runs
 
 

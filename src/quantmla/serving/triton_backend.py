@@ -99,9 +99,12 @@ def decode_tiling(backend, layout: PageLayout, b: int | None = None, max_len: in
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads: its ``decode_config``, else the API's
     default; for a graph bucket of `b` rows up to `max_len` tokens, the API's default for the units that bucket cuts
     a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, as an eager call's
-    ``get_mla_metadata`` reads it)."""
+    ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that choice for shorter real rows, whose
+    units are shorter)."""
     from quantmla.kernels import schedule
 
+    if (b is None) != (max_len is None):
+        raise ValueError("decode_tiling takes a graph bucket's rows and longest length together, or neither")
     H, dev = backend.spec.num_heads, backend.device
     if backend.decode_config is not None:
         return backend.decode_config(H, layout, dev)

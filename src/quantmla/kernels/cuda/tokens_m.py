@@ -14,10 +14,11 @@ TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
-FP8_TM_MIN_TOKENS = 1024
-"""FP8 work units shorter than this (tokens) read faster on the built tile: on the H200 at 16 heads the tokens-as-M
-build is 3 to 6 % slower at 512-token units (1 x 131072, 8 x 16384) and 9 to 18 % faster at 1024 tokens and more
-(docs/decode_tokens_m.md, "FP8 on the tokens-as-M kernel")."""
+FP8_TM_MIN_TOKENS = 576
+"""FP8 work units shorter than this (tokens; 9 tiles of 64) read faster on the built tile: on the H200 at 16 heads the
+tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slower at 512 (1 x 131072, 8 x 16384),
+3.2 % faster at 576 (7 x 20480) and 9 to 18 % faster at 1024 tokens and more (docs/decode_tokens_m.md, "FP8 on the
+tokens-as-M kernel"; lab/results/decode_schedule/long_decode_batches_h200.json)."""
 
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
