@@ -184,4 +184,3 @@ def test_decode_scale_shortens_one_formats_decode_steps_only(tmp_path):
                      ("int2/int4=0.9", "int2/int4 is not among the modelled methods")):
         with pytest.raises(SystemExit, match=why):
             main(["--job", RUN, "--budgets-gib", "1.26", "--methods", "fp8", "int4/int4", "--decode-scale", bad])
-

@@ -95,22 +95,18 @@ class StaticDecodePlan:
             md.seq_info.copy_(info[buffer], non_blocking=True)
 
 
-def decode_tiling(backend, layout: PageLayout, b: int | None = None, max_len: int | None = None):
-    """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads: its ``decode_config``, else the API's
-    default; for a graph bucket of `b` rows up to `max_len` tokens, the API's default for the units that bucket cuts
-    a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, as an eager call's
+def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
+    """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
+    `max_len` tokens: the backend's ``decode_config``, else the API's default for the units that bucket cuts a
+    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, as an eager call's
     ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that choice for shorter real rows, whose
     units are shorter)."""
     from quantmla.kernels import schedule
 
-    if (b is None) != (max_len is None):
-        raise ValueError("decode_tiling takes a graph bucket's rows and longest length together, or neither")
     H, dev = backend.spec.num_heads, backend.device
     if backend.decode_config is not None:
         return backend.decode_config(H, layout, dev)
     cfg = _kernels().default_config(H, layout, dev)
-    if b is None:
-        return cfg
     chunk = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))[1]
     return schedule.config_for_units(cfg, H, layout, dev, chunk)
 
