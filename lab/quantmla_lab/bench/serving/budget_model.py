@@ -56,8 +56,11 @@ def at_budget(pr: Prices, settings: dict, budget_gib: float, pbytes: int) -> dic
     """One format's modelled job at one budget."""
     pages = int(budget_gib * GIB) // pbytes
     stats: dict = {}
-    steps = replay(job_lengths(settings), pages, settings["page_size"], settings["max_num_batched_tokens"],
-                   settings["max_num_seqs"], settings["watermark"], stats=stats)
+    try:
+        steps = replay(job_lengths(settings), pages, settings["page_size"], settings["max_num_batched_tokens"],
+                       settings["max_num_seqs"], settings["watermark"], stats=stats)
+    except ValueError as e:
+        raise SystemExit(f"--budgets-gib {budget_gib}: {e}") from None
     mixed, decode = pr.price(steps)
     dec = [s["rows"] for s in steps if not s["tokens"]]
     return {"pages": pages, "prefilling_steps": sum(1 for s in steps if s["tokens"]), "decode_steps": len(dec),
@@ -218,9 +221,9 @@ def main(argv=None) -> int:
                                     if m in methods and m != base}
         for m, v in row.items():
             for meas in v.get("measured", []) if m in methods else []:
-                print(f"{float(b):6.2f} GiB  {m}: measured {meas['wall_s']:.2f} s, {meas['decode_steps']} decode steps "
+                print(f"{float(b):6.3f} GiB  {m}: measured {meas['wall_s']:.2f} s, {meas['decode_steps']} decode steps "
                       f"(model {v['wall_s']:.2f} s, {v['decode_steps']}; {meas['source']})")
-        print(f"{float(b):6.2f} GiB  " + "  ".join(
+        print(f"{float(b):6.3f} GiB  " + "  ".join(
             f"{m} {v['wall_s']:7.2f} s (holds {v['peak_running']:2d}, steps {v['decode_steps']})"
             for m, v in row.items() if m in methods))
         for base in ("bf16", "fp8"):
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
     out["summary"] = summary(out, a.band, goals)
     for name, v in out["summary"]["ratios"].items():
         print(f"{name}: median {v['median']:.3f} ({v['min']:.3f} to {v['max']:.3f}) over {v['budgets']} budgets"
-              + (f", at least {v['goal']} at {v['at_goal']}" if "goal" in v else "")
+              + (f", at least {v['goal']} at {v['at_goal']} of them" if "goal" in v else "")
               + (f"; measured {v['measured']}" if "measured" in v else ""))
     save(out, a.out)
     return 0
