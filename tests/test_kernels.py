@@ -14,7 +14,7 @@ from helpers.cpu_decode import D_C, D_R, DEV, FORMATS, PAGE, check, make_cache, 
 
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.cache.paged import PagePool, gather_sequences, write_tokens
-from quantmla.errors import UnsupportedFormatError
+from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.kernels import (
     DecodeConfig,
     api,
@@ -24,6 +24,7 @@ from quantmla.kernels import (
     mla_decode_with_kvcache,
     schedule,
 )
+from quantmla.kernels.api import append_tiling
 from quantmla.kernels.decode import _e4m3_to_f32, _f32_to_e4m3
 from quantmla.quant import PathFormat
 from quantmla.reference.absorbed import absorbed_attention
@@ -51,10 +52,25 @@ def test_append_is_bit_exact_with_the_reference_writer(name):
     xb = x.to(torch.bfloat16)  # the kernel reads any float dtype
     write_tokens(ref[0], lay, slots.to(DEV), xb.float().to(DEV), r.to(DEV))
     start = pool.data.clone()
-    for block_t in (None, 4, 16):  # default (1 token per program at this size) and multi-token programs
+    # default (1 token per program at this size), multi-token programs, and the paths in programs of their own
+    for block_t, warps, apart in ((None, None, None), (4, 4, False), (16, 4, False), (None, 1, True), (4, 2, True)):
         pool.data.copy_(start)
-        append_to_pages(pool.layer(0), lay, slots.to(DEV), xb.to(DEV), r.to(DEV), block_t=block_t)
-        assert torch.equal(pool.data, ref), block_t
+        append_to_pages(pool.layer(0), lay, slots.to(DEV), xb.to(DEV), r.to(DEV), block_t=block_t, num_warps=warps,
+                        paths_apart=apart)
+        assert torch.equal(pool.data, ref), (block_t, warps, apart)
+
+
+def test_append_tiling_defaults_and_bad_knobs():
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4"]), PAGE)
+    assert append_tiling(lay, 8) == (1, 1, True)  # a decode step: one warp a path, the paths apart
+    assert append_tiling(lay, 4096) == (4, 4, False)  # a prefill chunk
+    assert append_tiling(lay, 8, num_warps=2, paths_apart=False) == (1, 2, False)
+    pool = PagePool(lay, 2, device=DEV)
+    args = (pool.layer(0), lay, torch.tensor([0], device=DEV), torch.zeros(1, D_C, device=DEV), torch.zeros(1, D_R, device=DEV))
+    with pytest.raises(QuantMLAError, match="num_warps must be 1, 2, 4 or 8, got 3"):
+        append_to_pages(*args, num_warps=3)
+    with pytest.raises(QuantMLAError, match="block_t must be a power of two >= 1, got 3"):
+        append_to_pages(*args, block_t=3)
 
 
 # -- decode ------------------------------------------------------------------------------------------

@@ -31,18 +31,21 @@ def test_append_bit_exact_full_shape(name):
     fmt = FORMATS[name]
     lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
     g = torch.Generator(device="cuda").manual_seed(len(name))
-    pages = torch.randint(0, 256, (100, lay.page_bytes), generator=g, device="cuda", dtype=torch.uint8)
-    ref = pages.clone()
+    start = torch.randint(0, 256, (100, lay.page_bytes), generator=g, device="cuda", dtype=torch.uint8)
     T = 5000
     slots = torch.randperm(100 * PAGE, generator=g, device="cuda")[:T]
     slots[::97] = -1
     x = (torch.randn(T, D_C, generator=g, device="cuda") * 3).to(torch.bfloat16)
     x[5, :128] = 0.75  # constant group
     r = (torch.randn(T, D_R, generator=g, device="cuda") * 20).to(torch.bfloat16)
-    api.append_to_pages(pages, lay, slots, x, r)
-    write_tokens(ref, lay, slots, x.float(), r.float())
-    assert torch.equal(pages, ref), f"{(pages != ref).sum().item()} bytes differ"
-
+    for n in (T, 13):  # a prefill chunk and a decode step's rows, at the default tiling and the others
+        want = start.clone()
+        write_tokens(want, lay, slots[:n], x[:n].float(), r[:n].float())
+        for warps, apart in ((None, None), (1, True), (2, True), (1, False), (4, True)):
+            pages = start.clone()
+            api.append_to_pages(pages, lay, slots[:n], x[:n], r[:n], num_warps=warps, paths_apart=apart)
+            bad = (pages != want).sum().item()
+            assert bad == 0, f"{n} tokens, {warps} warps, apart {apart}: {bad} bytes differ"
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])

@@ -188,11 +188,13 @@ def mla_decode_with_kvcache(
 def append_to_pages(
     kv_pages: torch.Tensor, layout: PageLayout, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
     block_t: int | None = None, *, rope_stage: torch.Tensor | None = None, stage_rows: torch.Tensor | None = None,
+    num_warps: int | None = None, paths_apart: bool | None = None,
 ) -> None:
     """Quantize tokens and write them at `slots` (int [T]; negative slots are skipped).
 
     block_t: tokens per program (default: 1 up to 256 tokens, so a decode step's few tokens spread
-    over as many SMs; 4 beyond). A power of two.
+    over as many SMs; 4 beyond). A power of two. num_warps (1, 2, 4 or 8) and paths_apart (the content and
+    RoPE paths in programs of their own) tile the kernel; None takes the defaults (``append_tiling``).
 
     latent [..., d_c] and k_rope [..., d_r] flatten to T tokens (bf16, fp16 or fp32). Bit-exact with
     ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync).
@@ -232,13 +234,12 @@ def append_to_pages(
     if xr.stride(-1) != 1:
         xr = xr.contiguous()
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
-    if block_t is None:
-        block_t = 1 if T <= 256 else 4
-    if block_t < 1 or block_t & (block_t - 1):
-        raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
-    _append_kernel[(-(-T // block_t),)](
+    block_t, num_warps, paths_apart = append_tiling(layout, T, block_t, num_warps, paths_apart)
+    apart = paths_apart and not per_page
+    _append_kernel[(-(-T // block_t), 2 if apart else 1)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t,
-        R_WRITE=not per_page, C_CLIP=tok.fmt.content.clip_exp, R_CLIP=tok.fmt.rope.clip_exp, num_warps=4
+        R_WRITE=not per_page, C_CLIP=tok.fmt.content.clip_exp, R_CLIP=tok.fmt.rope.clip_exp, PATHS_APART=apart,
+        num_warps=num_warps,
     )
     if per_page:  # requantize the pages from the call's keys and the stage's, then stage the unfinished pages' keys
         rows = stage_rows.reshape(-1).to(device=kv_pages.device, dtype=torch.int32).contiguous()
@@ -251,6 +252,24 @@ def append_to_pages(
         )
         _stage_rope_kernel[(T,)](xr, slots, rows, rope_stage, T, xr.stride(0), rope_stage.stride(0), D_R=tok.d_r,
                                  PS=layout.page_size, num_warps=1)
+
+
+def append_tiling(layout: PageLayout, T: int, block_t: int | None = None, num_warps: int | None = None,
+                  paths_apart: bool | None = None) -> tuple[int, int, bool]:
+    """(block_t, num_warps, paths_apart) of an append of T tokens, the given ones checked and the rest defaulted.
+    Up to 256 tokens (decode steps, short chunks): one token a program, one warp, the paths in programs apart, so a
+    group's reduction never waits on a CTA barrier and the two paths run on two SMs. Beyond: 4 tokens a program,
+    4 warps, both paths in one program."""
+    few = T <= 256
+    if block_t is None:
+        block_t = 1 if few else 4
+    if block_t < 1 or block_t & (block_t - 1):
+        raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
+    if num_warps is None:
+        num_warps = 1 if few else 4
+    if num_warps not in (1, 2, 4, 8):
+        raise QuantMLAError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
+    return block_t, num_warps, few if paths_apart is None else bool(paths_apart)
 
 
 def _check_stage(layout: PageLayout, rope_stage, stage_rows, T: int) -> None:

@@ -60,36 +60,54 @@ def _round_codes(v, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _write_path(
-    X, stride_x, t, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr,
-    OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
+def _store_meta(mptr, scale, zero, mask, AFFINE: tl.constexpr, META_BF16: tl.constexpr):
+    """Store groups' scales (and zero points, the element after each) in the metadata dtype."""
+    if META_BF16:
+        tl.store(mptr, _bf16_rne(scale), mask=mask)
+        if AFFINE:
+            tl.store(mptr + 1, _bf16_rne(zero), mask=mask)
+    else:
+        tl.store(mptr, scale.to(tl.float16), mask=mask)
+        if AFFINE:
+            tl.store(mptr + 1, zero.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _write_token(
+    X, ok, P8, PV, page, tok, PAGE_BYTES: tl.constexpr, OFF_CODES: tl.constexpr, OFF_META: tl.constexpr,
     D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, AFFINE: tl.constexpr, FP8: tl.constexpr,
-    MB: tl.constexpr, META_BF16: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr = 0,
+    MB: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0,
 ):
-    """Quantize and store one path of BLOCK_T tokens; PV is the pages in the path's MB-byte element type."""
-    x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    x = x.to(tl.float32)
+    """Quantize and store one path of one token (X: its D values; ok: write at all; PV: the pages in the path's
+    MB-byte element type). The codes are held as [K, NB] (planar packing: byte j holds codes j + k·NB in bits
+    [k·b, (k+1)·b)), each group read as one segment of a row (GS <= NB) or as R = GS / NB whole rows, so a
+    group's reduction and a byte's packing stay within a thread's registers and its warp. Masks compare each
+    element's offset with D, or 0 where the token is not written."""
     page8 = page * PAGE_BYTES
     pagev = page * (PAGE_BYTES // MB)
     if BITS == 16:
-        ptr = PV + (pagev + OFF_CODES // 2 + tok * D)[:, None] + tl.arange(0, D)[None, :]
-        tl.store(ptr, _bf16_rne(x), mask=ok[:, None])
+        d = tl.arange(0, D)
+        m = d < tl.where(ok, D, 0)
+        x = tl.load(X + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(PV + pagev + OFF_CODES // 2 + tok * D + d, _bf16_rne(x), mask=m)
     elif FP8:  # e4m3 values, one scale (amax / 448, rounded to the metadata dtype) per group
         G8: tl.constexpr = D // GS
-        xg = tl.reshape(x, [BLOCK_T, G8, GS])
-        scale = tl.math.div_rn(tl.max(tl.abs(xg), 2), 448.0)
+        g = tl.arange(0, G8)
+        off = g[:, None] * GS + tl.arange(0, GS)[None, :]
+        m = off < tl.where(ok, D, 0)
+        xg = tl.load(X + off, mask=m, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(xg), 1), 448.0)
         if MB == 2:
             if META_BF16:
                 scale = _bf16_rne(scale).to(tl.float32)
             else:
                 scale = scale.to(tl.float16).to(tl.float32)
         scale = tl.where(scale > 0.0, scale, 1.0)
-        y = tl.math.div_rn(xg, scale[:, :, None])
+        y = tl.math.div_rn(xg, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        codes = _f32_to_e4m3(tl.reshape(y, [BLOCK_T, D]))
-        tl.store(P8 + (page8 + OFF_CODES + tok * D)[:, None] + tl.arange(0, D)[None, :], codes, mask=ok[:, None])
-        mptr = PV + (pagev + OFF_META // MB + tok * G8)[:, None] + tl.arange(0, G8)[None, :]
-        tl.store(mptr, scale.to(PV.dtype.element_ty), mask=ok[:, None])
+        tl.store(P8 + page8 + OFF_CODES + tok * D + off, _f32_to_e4m3(y), mask=m)
+        tl.store(PV + pagev + OFF_META // MB + tok * G8 + g, scale.to(PV.dtype.element_ty),
+                 mask=g < tl.where(ok, G8, 0))
     else:
         NB: tl.constexpr = D * BITS // 8
         K: tl.constexpr = 8 // BITS
@@ -97,29 +115,44 @@ def _write_path(
         G: tl.constexpr = D // GS
         QMAX: tl.constexpr = (1 << BITS) - 1
         MID: tl.constexpr = 1 << (BITS - 1)
-        xg = tl.reshape(x, [BLOCK_T, G, GS])
-        if AFFINE:
-            scale, zero = _affine_meta(tl.min(xg, 2), tl.max(xg, 2), QMAX, META_BF16, CLIP)
-            q = _round_codes(tl.math.div_rn(xg - zero[:, :, None], scale[:, :, None]), QMAX)
-        else:
-            scale = _symmetric_scale(tl.max(tl.abs(xg), 2), MID, META_BF16, CLIP)
-            q = _round_codes(tl.math.div_rn(xg, scale[:, :, None]), QMAX) + MID
-        q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
-        # planar packing: byte j holds codes j + k·NB in bits [k·b, (k+1)·b)
-        q3 = tl.reshape(q, [BLOCK_T, K, NB])
-        sh = tl.arange(0, K) * BITS
-        packed = tl.sum(q3 << sh[None, :, None], 1)
-        cptr = P8 + (page8 + OFF_CODES + tok * NB)[:, None] + tl.arange(0, NB)[None, :]
-        tl.store(cptr, packed.to(tl.uint8), mask=ok[:, None])
-        mptr = PV + (pagev + OFF_META // MB + tok * (G * F))[:, None] + (tl.arange(0, G) * F)[None, :]
-        if META_BF16:
-            tl.store(mptr, _bf16_rne(scale), mask=ok[:, None])
+        cbase = P8 + page8 + OFF_CODES + tok * NB
+        mbase = PV + pagev + OFF_META // MB + tok * (G * F)
+        if GS <= NB:  # x3[k, s, i] = x[k·NB + s·GS + i]: group k·S + s
+            S: tl.constexpr = NB // GS
+            k = tl.arange(0, K)[:, None, None]
+            off = k * NB + tl.arange(0, S)[None, :, None] * GS + tl.arange(0, GS)[None, None, :]
+            x3 = tl.load(X + off, mask=off < tl.where(ok, D, 0), other=0.0).to(tl.float32)
             if AFFINE:
-                tl.store(mptr + 1, _bf16_rne(zero), mask=ok[:, None])
-        else:
-            tl.store(mptr, scale.to(tl.float16), mask=ok[:, None])
+                scale, zero = _affine_meta(tl.min(x3, 2), tl.max(x3, 2), QMAX, META_BF16, CLIP)  # [K, S]
+                q = _round_codes(tl.math.div_rn(x3 - zero[:, :, None], scale[:, :, None]), QMAX)
+            else:
+                scale = _symmetric_scale(tl.max(tl.abs(x3), 2), MID, META_BF16, CLIP)
+                zero = scale
+                q = _round_codes(tl.math.div_rn(x3, scale[:, :, None]), QMAX) + MID
+            q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
+            packed = tl.sum(q << (k * BITS), 0)  # [S, GS]: byte s·GS + i
+            boff = tl.arange(0, S)[:, None] * GS + tl.arange(0, GS)[None, :]
+            tl.store(cbase + boff, packed.to(tl.uint8), mask=boff < tl.where(ok, NB, 0))
+            grp = tl.arange(0, K)[:, None] * S + tl.arange(0, S)[None, :]
+            _store_meta(mbase + grp * F, scale, zero, grp < tl.where(ok, G, 0), AFFINE, META_BF16)
+        else:  # x3[g, r, j] = x[(g·R + r)·NB + j]: group g is R whole rows
+            R: tl.constexpr = GS // NB
+            row = tl.arange(0, G)[:, None, None] * R + tl.arange(0, R)[None, :, None]
+            off = row * NB + tl.arange(0, NB)[None, None, :]
+            x3 = tl.load(X + off, mask=off < tl.where(ok, D, 0), other=0.0).to(tl.float32)
             if AFFINE:
-                tl.store(mptr + 1, zero.to(tl.float16), mask=ok[:, None])
+                scale, zero = _affine_meta(tl.min(tl.min(x3, 2), 1), tl.max(tl.max(x3, 2), 1), QMAX, META_BF16, CLIP)
+                q = _round_codes(tl.math.div_rn(x3 - zero[:, None, None], scale[:, None, None]), QMAX)
+            else:
+                scale = _symmetric_scale(tl.max(tl.max(tl.abs(x3), 2), 1), MID, META_BF16, CLIP)
+                zero = scale
+                q = _round_codes(tl.math.div_rn(x3, scale[:, None, None]), QMAX) + MID
+            q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
+            packed = tl.sum(tl.sum(q << (row * BITS), 1), 0)  # [NB]
+            j = tl.arange(0, NB)
+            tl.store(cbase + j, packed.to(tl.uint8), mask=j < tl.where(ok, NB, 0))
+            g = tl.arange(0, G)
+            _store_meta(mbase + g * F, scale, zero, g < tl.where(ok, G, 0), AFFINE, META_BF16)
 
 
 @triton.jit(do_not_specialize=["T", "stride_xc", "stride_xr"])
@@ -132,19 +165,24 @@ def _append_kernel(
     R_BITS: tl.constexpr, R_GS: tl.constexpr, R_AFFINE: tl.constexpr, R_FP8: tl.constexpr, R_MB: tl.constexpr,
     R_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr, R_WRITE: tl.constexpr = True, C_CLIP: tl.constexpr = 0, R_CLIP: tl.constexpr = 0,
+    PATHS_APART: tl.constexpr = False,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tv = t < T
-    slot = tl.load(SLOTS + t, mask=tv, other=-1).to(tl.int64)
-    ok = tv & (slot >= 0)
-    slot = tl.where(ok, slot, 0)
-    page = slot // PS
-    tok = slot % PS
-    _write_path(XC, stride_xc, t, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C, C_BITS, C_GS, C_AFFINE, C_FP8,
-                C_MB, C_BF16, BLOCK_T, C_CLIP)
-    if R_WRITE:  # False: the RoPE path is grouped per page (_page_rope_kernel writes it)
-        _write_path(XR, stride_xr, t, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R, R_BITS, R_GS, R_AFFINE,
-                    R_FP8, R_MB, R_BF16, BLOCK_T, R_CLIP)
+    """Program (i, p) writes tokens [i·BLOCK_T, (i+1)·BLOCK_T): both paths, or with PATHS_APART the content path
+    (p = 0) or the RoPE path (p = 1) only, so the two run side by side on two SMs."""
+    path = tl.program_id(1)
+    for b in range(BLOCK_T):
+        t = tl.program_id(0) * BLOCK_T + b
+        slot = tl.load(SLOTS + t, mask=t < T, other=-1).to(tl.int64)
+        ok = slot >= 0
+        slot = tl.where(ok, slot, 0)
+        page = slot // PS
+        tok = slot % PS
+        if (not PATHS_APART) or path == 0:
+            _write_token(XC + t.to(tl.int64) * stride_xc, ok, P8, PC16, page, tok, PAGE_BYTES, OFF_CC, OFF_CM, D_C,
+                         C_BITS, C_GS, C_AFFINE, C_FP8, C_MB, C_BF16, C_CLIP)
+        if R_WRITE and ((not PATHS_APART) or path == 1):  # R_WRITE False: the RoPE path is grouped per page
+            _write_token(XR + t.to(tl.int64) * stride_xr, ok, P8, PR16, page, tok, PAGE_BYTES, OFF_RC, OFF_RM, D_R,
+                         R_BITS, R_GS, R_AFFINE, R_FP8, R_MB, R_BF16, R_CLIP)  # (_page_rope_kernel writes it)
 
 
 @triton.jit(do_not_specialize=["T", "stride_xr", "stride_stage"])

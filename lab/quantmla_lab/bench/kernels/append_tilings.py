@@ -1,0 +1,115 @@
+"""The append kernel's tilings side by side: how long does writing a decode step's tokens (or a prefill chunk's)
+into one layer's pages take, for each cache format and each (warps, paths apart) tiling?
+
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.append_tilings --out /tmp/append_tilings.json
+
+One figure a (format, tokens, tiling): ``graph_us``, the median wall time of a CUDA graph that appends to
+``--layers`` layers' pages in turn, as a decode step's graph does, over the layers (a launch and the kernel: what a
+step pays). Tiling "default" passes no knob, so the command also times a tree whose ``append_to_pages`` has none.
+Every tiling is checked bit-exact against the reference writer (``cache.paged.write_tokens``) before it is timed.
+On the CPU (``TRITON_INTERPRET=1``) it runs the checks and an untimed call of each tiling: a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from quantmla.cache.layout import PageLayout, TokenLayout
+from quantmla.cache.paged import write_tokens
+from quantmla.kernels import api
+from quantmla_lab.bench.common import parse_fresh, record, save
+from quantmla_lab.bench.kernels.decode_speed import D_C, D_R, METHODS, PAGE
+
+TILINGS = ("default", "4:0", "1:0", "1:1", "2:0", "2:1", "4:1")  # warps:paths apart; "default": no knob passed
+
+
+def parse_tiling(s: str) -> tuple[int | None, bool | None]:
+    if s == "default":
+        return None, None
+    try:
+        w, apart = s.split(":")
+        return int(w), bool(int(apart))
+    except ValueError:
+        raise SystemExit(f"--tilings {s!r}: write WARPS:APART, e.g. 1:1 (one warp, the paths in programs apart), "
+                         "or default") from None
+
+
+def inputs(layout: PageLayout, T: int, layers: int, dev: str, seed: int = 0):
+    """`layers` page tensors of T scattered tokens' worth of pages, the tokens' slots and values."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n_pages = layout.pages_for(T) * 2
+    pages = [torch.zeros(n_pages, layout.page_bytes, dtype=torch.uint8, device=dev) for _ in range(layers)]
+    slots = torch.randperm(n_pages * PAGE, generator=g)[:T].to(dev)
+    x = (torch.randn(T, D_C, generator=g) * 3).to(torch.bfloat16).to(dev)
+    r = (torch.randn(T, D_R, generator=g) * 20).to(torch.bfloat16).to(dev)
+    return pages, slots, x, r
+
+
+def time_graph(fn, reps: int) -> float:
+    """Median wall ms of one replay of fn captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in evs:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", nargs="+", default=["bf16", "fp8", "int4/int4", "int2/int4"], choices=list(METHODS))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16, 128, 8192])
+    p.add_argument("--tilings", nargs="+", default=list(TILINGS), metavar="WARPS:APART")
+    p.add_argument("--layers", type=int, default=27, help="appends a replay makes, one a layer (default 27)")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    tilings = [parse_tiling(t) for t in a.tilings]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = record(layers=a.layers, reps=a.reps, how="graph_us: median replay wall time / layers", rows=[])
+    for m in a.methods:
+        layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
+        if layout.token.fmt.rope.per_page:
+            raise SystemExit(f"{m}: a RoPE path grouped per page is written with a stage; not timed here")
+        for T in a.tokens:
+            pages, slots, x, r = inputs(layout, T, a.layers if dev == "cuda" else 1, dev)
+            want = pages[0].clone()
+            write_tokens(want, layout, slots, x.float(), r.float())
+            for w, apart in tilings:
+                knobs = {} if w is None else {"num_warps": w, "paths_apart": apart}
+                got = torch.zeros_like(want)
+                api.append_to_pages(got, layout, slots, x, r, **knobs)
+                if not torch.equal(got, want):
+                    raise SystemExit(f"{m}, {T} tokens, tiling {knobs or 'default'}: the pages differ from the "
+                                     "reference writer's")
+                row = {"method": m, "tokens": T, "warps": w, "paths_apart": apart}
+                if dev == "cuda":
+
+                    def step(knobs=knobs, pages=pages, layout=layout, slots=slots, x=x, r=r):
+                        for pg in pages:
+                            api.append_to_pages(pg, layout, slots, x, r, **knobs)
+
+                    row["graph_us"] = round(1e3 * time_graph(step, a.reps) / a.layers, 3)
+                    print(f"{m:10s} {T:5d} tokens  tiling {knobs or 'default'!s:40s} {row['graph_us']:7.2f} us",
+                          flush=True)
+                res["rows"].append(row)
+    save(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
