@@ -93,9 +93,11 @@ def append_read_case(name: str) -> None:
     xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int64)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}  # per-token records only (as the API)
-    compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": True,
-                  "C_CLIP": 0, "R_CLIP": 2}, 4, 1)
+    for few in (4, 4096):  # the API's tilings of a decode step and of a prefill chunk
+        block_t, warps, apart = api.append_tiling(layout, few)
+        compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
+                     {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": block_t, "R_WRITE": True,
+                      "C_CLIP": 0, "R_CLIP": 2, "PATHS_APART": apart}, warps, 1)
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
 
 
@@ -125,7 +127,8 @@ def page_rope_case(heads: int, block: int = 0) -> None:
     compile_sm90(_read_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R), {**consts, "BLOCK_T": 16}, 4, 1)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}
     compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
-                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": False, "C_CLIP": 3, "R_CLIP": 0}, 4, 1)
+                 {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": 4, "R_WRITE": False, "C_CLIP": 3, "R_CLIP": 0,
+                  "PATHS_APART": False}, 4, 1)
     rows = torch.zeros(4, dtype=torch.int32)
     stage = torch.zeros(2, PAGE, D_R, dtype=torch.bfloat16)
     compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
