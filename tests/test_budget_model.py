@@ -63,8 +63,8 @@ def test_a_budget_below_the_longest_request_is_refused(measured):
     res, prof = measured
     run = next(r for r in res["runs"] if r["method"] == "bf16")
     pr = Prices(run, res["settings"], step_costs(prof, "bf16", res["model"]))
-    with pytest.raises(SystemExit, match=r"--budgets-gib 0.5: .*can never fit 269 pages.*raise the KV budget"):
-        at_budget(pr, res["settings"], 0.5, page_bytes(res, "bf16"))
+    with pytest.raises(SystemExit, match=r"--budgets-gib 0.5 \(bf16\): .*can never fit 269 pages.*raise the KV budget"):
+        at_budget(pr, res["settings"], 0.5, page_bytes(res, "bf16"), "bf16")
 
 
 def test_results_it_cannot_model_are_refused(tmp_path, measured):

@@ -5,6 +5,7 @@ cannot run. The same checks at full shapes run on the GPU in test_kernels_gpu.py
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -62,15 +63,44 @@ def test_append_is_bit_exact_with_the_reference_writer(name):
 
 def test_append_tiling_defaults_and_bad_knobs():
     lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4"]), PAGE)
-    assert append_tiling(lay, 8) == (1, 1, True)  # a decode step: one warp a path, the paths apart
-    assert append_tiling(lay, 4096) == (4, 4, False)  # a prefill chunk
+    bf16 = PageLayout(TokenLayout(D_C, D_R, FORMATS["bf16"]), PAGE)
+    fp8 = PageLayout(TokenLayout(D_C, D_R, FORMATS["fp8"]), PAGE)
+    for layout in (lay, bf16, fp8):  # a decode step's rows, up to 256: 4 warps, the paths apart
+        assert append_tiling(layout, 1) == append_tiling(layout, 256) == (1, 4, True)
+    assert append_tiling(lay, 257) == (4, 1, False)  # a prefill chunk of integer codes: one warp
+    assert append_tiling(fp8, 4096) == (4, 2, False)
+    assert append_tiling(bf16, 4096) == (4, 2, True)
     assert append_tiling(lay, 8, num_warps=2, paths_apart=False) == (1, 2, False)
     pool = PagePool(lay, 2, device=DEV)
-    args = (pool.layer(0), lay, torch.tensor([0], device=DEV), torch.zeros(1, D_C, device=DEV), torch.zeros(1, D_R, device=DEV))
-    with pytest.raises(QuantMLAError, match="num_warps must be 1, 2, 4 or 8, got 3"):
-        append_to_pages(*args, num_warps=3)
-    with pytest.raises(QuantMLAError, match="block_t must be a power of two >= 1, got 3"):
-        append_to_pages(*args, block_t=3)
+    for n in (1, 0):  # the knobs are checked before any work, an empty call's too
+        args = (pool.layer(0), lay, torch.zeros(n, dtype=torch.int64, device=DEV), torch.zeros(n, D_C, device=DEV),
+                torch.zeros(n, D_R, device=DEV))
+        for knob, bad, msg in (("num_warps", 3, "num_warps must be 1, 2, 4 or 8, got 3"),
+                               ("num_warps", 4.0, "num_warps must be 1, 2, 4 or 8, got 4.0"),
+                               ("block_t", 3, "block_t must be a power of two >= 1, got 3"),
+                               ("block_t", 2.0, "block_t must be a power of two >= 1, got 2.0"),
+                               ("paths_apart", "no", "paths_apart must be True, False or None, got 'no'")):
+            with pytest.raises(QuantMLAError, match=re.escape(msg)):
+                append_to_pages(*args, **{knob: bad})
+
+
+@pytest.mark.parametrize("fmt", [CacheFormat(PathFormat(4, 16, meta_dtype="float32"), PathFormat(4, 16)),
+                                 CacheFormat(PathFormat(2, 32), PathFormat(8, 16, "symmetric", "float32"))],
+                         ids=["int4-f32meta/int4", "int2/int8-sym-f32meta"])
+def test_append_keeps_fp32_metadata_of_integer_codes_exact(fmt):
+    """Integer groups with fp32 scales and zero points store them unrounded, as the reference writer does."""
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    g = torch.Generator().manual_seed(5)
+    pool = PagePool(lay, 3, device=DEV)
+    slots = torch.randperm(3 * PAGE, generator=g)[:29]
+    x = torch.randn(29, D_C, generator=g) * 3 + 0.1
+    r = torch.randn(29, D_R, generator=g) * 7
+    ref = pool.data.clone()
+    write_tokens(ref[0], lay, slots.to(DEV), x.to(DEV), r.to(DEV))
+    for apart in (True, False):
+        pool.data.zero_()
+        append_to_pages(pool.layer(0), lay, slots.to(DEV), x.to(DEV), r.to(DEV), paths_apart=apart)
+        assert torch.equal(pool.data, ref), apart
 
 
 # -- decode ------------------------------------------------------------------------------------------

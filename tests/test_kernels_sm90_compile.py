@@ -93,8 +93,8 @@ def append_read_case(name: str) -> None:
     xr = torch.zeros(4, D_R, dtype=torch.bfloat16)
     slots = torch.zeros(4, dtype=torch.int64)
     append_consts = {k: v for k, v in consts.items() if k != "R_PAGE"}  # per-token records only (as the API)
-    for few in (4, 4096):  # the API's tilings of a decode step and of a prefill chunk
-        block_t, warps, apart = api.append_tiling(layout, few)
+    for n in (4, 4096):  # the API's tilings of a decode step and of a prefill chunk
+        block_t, warps, apart = api.append_tiling(layout, n)
         compile_sm90(_append_kernel, (xc, xr, slots, pages, pc, pr, 4, D_C, D_R),
                      {**append_consts, "C_BF16": cbf, "R_BF16": rbf, "BLOCK_T": block_t, "R_WRITE": True,
                       "C_CLIP": 0, "R_CLIP": 2, "PATHS_APART": apart}, warps, 1)

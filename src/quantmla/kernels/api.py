@@ -194,7 +194,8 @@ def append_to_pages(
 
     block_t: tokens per program (default: 1 up to 256 tokens, so a decode step's few tokens spread
     over as many SMs; 4 beyond). A power of two. num_warps (1, 2, 4 or 8) and paths_apart (the content and
-    RoPE paths in programs of their own) tile the kernel; None takes the defaults (``append_tiling``).
+    RoPE paths in programs of their own) tile the kernel; None takes the defaults (``append_tiling``). The knobs are
+    checked on every device, the CPU's reference writer included.
 
     latent [..., d_c] and k_rope [..., d_r] flatten to T tokens (bf16, fp16 or fp32). Bit-exact with
     ``cache.paged.write_tokens``. NaN/Inf inputs are not checked here (that costs a sync).
@@ -217,6 +218,7 @@ def append_to_pages(
     if xr.shape[0] != T or slots.shape[0] != T:
         raise QuantMLAError(f"latent has {T} tokens, k_rope {xr.shape[0]}, slots {slots.shape[0]}")
     pages, pc16, pr16 = page_views(kv_pages, layout)
+    block_t, num_warps, paths_apart = append_tiling(layout, T, block_t, num_warps, paths_apart)
     if not _use_triton(kv_pages):
         if per_page:
             write_tokens_staged(pages, layout, slots, xc, xr, rope_stage, stage_rows)
@@ -234,7 +236,6 @@ def append_to_pages(
     if xr.stride(-1) != 1:
         xr = xr.contiguous()
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
-    block_t, num_warps, paths_apart = append_tiling(layout, T, block_t, num_warps, paths_apart)
     apart = paths_apart and not per_page
     _append_kernel[(-(-T // block_t), 2 if apart else 1)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t,
@@ -256,20 +257,26 @@ def append_to_pages(
 
 def append_tiling(layout: PageLayout, T: int, block_t: int | None = None, num_warps: int | None = None,
                   paths_apart: bool | None = None) -> tuple[int, int, bool]:
-    """(block_t, num_warps, paths_apart) of an append of T tokens, the given ones checked and the rest defaulted.
-    Up to 256 tokens (decode steps, short chunks): one token a program, one warp, the paths in programs apart, so a
-    group's reduction never waits on a CTA barrier and the two paths run on two SMs. Beyond: 4 tokens a program,
-    4 warps, both paths in one program."""
-    few = T <= 256
-    if block_t is None:
-        block_t = 1 if few else 4
-    if block_t < 1 or block_t & (block_t - 1):
-        raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t}")
-    if num_warps is None:
-        num_warps = 1 if few else 4
-    if num_warps not in (1, 2, 4, 8):
-        raise QuantMLAError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    return block_t, num_warps, few if paths_apart is None else bool(paths_apart)
+    """(block_t, num_warps, paths_apart) of an append of T tokens into `layout`: the given knobs checked, the rest
+    defaulted by measurement (``quantmla_lab.bench.kernels.append_tilings``, ``docs/kernels.md``, "Appending"):
+    up to 256 tokens (a decode step's rows), one token a program, 4 warps and the two paths in programs apart;
+    beyond, 4 tokens a program and both paths in one program, on one warp where the content path is integer codes
+    (a group's reduction and a byte's packing stay in the warp) and on two otherwise (BF16 with the paths apart)."""
+    if block_t is not None and (not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1)):
+        raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t!r}")
+    if num_warps is not None and (not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8)):
+        raise QuantMLAError(f"num_warps must be 1, 2, 4 or 8, got {num_warps!r}")
+    if paths_apart is not None and not isinstance(paths_apart, bool):
+        raise QuantMLAError(f"paths_apart must be True, False or None, got {paths_apart!r}")
+    content = layout.token.fmt.content
+    if T <= 256:
+        tiling = (1, 4, True)
+    elif content.quantized and content.mode != "fp8":
+        tiling = (4, 1, False)
+    else:
+        tiling = (4, 2, not content.quantized)
+    given = (block_t, num_warps, paths_apart)
+    return tuple(tiling[i] if given[i] is None else given[i] for i in range(3))
 
 
 def _check_stage(layout: PageLayout, rope_stage, stage_rows, T: int) -> None:

@@ -21,15 +21,19 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2
 
 
 @triton.jit
-def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0):
-    """(scale, zero) of groups spanning [lo, hi], rounded to the metadata dtype first (a constant group gets
-    scale 1), as ``quant.groupwise.group_scales``. CLIP = k > 0: the range shrinks by 2^-(k+1) of its width at
-    each end (the format's clip 1 - 2^-k; the product is exact, so a fused multiply-add rounds alike)."""
+def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0, MB: tl.constexpr = 2):
+    """(scale, zero) of groups spanning [lo, hi], rounded to the metadata dtype first (MB = 4: fp32, kept as
+    computed; a constant group gets scale 1), as ``quant.groupwise.group_scales``. CLIP = k > 0: the range shrinks
+    by 2^-(k+1) of its width at each end (the format's clip 1 - 2^-k; the product is exact, so a fused multiply-add
+    rounds alike)."""
     if CLIP > 0:
         t = (hi - lo) * (0.5 ** (CLIP + 1))
         lo = lo + t
         hi = hi - t
-    if META_BF16:
+    if MB == 4:
+        zero = lo
+        scale = tl.math.div_rn(hi - zero, QMAX * 1.0)
+    elif META_BF16:
         zero = _bf16_rne(lo).to(tl.float32)
         scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
     else:
@@ -39,12 +43,14 @@ def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.c
 
 
 @triton.jit
-def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0):
-    """The scale of symmetric groups of largest magnitude amax, rounded to the metadata dtype (0 -> 1); CLIP = k > 0
-    scales amax by the format's clip 1 - 2^-k first."""
+def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0, MB: tl.constexpr = 2):
+    """The scale of symmetric groups of largest magnitude amax, rounded to the metadata dtype (MB = 4: fp32, kept;
+    0 -> 1); CLIP = k > 0 scales amax by the format's clip 1 - 2^-k first."""
     if CLIP > 0:
         amax = amax - amax * (0.5 ** CLIP)
-    if META_BF16:
+    if MB == 4:
+        scale = tl.math.div_rn(amax, (MID - 1) * 1.0)
+    elif META_BF16:
         scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
     else:
         scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
@@ -60,9 +66,13 @@ def _round_codes(v, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _store_meta(mptr, scale, zero, mask, AFFINE: tl.constexpr, META_BF16: tl.constexpr):
-    """Store groups' scales (and zero points, the element after each) in the metadata dtype."""
-    if META_BF16:
+def _store_meta(mptr, scale, zero, mask, AFFINE: tl.constexpr, META_BF16: tl.constexpr, MB: tl.constexpr = 2):
+    """Store groups' scales (and zero points, the element after each) in the metadata dtype (MB = 4: fp32)."""
+    if MB == 4:
+        tl.store(mptr, scale, mask=mask)
+        if AFFINE:
+            tl.store(mptr + 1, zero, mask=mask)
+    elif META_BF16:
         tl.store(mptr, _bf16_rne(scale), mask=mask)
         if AFFINE:
             tl.store(mptr + 1, _bf16_rne(zero), mask=mask)
@@ -123,10 +133,10 @@ def _write_token(
             off = k * NB + tl.arange(0, S)[None, :, None] * GS + tl.arange(0, GS)[None, None, :]
             x3 = tl.load(X + off, mask=off < tl.where(ok, D, 0), other=0.0).to(tl.float32)
             if AFFINE:
-                scale, zero = _affine_meta(tl.min(x3, 2), tl.max(x3, 2), QMAX, META_BF16, CLIP)  # [K, S]
+                scale, zero = _affine_meta(tl.min(x3, 2), tl.max(x3, 2), QMAX, META_BF16, CLIP, MB)  # [K, S]
                 q = _round_codes(tl.math.div_rn(x3 - zero[:, :, None], scale[:, :, None]), QMAX)
             else:
-                scale = _symmetric_scale(tl.max(tl.abs(x3), 2), MID, META_BF16, CLIP)
+                scale = _symmetric_scale(tl.max(tl.abs(x3), 2), MID, META_BF16, CLIP, MB)
                 zero = scale
                 q = _round_codes(tl.math.div_rn(x3, scale[:, :, None]), QMAX) + MID
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
@@ -134,17 +144,18 @@ def _write_token(
             boff = tl.arange(0, S)[:, None] * GS + tl.arange(0, GS)[None, :]
             tl.store(cbase + boff, packed.to(tl.uint8), mask=boff < tl.where(ok, NB, 0))
             grp = tl.arange(0, K)[:, None] * S + tl.arange(0, S)[None, :]
-            _store_meta(mbase + grp * F, scale, zero, grp < tl.where(ok, G, 0), AFFINE, META_BF16)
+            _store_meta(mbase + grp * F, scale, zero, grp < tl.where(ok, G, 0), AFFINE, META_BF16, MB)
         else:  # x3[g, r, j] = x[(g·R + r)·NB + j]: group g is R whole rows
             R: tl.constexpr = GS // NB
             row = tl.arange(0, G)[:, None, None] * R + tl.arange(0, R)[None, :, None]
             off = row * NB + tl.arange(0, NB)[None, None, :]
             x3 = tl.load(X + off, mask=off < tl.where(ok, D, 0), other=0.0).to(tl.float32)
             if AFFINE:
-                scale, zero = _affine_meta(tl.min(tl.min(x3, 2), 1), tl.max(tl.max(x3, 2), 1), QMAX, META_BF16, CLIP)
+                lo, hi = tl.min(tl.min(x3, 2), 1), tl.max(tl.max(x3, 2), 1)
+                scale, zero = _affine_meta(lo, hi, QMAX, META_BF16, CLIP, MB)
                 q = _round_codes(tl.math.div_rn(x3 - zero[:, None, None], scale[:, None, None]), QMAX)
             else:
-                scale = _symmetric_scale(tl.max(tl.max(tl.abs(x3), 2), 1), MID, META_BF16, CLIP)
+                scale = _symmetric_scale(tl.max(tl.max(tl.abs(x3), 2), 1), MID, META_BF16, CLIP, MB)
                 zero = scale
                 q = _round_codes(tl.math.div_rn(x3, scale[:, None, None]), QMAX) + MID
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
@@ -152,7 +163,7 @@ def _write_token(
             j = tl.arange(0, NB)
             tl.store(cbase + j, packed.to(tl.uint8), mask=j < tl.where(ok, NB, 0))
             g = tl.arange(0, G)
-            _store_meta(mbase + g * F, scale, zero, g < tl.where(ok, G, 0), AFFINE, META_BF16)
+            _store_meta(mbase + g * F, scale, zero, g < tl.where(ok, G, 0), AFFINE, META_BF16, MB)
 
 
 @triton.jit(do_not_specialize=["T", "stride_xc", "stride_xr"])
@@ -244,13 +255,13 @@ def _page_rope_kernel(
         if AFFINE:
             lo = tl.min(tl.min(tl.where(ok4, x4, float("inf")), 3), 1)  # [S, G]
             hi = tl.max(tl.max(tl.where(ok4, x4, float("-inf")), 3), 1)
-            scale, zero = _affine_meta(lo, hi, QMAX, META_BF16, CLIP)
+            scale, zero = _affine_meta(lo, hi, QMAX, META_BF16, CLIP, MB)
             q = _round_codes(tl.math.div_rn(x4 - zero[:, None, :, None], scale[:, None, :, None]), QMAX)
         else:
-            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok4, tl.abs(x4), 0.0), 3), 1), MID, META_BF16, CLIP)
+            scale = _symmetric_scale(tl.max(tl.max(tl.where(ok4, tl.abs(x4), 0.0), 3), 1), MID, META_BF16, CLIP, MB)
             q = _round_codes(tl.math.div_rn(x4, scale[:, None, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
-        q3 = tl.reshape(q, [PS, K, NB])  # planar packing, as _write_path
+        q3 = tl.reshape(q, [PS, K, NB])  # planar packing: byte j holds codes j + k·NB
         packed = tl.sum(q3 << (tl.arange(0, K) * BITS)[None, :, None], 1)
         cptr = P8 + page * PAGE_BYTES + OFF_RC + t[:, None] * NB + tl.arange(0, NB)[None, :]
         tl.store(cptr, packed.to(tl.uint8), mask=ok[:, None])
@@ -259,11 +270,4 @@ def _page_rope_kernel(
         held = (sets * BLK < n)[:, None]  # the blocks holding tokens
         mset = page * (PAGE_BYTES // MB) + OFF_PM // MB + sets * (G * F)  # [S] each set's first element in PR
         mptr = PR + mset[:, None] + (tl.arange(0, G) * F)[None, :]
-        if META_BF16:
-            tl.store(mptr, _bf16_rne(scale), mask=held)
-            if AFFINE:
-                tl.store(mptr + 1, _bf16_rne(zero), mask=held)
-        else:
-            tl.store(mptr, scale.to(tl.float16), mask=held)
-            if AFFINE:
-                tl.store(mptr + 1, zero.to(tl.float16), mask=held)
+        _store_meta(mptr, scale, zero, held, AFFINE, META_BF16, MB)

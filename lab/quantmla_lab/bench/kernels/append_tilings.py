@@ -13,6 +13,7 @@ On the CPU (``TRITON_INTERPRET=1``) it runs the checks and an untimed call of ea
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -29,12 +30,11 @@ TILINGS = ("default", "4:0", "1:0", "1:1", "2:0", "2:1", "4:1")  # warps:paths a
 def parse_tiling(s: str) -> tuple[int | None, bool | None]:
     if s == "default":
         return None, None
-    try:
-        w, apart = s.split(":")
-        return int(w), bool(int(apart))
-    except ValueError:
-        raise SystemExit(f"--tilings {s!r}: write WARPS:APART, e.g. 1:1 (one warp, the paths in programs apart), "
-                         "or default") from None
+    w, _, apart = s.partition(":")
+    if w not in ("1", "2", "4", "8") or apart not in ("0", "1"):
+        raise SystemExit(f"--tilings {s!r}: write WARPS:APART with WARPS 1, 2, 4 or 8 and APART 0 or 1, e.g. 1:1 "
+                         "(one warp, the paths in programs apart), or default")
+    return int(w), apart == "1"
 
 
 def inputs(layout: PageLayout, T: int, layers: int, dev: str, seed: int = 0):
@@ -80,13 +80,17 @@ def main(argv=None) -> int:
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     tilings = [parse_tiling(t) for t in a.tilings]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res = record(layers=a.layers, reps=a.reps, how="graph_us: median replay wall time / layers", rows=[])
-    for m in a.methods:
-        layout = PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE)
-        if layout.token.fmt.rope.per_page:
-            raise SystemExit(f"{m}: a RoPE path grouped per page is written with a stage; not timed here")
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("no GPU: run with TRITON_INTERPRET=1 (without it append_to_pages is the reference writer)")
+    layouts = {m: PageLayout(TokenLayout(D_C, D_R, METHODS[m]), PAGE) for m in a.methods}
+    staged = [m for m, lay in layouts.items() if lay.token.fmt.rope.per_page]
+    if staged:
+        raise SystemExit(f"{', '.join(staged)}: a RoPE path grouped per page is written with a stage; not timed here")
+    layers = a.layers if dev == "cuda" else 1
+    res = record(layers=layers, reps=a.reps, how="graph_us: median replay wall time / layers", rows=[])
+    for m, layout in layouts.items():
         for T in a.tokens:
-            pages, slots, x, r = inputs(layout, T, a.layers if dev == "cuda" else 1, dev)
+            pages, slots, x, r = inputs(layout, T, layers, dev)
             want = pages[0].clone()
             write_tokens(want, layout, slots, x.float(), r.float())
             for w, apart in tilings:
@@ -96,14 +100,17 @@ def main(argv=None) -> int:
                 if not torch.equal(got, want):
                     raise SystemExit(f"{m}, {T} tokens, tiling {knobs or 'default'}: the pages differ from the "
                                      "reference writer's")
-                row = {"method": m, "tokens": T, "warps": w, "paths_apart": apart}
+                tiling = getattr(api, "append_tiling", None)  # (a library without the knobs times "default" only)
+                block_t, warps, apart_used = tiling(layout, T, None, w, apart) if tiling else (None, None, None)
+                row = {"method": m, "tokens": T, "tiling": "default" if w is None else "given", "block_t": block_t,
+                       "warps": warps, "paths_apart": apart_used}
                 if dev == "cuda":
 
                     def step(knobs=knobs, pages=pages, layout=layout, slots=slots, x=x, r=r):
                         for pg in pages:
                             api.append_to_pages(pg, layout, slots, x, r, **knobs)
 
-                    row["graph_us"] = round(1e3 * time_graph(step, a.reps) / a.layers, 3)
+                    row["graph_us"] = round(1e3 * time_graph(step, a.reps) / layers, 3)
                     print(f"{m:10s} {T:5d} tokens  tiling {knobs or 'default'!s:40s} {row['graph_us']:7.2f} us",
                           flush=True)
                 res["rows"].append(row)

@@ -52,15 +52,15 @@ def page_bytes(res: dict, method: str) -> int:
     return pbytes
 
 
-def at_budget(pr: Prices, settings: dict, budget_gib: float, pbytes: int) -> dict:
-    """One format's modelled job at one budget."""
+def at_budget(pr: Prices, settings: dict, budget_gib: float, pbytes: int, method: str = "") -> dict:
+    """One format's modelled job at one budget (`method` names the format in the error of a budget it cannot run)."""
     pages = int(budget_gib * GIB) // pbytes
     stats: dict = {}
     try:
         steps = replay(job_lengths(settings), pages, settings["page_size"], settings["max_num_batched_tokens"],
                        settings["max_num_seqs"], settings["watermark"], stats=stats)
     except ValueError as e:
-        raise SystemExit(f"--budgets-gib {budget_gib}: {e}") from None
+        raise SystemExit(f"--budgets-gib {budget_gib}" + (f" ({method})" if method else "") + f": {e}") from None
     mixed, decode = pr.price(steps)
     dec = [s["rows"] for s in steps if not s["tokens"]]
     return {"pages": pages, "prefilling_steps": sum(1 for s in steps if s["tokens"]), "decode_steps": len(dec),
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
                              "measured_batches": pr.measured_batches, "measured_wall_s": runs[m]["wall_s"],
                              "modelled_wall_s_at_own_budget": round(sum(pr.price(pr.own)), 3)}
         for b in a.budgets_gib:
-            out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, settings, b, pbytes)
+            out["budgets"].setdefault(str(b), {})[m] = at_budget(pr, settings, b, pbytes, m)
     for path in a.compare:
         compare(out, path, res)
     goals = {}
