@@ -22,7 +22,7 @@ from quantmla.cache.layout import PageLayout, TokenLayout
 from quantmla.cache.paged import write_tokens
 from quantmla.kernels import api
 from quantmla_lab.bench.common import parse_fresh, record, save
-from quantmla_lab.bench.kernels.decode_speed import D_C, D_R, METHODS, PAGE
+from quantmla_lab.bench.kernels.decode_speed import D_C, D_R, METHODS, PAGE, capture_graph
 
 TILINGS = ("default", "4:0", "1:0", "1:1", "2:0", "2:1", "4:1")  # warps:paths apart; "default": no knob passed
 
@@ -49,15 +49,9 @@ def inputs(layout: PageLayout, T: int, layers: int, dev: str, seed: int = 0):
 
 
 def time_graph(fn, reps: int) -> float:
-    """Median wall ms of one replay of fn captured as a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Median wall ms of one replay of fn captured as a CUDA graph (L2 not emptied: a step's appends read what the
+    kernels before them wrote)."""
+    g = capture_graph(fn)
     for _ in range(5):
         g.replay()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

@@ -200,6 +200,19 @@ def _median_read_flushed_ms(fn, warmup_ms: float, rep_ms: float) -> float:
     return ts[len(ts) // 2]
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (its lazy allocations and compiles), then captured as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def time_ms(fn, warmup: int, rep: int, graph: bool = True) -> tuple[float, bool]:
     """Median time of fn (replayed as a CUDA graph when it can be captured), with L2 emptied before each call
     as FLUSH says: do_bench's (it zeroes a 256 MB buffer) or a read of one (no dirty lines left)."""
@@ -221,14 +234,7 @@ def time_ms(fn, warmup: int, rep: int, graph: bool = True) -> tuple[float, bool]
         return sorted(ts)[len(ts) // 2], False
     if graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            g = capture_graph(fn)
             _sync()
             return bench(g.replay), True
         except Exception as e:  # noqa: BLE001 - fall back to eager timing
