@@ -43,6 +43,8 @@
 #                 format against vLLM's Triton decode (PEER=path/triton_decode_attention.py)
 #                 -> kernels/warpgroup_gpu_tests_h200.log, kernels/decode_warpgroup_tma_128h_h200.json,
 #                    kernels/decode_warpgroup_lowbit_128h_h200.json, kernels/decode_vs_peer_128h_h200.json
+# append-tilings  the append kernel's tilings (warps, the two paths apart) by format at 1 to 8192 tokens, each append
+#                 a node of a CUDA graph of 27                  -> kernels/append_tilings_h200.json
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 and m16n8k32 (e4m3, s8) against
 #                 wgmma m64n16k16 and m64n32k16 (fp16), m64n32k32 (e4m3, s8) and m64n16k32 (e4m3)
 # e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
@@ -224,6 +226,11 @@ short-units() {
 mma-rate() {
   timeout 300 python3 -m quantmla_lab.bench.kernels.mma_rate --chains 2 4 8 --ctas-per-sm 1 2 4 \
     --out "$OUT/kernels/mma_rate_h200.json" 2>&1 | grep -v SASS | tail -72
+}
+
+append-tilings() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.append_tilings --tokens 1 8 16 128 8192 \
+    --out "$OUT/kernels/append_tilings_h200.json" 2>&1 | grep -v -i warn | tail -140
 }
 
 for s in "${STEPS[@]}"; do

@@ -76,6 +76,8 @@
 #                 the decode schedule at 1 and at 2 programs an SM      -> profile/step_grid_long_ctas{1,2}_h200.json
 # step-grid-full  the whole grid (batches 1-64 x contexts 2K-64K x four formats) as the jobs run decode steps: graph
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
+# step-grid-2k    graph decode steps at the short job's shape (1 and 8 rows of 2K), four formats, 20 costliest kernels:
+#                 the append and decode calls' share of a step                -> profile/step_grid_2k_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -335,6 +337,11 @@ step-grid-ctas() {
 step-grid-full() {
   timeout 400 python3 -m quantmla_lab.bench.serving.step_grid --max-seconds 330 --top 20 \
     --out "$OUT/profile/step_grid_full_graphs_h200.json" 2>&1 | quiet 56
+}
+
+step-grid-2k() {
+  timeout 150 python3 -m quantmla_lab.bench.serving.step_grid --batches 1 8 --contexts 2048 --top 20 --max-seconds 120 \
+    --out "$OUT/profile/step_grid_2k_h200.json" 2>&1 | quiet 14
 }
 
 step-anatomy() {
