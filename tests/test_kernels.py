@@ -71,12 +71,15 @@ def test_append_tiling_defaults_and_bad_knobs():
     assert append_tiling(fp8, 4096) == (4, 2, False)
     assert append_tiling(bf16, 4096) == (4, 2, True)
     assert append_tiling(lay, 8, num_warps=2, paths_apart=False) == (1, 2, False)
+    staged = PageLayout(TokenLayout(D_C, D_R, CacheFormat(PathFormat(4, 32), PathFormat(4, 1, grouping="page"))), PAGE)
+    assert append_tiling(staged, 8) == append_tiling(staged, 8, paths_apart=True) == (1, 4, False)  # one program
     pool = PagePool(lay, 2, device=DEV)
     for n in (1, 0):  # the knobs are checked before any work, an empty call's too
         args = (pool.layer(0), lay, torch.zeros(n, dtype=torch.int64, device=DEV), torch.zeros(n, D_C, device=DEV),
                 torch.zeros(n, D_R, device=DEV))
         for knob, bad, msg in (("num_warps", 3, "num_warps must be 1, 2, 4 or 8, got 3"),
                                ("num_warps", 4.0, "num_warps must be 1, 2, 4 or 8, got 4.0"),
+                               ("num_warps", True, "num_warps must be 1, 2, 4 or 8, got True"),
                                ("block_t", 3, "block_t must be a power of two >= 1, got 3"),
                                ("block_t", 2.0, "block_t must be a power of two >= 1, got 2.0"),
                                ("paths_apart", "no", "paths_apart must be True, False or None, got 'no'")):

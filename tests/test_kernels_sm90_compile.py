@@ -131,11 +131,11 @@ def page_rope_case(heads: int, block: int = 0) -> None:
                   "PATHS_APART": False}, 4, 1)
     rows = torch.zeros(4, dtype=torch.int32)
     stage = torch.zeros(2, PAGE, D_R, dtype=torch.bfloat16)
-    compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
-                 dict(D_R=D_R, PS=PAGE, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
-                      OFF_PM=layout.offsets["rope_page_meta"], BLK=layout.rope_meta_block, BITS=4, GS=1, AFFINE=True,
-                      MB=2, META_BF16=False,
-                      CLIP=4), 4, 1)
+    for affine, mb in ((True, 2), (False, 2), (False, 4)):  # affine and symmetric groups, fp16 and fp32 metadata
+        compile_sm90(_page_rope_kernel, (xr, slots, rows, stage, pages, pr, 4, D_R, PAGE * D_R),
+                     dict(D_R=D_R, PS=PAGE, PAGE_BYTES=layout.page_bytes, OFF_RC=layout.offsets["rope_codes"],
+                          OFF_PM=layout.offsets["rope_page_meta"], BLK=layout.rope_meta_block, BITS=4, GS=1,
+                          AFFINE=affine, MB=mb, META_BF16=False, CLIP=4), 4, 1)
     compile_sm90(_stage_rope_kernel, (xr, slots, rows, stage, 4, D_R, PAGE * D_R), dict(D_R=D_R, PS=PAGE), 1, 1)
 
 

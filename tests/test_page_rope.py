@@ -28,6 +28,10 @@ FORMATS = {
     "int4/int4·page/4": CacheFormat(PathFormat(4, 32), PathFormat(4, 1, grouping="page", block=4)),
     "int2/int4s·page/8 g2 bf16": CacheFormat(PathFormat(2, 32), PathFormat(4, 2, "symmetric", "bfloat16",
                                                                             grouping="page", block=8)),
+    "int4 f32/int4·page f32": CacheFormat(PathFormat(4, 16, meta_dtype="float32"),  # fp32 metadata, kept unrounded
+                                          PathFormat(4, 1, meta_dtype="float32", grouping="page")),
+    "int2/int8s·page/4 f32": CacheFormat(PathFormat(2, 32), PathFormat(8, 2, "symmetric", "float32", grouping="page",
+                                                                       block=4)),
 }
 kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                              reason="needs CUDA or TRITON_INTERPRET=1")

@@ -236,10 +236,9 @@ def append_to_pages(
     if xr.stride(-1) != 1:
         xr = xr.contiguous()
     slots = slots.to(device=kv_pages.device, dtype=torch.int64).contiguous()
-    apart = paths_apart and not per_page
-    _append_kernel[(-(-T // block_t), 2 if apart else 1)](
+    _append_kernel[(-(-T // block_t), 2 if paths_apart else 1)](
         xc, xr, slots, pages, pc16, pr16, T, xc.stride(0), xr.stride(0), **consts, C_BF16=cbf, R_BF16=rbf, BLOCK_T=block_t,
-        R_WRITE=not per_page, C_CLIP=tok.fmt.content.clip_exp, R_CLIP=tok.fmt.rope.clip_exp, PATHS_APART=apart,
+        R_WRITE=not per_page, C_CLIP=tok.fmt.content.clip_exp, R_CLIP=tok.fmt.rope.clip_exp, PATHS_APART=paths_apart,
         num_warps=num_warps,
     )
     if per_page:  # requantize the pages from the call's keys and the stage's, then stage the unfinished pages' keys
@@ -258,13 +257,18 @@ def append_to_pages(
 def append_tiling(layout: PageLayout, T: int, block_t: int | None = None, num_warps: int | None = None,
                   paths_apart: bool | None = None) -> tuple[int, int, bool]:
     """(block_t, num_warps, paths_apart) of an append of T tokens into `layout`: the given knobs checked, the rest
-    defaulted by measurement (``quantmla_lab.bench.kernels.append_tilings``, ``docs/kernels.md``, "Appending"):
-    up to 256 tokens (a decode step's rows), one token a program, 4 warps and the two paths in programs apart;
-    beyond, 4 tokens a program and both paths in one program, on one warp where the content path is integer codes
-    (a group's reduction and a byte's packing stay in the warp) and on two otherwise (BF16 with the paths apart)."""
-    if block_t is not None and (not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1)):
+    defaulted (``docs/kernels.md``, "Appending"): up to 256 tokens (a decode step's rows), one token a program, 4 warps
+    and the two paths in programs apart; beyond, 4 tokens a program and both paths in one program, on one warp where
+    the content path is integer codes and on two otherwise (BF16 with the paths apart). The warps and paths_apart are
+    chosen by measurement (``quantmla_lab.bench.kernels.append_tilings``); the 256-token bound and the tokens a
+    program are the earlier kernel's. A RoPE path grouped per page is written by its own kernel after the content
+    path's program, so paths_apart is False there."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if block_t is not None and (not whole(block_t) or block_t < 1 or block_t & (block_t - 1)):
         raise QuantMLAError(f"block_t must be a power of two >= 1, got {block_t!r}")
-    if num_warps is not None and (not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8)):
+    if num_warps is not None and (not whole(num_warps) or num_warps not in (1, 2, 4, 8)):
         raise QuantMLAError(f"num_warps must be 1, 2, 4 or 8, got {num_warps!r}")
     if paths_apart is not None and not isinstance(paths_apart, bool):
         raise QuantMLAError(f"paths_apart must be True, False or None, got {paths_apart!r}")
@@ -276,7 +280,8 @@ def append_tiling(layout: PageLayout, T: int, block_t: int | None = None, num_wa
     else:
         tiling = (4, 2, not content.quantized)
     given = (block_t, num_warps, paths_apart)
-    return tuple(tiling[i] if given[i] is None else given[i] for i in range(3))
+    block_t, num_warps, paths_apart = (tiling[i] if given[i] is None else given[i] for i in range(3))
+    return block_t, num_warps, paths_apart and not layout.token.fmt.rope.per_page  # (a staged RoPE path: one program)
 
 
 def _check_stage(layout: PageLayout, rope_stage, stage_rows, T: int) -> None:

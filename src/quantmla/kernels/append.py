@@ -137,7 +137,7 @@ def _write_token(
                 q = _round_codes(tl.math.div_rn(x3 - zero[:, :, None], scale[:, :, None]), QMAX)
             else:
                 scale = _symmetric_scale(tl.max(tl.abs(x3), 2), MID, META_BF16, CLIP, MB)
-                zero = scale
+                zero = scale  # (no zero point is stored)
                 q = _round_codes(tl.math.div_rn(x3, scale[:, :, None]), QMAX) + MID
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
             packed = tl.sum(q << (k * BITS), 0)  # [S, GS]: byte s·GS + i
@@ -156,7 +156,7 @@ def _write_token(
                 q = _round_codes(tl.math.div_rn(x3 - zero[:, None, None], scale[:, None, None]), QMAX)
             else:
                 scale = _symmetric_scale(tl.max(tl.max(tl.abs(x3), 2), 1), MID, META_BF16, CLIP, MB)
-                zero = scale
+                zero = scale  # (no zero point is stored)
                 q = _round_codes(tl.math.div_rn(x3, scale[:, None, None]), QMAX) + MID
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
             packed = tl.sum(tl.sum(q << (row * BITS), 1), 0)  # [NB]
@@ -259,6 +259,7 @@ def _page_rope_kernel(
             q = _round_codes(tl.math.div_rn(x4 - zero[:, None, :, None], scale[:, None, :, None]), QMAX)
         else:
             scale = _symmetric_scale(tl.max(tl.max(tl.where(ok4, tl.abs(x4), 0.0), 3), 1), MID, META_BF16, CLIP, MB)
+            zero = scale  # (no zero point is stored)
             q = _round_codes(tl.math.div_rn(x4, scale[:, None, :, None]), QMAX) + MID
         q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
         q3 = tl.reshape(q, [PS, K, NB])  # planar packing: byte j holds codes j + k·NB
