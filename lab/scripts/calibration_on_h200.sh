@@ -3,7 +3,7 @@
 # the calibrated reference models score, and how does calibration time scale? One named step per
 # argument, in order:
 #
-#   OUT=/tmp/out bash lab/scripts/calibration_on_h200.sh streamed-nccl accuracy scaling
+#   QUANTMLA_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/out bash lab/scripts/calibration_on_h200.sh streamed-nccl accuracy scaling
 #
 # streamed-nccl  `quantmla calibrate --stream` of qmla-ref-deepseek-v3 (INT4/INT4) in one process and over
 #                NCCL in two (needs 2 GPUs); the shards must be byte-identical
@@ -45,6 +45,12 @@
 #
 # Files go under $OUT (default /tmp/out), named as in lab/results/ and results/.
 set -uo pipefail
+# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
+# git history, whose HEAD would be recorded instead).
+if [ -z "${QUANTMLA_COMMIT:-}" ]; then
+  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/calibration_scaling" "$OUT/accuracy"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Are the decode kernels correct at full shapes, and how fast are they? One named step per argument, in order:
 #
-#   OUT=/tmp/out bash lab/scripts/kernels_on_h200.sh tests bench serving-shapes
+#   QUANTMLA_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/out bash lab/scripts/kernels_on_h200.sh tests bench serving-shapes
 #
 # tests           the kernel tests on the GPU (full shapes, CUDA host side, interpreter tests) -> kernels/gpu_tests_h200.log
 # bench           `quantmla bench-kernel`: every format against BF16 at DeepSeek shapes, with the
@@ -60,6 +60,12 @@
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
 set -uo pipefail
+# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
+# git history, whose HEAD would be recorded instead).
+if [ -z "${QUANTMLA_COMMIT:-}" ]; then
+  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1

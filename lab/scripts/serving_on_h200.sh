@@ -2,7 +2,7 @@
 # Serving on the H200: does the engine agree with transformers, how much throughput does a low-bit cache
 # buy under a KV budget, and where does a step's time go? One named step per argument, in order:
 #
-#   OUT=/tmp/out bash lab/scripts/serving_on_h200.sh gpu-tests agreement budget-curve
+#   QUANTMLA_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/out bash lab/scripts/serving_on_h200.sh gpu-tests agreement budget-curve
 #
 # gpu-tests       the GPU cases of the read / graph-schedule / engine / observer / fused-module tests (log only)
 # agreement       `serve-bench --check-only`: greedy outputs against generate() on the shipped models
@@ -92,6 +92,12 @@
 # Files go under $OUT/<topic>/ (default OUT=/tmp/out), named as in lab/results/; the console goes to
 # $OUT/console.log too.
 set -uo pipefail
+# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
+# git history, whose HEAD would be recorded instead).
+if [ -z "${QUANTMLA_COMMIT:-}" ]; then
+  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,capture_cost}
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
