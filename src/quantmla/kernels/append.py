@@ -90,9 +90,10 @@ def _write_token(
 ):
     """Quantize and store one path of one token (X: its D values; ok: write at all; PV: the pages in the path's
     MB-byte element type). The codes are held as [K, NB] (planar packing: byte j holds codes j + k·NB in bits
-    [k·b, (k+1)·b)), each group read as one segment of a row (GS <= NB) or as R = GS / NB whole rows, so a
-    group's reduction and a byte's packing stay within a thread's registers and its warp. Masks compare each
-    element's offset with D, or 0 where the token is not written."""
+    [k·b, (k+1)·b)), each group read as one segment of a row (GS <= NB) or as R = GS / NB whole rows: a group's
+    reduction runs along one axis and a byte's codes sum along another, with no reshape between them. (Triton
+    still lays a group of 128 across all the program's warps, so at 4 warps its reduction crosses warps.) Masks
+    compare each element's offset with D, or 0 where the token is not written."""
     page8 = page * PAGE_BYTES
     pagev = page * (PAGE_BYTES // MB)
     if BITS == 16:
