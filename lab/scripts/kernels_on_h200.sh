@@ -59,6 +59,8 @@
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
+# On a GPU other than an H200 the files a run writes are renamed at its end to that GPU's tag (`_h100` for `_h200`;
+# lab/scripts/device_names.sh); the commands recorded inside them keep the `_h200` paths they ran with.
 set -uo pipefail
 # Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
 # git history, whose HEAD would be recorded instead).
@@ -67,6 +69,9 @@ if [ -z "${QUANTMLA_COMMIT:-}" ]; then
   exit 2
 fi
 OUT=${OUT:-/tmp/out}
+# shellcheck source=lab/scripts/device_names.sh
+source "$(dirname "$0")/device_names.sh"
+NAME_SINCE=$(mktemp)
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 EXTRA=()
@@ -243,3 +248,4 @@ for s in "${STEPS[@]}"; do
   echo "== $(date -u +%T) $s"
   "$s"
 done
+name_by_device

@@ -91,6 +91,8 @@
 #
 # Files go under $OUT/<topic>/ (default OUT=/tmp/out), named as in lab/results/; the console goes to
 # $OUT/console.log too.
+# On a GPU other than an H200 the files a run writes are renamed at its end to that GPU's tag (`_h100` for `_h200`;
+# lab/scripts/device_names.sh); the commands recorded inside them keep the `_h200` paths they ran with.
 set -uo pipefail
 # Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
 # git history, whose HEAD would be recorded instead).
@@ -99,6 +101,9 @@ if [ -z "${QUANTMLA_COMMIT:-}" ]; then
   exit 2
 fi
 OUT=${OUT:-/tmp/out}
+# shellcheck source=lab/scripts/device_names.sh
+source "$(dirname "$0")/device_names.sh"
+NAME_SINCE=$(mktemp)
 mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,capture_cost}
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 LOG="$OUT/console.log"
@@ -384,4 +389,5 @@ for s in "$@"; do
   echo "== $(date -u +%T) $s" | tee -a "$LOG"
   "$s"
 done
+name_by_device | tee -a "$LOG"
 echo "== $(date -u +%T) done" | tee -a "$LOG"
