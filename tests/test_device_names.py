@@ -3,7 +3,6 @@
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -13,34 +12,49 @@ SCRIPT = Path(__file__).resolve().parents[1] / "lab" / "scripts" / "device_names
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _run(tmp_path: Path, gpu_name: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, gpu_name: str | None) -> tuple[list[str], str]:
+    """Write a run's files under OUT as the scripts' steps do, rename them, and return (files under OUT, stdout)."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho '{gpu_name}'\n")
-    (fake / "nvidia-smi").chmod(0o755)
+    if gpu_name is not None:
+        (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho '{gpu_name}'\n")
+        (fake / "nvidia-smi").chmod(0o755)
     out = tmp_path / "out"
     (out / "kernels").mkdir(parents=True)
-    (out / "kernels" / "earlier_h200.json").write_text("an earlier run's file")
-    time.sleep(0.05)
-    body = (f"source {SCRIPT}; NAME_SINCE=$(mktemp); sleep 0.05; "
-            "echo a > $OUT/kernels/append_h200.json; echo b > $OUT/kernels/taken_h200.json; "
-            "echo c > $OUT/kernels/taken_h100.json; mkdir -p $OUT/profile; echo d > $OUT/profile/grid_h200.log; "
-            "name_by_device")
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", OUT=str(out))
-    return subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, check=True)
+    earlier = out / "kernels" / "earlier_h200.json"
+    earlier.write_text("an earlier run's file")
+    os.utime(earlier, (1_000_000_000, 1_000_000_000))  # long before the run starts
+    body = (f"source {SCRIPT}; NAME_SINCE=$(mktemp); touch -d '2001-09-10' $NAME_SINCE; "
+            "echo a > $OUT/kernels/append_h200_h200.json; echo b > $OUT/kernels/taken_h200.json; "
+            "echo c > $OUT/kernels/taken_h100.json; mkdir -p $OUT/decode_splits $OUT/dir_h200; "
+            "echo d > $OUT/decode_splits/h200.json; echo e > $OUT/dir_h200/inner.log; name_by_device")
+    path = f"{fake}:/usr/bin:/bin" if gpu_name is None else f"{fake}:{os.environ['PATH']}"
+    if gpu_name is None and shutil.which("nvidia-smi", path=path):
+        pytest.skip("an nvidia-smi is on /usr/bin or /bin")
+    env = dict(os.environ, PATH=path, OUT=str(out))
+    r = subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, check=True)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    return files, r.stdout
 
 
 def test_an_h100_run_names_its_files_h100_and_overwrites_nothing(tmp_path):
-    r = _run(tmp_path, "NVIDIA H100 80GB HBM3")
-    out = tmp_path / "out"
-    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert names == ["kernels/append_h100.json", "kernels/earlier_h200.json", "kernels/taken_h100.json",
-                     "kernels/taken_h200.json", "profile/grid_h100.log"]
-    assert (out / "kernels" / "taken_h100.json").read_text() == "c\n"  # the file already there is kept
-    assert "taken_h100.json exists" in r.stderr
+    files, log = _run(tmp_path, "NVIDIA H100 80GB HBM3")
+    assert files == ["decode_splits/h100.json", "dir_h200/inner.log", "kernels/append_h100_h100.json",
+                     "kernels/earlier_h200.json", "kernels/taken_h100.json", "kernels/taken_h200.json"]
+    assert (tmp_path / "out" / "kernels" / "taken_h100.json").read_text() == "c\n"  # the file already there is kept
+    assert "taken_h100.json exists" in log
+
+
+def test_other_gpus_get_their_own_tag(tmp_path):
+    files, _ = _run(tmp_path, "NVIDIA A100-SXM4-80GB")
+    assert "decode_splits/a100.json" in files and "kernels/append_a100_a100.json" in files
 
 
 def test_an_h200_run_keeps_its_names(tmp_path):
-    _run(tmp_path, "NVIDIA H200")
-    out = tmp_path / "out"
-    assert (out / "kernels" / "append_h200.json").exists() and (out / "profile" / "grid_h200.log").exists()
+    files, _ = _run(tmp_path, "NVIDIA H200")
+    assert "kernels/append_h200_h200.json" in files and "decode_splits/h200.json" in files
+
+
+def test_without_nvidia_smi_nothing_is_renamed_and_it_says_so(tmp_path):
+    files, log = _run(tmp_path, None)
+    assert "kernels/append_h200_h200.json" in files and "names no GPU" in log

@@ -59,8 +59,8 @@
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
-# On a GPU other than an H200 the files a run writes are renamed at its end to that GPU's tag (`_h100` for `_h200`;
-# lab/scripts/device_names.sh); the commands recorded inside them keep the `_h200` paths they ran with.
+# On a GPU other than an H200 the files a run writes are renamed when it exits (a step's failure or timeout too) to
+# that GPU's tag, h100 for h200 (lab/scripts/device_names.sh); the commands recorded inside them keep the h200 paths.
 set -uo pipefail
 # Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
 # git history, whose HEAD would be recorded instead).
@@ -72,6 +72,7 @@ OUT=${OUT:-/tmp/out}
 # shellcheck source=lab/scripts/device_names.sh
 source "$(dirname "$0")/device_names.sh"
 NAME_SINCE=$(mktemp)
+trap name_by_device EXIT
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 EXTRA=()
@@ -248,4 +249,3 @@ for s in "${STEPS[@]}"; do
   echo "== $(date -u +%T) $s"
   "$s"
 done
-name_by_device

@@ -91,8 +91,8 @@
 #
 # Files go under $OUT/<topic>/ (default OUT=/tmp/out), named as in lab/results/; the console goes to
 # $OUT/console.log too.
-# On a GPU other than an H200 the files a run writes are renamed at its end to that GPU's tag (`_h100` for `_h200`;
-# lab/scripts/device_names.sh); the commands recorded inside them keep the `_h200` paths they ran with.
+# On a GPU other than an H200 the files a run writes are renamed when it exits (a step's failure or timeout too) to
+# that GPU's tag, h100 for h200 (lab/scripts/device_names.sh); the commands recorded inside them keep the h200 paths.
 set -uo pipefail
 # Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
 # git history, whose HEAD would be recorded instead).
@@ -107,6 +107,7 @@ NAME_SINCE=$(mktemp)
 mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,capture_cost}
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
 LOG="$OUT/console.log"
+trap 'name_by_device | tee -a "$LOG"' EXIT
 M=models/qmla-ref-deepseek-v3
 GRP=(--content-group 128 --rope-group 64)
 quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
@@ -389,5 +390,4 @@ for s in "$@"; do
   echo "== $(date -u +%T) $s" | tee -a "$LOG"
   "$s"
 done
-name_by_device | tee -a "$LOG"
 echo "== $(date -u +%T) done" | tee -a "$LOG"
