@@ -1,0 +1,268 @@
+// The tokens-as-M decode kernel's output phase alone, Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ over one 64-token tile of
+// INT4 content codes (512 channels in two 4-bit planes of 256 bytes, groups of 128 channels, 16 query rows), repeated
+// ITERS times on the same shared-memory tile by every CTA of 4 warps (one warpgroup, the output warps of the kernel
+// with its warps apart). The question: do the output products on 8-bit warpgroup MMAs take a tile in less time than
+// on mma.sync, once the codes' transposes and the per-tile fold are paid?
+//
+//   MODE 0  today's loop (output_tm.cuh at 4 bits): per 16 tokens a byte permute pairs two tokens' codes of one
+//           channel, a mask gives the fp16 A operand, P·scale (fp16, ldmatrix) the B operand; mma.sync m16n8k16 into
+//           64 fp32 accumulators a thread that last the whole run.
+//   MODE 1  wgmma m64n32k32 e4m3: M 64 channels of one plane, K 32 tokens, N the 16 rows' two terms of P·scale
+//           (hi, lo as e4m3). A is 4 tokens of one channel a register: each thread loads one 32-bit word (4 channel
+//           bytes) of 4 tokens and transposes them with 8 byte permutes; plane 0 is the low nibble (the e4m3 pattern
+//           of c·2^-9), plane 1 the high nibble shifted down. An M block's two k-steps go to fresh accumulators
+//           (2 blocks in flight), folded into the fp32 output: hi + lo.
+//   MODE 2  the same on u8·u8 -> s32: plane 1 is the high nibble in place (16c), the terms are 256·hi + lo,
+//           converted to fp32 once per tile.
+//
+// An M block (p, h, e) of MODES 1, 2: plane p, byte half h, byte pair e; its row 16w + g (+ 8) is byte
+// 4·(8w + g + 32h) + 2e (+ 1) of the plane; its group 2p + h. Thread (w, g, q) reads the 4-byte word 8w + g + 32h of
+// tokens 32s + 16u + 4q + i (k-step s, K half u, i < 4): register u of k-step s, byte pair e, row g (+ 8).
+//
+// Macros: MODE, ITERS, MINB (CTAs an SM the registers are capped for: 4 gives 128 a thread). Output: each CTA writes
+// O [512 channels][16 rows] fp32 to out + 8192·block, channels in their natural order (MODE 0: times 2^(24 - 4p) as
+// the kernel's epilogue would apply; MODE 2: times 1/(16^p · 256)), so every mode gives Σ_token code·(P·scale).
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <type_traits>
+typedef __half T;
+typedef __half2 T2;
+#define MMA_TYPE "f16"
+#include "ptx.cuh"  // src/quantmla/kernels/cuda: smem_u32, ldsm_x4, mma16816
+
+#ifndef MODE
+#define MODE 0
+#endif
+#ifndef ITERS
+#define ITERS 1
+#endif
+#ifndef MINB
+#define MINB 4
+#endif
+#ifndef INFLIGHT
+#define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1 or 2)
+#endif
+
+constexpr int BN = 64, BM = 16, FB_CC = 256, CG = 4, LDP = BN + 8;
+#pragma nv_diag_suppress 177  // BW, BT: MODE 0 only
+constexpr int NW = 4, BW = FB_CC / NW;  // MODE 0: 64 bytes a warp ..
+#define BT (BW / 8)                     // .. and 8 a thread (4 bits)
+
+__device__ __forceinline__ uint32_t plane16(uint32_t x, int p) { return x & ((0xFu << (4 * p)) * 0x10001u); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// K-major B without swizzle: 8 x 16-byte core matrices, 512 bytes apart along K, 128 along N (query_s8.cuh's q8_at)
+__device__ __forceinline__ uint64_t b_desc(const void* p) {
+  return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(512 >> 4) << 16 | (uint64_t)(128 >> 4) << 32;
+}
+#define WG_N32(NAME, OP, C, TY, SCALES)                                                                              \
+  __device__ __forceinline__ void NAME(TY (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" OP " "                                               \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p" SCALES ";\n}\n"  \
+                 : "+" C(d[0]), "+" C(d[1]), "+" C(d[2]), "+" C(d[3]), "+" C(d[4]), "+" C(d[5]), "+" C(d[6]),           \
+                   "+" C(d[7]), "+" C(d[8]), "+" C(d[9]), "+" C(d[10]), "+" C(d[11]), "+" C(d[12]), "+" C(d[13]),       \
+                   "+" C(d[14]), "+" C(d[15])                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));                                 \
+  }
+WG_N32(wg_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
+WG_N32(wg_u8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.u8", "r", int32_t, "")
+#endif
+template <int N, typename TY>
+__device__ __forceinline__ void fence_regs(TY (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (std::is_integral<TY>::value) asm volatile("" : "+r"(d[i])::"memory");
+    else asm volatile("" : "+f"(d[i])::"memory");
+  }
+}
+
+// 4 tokens' words (4 channel bytes each) -> 4 words of one channel byte each (tokens in order)
+__device__ __forceinline__ void transpose4(const uint32_t (&w)[4], uint32_t (&r)[4]) {
+  const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140u), t1 = __byte_perm(w[2], w[3], 0x5140u);
+  const uint32_t t2 = __byte_perm(w[0], w[1], 0x7362u), t3 = __byte_perm(w[2], w[3], 0x7362u);
+  r[0] = __byte_perm(t0, t1, 0x5410u), r[1] = __byte_perm(t0, t1, 0x7632u);
+  r[2] = __byte_perm(t2, t3, 0x5410u), r[3] = __byte_perm(t2, t3, 0x7632u);
+}
+
+template <int P>
+__device__ __forceinline__ uint32_t plane8(uint32_t x) {
+  if constexpr (MODE == 1) return P == 0 ? x & 0x0F0F0F0Fu : (x >> 4) & 0x0F0F0F0Fu;  // e4m3 c·2^-9
+  else return x & ((0xFu << (4 * P)) * 0x01010101u);                                  // u8 c·16^P
+}
+
+#if MODE != 0
+using Acc = typename std::conditional<MODE == 1, float, int32_t>::type;
+// the A operands of M block (p, e) for both k-steps from the transposed words r[k-step][K half][byte]
+__device__ __forceinline__ void build_a(const uint32_t (&r)[2][2][4], int p, int e, uint32_t (&a)[2][4]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const uint32_t x[4] = {r[s][0][2 * e], r[s][0][2 * e + 1], r[s][1][2 * e], r[s][1][2 * e + 1]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[s][i] = p ? plane8<1>(x[i]) : plane8<0>(x[i]);
+  }
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// an M block's two k-steps into fresh accumulators: B of its group at b (two 1 KB k-steps)
+__device__ __forceinline__ void issue(Acc (&acc)[16], const uint32_t (&a)[2][4], const uint8_t* b) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#if MODE == 1
+    wg_e4m3(acc, a[s], b_desc(b + s * 1024), s);
+#else
+    wg_u8(acc, a[s], b_desc(b + s * 1024), s);
+#endif
+  }
+}
+#endif
+// o[x] += the block's hi + lo terms of query row 8j + 2q (+ 1), channel row g (+ 8): x = 4j + e, hi at acc[4j + e],
+// lo at acc[4(j + 2) + e]; u8: 256·hi + lo over 256·16^p
+__device__ __forceinline__ void fold(float (&o)[8], const Acc (&acc)[16], int p) {
+#pragma unroll
+  for (int x = 0; x < 8; ++x) {
+    const int j = x >> 2, ee = x & 3;
+    if constexpr (MODE == 1) o[x] += acc[4 * j + ee] + acc[4 * (j + 2) + ee];
+    else o[x] += (float)(acc[4 * j + ee] * 256 + acc[4 * (j + 2) + ee]) * (p ? 1.0f / 4096.0f : 1.0f / 256.0f);
+  }
+}
+#endif
+
+// codes [64 tokens][256 bytes]; p16 [4 groups][16 rows][64 tokens] fp16 (MODE 0); b8 [4 groups][2 k-steps][1024] in
+// q8_at order, rows n < 16 the hi term of query row n, 16 + n the lo term (MODES 1, 2)
+extern "C" __global__ void __launch_bounds__(128, MINB)
+output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, const uint8_t* __restrict__ b8,
+             float* __restrict__ out) {
+  __shared__ __align__(1024) uint8_t sC[BN * FB_CC];
+  __shared__ __align__(1024) uint8_t sB[MODE == 0 ? CG * BM * LDP * 2 : CG * 2 * 1024];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  for (int i = tid; i < BN * FB_CC / 16; i += 128) reinterpret_cast<uint4*>(sC)[i] = reinterpret_cast<const uint4*>(codes)[i];
+  if constexpr (MODE == 0) {
+    __half* sP = reinterpret_cast<__half*>(sB);
+    for (int i = tid; i < CG * BM * BN; i += 128) sP[(i / BN) * LDP + i % BN] = p16[i];
+  } else {
+    for (int i = tid; i < CG * 2 * 1024 / 16; i += 128) reinterpret_cast<uint4*>(sB)[i] = reinterpret_cast<const uint4*>(b8)[i];
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+  float* o = out + (size_t)blockIdx.x * 512 * BM;
+
+#if MODE == 0
+  float oacc[8][2][4] = {};
+  const T* sP = reinterpret_cast<const T*>(sB);
+  for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      const int r0 = 16 * j + 2 * q, col = BW * warp + BT * g;
+      const uint2 va = *reinterpret_cast<const uint2*>(sC + r0 * FB_CC + col);
+      const uint2 vb = *reinterpret_cast<const uint2*>(sC + (r0 + 8) * FB_CC + col);
+      const uint2 vc = *reinterpret_cast<const uint2*>(sC + (r0 + 1) * FB_CC + col);
+      const uint2 vd = *reinterpret_cast<const uint2*>(sC + (r0 + 9) * FB_CC + col);
+      const uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y}, wc[2] = {vc.x, vc.y}, wd[2] = {vd.x, vd.y};
+      uint32_t pb[2][4];
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int grp = (p * FB_CC + BW * warp) / 128;
+        ldsm_x4(pb[p], sP + (grp * BM + 8 * ((lane >> 3) >> 1) + (lane & 7)) * LDP + 16 * j + 8 * ((lane >> 3) & 1));
+      }
+#pragma unroll
+      for (int z = 0; z < BT / 2; ++z) {
+        const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
+        const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
+        const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t a[4] = {plane16(zab, p), plane16(zab8, p), plane16(zcd, p), plane16(zcd8, p)};
+          const int mb = p * (BT / 2) + z;
+          mma16816(oacc[mb][0], a, pb[p][0], pb[p][1]);
+          mma16816(oacc[mb][1], a, pb[p][2], pb[p][3]);
+        }
+      }
+    }
+  }
+  // block mb = (p, z): row g (+ 8) is byte BW·warp + BT·g + 2z (+ 1) of plane p; column 8nb + 2q (+ 1)
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) {
+    const int p = mb / (BT / 2), z = mb % (BT / 2);
+    const float f = (float)(1 << (24 - 4 * p));
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ch = 256 * p + BW * warp + BT * g + 2 * z + (e >> 1), n = 8 * nb + 2 * q + (e & 1);
+        o[ch * BM + n] = oacc[mb][nb][e] * f;
+      }
+  }
+#else
+  float oacc[8][8] = {};  // [M block (p, h, e)][row g / g + 8 x query rows 2q, 2q + 1, 8 + 2q, 9 + 2q]
+  for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int word = 8 * warp + g + 32 * h;
+      uint32_t r[2][2][4];  // [k-step][K half][byte of the word]
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          uint32_t w[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(sC + (32 * s + 16 * u + 4 * q + i) * FB_CC)[word];
+          transpose4(w, r[s][u]);
+        }
+#if INFLIGHT == 2
+      Acc acc[2][16];
+#pragma unroll
+      for (int pe = 0; pe < 4; ++pe) {  // (p, e); the products of (p, e) run while those before are folded
+        const int p = pe >> 1, e = pe & 1, grp = 2 * p + h, par = pe & 1;
+        uint32_t a[2][4];
+        build_a(r, p, e, a);
+        fence_regs(acc[par]);
+        wg_fence();
+        issue(acc[par], a, sB + grp * 2 * 1024);
+        wg_commit();
+        if (pe > 0) {
+          wg_wait<1>();
+          fence_regs(acc[par ^ 1]);
+          fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc[par ^ 1], (pe - 1) >> 1);
+        }
+      }
+      wg_wait<0>();
+      fence_regs(acc[1]);
+      fold(oacc[(2 + h) * 2 + 1], acc[1], 1);
+#else
+      Acc acc[16];
+#pragma unroll
+      for (int pe = 0; pe < 4; ++pe) {  // (p, e); the A operand of (p, e) is built while the products before run
+        const int p = pe >> 1, e = pe & 1, grp = 2 * p + h;
+        uint32_t a[2][4];
+        build_a(r, p, e, a);
+        if (pe > 0) {
+          wg_wait<0>();
+          fence_regs(acc);
+          fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc, (pe - 1) >> 1);
+        }
+        fence_regs(acc);
+        wg_fence();
+        issue(acc, a, sB + grp * 2 * 1024);
+        wg_commit();
+      }
+      wg_wait<0>();
+      fence_regs(acc);
+      fold(oacc[(2 + h) * 2 + 1], acc, 1);
+#endif
+    }
+  }
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) {
+    const int p = mb >> 2, h = (mb >> 1) & 1, e = mb & 1;
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int j = x >> 2, ee = x & 3;
+      const int ch = 256 * p + 4 * (8 * warp + g + 32 * h) + 2 * e + (ee >> 1), n = 8 * j + 2 * q + (ee & 1);
+      o[ch * BM + n] = oacc[mb][x] * (MODE == 1 ? 512.0f : 1.0f);  // e4m3 codes are c·2^-9
+    }
+  }
+#endif
+}
