@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--probe", default=None, metavar="FILE.pt",
+                   help="also run each 8-bit build once on one-hot terms (hi: token n of query row n, lo: token n + 32) "
+                        "and save codes, terms and outputs to FILE.pt, to read the hardware's fragment layout from")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     builds = [tuple(int(v) for v in b.split(":")) for b in a.builds]
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
     res = record(iters=a.iters, ctas_per_sm=a.ctas_per_sm, rows=[])
     codes, x = operands()
     cc = channel_codes(codes)
+    probes = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, minb, inflight in builds:
             row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None}
@@ -137,6 +141,21 @@ def main(argv=None) -> int:
                 got = out.view(512, 16).double().cpu()
                 row["rel_err_vs_fp64"] = float((got - want).norm() / want.norm())
                 row["held_rel_err_vs_p_scale"] = float(((held / f - x).norm() / x.norm()))
+                if a.probe and mode:
+                    eye = torch.zeros(CG, BM, BN, dtype=torch.uint8)
+                    for n in range(BM):
+                        eye[:, n, n] = 1
+                    ph = eye * (56 if mode == 1 else 1)  # e4m3 0x38 is 1.0
+                    pl = eye.roll(32, dims=2) * (56 if mode == 1 else 1)
+                    pb = op_b8 = b8_layout(ph, pl)
+                    pout = torch.full((8192,), float("nan"), device=dev)
+                    driver.launch(driver.function(one, "output_phase", 0, dev), (1,), 128, 0,
+                                  torch.cuda.current_stream().cuda_stream,
+                                  [("p", codes.to(dev).data_ptr()), ("p", p16.to(dev).data_ptr()), ("p", pb.to(dev).data_ptr()),
+                                   ("p", pout.data_ptr())])
+                    torch.cuda.synchronize()
+                    probes[mode] = {"codes": codes, "b8": op_b8, "out": pout.view(512, 16).cpu(),
+                                    "out_random": got, "b8_random": b8}
                 fn = driver.function(path, "output_phase", 0, dev)
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 for cps in a.ctas_per_sm:
@@ -158,6 +177,8 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(row, flush=True)
     save(res, a.out)
+    if a.probe:
+        torch.save(probes, a.probe)
     return 0
 
 
