@@ -40,7 +40,8 @@ typedef __half2 T2;
 #define MINB 4
 #endif
 #ifndef INFLIGHT
-#define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1 or 2)
+#define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1 or 2; 0: 1, and the next A
+                    // operand built only after they finish)
 #endif
 
 constexpr int BN = 64, BM = 16, FB_CC = 256, CG = 4, LDP = BN + 8;
@@ -237,6 +238,7 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the A operand of (p, e) is built while the products before run
         const int p = pe >> 1, e = pe & 1, grp = 2 * p + h;
         uint32_t a[2][4];
+        if constexpr (INFLIGHT == 0) wg_wait<0>();  // no A operand built while a product is in flight
         build_a(r, p, e, a);
         if (pe > 0) {
           wg_wait<0>();
