@@ -40,7 +40,7 @@ typedef __half2 T2;
 #define MINB 4
 #endif
 #ifndef INFLIGHT
-#define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1 or 2; 0: 1, and the next A
+#define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1, 2 or 4; 0: 1, and the next A
                     // operand built only after they finish)
 #endif
 
@@ -212,7 +212,24 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
           for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(sC + (32 * s + 16 * u + 4 * q + i) * FB_CC)[word];
           transpose4(w, r[s][u]);
         }
-#if INFLIGHT == 2
+#if INFLIGHT == 4
+      Acc acc[4][16];  // every (p, e) of this half on accumulators of its own, one wait
+#pragma unroll
+      for (int pe = 0; pe < 4; ++pe) {
+        uint32_t a[2][4];
+        build_a(r, pe >> 1, pe & 1, a);
+        fence_regs(acc[pe]);
+        wg_fence();
+        issue(acc[pe], a, sB + (2 * (pe >> 1) + h) * 2 * 1024);
+        wg_commit();
+      }
+      wg_wait<0>();
+#pragma unroll
+      for (int pe = 0; pe < 4; ++pe) {
+        fence_regs(acc[pe]);
+        fold(oacc[(2 * (pe >> 1) + h) * 2 + (pe & 1)], acc[pe], pe >> 1);
+      }
+#elif INFLIGHT == 2
       Acc acc[2][16];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the products of (p, e) run while those before are folded
