@@ -39,6 +39,10 @@ typedef __half2 T2;
 #ifndef MINB
 #define MINB 4
 #endif
+#ifndef KEEP_A
+#define KEEP_A 1  // MODES 1, 2: keep each product's A registers live until its wait (0: the compiler may reuse them
+                  // while the product is in flight, and the outputs are wrong)
+#endif
 #ifndef INFLIGHT
 #define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1, 2 or 4; 0: 1, and the next A
                     // operand built only after they finish)
@@ -79,6 +83,14 @@ __device__ __forceinline__ void fence_regs(TY (&d)[N]) {
     if constexpr (std::is_integral<TY>::value) asm volatile("" : "+r"(d[i])::"memory");
     else asm volatile("" : "+f"(d[i])::"memory");
   }
+}
+
+// a product's A registers, read by the tensor core until the wait that covers it: named here after that wait, so that
+// the compiler keeps them (and builds nothing else into them) while the product is in flight
+__device__ __forceinline__ void keep_a(const uint32_t (&a)[2][4]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]) : "memory");
 }
 
 // 4 tokens' words (4 channel bytes each) -> 4 words of one channel byte each (tokens in order)
@@ -214,60 +226,65 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
         }
 #if INFLIGHT == 4
       Acc acc[4][16];  // every (p, e) of this half on accumulators of its own, one wait
+      uint32_t a[4][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {
-        uint32_t a[2][4];
-        build_a(r, pe >> 1, pe & 1, a);
+        build_a(r, pe >> 1, pe & 1, a[pe]);
         fence_regs(acc[pe]);
         wg_fence();
-        issue(acc[pe], a, sB + (2 * (pe >> 1) + h) * 2 * 1024);
+        issue(acc[pe], a[pe], sB + (2 * (pe >> 1) + h) * 2 * 1024);
         wg_commit();
       }
       wg_wait<0>();
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {
+        if (KEEP_A) keep_a(a[pe]);
         fence_regs(acc[pe]);
         fold(oacc[(2 * (pe >> 1) + h) * 2 + (pe & 1)], acc[pe], pe >> 1);
       }
 #elif INFLIGHT == 2
       Acc acc[2][16];
+      uint32_t a[2][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the products of (p, e) run while those before are folded
         const int p = pe >> 1, e = pe & 1, grp = 2 * p + h, par = pe & 1;
-        uint32_t a[2][4];
-        build_a(r, p, e, a);
+        build_a(r, p, e, a[par]);
         fence_regs(acc[par]);
         wg_fence();
-        issue(acc[par], a, sB + grp * 2 * 1024);
+        issue(acc[par], a[par], sB + grp * 2 * 1024);
         wg_commit();
         if (pe > 0) {
           wg_wait<1>();
+          if (KEEP_A) keep_a(a[par ^ 1]);
           fence_regs(acc[par ^ 1]);
           fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc[par ^ 1], (pe - 1) >> 1);
         }
       }
       wg_wait<0>();
+      if (KEEP_A) keep_a(a[1]);
       fence_regs(acc[1]);
       fold(oacc[(2 + h) * 2 + 1], acc[1], 1);
 #else
       Acc acc[16];
+      uint32_t a[2][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the A operand of (p, e) is built while the products before run
-        const int p = pe >> 1, e = pe & 1, grp = 2 * p + h;
-        uint32_t a[2][4];
+        const int p = pe >> 1, e = pe & 1, grp = 2 * p + h, par = pe & 1;
         if constexpr (INFLIGHT == 0) wg_wait<0>();  // no A operand built while a product is in flight
-        build_a(r, p, e, a);
+        build_a(r, p, e, a[par]);
         if (pe > 0) {
           wg_wait<0>();
+          if (KEEP_A) keep_a(a[par ^ 1]);
           fence_regs(acc);
           fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc, (pe - 1) >> 1);
         }
         fence_regs(acc);
         wg_fence();
-        issue(acc, a, sB + grp * 2 * 1024);
+        issue(acc, a[par], sB + grp * 2 * 1024);
         wg_commit();
       }
       wg_wait<0>();
+      if (KEEP_A) keep_a(a[1]);
       fence_regs(acc);
       fold(oacc[(2 + h) * 2 + 1], acc, 1);
 #endif

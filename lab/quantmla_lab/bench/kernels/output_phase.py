@@ -32,11 +32,11 @@ MODES = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n32k32 e4m3", 2: "wgmma m64n32
 BN, FB_CC, BM, CG, LDP = 64, 256, 16, 4, 72
 
 
-def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path) -> tuple[Path, dict]:
-    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}.cubin"
+def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path, keep_a: int = 1) -> tuple[Path, dict]:
+    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}_{keep_a}.cubin"
     cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
            f"-I{Path(build.__file__).parent}", f"-DMODE={mode}", f"-DITERS={iters}", f"-DMINB={minb}",
-           f"-DINFLIGHT={inflight}", "-o", str(out), str(SOURCE)]
+           f"-DINFLIGHT={inflight}", f"-DKEEP_A={keep_a}", "-o", str(out), str(SOURCE)]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
@@ -98,8 +98,9 @@ def b8_layout(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--builds", nargs="+", default=["0:4:1", "1:4:1", "2:4:1", "1:2:1", "2:2:1", "1:2:2", "2:2:2"],
-                   metavar="MODE:MINB:INFLIGHT", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM the "
-                   "registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2)")
+                   metavar="MODE:MINB:INFLIGHT[:KEEP_A]", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM "
+                   "the registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2); KEEP_A 0 "
+                   "lets the compiler reuse an in-flight product's A registers (default 1)")
     p.add_argument("--iters", type=int, default=2048)
     p.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2])
     p.add_argument("--reps", type=int, default=10)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
                         "and save codes, terms and outputs to FILE.pt, to read the hardware's fragment layout from")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
-    builds = [tuple(int(v) for v in b.split(":")) for b in a.builds]
+    builds = [tuple(int(v) for v in (b + ":1").split(":")[:4]) for b in a.builds]
     if build.nvcc() is None:
         raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
     gpu = torch.cuda.is_available() and not a.build_only
@@ -118,10 +119,11 @@ def main(argv=None) -> int:
     cc = channel_codes(codes)
     probes = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, minb, inflight in builds:
-            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None}
-            one, _ = cubin(mode, 1, minb, inflight, Path(tmp))
-            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp))
+        for mode, minb, inflight, keep_a in builds:
+            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None,
+                   "keep_a": bool(keep_a) if mode else None}
+            one, _ = cubin(mode, 1, minb, inflight, Path(tmp), keep_a)
+            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp), keep_a)
             row.update(ptx)
             if gpu:
                 dev = torch.device("cuda")
