@@ -16,7 +16,7 @@ def test_the_kernels_index_arithmetic_gives_the_codes_times_p_scale(mode):
     want = torch.stack([want[c // 128, :, c] for c in range(512)])  # each channel reads its own group's P·scale
     got = op.emulate(codes, op.b8_layout(hi, lo), mode) * (512 if mode == 1 else 1)
     assert float((got - want).norm() / want.norm()) < 1e-12
-    # a wrong transpose (the tokens of a register reversed) is caught
+    # the codes of other tokens (all 64 in reverse order) are caught
     bad = op.emulate(codes.flip(0), op.b8_layout(hi, lo), mode) * (512 if mode == 1 else 1)
     assert float((bad - want).norm() / want.norm()) > 1e-2
 

@@ -57,8 +57,8 @@
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
 # output-phase    the tokens-as-M kernel's output phase alone, mma.sync fp16 against 8-bit warpgroup MMAs (e4m3, u8),
-#                 at 128 registers a thread and without the cap, each product's A registers kept to its wait (and one
-#                 build without), one-hot probes saved          -> kernels/output_phase_{128_registers,two_ctas}_h200.json
+#                 at 128 registers a thread and without the cap, each build checked against fp64, one-hot probes
+#                 saved          -> kernels/output_phase_{128_registers,two_ctas}_h200.json
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
@@ -251,7 +251,7 @@ append-tilings() {
 output-phase() {
   timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:4:1 1:4:1 2:4:1 --ctas-per-sm 2 4 \
     --out "$OUT/kernels/output_phase_128_registers_h200.json" 2>&1 | tail -5
-  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1 2:2:1 1:2:2 2:2:2 1:2:4 2:2:4 2:2:1:0 \
+  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1 2:2:1 1:2:2 2:2:2 1:2:4 2:2:4 2:2:0 \
     --ctas-per-sm 2 --probe "$OUT/kernels/output_phase_probe_h200.pt" --out "$OUT/kernels/output_phase_two_ctas_h200.json" 2>&1 | tail -9
 }
 

@@ -39,10 +39,6 @@ typedef __half2 T2;
 #ifndef MINB
 #define MINB 4
 #endif
-#ifndef KEEP_A
-#define KEEP_A 1  // MODES 1, 2: keep each product's A registers live until its wait (0: the compiler may reuse them
-                  // while the product is in flight, and the outputs are wrong)
-#endif
 #ifndef INFLIGHT
 #define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1, 2 or 4; 0: 1, and the next A
                     // operand built only after they finish)
@@ -83,14 +79,6 @@ __device__ __forceinline__ void fence_regs(TY (&d)[N]) {
     if constexpr (std::is_integral<TY>::value) asm volatile("" : "+r"(d[i])::"memory");
     else asm volatile("" : "+f"(d[i])::"memory");
   }
-}
-
-// a product's A registers, read by the tensor core until the wait that covers it: named here after that wait, so that
-// the compiler keeps them (and builds nothing else into them) while the product is in flight
-__device__ __forceinline__ void keep_a(const uint32_t (&a)[2][4]) {
-#pragma unroll
-  for (int s = 0; s < 2; ++s)
-    asm volatile("" ::"r"(a[s][0]), "r"(a[s][1]), "r"(a[s][2]), "r"(a[s][3]) : "memory");
 }
 
 // 4 tokens' words (4 channel bytes each) -> 4 words of one channel byte each (tokens in order)
@@ -225,7 +213,7 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
           transpose4(w, r[s][u]);
         }
 #if INFLIGHT == 4
-      Acc acc[4][16];  // every (p, e) of this half on accumulators of its own, one wait
+      Acc acc[4][16] = {};  // every (p, e) of this half on accumulators of its own, one wait
       uint32_t a[4][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {
@@ -238,12 +226,11 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
       wg_wait<0>();
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {
-        if (KEEP_A) keep_a(a[pe]);
         fence_regs(acc[pe]);
         fold(oacc[(2 * (pe >> 1) + h) * 2 + (pe & 1)], acc[pe], pe >> 1);
       }
 #elif INFLIGHT == 2
-      Acc acc[2][16];
+      Acc acc[2][16] = {};
       uint32_t a[2][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the products of (p, e) run while those before are folded
@@ -255,17 +242,15 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
         wg_commit();
         if (pe > 0) {
           wg_wait<1>();
-          if (KEEP_A) keep_a(a[par ^ 1]);
           fence_regs(acc[par ^ 1]);
           fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc[par ^ 1], (pe - 1) >> 1);
         }
       }
       wg_wait<0>();
-      if (KEEP_A) keep_a(a[1]);
       fence_regs(acc[1]);
       fold(oacc[(2 + h) * 2 + 1], acc[1], 1);
 #else
-      Acc acc[16];
+      Acc acc[16] = {};
       uint32_t a[2][2][4];
 #pragma unroll
       for (int pe = 0; pe < 4; ++pe) {  // (p, e); the A operand of (p, e) is built while the products before run
@@ -274,7 +259,6 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
         build_a(r, p, e, a[par]);
         if (pe > 0) {
           wg_wait<0>();
-          if (KEEP_A) keep_a(a[par ^ 1]);
           fence_regs(acc);
           fold(oacc[(2 * ((pe - 1) >> 1) + h) * 2 + ((pe - 1) & 1)], acc, (pe - 1) >> 1);
         }
@@ -284,7 +268,6 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
         wg_commit();
       }
       wg_wait<0>();
-      if (KEEP_A) keep_a(a[1]);
       fence_regs(acc);
       fold(oacc[(2 + h) * 2 + 1], acc, 1);
 #endif

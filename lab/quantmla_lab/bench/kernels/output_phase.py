@@ -6,9 +6,9 @@ no copies, no scores, no softmax.
 
     python -m quantmla_lab.bench.kernels.output_phase --out $OUT/kernels/output_phase_h200.json
 
-First every build runs once (ITERS 1) on one CTA against an fp64 reference of the same operands (the codes times
-P·scale as that build holds it: fp16, two e4m3 terms, or two u8 terms), which checks the operand and accumulator
-layouts; then each build is timed at `--ctas-per-sm` CTAs an SM (2: the kernel's 8 output warps an SM) with CUDA
+First every build (the binary that is timed) runs on one CTA, its tiles summed over the iterations and divided by
+them, against an fp64 reference of the same operands (the codes times P·scale as that build holds it: fp16, two e4m3
+terms, or two u8 terms), which checks the operand and accumulator layouts; then each build is timed at `--ctas-per-sm` CTAs an SM (2: the kernel's 8 output warps an SM) with CUDA
 events, median of `--reps` launches. `ns_per_tile` is a launch's time over its iterations: one tile of every CTA,
 side by side. Registers and spills come from ptxas. Without a GPU it builds the cubins and stops (`--build-only`).
 """
@@ -32,11 +32,11 @@ MODES = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n32k32 e4m3", 2: "wgmma m64n32
 BN, FB_CC, BM, CG, LDP = 64, 256, 16, 4, 72
 
 
-def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path, keep_a: int = 1) -> tuple[Path, dict]:
-    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}_{keep_a}.cubin"
+def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path) -> tuple[Path, dict]:
+    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}.cubin"
     cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
            f"-I{Path(build.__file__).parent}", f"-DMODE={mode}", f"-DITERS={iters}", f"-DMINB={minb}",
-           f"-DINFLIGHT={inflight}", f"-DKEEP_A={keep_a}", "-o", str(out), str(SOURCE)]
+           f"-DINFLIGHT={inflight}", "-o", str(out), str(SOURCE)]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
@@ -98,9 +98,8 @@ def b8_layout(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--builds", nargs="+", default=["0:4:1", "1:4:1", "2:4:1", "1:2:1", "2:2:1", "1:2:2", "2:2:2"],
-                   metavar="MODE:MINB:INFLIGHT[:KEEP_A]", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM "
-                   "the registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2); KEEP_A 0 "
-                   "lets the compiler reuse an in-flight product's A registers (default 1)")
+                   metavar="MODE:MINB:INFLIGHT", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM the "
+                   "registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2: 0, 1, 2 or 4)")
     p.add_argument("--iters", type=int, default=2048)
     p.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2])
     p.add_argument("--reps", type=int, default=10)
@@ -110,7 +109,14 @@ def main(argv=None) -> int:
                         "and save codes, terms and outputs to FILE.pt, to read the hardware's fragment layout from")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
-    builds = [tuple(int(v) for v in (b + ":1").split(":")[:4]) for b in a.builds]
+    builds = []
+    for b in a.builds:
+        f = b.split(":")
+        if len(f) != 3 or not all(v.isdigit() for v in f) or int(f[0]) not in MODES or int(f[2]) not in (0, 1, 2, 4):
+            raise SystemExit(f"--builds {b!r}: write MODE:MINB:INFLIGHT, MODE 0, 1 or 2 and INFLIGHT 0, 1, 2 or 4, e.g. 1:2:2")
+        builds.append(tuple(int(v) for v in f))
+    if a.probe and (not torch.cuda.is_available() or a.build_only or all(m == 0 for m, _, _ in builds)):
+        raise SystemExit("--probe needs a GPU and an 8-bit build (MODE 1 or 2)")
     if build.nvcc() is None:
         raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
     gpu = torch.cuda.is_available() and not a.build_only
@@ -119,11 +125,9 @@ def main(argv=None) -> int:
     cc = channel_codes(codes)
     probes = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, minb, inflight, keep_a in builds:
-            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None,
-                   "keep_a": bool(keep_a) if mode else None}
-            one, _ = cubin(mode, 1, minb, inflight, Path(tmp), keep_a)
-            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp), keep_a)
+        for mode, minb, inflight in builds:
+            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None}
+            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp))
             row.update(ptx)
             if gpu:
                 dev = torch.device("cuda")
@@ -136,29 +140,28 @@ def main(argv=None) -> int:
                 args = [codes.to(dev), p16.to(dev), b8.to(dev)]
                 want = torch.einsum("tc,gnt->gnc", cc, held)  # [group, row, channel]: each channel reads its group
                 want = torch.stack([want[(c % 256) // 128 + 2 * (c // 256), :, c] for c in range(512)])  # [512, 16]
-                out = torch.full((8192,), float("nan"), device=dev)
-                fn = driver.function(one, "output_phase", 0, dev)
-                driver.launch(fn, (1,), 128, 0, torch.cuda.current_stream().cuda_stream,
-                              [("p", t.data_ptr()) for t in args] + [("p", out.data_ptr())])
-                got = out.view(512, 16).double().cpu()
+                fn = driver.function(path, "output_phase", 0, dev)
+                stream = torch.cuda.current_stream().cuda_stream
+
+                def once(operands: list[torch.Tensor]) -> torch.Tensor:
+                    """The timed build on one CTA: its --iters tiles summed, [512, 16] on the CPU."""
+                    o = torch.full((8192,), float("nan"), device=dev)
+                    driver.launch(fn, (1,), 128, 0, stream, [("p", t.data_ptr()) for t in operands] + [("p", o.data_ptr())])
+                    torch.cuda.synchronize()
+                    return o.view(512, 16).double().cpu() / a.iters
+
+                got = once(args)
                 row["rel_err_vs_fp64"] = float((got - want).norm() / want.norm())
                 row["held_rel_err_vs_p_scale"] = float(((held / f - x).norm() / x.norm()))
                 if a.probe and mode:
                     eye = torch.zeros(CG, BM, BN, dtype=torch.uint8)
                     for n in range(BM):
                         eye[:, n, n] = 1
-                    ph = eye * (56 if mode == 1 else 1)  # e4m3 0x38 is 1.0
-                    pl = eye.roll(32, dims=2) * (56 if mode == 1 else 1)
-                    pb = op_b8 = b8_layout(ph, pl)
-                    pout = torch.full((8192,), float("nan"), device=dev)
-                    driver.launch(driver.function(one, "output_phase", 0, dev), (1,), 128, 0,
-                                  torch.cuda.current_stream().cuda_stream,
-                                  [("p", codes.to(dev).data_ptr()), ("p", p16.to(dev).data_ptr()), ("p", pb.to(dev).data_ptr()),
-                                   ("p", pout.data_ptr())])
-                    torch.cuda.synchronize()
-                    probes[mode] = {"codes": codes, "b8": op_b8, "out": pout.view(512, 16).cpu(),
+                    one = 56 if mode == 1 else 1  # e4m3 0x38 is 1.0
+                    pb = b8_layout(eye * one, eye.roll(32, dims=2) * one)
+                    pb_dev = pb.to(dev)  # held while the kernel runs
+                    probes[mode] = {"codes": codes, "b8": pb, "out": once([args[0], args[1], pb_dev]),
                                     "out_random": got, "b8_random": b8}
-                fn = driver.function(path, "output_phase", 0, dev)
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 for cps in a.ctas_per_sm:
                     grid = sms * cps
