@@ -11,7 +11,7 @@
 //           (hi, lo as e4m3). A is 4 tokens of one channel a register: each thread loads one 32-bit word (4 channel
 //           bytes) of 4 tokens and transposes them with 8 byte permutes; plane 0 is the low nibble (the e4m3 pattern
 //           of c·2^-9), plane 1 the high nibble shifted down. An M block's two k-steps go to fresh accumulators
-//           (2 blocks in flight), folded into the fp32 output: hi + lo.
+//           (INFLIGHT of them at once), folded into the fp32 output: hi + lo.
 //   MODE 2  the same on u8·u8 -> s32: plane 1 is the high nibble in place (16c), the terms are 256·hi + lo,
 //           converted to fp32 once per tile.
 //
@@ -19,9 +19,10 @@
 // 4·(8w + g + 32h) + 2e (+ 1) of the plane; its group 2p + h. Thread (w, g, q) reads the 4-byte word 8w + g + 32h of
 // tokens 32s + 16u + 4q + i (k-step s, K half u, i < 4): register u of k-step s, byte pair e, row g (+ 8).
 //
-// Macros: MODE, ITERS, MINB (CTAs an SM the registers are capped for: 4 gives 128 a thread). Output: each CTA writes
-// O [512 channels][16 rows] fp32 to out + 8192·block, channels in their natural order (MODE 0: times 2^(24 - 4p) as
-// the kernel's epilogue would apply; MODE 2: times 1/(16^p · 256)), so every mode gives Σ_token code·(P·scale).
+// Macros: MODE, ITERS, MINB (CTAs an SM the registers are capped for: 4 gives 128 a thread), INFLIGHT. Output: each
+// CTA writes O [512 channels][16 rows] fp32 to out + 8192·block, channels in their natural order (MODE 0: times
+// 2^(24 - 4p) as the kernel's epilogue would apply; MODE 1: times 2^9; MODE 2: times 1/(16^p · 256)), summed over the
+// ITERS tiles, so every mode gives ITERS·Σ_token code·(P·scale).
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <type_traits>
