@@ -13,7 +13,7 @@
 typedef __half T;
 typedef __half2 T2;
 #include "ptx.cuh"  // src/quantmla/kernels/cuda (on the include path): mma16816, smem_u32, fence_proxy_async
-#include "mma8.cuh"  // mma16832_e4m3, mma16832_s8
+#include "mma8.cuh"  // mma16832_e4m3, mma16832_s8, WGMMA_N32
 
 // ---------------------------------------------------------------------------------------------------
 // Hopper warpgroup MMA (sm_90a): the 4 warps of a warpgroup issue one asynchronous product together; each
@@ -54,18 +54,6 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[2][4], const uint32_t
         "+f"(d[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
-// d (+)= a·B over the warpgroup with 16 accumulators a thread (N = 32): the product named by OP (its
-// shape and types), A in registers (4 words a thread), B through `desc`; acc = 0 overwrites d. Float accumulators
-// ("f") or s32 ("r")
-#define WGMMA_N32(NAME, OP, C, T, SCALES)                                                                           \
-  __device__ __forceinline__ void NAME(T (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" OP " "                                              \
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p" SCALES ";\n}\n" \
-                 : "+" C(d[0]), "+" C(d[1]), "+" C(d[2]), "+" C(d[3]), "+" C(d[4]), "+" C(d[5]), "+" C(d[6]),          \
-                   "+" C(d[7]), "+" C(d[8]), "+" C(d[9]), "+" C(d[10]), "+" C(d[11]), "+" C(d[12]), "+" C(d[13]),      \
-                   "+" C(d[14]), "+" C(d[15])                                                                          \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));                                \
-  }
 WGMMA_N32(wgmma_m64n32k16_f16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16", "f", float, ", 1, 1, 0")
 WGMMA_N32(wgmma_m64n32k32_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
 WGMMA_N32(wgmma_m64n32k32_s8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8", "r", int, "")

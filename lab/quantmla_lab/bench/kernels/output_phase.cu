@@ -29,7 +29,8 @@
 typedef __half T;
 typedef __half2 T2;
 #define MMA_TYPE "f16"
-#include "ptx.cuh"  // src/quantmla/kernels/cuda: smem_u32, ldsm_x4, mma16816
+#include "ptx.cuh"   // src/quantmla/kernels/cuda: smem_u32, ldsm_x4, mma16816
+#include "mma8.cuh"  // WGMMA_N32
 
 #ifndef MODE
 #define MODE 0
@@ -61,17 +62,8 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 __device__ __forceinline__ uint64_t b_desc(const void* p) {
   return (uint64_t)((smem_u32(p) & 0x3FFFFu) >> 4) | (uint64_t)(512 >> 4) << 16 | (uint64_t)(128 >> 4) << 32;
 }
-#define WG_N32(NAME, OP, C, TY, SCALES)                                                                              \
-  __device__ __forceinline__ void NAME(TY (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" OP " "                                               \
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p" SCALES ";\n}\n"  \
-                 : "+" C(d[0]), "+" C(d[1]), "+" C(d[2]), "+" C(d[3]), "+" C(d[4]), "+" C(d[5]), "+" C(d[6]),           \
-                   "+" C(d[7]), "+" C(d[8]), "+" C(d[9]), "+" C(d[10]), "+" C(d[11]), "+" C(d[12]), "+" C(d[13]),       \
-                   "+" C(d[14]), "+" C(d[15])                                                                           \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));                                 \
-  }
-WG_N32(wg_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
-WG_N32(wg_u8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.u8", "r", int32_t, "")
+WGMMA_N32(wg_e4m3, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "f", float, ", 1, 1")
+WGMMA_N32(wg_u8, "wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.u8", "r", int32_t, "")
 #endif
 template <int N, typename TY>
 __device__ __forceinline__ void fence_regs(TY (&d)[N]) {
