@@ -4,7 +4,7 @@
 // with its warps apart). The question: do the output products on 8-bit warpgroup MMAs take a tile in less time than
 // on mma.sync, once the codes' transposes and the per-tile fold are paid?
 //
-//   MODE 0  today's loop (output_tm.cuh at 4 bits): per 16 tokens a byte permute pairs two tokens' codes of one
+//   MODE 0  today's loop (output_tm.cuh's tile_output at 4 bits, the kernel's own code): per 16 tokens a byte permute pairs two tokens' codes of one
 //           channel, a mask gives the fp16 A operand, P·scale (fp16, ldmatrix) the B operand; mma.sync m16n8k16 into
 //           64 fp32 accumulators a thread that last the whole run.
 //   MODE 1  wgmma m64n32k32 e4m3: M 64 channels of one plane, K 32 tokens, N the 16 rows' two terms of P·scale
@@ -47,11 +47,13 @@ typedef __half2 T2;
 #endif
 
 constexpr int BN = 64, BM = 16, FB_CC = 256, CG = 4, LDP = BN + 8;
-#pragma nv_diag_suppress 177  // BW, BT: MODE 0 only
-constexpr int NW = 4, BW = FB_CC / NW;  // MODE 0: 64 bytes a warp ..
-#define BT (BW / 8)                     // .. and 8 a thread (4 bits)
-
-__device__ __forceinline__ uint32_t plane16(uint32_t x, int p) { return x & ((0xFu << (4 * p)) * 0x10001u); }
+// MODE 0 runs the kernel's own output products (output_tm.cuh) at INT4/INT4's constants, the warps apart: 4 output warps
+#pragma nv_diag_suppress 177  // MODE 0's constants, unused by MODES 1, 2
+constexpr int C_BITS = 4, C_GS = 128, C_FP8 = 0, NPC = 8 / C_BITS;
+constexpr int NW = 4, BW = FB_CC / NW, BT = BW / 8, OMB = NPC * BT / 2;  // 64 bytes a warp, 8 a thread, 8 m16 blocks
+__device__ __forceinline__ const uint8_t* cc_at(const uint8_t* st, int row, int col) { return st + row * FB_CC + col; }
+#include "code_planes.cuh"  // plane, e4m3x2_f16x2
+#include "output_tm.cuh"    // tile_output
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -147,34 +149,7 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
   float oacc[8][2][4] = {};
   const T* sP = reinterpret_cast<const T*>(sB);
   for (int it = 0; it < ITERS; ++it) {
-#pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      const int r0 = 16 * j + 2 * q, col = BW * warp + BT * g;
-      const uint2 va = *reinterpret_cast<const uint2*>(sC + r0 * FB_CC + col);
-      const uint2 vb = *reinterpret_cast<const uint2*>(sC + (r0 + 8) * FB_CC + col);
-      const uint2 vc = *reinterpret_cast<const uint2*>(sC + (r0 + 1) * FB_CC + col);
-      const uint2 vd = *reinterpret_cast<const uint2*>(sC + (r0 + 9) * FB_CC + col);
-      const uint32_t wa[2] = {va.x, va.y}, wb[2] = {vb.x, vb.y}, wc[2] = {vc.x, vc.y}, wd[2] = {vd.x, vd.y};
-      uint32_t pb[2][4];
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int grp = (p * FB_CC + BW * warp) / 128;
-        ldsm_x4(pb[p], sP + (grp * BM + 8 * ((lane >> 3) >> 1) + (lane & 7)) * LDP + 16 * j + 8 * ((lane >> 3) & 1));
-      }
-#pragma unroll
-      for (int z = 0; z < BT / 2; ++z) {
-        const uint32_t sel = (z & 1) ? 0x7632u : 0x5410u;
-        const uint32_t zab = __byte_perm(wa[z >> 1], wb[z >> 1], sel), zcd = __byte_perm(wc[z >> 1], wd[z >> 1], sel);
-        const uint32_t zab8 = zab >> 8, zcd8 = zcd >> 8;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const uint32_t a[4] = {plane16(zab, p), plane16(zab8, p), plane16(zcd, p), plane16(zcd8, p)};
-          const int mb = p * (BT / 2) + z;
-          mma16816(oacc[mb][0], a, pb[p][0], pb[p][1]);
-          mma16816(oacc[mb][1], a, pb[p][2], pb[p][3]);
-        }
-      }
-    }
+    tile_output(sC, sP, oacc, warp, g, q, lane, BN);
   }
   // block mb = (p, z): row g (+ 8) is byte BW·warp + BT·g + 2z (+ 1) of plane p; column 8nb + 2q (+ 1)
 #pragma unroll

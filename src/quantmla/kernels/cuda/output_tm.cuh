@@ -1,7 +1,7 @@
 // The tokens-as-M decode kernel's output products (mla_decode_tm.cu): Oᵀ[channel, row] = Cᵀ·(P·scale)ᵀ of one tile
 // for a warp's 128 channels on mma.sync products, two tokens' codes of one channel paired by one byte permute into
 // the A operand, the group's P·scale the B operand. Included by mla_decode_tm.cu after its constants, its
-// shared-memory map and scores_tm.cuh.
+// shared-memory map and code_planes.cuh (plane, e4m3x2_f16x2; scores_tm.cuh includes it).
 #pragma once
 
 // the output products of one tile (stage st): warp w's 128 channels; per 16 tokens, thread t pairs the codes of

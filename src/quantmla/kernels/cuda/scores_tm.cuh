@@ -17,18 +17,7 @@ __device__ __forceinline__ float code_weight(int p) {
   else return (float)(1 << (24 - p * BITS));
 }
 
-// two e4m3 values (the low 16 bits of x) as an fp16 pair (exact: every e4m3 value is an fp16 value)
-__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t x) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(x));
-  return r;
-}
-
-// plane p's codes of the byte pairs (0, 2) of x, as exact fp16 subnormals in each half
-template <int BITS>
-__device__ __forceinline__ uint32_t plane(uint32_t x, int p) {
-  return x & ((((1u << BITS) - 1u) << (p * BITS)) * 0x10001u);
-}
+#include "code_planes.cuh"  // plane, e4m3x2_f16x2
 
 // sc += acc·(s_lo, s_hi): a group's products folded into the scores with the scale of token tok_lo (rows
 // c0, c1 of an accumulator) and of tok_lo + 8 (rows c2, c3)
