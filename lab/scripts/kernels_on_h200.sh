@@ -56,6 +56,9 @@
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
+# append-one-tile the append kernel before its packed layout (cfb9bb0, prepared here by
+#                 lab/scripts/prepare_append_one_tile.sh; carry .ab) at 4 warps and at one warp
+#                 -> kernels/append_one_tile_a_path_{4warps,1warps}_h200.json
 # output-phase    the tokens-as-M kernel's output phase alone, mma.sync fp16 against 8-bit warpgroup MMAs (e4m3, u8),
 #                 at 128 registers a thread and without the cap, each build checked against fp64, one-hot probes
 #                 saved          -> kernels/output_phase_{128_registers,two_ctas}_h200.json
@@ -246,6 +249,19 @@ mma-rate() {
 append-tilings() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.append_tilings --tokens 1 8 16 128 8192 \
     --out "$OUT/kernels/append_tilings_h200.json" 2>&1 | grep -v -i warn | tail -140
+}
+
+append-one-tile() {
+  if [ ! -d .ab/src/quantmla ]; then
+    echo "append-one-tile: no .ab/src: run lab/scripts/prepare_append_one_tile.sh locally and carry .ab" >&2
+    return 1
+  fi
+  local w
+  for w in 4 1; do
+    AB_APPEND_WARPS=$w PYTHONPATH=.ab/src:lab timeout 100 python3 -m quantmla_lab.bench.kernels.append_tilings \
+      --tilings default --tokens 1 8 16 128 8192 --out "$OUT/kernels/append_one_tile_a_path_${w}warps_h200.json" 2>&1 \
+      | grep -v -i warn | tail -25
+  done
 }
 
 output-phase() {
