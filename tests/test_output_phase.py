@@ -39,3 +39,19 @@ def test_b8_layout_puts_each_term_where_q8_at_reads_it():
     for grp, s, n, k in ((0, 0, 0, 0), (1, 1, 17, 31), (3, 0, 9, 16), (2, 1, 31, 5)):
         term = hi if n < 16 else lo
         assert int(b[grp, s, (k >> 4) * 512 + (n >> 3) * 128 + (n & 7) * 16 + (k & 15)]) == int(term[grp, n % 16, 32 * s + k])
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_the_pretransposed_tile_gives_the_same_products(mode):
+    """PRET=1: each thread's transposed words come from one 16-byte slot of the interleaved tile, and the products
+    are those of the tokens' rows; a tile without the slot swizzle is caught."""
+    codes, x = op.operands(seed=5)
+    hi, lo, held, f = op.terms(x, mode)
+    b8 = op.b8_layout(hi, lo)
+    rows = op.emulate(codes, b8, mode)
+    assert torch.equal(op.emulate(codes, b8, mode, pret=True), rows)
+    tile = op.pretransposed(codes)
+    assert sorted(tile.flatten().tolist()) == sorted(codes.flatten().tolist())
+    assert int(tile[3, 2 ^ 4, 4 * 1 + 2]) == int(codes[4 * 2 + 2, 4 * 3 + 1])  # word 3 (odd), quad 2, column 13, token 10
+    unswizzled = codes.view(16, 4, 64, 4).permute(2, 0, 3, 1).contiguous()
+    assert not torch.equal(tile, unswizzled.view(64, 16, 16))

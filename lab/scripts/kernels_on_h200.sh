@@ -61,7 +61,8 @@
 #                 -> kernels/append_one_tile_a_path_{4warps,1warps}_h200.json
 # output-phase    the tokens-as-M kernel's output phase alone, mma.sync fp16 against 8-bit warpgroup MMAs (e4m3, u8),
 #                 at 128 registers a thread and without the cap, each build checked against fp64, one-hot probes
-#                 saved          -> kernels/output_phase_{128_registers,two_ctas}_h200.json
+#                 saved, and the 8-bit builds on a tile stored pre-transposed (the bound of a token-interleaved
+#                 cache layout)  -> kernels/output_phase_{128_registers,two_ctas,pretransposed}_h200.json
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
@@ -269,6 +270,8 @@ output-phase() {
     --out "$OUT/kernels/output_phase_128_registers_h200.json" 2>&1 | tail -5
   timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1 2:2:1 1:2:2 2:2:2 1:2:4 2:2:4 2:2:0 \
     --ctas-per-sm 2 --probe "$OUT/kernels/output_phase_probe_h200.pt" --out "$OUT/kernels/output_phase_two_ctas_h200.json" 2>&1 | tail -9
+  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1:T 2:2:1:T 1:2:2:T 2:2:2:T 1:2:4:T 2:2:4:T \
+    2:4:1:T --ctas-per-sm 2 --out "$OUT/kernels/output_phase_pretransposed_h200.json" 2>&1 | tail -9
 }
 
 for s in "${STEPS[@]}"; do

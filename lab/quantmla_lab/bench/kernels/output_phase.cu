@@ -14,12 +14,17 @@
 //           (INFLIGHT of them at once), folded into the fp32 output: hi + lo.
 //   MODE 2  the same on u8·u8 -> s32: plane 1 is the high nibble in place (16c), the terms are 256·hi + lo,
 //           converted to fp32 once per tile.
+//   PRET=1  (MODES 1, 2) the tile stored as a token-interleaved layout would store it, already transposed: 16 bytes
+//           a (word, token quad), [64 words][16 quads][4 byte columns 4·word + b][4 tokens 4·quad + i], the quad at
+//           slot quad ^ 4·(word & 1) (a quarter warp's 16-byte loads then hit 8 distinct bank groups). A thread's
+//           transposed words are one 16-byte load: no byte permutes. This bounds what a cache layout that interleaves
+//           tokens would give the output products; the scores would then need the transposes instead.
 //
 // An M block (p, h, e) of MODES 1, 2: plane p, byte half h, byte pair e; its row 16w + g (+ 8) is byte
 // 4·(8w + g + 32h) + 2e (+ 1) of the plane; its group 2p + h. Thread (w, g, q) reads the 4-byte word 8w + g + 32h of
 // tokens 32s + 16u + 4q + i (k-step s, K half u, i < 4): register u of k-step s, byte pair e, row g (+ 8).
 //
-// Macros: MODE, ITERS, MINB (CTAs an SM the registers are capped for: 4 gives 128 a thread), INFLIGHT. Output: each
+// Macros: MODE, ITERS, MINB (CTAs an SM the registers are capped for: 4 gives 128 a thread), INFLIGHT, PRET. Output: each
 // CTA writes O [512 channels][16 rows] fp32 to out + 8192·block, channels in their natural order (MODE 0: times
 // 2^(24 - 4p) as the kernel's epilogue would apply; MODE 1: times 2^9; MODE 2: times 1/(16^p · 256)), summed over the
 // ITERS tiles, so every mode gives ITERS·Σ_token code·(P·scale).
@@ -40,6 +45,12 @@ typedef __half2 T2;
 #endif
 #ifndef MINB
 #define MINB 4
+#endif
+#ifndef PRET
+#define PRET 0
+#endif
+#if PRET && MODE == 0
+#error "PRET is for the 8-bit modes (1, 2)"
 #endif
 #ifndef INFLIGHT
 #define INFLIGHT 1  // MODES 1, 2: M blocks whose products are in flight at once (1, 2 or 4; 0: 1, and the next A
@@ -175,10 +186,15 @@ output_phase(const uint8_t* __restrict__ codes, const __half* __restrict__ p16, 
       for (int s = 0; s < 2; ++s)
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
+#if PRET
+          const uint4 v = reinterpret_cast<const uint4*>(sC)[16 * word + ((8 * s + 4 * u + q) ^ (4 * (word & 1)))];
+          r[s][u][0] = v.x, r[s][u][1] = v.y, r[s][u][2] = v.z, r[s][u][3] = v.w;
+#else
           uint32_t w[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(sC + (32 * s + 16 * u + 4 * q + i) * FB_CC)[word];
           transpose4(w, r[s][u]);
+#endif
         }
 #if INFLIGHT == 4
       Acc acc[4][16] = {};  // every (p, e) of this half on accumulators of its own, one wait

@@ -1,6 +1,7 @@
 """The tokens-as-M decode kernel's output phase alone (output_phase.cu): one 64-token tile of INT4 content codes and
 16 query rows, on mma.sync fp16 products (today's loop) against 8-bit warpgroup MMAs (e4m3 or u8·u8, two terms of
-P·scale side by side as N = 32, the codes transposed into 4 tokens of one channel a register). Each CTA of 4 warps
+P·scale side by side as N = 32, the codes transposed into 4 tokens of one channel a register, or stored so already: a
+build with a trailing `:T`, the bound of a cache layout that interleaves tokens). Each CTA of 4 warps
 (the kernel's output warpgroup) repeats the tile `--iters` times from shared memory, so the time is the phase's own:
 no copies, no scores, no softmax.
 
@@ -32,11 +33,11 @@ MODES = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n32k32 e4m3", 2: "wgmma m64n32
 BN, FB_CC, BM, CG, LDP = 64, 256, 16, 4, 72
 
 
-def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path) -> tuple[Path, dict]:
-    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}.cubin"
+def cubin(mode: int, iters: int, minb: int, inflight: int, tmp: Path, pret: bool = False) -> tuple[Path, dict]:
+    out = tmp / f"output_phase_{mode}_{iters}_{minb}_{inflight}_{int(pret)}.cubin"
     cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
            f"-I{Path(build.__file__).parent}", f"-DMODE={mode}", f"-DITERS={iters}", f"-DMINB={minb}",
-           f"-DINFLIGHT={inflight}", "-o", str(out), str(SOURCE)]
+           f"-DINFLIGHT={inflight}", f"-DPRET={int(pret)}", "-o", str(out), str(SOURCE)]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
@@ -84,6 +85,17 @@ def terms(x: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return hi.to(torch.uint8), lo.to(torch.uint8), hi + lo / 256, f
 
 
+def pretransposed(codes: torch.Tensor) -> torch.Tensor:
+    """codes [64 tokens, 256 byte columns] -> the PRET=1 tile, [64 words, 16 slots, 16 bytes]: byte 4b + i of the
+    slot of (word, quad) is column 4·word + b of token 4·quad + i, quad at slot quad ^ 4·(word & 1)."""
+    t = codes.view(16, 4, 64, 4)  # [quad, i, word, b]
+    t = t.permute(2, 0, 3, 1).contiguous()  # [word, quad, b, i]
+    slot = torch.arange(16).view(1, 16) ^ (4 * (torch.arange(64).view(64, 1) & 1))  # [word, quad]
+    out = torch.empty(64, 16, 16, dtype=torch.uint8)
+    out[torch.arange(64).view(64, 1), slot] = t.view(64, 16, 16)
+    return out
+
+
 def b8_layout(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """[4 groups, 2 k-steps, 1024] bytes in query_s8.cuh's q8_at order: rows n < 16 hi of query row n, 16 + n lo."""
     b = torch.zeros(CG, 2, 1024, dtype=torch.uint8)
@@ -98,8 +110,9 @@ def b8_layout(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--builds", nargs="+", default=["0:4:1", "1:4:1", "2:4:1", "1:2:1", "2:2:1", "1:2:2", "2:2:2"],
-                   metavar="MODE:MINB:INFLIGHT", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM the "
-                   "registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2: 0, 1, 2 or 4)")
+                   metavar="MODE:MINB:INFLIGHT[:T]", help="MODE 0 mma.sync, 1 e4m3 wgmma, 2 u8 wgmma; MINB CTAs an SM "
+                   "the registers are capped for (4: 128 a thread); INFLIGHT M blocks in flight (modes 1, 2: 0, 1, 2 or "
+                   "4); a trailing :T (modes 1, 2) reads the tile stored pre-transposed (no byte permutes)")
     p.add_argument("--iters", type=int, default=2048)
     p.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2])
     p.add_argument("--reps", type=int, default=10)
@@ -112,10 +125,14 @@ def main(argv=None) -> int:
     builds = []
     for b in a.builds:
         f = b.split(":")
-        if len(f) != 3 or not all(v.isdigit() for v in f) or int(f[0]) not in MODES or int(f[2]) not in (0, 1, 2, 4):
-            raise SystemExit(f"--builds {b!r}: write MODE:MINB:INFLIGHT, MODE 0, 1 or 2 and INFLIGHT 0, 1, 2 or 4, e.g. 1:2:2")
-        builds.append(tuple(int(v) for v in f))
-    if a.probe and (not torch.cuda.is_available() or a.build_only or all(m == 0 for m, _, _ in builds)):
+        pret = len(f) == 4 and f[3] == "T"
+        f = f[:3] if pret else f
+        if (len(f) != 3 or not all(v.isdigit() for v in f) or int(f[0]) not in MODES or int(f[2]) not in (0, 1, 2, 4)
+                or (pret and int(f[0]) == 0)):
+            raise SystemExit(f"--builds {b!r}: write MODE:MINB:INFLIGHT[:T], MODE 0, 1 or 2, INFLIGHT 0, 1, 2 or 4 and "
+                             ":T only with MODE 1 or 2, e.g. 1:2:2 or 2:2:2:T")
+        builds.append((*(int(v) for v in f), pret))
+    if a.probe and (not torch.cuda.is_available() or a.build_only or all(m == 0 for m, _, _, _ in builds)):
         raise SystemExit("--probe needs a GPU and an 8-bit build (MODE 1 or 2)")
     if build.nvcc() is None:
         raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
@@ -125,9 +142,10 @@ def main(argv=None) -> int:
     cc = channel_codes(codes)
     probes = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, minb, inflight in builds:
-            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None}
-            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp))
+        for mode, minb, inflight, pret in builds:
+            row = {"mode": MODES[mode], "minb": minb, "inflight": inflight if mode else None,
+                   "codes": "pre-transposed" if pret else "tokens' rows"}
+            path, ptx = cubin(mode, a.iters, minb, inflight, Path(tmp), pret)
             row.update(ptx)
             if gpu:
                 dev = torch.device("cuda")
@@ -137,7 +155,7 @@ def main(argv=None) -> int:
                 else:
                     hi, lo, held, f = terms(x, mode)
                     b8, p16 = b8_layout(hi, lo), torch.zeros(1, dtype=torch.float16)
-                args = [codes.to(dev), p16.to(dev), b8.to(dev)]
+                args = [(pretransposed(codes) if pret else codes).to(dev), p16.to(dev), b8.to(dev)]
                 want = torch.einsum("tc,gnt->gnc", cc, held)  # [group, row, channel]: each channel reads its group
                 want = torch.stack([want[(c % 256) // 128 + 2 * (c // 256), :, c] for c in range(512)])  # [512, 16]
                 fn = driver.function(path, "output_phase", 0, dev)
@@ -153,7 +171,7 @@ def main(argv=None) -> int:
                 got = once(args)
                 row["rel_err_vs_fp64"] = float((got - want).norm() / want.norm())
                 row["held_rel_err_vs_p_scale"] = float(((held / f - x).norm() / x.norm()))
-                if a.probe and mode:
+                if a.probe and mode and not pret:
                     eye = torch.zeros(CG, BM, BN, dtype=torch.uint8)
                     for n in range(BM):
                         eye[:, n, n] = 1
@@ -191,12 +209,14 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def emulate(codes: torch.Tensor, b8: torch.Tensor, mode: int) -> torch.Tensor:
+def emulate(codes: torch.Tensor, b8: torch.Tensor, mode: int, pret: bool = False) -> torch.Tensor:
     """MODES 1, 2 of output_phase.cu in the kernel's own index arithmetic, on the CPU: each thread's words, their
     transposes and plane masks as A registers (row 16w + g (+ 8), k 4q + i (+ 16)), B read through q8_at, the
     accumulators d[4j + e] (row g + 8·(e >> 1), column 8j + 2q + (e & 1)) folded as the kernel folds them, stored
-    as it stores them: [512 channels, 16 rows] in the kernel's units (before its 512 of e4m3)."""
+    as it stores them: [512 channels, 16 rows] in the kernel's units (before its 512 of e4m3). With `pret` it reads
+    each thread's transposed words from the PRET=1 tile (`pretransposed(codes)`) at the kernel's slot instead."""
     words = codes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [64 tokens, 64 words]
+    tile = pretransposed(codes).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [word, slot, b]
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
 
     def val(byte: int) -> float:
@@ -222,8 +242,12 @@ def emulate(codes: torch.Tensor, b8: torch.Tensor, mode: int) -> torch.Tensor:
                         for q in range(4):
                             for s in range(2):
                                 for u in range(2):
-                                    ws = [int(words[32 * s + 16 * u + 4 * q + i, word]) for i in range(4)]
-                                    r = [sum(((ws[i] >> (8 * b)) & 255) << (8 * i) for i in range(4)) for b in range(4)]
+                                    if pret:
+                                        slot = (8 * s + 4 * u + q) ^ (4 * (word & 1))
+                                        r = [int(tile[word, slot, b]) for b in range(4)]
+                                    else:
+                                        ws = [int(words[32 * s + 16 * u + 4 * q + i, word]) for i in range(4)]
+                                        r = [sum(((ws[i] >> (8 * b)) & 255) << (8 * i) for i in range(4)) for b in range(4)]
                                     for hi8 in range(2):
                                         reg = plane(r[2 * e + hi8], p)
                                         row = 16 * w + g + 8 * hi8
