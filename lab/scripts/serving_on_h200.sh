@@ -82,6 +82,8 @@
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
 #                                                                           -> step_overhead/splits_256_vs_128_h200.json
+# splits-64       the same with 128- and 64-token decode split floors (one 64-token tile a unit on the tokens-as-M
+#                 kernel), batches 1, 4 and 8       -> step_overhead/splits_128_vs_64_h200.json
 # decode-splits   decode kernel latency at batches 1-16 of 1900 tokens, by shortest split -> decode_splits/h200.json
 # capture-cost    each CUDA-graph capture of a short serve job timed, in a first and a second process
 #                 (the first compiles the Triton kernels on a fresh machine)
@@ -367,6 +369,11 @@ step-overhead() {
 splits-ab() {
   timeout 300 python3 -m quantmla_lab.bench.serving.step_overhead --methods bf16 int4/int4 int2/int4 --batches 1 4 8 16 --min-chunks 256 128 \
     --out "$OUT/step_overhead/splits_256_vs_128_h200.json" 2>&1 | quiet 26
+}
+
+splits-64() {
+  timeout 300 python3 -m quantmla_lab.bench.serving.step_overhead --methods bf16 int4/int4 int2/int4 --batches 1 4 8 --min-chunks 128 64 \
+    --out "$OUT/step_overhead/splits_128_vs_64_h200.json" 2>&1 | quiet 20
 }
 
 decode-splits() {
