@@ -35,6 +35,8 @@
 #                 epilogue), beside the loop with a second barrier a tile, and thread 0's clocks in the tile loop's
 #                 phases (copy wait, scores, vote, output, P; with and without the products), INT4/INT4 and INT2/INT4
 #                 at 1 x 131072 and 32 x 16384                            -> kernels/decode_tokens_m_timeline_h200.json
+# tokens-m-timeline-short  the same at the short job's contexts, 1 x 2048 and 8 x 2048 (16 units of 128 tokens a
+#                 sequence)                                 -> kernels/decode_tokens_m_timeline_short_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
@@ -203,6 +205,11 @@ tokens-m() {
 tokens-m-timeline() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
+}
+
+tokens-m-timeline-short() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
+    --shapes 1x2048,8x2048 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_short_h200.json" 2>&1 | tail -12
 }
 
 combine() {
