@@ -37,6 +37,10 @@
 #                 at 1 x 131072 and 32 x 16384                            -> kernels/decode_tokens_m_timeline_h200.json
 # tokens-m-timeline-short  the same at the short job's contexts, 1 x 2048 and 8 x 2048 (16 units of 128 tokens a
 #                 sequence)                                 -> kernels/decode_tokens_m_timeline_short_h200.json
+# decode-in-graph  the decode call (decode and combine kernels) inside CUDA graphs of layers, between the absorbed
+#                 query's and values' bmm, against the same calls back to back; a cache a layer; four formats at the
+#                 short job's contexts (27 layers) and at 32 x 16384 (8 layers)
+#                                    -> kernels/decode_in_graph_{short,long}_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
@@ -210,6 +214,13 @@ tokens-m-timeline() {
 tokens-m-timeline-short() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x2048,8x2048 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_short_h200.json" 2>&1 | tail -12
+}
+
+decode-in-graph() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 1x2048 8x2048 \
+    --out "$OUT/kernels/decode_in_graph_short_h200.json" 2>&1 | tail -8
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 32x16384 --layers 8 \
+    --out "$OUT/kernels/decode_in_graph_long_h200.json" 2>&1 | tail -4
 }
 
 combine() {

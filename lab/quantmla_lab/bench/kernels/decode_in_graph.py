@@ -1,0 +1,140 @@
+"""What a decode call costs between a layer's absorbed products, against what it costs alone.
+
+The engine's decode step runs, a layer, the query's absorption (``q_nope · W_UK``, a cuBLAS bmm), the decode call
+(decode kernel and, where a sequence is split, the combine kernel) and the values' up-projection (``· W_UV``, a bmm),
+among the layer's other kernels. This bench captures CUDA graphs of `--layers` such layers, each with a cache of its
+own (so no layer's pages are in L2 when it reads them, as in a step), and replays them back to back:
+
+    decode   the decode call of every layer, nothing between
+    absorb   the two bmm of every layer, no decode
+    layer    bmm, decode call, bmm, a layer
+
+and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products. Medians over `--groups`
+groups of `--reps` replays, CUDA events.
+
+    python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from quantmla.cache.layout import PageLayout, TokenLayout, preset
+from quantmla.errors import QuantMLAError
+from quantmla.kernels import api
+from quantmla_lab.bench.common import parse_fresh, record, save
+from quantmla_lab.bench.kernels import decode_speed as bench
+
+D_N, D_C, D_R, D_V = 128, 512, 64, 128  # DeepSeek's q_nope, latent, RoPE and value widths
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'BxL' -> (B, L), both positive."""
+    try:
+        b, n = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes {text!r}: write BATCHxCONTEXT, e.g. 8x2048") from None
+    if b < 1 or n < 1:
+        raise SystemExit(f"--shapes {text!r}: batch and context must be positive")
+    return b, n
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int, groups: int) -> float:
+    """Median µs of one replay over `groups` groups of `reps` back-to-back replays."""
+    for _ in range(3):
+        graph.replay()
+    ts = []
+    for _ in range(groups):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(ts)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    fn()  # kernels built and loaded before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", nargs="+", default=["bf16", "fp8", "int4/int4", "int2/int4"])
+    p.add_argument("--shapes", nargs="+", default=["1x2048", "8x2048"], help="BATCHxCONTEXT")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--groups", type=int, default=5)
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    shapes = [parse_shape(s) for s in a.shapes]
+    try:
+        methods = bench.parse_methods(",".join(a.methods))  # bad names reported before the device is touched
+    except QuantMLAError as e:
+        raise SystemExit(str(e)) from None
+    if a.layers < 1 or a.reps < 1 or a.groups < 1:
+        raise SystemExit("--layers, --reps and --groups must be positive")
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_in_graph times CUDA graphs: it needs a CUDA device")
+    dev, H, L = torch.device("cuda"), a.heads, a.layers
+    bench.DEV = "cuda"
+    res = record(heads=H, layers=L, reps=a.reps, groups=a.groups, rows=[])
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_uk = torch.randn(L, H, D_N, D_C, generator=g, device=dev).mul_(D_N ** -0.5).to(torch.bfloat16)
+    w_uv = torch.randn(L, H, D_C, D_V, generator=g, device=dev).mul_(D_C ** -0.5).to(torch.bfloat16)
+    for B, n in shapes:
+        q_nope = torch.randn(L, B, H, D_N, generator=g, device=dev).to(torch.bfloat16)
+        q_rope = torch.randn(L, B, H, D_R, generator=g, device=dev).to(torch.bfloat16)
+        q_lat = torch.empty(L, B, H, D_C, device=dev, dtype=torch.bfloat16)
+        o_lat = torch.empty(L, B, H, D_C, device=dev, dtype=torch.bfloat16)
+        vals = torch.empty(L, B, H, D_V, device=dev, dtype=torch.bfloat16)
+        lse = torch.empty(L, B, H, device=dev)
+        for m in methods:
+            lay = PageLayout(TokenLayout(D_C, D_R, preset(m)), 64)
+            caches = [bench.Cache(lay, [n] * B, seed=1000 * l + B + n, device=dev) for l in range(L)]
+            md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay)
+            scale = (D_N + D_R) ** -0.5
+
+            def decode(l: int) -> None:
+                c = caches[l]
+                api.mla_decode_with_kvcache(q_lat[l], q_rope[l], c.pages, c.block_table, c.seq_lens, lay, scale,
+                                            metadata=md, out=o_lat[l], lse=lse[l])
+
+            def absorb_in(l: int) -> None:
+                torch.bmm(q_nope[l].transpose(0, 1), w_uk[l], out=q_lat[l].transpose(0, 1))
+
+            def absorb_out(l: int) -> None:
+                torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
+
+            graphs = {
+                "decode": capture(lambda: [decode(l) for l in range(L)]),
+                "absorb": capture(lambda: [(absorb_in(l), absorb_out(l)) for l in range(L)]),
+                "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
+            }
+            us = {k: replay_us(gr, a.reps, a.groups) / L for k, gr in graphs.items()}
+            row = {"method": m, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
+                   "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
+                   "decode_between_products_us": round(us["layer"] - us["absorb"], 2)}
+            res["rows"].append(row)
+            print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode alone {us['decode']:6.2f} us a layer, "
+                  f"bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} -> decode between the products "
+                  f"{row['decode_between_products_us']:6.2f}", flush=True)
+            save(res, a.out)
+            del graphs, caches
+            torch.cuda.empty_cache()
+    save(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
