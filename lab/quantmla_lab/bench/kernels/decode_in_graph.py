@@ -6,10 +6,13 @@ among the layer's other kernels. This bench captures CUDA graphs of `--layers` s
 own (so no layer's pages are in L2 when it reads them, as in a step), and replays them back to back:
 
     decode   the decode call of every layer, nothing between
+    kernel   the decode kernel alone of every layer (``kernels.launch.launch_decode`` with the call's own arguments
+             and partials' workspace; no combine), nothing between
     absorb   the two bmm of every layer, no decode
     layer    bmm, decode call, bmm, a layer
 
-and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products. Medians over `--groups`
+and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products, ``decode - kernel``
+what its combine adds. Medians over `--groups`
 groups of `--reps` replays, CUDA events.
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
@@ -25,6 +28,7 @@ import torch
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
 from quantmla.kernels import api
+from quantmla.kernels.launch import launch_decode
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
 
@@ -116,17 +120,34 @@ def main(argv=None) -> int:
             def absorb_out(l: int) -> None:
                 torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
 
+            decode(0)  # the call's partials' workspace, kept in the metadata
+            ws = md.workspace.get((H, D_C, str(caches[0].pages.device)))
+            if ws is None and md.max_splits > 1:
+                raise SystemExit("the decode call kept no partials' workspace in its metadata: this bench does not "
+                                 "know the API's workspace key")
+            po, plse = ws if ws is not None else (lse[0], lse[0])  # unsplit calls write no partials
+
+            def kernel(l: int) -> None:
+                c = caches[l]
+                pages, pc16, pr16 = api.page_views(c.pages, lay)  # the call's own views of the pages
+                args = (q_lat[l], q_rope[l], pages, pc16, pr16, c.block_table, c.seq_lens, md.units, o_lat[l],
+                        lse[l], po, plse, c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
+                launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
+
             graphs = {
                 "decode": capture(lambda: [decode(l) for l in range(L)]),
+                "kernel": capture(lambda: [kernel(l) for l in range(L)]),
                 "absorb": capture(lambda: [(absorb_in(l), absorb_out(l)) for l in range(L)]),
                 "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
             }
             us = {k: replay_us(gr, a.reps, a.groups) / L for k, gr in graphs.items()}
             row = {"method": m, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
                    "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
-                   "decode_between_products_us": round(us["layer"] - us["absorb"], 2)}
+                   "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
+                   "combine_us": round(us["decode"] - us["kernel"], 2)}
             res["rows"].append(row)
-            print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode alone {us['decode']:6.2f} us a layer, "
+            print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
+                  f"(its kernel {us['kernel']:6.2f}), "
                   f"bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} -> decode between the products "
                   f"{row['decode_between_products_us']:6.2f}", flush=True)
             save(res, a.out)
