@@ -39,7 +39,8 @@
 #                 sequence)                                 -> kernels/decode_tokens_m_timeline_short_h200.json
 # decode-in-graph  the decode call (decode and combine kernels) inside CUDA graphs of layers, between the absorbed
 #                 query's and values' bmm, against the same calls back to back; a cache a layer; four formats at the
-#                 short job's contexts (27 layers) and at 32 x 16384 (8 layers)
+#                 short job's contexts (27 layers, with the tokens-as-M kernel's CTA spans and the gaps between
+#                 layers) and at 32 x 16384 (8 layers)
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
@@ -217,8 +218,8 @@ tokens-m-timeline-short() {
 }
 
 decode-in-graph() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 1x2048 8x2048 \
-    --out "$OUT/kernels/decode_in_graph_short_h200.json" 2>&1 | tail -8
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 1x2048 8x2048 --timeline \
+    --out "$OUT/kernels/decode_in_graph_short_h200.json" 2>&1 | tail -12
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 32x16384 --layers 8 \
     --out "$OUT/kernels/decode_in_graph_long_h200.json" 2>&1 | tail -4
 }

@@ -12,7 +12,10 @@ own (so no layer's pages are in L2 when it reads them, as in a step), and replay
     layer    bmm, decode call, bmm, a layer
 
 and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products, ``decode - kernel``
-what its combine adds. Medians over `--groups`
+what its combine adds. With ``--timeline``, where the call runs the tokens-as-M kernel, a graph of its ``TIMELINE=1``
+build (each CTA's ``%globaltimer`` at entry and at its end, written over the unit's partial output: a buffer a layer)
+replayed once gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end, the
+median CTA's lifetime, and the gap from a layer's last CTA's end to the next layer's first CTA's entry. Medians over `--groups`
 groups of `--reps` replays, CUDA events.
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
@@ -21,13 +24,14 @@ groups of `--reps` replays, CUDA events.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
-from quantmla.kernels import api
+from quantmla.kernels import api, cuda
 from quantmla.kernels.launch import launch_decode
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
@@ -71,6 +75,36 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev) -> dict:
+    """The tokens-as-M plan's TIMELINE=1 build over every layer in one graph, replayed once after two warm-up
+    replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime, and the
+    gap to the next layer's first entry; every layer's own partials buffer holds its CTAs' marks."""
+    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True)
+    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
+    L = len(caches)
+    po = torch.zeros(L, md.num_units, H, D_C, device=dev)
+    plse = torch.empty(L, md.num_units, H, device=dev)
+
+    def run():
+        for l, c in enumerate(caches):
+            args = (q_lat[l], q_rope[l], c.pages, None, None, c.block_table, c.seq_lens, md.units, o_lat[l], lse[l],
+                    po[l], plse[l], c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
+            cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
+
+    g = capture(run)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    nmark = 7  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
+    w = po.view(L, md.num_units, -1)[:, :, :2 * nmark].contiguous().view(torch.int64).cpu()
+    entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
+    first, last = entry.min(dim=1).values, end.max(dim=1).values
+    med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
+    return {"plan": plan.describe(), "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
+            "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
+            "entry_skew_us": med(entry.max(dim=1).values - first)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", nargs="+", default=["bf16", "fp8", "int4/int4", "int2/int4"])
@@ -79,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--groups", type=int, default=5)
+    p.add_argument("--timeline", action="store_true", help="also the tokens-as-M kernel's CTA spans and the gaps "
+                   "between layers, from its TIMELINE build in a graph of the layers")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     shapes = [parse_shape(s) for s in a.shapes]
@@ -145,6 +181,9 @@ def main(argv=None) -> int:
                    "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
                    "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
                    "combine_us": round(us["decode"] - us["kernel"], 2)}
+            if a.timeline and "/tm/" in (md.variant or ""):
+                row["timeline"] = timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev)
+                print(f"{'':10} timeline: {row['timeline']}", flush=True)
             res["rows"].append(row)
             print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
                   f"(its kernel {us['kernel']:6.2f}), "
