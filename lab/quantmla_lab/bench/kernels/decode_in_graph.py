@@ -96,7 +96,7 @@ def timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev) -> dict:
         g.replay()
     torch.cuda.synchronize()
     nmark = 7  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
-    w = po.view(L, md.num_units, -1)[:, :, :2 * nmark].contiguous().view(torch.int64).cpu()
+    w = po.view(L, md.num_units, -1)[:, :, :4 * nmark].contiguous().view(torch.int64).cpu()  # 2·nmark int64
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
