@@ -14,8 +14,9 @@ own (so no layer's pages are in L2 when it reads them, as in a step), and replay
 and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products, ``decode - kernel``
 what its combine adds. With ``--timeline``, where the call runs the tokens-as-M kernel, a graph of its ``TIMELINE=1``
 build (each CTA's ``%globaltimer`` at entry and at its end, written over the unit's partial output: a buffer a layer)
-replayed once gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end, the
-median CTA's lifetime, and the gap from a layer's last CTA's end to the next layer's first CTA's entry. Medians over `--groups`
+replayed once gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end (every
+warp's epilogue done), the median CTA's lifetime, the gap from a layer's last CTA's end to the next layer's first
+CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over `--groups`
 groups of `--reps` replays, CUDA events.
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
@@ -96,13 +97,14 @@ def timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev) -> dict:
         g.replay()
     torch.cuda.synchronize()
     nmark = 7  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
-    w = po.view(L, md.num_units, -1)[:, :, :4 * nmark].contiguous().view(torch.int64).cpu()  # 2·nmark int64
+    w = po.view(L, md.num_units, -1)[:, :, :4 * nmark + 4].contiguous().view(torch.int64).cpu()  # marks, SM, tiles
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
     return {"plan": plan.describe(), "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
             "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
-            "entry_skew_us": med(entry.max(dim=1).values - first)}
+            "entry_skew_us": med(entry.max(dim=1).values - first), "end_skew_us": med(last - end.median(dim=1).values),
+            "sms_median": float(torch.tensor([float(w[l, :, 2 * nmark].unique().numel()) for l in range(L)]).median())}
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,7 @@ typedef __half2 T2;
 #endif
 // TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
 // %globaltimer and clock64 at NMARK marks (entry, the query pieces' loads issued, the first tiles' copies issued,
-// the query block written, the first tile landed, after the tile loop, the end), then
+// the query block written, the first tile landed, after the tile loop, the end of every warp's epilogue), then
 // the SM it ran on and its tile count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
 #ifndef TIMELINE
 #define TIMELINE 0
@@ -509,8 +509,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     }
   }
   if constexpr (TIMELINE) {
+    __syncthreads();  // every warp's epilogue done (with WS the output warps store after the scores' warps finish)
     mark(tl, NMARK - 1);
-    __syncthreads();
     if (tid == 0) {
       unsigned smid;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
