@@ -12,9 +12,10 @@ own (so no layer's pages are in L2 when it reads them, as in a step), and replay
     layer    bmm, decode call, bmm, a layer
 
 and gives µs a layer: ``layer - absorb`` is what the decode call adds between the products, ``decode - kernel``
-what its combine adds. With ``--timeline``, where the call runs the tokens-as-M kernel, a graph of its ``TIMELINE=1``
-build (each CTA's ``%globaltimer`` at entry and at its end, written over the unit's partial output: a buffer a layer)
-replayed once gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end (every
+what its combine adds. With ``--timeline``, where the call runs the tokens-as-M kernel, each of ``--plans`` (its default
+or another tiling) runs alone in a graph of the layers, and a graph of its ``TIMELINE=1`` build (each CTA's
+``%globaltimer`` at entry and at its end, written over the unit's partial output: a buffer a layer) replayed once
+gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end (every
 warp's epilogue done), the median CTA's lifetime, the gap from a layer's last CTA's end to the next layer's first
 CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over `--groups`
 groups of `--reps` replays, CUDA events.
@@ -76,23 +77,39 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev) -> dict:
-    """The tokens-as-M plan's TIMELINE=1 build over every layer in one graph, replayed once after two warm-up
-    replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime, and the
-    gap to the next layer's first entry; every layer's own partials buffer holds its CTAs' marks."""
-    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True)
-    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
+def parse_plan(text: str) -> dict:
+    """'' or 'key=int,...' (``cuda.decode_plan``'s tiling keywords) -> its keywords."""
+    keys = ("token_blocks", "specialized", "ctas_per_sm")
+    kw = {}
+    for item in filter(None, text.split(",")):
+        k, _, v = item.partition("=")
+        if k not in keys or not v.isdigit():
+            raise SystemExit(f"--plans {text!r}: write KEY=INT[,...] with KEY one of {', '.join(keys)}, or '' for the default")
+        kw[k] = bool(int(v)) if k == "specialized" else int(v)
+    return kw
+
+
+def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps, groups, **plan_kw) -> dict:
+    """The tokens-as-M plan (``plan_kw`` its tiling) over every layer's cache in one graph, each layer its own
+    partials buffer: its decode kernel's µs a layer (no combine), then its TIMELINE=1 build replayed once after
+    warm-up replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime,
+    the gap to the next layer's first entry, the spread of entries and ends, and the SMs a layer's CTAs ran on."""
+    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True, **plan_kw)
+    if plan is None:
+        return {"plan_kw": plan_kw, "skipped": cuda.plan_reason.get(lay)}
     L = len(caches)
     po = torch.zeros(L, md.num_units, H, D_C, device=dev)
     plse = torch.empty(L, md.num_units, H, device=dev)
 
-    def run():
+    def run(vp):
         for l, c in enumerate(caches):
             args = (q_lat[l], q_rope[l], c.pages, None, None, c.block_table, c.seq_lens, md.units, o_lat[l], lse[l],
                     po[l], plse[l], c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
             cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
 
-    g = capture(run)
+    kernel_us = replay_us(capture(lambda: run(plan)), reps, groups) / L
+    vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
+    g = capture(lambda: run(vp))
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -101,7 +118,8 @@ def timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev) -> dict:
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
-    return {"plan": plan.describe(), "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
+    return {"plan_kw": plan_kw, "plan": plan.describe(), "smem": plan.smem, "kernel_us": round(kernel_us, 2),
+            "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
             "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
             "entry_skew_us": med(entry.max(dim=1).values - first), "end_skew_us": med(last - end.median(dim=1).values),
             "sms_median": float(torch.tensor([float(w[l, :, 2 * nmark].unique().numel()) for l in range(L)]).median())}
@@ -117,9 +135,14 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=5)
     p.add_argument("--timeline", action="store_true", help="also the tokens-as-M kernel's CTA spans and the gaps "
                    "between layers, from its TIMELINE build in a graph of the layers")
+    p.add_argument("--plans", nargs="+", default=[""], metavar="KEY=INT,...",
+                   help="with --timeline, tokens-as-M plans to time and trace: '' the default, or tiling keywords of "
+                        "cuda.decode_plan (token_blocks, specialized, ctas_per_sm), e.g. specialized=0")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     shapes = [parse_shape(s) for s in a.shapes]
+    for spec in a.plans:
+        parse_plan(spec)
     try:
         methods = bench.parse_methods(",".join(a.methods))  # bad names reported before the device is touched
     except QuantMLAError as e:
@@ -184,8 +207,10 @@ def main(argv=None) -> int:
                    "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
                    "combine_us": round(us["decode"] - us["kernel"], 2)}
             if a.timeline and "/tm/" in (md.variant or ""):
-                row["timeline"] = timeline(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev)
-                print(f"{'':10} timeline: {row['timeline']}", flush=True)
+                row["timeline"] = [plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, a.reps,
+                                               a.groups, **parse_plan(spec)) for spec in a.plans]
+                for t in row["timeline"]:
+                    print(f"{'':10} timeline: {t}", flush=True)
             res["rows"].append(row)
             print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
                   f"(its kernel {us['kernel']:6.2f}), "
