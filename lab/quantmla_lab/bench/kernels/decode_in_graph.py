@@ -78,14 +78,19 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 
 
 def parse_plan(text: str) -> dict:
-    """'' or 'key=int,...' (``cuda.decode_plan``'s tiling keywords) -> its keywords."""
+    """'' or 'key=int,...' -> keywords: ``cuda.decode_plan``'s tiling keywords (lower case), or build macros of the
+    plan (upper case, e.g. WS_REGS=0) under "macros"."""
     keys = ("token_blocks", "specialized", "ctas_per_sm")
-    kw = {}
+    kw: dict = {}
     for item in filter(None, text.split(",")):
         k, _, v = item.partition("=")
-        if k not in keys or not v.isdigit():
-            raise SystemExit(f"--plans {text!r}: write KEY=INT[,...] with KEY one of {', '.join(keys)}, or '' for the default")
-        kw[k] = bool(int(v)) if k == "specialized" else int(v)
+        if not v.isdigit() or not (k in keys or (k.isupper() and k.replace("_", "").isalnum())):
+            raise SystemExit(f"--plans {text!r}: write KEY=INT[,...] with KEY one of {', '.join(keys)} or a build "
+                             "macro in upper case (e.g. WS_REGS=0), or '' for the default")
+        if k.isupper():
+            kw.setdefault("macros", {})[k] = int(v)
+        else:
+            kw[k] = bool(int(v)) if k == "specialized" else int(v)
     return kw
 
 
@@ -94,9 +99,13 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     partials buffer: its decode kernel's µs a layer (no combine), then its TIMELINE=1 build replayed once after
     warm-up replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime,
     the gap to the next layer's first entry, the spread of entries and ends, and the SMs a layer's CTAs ran on."""
-    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True, **plan_kw)
+    macros = plan_kw.get("macros", {})
+    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True,
+                            **{k: v for k, v in plan_kw.items() if k != "macros"})
     if plan is None:
         return {"plan_kw": plan_kw, "skipped": cuda.plan_reason.get(lay)}
+    if macros:
+        plan = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **macros}.items())))
     L = len(caches)
     po = torch.zeros(L, md.num_units, H, D_C, device=dev)
     plse = torch.empty(L, md.num_units, H, device=dev)
