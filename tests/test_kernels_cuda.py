@@ -326,10 +326,15 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("fp8", [20480] * 4, False),       # 320 tokens
     ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
+    ("int4/int4", [2048] * 8, True),   # 128-token units: tokens as M, its 4-warp plan
+    ("int2/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
+    ("int2/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
 ])
 def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
-    FP8_TM_MIN_TOKENS tokens and takes the built tile below (measured faster there); a config passed in is kept."""
+    FP8_TM_MIN_TOKENS tokens and takes the built tile below; integer codes keep the tokens-as-M kernel's warps apart
+    where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below (both measured faster there); a
+    config passed in is kept."""
     from quantmla.kernels import schedule
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -346,6 +351,9 @@ def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m
             kept = schedule.get_mla_metadata(seq, 16, 1, lay, config=default, num_sms=132)
     assert default.tokens_m and md.config.kernel == "cuda" and md.config.tokens_m == tokens_m
     assert name != "fp8" or (md.chunk_tokens >= cuda.FP8_TM_MIN_TOKENS) == tokens_m
+    if name != "fp8":  # the warps apart from TM_WS_MIN_TOKENS on, the 4-warp plan (4 warps a CTA) below
+        assert default.specialized and md.config.specialized == (md.chunk_tokens >= cuda.TM_WS_MIN_TOKENS)
+        assert md.config.num_warps == (8 if md.config.specialized else 4)
     spans = md.units[:, 2] - md.units[:, 1]
     assert int(spans.sum()) == sum(lens) and md.num_units <= 2 * 132  # one wave, every token once
     assert kept.config == default  # a config passed in is the one that runs

@@ -242,7 +242,9 @@ def get_mla_metadata(
     the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
     Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
-    built-tile kernel rather than the tokens-as-M one (measured faster there).
+    built-tile kernel rather than the tokens-as-M one, and integer codes whose units are shorter than
+    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart
+    (``config_for_units``; both measured faster there).
     """
     if num_heads < 1:
         raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
@@ -323,13 +325,20 @@ def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray
 def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,
                      unit_tokens: int) -> DecodeConfig:
     """The default config `cfg` for work units of `unit_tokens` tokens: an FP8 cache on the tokens-as-M kernel whose
-    units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead (measured faster there),
-    where that builds; every other config is kept. ``get_mla_metadata`` applies it to an eager call's units, the
-    engine's decode graphs to a bucket's."""
+    units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on
+    the tokens-as-M kernel with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp
+    plan (both measured faster there), where those build; every other config is kept. ``get_mla_metadata`` applies it
+    to an eager call's units, the engine's decode graphs to a bucket's."""
+    from quantmla.kernels import cuda
+
     if cfg.tokens_m and layout is not None and unit_tokens < _fp8_tm_min_tokens(layout):
         built = cuda_config(rows, layout, device, tokens_m=False)
         if built is not None:
             return built
+    if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.TM_WS_MIN_TOKENS:
+        four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False)
+        if four_warps is not None:
+            return four_warps
     return cfg
 
 

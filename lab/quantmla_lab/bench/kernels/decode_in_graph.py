@@ -95,9 +95,9 @@ def parse_plan(text: str) -> dict:
 
 
 def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps, groups, **plan_kw) -> dict:
-    """The tokens-as-M plan (``plan_kw`` its tiling) over every layer's cache in one graph, each layer its own
-    partials buffer: its decode kernel's µs a layer (no combine), then its TIMELINE=1 build replayed once after
-    warm-up replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime,
+    """The tokens-as-M plan (``plan_kw`` its tiling) over every layer's cache in one graph: its decode kernel's µs a
+    layer (no combine; one partials buffer for every layer, as the API's workspace), then its TIMELINE=1 build, each
+    layer its own partials buffer for the marks, replayed once after warm-up replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime,
     the gap to the next layer's first entry, the spread of entries and ends, and the SMs a layer's CTAs ran on."""
     macros = plan_kw.get("macros", {})
     plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True,
@@ -110,15 +110,16 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     po = torch.zeros(L, md.num_units, H, D_C, device=dev)
     plse = torch.empty(L, md.num_units, H, device=dev)
 
-    def run(vp):
+    def run(vp, own: bool):  # own: every layer its own partials buffer (the marks), else one for all (the API's)
         for l, c in enumerate(caches):
+            k = l if own else 0
             args = (q_lat[l], q_rope[l], c.pages, None, None, c.block_table, c.seq_lens, md.units, o_lat[l], lse[l],
-                    po[l], plse[l], c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
+                    po[k], plse[k], c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
             cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
 
-    kernel_us = replay_us(capture(lambda: run(plan)), reps, groups) / L
+    kernel_us = replay_us(capture(lambda: run(plan, False)), reps, groups) / L
     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
-    g = capture(lambda: run(vp))
+    g = capture(lambda: run(vp, True))
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
