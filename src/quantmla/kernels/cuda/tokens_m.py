@@ -18,10 +18,9 @@ TM_WS_MIN_TOKENS = 384
 """Integer-code work units shorter than this (tokens; 6 tiles of 64) read faster on the 4-warp plan than with the
 scores' and the output's warps apart: in CUDA graphs of 27 layers on an H100 (a cache a layer, 16 heads), INT4/INT4's
 decode kernel takes 12.3 against 13.1 µs at 8 x 2048 (128-token units), 17.7 against 19.5 at 16 x 2048, 21.9 against
-23.0 at 8 x 8192 (256 tokens), the same at 12 x 8192 (372 tokens), and with the warps apart 0.6 µs less at 16 x 8192
-(512 tokens) and 1.6 less at 24 x 8192 (745); INT2/INT4 0.1 to 0.4 µs less on the 4-warp plan up to 256-token units
-(docs/decode_tokens_m.md, "The scores' and the output's warps apart";
-lab/results/kernels/decode_in_graph_warps_apart_h100.json)."""
+23.0 at 8 x 8192 (256 tokens), the same at 12 x 8192 (384 tokens), and with the warps apart 0.6 µs less at 16 x 8192
+(512 tokens) and 1.6 less at 24 x 8192 (768); INT2/INT4 0.1 to 0.4 µs less on the 4-warp plan up to 256-token units
+(docs/decode_tokens_m.md, "Short units on 4 warps"; lab/results/kernels/decode_in_graph_warps_apart_h100.json)."""
 FP8_TM_MIN_TOKENS = 576
 """FP8 work units shorter than this (tokens; 9 tiles of 64) read faster on the built tile: on the H200 at 16 heads the
 tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slower at 512 (1 x 131072, 8 x 16384),
