@@ -404,6 +404,40 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     assert kept == default  # a backend's decode_config is the one that runs
 
 
+@pytest.mark.parametrize("name,b,max_len,apart", [
+    ("int4/int4", 8, 2304, False),   # the short job's rows: 8 x 36 tiles in splits of 2 tiles, the 4-warp plan
+    ("int2/int4", 16, 4096, False),  # splits of 4 tiles (256 tokens)
+    ("int4/int4", 4, 26112, True),   # splits of 7 tiles (448 tokens): the warps apart
+])
+def test_decode_graph_buckets_of_short_units_take_the_four_warp_plan(monkeypatch, name, b, max_len, apart):
+    """A decode graph bucket of integer codes whose units are shorter than TM_WS_MIN_TOKENS replays the tokens-as-M
+    kernel's 4-warp plan, as an eager call of those rows would (``config_for_units``); longer units the warps apart."""
+    import types
+
+    from quantmla.kernels import api, schedule
+    from quantmla.serving.triton_backend import StaticDecodePlan, decode_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
+    lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
+    real_cuda_config = schedule.cuda_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        default = schedule.default_config(16, lay, "cuda")
+        monkeypatch.setattr(schedule, "cuda_config", lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
+        for mod in (api, schedule):  # the CUDA device's default, on the CPU
+            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
+                                        kinds={"k": lay}, decode_config=None, _graph_combine={})
+        cfg = decode_tiling(backend, lay, b, max_len)
+        plan = StaticDecodePlan(backend, b, max_len)
+        eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
+    assert default.tokens_m and default.specialized
+    assert cfg.tokens_m and cfg.specialized == apart and (cfg == default) == apart
+    assert plan.md["k"].config == cfg == eager.config
+    assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == apart
+
+
 def test_failed_tokens_m_build_falls_back_to_the_built_tile():
     """Where the default's tokens-as-M build fails, the config is the built tile's (and the failure is kept);
     asked for the tokens-as-M kernel alone, there is no config."""
