@@ -359,18 +359,21 @@ def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m
     assert kept.config == default  # a config passed in is the one that runs
 
 
-@pytest.mark.parametrize("name,b,max_len,built", [
-    ("fp8", 4, 26112, True),         # the long job's rows (max_model_len) in 59 splits of 7 tiles: the built tile
-    ("fp8", 8, 26112, False),        # 32 splits of 13 tiles: tokens as M
-    ("fp8", 32, 26112, False),       # 8 splits of 51 tiles
-    ("fp8", 7, 12288, True),         # 6 tiles: the built tile, whose splits give another combine shape
-    ("int4/int4", 4, 26112, False),  # integer codes: tokens as M at any length
+@pytest.mark.parametrize("name,b,max_len,want", [
+    ("fp8", 4, 26112, "built"),          # the long job's rows (max_model_len) in 59 splits of 7 tiles: the built tile
+    ("fp8", 8, 26112, "default"),        # 32 splits of 13 tiles: tokens as M
+    ("fp8", 32, 26112, "default"),       # 8 splits of 51 tiles
+    ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
+    ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
+    ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps
+    ("int2/int4", 16, 4096, "four_warps"),  # splits of 4 tiles (256 tokens)
 ])
-def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, built):
+def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, want):
     """A decode graph bucket's plan and its combine shape (``graph_combine``, which eager rows in mixed steps launch
     the combine kernel in) use the API's config for the units the bucket cuts a max_len row into
-    (``config_for_units``), so FP8 over short units replays the built tile as an eager call of b rows of max_len reads
-    it; a backend's own ``decode_config`` is kept."""
+    (``config_for_units``), so FP8 over short units replays the built tile, and integer codes over units shorter than
+    TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
+    backend's own ``decode_config`` is kept."""
     import types
 
     from quantmla.kernels import api, schedule
@@ -393,49 +396,19 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
         plan = StaticDecodePlan(backend, b, max_len)
         combine = TritonPagedBackend.graph_combine(backend, (b,), max_len)["k"]
         eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
-        other = real_cuda_config(16, lay, "cuda", tokens_m=built)  # the kernel the rule does not pick
+        other = real_cuda_config(16, lay, "cuda", tokens_m=want == "built")  # the kernel the rule does not pick
         backend.decode_config = lambda rows, layout, device: default
         kept = decode_tiling(backend, lay, b, max_len)
-    assert default.tokens_m and cfg.kernel == "cuda" and cfg.tokens_m == (not built) and (cfg == default) == (not built)
+    assert default.tokens_m and cfg.kernel == "cuda" and (cfg == default) == (want == "default")
+    assert cfg.tokens_m == (want != "built")
+    if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
+        assert default.specialized and cfg.specialized == (want == "default")
+        assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == (want == "default")
     assert plan.md["k"].config == cfg == eager.config  # the graph replays what an eager call of those rows reads
     assert combine == plan.md["k"].combine == api.combine_shape(b, 16, 512, plan.split["k"][0], 132)
     if (b, max_len) == (7, 12288):  # the other kernel's splits give another shape: graph_combine follows the bucket's
         assert api.combine_shape(b, 16, 512, bucket_splits(other, 16, b, max_len, 132)[0], 132) != combine
     assert kept == default  # a backend's decode_config is the one that runs
-
-
-@pytest.mark.parametrize("name,b,max_len,apart", [
-    ("int4/int4", 8, 2304, False),   # the short job's rows: 8 x 36 tiles in splits of 2 tiles, the 4-warp plan
-    ("int2/int4", 16, 4096, False),  # splits of 4 tiles (256 tokens)
-    ("int4/int4", 4, 26112, True),   # splits of 7 tiles (448 tokens): the warps apart
-])
-def test_decode_graph_buckets_of_short_units_take_the_four_warp_plan(monkeypatch, name, b, max_len, apart):
-    """A decode graph bucket of integer codes whose units are shorter than TM_WS_MIN_TOKENS replays the tokens-as-M
-    kernel's 4-warp plan, as an eager call of those rows would (``config_for_units``); longer units the warps apart."""
-    import types
-
-    from quantmla.kernels import api, schedule
-    from quantmla.serving.triton_backend import StaticDecodePlan, decode_tiling
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
-    lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
-    real_cuda_config = schedule.cuda_config
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
-            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        default = schedule.default_config(16, lay, "cuda")
-        monkeypatch.setattr(schedule, "cuda_config", lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
-        for mod in (api, schedule):  # the CUDA device's default, on the CPU
-            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
-        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
-                                        kinds={"k": lay}, decode_config=None, _graph_combine={})
-        cfg = decode_tiling(backend, lay, b, max_len)
-        plan = StaticDecodePlan(backend, b, max_len)
-        eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
-    assert default.tokens_m and default.specialized
-    assert cfg.tokens_m and cfg.specialized == apart and (cfg == default) == apart
-    assert plan.md["k"].config == cfg == eager.config
-    assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == apart
 
 
 def test_failed_tokens_m_build_falls_back_to_the_built_tile():
