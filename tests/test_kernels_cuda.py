@@ -330,7 +330,7 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("int2/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
     ("int2/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
 ])
-def test_fp8_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
+def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
     FP8_TM_MIN_TOKENS tokens and takes the built tile below; integer codes keep the tokens-as-M kernel's warps apart
     where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below (both measured faster there); a

@@ -136,7 +136,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
     d_r 64: on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in
     INT4/INT4 at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8
-    ``get_mla_metadata`` takes the built tile where units are short),
+    ``get_mla_metadata`` takes the built tile where units are short, and for integer codes the 4-warp plan),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
     plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp; `specialized` its scores' and
     output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs), `tokens_m=False` for

@@ -23,7 +23,8 @@ class EngineConfig:
     sequence (sets the CUDA-graph block-table width; default: what the pool holds); ``decode_config``:
     the Triton decode kernel's tiling per page layout, a function called as
     ``kernels.api.default_config(rows, layout, device)`` is (None: that default, with FP8 over short work units on the
-    built-tile kernel as ``get_mla_metadata`` takes it; a function given here is used as it is); ``rope_pages``: store
+    built-tile kernel and integer codes over short units on the tokens-as-M kernel's 4-warp plan, as
+    ``get_mla_metadata`` takes them; a function given here is used as it is); ``rope_pages``: store
     the RoPE path per channel per page (one scale and zero point per channel of each page, the method
     ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
     stage of max_num_seqs rows per layer that the KV budget pays for; ``rope_block`` (with rope_pages): the

@@ -98,7 +98,8 @@ class StaticDecodePlan:
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config``, else the API's default for the units that bucket cuts a
-    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, as an eager call's
+    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer codes over short units on the
+    tokens-as-M kernel's 4-warp plan, as an eager call's
     ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that choice for shorter real rows, whose
     units are shorter)."""
     from quantmla.kernels import schedule

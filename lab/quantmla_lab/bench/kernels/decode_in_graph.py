@@ -37,6 +37,7 @@ from quantmla.kernels import api, cuda
 from quantmla.kernels.launch import launch_decode
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
+from quantmla_lab.bench.kernels.decode_cuda_variants import MARKS
 
 D_N, D_C, D_R, D_V = 128, 512, 64, 128  # DeepSeek's q_nope, latent, RoPE and value widths
 
@@ -123,12 +124,12 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    nmark = 7  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
+    nmark = len(MARKS)  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
     w = po.view(L, md.num_units, -1)[:, :, :4 * nmark + 4].contiguous().view(torch.int64).cpu()  # marks, SM, tiles
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
-    return {"plan_kw": plan_kw, "plan": plan.describe(), "smem": plan.smem, "kernel_us": round(kernel_us, 2),
+    return {"plan_kw": plan_kw, "plan": plan.describe() + "".join(f" {k}={v}" for k, v in macros.items()), "smem": plan.smem, "kernel_us": round(kernel_us, 2),
             "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
             "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
             "entry_skew_us": med(entry.max(dim=1).values - first), "end_skew_us": med(last - end.median(dim=1).values),
@@ -146,8 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true", help="also the tokens-as-M kernel's CTA spans and the gaps "
                    "between layers, from its TIMELINE build in a graph of the layers")
     p.add_argument("--plans", nargs="+", default=[""], metavar="KEY=INT,...",
-                   help="with --timeline, tokens-as-M plans to time and trace: '' the default, or tiling keywords of "
-                        "cuda.decode_plan (token_blocks, specialized, ctas_per_sm), e.g. specialized=0")
+                   help="with --timeline, tokens-as-M plans to time and trace: '' the plan cuda.decode_plan gives "
+                        "(for integer codes the warps apart, whatever the units), or its tiling keywords (token_blocks, "
+                        "specialized, ctas_per_sm) and build macros in upper case, e.g. specialized=0 or WS_REGS=0")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     shapes = [parse_shape(s) for s in a.shapes]
@@ -203,7 +205,9 @@ def main(argv=None) -> int:
                 pages, pc16, pr16 = api.page_views(c.pages, lay)  # the call's own views of the pages
                 args = (q_lat[l], q_rope[l], pages, pc16, pr16, c.block_table, c.seq_lens, md.units, o_lat[l],
                         lse[l], po, plse, c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
-                launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
+                ran = launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
+                if ran != md.variant:
+                    raise SystemExit(f"{m}: the kernel alone ran {ran}, the call {md.variant}: not the same kernel")
 
             graphs = {
                 "decode": capture(lambda: [decode(l) for l in range(L)]),

@@ -132,8 +132,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--builds {b!r}: write MODE:MINB:INFLIGHT[:T], MODE 0, 1 or 2, INFLIGHT 0, 1, 2 or 4 and "
                              ":T only with MODE 1 or 2, e.g. 1:2:2 or 2:2:2:T")
         builds.append((*(int(v) for v in f), pret))
-    if a.probe and (not torch.cuda.is_available() or a.build_only or all(m == 0 for m, _, _, _ in builds)):
-        raise SystemExit("--probe needs a GPU and an 8-bit build (MODE 1 or 2)")
+    if a.probe and (not torch.cuda.is_available() or a.build_only or all(m == 0 or t for m, _, _, t in builds)):
+        raise SystemExit("--probe needs a GPU and an 8-bit build on the tokens' rows (MODE 1 or 2, without :T)")
     if build.nvcc() is None:
         raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
     gpu = torch.cuda.is_available() and not a.build_only
