@@ -98,8 +98,9 @@ def parse_plan(text: str) -> dict:
 def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps, groups, **plan_kw) -> dict:
     """The tokens-as-M plan (``plan_kw`` its tiling) over every layer's cache in one graph: its decode kernel's µs a
     layer (no combine; one partials buffer for every layer, as the API's workspace), then its TIMELINE=1 build, each
-    layer its own partials buffer for the marks, replayed once after warm-up replays: µs medians over the layers of the span (first entry to last end), the median CTA's lifetime,
-    the gap to the next layer's first entry, the spread of entries and ends, and the SMs a layer's CTAs ran on."""
+    layer its own partials buffer for the marks, replayed once after warm-up replays: µs medians over the layers of
+    the span (first entry to last end), the median CTA's lifetime, the gap to the next layer's first entry, the
+    spread of entries and ends, and the SMs a layer's CTAs ran on."""
     macros = plan_kw.get("macros", {})
     plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, tokens_m=True,
                             **{k: v for k, v in plan_kw.items() if k != "macros"})
@@ -129,7 +130,8 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
-    return {"plan_kw": plan_kw, "plan": plan.describe() + "".join(f" {k}={v}" for k, v in macros.items()), "smem": plan.smem, "kernel_us": round(kernel_us, 2),
+    named = plan.describe() + "".join(f" {k}={v}" for k, v in macros.items())
+    return {"plan_kw": plan_kw, "plan": named, "smem": plan.smem, "kernel_us": round(kernel_us, 2),
             "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
             "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
             "entry_skew_us": med(entry.max(dim=1).values - first), "end_skew_us": med(last - end.median(dim=1).values),
