@@ -17,8 +17,8 @@ or another tiling) runs alone in a graph of the layers, and a graph of its ``TIM
 ``%globaltimer`` at entry and at its end, written over the unit's partial output: a buffer a layer) replayed once
 gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end (every
 warp's epilogue done), the median CTA's lifetime, the gap from a layer's last CTA's end to the next layer's first
-CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over `--groups`
-groups of `--reps` replays, CUDA events.
+CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over 5 groups of
+`--reps` replays, CUDA events (``step_overhead.replay_ms``).
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
@@ -38,44 +37,11 @@ from quantmla.kernels.launch import launch_decode
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
 from quantmla_lab.bench.kernels.decode_cuda_variants import MARKS
+from quantmla_lab.bench.serving.step_overhead import replay_ms
+
+capture = bench.capture_graph  # fn run once on a side stream (its builds and loads), then captured
 
 D_N, D_C, D_R, D_V = 128, 512, 64, 128  # DeepSeek's q_nope, latent, RoPE and value widths
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    """'BxL' -> (B, L), both positive."""
-    try:
-        b, n = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--shapes {text!r}: write BATCHxCONTEXT, e.g. 8x2048") from None
-    if b < 1 or n < 1:
-        raise SystemExit(f"--shapes {text!r}: batch and context must be positive")
-    return b, n
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int, groups: int) -> float:
-    """Median µs of one replay over `groups` groups of `reps` back-to-back replays."""
-    for _ in range(3):
-        graph.replay()
-    ts = []
-    for _ in range(groups):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(ts)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    fn()  # kernels built and loaded before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def parse_plan(text: str) -> dict:
@@ -95,7 +61,12 @@ def parse_plan(text: str) -> dict:
     return kw
 
 
-def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps, groups, **plan_kw) -> dict:
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median µs of one replay over 5 groups of `reps` back-to-back replays."""
+    return replay_ms(graph, 5 * reps) * 1e3
+
+
+def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps, **plan_kw) -> dict:
     """The tokens-as-M plan (``plan_kw`` its tiling) over every layer's cache in one graph: its decode kernel's µs a
     layer (no combine; one partials buffer for every layer, as the API's workspace), then its TIMELINE=1 build, each
     layer its own partials buffer for the marks, replayed once after warm-up replays: µs medians over the layers of
@@ -119,7 +90,7 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
                     po[k], plse[k], c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
             cuda.launch_decode(vp, (md.num_units, md.head_blocks), args, dev)
 
-    kernel_us = replay_us(capture(lambda: run(plan, False)), reps, groups) / L
+    kernel_us = replay_us(capture(lambda: run(plan, False)), reps) / L
     vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), "TIMELINE": 1}.items())))
     g = capture(lambda: run(vp, True))
     for _ in range(3):
@@ -144,8 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=["1x2048", "8x2048"], help="BATCHxCONTEXT")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--groups", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20, help="replays a timed group (5 groups, their median)")
     p.add_argument("--timeline", action="store_true", help="also the tokens-as-M kernel's CTA spans and the gaps "
                    "between layers, from its TIMELINE build in a graph of the layers")
     p.add_argument("--plans", nargs="+", default=[""], metavar="KEY=INT,...",
@@ -154,20 +124,20 @@ def main(argv=None) -> int:
                         "specialized, ctas_per_sm) and build macros in upper case, e.g. specialized=0 or WS_REGS=0")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
-    shapes = [parse_shape(s) for s in a.shapes]
     for spec in a.plans:
         parse_plan(spec)
-    try:
-        methods = bench.parse_methods(",".join(a.methods))  # bad names reported before the device is touched
+    try:  # bad shapes and names reported before the device is touched
+        shapes = bench.parse_shapes(",".join(a.shapes), "--shapes")
+        methods = bench.parse_methods(",".join(a.methods))
     except QuantMLAError as e:
         raise SystemExit(str(e)) from None
-    if a.layers < 1 or a.reps < 1 or a.groups < 1:
-        raise SystemExit("--layers, --reps and --groups must be positive")
+    if a.layers < 1 or a.reps < 1:
+        raise SystemExit("--layers and --reps must be positive")
     if not torch.cuda.is_available():
         raise SystemExit("decode_in_graph times CUDA graphs: it needs a CUDA device")
     dev, H, L = torch.device("cuda"), a.heads, a.layers
     bench.DEV = "cuda"
-    res = record(heads=H, layers=L, reps=a.reps, groups=a.groups, rows=[])
+    res = record(heads=H, layers=L, reps=a.reps, groups=5, rows=[])
     g = torch.Generator(device=dev).manual_seed(0)
     w_uk = torch.randn(L, H, D_N, D_C, generator=g, device=dev).mul_(D_N ** -0.5).to(torch.bfloat16)
     w_uv = torch.randn(L, H, D_C, D_V, generator=g, device=dev).mul_(D_C ** -0.5).to(torch.bfloat16)
@@ -217,14 +187,14 @@ def main(argv=None) -> int:
                 "absorb": capture(lambda: [(absorb_in(l), absorb_out(l)) for l in range(L)]),
                 "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
             }
-            us = {k: replay_us(gr, a.reps, a.groups) / L for k, gr in graphs.items()}
+            us = {k: replay_us(gr, a.reps) / L for k, gr in graphs.items()}
             row = {"method": m, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
                    "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
                    "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
                    "combine_us": round(us["decode"] - us["kernel"], 2)}
             if a.timeline and "/tm/" in (md.variant or ""):
                 row["timeline"] = [plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, a.reps,
-                                               a.groups, **parse_plan(spec)) for spec in a.plans]
+                                               **parse_plan(spec)) for spec in a.plans]
                 for t in row["timeline"]:
                     print(f"{'':10} timeline: {t}", flush=True)
             res["rows"].append(row)

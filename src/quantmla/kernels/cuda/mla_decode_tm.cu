@@ -113,6 +113,11 @@ enum : int { BAR_SCORES = 3, BAR_OUTPUT = 4, BAR_FULL = 5, BAR_EMPTY = 7, BAR_MO
 #ifndef WS_REGS
 #define WS_REGS 0
 #endif
+// WS_KEEP (timing experiments only): with WS_REGS, each role keeps its budget through the epilogue (no registers handed
+// back after the tile loop); the shared epilogue then compiles within the output warps' 256 - WS_REGS and spills
+#ifndef WS_KEEP
+#define WS_KEEP 0
+#endif
 static_assert(WS_REGS == 0 || (WS && WS_REGS % 8 == 0 && WS_REGS > 128 && WS_REGS <= 232), "setmaxnreg's steps");
 template <int N, bool INC>
 __device__ __forceinline__ void set_max_regs() {
@@ -343,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         tile_probabilities(st, sP + buf * P_ELEMS, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t, tok_lo + 16 * i);
       bar_arrive(BAR_FULL + buf, NT);
     }
-    if constexpr (WS_REGS) {
+    if constexpr (WS_REGS && !WS_KEEP) {
       set_max_regs<128, false>();
       bar_arrive(BAR_REGS, NT);  // their registers are back in the CTA's pool
     }
@@ -371,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     }
     // Back to 128 once the scores' warps have given theirs back: in a unit without tiles these warps would otherwise
     // take their registers back before the scores' warps had taken theirs, and those would wait for them for ever
-    if constexpr (WS_REGS) {
+    if constexpr (WS_REGS && !WS_KEEP) {
       bar_sync(BAR_REGS, NT);
       set_max_regs<128, true>();
     }

@@ -1,0 +1,29 @@
+"""The decode-in-graph bench's command line (lab/quantmla_lab/bench/kernels/decode_in_graph.py): its plans' keywords
+and macros, and bad input refused with the fix before any device is looked at."""
+
+import pytest
+
+from quantmla_lab.bench.kernels import decode_in_graph as dig
+
+
+def test_plans_split_tiling_keywords_from_build_macros():
+    assert dig.parse_plan("") == {}
+    assert dig.parse_plan("specialized=0,token_blocks=2") == {"specialized": False, "token_blocks": 2}
+    assert dig.parse_plan("WS_REGS=0,ctas_per_sm=1") == {"macros": {"WS_REGS": 0}, "ctas_per_sm": 1}
+
+
+@pytest.mark.parametrize("spec", ["foo=1", "token_blocks=x", "WS_REGS", "specialized=-1"])
+def test_a_bad_plan_is_refused_with_its_form(spec):
+    with pytest.raises(SystemExit, match="KEY=INT"):
+        dig.parse_plan(spec)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--shapes", "8y2048"], "BATCHxCONTEXT"),
+    (["--methods", "int5/int4"], "5-bit"),
+    (["--layers", "0"], "must be positive"),
+    (["--plans", "bogus=1"], "KEY=INT"),
+])
+def test_bad_input_is_refused_before_the_device(argv, says):
+    with pytest.raises(SystemExit, match=says):
+        dig.main(argv)
