@@ -326,15 +326,16 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("fp8", [20480] * 4, False),       # 320 tokens
     ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
-    ("int4/int4", [2048] * 8, True),   # 128-token units: tokens as M, its 4-warp plan
+    ("int4/int4", [2048] * 8, True),   # 128-token units: tokens as M, its 4-warp plan, one token block a warp
+    ("int4/int4", [2048] * 32, True),  # 256 tokens, TM_TWO_BLOCKS_MIN_TOKENS: the 4-warp plan, two blocks a warp
     ("int2/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
     ("int2/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
 ])
 def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
     FP8_TM_MIN_TOKENS tokens and takes the built tile below; integer codes keep the tokens-as-M kernel's warps apart
-    where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below (both measured faster there); a
-    config passed in is kept."""
+    where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one token block a warp
+    below TM_TWO_BLOCKS_MIN_TOKENS (each measured faster there); a config passed in is kept."""
     from quantmla.kernels import schedule
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -354,6 +355,9 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     if name != "fp8":  # the warps apart from TM_WS_MIN_TOKENS on, the 4-warp plan (4 warps a CTA) below
         assert default.specialized and md.config.specialized == (md.chunk_tokens >= cuda.TM_WS_MIN_TOKENS)
         assert md.config.num_warps == (8 if md.config.specialized else 4)
+        # on 4 warps 4-bit content takes two token blocks a warp at 256-token units, one at 128 (measured)
+        two = name == "int4/int4" and not md.config.specialized and md.chunk_tokens == 256
+        assert md.chunk_tokens not in (128, 256) or md.config.token_blocks == (2 if two else 1)
     spans = md.units[:, 2] - md.units[:, 1]
     assert int(spans.sum()) == sum(lens) and md.num_units <= 2 * 132  # one wave, every token once
     assert kept.config == default  # a config passed in is the one that runs
@@ -367,6 +371,7 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
     ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps
     ("int2/int4", 16, 4096, "four_warps"),  # splits of 4 tiles (256 tokens)
+    ("int4/int4", 16, 4096, "four_warps"),  # 256 tokens: two token blocks a warp (one at 8 x 2304 above)
 ])
 def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, want):
     """A decode graph bucket's plan and its combine shape (``graph_combine``, which eager rows in mixed steps launch
@@ -404,6 +409,8 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
         assert default.specialized and cfg.specialized == (want == "default")
         assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == (want == "default")
+        two = (name, b, max_len) == ("int4/int4", 16, 4096)  # 256-token units: two blocks; 128 (8 x 2304): one
+        assert cfg.token_blocks == (2 if two else 1)
     assert plan.md["k"].config == cfg == eager.config  # the graph replays what an eager call of those rows reads
     assert combine == plan.md["k"].combine == api.combine_shape(b, 16, 512, plan.split["k"][0], 132)
     if (b, max_len) == (7, 12288):  # the other kernel's splits give another shape: graph_combine follows the bucket's

@@ -327,7 +327,8 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
     """The default config `cfg` for work units of `unit_tokens` tokens: an FP8 cache on the tokens-as-M kernel whose
     units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on
     the tokens-as-M kernel with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp
-    plan (both measured faster there), where those build; every other config is kept. ``get_mla_metadata`` applies it
+    plan, with one token block a warp below ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each measured faster there), where those
+    build; every other config is kept. ``get_mla_metadata`` applies it
     to an eager call's units, the engine's decode graphs to a bucket's."""
     from quantmla.kernels import cuda
 
@@ -336,7 +337,8 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
         if built is not None:
             return built
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.TM_WS_MIN_TOKENS:
-        four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False)
+        blocks = 1 if unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the layout's default
+        four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks)
         if four_warps is not None:
             return four_warps
     return cfg

@@ -1,0 +1,192 @@
+"""Does a programmatic dependent launch hide a decode step's small products' fixed cost? A chain of layers timed.
+
+At decode's few rows the attention's small products (q_proj with kv_a_proj_with_mqa stacked, 3648 x 2048; o_proj,
+2048 x 2048) take 6 to 7 µs a call whatever their bytes (``projection_gemms_h200.json``: kv_a_proj_with_mqa's 2.4 MB
+as long as o_proj's 8.4 MB): a launch, the first reads' round trips and a tail, not bandwidth. Their weights do not
+depend on the step, so a product launched early (Hopper's programmatic dependent launch: the kernel before it lets its
+dependents launch at its start, ``gdc_launch_dependents``; the product waits for that kernel's results only where it
+reads them, ``gdc_wait``) could bring its weight into L2 (``prefetch.global.L2``) while the kernel before it runs.
+
+This bench captures CUDA graphs of ``--layers`` layers, each an RMSNorm of the previous layer's output (the first
+``--hidden`` columns; the norm is ``kernels.norm``'s arithmetic) and a product with a weight of its own
+(``--out-features`` x ``--hidden``, so no layer's weight is in L2 from the layer before), and times, µs a layer:
+
+    cublas            the norm, then ``F.linear`` (cuBLAS), as the engine runs them
+    cublas+pdl        the norm launched with PDL (it waits at its start), then ``F.linear``
+    triton            the norm, then ``skinny_gemm``'s kernel (one program a block of output columns over all of K)
+    triton+pdl        both launched with PDL: the product's programs launch while the norm runs and wait for it
+    triton+pdl+l2     the same, each program first prefetching its weight rows into L2
+
+Every variant's last output is checked against the cuBLAS chain's (relative max difference, saved). Medians over 5
+groups of ``--reps`` replays (CUDA events).
+
+    python -m quantmla_lab.bench.serving.pdl_chain --out $OUT/profile/pdl_chain_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from quantmla.kernels.norm import _round
+from quantmla_lab.bench.common import parse_fresh, record, save
+
+try:  # triton >= 3.3: grid dependency control (programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton
+    gdc_launch_dependents = gdc_wait = None
+
+VARIANTS = ("cublas", "cublas+pdl", "triton", "triton+pdl", "triton+pdl+l2")
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_y"])
+def _norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    """``kernels.norm._rms_norm_kernel``, optionally launched with PDL: its dependents may launch at once, and it
+    waits for the kernel before it (whose output it reads) first."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    h = _round(x * rstd, BF16, Y.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, _round(w * h, BF16, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each pointer's line (nothing is read into registers)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _skinny_kernel(X, W, Y, M, N, sxm, swn, sym, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, L2: tl.constexpr):
+    """y = x·Wᵀ for M <= BLOCK_M rows: a program owns BLOCK_N rows of W over all of K. With PDL its dependents may
+    launch at once, and (L2) it prefetches its rows of W into L2 before it waits for the kernel that wrote x."""
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    if PDL:
+        gdc_launch_dependents()
+    if L2:
+        LINES: tl.constexpr = K // 64  # 128-byte lines a row of 16-bit W
+        i = tl.arange(0, BLOCK_N * LINES)
+        r = n0 + i // LINES
+        _prefetch_l2(tl.where(r < N, W + r.to(tl.int64) * swn + (i % LINES) * 64, W))
+    if PDL:
+        gdc_wait()
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(W + n[:, None].to(tl.int64) * swn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
+    """RMSNorm of x's rows (strided rows allowed) into a new tensor; `pdl`: launched with PDL."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    opts = {"launch_pdl": True} if pdl else {}
+    _norm_kernel[(M,)](x, w, y, x.stride(0), y.stride(0), N, eps, BLOCK=triton.next_power_of_2(N),
+                       BF16=x.dtype == torch.bfloat16, PDL=pdl, num_warps=4, **opts)
+    return y
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int, int], pdl: bool, l2: bool) -> torch.Tensor:
+    """``x·wᵀ`` for x [M <= 64, K], w [N, K]; `tiling` (BLOCK_N, BLOCK_K, warps, stages)."""
+    M, K = x.shape
+    N = w.shape[0]
+    bn, bk, warps, stages = tiling
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    opts = {"launch_pdl": True} if pdl else {}
+    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0), K=K,
+                                          BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
+                                          PDL=pdl, L2=l2, num_warps=warps, num_stages=stages, **opts)
+    return y
+
+
+def chain(variant: str, x0, norm_w, weights, tiling, hidden: int, eps: float = 1e-6) -> torch.Tensor:
+    """The layers of `variant` over x0; returns the last layer's output."""
+    pdl = "pdl" in variant
+    x = x0
+    for w, nw in zip(weights, norm_w):
+        h = norm(x, nw, eps, pdl)
+        y = F.linear(h, w) if variant.startswith("cublas") else skinny(h, w, tiling, pdl, variant.endswith("l2"))
+        x = y[:, :hidden]
+    return y
+
+
+def parse_tiling(text: str) -> tuple[int, int, int, int]:
+    try:
+        t = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        t = ()
+    if len(t) != 4 or any(v <= 0 for v in t):
+        raise SystemExit(f"--tilings {text!r}: write BLOCK_N,BLOCK_K,WARPS,STAGES, e.g. 32,256,4,3")
+    return t
+
+
+def main(argv=None) -> int:
+    from quantmla_lab.bench.kernels.decode_speed import capture_graph
+    from quantmla_lab.bench.serving.step_overhead import replay_ms
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", type=int, default=[8, 32])
+    p.add_argument("--out-features", nargs="+", type=int, default=[3648, 2048])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--tilings", nargs="+", default=["32,256,4,3", "16,256,4,4"], help="BLOCK_N,BLOCK_K,WARPS,STAGES")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    tilings = [parse_tiling(t) for t in a.tilings]
+    if any(r < 1 or r > 64 for r in a.rows) or any(n < a.hidden for n in a.out_features):
+        raise SystemExit("--rows must be 1 to 64 and every --out-features at least --hidden")
+    if not torch.cuda.is_available():
+        raise SystemExit("pdl_chain times CUDA graphs: it needs a CUDA device")
+    if gdc_wait is None and any("pdl" in v for v in a.variants):
+        raise SystemExit(f"triton {triton.__version__} has no grid dependency control: run without the pdl variants")
+    dev, L = torch.device("cuda"), a.layers
+    g = torch.Generator(device=dev).manual_seed(0)
+    res = record(layers=L, hidden=a.hidden, reps=a.reps, groups=5, rows=[])
+    for nout in a.out_features:
+        weights = [(torch.randn(nout, a.hidden, generator=g, device=dev) * a.hidden ** -0.5).to(torch.bfloat16)
+                   for _ in range(L)]
+        norm_w = [(1 + 0.1 * torch.randn(a.hidden, generator=g, device=dev)).to(torch.bfloat16) for _ in range(L)]
+        for M in a.rows:
+            x0 = torch.randn(M, a.hidden, generator=g, device=dev).to(torch.bfloat16)
+            ref = chain("cublas", x0, norm_w, weights, tilings[0], a.hidden).float()
+            for variant in a.variants:
+                for tiling in tilings if variant.startswith("triton") else [None]:
+                    out = {}
+                    graph = capture_graph(lambda: out.__setitem__("y", chain(variant, x0, norm_w, weights, tiling,
+                                                                             a.hidden)))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    diff = float((out["y"].float() - ref).abs().max() / ref.abs().max())
+                    us = replay_ms(graph, 5 * a.reps) * 1e3 / L
+                    row = {"out_features": nout, "rows": M, "variant": variant, "tiling": tiling,
+                           "us_per_layer": round(us, 3), "rel_diff_vs_cublas": diff}
+                    res["rows"].append(row)
+                    print(f"{nout:5d} x {a.hidden} M={M:2d} {variant:14s} {str(tiling or ''):18s} {us:7.2f} us a layer"
+                          f"  rel diff {diff:.1e}", flush=True)
+                    del graph
+    save(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
