@@ -4,7 +4,8 @@ engine's choice of it."""
 import pytest
 import torch
 
-from quantmla.kernels.rope import rope_rotate
+from quantmla.kernels.norm import rms_norm
+from quantmla.kernels.rope import norm_and_rotate, rope_rotate
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.tiny import FAMILIES, tiny_model
 from quantmla.model.view import MLAView
@@ -74,6 +75,63 @@ def test_kernel_refuses_what_it_cannot_rotate():
         rope_rotate(torch.zeros(3, 2, 48), torch.zeros(3, 48), torch.zeros(3, 48), torch.zeros(3, 48), "half")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ROTATING)
+def test_latent_norm_in_the_rope_launch_is_both_kernels_bit_for_bit(family, dtype):
+    """norm_and_rotate gives exactly rms_norm of the latent and rope_rotate of both RoPE pieces, the latent strided
+    as the latent projection leaves it."""
+    model = tiny_model(family, dtype=dtype)
+    view = _view(model)
+    s, g = view.spec, torch.Generator().manual_seed(5)
+    q, _ = _pieces(view, 6, dtype)
+    ckv = (torch.randn(6, s.d_c + s.d_r, generator=g) * 3).to(dtype)
+    latent, k = ckv[:, :s.d_c], ckv[:, s.d_c:]
+    w = (1 + 0.1 * torch.randn(s.d_c, generator=g)).to(dtype)
+    pe = fused_rope.rotary_module(model)(torch.zeros(1, 6, 1, dtype=dtype), torch.tensor([[0, 2, 5, 77, 1000, 4099]]))
+    tables = view.rope_tables(pe)
+    got = norm_and_rotate(latent, w, 1e-6, q, k, *tables, view.rope_mode)
+    want = (rms_norm(latent, w, 1e-6), *rope_rotate(q, k, *tables, view.rope_mode))
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and torch.equal(a, b)
+    with pytest.raises(ValueError, match="do not match"):
+        norm_and_rotate(latent, w[:-1], 1e-6, q, k, *tables, view.rope_mode)
+    with pytest.raises(ValueError, match="tokens of q"):
+        norm_and_rotate(latent[:5], w, 1e-6, q, k, *tables, view.rope_mode)
+
+
+def test_step_pieces_take_the_latent_norm_into_the_rope_launch():
+    """Where the engine fuses the latent's RMSNorm module, ``latent_norms`` hands its weight and eps to
+    ``step_pieces``, whose pieces then equal those of the module's own (fused) norm and the RoPE kernel; a family
+    that scales the latent after its norm keeps the module."""
+    import types
+
+    from quantmla.serving import norms
+
+    model = tiny_model("deepseek_v2", dtype=torch.bfloat16)
+    mods = mla_modules(model)
+    view = MLAView(next(iter(mods.values())), load_spec(model))
+    engine, active = types.SimpleNamespace(), [None]
+    report = norms.attach(model, engine, lambda: active[0], cpu=True)
+    try:
+        slots = fused_rope.latent_norms(mods, view.spec, engine)
+        assert set(slots) == set(mods) and all(report[n] == "fused" for n in report if "kv_a_layernorm" in n)
+        slot = next(iter(mods))
+        assert slots[slot][0] is mods[slot].kv_a_layernorm.weight
+        hidden = (torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 2).to(
+            torch.bfloat16)
+        pe = fused_rope.rotary_module(model)(hidden, torch.tensor([[3, 4, 5, 6, 900]]))
+        active[0] = engine  # inside a step: the module's forward is the fused norm kernel
+        got = fused_rope.step_pieces(view, hidden, pe, True, latent_norm=slots[slot])
+        want = fused_rope.step_pieces(view, hidden, pe, True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        scaled = types.SimpleNamespace(latent_scale=2.0)
+        assert fused_rope.latent_norms(mods, scaled, engine) == {}
+        assert fused_rope.latent_norms(mods, view.spec, types.SimpleNamespace()) == {}  # another engine: not fused
+    finally:
+        norms.detach(model, engine)
+
+
 def test_engine_says_where_it_fuses_rope():
     from quantmla.serving.engine import Engine, EngineConfig
 
@@ -100,6 +158,7 @@ def test_engine_on_gpu_fuses_rope_and_matches_generate(family):
         model = tiny_model(family, dtype=dtype, **dense).cuda()
         with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=8, page_size=16)) as eng:
             assert eng.rope == "fused", (dtype, eng.rope)
+            assert set(eng.latent_norms) == set(mla_modules(model))  # each latent norm in the RoPE launch
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 40, 1)]
     rep, st = engine_agreement(model, BF16_CONFIG, prompts, 16, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))

@@ -155,6 +155,8 @@ class Engine:
             self.rope = "not on a CUDA device"
         else:
             self.rope = fused_rope.probe(model, MLAView(next(iter(mla_modules(model).values())), spec)) or "fused"
+        # slot -> (weight, eps) of a latent RMSNorm that runs in the RoPE kernel's launch (the same arithmetic)
+        self.latent_norms = fused_rope.latent_norms(self._patched, spec, self) if self.rope == "fused" else {}
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
@@ -531,7 +533,8 @@ def _dispatch_forward(module, *args, **kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     pe = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
     merged = reg["merged"] if engine.projections == "merged" else None
-    q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused", merged)  # hidden [1, N, h]
+    q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused", merged,
+                                                 engine.latent_norms.get(slot))  # hidden [1, N, h]
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
     engine.backend.write(slot, latent, k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]

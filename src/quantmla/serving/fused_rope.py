@@ -55,15 +55,41 @@ def probe(model: nn.Module, view: MLAView) -> str | None:
     return None if err <= tol else f"the kernel differs from the family's function by {err:.2g} (relative)"
 
 
-def step_pieces(view: MLAView, hidden: torch.Tensor, position_embeddings, fused: bool, merged=None):
+def latent_norms(modules: dict[int, nn.Module], spec, engine) -> dict[int, tuple[torch.Tensor, float]]:
+    """slot -> (weight, eps) of each MLA module whose latent RMSNorm (``kv_a_layernorm``) `engine` runs as the fused
+    norm kernel (``serving/norms.py``, probed against the module there): that arithmetic can then run in the RoPE
+    kernel's launch (``kernels.rope.norm_and_rotate``). Not where the family scales the latent after its norm."""
+    from quantmla.serving.norms import fused_in
+
+    if spec.latent_scale != 1.0:
+        return {}
+    out = {}
+    for slot, m in modules.items():
+        n = getattr(m, "kv_a_layernorm", None)
+        if n is not None and fused_in(n, engine):
+            out[slot] = (n.weight, n.variance_epsilon)
+    return out
+
+
+def step_pieces(view: MLAView, hidden: torch.Tensor, position_embeddings, fused: bool, merged=None,
+                latent_norm: tuple[torch.Tensor, float] | None = None):
     """The four dual-path pieces of a step's N tokens (hidden [1, N, h]): q_nope [N, H, d_n] (a strided view),
     q_rope [N, H, d_r], latent [N, d_c], k_rope [N, d_r], both RoPE pieces rotated (by the kernel where `fused`).
     `merged`: the layer's ``q_in_proj`` and ``kv_a_proj_with_mqa`` as one product (``serving/merged.py``), used
-    while both weights are still its views."""
+    while both weights are still its views. `latent_norm` (with `fused`; from :func:`latent_norms`): the latent's
+    RMSNorm (weight, eps) runs in the RoPE kernel's launch instead of its module's own."""
     q_in = ckv = None
     if merged is not None and merged.current():
         q_in, ckv = merged(hidden)
     q_nope, q_rope = view.project_query(hidden, q_in)
+    if fused and latent_norm is not None:
+        from quantmla.kernels.rope import norm_and_rotate
+
+        ckv = view.m.kv_a_proj_with_mqa(hidden) if ckv is None else ckv
+        d_c = view.spec.d_c
+        latent, q_rope, k_rope = norm_and_rotate(ckv[0, :, :d_c], *latent_norm, q_rope[0].transpose(0, 1),
+                                                 ckv[0, :, d_c:], *view.rope_tables(position_embeddings), view.rope_mode)
+        return q_nope[0].transpose(0, 1), q_rope, latent, k_rope
     latent, k_rope = view.project_kv(hidden, ckv)
     if not fused:
         q_rope, k_rope = view.rotate(q_rope, k_rope, position_embeddings)

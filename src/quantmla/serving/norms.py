@@ -80,6 +80,12 @@ def attach(model: nn.Module, engine, current: Callable[[], object], cpu: bool = 
     return report
 
 
+def fused_in(module: nn.Module, engine) -> bool:
+    """Whether `module`'s forward runs the fused kernel inside `engine`'s steps (``attach`` fused it for that engine)."""
+    reg = module.__dict__.get(_KEY)
+    return reg is not None and id(engine) in reg["engines"]
+
+
 def detach(model: nn.Module, engine) -> None:
     """Undo :func:`attach` for `engine`; the last engine gives the modules their own forwards back."""
     for m in rms_norm_modules(model).values():
