@@ -326,8 +326,10 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("fp8", [20480] * 4, False),       # 320 tokens
     ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
-    ("int4/int4", [2048] * 8, True),   # 128-token units: tokens as M, its 4-warp plan, one token block a warp
-    ("int4/int4", [2048] * 32, True),  # 256 tokens, TM_TWO_BLOCKS_MIN_TOKENS: the 4-warp plan, two blocks a warp
+    ("int4/int4", [2048] * 8, True),   # 128-token units, 128 CTAs: the 4-warp plan, one token block a warp
+    ("int4/int4", [2048] * 16, True),  # 128-token units, 256 CTAs: the 4-warp plan, two token blocks a warp
+    ("int4/int4", [2048] * 32, True),  # 256 tokens (TM_TWO_BLOCKS_MIN_TOKENS), 256 CTAs: two blocks a warp
+    ("int4/int4", [2048] * 2, True),   # 128-token units, 32 CTAs: one block a warp
     ("int2/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
     ("int2/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
 ])
@@ -355,9 +357,11 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     if name != "fp8":  # the warps apart from TM_WS_MIN_TOKENS on, the 4-warp plan (4 warps a CTA) below
         assert default.specialized and md.config.specialized == (md.chunk_tokens >= cuda.TM_WS_MIN_TOKENS)
         assert md.config.num_warps == (8 if md.config.specialized else 4)
-        # on 4 warps 4-bit content takes two token blocks a warp at 256-token units, one at 128 (measured)
-        two = name == "int4/int4" and not md.config.specialized and md.chunk_tokens == 256
-        assert md.chunk_tokens not in (128, 256) or md.config.token_blocks == (2 if two else 1)
+        # on 4 warps 4-bit content takes one token block a warp where its 128-token units' CTAs fit one an SM
+        blocks = {("int2/int4", 10): 1, ("int4/int4", 8): 1, ("int4/int4", 2): 1, ("int4/int4", 16): 2,
+                  ("int4/int4", 32): 2}
+        if not md.config.specialized:
+            assert md.config.token_blocks == blocks[(name, len(lens))], (md.num_units, md.chunk_tokens)
     spans = md.units[:, 2] - md.units[:, 1]
     assert int(spans.sum()) == sum(lens) and md.num_units <= 2 * 132  # one wave, every token once
     assert kept.config == default  # a config passed in is the one that runs
@@ -369,9 +373,11 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     ("fp8", 32, 26112, "default"),       # 8 splits of 51 tiles
     ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
     ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
-    ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps
+    ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps, 144 CTAs
     ("int2/int4", 16, 4096, "four_warps"),  # splits of 4 tiles (256 tokens)
     ("int4/int4", 16, 4096, "four_warps"),  # 256 tokens: two token blocks a warp (one at 8 x 2304 above)
+    ("int4/int4", 9, 2304, "four_warps"),   # 128-token units, 162 CTAs: two token blocks a warp
+    ("int4/int4", 4, 2304, "four_warps"),   # 128-token units, 72 CTAs: one token block a warp
 ])
 def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, want):
     """A decode graph bucket's plan and its combine shape (``graph_combine``, which eager rows in mixed steps launch
@@ -409,8 +415,10 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
         assert default.specialized and cfg.specialized == (want == "default")
         assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == (want == "default")
-        two = (name, b, max_len) == ("int4/int4", 16, 4096)  # 256-token units: two blocks; 128 (8 x 2304): one
-        assert cfg.token_blocks == (2 if two else 1)
+        # one token block a warp where the bucket's units are shorter than 256 tokens and fit one CTA an SM
+        # (8 x 2304: 18 splits a row, 144 CTAs; 4 x 2304: 72)
+        two = name == "int4/int4" and b in (8, 9, 16)
+        assert cfg.token_blocks == (2 if two else 1), (b, max_len, plan.split["k"])
     assert plan.md["k"].config == cfg == eager.config  # the graph replays what an eager call of those rows reads
     assert combine == plan.md["k"].combine == api.combine_shape(b, 16, 512, plan.split["k"][0], 132)
     if (b, max_len) == (7, 12288):  # the other kernel's splits give another shape: graph_combine follows the bucket's

@@ -243,8 +243,9 @@ def get_mla_metadata(
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
     Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
     built-tile kernel rather than the tokens-as-M one, and integer codes whose units are shorter than
-    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart
-    (``config_for_units``; both measured faster there).
+    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
+    one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
+    SM (``config_for_units``; each measured faster there).
     """
     if num_heads < 1:
         raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
@@ -264,10 +265,11 @@ def get_mla_metadata(
         chunk_tiles = fewest_tiles(tiles, target_units, -(-cfg.min_chunk // bn))
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
-    if config is None and (chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn)) is not cfg:
+    units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
+    if config is None and (chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn,
+                                                      len(units) * hb <= (num_sms or num_sms_of(device)))) is not cfg:
         return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
                                 chunk_tokens=chunk_tokens, combine=combine)
-    units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
     return MLAMetadata(
         units=torch.from_numpy(units).to(device=device, dtype=torch.int32).reshape(-1, 4),
         seq_info=torch.from_numpy(info).to(device=device, dtype=torch.int32).reshape(-1, 2),
@@ -323,13 +325,14 @@ def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray
 
 
 def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,
-                     unit_tokens: int) -> DecodeConfig:
-    """The default config `cfg` for work units of `unit_tokens` tokens: an FP8 cache on the tokens-as-M kernel whose
-    units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on
-    the tokens-as-M kernel with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp
-    plan, with one token block a warp below ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each measured faster there), where those
-    build; every other config is kept. ``get_mla_metadata`` applies it
-    to an eager call's units, the engine's decode graphs to a bucket's."""
+                     unit_tokens: int, one_cta_an_sm: bool = False) -> DecodeConfig:
+    """The default config `cfg` for work units of `unit_tokens` tokens (`one_cta_an_sm`: the call's CTAs, units times
+    head blocks, are at most the SMs): an FP8 cache on the tokens-as-M kernel whose units are shorter than
+    ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on the tokens-as-M kernel
+    with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp plan, with one token
+    block a warp where the CTAs fit one an SM and the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each
+    measured faster there), where those build; every other config is kept. ``get_mla_metadata`` applies it to an
+    eager call's units, the engine's decode graphs to a bucket's."""
     from quantmla.kernels import cuda
 
     if cfg.tokens_m and layout is not None and unit_tokens < _fp8_tm_min_tokens(layout):
@@ -337,7 +340,7 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
         if built is not None:
             return built
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.TM_WS_MIN_TOKENS:
-        blocks = 1 if unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the layout's default
+        blocks = 1 if one_cta_an_sm and unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the default
         four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks)
         if four_warps is not None:
             return four_warps

@@ -98,8 +98,9 @@ class StaticDecodePlan:
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config``, else the API's default for the units that bucket cuts a
-    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer codes over short units on the
-    tokens-as-M kernel's 4-warp plan, as an eager call's
+    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer codes over short
+    units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the bucket's b·S CTAs fit one an
+    SM, as an eager call's
     ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that choice for shorter real rows, whose
     units are shorter)."""
     from quantmla.kernels import schedule
@@ -108,8 +109,9 @@ def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     if backend.decode_config is not None:
         return backend.decode_config(H, layout, dev)
     cfg = _kernels().default_config(H, layout, dev)
-    chunk = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))[1]
-    return schedule.config_for_units(cfg, H, layout, dev, chunk)
+    sms = schedule.num_sms_of(dev)
+    S, chunk, _ = bucket_splits(cfg, H, b, max_len, sms)
+    return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * -(-H // cfg.block_m) <= sms)
 
 
 def bucket_splits(cfg, H: int, b: int, max_len: int, num_sms: int) -> tuple[int, int, int]:

@@ -22,12 +22,15 @@ decode kernel takes 12.3 against 13.1 µs at 8 x 2048 (128-token units), 17.7 ag
 (512 tokens) and 1.6 less at 24 x 8192 (768); INT2/INT4 0.1 to 0.4 µs less on the 4-warp plan up to 256-token units
 (docs/decode_tokens_m.md, "Short units on 4 warps"; lab/results/kernels/decode_in_graph_warps_apart_h100.json)."""
 TM_TWO_BLOCKS_MIN_TOKENS = 256
-"""On the 4-warp plan (units shorter than TM_WS_MIN_TOKENS), 4-bit content units shorter than this (tokens; 4 tiles)
-take one token block a warp instead of the default two: in CUDA graphs of 27 layers on an H100, INT4/INT4's decode
-kernel takes 9.92 against 10.43 µs at 2 x 2048 and 11.48 against 12.14 at 8 x 2048 (128-token units), while at
-256-token units two blocks stay ahead (21.65 against 22.69 µs at 32 x 2048, 21.23 against 22.37 at 8 x 8192, 18.97
-against 19.81 at 16 x 2048) (docs/decode_tokens_m.md, "Short units on 4 warps";
-lab/results/kernels/decode_in_graph_short_plans_h100.json, decode_in_graph_token_blocks_h100.json)."""
+"""On the 4-warp plan (units shorter than TM_WS_MIN_TOKENS), 4-bit content codes take one token block a warp instead
+of the default two where the units are shorter than this (tokens) and the call's CTAs fit one an SM
+(``schedule.config_for_units``). In CUDA graphs of 27 layers on an H100, INT4/INT4's decode kernel over 128-token units
+takes 9.92 against 10.43 µs at 2 x 2048 (32 CTAs) and 11.48 against 12.14 at 8 x 2048 (128 CTAs) with one block, but
+16.09 against 15.61 at 9 x 2304 (162 CTAs), 16.52 against 15.79 at 12 x 2048 (192) and 19.81 against 18.97 at
+16 x 2048 (256); over 256-token units (256 CTAs) two blocks stay ahead by 1.0 to 1.1 µs; 256-token units at one CTA an
+SM are not measured (docs/decode_tokens_m.md, "Short units on 4 warps"; lab/results/kernels/
+decode_in_graph_short_plans_h100.json, decode_in_graph_token_blocks_h100.json,
+decode_in_graph_token_blocks_ctas_h100.json)."""
 FP8_TM_MIN_TOKENS = 576
 """FP8 work units shorter than this (tokens; 9 tiles of 64) read faster on the built tile: on the H200 at 16 heads the
 tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slower at 512 (1 x 131072, 8 x 16384),
