@@ -93,7 +93,10 @@ def test_latent_norm_in_the_rope_launch_is_both_kernels_bit_for_bit(family, dtyp
     want = (rms_norm(latent, w, 1e-6), *rope_rotate(q, k, *tables, view.rope_mode))
     for a, b in zip(got, want):
         assert a.is_contiguous() and torch.equal(a, b)
-    with pytest.raises(ValueError, match="do not match"):
+    odd = s.d_c - 6  # a latent width that is no power of two: masked as rms_norm masks it
+    got = norm_and_rotate(ckv[:, :odd], w[:odd], 1e-6, q, k, *tables, view.rope_mode)[0]
+    assert torch.equal(got, rms_norm(ckv[:, :odd], w[:odd], 1e-6))
+    with pytest.raises(ValueError, match="norm_and_rotate: weight"):
         norm_and_rotate(latent, w[:-1], 1e-6, q, k, *tables, view.rope_mode)
     with pytest.raises(ValueError, match="tokens of q"):
         norm_and_rotate(latent[:5], w, 1e-6, q, k, *tables, view.rope_mode)
@@ -163,3 +166,25 @@ def test_engine_on_gpu_fuses_rope_and_matches_generate(family):
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 40, 1)]
     rep, st = engine_agreement(model, BF16_CONFIG, prompts, 16, tie_tol=2e-2, num_pages=24, graph_buckets=(1, 2, 4))
     assert st["graph_steps"] > 0 and rep.ok, rep.details
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_latent_norm_in_the_rope_launch_on_gpu_is_both_kernels_bit_for_bit(dtype):
+    """On CUDA too (its reductions laid out by the compiler, a [1, d_c] block against rms_norm's [d_c]), the three
+    outputs equal rms_norm's and rope_rotate's exactly, the latent a strided slice of a [N, 576] projection."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for mode in ("pairs", "half", "interleave"):
+        for n in (1, 7, 300):
+            ckv = (torch.randn(n, 576, generator=g, device="cuda") * 3).to(dtype)
+            q = (torch.randn(n, 16, 192, generator=g, device="cuda") * 3).to(dtype)[..., 128:]
+            w = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(dtype)
+            width = 32 if mode == "pairs" else 64
+            cos, sin = (torch.randn(n, width, generator=g, device="cuda") for _ in range(2))
+            if mode != "pairs":
+                cos, sin = cos.to(dtype), sin.to(dtype)
+            got = norm_and_rotate(ckv[:, :512], w, 1e-6, q, ckv[:, 512:], cos, sin, mode)
+            want = (rms_norm(ckv[:, :512], w, 1e-6), *rope_rotate(q, ckv[:, 512:], cos, sin, mode))
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (mode, n)

@@ -39,27 +39,27 @@ def _source(j, D: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _latent_norm(LAT, NW, YL, t0, N, stride_lt, eps, DC: tl.constexpr, TB: tl.constexpr, BF16: tl.constexpr):
-    """RMSNorm of the latents of tokens [t0, t0 + TB), ``kernels.norm``'s arithmetic: fp32 inside, x·rstd rounded to
-    the dtype, then times the weight and rounded again."""
+def _latent_norm(LAT, NW, YL, t0, N, stride_lt, eps, DC, BLOCK_C: tl.constexpr, TB: tl.constexpr, BF16: tl.constexpr):
+    """RMSNorm of the DC-wide latents of tokens [t0, t0 + TB), ``kernels.norm``'s arithmetic: fp32 inside, x·rstd
+    rounded to the dtype, then times the weight and rounded again (BLOCK_C: DC rounded up to a power of two)."""
     t = t0 + tl.arange(0, TB)[:, None]
-    c = tl.arange(0, DC)[None, :]
+    c = tl.arange(0, BLOCK_C)[None, :]
     live = (t < N) & (c < DC)
     x = tl.load(LAT + t * stride_lt + c, mask=live, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DC + eps)
     h = _round(x * rstd[:, None], BF16, YL.dtype.element_ty).to(tl.float32)
-    w = tl.load(NW + c).to(tl.float32)
+    w = tl.load(NW + c, mask=c < DC, other=0.0).to(tl.float32)
     tl.store(YL + t * DC + c, _round(w * h, BF16, YL.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["N", "stride_qt", "stride_qh", "stride_kt", "stride_ct", "stride_st", "stride_lt"])
 def _rope_kernel(Q, K, COS, SIN, YQ, YK, LAT, NW, YL, N, H, stride_qt, stride_qh, stride_kt, stride_ct, stride_cj,
-                 stride_st, stride_sj, stride_lt, eps, D: tl.constexpr, MODE: tl.constexpr, TB: tl.constexpr,
-                 HB: tl.constexpr, BF16: tl.constexpr, DC: tl.constexpr, NORM: tl.constexpr):
+                 stride_st, stride_sj, stride_lt, eps, DC, D: tl.constexpr, MODE: tl.constexpr, TB: tl.constexpr,
+                 HB: tl.constexpr, BF16: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr):
     """Program (token block, head block): TB tokens x HB heads of q, where "head" H is the key k; with NORM, the last
     column of programs normalizes the TB tokens' latents instead."""
     if NORM and tl.program_id(1) == tl.num_programs(1) - 1:
-        _latent_norm(LAT, NW, YL, tl.program_id(0).to(tl.int64) * TB, N, stride_lt, eps, DC, TB, BF16)
+        _latent_norm(LAT, NW, YL, tl.program_id(0).to(tl.int64) * TB, N, stride_lt, eps, DC, BLOCK_C, TB, BF16)
     else:
         _rotate(Q, K, COS, SIN, YQ, YK, N, H, stride_qt, stride_qh, stride_kt, stride_ct, stride_cj, stride_st,
                 stride_sj, D, MODE, TB, HB, BF16)
@@ -113,29 +113,28 @@ def norm_and_rotate(latent: torch.Tensor, weight: torch.Tensor, eps: float, q: t
                     cos: torch.Tensor, sin: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.norm.rms_norm(latent, weight, eps)`` and ``rope_rotate(q, k, cos, sin, mode)`` in one launch (a
     decode step's latent norm and RoPE, which read the same projection). latent [N, d_c] (rows strided, channels
-    contiguous, d_c a power of two), weight [d_c] in its dtype. Returns (latent normed, q, k), new contiguous
-    tensors."""
+    contiguous), weight [d_c] in its dtype. Returns (latent normed, q, k), new contiguous tensors."""
     N, D = latent.shape
     if weight.shape != (D,) or weight.dtype != latent.dtype or latent.dtype != q.dtype:
         raise ValueError(f"norm_and_rotate: weight {tuple(weight.shape)} {weight.dtype} and latent "
                          f"{tuple(latent.shape)} {latent.dtype} do not match each other and q's {q.dtype}")
-    if D & (D - 1) or latent.stride(-1) != 1 or N != q.shape[0]:
-        raise ValueError(f"norm_and_rotate: latent [{N}, {D}] needs d_c a power of two, contiguous channels and the "
-                         f"{q.shape[0]} tokens of q")
-    return _launch(q, k, cos, sin, mode, (latent, weight, float(eps)))
+    if latent.stride(-1) != 1 or N != q.shape[0]:
+        raise ValueError(f"norm_and_rotate: latent [{N}, {D}] needs contiguous channels and the {q.shape[0]} tokens "
+                         "of q")
+    return _launch(q, k, cos, sin, mode, (latent, weight, float(eps)), "norm_and_rotate")
 
 
-def _launch(q, k, cos, sin, mode, norm):
+def _launch(q, k, cos, sin, mode, norm, name="rope_rotate"):
     if mode not in MODES:
-        raise ValueError(f"rope_rotate: mode {mode!r} is not one of {MODES}")
+        raise ValueError(f"{name}: mode {mode!r} is not one of {MODES}")
     N, H, D = q.shape
     width = D // 2 if mode == "pairs" else D
     if k.shape != (N, D) or k.dtype != q.dtype:
-        raise ValueError(f"rope_rotate: k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
+        raise ValueError(f"{name}: k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
     if cos.shape != (N, width) or sin.shape != (N, width):
-        raise ValueError(f"rope_rotate: cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} for {mode!r} should be [{N}, {width}]")
+        raise ValueError(f"{name}: cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} for {mode!r} should be [{N}, {width}]")
     if D & (D - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError(f"rope_rotate: d_r must be a power of two with the channels contiguous (d_r {D}, strides "
+        raise ValueError(f"{name}: d_r must be a power of two with the channels contiguous (d_r {D}, strides "
                          f"{q.stride()} and {k.stride()})")
     yq = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
     yk = torch.empty(N, D, dtype=k.dtype, device=k.device)
@@ -148,6 +147,7 @@ def _launch(q, k, cos, sin, mode, norm):
         TB = 1 if q.is_cuda else max(1, 256 // HB)
         _rope_kernel[(triton.cdiv(N, TB), triton.cdiv(H + 1, HB) + (norm is not None))](
             q, k, cos, sin, yq, yk, lat, nw, yl, N, H, q.stride(0), q.stride(1), k.stride(0), cos.stride(0),
-            cos.stride(1), sin.stride(0), sin.stride(1), lat.stride(0), eps, D=D, MODE=MODES.index(mode), TB=TB, HB=HB,
-            BF16=q.dtype == torch.bfloat16, DC=lat.shape[-1], NORM=norm is not None, num_warps=4)
+            cos.stride(1), sin.stride(0), sin.stride(1), lat.stride(0), eps, lat.shape[-1], D=D, MODE=MODES.index(mode),
+            TB=TB, HB=HB, BF16=q.dtype == torch.bfloat16, BLOCK_C=triton.next_power_of_2(lat.shape[-1]),
+            NORM=norm is not None, num_warps=4)
     return (yq, yk) if norm is None else (yl, yq, yk)
