@@ -128,6 +128,17 @@ def test_step_pieces_take_the_latent_norm_into_the_rope_launch():
         want = fused_rope.step_pieces(view, hidden, pe, True)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
+        from quantmla.serving.merged import MergedLinears
+
+        merged = MergedLinears([view.q_in_proj, view.m.kv_a_proj_with_mqa])  # the latent a strided view of one GEMM
+        try:
+            for a, b in zip(fused_rope.step_pieces(view, hidden, pe, True, merged, latent_norm=slots[slot]), want):
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # one GEMM instead of two: bf16 roundings
+            for a, b in zip(fused_rope.step_pieces(view, hidden, pe, True, merged, latent_norm=slots[slot]),
+                            fused_rope.step_pieces(view, hidden, pe, True, merged)):
+                assert torch.equal(a, b)
+        finally:
+            merged.release()
         scaled = types.SimpleNamespace(latent_scale=2.0)
         assert fused_rope.latent_norms(mods, scaled, engine) == {}
         assert fused_rope.latent_norms(mods, view.spec, types.SimpleNamespace()) == {}  # another engine: not fused
