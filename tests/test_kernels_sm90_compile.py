@@ -139,7 +139,22 @@ def page_rope_case(heads: int, block: int = 0) -> None:
     compile_sm90(_stage_rope_kernel, (xr, slots, rows, stage, 4, D_R, PAGE * D_R), dict(D_R=D_R, PS=PAGE), 1, 1)
 
 
+def norm_rope_case(norm: bool) -> None:
+    """The engine's RMSNorm kernel (bf16, 2048 wide) and its RoPE kernel at 16 heads, with the latent's norm (512
+    wide) in the same launch or not, as ``rope_rotate`` / ``norm_and_rotate`` launch them on a GPU."""
+    from quantmla.kernels.norm import _rms_norm_kernel
+    from quantmla.kernels.rope import MODES, _rope_kernel
+
+    b16, f32 = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float32)
+    compile_sm90(_rms_norm_kernel, (b16, b16, b16, 2048, 2048, 2048, 1e-6), dict(BLOCK=2048, BF16=True), 4, 3)
+    compile_sm90(_rope_kernel, (b16, b16, f32, f32, b16, b16, b16, b16, b16, 4, 16, 3072, 192, 576, 32, 1, 32, 1, 576,
+                                1e-6, 512),
+                 dict(D=64, MODE=MODES.index("pairs"), TB=1, HB=32, BF16=True, BLOCK_C=512, NORM=norm), 4, 3)
+
+
 CASES = {
+    "rms norm, rope": (norm_rope_case, (False,)),
+    "rms norm, rope with the latent norm": (norm_rope_case, (True,)),
     **{f"decode {n} H{h}": (decode_case, (n, h)) for n, h in
        [("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128)]},
     **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (16, 264), (128, 8)]},

@@ -24,16 +24,24 @@ def _round(x, BF16: tl.constexpr, OUT: tl.constexpr):
         return x.to(OUT)
 
 
+@triton.jit
+def rms_normed(x, w, N, eps, BF16: tl.constexpr, OUT: tl.constexpr):
+    """The families' RMSNorm of fp32 rows x [..., BLOCK] (N real channels, the rest zeros) by weight w (fp32, the
+    same last axis): x·rsqrt(mean(x²) + eps) rounded to the output dtype first, as theirs, then times w, rounded
+    again. The one copy of this arithmetic (the norm kernel, ``kernels.rope``'s latent norm)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / N + eps)
+    h = _round(x * rstd, BF16, OUT).to(tl.float32)
+    return _round(w * h, BF16, OUT)
+
+
 @triton.jit(do_not_specialize=["stride_x", "stride_y"])
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    h = _round(x * rstd, BF16, Y.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first, as theirs
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, _round(w * h, BF16, Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, rms_normed(x, w, N, eps, BF16, Y.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels.norm import _round
+from quantmla.kernels.norm import _round, rms_normed
 
 MODES = ("pairs", "half", "interleave")
 
@@ -40,16 +40,14 @@ def _source(j, D: tl.constexpr, MODE: tl.constexpr):
 
 @triton.jit
 def _latent_norm(LAT, NW, YL, t0, N, stride_lt, eps, DC, BLOCK_C: tl.constexpr, TB: tl.constexpr, BF16: tl.constexpr):
-    """RMSNorm of the DC-wide latents of tokens [t0, t0 + TB), ``kernels.norm``'s arithmetic: fp32 inside, x·rstd
-    rounded to the dtype, then times the weight and rounded again (BLOCK_C: DC rounded up to a power of two)."""
+    """RMSNorm of the DC-wide latents of tokens [t0, t0 + TB), ``kernels.norm.rms_normed`` (BLOCK_C: DC rounded up to
+    a power of two)."""
     t = t0 + tl.arange(0, TB)[:, None]
     c = tl.arange(0, BLOCK_C)[None, :]
     live = (t < N) & (c < DC)
     x = tl.load(LAT + t * stride_lt + c, mask=live, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DC + eps)
-    h = _round(x * rstd[:, None], BF16, YL.dtype.element_ty).to(tl.float32)
     w = tl.load(NW + c, mask=c < DC, other=0.0).to(tl.float32)
-    tl.store(YL + t * DC + c, _round(w * h, BF16, YL.dtype.element_ty), mask=live)
+    tl.store(YL + t * DC + c, rms_normed(x, w, DC, eps, BF16, YL.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["N", "stride_qt", "stride_qh", "stride_kt", "stride_ct", "stride_st", "stride_lt"])

@@ -13,7 +13,7 @@ This bench captures CUDA graphs of ``--layers`` layers, each an RMSNorm of the p
 
     cublas            the norm, then ``F.linear`` (cuBLAS), as the engine runs them
     cublas+pdl        the norm launched with PDL (it waits at its start), then ``F.linear``
-    triton            the norm, then ``skinny_gemm``'s kernel (one program a block of output columns over all of K)
+    triton            the norm, then ``skinny_gemm.skinny_linear`` (one program a block of output columns over all of K)
     triton+pdl        both launched with PDL: the product's programs launch while the norm runs and wait for it
     triton+pdl+l2     the same, each program first prefetching its weight rows into L2
 
@@ -32,13 +32,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from quantmla.kernels.norm import _round
+from quantmla.kernels.norm import rms_normed
 from quantmla_lab.bench.common import parse_fresh, record, save
-
-try:  # triton >= 3.3: grid dependency control (programmatic dependent launch)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older triton
-    gdc_launch_dependents = gdc_wait = None
+from quantmla_lab.bench.serving.skinny_gemm import gdc_launch_dependents, gdc_wait, skinny_linear
 
 VARIANTS = ("cublas", "cublas+pdl", "triton", "triton+pdl", "triton+pdl+l2")
 
@@ -54,44 +50,8 @@ def _norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16:
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    h = _round(x * rstd, BF16, Y.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, _round(w * h, BF16, Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 of each pointer's line (nothing is read into registers)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _skinny_kernel(X, W, Y, M, N, sxm, swn, sym, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, L2: tl.constexpr):
-    """y = x·Wᵀ for M <= BLOCK_M rows: a program owns BLOCK_N rows of W over all of K. With PDL its dependents may
-    launch at once, and (L2) it prefetches its rows of W into L2 before it waits for the kernel that wrote x."""
-    n0 = tl.program_id(0) * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
-    if PDL:
-        gdc_launch_dependents()
-    if L2:
-        LINES: tl.constexpr = K // 64  # 128-byte lines a row of 16-bit W
-        i = tl.arange(0, BLOCK_N * LINES)
-        r = n0 + i // LINES
-        _prefetch_l2(tl.where(r < N, W + r.to(tl.int64) * swn + (i % LINES) * 64, W))
-    if PDL:
-        gdc_wait()
-    m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        w = tl.load(W + n[:, None].to(tl.int64) * swn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+    tl.store(Y + row * stride_y + cols, rms_normed(x, w, N, eps, BF16, Y.dtype.element_ty), mask=mask)
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
@@ -104,26 +64,13 @@ def norm(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool) -> torch.Tenso
     return y
 
 
-def skinny(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int, int], pdl: bool, l2: bool) -> torch.Tensor:
-    """``x·wᵀ`` for x [M <= 64, K], w [N, K]; `tiling` (BLOCK_N, BLOCK_K, warps, stages)."""
-    M, K = x.shape
-    N = w.shape[0]
-    bn, bk, warps, stages = tiling
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    opts = {"launch_pdl": True} if pdl else {}
-    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0), K=K,
-                                          BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
-                                          PDL=pdl, L2=l2, num_warps=warps, num_stages=stages, **opts)
-    return y
-
-
 def chain(variant: str, x0, norm_w, weights, tiling, hidden: int, eps: float = 1e-6) -> torch.Tensor:
     """The layers of `variant` over x0; returns the last layer's output."""
     pdl = "pdl" in variant
     x = x0
     for w, nw in zip(weights, norm_w):
         h = norm(x, nw, eps, pdl)
-        y = F.linear(h, w) if variant.startswith("cublas") else skinny(h, w, tiling, pdl, variant.endswith("l2"))
+        y = F.linear(h, w) if variant.startswith("cublas") else skinny_linear(h, w, tiling, pdl, variant.endswith("l2"))
         x = y[:, :hidden]
     return y
 

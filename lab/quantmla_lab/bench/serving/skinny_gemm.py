@@ -20,10 +20,35 @@ import triton.language as tl
 TILINGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3))
 
 
+try:  # triton >= 3.3: grid dependency control (programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each pointer's line (nothing is read into registers)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _skinny_kernel(X, W, Y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0):
+    """A program owns BLOCK_N rows of W over all of K. With PDL (launched with programmatic dependent launch) its
+    dependents may launch at once and it waits for the kernel that wrote x only before reading x; L2_LINES > 0 (K·2 /
+    128, 16-bit W) prefetches its rows of W into L2 before that wait."""
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    if PDL:
+        gdc_launch_dependents()
+    if L2_LINES > 0:
+        i = tl.arange(0, BLOCK_N * L2_LINES)
+        r = n0 + i // L2_LINES
+        _prefetch_l2(tl.where(r < N, W + r.to(tl.int64) * swn + (i % L2_LINES) * 64, W))
+    if PDL:
+        gdc_wait()
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -34,9 +59,11 @@ def _skinny_kernel(X, W, Y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BLOCK
     tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int, int] = TILINGS[0]) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int, int] = TILINGS[0], pdl: bool = False,
+                  l2: bool = False) -> torch.Tensor:
     """``F.linear(x, w)`` for x [M, K] with M <= 64 rows and w [N, K] (last dims contiguous), fp32 accumulation,
-    output in x's dtype. `tiling`: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    output in x's dtype. `tiling`: (BLOCK_N, BLOCK_K, num_warps, num_stages). `pdl`: launched with programmatic
+    dependent launch (Hopper); `l2`: each program prefetches its 16-bit rows of w into L2 first (a GPU only)."""
     M, K = x.shape
     N = w.shape[0]
     if M > 64 or w.shape[1] != K or x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -44,7 +71,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, int, int,
                          f"got w {tuple(w.shape)}")
     block_n, block_k, warps, stages = tiling
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    opts = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                                BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
-                                               BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                                               BLOCK_K=block_k, PDL=pdl, L2_LINES=K * w.element_size() // 128 if l2
+                                               else 0, num_warps=warps, num_stages=stages, **opts)
     return y
