@@ -76,6 +76,106 @@ def test_combine_merges_partials_like_fp64(one_step):
 
 
 
+def test_combine_undoes_the_fp16_partials_power_of_two():
+    """fp16 partials (schedule.partial_dtype) hold o·2^-PARTIAL_FP16_SHIFT: merged, they give the fp64 merge of the
+    fp32 partials within fp16's rounding, partials of up to 1.8e5 (past fp16's 65504) included."""
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    g = torch.Generator().manual_seed(11)
+    R, DC, counts = 2, 32, [5, 2]
+    info = [(0, 5), (5, 2)]
+    po = 6e4 + 1.2e5 * torch.rand(7, R, DC, generator=g)
+    po[5:] *= -1e-3  # small values too: fp16's relative rounding, not the shift, bounds them
+    plse = torch.randn(7, R, generator=g)
+    po16 = (po * 2.0 ** -schedule.PARTIAL_FP16_SHIFT).half()
+    assert torch.isfinite(po16).all() and not torch.isfinite(po.half()).all()  # the shift is what keeps them finite
+    out = torch.full((2, R, DC), float("nan"), device=DEV)
+    lse = torch.full((2, R), float("nan"), device=DEV)
+    _mla_combine_kernel[(2, 1, 1)](po16.to(DEV), plse.to(DEV), torch.tensor(info, dtype=torch.int32, device=DEV), out,
+                                   lse, R, D_C=DC, BLOCK_R=2, BLOCK_D=DC, BLOCK_S=8, ONE_STEP=True)
+    for b, (f, n) in enumerate(info):
+        l64, o64 = plse[f:f + n].double(), po[f:f + n].double()
+        ref_lse = torch.logsumexp(l64, 0)
+        ref_o = (torch.exp(l64 - ref_lse[None])[:, :, None] * o64).sum(0)
+        assert torch.allclose(out[b].cpu().double(), ref_o, rtol=2 ** -11, atol=0)
+        assert torch.allclose(lse[b].cpu().double(), ref_lse, rtol=0, atol=1e-5)
+
+
+def test_partials_are_fp16_only_where_the_content_codes_bound_them():
+    """partial_dtype: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or symmetric, any RoPE
+    path), fp32 for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata; every CUDA plan of a layout writes the
+    dtype its workspace has (PART_KIND), and a launch with a workspace of another dtype is refused before any launch."""
+    from helpers.cuda_plans import plan
+
+    from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+    from quantmla.kernels import cuda
+    from quantmla.quant import BF16, PathFormat
+
+    fp16 = {"int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
+            "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
+            "int4-sym/bf16": CacheFormat(PathFormat(4, 64, "symmetric"), BF16),
+            "int4/int8": CacheFormat(PathFormat(4, 64), PathFormat(8, 64))}
+    fp32 = {"bf16": CacheFormat(BF16, BF16), "fp8": CacheFormat(PathFormat(8, 128, "fp8", "float32"), BF16),
+            "int8/int4": CacheFormat(PathFormat(8, 64), PathFormat(4, 64)),
+            "int4-bf16meta": CacheFormat(PathFormat(4, 64, "affine", "bfloat16"), PathFormat(4, 64)),
+            "int4-fp32meta": CacheFormat(PathFormat(4, 64, "affine", "float32"), PathFormat(4, 64))}
+    for want, fmts in ((torch.float16, fp16), (torch.float32, fp32)):
+        for name, fmt in fmts.items():
+            lay = PageLayout(TokenLayout(512, 64, fmt), 64)
+            assert schedule.partial_dtype(lay) == want, name
+            for rows, tiling in ((16, {}), (16, {"tokens_m": False}), (128, {"warpgroup": True})):
+                p = plan(fmt, rows, **tiling)[1]
+                if p is not None:
+                    assert cuda.partial_kind(p) == want, (name, rows, tiling)
+    int4 = PageLayout(TokenLayout(512, 64, fp16["int4/int4"]), 64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUANTMLA_PARTIALS", "fp32")
+        assert schedule.partial_dtype(int4) == torch.float32
+        mp.setenv("QUANTMLA_PARTIALS", "half")
+        with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS"):
+            schedule.partial_dtype(int4)
+    lay, p = plan("int4/int4", 16, tokens_m=True)
+    assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == schedule.PARTIAL_FP16_SHIFT
+    lse = torch.zeros(4, 16)
+    args = (None, None, None, None, None, None, None, None, None, lse, torch.zeros(4, 16, 512), torch.zeros(4, 16),
+            1, 16, 1, 16, 1, 0.1)
+    with pytest.raises(QuantMLAError, match="partial_dtype"):
+        cuda.launch_decode(p, (4, 1), args, torch.device("cuda"))
+
+
+def test_decode_splits_of_latents_past_fp16s_range():
+    """An INT4 cache (fp16 metadata: zero about 2.5e4, scale about 1e4) of latent values up to 1.8e5: the split decode
+    writes fp16 partials (its workspace) whose merged output is finite, within the same bound of the fp64 oracle as
+    any decode, and the unsplit call's within bf16 rounding. The queries are small so that scores stay near 1."""
+    from helpers.cpu_decode import D_C, D_R, PAGE, reference
+
+    from quantmla.cache.layout import PageLayout, TokenLayout
+    from quantmla.cache.paged import PagePool
+    from quantmla.kernels import append_to_pages, get_mla_metadata, mla_decode_with_kvcache
+
+    g = torch.Generator().manual_seed(4)
+    lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4"]), PAGE)
+    lens, H = [70, 1, 33], 4
+    pool = PagePool(lay, sum(lay.pages_for(n) for n in lens) + 2, device=DEV)
+    for i, n in enumerate(lens):
+        x, r = 2e4 + 1.6e5 * torch.rand(n, D_C, generator=g), torch.randn(n, D_R, generator=g)
+        append_to_pages(pool.layer(0), lay, pool.append_slots(i, n).to(DEV), x.to(DEV), r.to(DEV))
+    bt, sl = pool.block_table([0, 1, 2]), pool.seq_lens([0, 1, 2])
+    qc = (torch.randn(3, 1, H, D_C, generator=g) * 1e-4).to(DEV, torch.bfloat16)
+    qr = (torch.randn(3, 1, H, D_R, generator=g) * 1e-4).to(DEV, torch.bfloat16)
+    runs = []
+    for chunk in (16, 1 << 20):
+        md = get_mla_metadata(sl, H, 1, lay, chunk_tokens=chunk)
+        runs.append((md, *mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)))
+    (split, o, l), (whole, o1, _) = runs
+    assert split.max_splits > 1 and whole.max_splits == 1
+    assert [ws[0].dtype for k, ws in split.workspace.items() if isinstance(k, tuple)] == [torch.float16]
+    ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
+    assert ro.abs().max() > 65504 and torch.isfinite(o).all()
+    check(o, l, ro, rl)
+    assert torch.allclose(o.float(), o1.float(), rtol=2 ** -7, atol=0)
+
+
 @pytest.mark.parametrize("shape", [CombineShape(1, 16, 2, True), CombineShape(4, 64, 4, False),
                                    CombineShape(2, 32, 16, True), CombineShape(16, 8, 1, False)])
 def test_any_combine_shape_merges_a_decode_like_the_default(shape):

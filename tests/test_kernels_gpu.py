@@ -296,6 +296,31 @@ def test_decode_many_splits_and_one_split(kernel, H):
 
 
 
+@pytest.mark.parametrize("kernel", ["cuda", "built-tile", "triton"])
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H):
+    """INT4/INT4 splits write fp16 partials (schedule.partial_dtype) times 2^-5: latent values of 2e4 to 1.8e5 (fp16
+    metadata: zero about 2e4, scale about 1e4) average to partials past fp16's 65504, which must come back finite and
+    right through the combine, at 16 heads (tokens-as-M, or the built tile) and 128 (heads-as-M) and on Triton. The
+    queries are scaled down so that scores stay near 1."""
+    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [3000, 1, 700], seed=H + 5, latent_range=(2e4, 1.8e5))
+    assert _api().partial_dtype(lay) == torch.float16
+    if kernel == "built-tile":
+        if H == 128:
+            pytest.skip("the built tile's plans at 128 rows are the heads-as-M kernel's")
+        from quantmla.kernels.schedule import cuda_config
+
+        cfg = cuda_config(H, lay, "cuda", tokens_m=False)
+        assert cfg is not None and not cfg.tokens_m
+    else:
+        cfg = kernel_config(kernel, lay, H, 1)
+    md = check_decode(lay, pages, bt, sl, H, 1, seed=3, config=cfg, chunk_tokens=256,
+                      row_scale=torch.full((H,), 1e-4, device="cuda"))
+    assert md.max_splits > 1
+    assert [ws[0].dtype for k, ws in md.workspace.items() if isinstance(k, tuple)] == [torch.float16]
+    check_variant(md, "triton" if kernel == "triton" else "cuda")
+
+
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 def test_decode_error_within_twice_bf16(kernel):
     """Every format's kernel error (against fp64 over its own dequantized cache) is within 2x the BF16 path's:

@@ -35,9 +35,10 @@ def kernels_api():
     return api
 
 
-def make_cache(fmt, lens, seed, grow=0.0, every=None):
+def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None):
     """Pages of random bytes holding `lens` tokens of random keys at random pages (`grow`: each token's values times
-    1 + grow·position, so that scores rise along a sequence; `every` = (k, f): every k-th token's values times f)."""
+    1 + grow·position, so that scores rise along a sequence; `every` = (k, f): every k-th token's values times f;
+    `latent_range` = (lo, hi): latent values uniform in [lo, hi) instead of normal)."""
     api = kernels_api()
     lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -55,6 +56,9 @@ def make_cache(fmt, lens, seed, grow=0.0, every=None):
             pos = torch.arange(n, device="cuda")
             slots = bt[b].long()[pos // PAGE] * PAGE + pos % PAGE
             x = torch.randn(n, D_C, generator=g, device="cuda") * 1.5 + 0.2
+            if latent_range:
+                lo, hi = latent_range
+                x = lo + (hi - lo) * torch.rand(n, D_C, generator=g, device="cuda")
             r = torch.randn(n, D_R, generator=g, device="cuda") * 4
             if grow:
                 x, r = x * (1 + grow * pos[:, None]), r * (1 + grow * pos[:, None])

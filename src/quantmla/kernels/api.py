@@ -44,6 +44,7 @@ from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is he
     get_mla_metadata,
     interpreting,
     num_sms_of,
+    partial_dtype,
 )
 from quantmla.kernels.support import KERNEL_BITS, check_layout_supported, layout_constexprs, page_views  # noqa: F401
 from quantmla.reference.absorbed import absorbed_attention
@@ -155,11 +156,12 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
         c.check(R, DC)  # before any launch
-        key = (R, DC, str(device))
+        pdt = partial_dtype(layout)
+        key = (R, DC, pdt, str(device))
         ws = metadata.workspace.get(key)
         if ws is None:
             ws = (
-                torch.empty((metadata.num_units, R, DC), dtype=torch.float32, device=device),
+                torch.empty((metadata.num_units, R, DC), dtype=pdt, device=device),
                 torch.empty((metadata.num_units, R), dtype=torch.float32, device=device),
             )
             metadata.workspace[key] = ws

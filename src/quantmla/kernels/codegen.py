@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "5"
+GENERATOR_VERSION = "6"
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def kernel_source(layout: PageLayout, unpack: str = "asm", orient: str = "heads"
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _bf16_rne
+from quantmla.kernels.decode import _bf16_rne, _partial
 
 
 @triton.jit
@@ -309,7 +309,7 @@ def _store_out(OUT, PO, LSE, PLSE, qrow, prow, rmask, o, D: tl.constexpr, CH0: t
     if nsplit == 1:
         tl.store(OUT + qrow[:, None] * D + CH0 + ch[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
     else:
-        tl.store(PO + prow[:, None] * D + CH0 + ch[None, :], o, mask=rmask[:, None])
+        tl.store(PO + prow[:, None] * D + CH0 + ch[None, :], _partial(o, PO), mask=rmask[:, None])
 
 
 @triton.jit
@@ -318,7 +318,7 @@ def _store_out_t(OUT, PO, LSE, PLSE, qrow, prow, rmask, o, D: tl.constexpr, CH0:
     if nsplit == 1:
         tl.store(OUT + qrow[None, :] * D + CH0 + ch[:, None], o.to(OUT.dtype.element_ty), mask=rmask[None, :])
     else:
-        tl.store(PO + prow[None, :] * D + CH0 + ch[:, None], o, mask=rmask[None, :])
+        tl.store(PO + prow[None, :] * D + CH0 + ch[:, None], _partial(o, PO), mask=rmask[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])

@@ -14,7 +14,9 @@ in bf16 registers (``code·scale + zero`` per channel group; the BF16 format loa
     online softmax over the tiles (exp2), acc += p · c   (latent-space output, no W_UV)
 
 A unit that covers a whole sequence writes the normalised output and the log-sum-exp directly;
-otherwise it writes an fp32 partial (output, lse) that ``_mla_combine_kernel`` merges.
+otherwise it writes a partial (output, lse) that ``_mla_combine_kernel`` merges: the lse in fp32, the output in the
+workspace's dtype (``schedule.partial_dtype``: fp16 holding o·2^-5 for integer content codes of up to 4 bits with fp16
+metadata, else fp32).
 
 Two ways to rebuild a quantized tile (constexpr ``DEQ``):
   0: one wide byte load per token, planes split by shifts into a [N, planes, groups, width] tensor,
@@ -27,7 +29,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from quantmla.kernels.schedule import PARTIAL_FP16_SHIFT
+
 LN2 = 0.6931471805599453
+PART_FP16_SCALE = tl.constexpr(2.0**-PARTIAL_FP16_SHIFT)
+PART_FP16_UNSCALE = tl.constexpr(2.0**PARTIAL_FP16_SHIFT)
+
+
+@triton.jit
+def _partial(o, PO):
+    """An fp32 partial output as the workspace PO stores it: in fp16 times 2^-PARTIAL_FP16_SHIFT (exact: a power of
+    two), in fp32 as it is."""
+    if PO.dtype.element_ty == tl.float16:
+        return (o * PART_FP16_SCALE).to(tl.float16)
+    else:
+        return o
 
 
 @triton.jit
@@ -235,7 +251,7 @@ def _mla_decode_kernel(
         tl.store(LSE + qrow, lse, mask=rmask)
     else:
         prow = u.to(tl.int64) * R + rows
-        tl.store(PO + prow[:, None] * D_C + dc[None, :], o, mask=rmask[:, None])
+        tl.store(PO + prow[:, None] * D_C + dc[None, :], _partial(o, PO), mask=rmask[:, None])
         tl.store(PLSE + prow, lse, mask=rmask)
 
 
@@ -308,6 +324,8 @@ def _mla_combine_kernel(
         has = den > 0.0
         d_safe = tl.where(has, den, 1.0)
         o = acc / d_safe[:, None]
+        if PO.dtype.element_ty == tl.float16:  # the partials' power of two undone (decode._partial)
+            o = o * PART_FP16_UNSCALE
         qrow = b.to(tl.int64) * R + rows
         tl.store(OUT + qrow[:, None] * D_C + dc[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
         if db == 0:

@@ -152,7 +152,7 @@ def main() -> None:
             def time_decode(vp: cuda.DecodePlan, vmd, outputs: list | None = None) -> float:
                 """The decode kernel of plan vp alone (no combine) over vmd's units, µs; with `outputs`, what one
                 run writes (the unsplit rows' output and the split units' partials, both zeroed first) is appended."""
-                po = torch.zeros(vmd.num_units, H, 512, device=dev)
+                po = torch.zeros(vmd.num_units, H, 512, device=dev, dtype=cuda.partial_kind(vp))
                 pl = torch.empty(vmd.num_units, H, device=dev)
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
                         c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
@@ -171,7 +171,7 @@ def main() -> None:
                 `phases` (PHASES=1), also thread 0's clocks summed over the tile loop's PHASES, median over CTAs."""
                 extra = {"TIMELINE": 1, **({"PHASES": 1} if phases else {})}
                 vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **extra}.items())))
-                po = torch.zeros(vmd.num_units, H, 512, device=dev)
+                po = torch.zeros(vmd.num_units, H, 512, device=dev, dtype=cuda.partial_kind(vp))
                 pl = torch.empty(vmd.num_units, H, device=dev)
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
                         c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
@@ -180,7 +180,8 @@ def main() -> None:
                     cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
                 torch.cuda.synchronize()
                 n = len(MARKS)
-                w = po.view(vmd.num_units, -1)[:, :4 * n + 4].contiguous().view(torch.int64).cpu()
+                words = po.view(vmd.num_units, -1).view(torch.int64)  # 64-bit words, whatever the partials' dtype
+                w = words[:, :2 * n + 2].cpu()
                 gt, ck = w[:, 0:2 * n:2].double(), w[:, 1:2 * n:2].double()
                 ghz = float(((ck[:, -1] - ck[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1)).median())  # cycles per ns
                 us = lambda x: x / ghz / 1e3  # noqa: E731
@@ -196,7 +197,7 @@ def main() -> None:
                 res["cta_us_median"] = us(med(ck[:, -1] - ck[:, 0]))
                 res["cta_us_max"] = us(float((ck[:, -1] - ck[:, 0]).max()))
                 if phases:
-                    pw = po.view(vmd.num_units, -1)[:, 4 * n + 4:4 * n + 4 + 2 * len(PHASES)].contiguous().view(torch.int64)
+                    pw = words[:, 2 * n + 2:2 * n + 2 + len(PHASES)]
                     for i, name in enumerate(PHASES):
                         res[f"loop_{name}_us_median"] = us(med(pw[:, i].cpu().double()))
                 return res

@@ -80,7 +80,7 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     if macros:
         plan = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **macros}.items())))
     L = len(caches)
-    po = torch.zeros(L, md.num_units, H, D_C, device=dev)
+    po = torch.zeros(L, md.num_units, H, D_C, device=dev, dtype=cuda.partial_kind(plan))  # fp32, or fp16 partials
     plse = torch.empty(L, md.num_units, H, device=dev)
 
     def run(vp, own: bool):  # own: every layer its own partials buffer (the marks), else one for all (the API's)
@@ -97,7 +97,7 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
         g.replay()
     torch.cuda.synchronize()
     nmark = len(MARKS)  # the kernel's NMARK: (globaltimer, clock64) pairs, entry first and the end last
-    w = po.view(L, md.num_units, -1)[:, :, :4 * nmark + 4].contiguous().view(torch.int64).cpu()  # marks, SM, tiles
+    w = po.view(L, md.num_units, -1).view(torch.int64)[:, :, :2 * nmark + 2].cpu()  # marks, SM, tiles: 64-bit words
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
     med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731

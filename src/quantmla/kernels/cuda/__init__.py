@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
+from quantmla.errors import QuantMLAError
 from quantmla.kernels.cuda.built_tile import (  # noqa: F401 (the package's names)
     BLOCK_N, NUM_WARPS, built_tile_plan, chosen, fragments_reason, smem_bytes)
 from quantmla.kernels.cuda.plan import (  # noqa: F401
-    _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, is_fp8, mode, plan_reason)
+    _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, is_fp8, mode, partial_kind,
+    plan_reason)
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_TWO_BLOCKS_MIN_TOKENS, TM_WARPS,
     TM_WS_MIN_TOKENS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_plan, tokens_m_reason)
@@ -105,6 +107,9 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     from quantmla.kernels.cuda.build import cubin_for
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
+    if po.data_ptr() != lse.data_ptr() and po.dtype != partial_kind(plan):  # (po is lse where no unit splits)
+        raise QuantMLAError(f"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it "
+                            "as kernels.schedule.partial_dtype(layout) gives")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
     if dict(plan.macros).get("WG"):

@@ -517,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         constexpr int CS = 1;
 #endif
         const float o0 = acc[mi][nj][2 * h] * inv, o1 = acc[mi][nj][2 * h + 1] * inv;
-        if (nsplit != 1) store_pair<CS>(part_out + orow * D_C + c, o0, o1);
+        if (nsplit != 1) store_pair<CS>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
         else store_pair<CS>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
       }
     }

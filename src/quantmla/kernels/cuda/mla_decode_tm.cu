@@ -509,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const float zs = zsum(grp, row);
       const float o0 = (oacc[mb][nb][e] * f + zs) * inv;
       const float o1 = (oacc[mb][nb][e + 2] * f + zs) * inv;
-      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
+      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
     }
   }

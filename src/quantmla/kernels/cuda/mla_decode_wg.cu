@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     for (int j = 0; j < 32; ++j) {
       const int c = wg * 256 + 8 * j + cq;
       const float o0 = o[4 * j + 2 * h] * inv, o1 = o[4 * j + 2 * h + 1] * inv;
-      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0, o1);
+      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
     }
   }

@@ -1,5 +1,17 @@
-// The output's 16-bit or fp32 stores of the CUDA decode kernels (OUT_KIND: 0 bf16, 1 fp16, 2 fp32).
+// The output's 16-bit or fp32 stores of the CUDA decode kernels (OUT_KIND: 0 bf16, 1 fp16, 2 fp32), and the type of
+// their split partials (PART_KIND: 0 fp32; 1 fp16 holding o·2^-PART_SHIFT, kernels.schedule.partial_dtype).
 #pragma once
+
+#ifndef PART_KIND
+#define PART_KIND 0
+#endif
+#if PART_KIND == 1
+typedef __half PartT;
+constexpr float PART_SCALE = 1.0f / float(1 << PART_SHIFT);  // exact: a power of two, undone by the combine
+#else
+typedef float PartT;
+constexpr float PART_SCALE = 1.0f;
+#endif
 
 #if OUT_KIND == 0
 typedef __nv_bfloat16 OutT;

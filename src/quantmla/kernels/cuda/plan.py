@@ -92,6 +92,19 @@ def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
+def partial_macros(layout: PageLayout) -> dict:
+    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout: fp16 holding o·2^-PART_SHIFT where
+    ``schedule.partial_dtype`` gives the workspace fp16, nothing (fp32, the build as it was) elsewhere."""
+    from quantmla.kernels.schedule import PARTIAL_FP16_SHIFT, partial_dtype
+
+    return dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if partial_dtype(layout) == torch.float16 else {}
+
+
+def partial_kind(plan: DecodePlan) -> torch.dtype:
+    """The dtype of the partial output a build of `plan` writes."""
+    return torch.float16 if dict(plan.macros).get("PART_KIND") == 1 else torch.float32
+
+
 def is_fp8(layout: PageLayout) -> bool:
     """fp8_ds_mla's shape: e4m3 content with one fp32 scale a group, the RoPE key stored unquantized in bf16."""
     c, r = layout.token.fmt.content, layout.token.fmt.rope

@@ -63,5 +63,5 @@ __device__ __forceinline__ uint4 piece_to_half(const uint4& v, float scale) {
 #define MLA_DECODE_PARAMS                                                                                         \
   const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr, const uint8_t* __restrict__ pages,  \
       const int* __restrict__ block_table, const int* __restrict__ seq_lens, const int* __restrict__ units,       \
-      void* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out, float* __restrict__ part_lse, \
+      void* __restrict__ out, float* __restrict__ lse, PartT* __restrict__ part_out, float* __restrict__ part_lse, \
       int stride_bt, int H, int SQ, int R, int causal, float qk_scale_log2

@@ -11,7 +11,7 @@ import torch
 
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError
-from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan, is_fp8, path_codes
+from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_CTA, DecodePlan, is_fp8, partial_macros, path_codes
 
 WG_BLOCK_M, WG_BLOCK_N, WG_WARPS, WG_STAGES = 64, 64, 8, 2
 WG_LOWBIT_STAGES, WG_FP8_STAGES = 3, 1  # raw stages: integer codes, FP8 (656 bytes a token: one stage fits)
@@ -81,6 +81,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
         WG=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"],
         HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, TMA=1,
+        **partial_macros(layout),
     )
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
