@@ -42,6 +42,11 @@
 #                 short job's contexts (27 layers, with the tokens-as-M kernel's CTA spans and the gaps between
 #                 layers) and at 32 x 16384 (8 layers)
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
+# partials        the decode call in graphs of 8 layers with the split partials as the API writes them (fp16 for
+#                 integer codes, schedule.partial_dtype) and all in fp32 (QUANTMLA_PARTIALS=fp32), one process each, four
+#                 formats at 1 x 131072, 8 x 16384, 32 x 16384 and 8 x 2048; then the GPU tests of the splits and of
+#                 partials past fp16's range        -> kernels/decode_in_graph_partials_{auto,fp32}_h200.json,
+#                                                      kernels/partials_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
@@ -222,6 +227,19 @@ decode-in-graph() {
     --out "$OUT/kernels/decode_in_graph_short_h200.json" 2>&1 | tail -12
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 32x16384 --layers 8 \
     --out "$OUT/kernels/decode_in_graph_long_h200.json" 2>&1 | tail -4
+}
+
+partials() {
+  local p
+  for p in auto fp32; do
+    QUANTMLA_PARTIALS=$p timeout 120 python3 -m quantmla_lab.bench.kernels.decode_in_graph --shapes 1x131072 8x16384 \
+      32x16384 8x2048 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_${p}_h200.json" 2>&1 | grep -v -i warn | tail -17
+  done
+  local xdist=""
+  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
+  timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py -q -rfs -p no:cacheprovider \
+    $xdist -k "fp16_partials or many_splits or tokens_m_splits or error_within or full_shape" 2>&1 | tail -8 \
+    | tee "$OUT/kernels/partials_gpu_tests_h200.log"
 }
 
 combine() {
