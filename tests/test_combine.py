@@ -10,7 +10,7 @@ from helpers.cpu_decode import DEV, FORMATS, check, make_cache, run_decode
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
-from quantmla.kernels import decode, schedule
+from quantmla.kernels import decode, partials, schedule
 from quantmla.kernels.schedule import CombineShape
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.graphs import EngineObserver, decode_buckets
@@ -77,7 +77,7 @@ def test_combine_merges_partials_like_fp64(one_step):
 
 
 def test_combine_undoes_the_fp16_partials_power_of_two():
-    """fp16 partials (schedule.partial_dtype) hold o·2^-PARTIAL_FP16_SHIFT: merged, they give the fp64 merge of the
+    """fp16 partials (partials.partial_dtype) hold o·2^-PARTIAL_FP16_SHIFT: merged, they give the fp64 merge of the
     fp32 partials within fp16's rounding, partials of up to 1.8e5 (past fp16's 65504) included."""
     from quantmla.kernels.decode import _mla_combine_kernel
 
@@ -87,7 +87,7 @@ def test_combine_undoes_the_fp16_partials_power_of_two():
     po = 6e4 + 1.2e5 * torch.rand(7, R, DC, generator=g)
     po[5:] *= -1e-3  # small values too: fp16's relative rounding, not the shift, bounds them
     plse = torch.randn(7, R, generator=g)
-    po16 = (po * 2.0 ** -schedule.PARTIAL_FP16_SHIFT).half()
+    po16 = (po * 2.0 ** -partials.PARTIAL_FP16_SHIFT).half()
     assert torch.isfinite(po16).all() and not torch.isfinite(po.half()).all()  # the shift is what keeps them finite
     out = torch.full((2, R, DC), float("nan"), device=DEV)
     lse = torch.full((2, R), float("nan"), device=DEV)
@@ -122,7 +122,7 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
     for want, fmts in ((torch.float16, fp16), (torch.float32, fp32)):
         for name, fmt in fmts.items():
             lay = PageLayout(TokenLayout(512, 64, fmt), 64)
-            assert schedule.partial_dtype(lay) == want, name
+            assert partials.partial_dtype(lay) == want, name
             for rows, tiling in ((16, {}), (16, {"tokens_m": False}), (128, {"warpgroup": True})):
                 p = plan(fmt, rows, **tiling)[1]
                 if p is not None:
@@ -130,12 +130,12 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
     int4 = PageLayout(TokenLayout(512, 64, fp16["int4/int4"]), 64)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUANTMLA_PARTIALS", "fp32")
-        assert schedule.partial_dtype(int4) == torch.float32
+        assert partials.partial_dtype(int4) == torch.float32
         mp.setenv("QUANTMLA_PARTIALS", "half")
         with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS"):
-            schedule.partial_dtype(int4)
+            partials.partial_dtype(int4)
     lay, p = plan("int4/int4", 16, tokens_m=True)
-    assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == schedule.PARTIAL_FP16_SHIFT
+    assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == partials.PARTIAL_FP16_SHIFT
     lse = torch.zeros(4, 16)
     args = (None, None, None, None, None, None, None, None, None, lse, torch.zeros(4, 16, 512), torch.zeros(4, 16),
             1, 16, 1, 16, 1, 0.1)

@@ -299,7 +299,7 @@ def test_decode_many_splits_and_one_split(kernel, H):
 @pytest.mark.parametrize("kernel", ["cuda", "built-tile", "triton"])
 @pytest.mark.parametrize("H", [16, 128])
 def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H):
-    """INT4/INT4 splits write fp16 partials (schedule.partial_dtype) times 2^-5: latent values of 2e4 to 1.8e5 (fp16
+    """INT4/INT4 splits write fp16 partials (partials.partial_dtype) times 2^-5: latent values of 2e4 to 1.8e5 (fp16
     metadata: zero about 2e4, scale about 1e4) average to partials past fp16's 65504, which must come back finite and
     right through the combine, at 16 heads (tokens-as-M, or the built tile) and 128 (heads-as-M) and on Triton. The
     queries are scaled down so that scores stay near 1."""

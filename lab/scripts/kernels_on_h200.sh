@@ -43,7 +43,7 @@
 #                 layers) and at 32 x 16384 (8 layers)
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
 # partials        the decode call in graphs of 8 layers with the split partials as the API writes them (fp16 for
-#                 integer codes, schedule.partial_dtype) and all in fp32 (QUANTMLA_PARTIALS=fp32), one process each, four
+#                 integer codes, partials.partial_dtype) and all in fp32 (QUANTMLA_PARTIALS=fp32), one process each, four
 #                 formats at 1 x 131072, 8 x 16384, 32 x 16384 and 8 x 2048; then the GPU tests of the splits and of
 #                 partials past fp16's range        -> kernels/decode_in_graph_partials_{auto,fp32}_h200.json,
 #                                                      kernels/partials_gpu_tests_h200.log

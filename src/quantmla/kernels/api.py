@@ -29,6 +29,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, write_tokens_staged
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.kernels.launch import launch_decode
+from quantmla.kernels.partials import partial_dtype
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
     CombineShape,
@@ -44,7 +45,6 @@ from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is he
     get_mla_metadata,
     interpreting,
     num_sms_of,
-    partial_dtype,
 )
 from quantmla.kernels.support import KERNEL_BITS, check_layout_supported, layout_constexprs, page_views  # noqa: F401
 from quantmla.reference.absorbed import absorbed_attention

@@ -15,7 +15,7 @@ in bf16 registers (``code·scale + zero`` per channel group; the BF16 format loa
 
 A unit that covers a whole sequence writes the normalised output and the log-sum-exp directly;
 otherwise it writes a partial (output, lse) that ``_mla_combine_kernel`` merges: the lse in fp32, the output in the
-workspace's dtype (``schedule.partial_dtype``: fp16 holding o·2^-5 for integer content codes of up to 4 bits with fp16
+workspace's dtype (``partials.partial_dtype``: fp16 holding o·2^-5 for integer content codes of up to 4 bits with fp16
 metadata, else fp32).
 
 Two ways to rebuild a quantized tile (constexpr ``DEQ``):
@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.schedule import PARTIAL_FP16_SHIFT
+from quantmla.kernels.partials import PARTIAL_FP16_SHIFT
 
 LN2 = 0.6931471805599453
 PART_FP16_SCALE = tl.constexpr(2.0**-PARTIAL_FP16_SHIFT)

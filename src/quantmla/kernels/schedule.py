@@ -354,28 +354,6 @@ def _fp8_tm_min_tokens(layout: PageLayout) -> int:
     return cuda.FP8_TM_MIN_TOKENS if cuda.is_fp8(layout) else 0
 
 
-PARTIAL_FP16_SHIFT = 5  # fp16 split partials hold o·2^-5 (the combine multiplies by 2^5)
-
-
-def partial_dtype(layout: PageLayout) -> torch.dtype:
-    """The dtype of the split partials' output workspace [units, rows, d_c] the decode kernels write and the combine
-    merges (their log-sum-exps stay fp32). fp16 where the content path is integer codes of at most 4 bits with fp16
-    metadata: a partial is a weighted mean of dequantized values, each inside its group's [zero, zero + (2^b - 1)·scale]
-    (affine) or [-2^(b-1)·scale, (2^(b-1) - 1)·scale] (symmetric), so |o| < 2^b·65504 and o·2^-PARTIAL_FP16_SHIFT is a
-    finite fp16 (11-bit significand: below the bf16 output's own rounding). Half the bytes a split writes and the
-    combine reads. fp32 for every other format (raw bf16 and FP8 values have fp32's range), and for every format where
-    QUANTMLA_PARTIALS=fp32 (comparisons; the default is "auto")."""
-    how = os.environ.get("QUANTMLA_PARTIALS", "auto").strip().lower()
-    if how not in ("auto", "fp32"):
-        raise QuantMLAError(f"QUANTMLA_PARTIALS={how!r}: use 'auto' (fp16 partials where partial_dtype allows) or 'fp32'")
-    if how == "fp32":
-        return torch.float32
-    c = layout.token.fmt.content
-    if c.quantized and c.mode in ("affine", "symmetric") and c.bits <= 4 and c.meta_dtype == "float16":
-        return torch.float16
-    return torch.float32
-
-
 COMBINE_TILE = 4096  # fp32 elements of a combine step's [splits, rows, channels] tile
 COMBINE_ONE_STEP_TILE = 8192  # .. and of the tile a program loads at once where every split fits one step
 

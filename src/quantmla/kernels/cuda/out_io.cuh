@@ -1,5 +1,5 @@
 // The output's 16-bit or fp32 stores of the CUDA decode kernels (OUT_KIND: 0 bf16, 1 fp16, 2 fp32), and the type of
-// their split partials (PART_KIND: 0 fp32; 1 fp16 holding o·2^-PART_SHIFT, kernels.schedule.partial_dtype).
+// their split partials (PART_KIND: 0 fp32; 1 fp16 holding o·2^-PART_SHIFT, kernels.partials.partial_dtype).
 #pragma once
 
 #ifndef PART_KIND

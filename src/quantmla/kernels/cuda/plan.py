@@ -94,8 +94,8 @@ def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
 
 def partial_macros(layout: PageLayout) -> dict:
     """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout: fp16 holding o·2^-PART_SHIFT where
-    ``schedule.partial_dtype`` gives the workspace fp16, nothing (fp32, the build as it was) elsewhere."""
-    from quantmla.kernels.schedule import PARTIAL_FP16_SHIFT, partial_dtype
+    ``partials.partial_dtype`` gives the workspace fp16, nothing (fp32, the build as it was) elsewhere."""
+    from quantmla.kernels.partials import PARTIAL_FP16_SHIFT, partial_dtype
 
     return dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if partial_dtype(layout) == torch.float16 else {}
 
