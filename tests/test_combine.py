@@ -139,8 +139,11 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
     lse = torch.zeros(4, 16)
     args = (None, None, None, None, None, None, None, None, None, lse, torch.zeros(4, 16, 512), torch.zeros(4, 16),
             1, 16, 1, 16, 1, 0.1)
-    with pytest.raises(QuantMLAError, match="partial_dtype"):
+    with pytest.raises(ValueError, match="partial_dtype"):
         cuda.launch_decode(p, (4, 1), args, torch.device("cuda"))
+    with pytest.MonkeyPatch.context() as mp:  # a plan made under another setting is not handed out again
+        mp.setenv("QUANTMLA_PARTIALS", "fp32")
+        assert cuda.partial_kind(plan("int4/int4", 16, tokens_m=True)[1]) == torch.float32
 
 
 def test_decode_splits_of_latents_past_fp16s_range():
@@ -169,7 +172,8 @@ def test_decode_splits_of_latents_past_fp16s_range():
         runs.append((md, *mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)))
     (split, o, l), (whole, o1, _) = runs
     assert split.max_splits > 1 and whole.max_splits == 1
-    assert [ws[0].dtype for k, ws in split.workspace.items() if isinstance(k, tuple)] == [torch.float16]
+    po, _ = split.partials(H, D_C, partials.partial_dtype(lay), pool.layer(0).device)  # the API's, not a new one
+    assert po.dtype == torch.float16 and sum(isinstance(k, tuple) for k in split.workspace) == 1
     ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
     assert ro.abs().max() > 65504 and torch.isfinite(o).all()
     check(o, l, ro, rl)

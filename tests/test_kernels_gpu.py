@@ -17,11 +17,12 @@ pytestmark = [
 
 from helpers.gpu_decode import (  # noqa: E402
     D_C, D_R, FORMATS, LENS, PAGE, PAGE_FORMATS, check_decode, check_variant, fp64_error, kernel_config, make_cache,
-    tokens_m_config)
+    tokens_m_config, warpgroup_config)
 from helpers.gpu_decode import kernels_api as _api  # noqa: E402
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
 from quantmla.cache.paged import write_tokens  # noqa: E402
 from quantmla.errors import UnsupportedFormatError  # noqa: E402
+from quantmla.kernels import partials  # noqa: E402
 from quantmla.quant import BF16, PathFormat  # noqa: E402
 
 
@@ -296,29 +297,38 @@ def test_decode_many_splits_and_one_split(kernel, H):
 
 
 
-@pytest.mark.parametrize("kernel", ["cuda", "built-tile", "triton"])
-@pytest.mark.parametrize("H", [16, 128])
-def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H):
-    """INT4/INT4 splits write fp16 partials (partials.partial_dtype) times 2^-5: latent values of 2e4 to 1.8e5 (fp16
-    metadata: zero about 2e4, scale about 1e4) average to partials past fp16's 65504, which must come back finite and
-    right through the combine, at 16 heads (tokens-as-M, or the built tile) and 128 (heads-as-M) and on Triton. The
-    queries are scaled down so that scores stay near 1."""
-    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [3000, 1, 700], seed=H + 5, latent_range=(2e4, 1.8e5))
-    assert _api().partial_dtype(lay) == torch.float16
-    if kernel == "built-tile":
-        if H == 128:
-            pytest.skip("the built tile's plans at 128 rows are the heads-as-M kernel's")
+@pytest.mark.parametrize("kernel,H,hi", [("tokens-m", 16, 1.8e5), ("triton", 16, 1.8e5), ("triton", 128, 1.8e5),
+                                         ("built-tile", 16, 6.4e4), ("heads-m", 128, 6.4e4)])
+def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H, hi):
+    """INT4/INT4 splits write fp16 partials times 2^-5 (partials.partial_dtype), merged by the combine times 2^5. The
+    tokens-as-M kernel (its scales folded in fp32) and Triton (a bf16 tile) read latents of 2e4 to 1.8e5 (fp16 metadata:
+    zero about 2e4, scale about 1e4), whose partials pass fp16's 65504 and must come back finite and right. The built
+    tile and the heads-as-M kernel build an fp16 tile, so their latents stay under 65504 (3e4 to 6.4e4): the shift
+    must still be written and undone. Split units throughout; the queries are scaled down so that scores stay near 1."""
+    lo = 2e4 if hi > 65504 else 3e4
+    lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [3000, 1, 700], seed=H + 5, latent_range=(lo, hi))
+    assert partials.partial_dtype(lay) == torch.float16
+    if kernel == "tokens-m":
+        cfg = tokens_m_config(lay, H)
+    elif kernel == "heads-m":
+        cfg = warpgroup_config(lay, H)
+    elif kernel == "built-tile":
+        from quantmla.kernels.cuda.build import nvcc
         from quantmla.kernels.schedule import cuda_config
 
+        if nvcc() is None:
+            pytest.skip("no nvcc: the CUDA kernel cannot be built here")
         cfg = cuda_config(H, lay, "cuda", tokens_m=False)
-        assert cfg is not None and not cfg.tokens_m
+        assert cfg is not None and not cfg.tokens_m and not cfg.warpgroup
     else:
-        cfg = kernel_config(kernel, lay, H, 1)
+        cfg = kernel_config("triton", lay, H, 1)
     md = check_decode(lay, pages, bt, sl, H, 1, seed=3, config=cfg, chunk_tokens=256,
                       row_scale=torch.full((H,), 1e-4, device="cuda"))
-    assert md.max_splits > 1
-    assert [ws[0].dtype for k, ws in md.workspace.items() if isinstance(k, tuple)] == [torch.float16]
+    po, _ = md.partials(H, D_C, torch.float16, pages.device)  # the call's workspace (the API's key)
+    assert md.max_splits > 1 and po.dtype == torch.float16 and sum(isinstance(k, tuple) for k in md.workspace) == 1
     check_variant(md, "triton" if kernel == "triton" else "cuda")
+    tag = {"tokens-m": "/tm/", "heads-m": "/wg/", "built-tile": "cuda/f16/M"}.get(kernel)
+    assert tag is None or tag in md.variant, md.variant
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])

@@ -20,6 +20,7 @@ import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.kernels import api, codegen, support
+from quantmla.kernels.partials import partial_dtype
 
 triton = pytest.importorskip("triton")
 
@@ -51,7 +52,8 @@ def _decode_args(layout: PageLayout, heads: int):
     i32 = torch.zeros(4, dtype=torch.int32)
     out = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
     f32 = torch.zeros(4, dtype=torch.float32)
-    return (q, qr, pages, pc, pr, i32, i32, i32, out, f32, f32, f32, 4, heads, 1, heads, 1, 0.1)
+    po = torch.zeros(4, dtype=partial_dtype(layout))  # the partials' workspace as the API makes it (fp16 for INT codes)
+    return (q, qr, pages, pc, pr, i32, i32, i32, out, f32, po, f32, 4, heads, 1, heads, 1, 0.1)
 
 
 def decode_case(name: str, heads: int) -> None:
@@ -71,12 +73,13 @@ def decode_case(name: str, heads: int) -> None:
     assert "mma" in k.asm["ptx"]  # the scores and values go through the tensor cores
 
 
-def combine_case(heads: int, splits: int) -> None:
+def combine_case(heads: int, splits: int, partials: torch.dtype = torch.float32) -> None:
     from quantmla.kernels.decode import _mla_combine_kernel
 
     br, bd, bs = api.combine_blocks(1, heads, D_C, splits, 132)
     f32 = torch.zeros(4, dtype=torch.float32)
-    args = (f32, f32, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.bfloat16), f32, heads)
+    po = torch.zeros(4, dtype=partials)
+    args = (po, f32, torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.bfloat16), f32, heads)
     one = api.combine_one_step(splits, bs)
     compile_sm90(_mla_combine_kernel, args, dict(D_C=D_C, BLOCK_R=br, BLOCK_D=bd, BLOCK_S=bs, ONE_STEP=one), 4, 2)
 
@@ -158,6 +161,7 @@ CASES = {
     **{f"decode {n} H{h}": (decode_case, (n, h)) for n, h in
        [("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128)]},
     **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (16, 264), (128, 8)]},
+    **{f"combine H{h} splits {s} fp16 partials": (combine_case, (h, s, torch.float16)) for h, s in [(16, 33), (16, 264)]},
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},
     **{f"page rope H{h}": (page_rope_case, (h,)) for h in (16, 128)},
     "page rope blocks of 16 H16": (page_rope_case, (16, 16)),

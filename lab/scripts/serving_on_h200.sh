@@ -160,14 +160,7 @@ jobs() {
   done
 }
 
-tight-long-partials() {
-  timeout 300 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
-    --out "$OUT/serving/long_1.26gib_partials_auto_h200.json" 2>&1 | quiet 8
-  QUANTMLA_PARTIALS=fp32 timeout 200 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods int4/int4 \
-    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_partials_fp32_h200.json" 2>&1 | quiet 8
-}
-
-long() {
+tight-long() {
   timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --out "$OUT/serving/long_1.26gib_h200.json" 2>&1 | quiet 8
 }
@@ -185,6 +178,13 @@ tight() {
 long-fp8-repeats() {
   timeout 500 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 --repeats 3 \
     --max-seconds 380 "${GRP[@]}" --out "$OUT/serving/long_1.26gib_fp8_int4_repeats_h200.json" 2>&1 | quiet 10
+}
+
+long-partials() {
+  timeout 300 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
+    --out "$OUT/serving/long_1.26gib_partials_auto_h200.json" 2>&1 | quiet 8
+  QUANTMLA_PARTIALS=fp32 timeout 200 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods int4/int4 \
+    "${GRP[@]}" --out "$OUT/serving/long_1.26gib_partials_fp32_h200.json" 2>&1 | quiet 8
 }
 
 long() {

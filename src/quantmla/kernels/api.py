@@ -156,16 +156,7 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
         c.check(R, DC)  # before any launch
-        pdt = partial_dtype(layout)
-        key = (R, DC, pdt, str(device))
-        ws = metadata.workspace.get(key)
-        if ws is None:
-            ws = (
-                torch.empty((metadata.num_units, R, DC), dtype=pdt, device=device),
-                torch.empty((metadata.num_units, R), dtype=torch.float32, device=device),
-            )
-            metadata.workspace[key] = ws
-        po, plse = ws
+        po, plse = metadata.partials(R, DC, partial_dtype(layout), device)
     else:
         po = plse = lse  # never written
     grid = (metadata.head_blocks, metadata.num_units)

@@ -202,6 +202,15 @@ class MLAMetadata:
         fallback ran; None before the first launch."""
         return self.workspace.get("variant")
 
+    def partials(self, rows: int, d_c: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split partials' workspace of calls with this schedule, made on first use and kept: (outputs [units, rows,
+        d_c] of `dtype`, ``partials.partial_dtype``; log-sum-exps [units, rows] fp32)."""
+        key = (rows, d_c, dtype, str(torch.device(device)))
+        if key not in self.workspace:
+            self.workspace[key] = (torch.empty((self.num_units, rows, d_c), dtype=dtype, device=device),
+                                   torch.empty((self.num_units, rows), dtype=torch.float32, device=device))
+        return self.workspace[key]
+
     @property
     def rows(self) -> int:
         return self.num_heads * self.q_len

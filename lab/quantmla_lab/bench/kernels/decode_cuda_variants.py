@@ -230,7 +230,8 @@ def main() -> None:
                         except QuantMLAError as e:  # a build this layout does not take (its source rejects the macro)
                             row(f"warpgroup_{spec}_decode", None, vp, skipped=str(e).splitlines()[-1][:200])
                             continue
-                        rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(got[0], base[0]))
+                        rel = max(float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30))
+                                  for x, y in zip(got[0], base[0]))  # fp32: the partials may be fp16
                         row(f"warpgroup_{spec}_decode", us, vp, decode_only=True, units=md.num_units,
                             max_rel_diff_vs_default=rel, tflops=tflop / us * 1e6)
             for nw, bn in tilings:
@@ -281,8 +282,8 @@ def main() -> None:
                     vp = dataclasses.replace(vp, macros=tuple(sorted({**dict(vp.macros), **kw}.items())))
                     got: list = []
                     us_v = time_decode(vp, vmd, got)
-                    rel = max(float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
-                              for x, y in zip(got[0], base[0])) if vmd is md else None
+                    rel = max(float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30))
+                              for x, y in zip(got[0], base[0])) if vmd is md else None  # fp32: partials may be fp16
                     row(f"tokens_m_{spec}_decode", us_v, vp, decode_only=True, units=vmd.num_units,
                         max_rel_diff_vs_default=rel)
                     if a.timeline:

@@ -34,6 +34,7 @@ from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
 from quantmla.kernels import api, cuda
 from quantmla.kernels.launch import launch_decode
+from quantmla.kernels.partials import partial_dtype
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
 from quantmla_lab.bench.kernels.decode_cuda_variants import MARKS
@@ -165,12 +166,10 @@ def main(argv=None) -> int:
             def absorb_out(l: int) -> None:
                 torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
 
-            decode(0)  # the call's partials' workspace, kept in the metadata
-            ws = md.workspace.get((H, D_C, str(caches[0].pages.device)))
-            if ws is None and md.max_splits > 1:
-                raise SystemExit("the decode call kept no partials' workspace in its metadata: this bench does not "
-                                 "know the API's workspace key")
-            po, plse = ws if ws is not None else (lse[0], lse[0])  # unsplit calls write no partials
+            decode(0)
+            # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none)
+            po, plse = (md.partials(H, D_C, partial_dtype(lay), caches[0].pages.device) if md.max_splits > 1
+                        else (lse[0], lse[0]))
 
             def kernel(l: int) -> None:
                 c = caches[l]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.cache.layout import PageLayout
-from quantmla.errors import QuantMLAError
+from quantmla.kernels.partials import partial_dtype
 from quantmla.kernels.cuda.built_tile import (  # noqa: F401 (the package's names)
     BLOCK_N, NUM_WARPS, built_tile_plan, chosen, fragments_reason, smem_bytes)
 from quantmla.kernels.cuda.plan import (  # noqa: F401
@@ -61,7 +61,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores)
+           specialized, ctas_per_sm, s8_scores, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
@@ -72,7 +72,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     return plan
 
 
-_PLANS: dict = {}  # decode_plan's arguments past the device -> its plan, or why there is none (a pure function of them)
+_PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' dtype -> its plan, or why there is none
 
 
 def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
@@ -108,7 +108,7 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
     if po.data_ptr() != lse.data_ptr() and po.dtype != partial_kind(plan):  # (po is lse where no unit splits)
-        raise QuantMLAError(f"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it "
+        raise ValueError(  # a caller's mistake, not a build that failed: no fall back to Tritonf"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it "
                             "as kernels.partials.partial_dtype(layout) gives")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
