@@ -101,10 +101,11 @@ def test_combine_undoes_the_fp16_partials_power_of_two():
         assert torch.allclose(lse[b].cpu().double(), ref_lse, rtol=0, atol=1e-5)
 
 
-def test_partials_are_fp16_only_where_the_content_codes_bound_them():
-    """partial_dtype: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or symmetric, any RoPE
-    path), fp32 for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata; every CUDA plan of a layout writes the
-    dtype its workspace has (PART_KIND), and a launch with a workspace of another dtype is refused before any launch."""
+def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
+    """partial_dtype with QUANTMLA_PARTIALS=fp16: fp16 for integer content codes of up to 4 bits with fp16 metadata
+    (affine or symmetric, any RoPE path), fp32 for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata; fp32 for every
+    format by default; every CUDA plan of a layout writes the dtype its workspace has (PART_KIND), and a launch with a
+    workspace of another dtype is refused before any launch."""
     from helpers.cuda_plans import plan
 
     from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
@@ -119,6 +120,7 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
             "int8/int4": CacheFormat(PathFormat(8, 64), PathFormat(4, 64)),
             "int4-bf16meta": CacheFormat(PathFormat(4, 64, "affine", "bfloat16"), PathFormat(4, 64)),
             "int4-fp32meta": CacheFormat(PathFormat(4, 64, "affine", "float32"), PathFormat(4, 64))}
+    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp16")
     for want, fmts in ((torch.float16, fp16), (torch.float32, fp32)):
         for name, fmt in fmts.items():
             lay = PageLayout(TokenLayout(512, 64, fmt), 64)
@@ -129,8 +131,8 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
                     assert cuda.partial_kind(p) == want, (name, rows, tiling)
     int4 = PageLayout(TokenLayout(512, 64, fp16["int4/int4"]), 64)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QUANTMLA_PARTIALS", "fp32")
-        assert partials.partial_dtype(int4) == torch.float32
+        mp.delenv("QUANTMLA_PARTIALS")
+        assert partials.partial_dtype(int4) == torch.float32  # the default
         mp.setenv("QUANTMLA_PARTIALS", "half")
         with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS"):
             partials.partial_dtype(int4)
@@ -146,7 +148,7 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them():
         assert cuda.partial_kind(plan("int4/int4", 16, tokens_m=True)[1]) == torch.float32
 
 
-def test_decode_splits_of_latents_past_fp16s_range():
+def test_decode_splits_of_latents_past_fp16s_range(monkeypatch):
     """An INT4 cache (fp16 metadata: zero about 2.5e4, scale about 1e4) of latent values up to 1.8e5: the split decode
     writes fp16 partials (its workspace) whose merged output is finite, within the same bound of the fp64 oracle as
     any decode, and the unsplit call's within bf16 rounding. The queries are small so that scores stay near 1."""
@@ -156,6 +158,7 @@ def test_decode_splits_of_latents_past_fp16s_range():
     from quantmla.cache.paged import PagePool
     from quantmla.kernels import append_to_pages, get_mla_metadata, mla_decode_with_kvcache
 
+    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp16")
     g = torch.Generator().manual_seed(4)
     lay = PageLayout(TokenLayout(D_C, D_R, FORMATS["int4/int4"]), PAGE)
     lens, H = [70, 1, 33], 4

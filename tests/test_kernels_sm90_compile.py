@@ -20,7 +20,6 @@ import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.kernels import api, codegen, support
-from quantmla.kernels.partials import partial_dtype
 
 triton = pytest.importorskip("triton")
 
@@ -44,7 +43,7 @@ def compile_sm90(fn, args: tuple, constexprs: dict, num_warps: int, num_stages: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _decode_args(layout: PageLayout, heads: int):
+def _decode_args(layout: PageLayout, heads: int, partials: torch.dtype = torch.float32):
     pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
     _, pc, pr = support.page_views(pages, layout)
     q = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
@@ -52,15 +51,15 @@ def _decode_args(layout: PageLayout, heads: int):
     i32 = torch.zeros(4, dtype=torch.int32)
     out = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
     f32 = torch.zeros(4, dtype=torch.float32)
-    po = torch.zeros(4, dtype=partial_dtype(layout))  # the partials' workspace as the API makes it (fp16 for INT codes)
+    po = torch.zeros(4, dtype=partials)  # the partials' workspace (fp16 where QUANTMLA_PARTIALS=fp16 allows it)
     return (q, qr, pages, pc, pr, i32, i32, i32, out, f32, po, f32, 4, heads, 1, heads, 1, 0.1)
 
 
-def decode_case(name: str, heads: int) -> None:
+def decode_case(name: str, heads: int, partials: torch.dtype = torch.float32) -> None:
     layout = PageLayout(TokenLayout(D_C, D_R, preset(name)), PAGE)
     cfg = api.default_config(heads, layout, "cuda")
     opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_F32=False)
-    args = _decode_args(layout, heads)
+    args = _decode_args(layout, heads, partials)
     if cfg.kernel == "fused" and codegen.supported(layout):
         fn = codegen.fused_kernel(layout, cfg.unpack, cfg.orient)
         consts = opts
@@ -160,6 +159,8 @@ CASES = {
     "rms norm, rope with the latent norm": (norm_rope_case, (True,)),
     **{f"decode {n} H{h}": (decode_case, (n, h)) for n, h in
        [("int4/int4", 16), ("int2/int4", 16), ("bf16", 16), ("int4/int4", 128), ("fp8", 16), ("fp8", 128)]},
+    **{f"decode {n} H{h} fp16 partials": (decode_case, (n, h, torch.float16)) for n, h in
+       [("int4/int4", 16), ("int2/int4", 16), ("int4/int4", 128)]},
     **{f"combine H{h} splits {s}": (combine_case, (h, s)) for h, s in [(16, 128), (16, 264), (128, 8)]},
     **{f"combine H{h} splits {s} fp16 partials": (combine_case, (h, s, torch.float16)) for h, s in [(16, 33), (16, 264)]},
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},

@@ -42,11 +42,11 @@
 #                 short job's contexts (27 layers, with the tokens-as-M kernel's CTA spans and the gaps between
 #                 layers) and at 32 x 16384 (8 layers)
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
-# partials        the decode call in graphs of 8 layers with the split partials as the API writes them (fp16 for
-#                 integer codes, partials.partial_dtype) and all in fp32 (QUANTMLA_PARTIALS=fp32), one process each,
+# partials        the decode call in graphs of 8 layers with fp16 split partials for integer codes (QUANTMLA_PARTIALS=fp16,
+#                 partials.partial_dtype) and with fp32 partials (the default), one process each,
 #                 INT4/INT4, INT2/INT4 and FP8 (fp32 either way: the control) at 1 x 131072, 8 x 16384, 32 x 16384 and
 #                 8 x 2048; then the GPU tests of the splits and of
-#                 partials past fp16's range        -> kernels/decode_in_graph_partials_{auto,fp32}_h200.json,
+#                 partials past fp16's range        -> kernels/decode_in_graph_partials_{fp16,fp32}_h200.json,
 #                                                      kernels/partials_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
@@ -232,7 +232,7 @@ decode-in-graph() {
 
 partials() {
   local p
-  for p in auto fp32; do
+  for p in fp16 fp32; do
     QUANTMLA_PARTIALS=$p timeout 120 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods fp8 int4/int4 \
       int2/int4 --shapes 1x131072 8x16384 32x16384 8x2048 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_${p}_h200.json" 2>&1 | grep -v -i warn | tail -17
   done
