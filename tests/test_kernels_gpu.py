@@ -297,17 +297,18 @@ def test_decode_many_splits_and_one_split(kernel, H):
 
 
 
-@pytest.mark.parametrize("kernel,H,hi", [("tokens-m", 16, 1.8e5), ("triton", 16, 1.8e5), ("triton", 128, 1.8e5),
-                                         ("built-tile", 16, 6.4e4), ("heads-m", 128, 6.4e4)])
-def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H, hi, monkeypatch):
+@pytest.mark.parametrize("kernel,H,lo,hi", [("triton", 16, 2e4, 1.8e5), ("triton", 128, 2e4, 1.8e5),
+                                            ("built-tile", 16, 3e4, 6.4e4), ("heads-m", 128, 3e4, 6.4e4),
+                                            ("tokens-m", 16, 1e3, 4.5e3)])
+def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H, lo, hi, monkeypatch):
     """INT4/INT4 splits write fp16 partials times 2^-5 (QUANTMLA_PARTIALS=fp16, partials.partial_dtype), merged by the
-    combine times 2^5. The
-    tokens-as-M kernel (its scales folded in fp32) and Triton (a bf16 tile) read latents of 2e4 to 1.8e5 (fp16 metadata:
-    zero about 2e4, scale about 1e4), whose partials pass fp16's 65504 and must come back finite and right. The built
-    tile and the heads-as-M kernel build an fp16 tile, so their latents stay under 65504 (3e4 to 6.4e4): the shift
-    must still be written and undone. Split units throughout; the queries are scaled down so that scores stay near 1."""
+    combine times 2^5. Triton (a bf16 tile) reads latents of 2e4 to 1.8e5 (fp16 metadata: zero about 2e4, scale about
+    1e4), whose partials pass fp16's 65504 and must come back finite and right. The other kernels have narrower latents
+    of their own, so there the test checks that the shift is written and undone: the built tile and the heads-as-M
+    kernel build an fp16 tile (latents under 65504: 3e4 to 6.4e4), and the tokens-as-M kernel keeps P·scale in fp16
+    with P up to 2^8 (a group's scale under 256: latents of 1e3 to 4.5e3). Split units throughout; the queries are
+    scaled down so that scores stay near 1."""
     monkeypatch.setenv("QUANTMLA_PARTIALS", "fp16")
-    lo = 2e4 if hi > 65504 else 3e4
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [3000, 1, 700], seed=H + 5, latent_range=(lo, hi))
     assert partials.partial_dtype(lay) == torch.float16
     if kernel == "tokens-m":
