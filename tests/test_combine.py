@@ -82,8 +82,7 @@ def test_combine_undoes_the_fp16_partials_power_of_two():
     from quantmla.kernels.decode import _mla_combine_kernel
 
     g = torch.Generator().manual_seed(11)
-    R, DC, counts = 2, 32, [5, 2]
-    info = [(0, 5), (5, 2)]
+    R, DC, info = 2, 32, [(0, 5), (5, 2)]  # (first unit, splits) of two sequences
     po = 6e4 + 1.2e5 * torch.rand(7, R, DC, generator=g)
     po[5:] *= -1e-3  # small values too: fp16's relative rounding, not the shift, bounds them
     plse = torch.randn(7, R, generator=g)
@@ -141,7 +140,7 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
     lse = torch.zeros(4, 16)
     args = (None, None, None, None, None, None, None, None, None, lse, torch.zeros(4, 16, 512), torch.zeros(4, 16),
             1, 16, 1, 16, 1, 0.1)
-    with pytest.raises(ValueError, match="partial_dtype"):
+    with pytest.raises(ValueError, match="writes torch.float16 partials into a torch.float32 workspace"):
         cuda.launch_decode(p, (4, 1), args, torch.device("cuda"))
     with pytest.MonkeyPatch.context() as mp:  # a plan made under another setting is not handed out again
         mp.setenv("QUANTMLA_PARTIALS", "fp32")

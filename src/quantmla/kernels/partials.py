@@ -15,8 +15,9 @@ PARTIAL_FP16_SHIFT = 5  # fp16 split partials hold o·2^-5 (the combine multipli
 
 def partial_dtype(layout: PageLayout) -> torch.dtype:
     """The dtype of the split partials' output workspace [units, rows, d_c] the decode kernels write and the combine
-    merges (their log-sum-exps stay fp32): fp32, unless QUANTMLA_PARTIALS=fp16 (the default is "fp32": the fp16 path's
-    GPU tests and timings have not run) and the content path is integer codes of at most 4 bits with fp16 metadata. A
+    merges (their log-sum-exps stay fp32): fp32, unless QUANTMLA_PARTIALS=fp16 (the default is "fp32" until the
+    tokens-as-M kernel's GPU tests pass with fp16 partials) and the content path is integer codes of at most 4 bits with
+    fp16 metadata. A
     partial is a weighted mean of dequantized values, each inside its group's [zero, zero + (2^b - 1)·scale] (affine) or
     [-2^(b-1)·scale, (2^(b-1) - 1)·scale] (symmetric), so |o| < 2^b·65504 and o·2^-PARTIAL_FP16_SHIFT is a finite fp16
     (11-bit significand: below the bf16 output's own rounding): half the bytes a split writes and the combine reads.

@@ -108,8 +108,9 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
 
     qc, qr, pages, _, _, bt, sl, units, out, lse, po, plse, stride_bt, H, SQ, R, causal, scale = args
     if po.data_ptr() != lse.data_ptr() and po.dtype != partial_kind(plan):  # (po is lse where no unit splits)
-        raise ValueError(  # a caller's mistake, not a build that failed: no fall back to Tritonf"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it "
-                            "as kernels.partials.partial_dtype(layout) gives")
+        # a caller's mistake, not a build that failed: a ValueError, which launch_cuda does not take for a fall back
+        raise ValueError(f"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it as "
+                         "kernels.partials.partial_dtype(layout) gives")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
     if dict(plan.macros).get("WG"):
