@@ -44,8 +44,8 @@
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
 # partials        the decode call in graphs of 8 layers with fp16 split partials for integer codes (QUANTMLA_PARTIALS=fp16,
 #                 partials.partial_dtype) and with fp32 partials (the default), one process each,
-#                 INT4/INT4, INT2/INT4 and FP8 (fp32 either way: the control) at 1 x 131072, 8 x 16384, 32 x 16384 and
-#                 8 x 2048; then the GPU tests of the splits and of
+#                 INT4/INT4, INT2/INT4, and FP8 and BF16 (fp32 either way: the controls) at 1 x 131072, 8 x 16384,
+#                 32 x 16384 and 8 x 2048; then, all with fp16 partials, the GPU tests of the splits and of
 #                 partials past fp16's range        -> kernels/decode_in_graph_partials_{fp16,fp32}_h200.json,
 #                                                      kernels/partials_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
@@ -238,8 +238,9 @@ partials() {
   done
   local xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py -q -rfs -p no:cacheprovider \
-    $xdist -k "fp16_partials or many_splits or tokens_m_splits or error_within or full_shape" 2>&1 | tail -8 \
+  QUANTMLA_PARTIALS=fp16 timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py -q -rfs \
+    -p no:cacheprovider $xdist -k "fp16_partials or many_splits or tokens_m_splits or error_within or full_shape" 2>&1 \
+    | tail -8 \
     | tee "$OUT/kernels/partials_gpu_tests_h200.log"
 }
 
