@@ -42,8 +42,8 @@
 #                 short job's contexts (27 layers, with the tokens-as-M kernel's CTA spans and the gaps between
 #                 layers) and at 32 x 16384 (8 layers)
 #                                    -> kernels/decode_in_graph_{short,long}_h200.json
-# partials        the decode call in graphs of 8 layers with fp16 split partials for integer codes (QUANTMLA_PARTIALS=fp16,
-#                 partials.partial_dtype) and with fp32 partials (the default), one process each,
+# partials        the decode call in graphs of 8 layers with fp16 split partials for integer codes (the default,
+#                 partials.partial_dtype) and with fp32 partials (QUANTMLA_PARTIALS=fp32), one process each,
 #                 INT4/INT4, INT2/INT4, and FP8 and BF16 (fp32 either way: the controls) at 1 x 131072, 8 x 16384,
 #                 32 x 16384 and 8 x 2048; then, all with fp16 partials, the GPU tests of the splits and of
 #                 partials past fp16's range        -> kernels/decode_in_graph_partials_{fp16,fp32}_h200.json,
