@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantmla.errors import NonFiniteError, UnsupportedFormatError
+from quantmla.errors import MetadataRangeError, NonFiniteError, UnsupportedFormatError
 from quantmla.quant import PathFormat, dequantize, fake_quant, pack, quantize, quantize_dequantize, unpack
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -108,6 +108,27 @@ def test_non_finite_input_is_a_clear_error(bad):
     x[1, 5] = bad
     with pytest.raises(NonFiniteError, match="NaN"):
         quantize(x, PathFormat(4, 32))
+
+
+@pytest.mark.parametrize("mode, lo, hi", [("affine", -7e4, 10.0), ("affine", 0.0, 1.2e6), ("symmetric", -1e6, 1.0),
+                                          ("fp8", -3e7, 1.0)])
+def test_metadata_past_fp16s_range_is_a_clear_error(mode, lo, hi):
+    """Groups whose zero point (affine: the minimum) or scale (range / (2^b - 1), amax / (2^(b-1) - 1) or amax / 448)
+    passes fp16's 65504 would store inf metadata and dequantize to NaN: with fp16 metadata quantize and quantize_page
+    refuse them, naming the fix; bf16 metadata holds them and dequantizes finitely; values just inside the range
+    pass with fp16 metadata."""
+    from quantmla.quant.groupwise import quantize_page
+
+    bits = 8 if mode == "fp8" else 4
+    x = torch.linspace(0, 1, 4 * 64).reshape(4, 64) * (hi - lo) + lo
+    with pytest.raises(MetadataRangeError, match="float16 metadata.*bfloat16 or float32"):
+        quantize(x, PathFormat(bits, 32, mode))
+    y = quantize_dequantize(x, PathFormat(bits, 32, mode, "bfloat16"))
+    assert torch.isfinite(y).all() and float((y - x).abs().max()) < 0.2 * float(x.abs().max())
+    assert torch.isfinite(quantize_dequantize(x * 0.05, PathFormat(bits, 32, mode))).all()
+    if mode in ("affine", "symmetric"):
+        with pytest.raises(MetadataRangeError, match="float16 metadata"):
+            quantize_page(x[None], PathFormat(bits, 32, mode, grouping="page"))
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,10 @@ class NonFiniteError(QuantMLAError):
     """NaN or Inf in activations that were to be quantized."""
 
 
+class MetadataRangeError(QuantMLAError):
+    """A group's scale or zero point does not fit the format's metadata dtype (fp16 beyond 65504)."""
+
+
 class CacheConfigMismatchError(QuantMLAError):
     """A calibrated checkpoint asked to serve a cache format its transforms were not fitted for."""
 

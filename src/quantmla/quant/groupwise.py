@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from quantmla.errors import NonFiniteError
+from quantmla.errors import MetadataRangeError, NonFiniteError
 from quantmla.quant.format import PathFormat
 from quantmla.quant.packing import pack, unpack
 
@@ -35,6 +35,19 @@ def check_finite(x: torch.Tensor, what: str = "activations") -> None:
             f"{what} contain {n_nan} NaN and {n_inf} Inf values and cannot be quantized; "
             "check the model's dtype (fp16 overflow?) and its inputs"
         )
+
+
+def check_meta_range(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: PathFormat) -> None:
+    """Raise MetadataRangeError where a group's stored scale or zero point (already rounded to the metadata dtype)
+    is not finite: fp16 metadata holds magnitudes up to 65504, so groups of values beyond it would dequantize to NaN."""
+    bad = ~torch.isfinite(scale)
+    if zero is not None:
+        bad |= ~torch.isfinite(zero)
+    if bad.any():
+        raise MetadataRangeError(
+            f"{int(bad.sum())} groups' scale or zero point overflow {fmt.meta_dtype} metadata (largest |value| "
+            f"{float(x.abs().amax()):.4g}; float16 holds up to 65504): store this path's metadata as bfloat16 or "
+            "float32 (the format's meta_dtype), or check the model's activations")
 
 
 def grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
@@ -77,7 +90,8 @@ def group_scales(xg: torch.Tensor, fmt: PathFormat, cast=None) -> tuple[torch.Te
 
 
 def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
-    """x: [..., D] float -> packed codes and metadata. Raises NonFiniteError on NaN/Inf."""
+    """x: [..., D] float -> packed codes and metadata. Raises NonFiniteError on NaN/Inf, MetadataRangeError where
+    a group's scale or zero point overflows the metadata dtype."""
     if not fmt.quantized:
         raise ValueError("a 16-bit format stores values unquantized; nothing to quantize")
     if fmt.per_page:
@@ -85,6 +99,7 @@ def quantize(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     check_finite(x)
     xg = grouped(x, fmt)
     scale, zero = group_scales(xg, fmt)
+    check_meta_range(x, scale, zero, fmt)
     mdt = fmt.torch_meta_dtype
     if fmt.mode == "fp8":
         y = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -124,6 +139,7 @@ def quantize_page(x: torch.Tensor, fmt: PathFormat) -> Quantized:
     G, gs = D // fmt.group_size, fmt.group_size
     xg = xf.reshape(*lead, sets, b, G, gs).movedim(-3, -2).reshape(*lead, sets, G, b * gs)  # a group's values
     scale, zero = group_scales(xg, fmt)  # [..., sets, G, 1]
+    check_meta_range(x, scale, zero, fmt)
     scale_c, zero_c = (None if t is None else _per_channel(t, gs) for t in (scale, zero))
     qmax = 2**fmt.bits - 1
     if fmt.mode == "affine":
