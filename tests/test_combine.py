@@ -103,8 +103,9 @@ def test_combine_undoes_the_fp16_partials_power_of_two():
 def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
     """partial_dtype by default and with QUANTMLA_PARTIALS=fp16: fp16 for integer content codes of up to 4 bits with
     fp16 metadata (affine or symmetric, any RoPE path), fp32 for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata;
-    fp32 for every format with QUANTMLA_PARTIALS=fp32; every CUDA plan of a layout writes the dtype its workspace has (PART_KIND), and a launch with a
-    workspace of another dtype is refused before any launch."""
+    fp32 for every format with QUANTMLA_PARTIALS=fp32 (the setting results record); every CUDA plan of a layout writes
+    the dtype its workspace has (PART_KIND), and a launch with a workspace of another dtype is refused before any
+    launch."""
     from helpers.cuda_plans import plan
 
     from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
@@ -131,9 +132,9 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
     int4 = PageLayout(TokenLayout(512, 64, fp16["int4/int4"]), 64)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("QUANTMLA_PARTIALS")
-        assert partials.partial_dtype(int4) == torch.float16  # the default
-        mp.setenv("QUANTMLA_PARTIALS", "fp32")
-        assert partials.partial_dtype(int4) == torch.float32
+        assert partials.partial_dtype(int4) == torch.float16 and partials.partials_setting() == "fp16"  # the default
+        mp.setenv("QUANTMLA_PARTIALS", " FP32")
+        assert partials.partial_dtype(int4) == torch.float32 and partials.partials_setting() == "fp32"
         mp.setenv("QUANTMLA_PARTIALS", "half")
         with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS"):
             partials.partial_dtype(int4)

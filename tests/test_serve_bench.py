@@ -94,6 +94,7 @@ def test_serve_bench_command_at_toy_size(tmp_path):
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)
+    assert res["partials"] == "fp16"  # the split partials' setting (QUANTMLA_PARTIALS), recorded beside the commit
     assert len(res["runs"]) == 12
     assert res["summary"]["runs_per_method"] == {m: {"2e-05": 2, "0.0001": 2} for m in ("bf16", "int4/int4", "int2/int4")}
     assert [(r["budget_gib"], r["repeat"], r["method"]) for r in res["runs"][:4]] == [

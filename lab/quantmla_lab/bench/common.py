@@ -14,15 +14,18 @@ from pathlib import Path
 import torch
 
 from quantmla import jsonfile
+from quantmla.kernels.partials import partials_setting
 
 
 def record(**fields) -> dict:
-    """A result's header (device, UTC date, command line, torch version) followed by ``fields``."""
+    """A result's header (device, UTC date, command line, commit, the split partials' setting, torch version)
+    followed by ``fields``."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     from quantmla_lab.bench.kernels.decode_speed import source_commit
 
     return {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python3"] + sys.argv), "commit": source_commit(), "torch": torch.__version__, **fields}
+            "command": " ".join(["python3"] + sys.argv), "commit": source_commit(), "partials": partials_setting(),
+            "torch": torch.__version__, **fields}
 
 
 def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:

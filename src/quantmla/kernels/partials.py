@@ -13,6 +13,16 @@ from quantmla.errors import QuantMLAError
 PARTIAL_FP16_SHIFT = 5  # fp16 split partials hold o·2^-5 (the combine multiplies by 2^5)
 
 
+def partials_setting() -> str:
+    """QUANTMLA_PARTIALS: "fp16" (the default: fp16 partials where the format bounds them) or "fp32" (every format);
+    results record it beside their commit."""
+    how = os.environ.get("QUANTMLA_PARTIALS", "fp16").strip().lower()
+    if how not in ("fp32", "fp16"):
+        raise QuantMLAError(f"QUANTMLA_PARTIALS={how!r}: use 'fp16' (the default: fp16 partials where the "
+                            "format bounds them) or 'fp32' (every format)")
+    return how
+
+
 def partial_dtype(layout: PageLayout) -> torch.dtype:
     """The dtype of the split partials' output workspace [units, rows, d_c] the decode kernels write and the combine
     merges (their log-sum-exps stay fp32): fp16 where the content path is integer codes of at most 4 bits with fp16
@@ -21,10 +31,7 @@ def partial_dtype(layout: PageLayout) -> torch.dtype:
     [-2^(b-1)·scale, (2^(b-1) - 1)·scale] (symmetric), so |o| < 2^b·65504 and o·2^-PARTIAL_FP16_SHIFT is a finite fp16
     (11-bit significand: below the bf16 output's own rounding): half the bytes a split writes and the combine reads.
     Raw bf16 and FP8 values have fp32's range, and keep fp32 partials."""
-    how = os.environ.get("QUANTMLA_PARTIALS", "fp16").strip().lower()
-    if how not in ("fp32", "fp16"):
-        raise QuantMLAError(f"QUANTMLA_PARTIALS={how!r}: use 'fp16' (the default: fp16 partials where the "
-                            "format bounds them) or 'fp32' (every format)")
+    how = partials_setting()
     c = layout.token.fmt.content
     if how == "fp16" and c.quantized and c.mode in ("affine", "symmetric") and c.bits <= 4 and c.meta_dtype == "float16":
         return torch.float16

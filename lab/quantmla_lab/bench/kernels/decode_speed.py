@@ -24,6 +24,7 @@ from quantmla.cache.layout import PRESETS, CacheFormat, PageLayout, TokenLayout,
 from quantmla.cache.paged import compression_report, gather_sequences, write_tokens
 from quantmla.kernels import api, cuda, schedule
 from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
+from quantmla.kernels.partials import partials_setting
 from quantmla.serving.rope_stage import page_grouped
 from quantmla.reference.absorbed import absorbed_attention
 from quantmla_lab.bench.kernels.peer import load_peer, peer_kv
@@ -323,6 +324,7 @@ def run_bench(args) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "quantmla bench-kernel " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench-kernel"] else sys.argv[1:]),
         "commit": source_commit(),
+        "partials": partials_setting(),
         "host": platform.node(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -23,6 +23,7 @@ import torch
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.errors import QuantMLAError
+from quantmla.kernels.partials import partials_setting
 from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
 from quantmla.serving.scheduler import Request, SamplingParams
 from quantmla_lab.bench.serving.compile_watch import CompileWatch
@@ -206,6 +207,7 @@ def run_bench(s: BenchSettings, log=print, model=None, on_run=None) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "commit": _source_commit(),
+        "partials": partials_setting(),
         "settings": asdict(s),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "model": {"model_type": model.config.model_type, "params": n_params, "layers": model.config.num_hidden_layers,
