@@ -522,13 +522,14 @@ def test_fp8_ds_mla_record_is_656_bytes():
     assert tok.bytes_per_token == 656
 
 
-def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_path, capsys):
+def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_path, capsys, monkeypatch):
     """`quantmla bench-kernel --smoke` (interpreter): one row per format with bytes, ratios and config, the
     goals, the commit and a figure beside the JSON; a second run into the same file is refused."""
     import json
 
     from quantmla.cli import main
 
+    monkeypatch.delenv("QUANTMLA_PARTIALS", raising=False)
     out = tmp_path / "k.json"
     argv = ["bench-kernel", "--smoke", "--heads", "16", "--shapes", "1x40", "--methods", "bf16,fp8,int4/int4",
             "--no-sweep", "--warmup-ms", "1", "--rep-ms", "1", "--out", str(out)]

@@ -51,7 +51,7 @@ def _decode_args(layout: PageLayout, heads: int, partials: torch.dtype = torch.f
     i32 = torch.zeros(4, dtype=torch.int32)
     out = torch.zeros(1, 1, heads, D_C, dtype=torch.bfloat16)
     f32 = torch.zeros(4, dtype=torch.float32)
-    po = torch.zeros(4, dtype=partials)  # the partials' workspace (fp16 where QUANTMLA_PARTIALS=fp16 allows it)
+    po = torch.zeros(4, dtype=partials)  # the workspace (fp16 where partial_dtype gives it: codes of <= 4 bits)
     return (q, qr, pages, pc, pr, i32, i32, i32, out, f32, po, f32, 4, heads, 1, heads, 1, 0.1)
 
 

@@ -131,6 +131,26 @@ def test_metadata_past_fp16s_range_is_a_clear_error(mode, lo, hi):
             quantize_page(x[None], PathFormat(bits, 32, mode, grouping="page"))
 
 
+def test_metadata_range_edges():
+    """An affine group whose zero point fits fp16 but whose scale does not (0 to 1e6: scale 6.7e4) is refused; a
+    zero point at -65504 (fp16's largest finite) passes and one at -65520 (rounding to -inf) is refused; bf16
+    metadata that overflows asks about the activations, not for bf16."""
+    x = torch.zeros(4, 64)
+    x[:, 1::32] = 1e6
+    with pytest.raises(MetadataRangeError, match="8 groups with a scale or zero point past float16"):
+        quantize(x, PathFormat(4, 32))
+    edge = torch.zeros(1, 32)
+    edge[0, 0] = -65504.0
+    assert torch.isfinite(quantize_dequantize(edge, PathFormat(4, 32))).all()
+    edge[0, 0] = -65520.0
+    with pytest.raises(MetadataRangeError, match="1 group with"):
+        quantize(edge, PathFormat(4, 32))
+    huge = torch.full((1, 32), 3.3e38)
+    huge[0, 0] = -3.3e38
+    with pytest.raises(MetadataRangeError, match="past bfloat16.*check the model's activations \\(fp16"):
+        quantize(huge, PathFormat(4, 32, "affine", "bfloat16"))
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -83,8 +83,10 @@ def test_check_only_result_carries_device_date_and_command(tmp_path):
     assert res["device"].startswith("CPU") and res["date"].startswith("20") and "--check-only" in res["command"]
 
 
-def test_serve_bench_command_at_toy_size(tmp_path):
+def test_serve_bench_command_at_toy_size(tmp_path, monkeypatch):
     from quantmla.cli import main
+
+    monkeypatch.delenv("QUANTMLA_PARTIALS", raising=False)
 
     out = tmp_path / "serving.json"
     rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",

@@ -8,14 +8,15 @@ import math
 from quantmla_lab.bench.serving import step_grid
 
 
-def test_step_grid_parts_sum_to_the_step_and_oversized_points_are_skipped(tmp_path, capsys):
+def test_step_grid_parts_sum_to_the_step_and_oversized_points_are_skipped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp32")  # recorded in the result's header
     out = tmp_path / "grid.json"
     # context 64 fits in 10 MiB; 2**20 tokens of 2 layers (about 80 MB of int4/int4 records) do not
     step_grid.main(["--preset", "tiny", "--device", "cpu", "--content-group", "32", "--rope-group", "16",
                     "--methods", "int4/int4", "--batches", "2", "--contexts", "64", str(1 << 20), "--warm", "2",
                     "--steps", "2", "--memory-gib", str(10 / 1024), "--headroom-gib", "0", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert {"device", "date", "command", "commit"} <= set(res) and res["partials"] in ("fp16", "fp32")
+    assert {"device", "date", "command", "commit"} <= set(res) and res["partials"] == "fp32"
     ok, big = res["points"]
     assert ok["status"] == "ok" and (ok["batch"], ok["context"], ok["method"]) == (2, 64, "int4/int4")
     assert ok["tokens_per_step"] == 2 and ok["mean_context"] == 64 + 2 + 0.5 and ok["step_us_unprofiled"] > 0

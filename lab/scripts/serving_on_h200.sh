@@ -21,8 +21,9 @@
 #                                       -> serving/long_1.26gib_h200.json, serving/longest_3.74gib_h200.json
 # long-fp8-repeats the tight long job's FP8 and INT4/INT4 three times in turn: the median ratio of the 1.8x goal
 #                                                        -> serving/long_1.26gib_fp8_int4_repeats_h200.json
-# long-partials   the tight long job's FP8 and INT4/INT4 with fp16 partials (QUANTMLA_PARTIALS=fp16), then INT4/INT4 with
-#                 fp32 partials, one process each               -> serving/long_1.26gib_partials_{fp16,fp32}_h200.json
+# long-partials   the tight long job's FP8 and INT4/INT4 with fp16 partials (the default; QUANTMLA_PARTIALS=fp16 set
+#                 all the same), then INT4/INT4 with fp32 partials (QUANTMLA_PARTIALS=fp32), one process each
+#                                                        -> serving/long_1.26gib_partials_{fp16,fp32}_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
 # longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json

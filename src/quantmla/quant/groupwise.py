@@ -44,10 +44,12 @@ def check_meta_range(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | 
     if zero is not None:
         bad |= ~torch.isfinite(zero)
     if bad.any():
+        n = int(bad.sum())
+        fix = ("store this path's metadata as bfloat16 or float32 (the format's meta_dtype), or check the model's "
+               "activations" if fmt.meta_dtype == "float16" else "check the model's activations (fp16 overflow?)")
         raise MetadataRangeError(
-            f"{int(bad.sum())} groups' scale or zero point overflow {fmt.meta_dtype} metadata (largest |value| "
-            f"{float(x.abs().amax()):.4g}; float16 holds up to 65504): store this path's metadata as bfloat16 or "
-            "float32 (the format's meta_dtype), or check the model's activations")
+            f"{n} group{'s' if n > 1 else ''} with a scale or zero point past {fmt.meta_dtype} metadata's range "
+            f"(largest |value| {float(x.abs().amax()):.4g}; float16 holds up to 65504): {fix}")
 
 
 def grouped(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
 from quantmla.kernels import api, cuda, schedule
+from quantmla.kernels.partials import partials_setting
 from quantmla_lab.bench.kernels import decode_speed as bench
 from quantmla_lab.bench.common import save
 
@@ -111,7 +112,8 @@ def main() -> None:
     H, dev = a.heads, torch.device("cuda")
     bench.FLUSH = a.flush
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "flush": a.flush, "rows": []}
+        timespec="seconds"), "commit": bench.source_commit(), "partials": partials_setting(), "command": " ".join(sys.argv),
+        "flush": a.flush, "rows": []}
     tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")]
     scale = 0.07
     for name in a.formats.split(","):
