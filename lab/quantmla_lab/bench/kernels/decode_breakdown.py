@@ -95,7 +95,8 @@ def main() -> None:
             fits[fmt] = dict(fixed_us=my - b * mx, us_per_token_per_unit=b)
             print(f"{fmt}: decode kernel ~ {fits[fmt]['fixed_us']:.1f} us + {b * 1e3:.2f} ns x tokens per unit")
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               commit=decode_speed.source_commit(), partials=partials_setting(), command="python -m quantmla_lab.bench.kernels.decode_breakdown "
+               commit=decode_speed.source_commit(), partials=partials_setting(),
+               command="python -m quantmla_lab.bench.kernels.decode_breakdown "
                f"--formats {a.formats} --shapes {a.shapes} --heads {a.heads}", rows=rows, fits=fits)
     save(res, a.out)
 
