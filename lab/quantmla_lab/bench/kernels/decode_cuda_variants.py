@@ -112,8 +112,8 @@ def main() -> None:
     H, dev = a.heads, torch.device("cuda")
     bench.FLUSH = a.flush
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": bench.source_commit(), "partials": partials_setting(), "command": " ".join(sys.argv),
-        "flush": a.flush, "rows": []}
+        timespec="seconds"), "commit": bench.source_commit(), "partials": partials_setting(),
+        "command": " ".join(sys.argv), "flush": a.flush, "rows": []}
     tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")]
     scale = 0.07
     for name in a.formats.split(","):
