@@ -22,6 +22,7 @@ told of every step and graph capture with host timings (how the benchmarks time 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -31,7 +32,7 @@ from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
-from quantmla.serving import fused_rope, mlp, norms
+from quantmla.serving import fused_rope, latent_range, mlp, norms
 from quantmla.serving.backends import AttentionBackend, AttnMeta, TorchPagedBackend
 from quantmla.serving.config import GRAPH_UNITS, EngineConfig, JobStats
 from quantmla.serving.eager_step import eager_inputs
@@ -139,9 +140,16 @@ class Engine:
                 self.rope_offsets[s_] = c.to(self.device)
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
+        # content scales the tokens-as-M kernel's fp16 P·scale cannot hold: its decode kernels left out
+        wide = latent_range.wide_layers(mla_modules(model), self.formats)
+        decode_config = config.decode_config or (latent_range.without_tokens_m if wide else None)
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
-                                    decode_config=config.decode_config, stage_rows=stage_rows,
+                                    decode_config=decode_config, stage_rows=stage_rows,
                                     graph_units=config.graph_units)
+        if wide and config.decode_config is None and self.backend.name == "triton":
+            warnings.warn(f"the latent norms of layers {sorted(wide)} allow content-group scales up to "
+                          f"{max(wide.values()):.4g} (the tokens-as-M decode kernel reads them right below "
+                          f"{latent_range.TM_MAX_CONTENT_SCALE:g}): this engine decodes on the built-tile kernel")
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, torch.nn.Module] = {}  # layer -> its MLA module, patched

@@ -25,8 +25,9 @@ from quantmla.kernels.cuda.plan import (  # noqa: F401
     _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, is_fp8, mode, partial_kind,
     plan_reason)
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
-    FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS, TM_TWO_BLOCKS_MIN_TOKENS, TM_WARPS,
-    TM_WS_MIN_TOKENS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_plan, tokens_m_reason)
+    FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_CONTENT_SCALE, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS,
+    TM_TWO_BLOCKS_MIN_TOKENS, TM_WARPS, TM_WS_MIN_TOKENS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_plan,
+    tokens_m_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
     WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_plan, warpgroup_reason)
 
