@@ -43,7 +43,7 @@ def test_content_scale_bound_holds_for_any_tokens_and_is_reached(kind, name):
     (symmetric, FP8) reaches it, for an RMSNorm (bound exact) and a LayerNorm with a bias (bias terms added)."""
     g = torch.Generator().manual_seed(7)
     norm, fmt = _norm(kind, g), FORMATS[name]
-    bound = latent_range.content_scale_bound(norm, fmt)
+    bound = latent_range.content_scale_bound(norm, fmt, D)
     x = torch.cat([torch.randn(2000, D, generator=g) * torch.rand(2000, 1, generator=g) * 50,
                    torch.randn(200, D, generator=g).pow(5)])  # heavy tails: a few channels hold the energy
     assert float(_scales(norm, x, fmt).max()) <= bound * (1 + 1e-6)
@@ -65,75 +65,150 @@ def test_content_scale_bound_holds_for_any_tokens_and_is_reached(kind, name):
     assert best == pytest.approx(bound, rel=1e-5)
 
 
+def test_rounding_slack_covers_a_bf16_norm_and_fp16_metadata():
+    """A bf16 model's norm (HF's: the normed latent rounded to bf16, then times γ in bf16) and fp16 metadata lift a
+    stored scale above the exact bound, by less than ROUNDING_SLACK: weights of 88.5 and 144 in a group of 128 at
+    d_c 512 (INT4) bound the scale at 254.97 and store 256 for the extreme latent, inside 254.97·(1 + 2^-6); the
+    layer is flagged (the kernel's own limit is 255.875)."""
+    from quantmla.kernels.cuda.tokens_m import TM_MAX_CONTENT_SCALE
+
+    class HFNorm(torch.nn.Module):  # transformers' DeepseekV3RMSNorm arithmetic
+        def __init__(self, w):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w)
+
+        def forward(self, x):
+            v = x.float()
+            v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * v.to(x.dtype)
+
+    fmt, d_c = PathFormat(4, 128), 512
+    g = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for trial in range(40):
+        w = (torch.rand(d_c, generator=g) * 4 + 1).bfloat16()
+        if trial == 0:
+            w[0], w[1] = 88.5, 144.0
+        else:
+            w[:128] = (torch.rand(128, generator=g) * 150).bfloat16()
+        norm = HFNorm(w)
+        bound = latent_range.content_scale_bound(norm, fmt, d_c)
+        a, b = w[:128].float().abs().topk(2).indices.tolist()
+        for jitter in torch.linspace(0.97, 1.03, 13):
+            x = torch.zeros(1, d_c)
+            x[0, a], x[0, b] = float(w[a]) * float(jitter), -float(w[b])
+            with torch.no_grad():
+                c = norm(x.bfloat16())
+            stored = float(group_scales(grouped(c, fmt), fmt)[0][0, 0])
+            worst = max(worst, stored / bound)
+            assert stored <= bound * (1 + latent_range.ROUNDING_SLACK)
+        if trial == 0:
+            assert bound < 255 and bound * (1 + latent_range.ROUNDING_SLACK) >= TM_MAX_CONTENT_SCALE
+    assert worst > 1.0  # rounding does lift some stored scales past the exact bound
+
+
 def test_bound_is_none_where_no_scale_a_token_is_stored():
     norm = torch.nn.RMSNorm(D)
-    assert latent_range.content_scale_bound(norm, BF16) is None
-    assert latent_range.content_scale_bound(norm, PathFormat(4, 32, grouping="page")) is None
-    assert latent_range.content_scale_bound(torch.nn.RMSNorm(D, elementwise_affine=False), FORMATS["int4"]) is None
+    assert latent_range.content_scale_bound(norm, BF16, D) is None
+    assert latent_range.content_scale_bound(norm, PathFormat(4, 32, grouping="page"), D) is None
+    assert latent_range.content_scale_bound(norm, FORMATS["int4"], 2 * D) is None  # not the latent's width
+    assert latent_range.content_scale_bound(torch.nn.RMSNorm(D, elementwise_affine=False), FORMATS["int4"], D) is None
+    assert latent_range.content_scale_bound(norm, FORMATS["int4"], D, latent_scale=3.0) == pytest.approx(
+        3 * latent_range.content_scale_bound(norm, FORMATS["int4"], D))
 
 
-def test_wide_layers_are_those_past_the_tokens_m_kernels_scale():
+def test_wide_layers_are_those_past_the_tokens_m_kernels_scale(monkeypatch):
     """A tiny DeepSeek-V3 whose layer-1 latent norm weighs w: INT4 groups of 32 over d_c channels reach a scale of
-    sqrt(d_c)·sqrt(2)·w / 15, named from the kernel's 255 on; INT2's /3 reaches it five times sooner; BF16 layers
-    never."""
+    sqrt(d_c)·sqrt(2)·w / 15, named from the kernel's limit on (rounding slack included); INT2's /3 reaches it five
+    times sooner; a latent scale multiplies the bound; layouts the tokens-as-M kernel does not read (BF16 here, and
+    every layout where tokens_m_reason gives a reason) are never named."""
+    from quantmla.kernels.cuda import tokens_m
+    from quantmla.kernels.cuda.tokens_m import TM_MAX_CONTENT_SCALE
     from quantmla.model.spec import mla_modules
     from quantmla.model.tiny import tiny_model
 
     model = tiny_model("deepseek_v3")
     mods = mla_modules(model)
     d_c = mods[1].kv_a_layernorm.weight.numel()
-    int4 = {s: CacheFormat(PathFormat(4, 32), PathFormat(4, 16)) for s in mods}
-    int2 = {s: CacheFormat(PathFormat(2, 32), PathFormat(4, 16)) for s in mods}
-    edge = 255.0 * 15 / (math.sqrt(d_c) * math.sqrt(2))  # INT4's w at the kernel's bound
+
+    def lays(content):
+        return {s: PageLayout(TokenLayout(d_c, 16, CacheFormat(content, PathFormat(4, 16))), 16) for s in mods}
+
+    int4, int2 = lays(PathFormat(4, 32)), lays(PathFormat(2, 32))
+    bf16 = {s: PageLayout(TokenLayout(d_c, 16, CacheFormat(BF16, BF16)), 16) for s in mods}
+    reads = lambda lay, rows: None if lay.token.fmt.content.quantized else "BF16"  # noqa: E731  (tiny d_c)
+    monkeypatch.setattr(tokens_m, "tokens_m_reason", reads)
+    edge = TM_MAX_CONTENT_SCALE / (1 + latent_range.ROUNDING_SLACK) * 15 / (math.sqrt(d_c) * math.sqrt(2))
     with torch.no_grad():
         mods[1].kv_a_layernorm.weight.fill_(edge * 0.99)
-        assert latent_range.wide_layers(mods, int4) == {}
-        assert set(latent_range.wide_layers(mods, int2)) == {1}
+        assert latent_range.wide_layers(mods, int4, 16) == {}
+        assert set(latent_range.wide_layers(mods, int2, 16)) == {1}
+        assert set(latent_range.wide_layers(mods, int4, 16, latent_scale=1.02)) == {1}
         mods[1].kv_a_layernorm.weight.fill_(edge * 1.01)
-        wide = latent_range.wide_layers(mods, int4)
-        assert set(wide) == {1} and wide[1] == pytest.approx(255.0 * 1.01, rel=1e-4)
-        assert latent_range.wide_layers(mods, {s: CacheFormat(BF16, BF16) for s in mods}) == {}
+        wide = latent_range.wide_layers(mods, int4, 16)
+        assert set(wide) == {1} and wide[1] == pytest.approx(edge * 1.01 * math.sqrt(2 * d_c) / 15, rel=1e-4)
+        assert latent_range.wide_layers(mods, bf16, 16) == {}
+        monkeypatch.setattr(tokens_m, "tokens_m_reason", lambda lay, rows: "not read")
+        assert latent_range.wide_layers(mods, int4, 16) == {}
 
 
 def test_default_config_leaves_the_tokens_m_kernel_out_when_asked(monkeypatch):
-    """default_config(tokens_m=False) asks the CUDA config for the built tile only; by default it lets the
-    tokens-as-M kernel be chosen (the CUDA device mocked: only the argument is checked here)."""
+    """default_config(allow_tokens_m=False) asks the CUDA config for the built tile only, and that config never plans
+    the tokens-as-M kernel; by default it may (the CUDA device, nvcc and the builds mocked: only the plans asked for
+    are checked here). keep_off_tokens_m gives that config for its layouts and None (the default) for others."""
     from quantmla.kernels import cuda, schedule
+    from quantmla.kernels.cuda import build
 
-    asked = []
+    planned = []
     monkeypatch.setattr(schedule, "interpreting", lambda: False)
     monkeypatch.setattr(cuda, "warpgroup_reason", lambda layout, rows: "not at 16 rows")
-    monkeypatch.setattr(schedule, "cuda_config", lambda rows, layout, device, **kw: asked.append(kw.get("tokens_m"))
-                        or schedule.DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, kernel="cuda"))
-    lay = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
-    schedule.default_config(16, lay, "cuda")
-    schedule.default_config(16, lay, "cuda", tokens_m=False)
-    assert latent_range.without_tokens_m(16, lay, "cuda").kernel == "cuda"
-    assert asked == [None, False, False]
+    monkeypatch.setattr(build, "nvcc", lambda: "/usr/bin/true")
+    monkeypatch.setattr(cuda, "decode_plan", lambda *a, tokens_m=None, **kw: planned.append(bool(tokens_m)))
+    int4 = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    bf16 = PageLayout(TokenLayout(512, 64, CacheFormat(BF16, BF16)), 64)
+    schedule.default_config(16, int4, "cuda")
+    assert planned == [True, False]  # the tokens-as-M kernel first, the built tile after it
+    planned.clear()
+    schedule.default_config(16, int4, "cuda", allow_tokens_m=False)
+    assert planned == [False]
+    planned.clear()
+    keep = latent_range.keep_off_tokens_m({int4})
+    keep(16, int4, "cuda")
+    assert planned == [False] and keep(16, bf16, "cuda") is None and planned == [False]
 
 
-def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3):
-    """An engine over a model whose latent norm allows content scales past 255 takes its decode configs from
-    without_tokens_m and says so; a decode_config given in the EngineConfig is kept; the torch backend, which has no
-    such kernel, says nothing."""
+def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3, monkeypatch):
+    """An engine over a model whose layer-0 latent norm allows content scales past the kernel's takes its decode
+    configs from keep_off_tokens_m for that layer's layout, and says so; with a decode_config of its own it keeps it
+    and says it must keep them off; the torch backend, which has no such kernel, and a model within the bound say
+    nothing (tokens_m_reason mocked: the tiny model's d_c is not the kernel's)."""
+    import warnings
+
+    from quantmla.kernels.cuda import tokens_m
     from quantmla.model.spec import mla_modules
     from quantmla.serving.engine import Engine, EngineConfig
 
+    monkeypatch.setattr(tokens_m, "tokens_m_reason", lambda lay, rows: None)
     int2 = QuantCacheConfig.of_bits(2, 4, 32, 16)
     norm = mla_modules(v3)[0].kv_a_layernorm
     saved = norm.weight.detach().clone()
+    cfg = {"quant": int2, "num_pages": 8, "backend": "triton", "cuda_graphs": False}
     try:
         with torch.no_grad():
             norm.weight.fill_(500.0)
-        cfg = {"quant": int2, "num_pages": 8, "backend": "triton", "cuda_graphs": False}
-        with pytest.warns(UserWarning, match=r"layers \[0\].*built-tile kernel"):
+        with pytest.warns(UserWarning, match=r"layers \[0\].*decode on the other kernels"):
             eng = Engine(v3, EngineConfig(**cfg))
-        assert eng.backend.decode_config is latent_range.without_tokens_m
-        mine = lambda rows, layout, device: latent_range.without_tokens_m(rows, layout, device)  # noqa: E731
-        assert Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config is mine
-        with torch.no_grad():
-            norm.weight.copy_(saved)
-        assert Engine(v3, EngineConfig(**cfg)).backend.decode_config is None
+        keep = eng.backend.decode_config
+        assert keep.wide == {eng.backend.layouts[0]}
+        mine = lambda rows, layout, device: None  # noqa: E731
+        with pytest.warns(UserWarning, match="decode_config must keep them off it"):
+            assert Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config is mine
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Engine(v3, EngineConfig(**{**cfg, "backend": "torch"}))
+            with torch.no_grad():
+                norm.weight.copy_(saved)
+            assert Engine(v3, EngineConfig(**cfg)).backend.decode_config is None
     finally:
         with torch.no_grad():
             norm.weight.copy_(saved)

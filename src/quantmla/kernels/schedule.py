@@ -88,9 +88,9 @@ class DecodeConfig:
 
 
 def default_config(rows: int, layout: PageLayout | None = None, device: torch.device | str | None = None,
-                   tokens_m: bool = True) -> DecodeConfig:
-    """A config for `rows` = heads × query tokens per sequence; `tokens_m=False` keeps the tokens-as-M kernel out of
-    the choice (the built tile where it would have run)."""
+                   allow_tokens_m: bool = True) -> DecodeConfig:
+    """A config for `rows` = heads × query tokens per sequence; `allow_tokens_m=False` keeps the tokens-as-M kernel
+    out of the choice (the built tile where it would have run)."""
     bm = 16 if rows <= 16 else 32
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
@@ -106,7 +106,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
             # 407 (decode_vs_peer_128h_h200.json at 9257a95 and 5d09173)
             cfg = cuda_config(rows, layout, device, warpgroup=True)
         if cfg is None and cuda.chosen(layout, rows):
-            cfg = cuda_config(rows, layout, device, tokens_m=None if tokens_m else False)
+            cfg = cuda_config(rows, layout, device, tokens_m=None if allow_tokens_m else False)
         if cfg is not None:
             return cfg
     quant = layout is not None and layout.token.fmt.content.quantized

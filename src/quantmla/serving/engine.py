@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
-from quantmla.cache.layout import CacheFormat
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
@@ -140,16 +140,20 @@ class Engine:
                 self.rope_offsets[s_] = c.to(self.device)
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
-        # content scales the tokens-as-M kernel's fp16 P·scale cannot hold: its decode kernels left out
-        wide = latent_range.wide_layers(mla_modules(model), self.formats)
-        decode_config = config.decode_config or (latent_range.without_tokens_m if wide else None)
+        # content scales the tokens-as-M kernel's fp16 P·scale cannot hold: those layouts decode off it
+        layouts = {s_: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), config.page_size) for s_, f in self.formats.items()}
+        wide = latent_range.wide_layers(mla_modules(model), layouts, spec.num_heads, spec.latent_scale)
+        decode_config = config.decode_config
+        if wide and decode_config is None:
+            decode_config = latent_range.keep_off_tokens_m({layouts[s_] for s_ in wide})
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
                                     decode_config=decode_config, stage_rows=stage_rows,
                                     graph_units=config.graph_units)
-        if wide and config.decode_config is None and self.backend.name == "triton":
+        if wide and self.backend.name == "triton":
             warnings.warn(f"the latent norms of layers {sorted(wide)} allow content-group scales up to "
-                          f"{max(wide.values()):.4g} (the tokens-as-M decode kernel reads them right below "
-                          f"{latent_range.TM_MAX_CONTENT_SCALE:g}): this engine decodes on the built-tile kernel")
+                          f"{max(wide.values()):.4g}, past what the tokens-as-M decode kernel reads right (255.875): "
+                          + ("their cache layouts decode on the other kernels" if config.decode_config is None else
+                             "EngineConfig.decode_config must keep them off it (latent_range.keep_off_tokens_m)"))
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, torch.nn.Module] = {}  # layer -> its MLA module, patched

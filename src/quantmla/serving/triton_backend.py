@@ -97,7 +97,7 @@ class StaticDecodePlan:
 
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
-    `max_len` tokens: the backend's ``decode_config``, else the API's default for the units that bucket cuts a
+    `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that bucket cuts a
     `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer codes over short
     units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the bucket's b·S CTAs fit one an
     SM, as an eager call's
@@ -106,8 +106,8 @@ def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     from quantmla.kernels import schedule
 
     H, dev = backend.spec.num_heads, backend.device
-    if backend.decode_config is not None:
-        return backend.decode_config(H, layout, dev)
+    if backend.decode_config is not None and (cfg := backend.decode_config(H, layout, dev)) is not None:
+        return cfg
     cfg = _kernels().default_config(H, layout, dev)
     sms = schedule.num_sms_of(dev)
     S, chunk, _ = bucket_splits(cfg, H, b, max_len, sms)

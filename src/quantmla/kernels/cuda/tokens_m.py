@@ -12,10 +12,11 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
-TM_MAX_CONTENT_SCALE = 255.0
-"""The largest content-group scale the kernel reads right: the output products take P·scale as an fp16 operand, with
-P up to 2^8 (the slack of the rows' reference maximum), so a scale of 256 or more can overflow fp16 (65504) into NaN.
-The serving engine keeps a model whose latent norm allows larger scales off this kernel (serving/latent_range.py)."""
+TM_MAX_CONTENT_SCALE = 65504.0 / 256
+"""The largest content-group scale the kernel reads right (255.875): the output products take P·scale as an fp16
+operand, with P up to 2^8 (the slack of the rows' reference maximum), so a larger scale can overflow fp16's 65504 into
+NaN. The serving engine keeps a layout whose latents' norm allows larger scales off this kernel
+(serving/latent_range.py)."""
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 TM_WS_MIN_TOKENS = 384
