@@ -5,9 +5,9 @@ A cached latent is ``s · (γ · x / sqrt(mean(x²) + eps) (+ β))`` over its d_
 RMSNorm in every MLA family (calibrated transforms fold into γ), times the model's ``latent_scale`` s (1, or
 LongCat-Flash's sqrt(hidden / d_c)). Its unit-norm direction ``u = x / ||x||`` puts every channel at
 ``|c_i / s - β_i| <= sqrt(d_c)·|γ_i|·|u_i|``, so by Cauchy-Schwarz a group's range ``max c - min c`` is at most
-``s·(sqrt(d_c)·sqrt(γ_a² + γ_b²) + |β_a| + |β_b|)`` over its two largest ``|γ|`` and ``|β|``, and its largest ``|c|``
-at most ``s·(sqrt(d_c)·max|γ| + max|β|)``: bounds, in exact arithmetic, on the scale a group of each format stores
-whatever the tokens. The model's dtype (the normed latent and its product with γ each rounded to bf16) and fp16
+``s·(sqrt(d_c)·sqrt(γ_a² + γ_b²) + |β_a| + |β_b|)`` over its two largest ``|γ|`` and ``|β|``, and its largest
+``|c|`` at most ``s·(sqrt(d_c)·max|γ| + max|β|)``: bounds, in exact arithmetic, on the scale a group of each format
+stores whatever the tokens. The model's dtype (the normed latent and its product with γ each rounded to bf16) and fp16
 metadata (the zero point and the scale rounded) can lift a stored scale by up to about 1 %: ``ROUNDING_SLACK``.
 """
 

@@ -97,12 +97,11 @@ class StaticDecodePlan:
 
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
-    `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that bucket cuts a
-    `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer codes over short
-    units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the bucket's b·S CTAs fit one an
-    SM, as an eager call's
-    ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that choice for shorter real rows, whose
-    units are shorter)."""
+    `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that
+    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer
+    codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the bucket's b·S
+    CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that
+    choice for shorter real rows, whose units are shorter)."""
     from quantmla.kernels import schedule
 
     H, dev = backend.spec.num_heads, backend.device
