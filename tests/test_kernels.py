@@ -529,7 +529,7 @@ def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_pat
 
     from quantmla.cli import main
 
-    monkeypatch.delenv("QUANTMLA_PARTIALS", raising=False)
+    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp32")  # recorded in the header (the runs take fp32 partials)
     out = tmp_path / "k.json"
     argv = ["bench-kernel", "--smoke", "--heads", "16", "--shapes", "1x40", "--methods", "bf16,fp8,int4/int4",
             "--no-sweep", "--warmup-ms", "1", "--rep-ms", "1", "--out", str(out)]
@@ -538,6 +538,6 @@ def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_pat
     rows = {r["method"]: r for r in res["rows"]}
     assert set(rows) == {"bf16", "fp8", "int4/int4"}
     assert rows["fp8"]["bytes_read"] < rows["bf16"]["bytes_read"] and rows["bf16"]["speedup_vs_bf16"] == 1.0
-    assert all(c["ok"] for c in res["checks"]) and "goals" in res and "commit" in res and res["partials"] == "fp16"
+    assert all(c["ok"] for c in res["checks"]) and "goals" in res and "commit" in res and res["partials"] == "fp32"
     assert out.with_suffix(".png").stat().st_size > 0
     assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err

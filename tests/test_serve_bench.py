@@ -86,7 +86,7 @@ def test_check_only_result_carries_device_date_and_command(tmp_path):
 def test_serve_bench_command_at_toy_size(tmp_path, monkeypatch):
     from quantmla.cli import main
 
-    monkeypatch.delenv("QUANTMLA_PARTIALS", raising=False)
+    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp32")  # recorded in the header
 
     out = tmp_path / "serving.json"
     rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",
@@ -96,7 +96,7 @@ def test_serve_bench_command_at_toy_size(tmp_path, monkeypatch):
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"device", "date", "command", "settings", "runs", "summary"} <= set(res)
-    assert res["partials"] == "fp16"  # the split partials' setting (QUANTMLA_PARTIALS), recorded beside the commit
+    assert res["partials"] == "fp32"  # the split partials' setting (QUANTMLA_PARTIALS), recorded beside the commit
     assert len(res["runs"]) == 12
     assert res["summary"]["runs_per_method"] == {m: {"2e-05": 2, "0.0001": 2} for m in ("bf16", "int4/int4", "int2/int4")}
     assert [(r["budget_gib"], r["repeat"], r["method"]) for r in res["runs"][:4]] == [

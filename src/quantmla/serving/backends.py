@@ -98,14 +98,20 @@ class AttentionBackend:
         self.spec, self.page_size = spec, page_size
         self.device, self.dtype = torch.device(device), dtype
         self.num_pages = num_pages  # usable pages; the pool has one more (page 0, the null page)
-        self.layouts = {s: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size) for s, f in formats.items()}
+        self.layouts = self.page_layouts(spec, formats, page_size)
         self.pool = PagePool(self.layouts, num_pages, device=self.device, null_page=True)
         sd = stage_dtype(dtype)
         self.rope_stage = {s: torch.zeros(stage_rows, page_size, spec.d_r, dtype=sd, device=self.device) for s in per_page}
 
     @staticmethod
+    def page_layouts(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int) -> dict[int, PageLayout]:
+        """Cache slot -> the page layout its format gives at the model's d_c and d_r: the pool's, the kernels' and
+        the engine's one source."""
+        return {s: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size) for s, f in formats.items()}
+
+    @staticmethod
     def bytes_per_page(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int) -> int:
-        return sum(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size).page_bytes for f in formats.values())
+        return sum(lay.page_bytes for lay in AttentionBackend.page_layouts(spec, formats, page_size).values())
 
     @staticmethod
     def stage_bytes(spec: MLASpec, formats: dict[int, CacheFormat], page_size: int, stage_rows: int,

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from quantmla.cache.config import QuantCacheConfig, centre_rope_keys, reconcile
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.layout import CacheFormat
 from quantmla.errors import QuantMLAError
 from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
@@ -141,8 +141,7 @@ class Engine:
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
         # content scales the tokens-as-M kernel's fp16 P·scale cannot hold: those layouts decode off it
-        layouts = {s_: PageLayout(TokenLayout(spec.d_c, spec.d_r, f), config.page_size)
-                   for s_, f in self.formats.items()}
+        layouts = AttentionBackend.page_layouts(spec, self.formats, config.page_size)
         wide = latent_range.wide_layers(mla_modules(model), layouts, spec.num_heads, spec.latent_scale)
         decode_config = config.decode_config
         if wide and decode_config is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.layout import CacheFormat, PageLayout
 from quantmla.errors import UnsupportedFormatError
 from quantmla.serving.backends import AttentionBackend, AttnMeta
 
@@ -42,8 +42,8 @@ def triton_available(device: torch.device, spec, formats: dict[int, CacheFormat]
     except ImportError:
         return False, "triton is not installed"
     try:
-        for f in formats.values():
-            api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
+        for lay in AttentionBackend.page_layouts(spec, formats, page_size).values():
+            api.check_layout_supported(lay)
     except UnsupportedFormatError as e:
         return False, str(e)
     return True, ""
@@ -176,8 +176,8 @@ class TritonPagedBackend(AttentionBackend):
         layout, device)`` is (None: that default); graph_units: how CUDA-graph buckets deal their work units out,
         "length" or "rows" (:class:`StaticDecodePlan`)."""
         api = _kernels()
-        for slot, f in formats.items():
-            api.check_layout_supported(PageLayout(TokenLayout(spec.d_c, spec.d_r, f), page_size))
+        for lay in AttentionBackend.page_layouts(spec, formats, page_size).values():
+            api.check_layout_supported(lay)
         super().__init__(spec, formats, num_pages, page_size, device, dtype, stage_rows)
         # decode schedules differ by layout (block sizes); one per distinct layout
         self.kinds: dict[tuple, PageLayout] = {}
