@@ -50,6 +50,9 @@
 #                                                      kernels/partials_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
+# peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
+#                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format
+#                                                                           -> kernels/decode_vs_peer_h200.json (+ .png)
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -242,6 +245,12 @@ partials() {
     -p no:cacheprovider $xdist -k "fp16_partials or many_splits or tokens_m_splits or warpgroup_splits or lowbit_splits or error_within or full_shape" 2>&1 \
     | tail -8 \
     | tee "$OUT/kernels/partials_gpu_tests_h200.log"
+}
+
+peer() {
+  timeout 300 python3 -m quantmla.cli bench-kernel --no-sweep \
+    --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \
+    --out "$OUT/kernels/decode_vs_peer_h200.json" 2>&1 | grep -v -i warn | tail -40
 }
 
 combine() {
