@@ -124,6 +124,13 @@ __device__ __forceinline__ void set_max_regs() {
   if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+// SCORES_REFILL (with WS): thread 0, of the scores' warps, refills a stage as soon as it has waited for the output warps
+// to empty the P buffer of that stage's tile (every warp is then past the stage); 0: the output warps meet on a barrier
+// after each tile and their first thread refills it
+#ifndef SCORES_REFILL
+#define SCORES_REFILL 0
+#endif
+static_assert(!SCORES_REFILL || WS, "the scores' warps refill the stages only where the warps are apart");
 static_assert(!WS || ONE_BARRIER, "with WS, P·scale is double-buffered");
 static_assert(!WS || !PHASES, "the phases are thread 0's, one warp of the scores");
 #ifndef TPW
@@ -248,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       issue_stage(smem + SM_RAW + s * RAW_BYTES, sBar + s, pages, pg, start + s * BN);
     });
   }
-  if (WS && tid == NTR) pg_next = page_of(STAGES);
+  if (WS && !SCORES_REFILL && tid == NTR) pg_next = page_of(STAGES);
   mark(tl, 2);
   if (scoring) write_query_rows(qv, qrv, sQ, sQsum, sQf, qk_scale_log2, warp, lane);
   if constexpr (S8_QK) fence_proxy_async();  // the s8 query block, visible to the warpgroup MMAs
@@ -337,6 +344,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
       if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
       if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
+      if (SCORES_REFILL && tid == 0 && it >= NPBUF) {  // every warp is past tile it - NPBUF: its stage takes the next
+        const int nxt = it - NPBUF + STAGES;
+        if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                      start + nxt * BN);
+        pg_next = page_of(nxt + 1);
+      }
       float* sA = reinterpret_cast<float*>(smem + SM_A) + buf * (BM + 4);
       if (warp == 0 && g == 0 && moved) {
 #pragma unroll
@@ -366,6 +379,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         tile_output(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + buf * P_ELEMS, oacc, warp - NWR, g, t, lane,
                     min(BN, end - n0));
       if (it + NPBUF < ntiles) bar_arrive(BAR_EMPTY + buf, NT);  // (the scores' warps wait only for those)
+      if constexpr (SCORES_REFILL) continue;
       bar_sync(BAR_OUTPUT, NTR);
       if (tid == NTR) {
         const int nxt = it + STAGES;
