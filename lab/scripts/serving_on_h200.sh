@@ -24,6 +24,7 @@
 # long-partials   the tight long job's FP8 and INT4/INT4 with fp16 partials (the default; QUANTMLA_PARTIALS=fp16 set
 #                 all the same), then INT4/INT4 with fp32 partials (QUANTMLA_PARTIALS=fp32), one process each
 #                                                        -> serving/long_1.26gib_partials_{fp16,fp32}_h200.json
+# long-fp8-int4   the tight long job's FP8 and INT4/INT4 at the defaults, one process  -> serving/long_1.26gib_fp8_int4_h200.json
 # long            the long job at the budget where BF16 holds about 8 requests: BF16, FP8, INT4/INT4, INT2/INT4, and
 #                 INT4/INT4 and INT2/INT4 with RoPE keys per channel per page  -> serving/long_5.04gib_h200.json
 # longest         the longest job likewise (BF16, FP8, INT4/INT4, INT2/INT4)  -> serving/longest_14.95gib_h200.json
@@ -161,7 +162,12 @@ jobs() {
   done
 }
 
-tight-long() {
+tight-long-fp8-int4() {
+  timeout 300 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
+    --out "$OUT/serving/long_1.26gib_fp8_int4_h200.json" 2>&1 | quiet 8
+}
+
+long() {
   timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --out "$OUT/serving/long_1.26gib_h200.json" 2>&1 | quiet 8
 }
