@@ -53,9 +53,9 @@
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
 #                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format
 #                                                                           -> kernels/decode_vs_peer_h200.json (+ .png)
-# scores-refill   the tokens-as-M kernel with the warps apart, its stages refilled by the scores' warps (SCORES_REFILL=1,
-#                 the default) beside the output warps' refill (SCORES_REFILL=0): the tokens-as-M GPU tests, then both
-#                 builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
+# scores-refill   the tokens-as-M kernel with the warps apart, its stages refilled by the output warps (the default)
+#                 beside the scores' warps' refill after (SCORES_REFILL=1) or before (2) a tile's scores: the
+#                 tokens-as-M GPU tests (of the default build), then the three builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
 #                                                          kernels/decode_tokens_m_scores_refill_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
@@ -264,7 +264,7 @@ scores-refill() {
   timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
     -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCORES_REFILL=0 \
+    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCORES_REFILL=1 SCORES_REFILL=2 \
     --out "$OUT/kernels/decode_tokens_m_scores_refill_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 

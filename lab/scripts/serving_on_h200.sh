@@ -162,7 +162,7 @@ jobs() {
   done
 }
 
-tight-long-fp8-int4() {
+long-fp8-int4() {
   timeout 300 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods fp8 int4/int4 "${GRP[@]}" \
     --out "$OUT/serving/long_1.26gib_fp8_int4_h200.json" 2>&1 | quiet 8
 }

@@ -125,8 +125,8 @@ __device__ __forceinline__ void set_max_regs() {
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 // SCORES_REFILL (with WS): thread 0, of the scores' warps, refills a stage as soon as it has waited for the output warps
-// to empty the P buffer of that stage's tile (every warp is then past the stage); 0: the output warps meet on a barrier
-// after each tile and their first thread refills it
+// to empty the P buffer of that stage's tile (every warp is then past the stage): after a tile's scores (1) or before
+// them (2); 0: the output warps meet on a barrier after each tile and their first thread refills it
 #ifndef SCORES_REFILL
 #define SCORES_REFILL 0
 #endif
@@ -337,19 +337,26 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const int n0 = start + it * BN, valid = min(BN, end - n0), buf = it & 1;
       uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       float sc[TPW][NB_OWN][4], alpha[4];
+      // the output warps are past tile it - NPBUF (its P buffer is empty): with SCORES_REFILL its stage takes the tile
+      // STAGES on, waited for before this tile's scores (2) or after them (1)
+      auto empty_and_refill = [&]() {
+        if (it < NPBUF) return;
+        bar_sync(BAR_EMPTY + buf, NT);
+        if (SCORES_REFILL && tid == 0) {
+          const int nxt = it - NPBUF + STAGES;
+          if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
+                                        start + nxt * BN);
+          pg_next = page_of(nxt + 1);
+        }
+      };
+      if (SCORES_REFILL == 2) empty_and_refill();
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
       if (valid < BN) zero_past_end(st, valid, tid);
       own_scores(st, sc, valid, n0);
       const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
       if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
-      if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
-      if (SCORES_REFILL && tid == 0 && it >= NPBUF) {  // every warp is past tile it - NPBUF: its stage takes the next
-        const int nxt = it - NPBUF + STAGES;
-        if (nxt < ntiles) issue_stage(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, sBar + nxt % STAGES, pages, pg_next,
-                                      start + nxt * BN);
-        pg_next = page_of(nxt + 1);
-      }
+      if (SCORES_REFILL != 2) empty_and_refill();
       float* sA = reinterpret_cast<float*>(smem + SM_A) + buf * (BM + 4);
       if (warp == 0 && g == 0 && moved) {
 #pragma unroll

@@ -163,8 +163,7 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp
     if specialized:  # two CTAs an SM: 128 registers a thread, the scores' warps take 152 of the output's
-        # the scores' warps refill the stages (the S8_QK build has no registers to spare for it: it would spill)
-        macros.update(WS=1, SCORES_REFILL=int(not s8_scores), **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
+        macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
     if is_fp8(layout):
         macros["C_FP8"] = 1
     if s8_scores:
