@@ -35,6 +35,11 @@ def test_warps_apart_are_the_default_for_integer_codes(name):
     assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
     _, four = plan(name, specialized=False)
     assert dict(four.macros)["NW"] == 4 and "WS" not in dict(four.macros) and four.stages == p.stages
+    # the scores' warps refill the stages where more than three fit (INT2/INT4's six), else the output warps
+    assert m.get("SCORES_REFILL", 0) == (2 if p.stages > cuda.TM_MIN_STAGES else 0) and p.stages == {"int4/int4": 3,
+                                                                                                   "int2/int4": 6}[name]
+    _, s8 = plan(name, specialized=True, s8_scores=True)
+    assert "SCORES_REFILL" not in dict(s8.macros)
 
 
 def test_warps_apart_where_they_do_not_fit_or_read():
@@ -103,8 +108,9 @@ def test_s8_scores_build_for_sm90(name, spills, tmp_path, monkeypatch):
     from quantmla_lab.bench.kernels.sass_count import cuobjdump
 
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-    _, p = plan(name, specialized=True)
-    macros = tuple(sorted({**dict(p.macros), "S8_QK": 1}.items()))
+    _, p = plan(name, specialized=True, s8_scores=True)
+    macros = p.macros
+    assert dict(macros)["S8_QK"] == 1
     out = tmp_path / "s8.cubin"
     r = subprocess.run([build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                         "-Xptxas", "-v", *[f"-D{k}={v}" for k, v in macros], "-o", str(out), str(build.SOURCE_TM)],
