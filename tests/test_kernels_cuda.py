@@ -238,6 +238,29 @@ def test_tokens_m_plan_for_fp8():
     assert bad is None and "FP8 with two token blocks" in cuda.plan_reason[lay]
 
 
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,sections", [("int4/int4", 4), ("int2/int4", 4), ("fp8", 3)])
+def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, tmp_path, monkeypatch):
+    """Pages of 64 tokens are one tile whose sections lie where a stage's do, so each stage is one bulk copy of the
+    page; pages of 128 tokens take a copy a section, and so does the 64-token build with WHOLE_PAGE=0 (same plan)."""
+    import subprocess
+
+    from quantmla_lab.bench.kernels.sass_count import cuobjdump
+
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+
+    def copies(macros) -> int:
+        sass = subprocess.run([cuobjdump(), "-sass", str(build.compile_cubin(macros, "sm_90a"))], capture_output=True,
+                              text=True, check=True).stdout
+        return sass.count("UBLKCP.S.G")
+
+    _, p64 = plan(name, tokens_m=True)
+    _, p128 = plan(name, tokens_m=True, page=128)
+    one, each = copies(p64.macros), copies(p128.macros)
+    assert one > 0 and each == sections * one, (one, each)
+    assert copies(tuple(sorted({**dict(p64.macros), "WHOLE_PAGE": 0}.items()))) == each
+
+
 @pytest.mark.parametrize("fmt,rows,d_c,why", [
     ("int4/int4", 32, 512, "at most 16"),
     ("bf16", 16, 512, "2- or 4-bit affine"),

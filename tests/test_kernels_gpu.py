@@ -156,6 +156,16 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
     assert tm_variant(warps) in md.variant, md.variant
 
 
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8"])
+@pytest.mark.parametrize("page", [64, 128, 256])
+def test_decode_cuda_tokens_m_page_sizes(name, page):
+    """Pages of one tile (a stage is one bulk copy of the page) and of two and four (four copies a stage, one a
+    section, from any quarter or half of a page) against the same oracle, with the default plan for 16 rows."""
+    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=page + len(name), page=page)
+    md = check_decode(lay, pages, bt, sl, 16, 1, seed=page, config=tokens_m_config(lay, 16))
+    assert md.variant.startswith("cuda/f16/tm/"), md.variant
+
+
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
 def test_decode_cuda_tokens_m_fp8(H, SQ):
     """FP8 (fp8_ds_mla) on the tokens-as-M kernel (e4m3 widened to fp16 in the products' operands, the RoPE key on

@@ -57,6 +57,10 @@
 #                 beside the scores' warps' refill after (SCORES_REFILL=1) or before (2) a tile's scores: the
 #                 tokens-as-M GPU tests (of the default build), then the three builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
 #                                                          kernels/decode_tokens_m_scores_refill_h200.json
+# whole-page      the tokens-as-M kernel with a stage as one bulk copy of a 64-token page (the default) beside four copies
+#                 a stage (WHOLE_PAGE=0): the tokens-as-M GPU tests (pages of 64, 128 and 256 tokens among them), the
+#                 latent-range test, then both builds' decode calls, INT4/INT4, INT2/INT4 and FP8, in one process
+#                     -> kernels/whole_page_gpu_tests_h200.log, kernels/decode_tokens_m_whole_page_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -266,6 +270,17 @@ scores-refill() {
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCORES_REFILL=1 SCORES_REFILL=2 \
     --out "$OUT/kernels/decode_tokens_m_scores_refill_h200.json" 2>&1 | grep -v -i warn | tail -30
+}
+
+whole-page() {
+  local log="$OUT/kernels/whole_page_gpu_tests_h200.log" xdist=""
+  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  timeout 200 python3 -m pytest tests/test_kernels_gpu.py tests/test_latent_range.py -q -rfs -p no:cacheprovider $xdist \
+    -k "tokens_m or full_shape or many_splits or wide_latents" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
+    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants WHOLE_PAGE=0 \
+    --out "$OUT/kernels/decode_tokens_m_whole_page_h200.json" 2>&1 | grep "WHOLE\|tokens_m_decode"
 }
 
 combine() {

@@ -35,12 +35,12 @@ def kernels_api():
     return api
 
 
-def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None):
+def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None, page=PAGE):
     """Pages of random bytes holding `lens` tokens of random keys at random pages (`grow`: each token's values times
     1 + grow·position, so that scores rise along a sequence; `every` = (k, f): every k-th token's values times f;
-    `latent_range` = (lo, hi): latent values uniform in [lo, hi) instead of normal)."""
+    `latent_range` = (lo, hi): latent values uniform in [lo, hi) instead of normal; `page`: tokens a page)."""
     api = kernels_api()
-    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), page)
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_pages = sum(lay.pages_for(n) for n in lens) + 7
     pages = torch.randint(0, 256, (n_pages, lay.page_bytes), generator=g, device="cuda", dtype=torch.uint8)  # garbage
@@ -54,7 +54,7 @@ def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None):
         off += p
         if n:
             pos = torch.arange(n, device="cuda")
-            slots = bt[b].long()[pos // PAGE] * PAGE + pos % PAGE
+            slots = bt[b].long()[pos // page] * page + pos % page
             x = torch.randn(n, D_C, generator=g, device="cuda") * 1.5 + 0.2
             if latent_range:
                 lo, hi = latent_range
@@ -66,7 +66,7 @@ def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None):
                 f = torch.where(pos % every[0] == 0, every[1], 1.0)[:, None]
                 x, r = x * f, r * f
             if fmt.rope.per_page:  # whole pages at once: each page quantized over its tokens
-                page_rope = {int(bt[b, i]): r[i * PAGE: (i + 1) * PAGE].bfloat16().float() for i in range(p)}
+                page_rope = {int(bt[b, i]): r[i * page: (i + 1) * page].bfloat16().float() for i in range(p)}
                 write_tokens(pages, lay, slots, x.bfloat16().float(), r, page_rope=page_rope)
             else:
                 api.append_to_pages(pages, lay, slots, x.to(torch.bfloat16), r.to(torch.bfloat16))

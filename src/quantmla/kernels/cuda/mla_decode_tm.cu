@@ -177,6 +177,14 @@ constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
 constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
+// WHOLE_PAGE (default 1): where a tile is a whole page whose sections lie where the stage's do (pages of BN tokens),
+// a stage is one bulk copy of the page's first PAGE_COPY bytes; 0, or any other page: four copies, one a section
+#ifndef WHOLE_PAGE
+#define WHOLE_PAGE 1
+#endif
+constexpr int PAGE_COPY = FB_RM > 0 ? RAW_RM + BN * FB_RM : RAW_CM + BN * FB_CM;  // the stage's last section's end
+constexpr bool PAGE_AS_STAGE = WHOLE_PAGE && PS == BN && OFF_CC == RAW_CC && OFF_RC == RAW_RC && OFF_CM == RAW_CM &&
+                               (FB_RM == 0 || OFF_RM == RAW_RM) && PAGE_COPY % 16 == 0 && PAGE_COPY <= PAGE_BYTES;
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
@@ -200,17 +208,23 @@ static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees
 // content code byte `col` of token row `row` of a stage
 __device__ __forceinline__ const uint8_t* cc_at(const uint8_t* st, int row, int col) { return st + RAW_CC + row * FB_CC + col; }
 
-// the stage of tile n0 (a multiple of BN, inside page `page`): four bulk copies completing on `bar`
+// the stage of tile n0 (a multiple of BN, inside page `page`), completing on `bar`: one bulk copy where the page is the
+// stage (PAGE_AS_STAGE), else four, one a section
 __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const uint8_t* __restrict__ pages, int page,
                                             int n0) {
   const int tok0 = n0 % PS;
   const uint8_t* pg = pages + (int64_t)page * PAGE_BYTES;
 #if BULK
-  mbar_expect_tx(bar, TILE_BYTES);
-  bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
-  bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
-  bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
-  if constexpr (FB_RM > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
+  if constexpr (PAGE_AS_STAGE) {
+    mbar_expect_tx(bar, PAGE_COPY);
+    bulk_g2s(stage, pg, PAGE_COPY, bar);
+  } else {
+    mbar_expect_tx(bar, TILE_BYTES);
+    bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
+    bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
+    bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
+    if constexpr (FB_RM > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
+  }
 #endif
 }
 
