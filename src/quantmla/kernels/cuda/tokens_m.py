@@ -107,7 +107,9 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/decode_tokens_m.md "The
     scores' and the output's warps apart"). With the warps apart and more than 3 stages (INT2/INT4), the scores' warps
     refill each stage before a tile's scores (SCORES_REFILL=2: 2 to 4 % faster on an H100; with 3 stages, INT4/INT4,
-    1 to 4 % slower, so there the output warps refill). `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
+    1 to 4 % slower, so there the output warps refill). A stage is one bulk copy of a 64-token page (WHOLE_PAGE) where
+    the warps that issue it are the ones the loop waits for, and a copy a section where the scores' warps refill (one
+    copy measured 3 to 5 % slower there). `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
     block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
     (not yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
@@ -166,8 +168,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         macros["TPW"] = blocks_per_warp
     if specialized:  # two CTAs an SM: 128 registers a thread, the scores' warps take 152 of the output's
         macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
-        if stages > TM_MIN_STAGES and not s8_scores:  # the scores' warps refill (S8_QK: no registers to spare)
-            macros["SCORES_REFILL"] = 2
+        if stages > TM_MIN_STAGES and not s8_scores:  # the scores' warps refill (S8_QK: no registers to spare) ..
+            macros.update(SCORES_REFILL=2, WHOLE_PAGE=0)  # .. a copy a section (a page's one copy: 3-5 % slower)
     if is_fp8(layout):
         macros["C_FP8"] = 1
     if s8_scores:
