@@ -61,9 +61,6 @@
 #                 a stage (WHOLE_PAGE=0): the tokens-as-M GPU tests (pages of 64, 128 and 256 tokens among them), the
 #                 latent-range test, then both builds' decode calls, INT4/INT4, INT2/INT4 and FP8, in one process
 #                     -> kernels/whole_page_gpu_tests_h200.log, kernels/decode_tokens_m_whole_page_h200.json
-# stage-copies    the stage as one copy, a copy a section, and the content section in 2 or 4 copies, INT4/INT4 and
-#                 INT2/INT4; the GPU tests with 2 content copies    -> kernels/decode_tokens_m_copies_h200.json,
-#                                                                      kernels/cc_pieces_gpu_tests_h200.log
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -284,25 +281,6 @@ whole-page() {
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
     --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants WHOLE_PAGE=0 \
     --out "$OUT/kernels/decode_tokens_m_whole_page_h200.json" 2>&1 | grep "WHOLE\|tokens_m_decode"
-}
-
-# the stage's copies: one a page, one a section, the content codes' section in 2 or 4 copies (CC_PIECES), INT4/INT4
-# and INT2/INT4 in one process; then the tokens-as-M GPU tests with CC_PIECES=2 compiled in (the kernel's default
-# edited on the device)      -> kernels/decode_tokens_m_copies_h200.json, kernels/cc_pieces_gpu_tests_h200.log
-stage-copies() {
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m \
-    --variants WHOLE_PAGE=1 WHOLE_PAGE=0 WHOLE_PAGE=0,CC_PIECES=2 WHOLE_PAGE=0,CC_PIECES=4 \
-    --out "$OUT/kernels/decode_tokens_m_copies_h200.json" 2>&1 | grep "PAGE\|tokens_m_decode"
-  local log="$OUT/kernels/cc_pieces_gpu_tests_h200.log" xdist=""
-  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  sed -i 's/^#define CC_PIECES 1$/#define CC_PIECES 2/' src/quantmla/kernels/cuda/mla_decode_tm.cu
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; grep -n "define CC_PIECES" \
-    src/quantmla/kernels/cuda/mla_decode_tm.cu; } > "$log"
-  timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
-    -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
-  git checkout src/quantmla/kernels/cuda/mla_decode_tm.cu 2>/dev/null || sed -i 's/^#define CC_PIECES 2$/#define CC_PIECES 1/' \
-    src/quantmla/kernels/cuda/mla_decode_tm.cu
 }
 
 combine() {

@@ -183,12 +183,6 @@ constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
 #define WHOLE_PAGE 1
 #endif
 constexpr int PAGE_COPY = FB_RM > 0 ? RAW_RM + BN * FB_RM : RAW_CM + BN * FB_CM;  // the stage's last section's end
-// CC_PIECES (default 1): the content codes' section of a stage in that many bulk copies (with four copies a stage)
-#ifndef CC_PIECES
-#define CC_PIECES 1
-#endif
-constexpr int CC_PIECE = BN * FB_CC / CC_PIECES;
-static_assert(CC_PIECE % 16 == 0 && CC_PIECE * CC_PIECES == BN * FB_CC, "content pieces of whole 16-byte units");
 constexpr bool PAGE_AS_STAGE = WHOLE_PAGE && PS == BN && OFF_CC == RAW_CC && OFF_RC == RAW_RC && OFF_CM == RAW_CM &&
                                (FB_RM == 0 || OFF_RM == RAW_RM) && PAGE_COPY % 16 == 0 && PAGE_COPY <= PAGE_BYTES;
 
@@ -226,9 +220,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
     bulk_g2s(stage, pg, PAGE_COPY, bar);
   } else {
     mbar_expect_tx(bar, TILE_BYTES);
-#pragma unroll
-    for (int i = 0; i < CC_PIECES; ++i)
-      bulk_g2s(stage + RAW_CC + i * CC_PIECE, pg + OFF_CC + tok0 * FB_CC + i * CC_PIECE, CC_PIECE, bar);
+    bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
     bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
     bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
     if constexpr (FB_RM > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
