@@ -248,6 +248,10 @@ def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, tmp
 
     from quantmla_lab.bench.kernels.sass_count import cuobjdump
 
+    try:
+        cuobjdump()
+    except SystemExit:
+        pytest.skip("needs cuobjdump (CUDA's, or the one bundled with triton)")
     monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
 
     def copies(macros) -> int:

@@ -35,13 +35,12 @@ def test_warps_apart_are_the_default_for_integer_codes(name):
     assert 2 * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
     _, four = plan(name, specialized=False)
     assert dict(four.macros)["NW"] == 4 and "WS" not in dict(four.macros) and four.stages == p.stages
-    # the scores' warps refill the stages, a copy a section, where more than three fit (INT2/INT4's six); elsewhere the
-    # output warps refill them, a 64-token page in one copy (the kernel's default)
-    refill = p.stages > cuda.TM_MIN_STAGES
-    assert (m.get("SCORES_REFILL", 0), m.get("WHOLE_PAGE", 1)) == ((2, 0) if refill else (0, 1))
-    assert p.stages == {"int4/int4": 3, "int2/int4": 6}[name]
-    _, s8 = plan(name, specialized=True, s8_scores=True)
-    assert "SCORES_REFILL" not in dict(s8.macros)
+    # INT2/INT4: the scores' warps refill the stages, a copy a section; INT4/INT4: the output warps, a 64-token page in
+    # one copy (the kernel's defaults); at one CTA an SM, and with the scores on s8, the kernel's defaults for both
+    want = (2, 0) if name == "int2/int4" else (0, 1)
+    assert (m.get("SCORES_REFILL", 0), m.get("WHOLE_PAGE", 1)) == want and p.stages == {"int4/int4": 3, "int2/int4": 6}[name]
+    for other in (plan(name, specialized=True, s8_scores=True)[1], plan(name, specialized=True, ctas_per_sm=1)[1]):
+        assert "SCORES_REFILL" not in dict(other.macros) and "WHOLE_PAGE" not in dict(other.macros), other.macros
 
 
 def test_warps_apart_where_they_do_not_fit_or_read():

@@ -159,8 +159,9 @@ def test_decode_cuda_tokens_m(name, H, SQ, warps):
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "fp8"])
 @pytest.mark.parametrize("page", [64, 128, 256])
 def test_decode_cuda_tokens_m_page_sizes(name, page):
-    """Pages of one tile (a stage is one bulk copy of the page) and of two and four (four copies a stage, one a
-    section, from any quarter or half of a page) against the same oracle, with the default plan for 16 rows."""
+    """Pages of one tile (a stage is one bulk copy of the page where the plan takes WHOLE_PAGE: INT4/INT4 and FP8) and
+    of two and four (a copy a section, from any quarter or half of a page) against the same oracle, with the default
+    plan for 16 rows."""
     lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=page + len(name), page=page)
     md = check_decode(lay, pages, bt, sl, 16, 1, seed=page, config=tokens_m_config(lay, 16))
     assert md.variant.startswith("cuda/f16/tm/"), md.variant

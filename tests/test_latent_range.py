@@ -221,19 +221,20 @@ def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3, monkeypatch):
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
 def test_wide_latents_decode_on_the_config_the_engine_takes(name):
     """Latents uniform in ±2500 store content scales of about 330 (INT4/INT4) and 1650 (INT2/INT4), past the
-    tokens-as-M kernel's TM_MAX_CONTENT_SCALE, in a layout the API's default would decode on that kernel. On the config
+    tokens-as-M kernel's TM_MAX_CONTENT_SCALE (checked on the cache's dequantized groups), in a layout the API's default would decode on that kernel. On the config
     keep_off_tokens_m gives that layout (the one the engine takes for it) they decode within the usual tolerance of the
     fp32 oracle, the outputs NaN-poisoned first, at lengths 5000, 1, 700 and 64."""
     from helpers.gpu_decode import FORMATS, check_decode, make_cache
+    from quantmla.cache.paged import gather_sequences
     from quantmla.kernels.cuda import TM_MAX_CONTENT_SCALE
     from quantmla.kernels.schedule import default_config
-    from quantmla.quant.groupwise import group_scales, grouped
 
     fmt = FORMATS[name]
-    lo, hi = -2500.0, 2500.0
-    lay, pages, bt, sl = make_cache(fmt, [5000, 1, 700, 64], seed=31, latent_range=(lo, hi))
-    x = lo + (hi - lo) * torch.rand(4096, lay.token.d_c, generator=torch.Generator().manual_seed(0))
-    assert group_scales(grouped(x, fmt.content), fmt.content)[0].median() > 1.2 * TM_MAX_CONTENT_SCALE
+    lay, pages, bt, sl = make_cache(fmt, [5000, 1, 700, 64], seed=31, latent_range=(-2500.0, 2500.0))
+    lat, _ = gather_sequences(pages, lay, bt, sl)
+    g = lat[0, :5000].reshape(5000, -1, fmt.content.group_size)
+    least = (g.amax(-1) - g.amin(-1)) / (2**fmt.content.bits - 1)  # a group's stored scale is at least this
+    assert least.median() > 1.2 * TM_MAX_CONTENT_SCALE
     cuda = torch.device("cuda")
     assert default_config(16, lay, cuda).describe().startswith("cuda/tm")
     cfg = latent_range.keep_off_tokens_m({lay})(16, lay, cuda)

@@ -53,12 +53,12 @@
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
 #                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format
 #                                                                           -> kernels/decode_vs_peer_h200.json (+ .png)
-# scores-refill   the tokens-as-M kernel with the warps apart, its stages refilled by the output warps (the default)
-#                 beside the scores' warps' refill after (SCORES_REFILL=1) or before (2) a tile's scores: the
-#                 tokens-as-M GPU tests (of the default build), then the three builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
+# scores-refill   the tokens-as-M kernel with the warps apart, its stages refilled by the output warps (SCORES_REFILL=0,
+#                 INT4/INT4's default) and by the scores' warps after (1) or before (2, INT2/INT4's) a tile's scores:
+#                 the tokens-as-M GPU tests (of the default builds), then the three builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
 #                                                          kernels/decode_tokens_m_scores_refill_h200.json
-# whole-page      the tokens-as-M kernel with a stage as one bulk copy of a 64-token page (the default) beside four copies
-#                 a stage (WHOLE_PAGE=0): the tokens-as-M GPU tests (pages of 64, 128 and 256 tokens among them), the
+# whole-page      the tokens-as-M kernel with a stage as one bulk copy of a 64-token page (WHOLE_PAGE=1, the default but
+#                 for INT2/INT4) beside a copy a section (WHOLE_PAGE=0): the tokens-as-M GPU tests (pages of 64, 128 and 256 tokens among them), the
 #                 latent-range test, then both builds' decode calls, INT4/INT4, INT2/INT4 and FP8, in one process
 #                     -> kernels/whole_page_gpu_tests_h200.log, kernels/decode_tokens_m_whole_page_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
@@ -268,7 +268,7 @@ scores-refill() {
   timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
     -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCORES_REFILL=1 SCORES_REFILL=2 \
+    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCORES_REFILL=0 SCORES_REFILL=1 SCORES_REFILL=2 \
     --out "$OUT/kernels/decode_tokens_m_scores_refill_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 
@@ -279,7 +279,7 @@ whole-page() {
   timeout 200 python3 -m pytest tests/test_kernels_gpu.py tests/test_latent_range.py -q -rfs -p no:cacheprovider $xdist \
     -k "tokens_m or full_shape or many_splits or wide_latents" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
-    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants WHOLE_PAGE=0 \
+    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants WHOLE_PAGE=1 WHOLE_PAGE=0 \
     --out "$OUT/kernels/decode_tokens_m_whole_page_h200.json" 2>&1 | grep "WHOLE\|tokens_m_decode"
 }
 

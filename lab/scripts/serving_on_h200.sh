@@ -167,7 +167,7 @@ long-fp8-int4() {
     --out "$OUT/serving/long_1.26gib_fp8_int4_h200.json" 2>&1 | quiet 8
 }
 
-long() {
+tight-long() {
   timeout 400 python3 -m quantmla.cli serve-bench --job long --budgets-gib 1.26 --methods bf16 fp8 int4/int4 int2/int4 \
     "${GRP[@]}" --out "$OUT/serving/long_1.26gib_h200.json" 2>&1 | quiet 8
 }

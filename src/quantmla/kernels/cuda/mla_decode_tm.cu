@@ -32,6 +32,7 @@
 //
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
 //   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS S8_QK NW (4, or 8 with WS)
+//   SCORES_REFILL WHOLE_PAGE (who refills a stage with WS, and whether a 64-token page is one copy: below)
 //   (and TM, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
@@ -255,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // ---- the query pieces' loads; thread 0 then reads the first tiles' page numbers and issues their copies, and
   // each warp writes its rows of the query block on its own (no barrier until the block is whole) ---------------
   // (with WS the scores' warps write the block and thread 0 fills every stage; the output warps refill them, and
-  // their first thread reads the page after those)
+  // their first thread reads the page after those, or with SCORES_REFILL thread 0 goes on refilling them)
   const bool scoring = !WS || warp < NWR;
   uint4 qv[RPW][CPL], qrv;
   if (scoring) load_query_rows(qc, qr, qv, qrv, b, R, row0, warp, lane);
@@ -344,7 +345,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   // The scores' warps: tile it's scores, their vote (BAR_SCORES), P of tile it into buffer it % 2 once the output
   // warps have emptied it, with the rows' rescale factors where a reference moved; then full. The output warps: tile
   // it's products once its buffer is full (its rows rescaled first where the buffer says so), empty, and thread NTR
-  // refills the stage with tile it + STAGES once every output warp is past it (the scores' warps were, at full).
+  // refills the stage with tile it + STAGES once every output warp is past it (the scores' warps were, at full); with
+  // SCORES_REFILL thread 0 refills it once the scores' warps have waited for that buffer to be empty.
   if (scoring) {
     if constexpr (WS_REGS) set_max_regs<WS_REGS, true>();
     for (int it = 0; it < ntiles; ++it) {
