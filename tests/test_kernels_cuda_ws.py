@@ -36,11 +36,14 @@ def test_warps_apart_are_the_default_for_integer_codes(name):
     _, four = plan(name, specialized=False)
     assert dict(four.macros)["NW"] == 4 and "WS" not in dict(four.macros) and four.stages == p.stages
     # INT2/INT4: the scores' warps refill the stages, a copy a section; INT4/INT4: the output warps, a 64-token page in
-    # one copy (the kernel's defaults); at one CTA an SM, and with the scores on s8, the kernel's defaults for both
-    want = (2, 0) if name == "int2/int4" else (0, 1)
-    assert (m.get("SCORES_REFILL", 0), m.get("WHOLE_PAGE", 1)) == want and p.stages == {"int4/int4": 3, "int2/int4": 6}[name]
-    for other in (plan(name, specialized=True, s8_scores=True)[1], plan(name, specialized=True, ctas_per_sm=1)[1]):
-        assert "SCORES_REFILL" not in dict(other.macros) and "WHOLE_PAGE" not in dict(other.macros), other.macros
+    # one copy (the kernel's defaults); at one CTA an SM, and with the scores on s8, the output warps refill, and every
+    # 2-bit plan takes a copy a section
+    two = name == "int2/int4"
+    assert (m.get("SCORES_REFILL", 0), m.get("WHOLE_PAGE", 1)) == ((2, 0) if two else (0, 1))
+    assert p.stages == {"int4/int4": 3, "int2/int4": 6}[name]
+    for other in (plan(name, specialized=True, s8_scores=True)[1], plan(name, specialized=True, ctas_per_sm=1)[1], four):
+        mo = dict(other.macros)
+        assert "SCORES_REFILL" not in mo and mo.get("WHOLE_PAGE", 1) == (0 if two else 1), mo
 
 
 def test_warps_apart_where_they_do_not_fit_or_read():

@@ -107,9 +107,10 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     was measured with), else not (measured on the H200: 1 to 4 % faster than 4 warps, docs/decode_tokens_m.md "The
     scores' and the output's warps apart"). With the warps apart, 2-bit content codes and two CTAs an SM (INT2/INT4's
     default), the scores' warps refill each stage before a tile's scores (SCORES_REFILL=2: 1.5 to 4 % faster on an H100;
-    INT4/INT4 1 to 4.4 % slower, so there the output warps refill) and a stage is a copy a section (one copy of the page
-    measured 2 to 6 % slower there); elsewhere a stage is one bulk copy of a 64-token page (WHOLE_PAGE, the kernel's
-    default: as fast or up to 2.9 % faster), docs/decode_tokens_m.md "Who refills the stages". `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
+    INT4/INT4 1 to 4.4 % slower, so there the output warps refill). 2-bit content codes take a copy a section a stage
+    (one copy of the page measured 2 to 6 % slower with the warps apart); the other formats one bulk copy of a 64-token
+    page (WHOLE_PAGE, the kernel's default: as fast or up to 2.9 % faster), docs/decode_tokens_m.md "Who refills the
+    stages" and "A stage in one copy". `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
     block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
     (not yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
@@ -169,7 +170,9 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     if specialized:  # two CTAs an SM: 128 registers a thread, the scores' warps take 152 of the output's
         macros.update(WS=1, **({"WS_REGS": TM_WS_SCORE_REGS} if ctas_per_sm == 2 else {}))
         if tok.fmt.content.bits == 2 and ctas_per_sm == 2 and not s8_scores:  # as measured (S8_QK: no registers
-            macros.update(SCORES_REFILL=2, WHOLE_PAGE=0)  # to spare): the scores' warps refill, a copy a section
+            macros["SCORES_REFILL"] = 2  # to spare): the scores' warps refill
+    if tok.fmt.content.bits == 2:  # a copy a section (one copy of the page: 2-6 % slower with the warps apart; the
+        macros["WHOLE_PAGE"] = 0   # other 2-bit plans not measured with one copy)
     if is_fp8(layout):
         macros["C_FP8"] = 1
     if s8_scores:
