@@ -61,6 +61,10 @@
 #                 for INT2/INT4) beside a copy a section (WHOLE_PAGE=0): the tokens-as-M GPU tests (pages of 64, 128 and 256 tokens among them), the
 #                 latent-range test, then both builds' decode calls, INT4/INT4, INT2/INT4 and FP8, in one process
 #                     -> kernels/whole_page_gpu_tests_h200.log, kernels/decode_tokens_m_whole_page_h200.json
+# stage-plans     the tokens-as-M plans' stage choices on this GPU, decode kernel alone: the 4-warp plans (the engine's
+#                 for units under 384 tokens) with one copy a stage and a copy a section at short contexts, and the
+#                 default plans with every stage count that fits (the tool's stage rows) at long ones, INT4/INT4 and
+#                 INT2/INT4   -> kernels/decode_tokens_m_stage_plans_{short_2blocks,short_1blocks,long}_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -281,6 +285,20 @@ whole-page() {
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
     --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants WHOLE_PAGE=1 WHOLE_PAGE=0 \
     --out "$OUT/kernels/decode_tokens_m_whole_page_h200.json" 2>&1 | grep "WHOLE\|tokens_m_decode"
+}
+
+stage-plans() {
+  local f t
+  for f in int4/int4:2 int2/int4:1; do  # (the 4-warp plans' token blocks a warp)
+    t=${f#*:}
+    timeout 150 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats "${f%:*}" \
+      --shapes 1x2048,8x2048,16x1536,64x1536 --tilings 8x32 --tokens-m \
+      --variants "WS=0,TPW=$t,WHOLE_PAGE=1" "WS=0,TPW=$t,WHOLE_PAGE=0" \
+      --out "$OUT/kernels/decode_tokens_m_stage_plans_short_${t}blocks_h200.json" 2>&1 | grep "PAGE\|tokens_m_decode"
+  done
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
+    --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --variants SCORES_REFILL=0 \
+    --out "$OUT/kernels/decode_tokens_m_stage_plans_long_h200.json" 2>&1 | grep "stages_[0-9] \|REFILL\|tokens_m_decode"
 }
 
 combine() {
