@@ -269,6 +269,32 @@ def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, tmp
     assert copies(p64.macros) == (each if name == "int2/int4" else one)  # the plan's own choice
 
 
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,specialized", [("int4/int4", False), ("int4/int4", True), ("int2/int4", True),
+                                              ("fp8", False)])
+def test_scale_vote_builds_for_sm90(name, specialized, tmp_path, monkeypatch):
+    """SCALE_VOTE (not a default): the tokens-as-M plans build with it for sm_90a, and only then does the vote take
+    each token's largest content scale's log2 (MUFU.LG2 in the SASS); the default builds take none."""
+    import subprocess
+
+    from quantmla_lab.bench.kernels.sass_count import cuobjdump
+
+    try:
+        cuobjdump()
+    except SystemExit:
+        pytest.skip("needs cuobjdump (CUDA's, or the one bundled with triton)")
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+    _, p = plan(name, tokens_m=True, specialized=specialized)
+
+    def logs(macros) -> int:
+        sass = subprocess.run([cuobjdump(), "-sass", str(build.compile_cubin(macros, "sm_90a"))], capture_output=True,
+                              text=True, check=True).stdout
+        return sass.count("MUFU.LG2")
+
+    assert logs(p.macros) == 0 and "SCALE_VOTE" not in dict(p.macros)
+    assert logs(tuple(sorted({**dict(p.macros), "SCALE_VOTE": 1}.items()))) > 0
+
+
 @pytest.mark.parametrize("fmt,rows,d_c,why", [
     ("int4/int4", 32, 512, "at most 16"),
     ("bf16", 16, 512, "2- or 4-bit affine"),

@@ -241,3 +241,30 @@ def test_wide_latents_decode_on_the_config_the_engine_takes(name):
     assert not cfg.describe().startswith("cuda/tm"), cfg.describe()
     md = check_decode(lay, pages, bt, sl, 16, 1, seed=5, config=cfg, lse_rel=True)
     assert not md.variant.startswith("cuda/f16/tm/"), md.variant
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
+@pytest.mark.parametrize("specialized", [False, True], ids=["4warps", "warps_apart"])
+def test_wide_latents_on_the_tokens_m_kernel_with_the_scale_vote(name, specialized, monkeypatch):
+    """SCALE_VOTE (a build of the tokens-as-M kernel, not a default): P is also held under 65504 / its token's largest
+    content scale, so the wide latents above decode on the tokens-as-M kernel itself within the oracle's tolerance,
+    with 4 warps and with the warps apart."""
+    import dataclasses
+
+    from helpers.gpu_decode import FORMATS, check_decode, make_cache, tokens_m_config
+    from quantmla.kernels import cuda
+
+    planned = cuda.tokens_m_plan
+
+    def with_vote(*args, **kw):
+        p = planned(*args, **kw)
+        return p if isinstance(p, str) else dataclasses.replace(p, macros=tuple(sorted({**dict(p.macros),
+                                                                                        "SCALE_VOTE": 1}.items())))
+
+    monkeypatch.setattr(cuda, "tokens_m_plan", with_vote)
+    lay, pages, bt, sl = make_cache(FORMATS[name], [5000, 1, 700, 64], seed=37, latent_range=(-2500.0, 2500.0))
+    md = check_decode(lay, pages, bt, sl, 16, 1, seed=7, config=tokens_m_config(lay, 16, {"specialized": specialized}),
+                      lse_rel=True)
+    assert md.variant.startswith("cuda/f16/tm/") and ("ws" in md.variant) == specialized, md.variant

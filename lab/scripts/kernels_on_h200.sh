@@ -65,6 +65,10 @@
 #                 for units under 384 tokens) with one copy a stage and a copy a section at short contexts, and the
 #                 default plans with every stage count that fits (the tool's stage rows) at long ones, INT4/INT4 and
 #                 INT2/INT4   -> kernels/decode_tokens_m_stage_plans_{short_2blocks,short_1blocks,long}_h200.json
+# scale-vote      the tokens-as-M kernel's SCALE_VOTE build (P held under 65504 / its token's largest content scale): the
+#                 wide-latent GPU tests, the tokens-as-M GPU tests with SCALE_VOTE=1 compiled in (the kernel's default
+#                 edited on the device), then its decode calls beside the default's, INT4/INT4, INT2/INT4 and FP8
+#                     -> kernels/scale_vote_gpu_tests_h200.log, kernels/decode_tokens_m_scale_vote_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -299,6 +303,22 @@ stage-plans() {
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
     --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --variants SCORES_REFILL=0 \
     --out "$OUT/kernels/decode_tokens_m_stage_plans_long_h200.json" 2>&1 | grep "stages_[0-9] \|REFILL\|tokens_m_decode"
+}
+
+scale-vote() {
+  local log="$OUT/kernels/scale_vote_gpu_tests_h200.log" xdist=""
+  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  timeout 150 python3 -m pytest tests/test_latent_range.py -q -rfs -p no:cacheprovider -k wide_latents 2>&1 \
+    | grep -v -i warn | tail -6 | tee -a "$log"
+  sed -i 's/^#define SCALE_VOTE 0$/#define SCALE_VOTE 1/' src/quantmla/kernels/cuda/softmax_tm.cuh
+  grep -n "define SCALE_VOTE" src/quantmla/kernels/cuda/softmax_tm.cuh >> "$log"
+  timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
+    -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -8 | tee -a "$log"
+  sed -i 's/^#define SCALE_VOTE 1$/#define SCALE_VOTE 0/' src/quantmla/kernels/cuda/softmax_tm.cuh
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
+    --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCALE_VOTE=1 \
+    --out "$OUT/kernels/decode_tokens_m_scale_vote_h200.json" 2>&1 | grep "VOTE\|tokens_m_decode"
 }
 
 combine() {

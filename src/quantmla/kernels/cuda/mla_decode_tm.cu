@@ -370,8 +370,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       if (it == 0) mark(tl, 4);
       if (valid < BN) zero_past_end(st, valid, tid);
       own_scores(st, sc, valid, n0);
-      const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, true));
-      if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
+      float lim[TPW][2];
+      p_limits(st, tok_lo, lim);
+      const bool moved = bar_or(BAR_SCORES, NTR, exceeds_reference(sc, mref, lim, true));
+      if (moved) move_reference(sc, lim, ref, mref, l_run, zacc, oacc, alpha, sRed, tp, nb0, g, t);
       if (SCORES_REFILL != 2) empty_and_refill();
       float* sA = reinterpret_cast<float*>(smem + SM_A) + buf * (BM + 4);
       if (warp == 0 && g == 0 && moved) {
@@ -426,16 +428,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[TPW][NB_OWN][4];
+    float sc[TPW][NB_OWN][4], lim[TPW][2];
     if (scores) {
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (it == 0) mark(tl, 4);
       phase(ph, 0);
       if (valid < BN) zero_past_end(smem + SM_RAW + (it % STAGES) * RAW_BYTES, valid, tid);
       own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
+      p_limits(smem + SM_RAW + (it % STAGES) * RAW_BYTES, tok_lo, lim);
       phase(ph, 1);
     }
-    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, scores));
+    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, lim, scores));
     phase(ph, 2);
     if (tid == 0 && it >= 1) {  // the stage of tile it - 2 is free (and, at it = 1, the one never used)
       const int nxt = it + STAGES - 2;
@@ -448,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                   min(BN, end - (n0 - BN)));
     phase(ph, 3);
     if (!scores) break;
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
+    if (moved) move_reference(sc, lim, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
 #pragma unroll
     for (int i = 0; i < TPW; ++i)
       tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP + (it & 1) * P_ELEMS, sc[i], mref, l_run, zacc,
@@ -462,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it <= ntiles; ++it) {
     const bool scores = it < ntiles;
     const int n0 = start + it * BN, valid = min(BN, end - n0);
-    float sc[TPW][NB_OWN][4];
+    float sc[TPW][NB_OWN][4], lim[TPW][2];
     if (it > 0 && !SKIP_PV)
       tile_output(smem + SM_RAW + ((it - 1) % STAGES) * RAW_BYTES, sP, oacc, warp, g, t, lane, min(BN, end - (n0 - BN)));
     if (scores) {
@@ -470,9 +473,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       if (it == 0) mark(tl, 4);
       if (valid < BN) zero_past_end(smem + SM_RAW + (it % STAGES) * RAW_BYTES, valid, tid);
       own_scores(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sc, valid, n0);
+      p_limits(smem + SM_RAW + (it % STAGES) * RAW_BYTES, tok_lo, lim);
     }
     // ---- one vote: does any row's reference maximum move? (every warp is past its output of tile it - 1) --
-    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, scores));
+    const bool moved = __syncthreads_or(exceeds_reference(sc, mref, lim, scores));
     if (!scores) break;
     if (tid == 0) {  // the stage of tile it - 1 is free: tile it + STAGES - 1 goes into it
       const int nxt = it + STAGES - 1;
@@ -480,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
                                     start + nxt * BN);
       pg_next = page_of(nxt + 1);
     }
-    if (moved) move_reference(sc, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
+    if (moved) move_reference(sc, lim, ref, mref, l_run, zacc, oacc, alpha_unused, sRed, tp, nb0, g, t);
 #pragma unroll
     for (int i = 0; i < TPW; ++i)
       tile_probabilities(smem + SM_RAW + (it % STAGES) * RAW_BYTES, sP, sc[i], mref, l_run, zacc, TPW * tp + i, nb0, g, t,

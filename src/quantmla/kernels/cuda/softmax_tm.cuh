@@ -40,15 +40,44 @@ __device__ __forceinline__ void zero_past_end(uint8_t* st, int valid, int tid) {
   for (int i = tid; i < (BN - valid) * FB_CM / 4; i += NTR) m[i] = 0u;  // by the NTR threads of the scores
 }
 
-// does any of the thread's own scores exceed its row's reference maximum by more than 2^8 (base 2)? (the tile's vote)
-__device__ __forceinline__ bool exceeds_reference(const float (&sc)[TPW][NB_OWN][4], const float (&mref)[RI], bool scores) {
+// SCALE_VOTE (not a default until measured on a GPU): a token's P may also not pass 65504 / its largest content scale,
+// so that P·scale, an fp16 operand, stays finite whatever scales the cache holds; without it P stays below 2^8 only,
+// and content scales past 65504 / 2^8 (TM_MAX_CONTENT_SCALE) can overflow
+#ifndef SCALE_VOTE
+#define SCALE_VOTE 0
+#endif
+constexpr float LOG2_P_SCALE_MAX = 15.99f;  // log2 of a bound on P·scale: 2^15.99 = 65081, under fp16's 65504
+
+// the largest base-2 exponent past its row's reference that P of the thread's tokens tok_lo + 16i + 8h may take: 8,
+// or with SCALE_VOTE min(8, LOG2_P_SCALE_MAX - log2 of the token's largest content scale), at least 0 (a token whose
+// metadata is garbage has the score -inf: past the unit's end, or masked)
+__device__ __forceinline__ void p_limits(const uint8_t* st, int tok_lo, float (&lim)[TPW][2]) {
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lim[i][h] = 8.0f;
+      if constexpr (SCALE_VOTE) {
+        const uint8_t* m = st + RAW_CM + (tok_lo + 16 * i + 8 * h) * FB_CM;
+        float smax = 0.0f;
+#pragma unroll
+        for (int grp = 0; grp < CG; ++grp) smax = fmaxf(smax, fabsf(meta_sz(m, grp).x));
+        lim[i][h] = fminf(8.0f, fmaxf(0.0f, LOG2_P_SCALE_MAX - __log2f(smax)));
+      }
+    }
+}
+
+// does any of the thread's own scores exceed its row's reference maximum by more than its token's limit (2^8, base 2,
+// or less with SCALE_VOTE: p_limits)? (the tile's vote)
+__device__ __forceinline__ bool exceeds_reference(const float (&sc)[TPW][NB_OWN][4], const float (&mref)[RI],
+                                                  const float (&lim)[TPW][2], bool scores) {
   bool exceeds = false;
 #pragma unroll
   for (int i = 0; i < TPW; ++i)
 #pragma unroll
     for (int nb = 0; nb < NB_OWN; ++nb)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[i][nb][e] > mref[2 * nb + (e & 1)] + 8.0f;
+      for (int e = 0; e < 4; ++e) exceeds |= scores && sc[i][nb][e] > mref[2 * nb + (e & 1)] + lim[i][e >> 1];
   return exceeds;
 }
 
@@ -68,33 +97,47 @@ __device__ __forceinline__ void rescale_rows(float (&oacc)[OMB][2][4], int ri, f
 }
 
 // after a vote that some row's maximum moved (rare; uniform over the warps that score): the tile's row maxima across
-// those warps through sRed [NTB, BM] (a token block's maxima at its index); a row moves where it exceeds its reference
-// by 8. Every such warp moves every row's reference; without WS it rescales its output accumulators, with WS it
-// leaves each row's factor (1 where the row stays) in alpha for the output warps. The own rows' sums are rescaled by
-// the warps that own them
-__device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], float (&ref)[4], float (&mref)[RI],
-                                               float (&l_run)[RI], float (&zacc)[CG][RI], float (&oacc)[OMB][2][4],
-                                               float (&alpha_out)[4], float* sRed, int tp, int nb0, int g, int t) {
+// those warps through sRed [NTB, BM] (a token block's maxima at its index); a row moves where a score exceeds its
+// reference by its token's limit (with SCALE_VOTE those maxima of s + 8 - limit too, through sRed's next NTB·BM
+// floats), to the row's largest score. Every such warp moves every row's reference; without WS it rescales its output
+// accumulators, with WS it leaves each row's factor (1 where the row stays) in alpha for the output warps. The own
+// rows' sums are rescaled by the warps that own them
+__device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], const float (&lim)[TPW][2],
+                                               float (&ref)[4], float (&mref)[RI], float (&l_run)[RI],
+                                               float (&zacc)[CG][RI], float (&oacc)[OMB][2][4], float (&alpha_out)[4],
+                                               float* sRed, int tp, int nb0, int g, int t) {
+  static_assert(!SCALE_VOTE || CG >= 1, "sRed holds the two maxima");
 #pragma unroll
   for (int i = 0; i < TPW; ++i)
 #pragma unroll
     for (int ri = 0; ri < RI; ++ri) {
       const int nb = ri >> 1, e = ri & 1;
       float mx = fmaxf(sc[i][nb][e], sc[i][nb][e + 2]);
+      float mv = fmaxf(sc[i][nb][e] + (8.0f - lim[i][0]), sc[i][nb][e + 2] + (8.0f - lim[i][1]));
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      if (g == 0) sRed[(TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
+      for (int o = 4; o < 32; o <<= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if constexpr (SCALE_VOTE) mv = fmaxf(mv, __shfl_xor_sync(0xffffffffu, mv, o));
+      }
+      if (g == 0) {
+        sRed[(TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mx;
+        if constexpr (SCALE_VOTE) sRed[(NTB + TPW * tp + i) * BM + 8 * (nb0 + nb) + 2 * t + e] = mv;
+      }
     }
   if constexpr (WS) bar_sync(BAR_MOVE, NTR);
   else __syncthreads();
 #pragma unroll
   for (int ri = 0; ri < 4; ++ri) {
     const int row = 8 * (ri >> 1) + 2 * t + (ri & 1);
-    float tm = sRed[row];
+    float tm = sRed[row], tv = SCALE_VOTE ? sRed[NTB * BM + row] : 0.0f;
 #pragma unroll
-    for (int w = 1; w < NTB; ++w) tm = fmaxf(tm, sRed[w * BM + row]);
+    for (int w = 1; w < NTB; ++w) {
+      tm = fmaxf(tm, sRed[w * BM + row]);
+      if constexpr (SCALE_VOTE) tv = fmaxf(tv, sRed[(NTB + w) * BM + row]);
+    }
+    if constexpr (!SCALE_VOTE) tv = tm;
     alpha_out[ri] = 1.0f;
-    if (tm > ref[ri] + 8.0f) {
+    if (tv > ref[ri] + 8.0f) {
       const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
       alpha_out[ri] = alpha;
       ref[ri] = tm;
