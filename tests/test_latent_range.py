@@ -256,15 +256,21 @@ def test_wide_latents_on_the_tokens_m_kernel_with_the_scale_vote(name, specializ
     from helpers.gpu_decode import FORMATS, check_decode, make_cache, tokens_m_config
     from quantmla.kernels import cuda
 
-    planned = cuda.tokens_m_plan
+    planned, voting = cuda.tokens_m_plan, []
 
     def with_vote(*args, **kw):
         p = planned(*args, **kw)
-        return p if isinstance(p, str) else dataclasses.replace(p, macros=tuple(sorted({**dict(p.macros),
-                                                                                        "SCALE_VOTE": 1}.items())))
+        if isinstance(p, str):
+            return p
+        voting.append(dataclasses.replace(p, macros=tuple(sorted({**dict(p.macros), "SCALE_VOTE": 1}.items()))))
+        return voting[-1]
 
+    # the plans decode_plan keeps are the unpatched ones: a cache of this test's own, dropped after it
+    monkeypatch.setattr(cuda, "_PLANS", {})
     monkeypatch.setattr(cuda, "tokens_m_plan", with_vote)
     lay, pages, bt, sl = make_cache(FORMATS[name], [5000, 1, 700, 64], seed=37, latent_range=(-2500.0, 2500.0))
     md = check_decode(lay, pages, bt, sl, 16, 1, seed=7, config=tokens_m_config(lay, 16, {"specialized": specialized}),
                       lse_rel=True)
+    # the launch ran a plan of with_vote's ("v": SCALE_VOTE in its name), with the warps apart or not as asked
     assert md.variant.startswith("cuda/f16/tm/") and ("ws" in md.variant) == specialized, md.variant
+    assert voting and any(p.describe() == md.variant for p in voting) and "v" in md.variant.split("/")[3], md.variant

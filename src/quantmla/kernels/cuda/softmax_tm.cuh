@@ -47,6 +47,8 @@ __device__ __forceinline__ void zero_past_end(uint8_t* st, int valid, int tid) {
 #define SCALE_VOTE 0
 #endif
 constexpr float LOG2_P_SCALE_MAX = 15.99f;  // log2 of a bound on P·scale: 2^15.99 = 65081, under fp16's 65504
+// (a bound for scales up to 65504, all that fp16 metadata holds: past it, as FP8's fp32 scales may be, P·scale overflows
+// at P = 1)
 
 // the largest base-2 exponent past its row's reference that P of the thread's tokens tok_lo + 16i + 8h may take: 8,
 // or with SCALE_VOTE min(8, LOG2_P_SCALE_MAX - log2 of the token's largest content scale), at least 0 (a token whose
@@ -98,22 +100,22 @@ __device__ __forceinline__ void rescale_rows(float (&oacc)[OMB][2][4], int ri, f
 
 // after a vote that some row's maximum moved (rare; uniform over the warps that score): the tile's row maxima across
 // those warps through sRed [NTB, BM] (a token block's maxima at its index); a row moves where a score exceeds its
-// reference by its token's limit (with SCALE_VOTE those maxima of s + 8 - limit too, through sRed's next NTB·BM
-// floats), to the row's largest score. Every such warp moves every row's reference; without WS it rescales its output
+// reference by 8 (with SCALE_VOTE: by its token's limit, each row's flag compared as the vote compares, through
+// sRed's next NTB·BM floats), to the row's largest score. Every such warp moves every row's reference; without WS it rescales its output
 // accumulators, with WS it leaves each row's factor (1 where the row stays) in alpha for the output warps. The own
 // rows' sums are rescaled by the warps that own them
 __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4], const float (&lim)[TPW][2],
                                                float (&ref)[4], float (&mref)[RI], float (&l_run)[RI],
                                                float (&zacc)[CG][RI], float (&oacc)[OMB][2][4], float (&alpha_out)[4],
                                                float* sRed, int tp, int nb0, int g, int t) {
-  static_assert(!SCALE_VOTE || CG >= 1, "sRed holds the two maxima");
+  static_assert(!SCALE_VOTE || CG >= 1, "sRed holds the rows' maxima and their flags");
 #pragma unroll
   for (int i = 0; i < TPW; ++i)
 #pragma unroll
     for (int ri = 0; ri < RI; ++ri) {
       const int nb = ri >> 1, e = ri & 1;
       float mx = fmaxf(sc[i][nb][e], sc[i][nb][e + 2]);
-      float mv = fmaxf(sc[i][nb][e] + (8.0f - lim[i][0]), sc[i][nb][e + 2] + (8.0f - lim[i][1]));
+      float mv = sc[i][nb][e] > mref[ri] + lim[i][0] || sc[i][nb][e + 2] > mref[ri] + lim[i][1] ? 1.0f : 0.0f;
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -135,9 +137,8 @@ __device__ __forceinline__ void move_reference(const float (&sc)[TPW][NB_OWN][4]
       tm = fmaxf(tm, sRed[w * BM + row]);
       if constexpr (SCALE_VOTE) tv = fmaxf(tv, sRed[(NTB + w) * BM + row]);
     }
-    if constexpr (!SCALE_VOTE) tv = tm;
     alpha_out[ri] = 1.0f;
-    if (tv > ref[ri] + 8.0f) {
+    if (SCALE_VOTE ? tv > 0.0f : tm > ref[ri] + 8.0f) {
       const float alpha = ref[ri] == -INFINITY ? 0.0f : fast_exp2(ref[ri] - tm);
       alpha_out[ri] = alpha;
       ref[ri] = tm;
