@@ -238,61 +238,54 @@ def test_tokens_m_plan_for_fp8():
     assert bad is None and "FP8 with two token blocks" in cuda.plan_reason[lay]
 
 
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+@pytest.fixture
+def sm90_sass(tmp_path, monkeypatch):
+    """macros -> the SASS of their build for sm_90a (compiled into a cache of the test's own); skips without nvcc or
+    cuobjdump."""
+    import subprocess
+
+    from quantmla_lab.bench.kernels.sass_count import cuobjdump
+
+    if build.nvcc() is None:
+        pytest.skip("needs nvcc")
+    try:
+        cuobjdump()
+    except SystemExit:
+        pytest.skip("needs cuobjdump (CUDA's, or the one bundled with triton)")
+    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
+
+    def sass(macros) -> str:
+        cubin = build.compile_cubin(tuple(sorted(dict(macros).items())), "sm_90a")
+        return subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+    return sass
+
+
 @pytest.mark.parametrize("name,sections", [("int4/int4", 4), ("int2/int4", 4), ("fp8", 3)])
-def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, tmp_path, monkeypatch):
+def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, sm90_sass):
     """Pages of 64 tokens are one tile whose sections lie where a stage's do, so a stage can be one bulk copy of the
     page (WHOLE_PAGE=1, the kernel's default, which the plans of INT4/INT4 and FP8 keep); pages of 128 tokens take a
     copy a section, and so does the 64-token build with WHOLE_PAGE=0 (same plan), which every INT2/INT4 plan asks."""
-    import subprocess
-
-    from quantmla_lab.bench.kernels.sass_count import cuobjdump
-
-    try:
-        cuobjdump()
-    except SystemExit:
-        pytest.skip("needs cuobjdump (CUDA's, or the one bundled with triton)")
-    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
-
     def copies(macros) -> int:
-        sass = subprocess.run([cuobjdump(), "-sass", str(build.compile_cubin(macros, "sm_90a"))], capture_output=True,
-                              text=True, check=True).stdout
-        return sass.count("UBLKCP.S.G")
+        return sm90_sass(macros).count("UBLKCP.S.G")
 
     _, p64 = plan(name, tokens_m=True, specialized=False)
     _, p128 = plan(name, tokens_m=True, specialized=False, page=128)
-    m = {k: v for k, v in p64.macros if k != "WHOLE_PAGE"}
-    one = copies(tuple(sorted({**m, "WHOLE_PAGE": 1}.items())))
-    each = copies(p128.macros)
+    m = dict(p64.macros)
+    one, each = copies({**m, "WHOLE_PAGE": 1}), copies(p128.macros)
     assert one > 0 and each == sections * one, (one, each)
-    assert copies(tuple(sorted({**m, "WHOLE_PAGE": 0}.items()))) == each
+    assert copies({**m, "WHOLE_PAGE": 0}) == each
     assert copies(p64.macros) == (each if name == "int2/int4" else one)  # the plan's own choice
 
 
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize("name,specialized", [("int4/int4", False), ("int4/int4", True), ("int2/int4", True),
                                               ("fp8", False)])
-def test_scale_vote_builds_for_sm90(name, specialized, tmp_path, monkeypatch):
+def test_scale_vote_builds_for_sm90(name, specialized, sm90_sass):
     """SCALE_VOTE (not a default): the tokens-as-M plans build with it for sm_90a, and only then does the vote take
     each token's largest content scale's log2 (MUFU.LG2 in the SASS); the default builds take none."""
-    import subprocess
-
-    from quantmla_lab.bench.kernels.sass_count import cuobjdump
-
-    try:
-        cuobjdump()
-    except SystemExit:
-        pytest.skip("needs cuobjdump (CUDA's, or the one bundled with triton)")
-    monkeypatch.setenv("QUANTMLA_CUDA_CACHE", str(tmp_path))
     _, p = plan(name, tokens_m=True, specialized=specialized)
-
-    def logs(macros) -> int:
-        sass = subprocess.run([cuobjdump(), "-sass", str(build.compile_cubin(macros, "sm_90a"))], capture_output=True,
-                              text=True, check=True).stdout
-        return sass.count("MUFU.LG2")
-
-    assert logs(p.macros) == 0 and "SCALE_VOTE" not in dict(p.macros)
-    assert logs(tuple(sorted({**dict(p.macros), "SCALE_VOTE": 1}.items()))) > 0
+    assert sm90_sass(p.macros).count("MUFU.LG2") == 0 and "SCALE_VOTE" not in dict(p.macros)
+    assert sm90_sass({**dict(p.macros), "SCALE_VOTE": 1}).count("MUFU.LG2") > 0
 
 
 @pytest.mark.parametrize("fmt,rows,d_c,why", [
