@@ -281,11 +281,36 @@ def test_tokens_m_stage_is_one_copy_where_a_page_is_one_tile(name, sections, sm9
 @pytest.mark.parametrize("name,specialized", [("int4/int4", False), ("int4/int4", True), ("int2/int4", True),
                                               ("fp8", False)])
 def test_scale_vote_builds_for_sm90(name, specialized, sm90_sass):
-    """SCALE_VOTE (not a default): the tokens-as-M plans build with it for sm_90a, and only then does the vote take
-    each token's largest content scale's log2 (MUFU.LG2 in the SASS); the default builds take none."""
+    """SCALE_VOTE (asked for with scale_vote, not a default): the tokens-as-M plans build with it for sm_90a, and only
+    then does the vote take each token's largest content scale's log2 (MUFU.LG2 in the SASS); the default builds take
+    none."""
     _, p = plan(name, tokens_m=True, specialized=specialized)
+    _, v = plan(name, tokens_m=True, specialized=specialized, scale_vote=True)
     assert sm90_sass(p.macros).count("MUFU.LG2") == 0 and "SCALE_VOTE" not in dict(p.macros)
-    assert sm90_sass({**dict(p.macros), "SCALE_VOTE": 1}).count("MUFU.LG2") > 0
+    assert dict(v.macros) == {**dict(p.macros), "SCALE_VOTE": 1} and v.stages == p.stages
+    assert sm90_sass(v.macros).count("MUFU.LG2") > 0
+
+
+def test_scale_vote_through_the_configs(monkeypatch):
+    """scale_vote reaches the plan from default_config and cuda_config, the config carries it (its name with a "v")
+    and the launch asks for it; config_for_units keeps it on the 4-warp plan of short units; with the scores on 8-bit
+    MMAs it is refused with the reason."""
+    from quantmla.kernels import schedule
+
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    monkeypatch.setattr(schedule, "interpreting", lambda: False)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        plain, vote = (schedule.default_config(16, lay, "cuda", scale_vote=v) for v in (False, True))
+        short = schedule.config_for_units(vote, 16, lay, "cuda", unit_tokens=128)
+        plain_short = schedule.config_for_units(plain, 16, lay, "cuda", unit_tokens=128)
+        assert cuda.decode_plan(lay, 16, torch.bfloat16, CUDA, tokens_m=True, specialized=True, s8_scores=True,
+                                scale_vote=True) is None
+        assert "8-bit warpgroup MMAs with the scale vote" in cuda.plan_reason[lay]
+    assert vote.scale_vote and not plain.scale_vote and vote.specialized and vote.tokens_m
+    assert vote.describe() == plain.describe().replace("cuda/tm/ws", "cuda/tm/wsv", 1)
+    assert short.scale_vote and not short.specialized and not plain_short.scale_vote
+    assert short.describe() == plain_short.describe().replace("cuda/tm", "cuda/tm" + "v", 1)
 
 
 @pytest.mark.parametrize("fmt,rows,d_c,why", [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantmla.cache.config import QuantCacheConfig
-from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
+from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout, preset
 from quantmla.quant import BF16, PathFormat
 from quantmla.quant.groupwise import group_scales, grouped
 from quantmla.serving import latent_range
@@ -153,10 +153,12 @@ def test_wide_layers_are_those_past_the_tokens_m_kernels_scale(monkeypatch):
         assert latent_range.wide_layers(mods, int4, 16) == {}
 
 
-def test_default_config_leaves_the_tokens_m_kernel_out_when_asked(monkeypatch):
+def test_default_config_leaves_the_tokens_m_kernel_out_or_votes_when_asked(monkeypatch):
     """default_config(allow_tokens_m=False) asks the CUDA config for the built tile only, and that config never plans
-    the tokens-as-M kernel; by default it may (the CUDA device, nvcc and the builds mocked: only the plans asked for
-    are checked here). keep_off_tokens_m gives that config for its layouts and None (the default) for others."""
+    the tokens-as-M kernel; by default it may; default_config(scale_vote=True) asks for its SCALE_VOTE build (the CUDA
+    device, nvcc and the builds mocked: only the plans asked for are checked here). wide_latents_config gives the
+    voting config for layouts whose bound stays under TM_VOTE_MAX_CONTENT_SCALE, the built tile's past it, and None
+    (the default) for others."""
     from quantmla.kernels import cuda, schedule
     from quantmla.kernels.cuda import build
 
@@ -164,26 +166,36 @@ def test_default_config_leaves_the_tokens_m_kernel_out_when_asked(monkeypatch):
     monkeypatch.setattr(schedule, "interpreting", lambda: False)
     monkeypatch.setattr(cuda, "warpgroup_reason", lambda layout, rows: "not at 16 rows")
     monkeypatch.setattr(build, "nvcc", lambda: "/usr/bin/true")
-    monkeypatch.setattr(cuda, "decode_plan", lambda *a, tokens_m=None, **kw: planned.append(bool(tokens_m)))
+    monkeypatch.setattr(cuda, "decode_plan", lambda *a, tokens_m=None, scale_vote=False, **kw: planned.append(
+        (bool(tokens_m), scale_vote)))
     int4 = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    fp8 = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
     bf16 = PageLayout(TokenLayout(512, 64, CacheFormat(BF16, BF16)), 64)
     schedule.default_config(16, int4, "cuda")
-    assert planned == [True, False]  # the tokens-as-M kernel first, the built tile after it
+    assert planned == [(True, False), (False, False)]  # the tokens-as-M kernel first, the built tile after it
     planned.clear()
     schedule.default_config(16, int4, "cuda", allow_tokens_m=False)
-    assert planned == [False]
+    assert planned == [(False, False)]
     planned.clear()
-    keep = latent_range.keep_off_tokens_m({int4})
-    keep(16, int4, "cuda")
-    assert planned == [False] and keep(16, bf16, "cuda") is None and planned == [False]
+    schedule.default_config(16, int4, "cuda", scale_vote=True)
+    assert planned == [(True, True), (False, False)]
+    planned.clear()
+    edge = cuda.TM_VOTE_MAX_CONTENT_SCALE / (1 + latent_range.ROUNDING_SLACK)
+    wide = latent_range.wide_latents_config({int4: 0.999 * edge, fp8: edge})
+    assert wide.wide == {int4, fp8} and wide.voting == {int4}
+    wide(16, int4, "cuda")
+    assert planned == [(True, True), (False, False)]
+    planned.clear()
+    wide(16, fp8, "cuda")
+    assert planned == [(False, False)] and wide(16, bf16, "cuda") is None and planned == [(False, False)]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton backend on the CPU: TRITON_INTERPRET=1")
-def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3, monkeypatch):
-    """An engine over a model whose layer-0 latent norm allows content scales past the kernel's takes its decode
-    configs from keep_off_tokens_m for that layer's layout, and says so; with a decode_config of its own it keeps it
-    and says it must keep them off; the torch backend, which has no such kernel, and a model within the bound say
-    nothing (tokens_m_reason mocked: the tiny model's d_c is not the kernel's)."""
+def test_engine_decodes_wide_latents_on_the_scale_vote(v3, monkeypatch):
+    """An engine over a model whose layer-0 latent norm allows content scales past the kernel's default builds takes
+    its decode configs from wide_latents_config for that layer's layout (the SCALE_VOTE build), and says so; with a
+    decode_config of its own it keeps it and says what it must do; the torch backend, which has no such kernel, and a
+    model within the bound say nothing (tokens_m_reason mocked: the tiny model's d_c is not the kernel's)."""
     import warnings
 
     from quantmla.kernels.cuda import tokens_m
@@ -198,12 +210,12 @@ def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3, monkeypatch):
     try:
         with torch.no_grad():
             norm.weight.fill_(500.0)
-        with pytest.warns(UserWarning, match=r"layers \[0\].*decode on the other kernels"):
+        with pytest.warns(UserWarning, match=r"layers \[0\].*decode on its SCALE_VOTE build$"):
             eng = Engine(v3, EngineConfig(**cfg))
         keep = eng.backend.decode_config
-        assert keep.wide == {eng.backend.layouts[0]}
+        assert keep.wide == keep.voting == {eng.backend.layouts[0]}
         mine = lambda rows, layout, device: None  # noqa: E731
-        with pytest.warns(UserWarning, match="decode_config must keep them off it"):
+        with pytest.warns(UserWarning, match="decode_config must decode them on its SCALE_VOTE build or off it"):
             assert Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config is mine
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -221,12 +233,13 @@ def test_engine_decodes_wide_latents_off_the_tokens_m_kernel(v3, monkeypatch):
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
 def test_wide_latents_decode_on_the_config_the_engine_takes(name):
     """Latents uniform in ±2500 store content scales of about 330 (INT4/INT4) and 1650 (INT2/INT4), past the
-    tokens-as-M kernel's TM_MAX_CONTENT_SCALE (checked on the cache's dequantized groups), in a layout the API's default would decode on that kernel. On the config
-    keep_off_tokens_m gives that layout (the one the engine takes for it) they decode within the usual tolerance of the
-    fp32 oracle, the outputs NaN-poisoned first, at lengths 5000, 1, 700 and 64."""
+    tokens-as-M kernel's TM_MAX_CONTENT_SCALE (checked on the cache's dequantized groups), in a layout the API's
+    default decodes on that kernel. On the config wide_latents_config gives that layout (the one the engine takes for
+    it: the kernel's SCALE_VOTE build), and on the built tile it gives past TM_VOTE_MAX_CONTENT_SCALE, they decode
+    within the usual tolerance of the fp32 oracle, the outputs NaN-poisoned first, at lengths 5000, 1, 700 and 64."""
     from helpers.gpu_decode import FORMATS, check_decode, make_cache
     from quantmla.cache.paged import gather_sequences
-    from quantmla.kernels.cuda import TM_MAX_CONTENT_SCALE
+    from quantmla.kernels.cuda import TM_MAX_CONTENT_SCALE, TM_VOTE_MAX_CONTENT_SCALE
     from quantmla.kernels.schedule import default_config
 
     fmt = FORMATS[name]
@@ -236,10 +249,14 @@ def test_wide_latents_decode_on_the_config_the_engine_takes(name):
     least = (g.amax(-1) - g.amin(-1)) / (2**fmt.content.bits - 1)  # a group's stored scale is at least this
     assert least.median() > 1.2 * TM_MAX_CONTENT_SCALE
     cuda = torch.device("cuda")
-    assert default_config(16, lay, cuda).describe().startswith("cuda/tm")
-    cfg = latent_range.keep_off_tokens_m({lay})(16, lay, cuda)
-    assert not cfg.describe().startswith("cuda/tm"), cfg.describe()
+    assert default_config(16, lay, cuda).describe().startswith("cuda/tm/ws ")
+    cfg = latent_range.wide_latents_config({lay: 2 * float(least.max())})(16, lay, cuda)
+    assert cfg.describe().startswith("cuda/tm/wsv "), cfg.describe()
     md = check_decode(lay, pages, bt, sl, 16, 1, seed=5, config=cfg, lse_rel=True)
+    assert md.variant.startswith("cuda/f16/tm/") and "v" in md.variant.split("/")[3], md.variant
+    off = latent_range.wide_latents_config({lay: TM_VOTE_MAX_CONTENT_SCALE})(16, lay, cuda)
+    assert not off.describe().startswith("cuda/tm"), off.describe()
+    md = check_decode(lay, pages, bt, sl, 16, 1, seed=5, config=off, lse_rel=True)
     assert not md.variant.startswith("cuda/f16/tm/"), md.variant
 
 
@@ -247,30 +264,14 @@ def test_wide_latents_decode_on_the_config_the_engine_takes(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["int4/int4", "int2/int4"])
 @pytest.mark.parametrize("specialized", [False, True], ids=["4warps", "warps_apart"])
-def test_wide_latents_on_the_tokens_m_kernel_with_the_scale_vote(name, specialized, monkeypatch):
-    """SCALE_VOTE (a build of the tokens-as-M kernel, not a default): P is also held under 65504 / its token's largest
+def test_wide_latents_on_the_tokens_m_kernel_with_the_scale_vote(name, specialized):
+    """SCALE_VOTE (the tokens-as-M kernel's `scale_vote` build): P is also held under 65504 / its token's largest
     content scale, so the wide latents above decode on the tokens-as-M kernel itself within the oracle's tolerance,
-    with 4 warps and with the warps apart."""
-    import dataclasses
-
+    with 4 warps and with the warps apart, and the launch ran that build ("v" in its name)."""
     from helpers.gpu_decode import FORMATS, check_decode, make_cache, tokens_m_config
-    from quantmla.kernels import cuda
 
-    planned, voting = cuda.tokens_m_plan, []
-
-    def with_vote(*args, **kw):
-        p = planned(*args, **kw)
-        if isinstance(p, str):
-            return p
-        voting.append(dataclasses.replace(p, macros=tuple(sorted({**dict(p.macros), "SCALE_VOTE": 1}.items()))))
-        return voting[-1]
-
-    # the plans decode_plan keeps are the unpatched ones: a cache of this test's own, dropped after it
-    monkeypatch.setattr(cuda, "_PLANS", {})
-    monkeypatch.setattr(cuda, "tokens_m_plan", with_vote)
     lay, pages, bt, sl = make_cache(FORMATS[name], [5000, 1, 700, 64], seed=37, latent_range=(-2500.0, 2500.0))
-    md = check_decode(lay, pages, bt, sl, 16, 1, seed=7, config=tokens_m_config(lay, 16, {"specialized": specialized}),
-                      lse_rel=True)
-    # the launch ran a plan of with_vote's ("v": SCALE_VOTE in its name), with the warps apart or not as asked
+    cfg = tokens_m_config(lay, 16, {"specialized": specialized, "scale_vote": True})
+    md = check_decode(lay, pages, bt, sl, 16, 1, seed=7, config=cfg, lse_rel=True)
     assert md.variant.startswith("cuda/f16/tm/") and ("ws" in md.variant) == specialized, md.variant
-    assert voting and any(p.describe() == md.variant for p in voting) and "v" in md.variant.split("/")[3], md.variant
+    assert "v" in md.variant.split("/")[3], md.variant

@@ -61,7 +61,9 @@ class DecodeConfig:
     products a tile behind (WS in mla_decode_tm.cu; ctas_per_sm 1 or 2); False: 4 warps that take both; None: the
     kernel's default for the layout (kernels.cuda.tokens_m_plan);
     s8_scores: with tokens_m and specialized, the scores' products as 8-bit warpgroup MMAs (S8_QK, INT4/INT4; not the
-    default)."""
+    default);
+    scale_vote: with tokens_m, each token's P also held under 65504 / its largest content scale (SCALE_VOTE), so that
+    content scales past kernels.cuda.TM_MAX_CONTENT_SCALE read right (not the default: it costs up to 12 %)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -79,18 +81,21 @@ class DecodeConfig:
     warpgroup: bool = False
     specialized: bool | None = None
     s8_scores: bool = False
+    scale_vote: bool = False
 
     def describe(self) -> str:
-        tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "")
+        tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "") + (
+            "v" if self.scale_vote else "")
         cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else "cuda/wg" if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
 
 def default_config(rows: int, layout: PageLayout | None = None, device: torch.device | str | None = None,
-                   allow_tokens_m: bool = True) -> DecodeConfig:
+                   allow_tokens_m: bool = True, scale_vote: bool = False) -> DecodeConfig:
     """A config for `rows` = heads × query tokens per sequence; `allow_tokens_m=False` keeps the tokens-as-M kernel
-    out of the choice (the built tile where it would have run)."""
+    out of the choice (the built tile where it would have run); `scale_vote` takes its SCALE_VOTE build where it
+    runs (content scales past kernels.cuda.TM_MAX_CONTENT_SCALE)."""
     bm = 16 if rows <= 16 else 32
     if interpreting() or (device is not None and torch.device(device).type != "cuda"):
         return DecodeConfig(block_m=bm, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_chunk=16)
@@ -106,7 +111,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
             # 407 (decode_vs_peer_128h_h200.json at 9257a95 and 5d09173)
             cfg = cuda_config(rows, layout, device, warpgroup=True)
         if cfg is None and cuda.chosen(layout, rows):
-            cfg = cuda_config(rows, layout, device, tokens_m=None if allow_tokens_m else False)
+            cfg = cuda_config(rows, layout, device, tokens_m=None if allow_tokens_m else False, scale_vote=scale_vote)
         if cfg is not None:
             return cfg
     quant = layout is not None and layout.token.fmt.content.quantized
@@ -132,7 +137,8 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
-                ctas_per_sm: int | None = None, s8_scores: bool = False) -> DecodeConfig | None:
+                ctas_per_sm: int | None = None, s8_scores: bool = False,
+                scale_vote: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
@@ -141,7 +147,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     ``get_mla_metadata`` takes the built tile where units are short, and for integer codes the 4-warp plan),
     else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
     plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp; `specialized` its scores' and
-    output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs), `tokens_m=False` for
+    output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs, `scale_vote` its
+    SCALE_VOTE build), `tokens_m=False` for
     the built tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
@@ -154,7 +161,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
-                                      specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores))
+                                      specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores,
+                                      scale_vote=scale_vote))
     if not tokens_m and not warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
                                       fragments=fragments))
@@ -174,7 +182,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
                         tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None,
                         warpgroup=bool(dict(plan.macros).get("WG")), specialized=bool(dict(plan.macros).get("WS")),
-                        s8_scores=bool(dict(plan.macros).get("S8_QK")))
+                        s8_scores=bool(dict(plan.macros).get("S8_QK")),
+                        scale_vote=bool(dict(plan.macros).get("SCALE_VOTE")))
 
 
 @dataclass
@@ -342,7 +351,8 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
     ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on the tokens-as-M kernel
     with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp plan, with one token
     block a warp where the CTAs fit one an SM and the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each
-    measured faster there), where those build; every other config is kept. ``get_mla_metadata`` applies it to an
+    measured faster there), where those build (the 4-warp plan with the SCALE_VOTE build where `cfg` has it); every
+    other config is kept. ``get_mla_metadata`` applies it to an
     eager call's units, the engine's decode graphs to a bucket's."""
     from quantmla.kernels import cuda
 
@@ -352,7 +362,8 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
             return built
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.TM_WS_MIN_TOKENS:
         blocks = 1 if one_cta_an_sm and unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the default
-        four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks)
+        four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks,
+                                 scale_vote=cfg.scale_vote)
         if four_warps is not None:
             return four_warps
     return cfg

@@ -140,20 +140,17 @@ class Engine:
                 self.rope_offsets[s_] = c.to(self.device)
         self.pool_pages = pool_pages
         self.num_pages = pool_pages  # pages the scheduler may use (<= pool), see set_budget
-        # content scales the tokens-as-M kernel's fp16 P·scale cannot hold: those layouts decode off it
+        # content scales past the tokens-as-M kernel's default builds: those layouts decode on its SCALE_VOTE build
         layouts = AttentionBackend.page_layouts(spec, self.formats, config.page_size)
         wide = latent_range.wide_layers(mla_modules(model), layouts, spec.num_heads, spec.latent_scale)
         decode_config = config.decode_config
         if wide and decode_config is None:
-            decode_config = latent_range.keep_off_tokens_m({layouts[s_] for s_ in wide})
+            decode_config = latent_range.wide_latents_config(latent_range.by_layout(wide, layouts))
         self.backend = make_backend(config.backend, spec, self.formats, pool_pages, config.page_size, self.device, self.dtype,
                                     decode_config=decode_config, stage_rows=stage_rows,
                                     graph_units=config.graph_units)
         if wide and self.backend.name == "triton":
-            warnings.warn(f"the latent norms of layers {sorted(wide)} allow content-group scales up to "
-                          f"{max(wide.values()):.4g}, past what the tokens-as-M decode kernel reads right (255.875): "
-                          + ("their cache layouts decode on the other kernels" if config.decode_config is None else
-                             "EngineConfig.decode_config must keep them off it (latent_range.keep_off_tokens_m)"))
+            warnings.warn(latent_range.wide_warning(wide, decode_config if config.decode_config is None else None))
         self._ctx: AttnMeta | None = None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # 4D: transformers skips masking
         self._patched: dict[int, torch.nn.Module] = {}  # layer -> its MLA module, patched

@@ -1,5 +1,5 @@
-"""How large a layer's content groups can get, bounded from the weights of its latent norm, and the page layouts
-whose decode that bound keeps off the tokens-as-M kernel.
+"""How large a layer's content groups can get, bounded from the weights of its latent norm, and the decode configs of
+the page layouts whose scales that bound takes past the tokens-as-M kernel's default builds.
 
 A cached latent is ``s · (γ · x / sqrt(mean(x²) + eps) (+ β))`` over its d_c channels: ``kv_a_layernorm``, an
 RMSNorm in every MLA family (calibrated transforms fold into γ), times the model's ``latent_scale`` s (1, or
@@ -65,16 +65,46 @@ def wide_layers(modules: dict[int, torch.nn.Module], layouts: dict[int, PageLayo
     return wide
 
 
-def keep_off_tokens_m(wide: set[PageLayout]) -> Callable:
-    """An engine's ``decode_config`` (rows, layout, device) -> DecodeConfig or None: for the layouts in `wide`, the
-    API's default with the tokens-as-M kernel left out (``default_config(..., allow_tokens_m=False)``: the built tile
-    on the GPU); for every other layout None, the API's own default."""
+def wide_latents_config(wide: dict[PageLayout, float]) -> Callable:
+    """An engine's ``decode_config`` (rows, layout, device) -> DecodeConfig or None, for `wide`: page layout -> the
+    bound of its content scale (``wide_layers``). A layout whose bound, rounding included, stays under
+    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` (every integer layout: fp16 metadata holds no more) decodes on the API's default
+    with the tokens-as-M kernel's SCALE_VOTE build (``default_config(..., scale_vote=True)``); one past it (FP8's fp32
+    scales) with that kernel left out (``allow_tokens_m=False``: the built tile on the GPU); every other layout on the
+    API's own default (None). The function's ``wide`` and ``voting`` name its layouts and those that vote."""
+    from quantmla.kernels.cuda.tokens_m import TM_VOTE_MAX_CONTENT_SCALE
+
+    voting = frozenset(lay for lay, bound in wide.items() if bound * (1 + ROUNDING_SLACK) < TM_VOTE_MAX_CONTENT_SCALE)
+
     def decode_config(rows: int, layout: PageLayout, device):
         if layout not in wide:
             return None
         from quantmla.kernels.schedule import default_config
 
+        if layout in voting:
+            return default_config(rows, layout, device, scale_vote=True)
         return default_config(rows, layout, device, allow_tokens_m=False)
 
-    decode_config.wide = frozenset(wide)
+    decode_config.wide, decode_config.voting = frozenset(wide), voting
     return decode_config
+
+
+def by_layout(wide: dict[int, float], layouts: dict[int, PageLayout]) -> dict[PageLayout, float]:
+    """`wide` (layer slot -> bound, ``wide_layers``) by page layout: each layout's largest bound."""
+    out: dict[PageLayout, float] = {}
+    for slot, bound in wide.items():
+        out[layouts[slot]] = max(bound, out.get(layouts[slot], 0.0))
+    return out
+
+
+def wide_warning(wide: dict[int, float], config: Callable | None) -> str:
+    """What an engine says of its `wide` layers (``wide_layers``): where they decode under `config` (a
+    ``wide_latents_config``), or, with None (a decode_config of the caller's own), where they must."""
+    head = (f"the latent norms of layers {sorted(wide)} allow content-group scales up to {max(wide.values()):.4g}, "
+            f"past what the tokens-as-M decode kernel's default builds read right (255.875): ")
+    if config is None:
+        return head + ("EngineConfig.decode_config must decode them on its SCALE_VOTE build or off it "
+                       "(latent_range.wide_latents_config)")
+    off = len(config.wide) - len(config.voting)
+    return head + "their cache layouts decode on its SCALE_VOTE build" + (
+        f" ({off} past 65504 off it, on the other kernels)" if off else "")

@@ -299,8 +299,11 @@ def main() -> None:
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
                         row(vname, time_decode(vp, md), vp, decode_only=True, units=md.num_units)
                     pb = cuda.TM_P_BUFFERS if m["ONE_BARRIER"] else 1
-                    for st in range(cuda.TM_MIN_STAGES if pb == 2 else 2, plan.stages):  # fewer tiles in flight: does the copy pipeline wait on DRAM?
+                    # every other stage count that fits: does the copy pipeline wait on DRAM, or on the stages?
+                    for st in range(cuda.TM_MIN_STAGES if pb == 2 else 2, cuda.TM_MAX_STAGES + 1):
                         smem = cuda.smem_bytes_tm(lay, st, pb, m.get("TPW", 1), specialized=bool(m.get("WS")))
+                        if st == plan.stages or plan.ctas_per_sm * (smem + cuda.SMEM_RESERVED) > cuda.SMEM_PER_SM:
+                            continue
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**m, "STAGES": st, "SMEM_EXPECTED": smem}.items())),
                                                  stages=st, smem=smem)
                         row(f"tokens_m_stages_{st}", time_decode(vp, md), vp, decode_only=True, units=md.num_units)

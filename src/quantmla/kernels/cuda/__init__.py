@@ -26,8 +26,8 @@ from quantmla.kernels.cuda.plan import (  # noqa: F401
     plan_reason)
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_CONTENT_SCALE, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS,
-    TM_TWO_BLOCKS_MIN_TOKENS, TM_WARPS, TM_WS_MIN_TOKENS, smem_bytes_tm, tokens_m_default_blocks, tokens_m_plan,
-    tokens_m_reason)
+    TM_TWO_BLOCKS_MIN_TOKENS, TM_VOTE_MAX_CONTENT_SCALE, TM_WARPS, TM_WS_2BIT_STAGES, TM_WS_MIN_TOKENS, smem_bytes_tm,
+    tokens_m_default_blocks, tokens_m_plan, tokens_m_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
     WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_plan, warpgroup_reason)
 
@@ -36,13 +36,14 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
-                ctas_per_sm: int | None = None, s8_scores: bool = False) -> DecodePlan | None:
+                ctas_per_sm: int | None = None, s8_scores: bool = False, scale_vote: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
     tile's channels) are the kernel's tiling (`token_blocks`, 1 or 2 blocks of 16 tokens a warp's scores take,
     for the tokens-as-M kernel; None: its default for the layout; `specialized` its scores' and output's warps apart
-    or not, None its default; `ctas_per_sm` of them, default 2; `s8_scores` its scores on 8-bit warpgroup MMAs);
+    or not, None its default; `ctas_per_sm` of them, default 2; `s8_scores` its scores on 8-bit warpgroup MMAs;
+    `scale_vote` its SCALE_VOTE build, for content scales past TM_MAX_CONTENT_SCALE);
     `fragments=True` takes the path without a built tile (None where it cannot read the layout); `tokens_m=True` the
     tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
@@ -62,11 +63,11 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
+           specialized, ctas_per_sm, s8_scores, scale_vote, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
-                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores)
+                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote)
     if isinstance(plan, str):
         plan_reason[layout] = plan
         return None
@@ -77,14 +78,14 @@ _PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' 
 
 
 def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-          specialized, ctas_per_sm, s8_scores) -> DecodePlan | str:
+          specialized, ctas_per_sm, s8_scores, scale_vote=False) -> DecodePlan | str:
     """decode_plan on a device that can run the kernels: the plan, or why there is none."""
     if warpgroup:
         plan = warpgroup_plan(layout, rows, out_dtype)
         return f"heads as M: {plan}" if isinstance(plan, str) else plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
-                             specialized=specialized, s8_scores=s8_scores)
+                             specialized=specialized, s8_scores=s8_scores, scale_vote=scale_vote)
         return f"tokens as M: {plan}" if isinstance(plan, str) else plan
     plan = built_tile_plan(layout, rows, out_dtype, num_warps=num_warps, block_n=block_n, ksplit=ksplit,
                            fragments=fragments)

@@ -13,12 +13,24 @@ from quantmla.kernels.cuda.plan import _OUT, SMEM_PER_SM, SMEM_RESERVED, DecodeP
 TM_BLOCK_N, TM_WARPS, TM_MIN_STAGES, TM_MAX_STAGES = 64, 4, 3, 6
 TM_P_BUFFERS = 2  # P·scale is double-buffered: one CTA barrier a tile
 TM_MAX_CONTENT_SCALE = 65504.0 / 256
-"""The largest content-group scale the kernel reads right (255.875): the output products take P·scale as an fp16
-operand, with P up to 2^8 (the slack of the rows' reference maximum), so a larger scale can overflow fp16's 65504 into
-NaN. The serving engine keeps a layout whose latents' norm allows larger scales off this kernel
+"""The largest content-group scale the kernel's default builds read right (255.875): the output products take P·scale
+as an fp16 operand, with P up to 2^8 (the slack of the rows' reference maximum), so a larger scale can overflow fp16's
+65504 into NaN. Layouts whose latents' norm allows larger scales decode on the `scale_vote` build
 (serving/latent_range.py)."""
+TM_VOTE_MAX_CONTENT_SCALE = 65504.0
+"""The largest content-group scale the `scale_vote` build (SCALE_VOTE) reads right: every scale fp16 metadata holds
+(FP8's fp32 scales past it overflow P·scale at P = 1). It costs the decode kernel alone, on an H100, 0.4 to 2 % in
+INT4/INT4, 3 to 12 % in INT2/INT4 and nothing in FP8 (lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so
+it is built only where asked."""
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
+TM_WS_2BIT_STAGES = 3
+"""With the warps apart at two CTAs an SM, 2-bit content codes take at most this many stages (6 fit). The decode kernel
+alone, INT2/INT4 on an H100, 3 / 4 / 6 stages, one process
+(lab/results/kernels/decode_tokens_m_stage_plans_long_h100.json and ..._short_1blocks_h100.json):
+28.7 / 28.9 / 28.9 µs at 1 x 131072, 78.5 / 77.8 / 79.2 at 32 x 16384, 45.1 / 45.5 /
+46.7 at 64 x 4096, 24.7 / 25.1 / 25.6 at 64 x 1536; 3 to 5 stages were as fast as 6 or faster in three processes before
+(docs/decode_tokens_m.md, "Stages for 2-bit content")."""
 TM_WS_MIN_TOKENS = 384
 """Integer-code work units shorter than this (tokens; 6 tiles of 64) read faster on the 4-warp plan than with the
 scores' and the output's warps apart: in CUDA graphs of 27 layers on an H100 (a cache a layer, 16 heads), INT4/INT4's
@@ -96,11 +108,12 @@ def tokens_m_default_blocks(layout: PageLayout) -> int:
 
 def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_per_sm: int = 2,
                   blocks_per_warp: int | None = None, specialized: bool | None = None,
-                  s8_scores: bool = False) -> DecodePlan | str:
+                  s8_scores: bool = False, scale_vote: bool = False) -> DecodePlan | str:
     """The tokens-as-M build for `layout` (or why there is none): 4 warps whose scores take `blocks_per_warp` blocks
     of 16 tokens each (1: a warp's scores over all 576 channels of 16 tokens; 2: two warps split the channels of 32
     tokens, so each query fragment read from shared memory serves 32 tokens, and each finishes 8 rows' softmax;
-    None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES) that fit `ctas_per_sm` CTAs per SM
+    None: `tokens_m_default_blocks`), the most stages (up to TM_MAX_STAGES; TM_WS_2BIT_STAGES for 2-bit content codes
+    with the warps apart at two CTAs an SM) that fit `ctas_per_sm` CTAs per SM
     (registers are capped to match: 2 CTAs allow 255 a thread, 3 allow 168). `specialized`: 8 warps, 4 that take
     the scores, the softmax and P and 4 that take the output products a tile behind (WS; 2 CTAs allow 128 registers
     a thread); None: `specialized` for integer codes where it fits at up to two CTAs an SM (the register split it
@@ -110,8 +123,9 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     INT4/INT4 1 to 4.4 % slower, so there the output warps refill). 2-bit content codes take a copy a section a stage
     (one copy of the page measured 2 to 6 % slower with the warps apart); the other formats one bulk copy of a 64-token
     page (WHOLE_PAGE, the kernel's default: as fast or up to 2.9 % faster), docs/decode_tokens_m.md "Who refills the
-    stages" and "A stage in one copy". `s8_scores` (INT4/INT4 or INT2/INT4 with groups 128/64, the warps apart, a
-    block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
+    stages" and "A stage in one copy". `scale_vote`: each token's P also held under 65504 / its largest content scale
+    (SCALE_VOTE), for content scales past TM_MAX_CONTENT_SCALE up to TM_VOTE_MAX_CONTENT_SCALE. `s8_scores` (INT4/INT4
+    or INT2/INT4 with groups 128/64, the warps apart, a block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
     (not yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
     if why:
@@ -119,10 +133,11 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     if specialized is None:
         apart = not is_fp8(layout) and ctas_per_sm <= 2
         if s8_scores:  # only with the warps apart: asked for, never dropped
-            return tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True, True)
-        plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True) if apart else None
+            return tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True, True, scale_vote)
+        plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm, blocks_per_warp, True,
+                             scale_vote=scale_vote) if apart else None
         return plan if isinstance(plan, DecodePlan) else tokens_m_plan(layout, rows, out_dtype, ctas_per_sm,
-                                                                       blocks_per_warp, False)
+                                                                       blocks_per_warp, False, scale_vote=scale_vote)
     if blocks_per_warp is None:  # (with the warps apart one block a warp measured faster on the H200)
         blocks_per_warp = 1 if specialized else tokens_m_default_blocks(layout)
     if blocks_per_warp not in (1, 2):
@@ -131,6 +146,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         return "FP8 with two token blocks a warp: its stages leave no room for the partial scores' exchange"
     if specialized and is_fp8(layout):
         return "FP8 with the scores' and the output's warps apart: not built (its stages leave no room)"
+    if s8_scores and scale_vote:
+        return "the scores on 8-bit warpgroup MMAs with the scale vote: not built"
     if s8_scores:
         f = layout.token.fmt
         if not specialized or blocks_per_warp != 1:
@@ -155,6 +172,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     tok, o = layout.token, layout.offsets
     fb = tok.field_bytes
     stages = stages[0]
+    if specialized and tok.fmt.content.bits == 2 and ctas_per_sm == 2 and not s8_scores:  # as measured
+        stages = min(stages, TM_WS_2BIT_STAGES)
     smem = smem_bytes_tm(layout, stages, p_buffers, blocks_per_warp, specialized)
     macros = dict(
         TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
@@ -177,4 +196,6 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         macros["C_FP8"] = 1
     if s8_scores:
         macros["S8_QK"] = 1
+    if scale_vote:
+        macros["SCALE_VOTE"] = 1
     return DecodePlan(tuple(sorted(macros.items())), 16, stages, ctas_per_sm, smem)
