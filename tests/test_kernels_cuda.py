@@ -405,14 +405,17 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("int4/int4", [2048] * 16, True),  # 128-token units, 256 CTAs: the 4-warp plan, two token blocks a warp
     ("int4/int4", [2048] * 32, True),  # 256 tokens (TM_TWO_BLOCKS_MIN_TOKENS), 256 CTAs: two blocks a warp
     ("int4/int4", [2048] * 2, True),   # 128-token units, 32 CTAs: one block a warp
-    ("int2/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
-    ("int2/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
+    ("int2/int4", [8192] * 10, True),  # 320 tokens: 2-bit content keeps the warps apart
+    ("int2/int4", [2048] * 8, True),   # 128 tokens: the same
+    ("int4/int4", [8192] * 10, True),  # 320 tokens: the 4-warp plan
+    ("int4/int4", [8192] * 12, True),  # 384 tokens, TM_WS_MIN_TOKENS: the warps apart
 ])
 def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
-    FP8_TM_MIN_TOKENS tokens and takes the built tile below; integer codes keep the tokens-as-M kernel's warps apart
-    where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one token block a warp
-    below TM_TWO_BLOCKS_MIN_TOKENS (each measured faster there); a config passed in is kept."""
+    FP8_TM_MIN_TOKENS tokens and takes the built tile below; 4-bit content codes keep the tokens-as-M kernel's warps
+    apart where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one token block a warp
+    below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content codes keep the warps apart at any length (each measured faster
+    there); a config passed in is kept."""
     from quantmla.kernels import schedule
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -429,12 +432,14 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
             kept = schedule.get_mla_metadata(seq, 16, 1, lay, config=default, num_sms=132)
     assert default.tokens_m and md.config.kernel == "cuda" and md.config.tokens_m == tokens_m
     assert name != "fp8" or (md.chunk_tokens >= cuda.FP8_TM_MIN_TOKENS) == tokens_m
-    if name != "fp8":  # the warps apart from TM_WS_MIN_TOKENS on, the 4-warp plan (4 warps a CTA) below
-        assert default.specialized and md.config.specialized == (md.chunk_tokens >= cuda.TM_WS_MIN_TOKENS)
+    if name != "fp8":  # the warps apart from tokens_m_ws_min_tokens on, the 4-warp plan (4 warps a CTA) below
+        least = {"int4/int4": cuda.TM_WS_MIN_TOKENS, "int2/int4": 0}[name]
+        assert cuda.tokens_m_ws_min_tokens(lay) == least
+        assert default.specialized and md.config.specialized == (md.chunk_tokens >= least), md.chunk_tokens
         assert md.config.num_warps == (8 if md.config.specialized else 4)
         # on 4 warps 4-bit content takes one token block a warp where its 128-token units' CTAs fit one an SM
-        blocks = {("int2/int4", 10): 1, ("int4/int4", 8): 1, ("int4/int4", 2): 1, ("int4/int4", 16): 2,
-                  ("int4/int4", 32): 2}
+        blocks = {("int4/int4", 8): 1, ("int4/int4", 2): 1, ("int4/int4", 16): 2, ("int4/int4", 32): 2,
+                  ("int4/int4", 10): 2}
         if not md.config.specialized:
             assert md.config.token_blocks == blocks[(name, len(lens))], (md.num_units, md.chunk_tokens)
     spans = md.units[:, 2] - md.units[:, 1]
@@ -449,7 +454,7 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
     ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
     ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps, 144 CTAs
-    ("int2/int4", 16, 4096, "four_warps"),  # splits of 4 tiles (256 tokens)
+    ("int2/int4", 16, 4096, "default"),  # splits of 4 tiles (256 tokens): 2-bit content keeps the warps apart
     ("int4/int4", 16, 4096, "four_warps"),  # 256 tokens: two token blocks a warp (one at 8 x 2304 above)
     ("int4/int4", 9, 2304, "four_warps"),   # 128-token units, 162 CTAs: two token blocks a warp
     ("int4/int4", 4, 2304, "four_warps"),   # 128-token units, 72 CTAs: one token block a warp
@@ -457,8 +462,8 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
 def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, name, b, max_len, want):
     """A decode graph bucket's plan and its combine shape (``graph_combine``, which eager rows in mixed steps launch
     the combine kernel in) use the API's config for the units the bucket cuts a max_len row into
-    (``config_for_units``), so FP8 over short units replays the built tile, and integer codes over units shorter than
-    TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
+    (``config_for_units``), so FP8 over short units replays the built tile, and 4-bit content codes over units shorter
+    than TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
     backend's own ``decode_config`` is kept."""
     import types
 
@@ -489,7 +494,7 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     assert cfg.tokens_m == (want != "built")
     if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
         assert default.specialized and cfg.specialized == (want == "default")
-        assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == (want == "default")
+        assert (eager.chunk_tokens >= cuda.tokens_m_ws_min_tokens(lay)) == (want == "default")
         # one token block a warp where the bucket's units are shorter than 256 tokens and fit one CTA an SM
         # (8 x 2304: 18 splits a row, 144 CTAs; 4 x 2304: 72)
         two = name == "int4/int4" and b in (8, 9, 16)

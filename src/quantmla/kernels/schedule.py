@@ -262,7 +262,7 @@ def get_mla_metadata(
     the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
     Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
-    built-tile kernel rather than the tokens-as-M one, and integer codes whose units are shorter than
+    built-tile kernel rather than the tokens-as-M one, and 4-bit content codes whose units are shorter than
     ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
     one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
     SM (``config_for_units``; each measured faster there).
@@ -349,7 +349,8 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
     """The default config `cfg` for work units of `unit_tokens` tokens (`one_cta_an_sm`: the call's CTAs, units times
     head blocks, are at most the SMs): an FP8 cache on the tokens-as-M kernel whose units are shorter than
     ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on the tokens-as-M kernel
-    with the warps apart whose units are shorter than ``cuda.TM_WS_MIN_TOKENS`` by its 4-warp plan, with one token
+    with the warps apart whose units are shorter than ``cuda.tokens_m_ws_min_tokens`` (4-bit content codes:
+    ``cuda.TM_WS_MIN_TOKENS``; 2-bit: none) by its 4-warp plan, with one token
     block a warp where the CTAs fit one an SM and the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each
     measured faster there), where those build (the 4-warp plan with the SCALE_VOTE build where `cfg` has it); every
     other config is kept. ``get_mla_metadata`` applies it to an
@@ -360,7 +361,7 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
         built = cuda_config(rows, layout, device, tokens_m=False)
         if built is not None:
             return built
-    if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.TM_WS_MIN_TOKENS:
+    if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.tokens_m_ws_min_tokens(layout):
         blocks = 1 if one_cta_an_sm and unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the default
         four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks,
                                  scale_vote=cfg.scale_vote)

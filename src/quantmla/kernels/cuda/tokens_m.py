@@ -32,12 +32,13 @@ alone, INT2/INT4 on an H100, 3 / 4 / 6 stages, one process
 46.7 at 64 x 4096, 24.7 / 25.1 / 25.6 at 64 x 1536; 3 to 5 stages were as fast as 6 or faster in three processes before
 (docs/decode_tokens_m.md, "Stages for 2-bit content")."""
 TM_WS_MIN_TOKENS = 384
-"""Integer-code work units shorter than this (tokens; 6 tiles of 64) read faster on the 4-warp plan than with the
-scores' and the output's warps apart: in CUDA graphs of 27 layers on an H100 (a cache a layer, 16 heads), INT4/INT4's
-decode kernel takes 12.3 against 13.1 µs at 8 x 2048 (128-token units), 17.7 against 19.5 at 16 x 2048, 21.9 against
-23.0 at 8 x 8192 (256 tokens), the same at 12 x 8192 (384 tokens), and with the warps apart 0.6 µs less at 16 x 8192
-(512 tokens) and 1.6 less at 24 x 8192 (768); INT2/INT4 0.1 to 0.4 µs less on the 4-warp plan up to 256-token units
-(docs/decode_tokens_m.md, "Short units on 4 warps"; lab/results/kernels/decode_in_graph_warps_apart_h100.json)."""
+"""4-bit content codes in work units shorter than this (tokens; 6 tiles of 64) read faster on the 4-warp plan than with
+the scores' and the output's warps apart: in CUDA graphs of 27 layers on an H100 (a cache a layer, 16 heads),
+INT4/INT4's decode kernel takes 12.3 against 13.1 µs at 8 x 2048 (128-token units), 17.7 against 19.5 at 16 x 2048,
+21.9 against 23.0 at 8 x 8192 (256 tokens), the same at 12 x 8192 (384 tokens), and with the warps apart 0.6 µs less
+at 16 x 8192 (512 tokens) and 1.6 less at 24 x 8192 (768) (docs/decode_tokens_m.md, "Short units on 4 warps";
+lab/results/kernels/decode_in_graph_warps_apart_h100.json). 2-bit content codes keep the warps apart at any length
+(``tokens_m_ws_min_tokens``)."""
 TM_TWO_BLOCKS_MIN_TOKENS = 256
 """On the 4-warp plan (units shorter than TM_WS_MIN_TOKENS), 4-bit content codes take one token block a warp instead
 of the default two where the units are shorter than this (tokens) and the call's CTAs fit one an SM
@@ -98,6 +99,16 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
     factors = p_buffers * (bm + 4) * 4 if specialized else 0
     return head + stages * stage + TM_TOKEN_BLOCKS * bm * (1 + cg) * 4 + exchange + factors + 8 * stages
+
+
+def tokens_m_ws_min_tokens(layout: PageLayout) -> int:
+    """The fewest tokens a work unit needs for the API to keep integer codes on the warps-apart plan (shorter units
+    take the 4-warp plan): TM_WS_MIN_TOKENS for 4-bit content codes; 0 for 2-bit, whose warps-apart plan (3 stages,
+    TM_WS_2BIT_STAGES) reads short units faster than the 4-warp plan in CUDA graphs of 27 layers on an H100: 9.01
+    against 9.29 µs a layer at 8 x 2048 (128-token units), 10.69 against 10.83 at 16 x 1536, 13.08 against 13.42 at
+    32 x 1536, 19.36 against 19.90 at 64 x 1536, 15.05 against 15.47 at 16 x 4096
+    (lab/results/kernels/decode_in_graph_three_ctas_h100.json; with 6 stages it was 0.1 to 0.4 µs slower)."""
+    return TM_WS_MIN_TOKENS if layout.token.fmt.content.bits == 4 else 0
 
 
 def tokens_m_default_blocks(layout: PageLayout) -> int:
