@@ -202,9 +202,9 @@ def test_failed_tokens_m_build_falls_back_to_the_built_tile():
 
 
 def test_scale_vote_through_the_configs(monkeypatch):
-    """scale_vote reaches the plan from default_config and cuda_config, the config carries it (its name with a "v")
-    and the launch asks for it; config_for_units keeps it on the 4-warp plan of short units; with the scores on 8-bit
-    MMAs it is refused with the reason."""
+    """scale_vote reaches the plan from default_config and cuda_config, the config carries it (its name with a "v");
+    config_for_units keeps it on the 4-warp plan of short units; with the scores on 8-bit MMAs it is refused with the
+    reason."""
     from quantmla.kernels import schedule
 
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
@@ -221,3 +221,55 @@ def test_scale_vote_through_the_configs(monkeypatch):
     assert vote.describe() == plain.describe().replace("cuda/tm/ws", "cuda/tm/wsv", 1)
     assert short.scale_vote and not short.specialized and not plain_short.scale_vote
     assert short.describe() == plain_short.describe().replace("cuda/tm", "cuda/tm" + "v", 1)
+
+
+def test_the_launch_asks_for_the_configs_scale_vote(monkeypatch):
+    """launch_cuda asks decode_plan for the build its config names, SCALE_VOTE included (no plan here: it warns and
+    leaves the call to Triton)."""
+    from quantmla.kernels import launch
+    from quantmla.kernels.schedule import DecodeConfig
+
+    asked = {}
+    monkeypatch.setattr(cuda, "decode_plan", lambda *a, **kw: asked.update(kw))
+    monkeypatch.setattr(cuda, "mode", lambda: "auto")
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    args = [None] * 16
+    args[2], args[8], args[15] = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), 16
+    for vote in (True, False):
+        cfg = DecodeConfig(kernel="cuda", tokens_m=True, specialized=True, scale_vote=vote)
+        with pytest.warns(UserWarning, match="the Triton kernel runs instead"):
+            assert launch.launch_cuda((1, 1), args, lay, cfg) is None
+        assert asked["scale_vote"] is vote and asked["tokens_m"] and asked["specialized"]
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, follows):
+    """A backend decode_config marked ``follows_units`` (the engine's wide_latents_config) is where the unit-length
+    rules start, in a graph bucket (decode_tiling) and in an eager call (get_mla_metadata with follow_units): INT4/INT4
+    over the short job's 128-token units takes the 4-warp plan with SCALE_VOTE; unmarked, the config is kept as given."""
+    import types
+
+    from quantmla.kernels import api, schedule
+    from quantmla.serving.triton_backend import decode_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    real_cuda_config = schedule.cuda_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        vote = schedule.default_config(16, lay, "cuda", scale_vote=True)
+        monkeypatch.setattr(schedule, "cuda_config",
+                            lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
+        own = lambda rows, layout, device: vote  # noqa: E731
+        if follows:
+            own.follows_units = True
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
+                                        decode_config=own)
+        graph = decode_tiling(backend, lay, 8, 2304)
+        eager = api.get_mla_metadata(torch.full((8,), 2304, dtype=torch.int32), 16, 1, lay, config=vote,
+                                     num_sms=132, follow_units=follows)
+    assert vote.specialized and vote.scale_vote
+    for cfg in (graph, eager.config):
+        assert cfg.scale_vote and cfg.tokens_m and cfg.specialized != follows, cfg.describe()
+    assert (graph == vote) != follows and (eager.config == vote) != follows

@@ -190,6 +190,29 @@ def test_default_config_leaves_the_tokens_m_kernel_out_or_votes_when_asked(monke
     assert planned == [(False, False)] and wide(16, bf16, "cuda") is None and planned == [(False, False)]
 
 
+def test_wide_layouts_and_what_the_engine_says_of_them():
+    """by_layout keeps each layout's largest bound over its layers; wide_warning names the layers and the largest bound,
+    says where they decode (and how many layouts decode off the kernel past TM_VOTE_MAX_CONTENT_SCALE), or, for a
+    decode_config of the caller's own, what it must do; the config follows the API's unit-length rules."""
+    from quantmla.kernels.cuda import TM_VOTE_MAX_CONTENT_SCALE
+
+    int4 = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    fp8 = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
+    layouts = {0: int4, 1: int4, 2: fp8}
+    wide = {0: 300.0, 1: 900.0, 2: 2 * TM_VOTE_MAX_CONTENT_SCALE}
+    assert latent_range.by_layout(wide, layouts) == {int4: 900.0, fp8: 2 * TM_VOTE_MAX_CONTENT_SCALE}
+    cfg = latent_range.wide_latents_config(latent_range.by_layout(wide, layouts))
+    assert cfg.voting == {int4} and cfg.wide == {int4, fp8} and cfg.follows_units
+    said = latent_range.wide_warning(wide, cfg)
+    assert said.startswith("the latent norms of layers [0, 1, 2] allow content-group scales up to 1.31e+05")
+    assert "255.875" in said and said.endswith("decode on its SCALE_VOTE build; 1 cache layout(s) past 65504 decode "
+                                               "off it, on the other kernels")
+    only = latent_range.wide_latents_config(latent_range.by_layout({0: 300.0}, layouts))
+    assert latent_range.wide_warning({0: 300.0}, only).endswith("decode on its SCALE_VOTE build")
+    assert latent_range.wide_warning(wide, None).endswith("EngineConfig.decode_config must decode them on its "
+                                                          "SCALE_VOTE build or off it (latent_range.wide_latents_config)")
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton backend on the CPU: TRITON_INTERPRET=1")
 def test_engine_decodes_wide_latents_on_the_scale_vote(v3, monkeypatch):
     """An engine over a model whose layer-0 latent norm allows content scales past the kernel's default builds takes

@@ -62,7 +62,7 @@
 #                 latent-range test, then both builds' decode calls, INT4/INT4, INT2/INT4 and FP8, in one process
 #                     -> kernels/whole_page_gpu_tests_h200.log, kernels/decode_tokens_m_whole_page_h200.json
 # stage-plans     the tokens-as-M plans' stage choices on this GPU, decode kernel alone: the 4-warp plans (the engine's
-#                 for units under 384 tokens) with one copy a stage and a copy a section at short contexts, and the
+#                 for 4-bit codes' units under 384 tokens) with one copy a stage and a copy a section at short contexts, and the
 #                 default plans with every stage count that fits (the tool's stage rows) at long ones, INT4/INT4 and
 #                 INT2/INT4   -> kernels/decode_tokens_m_stage_plans_{short_2blocks,short_1blocks,long}_h200.json
 # scale-vote      the tokens-as-M kernel's SCALE_VOTE build (P held under 65504 / its token's largest content scale): the

@@ -254,6 +254,7 @@ def get_mla_metadata(
     num_sms: int | None = None,
     chunk_tokens: int | None = None,
     combine: CombineShape | None = None,
+    follow_units: bool = False,
 ) -> MLAMetadata:
     """Split every sequence into work units so that at most ``num_sms × ctas_per_sm`` programs run (one
     wave: a second, partial wave would double the step's time), as many as the lengths allow.
@@ -265,7 +266,8 @@ def get_mla_metadata(
     built-tile kernel rather than the tokens-as-M one, and 4-bit content codes whose units are shorter than
     ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
     one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
-    SM (``config_for_units``; each measured faster there).
+    SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``: then
+    those rules apply to it as to the default (an engine's SCALE_VOTE configs, ``serving/latent_range.py``).
     """
     if num_heads < 1:
         raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")
@@ -286,8 +288,9 @@ def get_mla_metadata(
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
-    if config is None and (chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn,
-                                                      len(units) * hb <= (num_sms or num_sms_of(device)))) is not cfg:
+    one_an_sm = len(units) * hb <= (num_sms or num_sms_of(device))
+    if (config is None or follow_units) and (
+            chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm)) is not cfg:
         return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
                                 chunk_tokens=chunk_tokens, combine=combine)
     return MLAMetadata(

@@ -51,7 +51,7 @@ def wide_layers(modules: dict[int, torch.nn.Module], layouts: dict[int, PageLayo
     """Layer slot -> the bound of its content scale (``content_scale_bound`` of its ``kv_a_layernorm``), for the
     layers whose page layout the tokens-as-M decode kernel reads at `rows` query rows (``cuda.tokens_m_reason``) and
     whose stored scales could reach ``cuda.TM_MAX_CONTENT_SCALE``, rounding included (``ROUNDING_SLACK``): the scale
-    past which that kernel's fp16 P·scale operand can overflow."""
+    past which the fp16 P·scale operand of that kernel's default builds can overflow."""
     from quantmla.kernels.cuda.tokens_m import TM_MAX_CONTENT_SCALE, tokens_m_reason
 
     wide = {}
@@ -68,10 +68,14 @@ def wide_layers(modules: dict[int, torch.nn.Module], layouts: dict[int, PageLayo
 def wide_latents_config(wide: dict[PageLayout, float]) -> Callable:
     """An engine's ``decode_config`` (rows, layout, device) -> DecodeConfig or None, for `wide`: page layout -> the
     bound of its content scale (``wide_layers``). A layout whose bound, rounding included, stays under
-    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` (every integer layout: fp16 metadata holds no more) decodes on the API's default
+    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` (the largest scale fp16 metadata stores) decodes on the API's default
     with the tokens-as-M kernel's SCALE_VOTE build (``default_config(..., scale_vote=True)``); one past it (FP8's fp32
-    scales) with that kernel left out (``allow_tokens_m=False``: the built tile on the GPU); every other layout on the
-    API's own default (None). The function's ``wide`` and ``voting`` name its layouts and those that vote."""
+    scales, or a norm whose bound passes it) with that kernel left out (``allow_tokens_m=False``: the built tile on the
+    GPU); every other layout on the
+    API's own default (None). The function's ``wide`` and ``voting`` name its layouts and those that vote; its
+    ``follows_units`` has the engine apply the API's unit-length rules to the configs it gives
+    (``schedule.config_for_units``: the 4-warp plan of 4-bit codes over short units, FP8's built tile), as to the
+    default."""
     from quantmla.kernels.cuda.tokens_m import TM_VOTE_MAX_CONTENT_SCALE
 
     voting = frozenset(lay for lay, bound in wide.items() if bound * (1 + ROUNDING_SLACK) < TM_VOTE_MAX_CONTENT_SCALE)
@@ -85,7 +89,7 @@ def wide_latents_config(wide: dict[PageLayout, float]) -> Callable:
             return default_config(rows, layout, device, scale_vote=True)
         return default_config(rows, layout, device, allow_tokens_m=False)
 
-    decode_config.wide, decode_config.voting = frozenset(wide), voting
+    decode_config.wide, decode_config.voting, decode_config.follows_units = frozenset(wide), voting, True
     return decode_config
 
 
@@ -100,11 +104,13 @@ def by_layout(wide: dict[int, float], layouts: dict[int, PageLayout]) -> dict[Pa
 def wide_warning(wide: dict[int, float], config: Callable | None) -> str:
     """What an engine says of its `wide` layers (``wide_layers``): where they decode under `config` (a
     ``wide_latents_config``), or, with None (a decode_config of the caller's own), where they must."""
+    from quantmla.kernels.cuda.tokens_m import TM_MAX_CONTENT_SCALE, TM_VOTE_MAX_CONTENT_SCALE
+
     head = (f"the latent norms of layers {sorted(wide)} allow content-group scales up to {max(wide.values()):.4g}, "
-            f"past what the tokens-as-M decode kernel's default builds read right (255.875): ")
+            f"past what the tokens-as-M decode kernel's default builds read right ({TM_MAX_CONTENT_SCALE:g}): ")
     if config is None:
         return head + ("EngineConfig.decode_config must decode them on its SCALE_VOTE build or off it "
                        "(latent_range.wide_latents_config)")
     off = len(config.wide) - len(config.voting)
     return head + "their cache layouts decode on its SCALE_VOTE build" + (
-        f" ({off} past 65504 off it, on the other kernels)" if off else "")
+        f"; {off} cache layout(s) past {TM_VOTE_MAX_CONTENT_SCALE:g} decode off it, on the other kernels" if off else "")

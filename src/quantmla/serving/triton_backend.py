@@ -98,16 +98,18 @@ class StaticDecodePlan:
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that
-    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, integer
-    codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the bucket's b·S
-    CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the graph keeps that
-    choice for shorter real rows, whose units are shorter)."""
+    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, 4-bit
+    content codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the
+    bucket's b·S CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the
+    graph keeps that choice for shorter real rows, whose units are shorter). A ``decode_config`` whose
+    ``follows_units`` is set (``latent_range.wide_latents_config``) gives the config those rules start from."""
     from quantmla.kernels import schedule
 
-    H, dev = backend.spec.num_heads, backend.device
-    if backend.decode_config is not None and (cfg := backend.decode_config(H, layout, dev)) is not None:
+    H, dev, own = backend.spec.num_heads, backend.device, backend.decode_config
+    cfg = None if own is None else own(H, layout, dev)
+    if cfg is not None and not getattr(own, "follows_units", False):
         return cfg
-    cfg = _kernels().default_config(H, layout, dev)
+    cfg = cfg or _kernels().default_config(H, layout, dev)
     sms = schedule.num_sms_of(dev)
     S, chunk, _ = bucket_splits(cfg, H, b, max_len, sms)
     return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * -(-H // cfg.block_m) <= sms)
@@ -222,9 +224,11 @@ class TritonPagedBackend(AttentionBackend):
         cache = meta.backend_state.setdefault("md", {})
         if kind not in cache:
             H, layout = self.spec.num_heads, self.kinds[kind]
-            cfg = None if self.decode_config is None else self.decode_config(H, layout, meta.seq_lens.device)
+            own = self.decode_config
+            cfg = None if own is None else own(H, layout, meta.seq_lens.device)
             combine = None if meta.graph_buckets is None else self.graph_combine(*meta.graph_buckets)[kind]
-            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine)
+            cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine,
+                                                      follow_units=getattr(own, "follows_units", False))
         return cache[kind]
 
     def decode(self, slot, q_lat, q_rope, meta):

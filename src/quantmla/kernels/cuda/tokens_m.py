@@ -1,5 +1,6 @@
 """The plan of the tokens-as-M decode kernel (mla_decode_tm.cu): tokens are the MMA's M dimension and the
-codes are read in place as the products' operands; 4 warps, 64-token tiles, the most stages that fit. It reads
+codes are read in place as the products' operands; 4 warps (or 8, the scores' and the output's apart), 64-token tiles,
+the most stages that fit (3 for 2-bit content codes with the warps apart). It reads
 2- or 4-bit affine codes with fp16 metadata on both paths, and FP8 (fp8_ds_mla: e4m3 content with an fp32 scale
 a group, the RoPE key in bf16)."""
 
@@ -19,17 +20,18 @@ as an fp16 operand, with P up to 2^8 (the slack of the rows' reference maximum),
 (serving/latent_range.py)."""
 TM_VOTE_MAX_CONTENT_SCALE = 65504.0
 """The largest content-group scale the `scale_vote` build (SCALE_VOTE) reads right: every scale fp16 metadata holds
-(FP8's fp32 scales past it overflow P·scale at P = 1). It costs the decode kernel alone, on an H100, 0.4 to 2 % in
-INT4/INT4, 3 to 12 % in INT2/INT4 and nothing in FP8 (lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so
-it is built only where asked."""
+(FP8's fp32 scales past it overflow P·scale at P = 1). It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in
+INT4/INT4, 3 to 12 % in INT2/INT4 (on 6 stages) and nothing in FP8
+(lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so it is built only where asked."""
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 TM_WS_2BIT_STAGES = 3
-"""With the warps apart at two CTAs an SM, 2-bit content codes take at most this many stages (6 fit). The decode kernel
-alone, INT2/INT4 on an H100, 3 / 4 / 6 stages, one process
-(lab/results/kernels/decode_tokens_m_stage_plans_long_h100.json and ..._short_1blocks_h100.json):
-28.7 / 28.9 / 28.9 µs at 1 x 131072, 78.5 / 77.8 / 79.2 at 32 x 16384, 45.1 / 45.5 /
-46.7 at 64 x 4096, 24.7 / 25.1 / 25.6 at 64 x 1536; 3 to 5 stages were as fast as 6 or faster in three processes before
+"""With the warps apart at two CTAs an SM, 2-bit content codes take at most this many stages (6 fit; the S8_QK build,
+not measured so, keeps the most). The decode kernel alone, INT2/INT4, 3 / 4 / 6 stages, one process each: on an H100
+(lab/results/kernels/decode_tokens_m_stage_plans_long_h100.json, ..._short_1blocks_h100.json) 28.7 / 28.9 / 28.9 µs at
+1 x 131072, 78.5 / 77.8 / 79.2 at 32 x 16384, 45.1 / 45.5 / 46.7 at 64 x 4096, 24.7 / 25.1 / 25.6 at 64 x 1536; on an
+H200 (decode_tokens_m_stage_plans_long_h200.json) 27.7 / 27.9 / 28.3 at 1 x 131072, 77.7 / 77.9 / 78.4 at 32 x 16384,
+45.0 / 44.9 / 46.1 at 64 x 4096. In the other H100 processes 3 stages are within 0.7 % of 6 or faster
 (docs/decode_tokens_m.md, "Stages for 2-bit content")."""
 TM_WS_MIN_TOKENS = 384
 """4-bit content codes in work units shorter than this (tokens; 6 tiles of 64) read faster on the 4-warp plan than with
@@ -105,9 +107,9 @@ def tokens_m_ws_min_tokens(layout: PageLayout) -> int:
     """The fewest tokens a work unit needs for the API to keep integer codes on the warps-apart plan (shorter units
     take the 4-warp plan): TM_WS_MIN_TOKENS for 4-bit content codes; 0 for 2-bit, whose warps-apart plan (3 stages,
     TM_WS_2BIT_STAGES) reads short units faster than the 4-warp plan in CUDA graphs of 27 layers on an H100: 9.01
-    against 9.29 µs a layer at 8 x 2048 (128-token units), 10.69 against 10.83 at 16 x 1536, 13.08 against 13.42 at
-    32 x 1536, 19.36 against 19.90 at 64 x 1536, 15.05 against 15.47 at 16 x 4096
-    (lab/results/kernels/decode_in_graph_three_ctas_h100.json; with 6 stages it was 0.1 to 0.4 µs slower)."""
+    against 9.29 µs a layer at 8 x 2048 (128-token units), 10.69 against 10.83 at 16 x 1536 (128), 13.08 against 13.42
+    at 32 x 1536 (192), 15.05 against 15.47 at 16 x 4096 (256)
+    (lab/results/kernels/decode_in_graph_three_ctas_h100.json; on 6 stages the 4-warp plan was ahead by 0.1 to 0.4 µs, decode_in_graph_warps_apart_h100.json)."""
     return TM_WS_MIN_TOKENS if layout.token.fmt.content.bits == 4 else 0
 
 
@@ -136,8 +138,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     page (WHOLE_PAGE, the kernel's default: as fast or up to 2.9 % faster), docs/decode_tokens_m.md "Who refills the
     stages" and "A stage in one copy". `scale_vote`: each token's P also held under 65504 / its largest content scale
     (SCALE_VOTE), for content scales past TM_MAX_CONTENT_SCALE up to TM_VOTE_MAX_CONTENT_SCALE. `s8_scores` (INT4/INT4
-    or INT2/INT4 with groups 128/64, the warps apart, a block a warp): the scores' products as 8-bit warpgroup MMAs on the query in two s8 terms (S8_QK); not the default
-    (not yet measured on the H200, docs/kernels.md "What is next")."""
+    or INT2/INT4 with groups 128/64, the warps apart, a block a warp): the scores' products as 8-bit warpgroup MMAs on
+    the query in two s8 terms (S8_QK); not the default (not yet measured on the H200, docs/kernels.md "What is next")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
