@@ -236,7 +236,7 @@ def test_engine_decodes_wide_latents_on_the_scale_vote(v3, monkeypatch):
         with pytest.warns(UserWarning, match=r"layers \[0\].*decode on its SCALE_VOTE build$"):
             eng = Engine(v3, EngineConfig(**cfg))
         keep = eng.backend.decode_config
-        assert keep.wide == keep.voting == {eng.backend.layouts[0]}
+        assert keep.wide == keep.voting == {eng.backend.layouts[0]} and keep.follows_units
         mine = lambda rows, layout, device: None  # noqa: E731
         with pytest.warns(UserWarning, match="decode_config must decode them on its SCALE_VOTE build or off it"):
             assert Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config is mine
