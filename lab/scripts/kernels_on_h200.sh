@@ -69,6 +69,10 @@
 #                 wide-latent GPU tests, the tokens-as-M GPU tests with SCALE_VOTE=1 compiled in (the kernel's default
 #                 edited on the device), then its decode calls beside the default's, INT4/INT4, INT2/INT4 and FP8
 #                     -> kernels/scale_vote_gpu_tests_h200.log, kernels/decode_tokens_m_scale_vote_h200.json
+# two-bit-plans   the 2-bit content rules measured on an H100, on this GPU: INT2/INT4's warps apart (3 stages) against
+#                 its 4-warp plan over short units in CUDA graphs of 27 layers, and the SCALE_VOTE build's cost on
+#                 3 stages          -> kernels/decode_in_graph_two_bit_short_units_h200.json,
+#                                      kernels/decode_tokens_m_scale_vote_two_bit_h200.json
 # warpgroup       the heads-as-M kernel (mla_decode_wg.cu at 128 heads): its GPU tests, its BF16 calls beside the
 #                 API's default, and its decode kernel with cp.async copies and without products; INT4/INT4,
 #                 INT2/INT4 and FP8 beside the built tile, with and without products; then the 128-head shapes of every
@@ -319,6 +323,15 @@ scale-vote() {
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 \
     --shapes 1x131072,8x16384,32x16384,64x4096,8x2048 --tilings 8x32 --tokens-m --variants SCALE_VOTE=1 \
     --out "$OUT/kernels/decode_tokens_m_scale_vote_h200.json" 2>&1 | grep "VOTE\|tokens_m_decode"
+}
+
+two-bit-plans() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods int2/int4 \
+    --shapes 8x2048 16x1536 32x1536 16x4096 --layers 27 --timeline --plans "" specialized=0 \
+    --out "$OUT/kernels/decode_in_graph_two_bit_short_units_h200.json" 2>&1 | grep -v -i warn | tail -12
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int2/int4 \
+    --shapes 1x131072,8x16384,32x16384,64x4096 --tilings 8x32 --tokens-m --variants SCALE_VOTE=1 \
+    --out "$OUT/kernels/decode_tokens_m_scale_vote_two_bit_h200.json" 2>&1 | grep "VOTE\|tokens_m_decode"
 }
 
 combine() {
