@@ -245,8 +245,9 @@ def test_the_launch_asks_for_the_configs_scale_vote(monkeypatch):
 @pytest.mark.parametrize("follows", [True, False])
 def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, follows):
     """A backend decode_config marked ``follows_units`` (the engine's wide_latents_config) is where the unit-length
-    rules start, in a graph bucket (decode_tiling) and in an eager call (get_mla_metadata with follow_units): INT4/INT4
-    over the short job's 128-token units takes the 4-warp plan with SCALE_VOTE; unmarked, the config is kept as given."""
+    rules start, in a graph bucket (decode_tiling) and in an eager call (get_mla_metadata with follow_units):
+    INT4/INT4 over the short job's 128-token units takes the 4-warp plan with SCALE_VOTE; unmarked, the config is kept
+    as given."""
     import types
 
     from quantmla.kernels import api, schedule

@@ -209,8 +209,9 @@ def test_wide_layouts_and_what_the_engine_says_of_them():
                                                "off it, on the other kernels")
     only = latent_range.wide_latents_config(latent_range.by_layout({0: 300.0}, layouts))
     assert latent_range.wide_warning({0: 300.0}, only).endswith("decode on its SCALE_VOTE build")
-    assert latent_range.wide_warning(wide, None).endswith("EngineConfig.decode_config must decode them on its "
-                                                          "SCALE_VOTE build or off it (latent_range.wide_latents_config)")
+    must = ("EngineConfig.decode_config must decode them on its SCALE_VOTE build or off it "
+            "(latent_range.wide_latents_config)")
+    assert latent_range.wide_warning(wide, None).endswith(must)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton backend on the CPU: TRITON_INTERPRET=1")

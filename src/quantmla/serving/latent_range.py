@@ -112,5 +112,5 @@ def wide_warning(wide: dict[int, float], config: Callable | None) -> str:
         return head + ("EngineConfig.decode_config must decode them on its SCALE_VOTE build or off it "
                        "(latent_range.wide_latents_config)")
     off = len(config.wide) - len(config.voting)
-    return head + "their cache layouts decode on its SCALE_VOTE build" + (
-        f"; {off} cache layout(s) past {TM_VOTE_MAX_CONTENT_SCALE:g} decode off it, on the other kernels" if off else "")
+    past = f"; {off} cache layout(s) past {TM_VOTE_MAX_CONTENT_SCALE:g} decode off it, on the other kernels"
+    return head + "their cache layouts decode on its SCALE_VOTE build" + (past if off else "")

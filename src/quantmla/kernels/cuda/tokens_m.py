@@ -109,7 +109,8 @@ def tokens_m_ws_min_tokens(layout: PageLayout) -> int:
     TM_WS_2BIT_STAGES) reads short units faster than the 4-warp plan in CUDA graphs of 27 layers on an H100: 9.01
     against 9.29 µs a layer at 8 x 2048 (128-token units), 10.69 against 10.83 at 16 x 1536 (128), 13.08 against 13.42
     at 32 x 1536 (192), 15.05 against 15.47 at 16 x 4096 (256)
-    (lab/results/kernels/decode_in_graph_three_ctas_h100.json; on 6 stages the 4-warp plan was ahead by 0.1 to 0.4 µs, decode_in_graph_warps_apart_h100.json)."""
+    (lab/results/kernels/decode_in_graph_three_ctas_h100.json; on 6 stages the 4-warp plan is ahead by 0.1 to 0.4 µs,
+    decode_in_graph_warps_apart_h100.json)."""
     return TM_WS_MIN_TOKENS if layout.token.fmt.content.bits == 4 else 0
 
 
@@ -139,7 +140,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     stages" and "A stage in one copy". `scale_vote`: each token's P also held under 65504 / its largest content scale
     (SCALE_VOTE), for content scales past TM_MAX_CONTENT_SCALE up to TM_VOTE_MAX_CONTENT_SCALE. `s8_scores` (INT4/INT4
     or INT2/INT4 with groups 128/64, the warps apart, a block a warp): the scores' products as 8-bit warpgroup MMAs on
-    the query in two s8 terms (S8_QK); not the default (not yet measured on the H200, docs/kernels.md "What is next")."""
+    the query in two s8 terms (S8_QK); not the default (not yet measured on the H200, docs/kernels.md "What is
+    next")."""
     why = tokens_m_reason(layout, rows)
     if why:
         return why
