@@ -18,7 +18,7 @@ TM_MAX_CONTENT_SCALE = 65504.0 / 256
 as an fp16 operand, with P up to 2^8 (the slack of the rows' reference maximum), so a larger scale can overflow fp16's
 65504 into NaN. Layouts whose latents' norm allows larger scales decode on the `scale_vote` build
 (serving/latent_range.py)."""
-TM_VOTE_MAX_CONTENT_SCALE = 65504.0
+TM_VOTE_MAX_CONTENT_SCALE = torch.finfo(torch.float16).max  # 65504: the bound LOG2_P_SCALE_MAX (softmax_tm.cuh) keeps
 """The largest content-group scale the `scale_vote` build (SCALE_VOTE) reads right: every scale fp16 metadata holds
 (FP8's fp32 scales past it overflow P·scale at P = 1). It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in
 INT4/INT4, 3 to 12 % in INT2/INT4 (on 6 stages) and nothing in FP8
