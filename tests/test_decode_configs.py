@@ -242,34 +242,44 @@ def test_the_launch_asks_for_the_configs_scale_vote(monkeypatch):
         assert asked["scale_vote"] is vote and asked["tokens_m"] and asked["specialized"]
 
 
-@pytest.mark.parametrize("follows", [True, False])
-def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, follows):
-    """A backend decode_config marked ``follows_units`` (the engine's wide_latents_config) is where the unit-length
-    rules start, in a graph bucket (decode_tiling) and in an eager call (get_mla_metadata with follow_units):
-    INT4/INT4 over the short job's 128-token units takes the 4-warp plan with SCALE_VOTE; unmarked, the config is kept
-    as given."""
+@pytest.mark.parametrize("own", ["wide_latents", "function", "function_marked"])
+def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, own):
+    """The engine's WideLatentsConfig, whose class declares ``follows_units``, is where the unit-length rules start, in
+    a graph bucket (decode_tiling) and in an eager call (the backend's get_mla_metadata, with follow_units): INT4/INT4
+    over the short job's 128-token units takes the 4-warp plan with SCALE_VOTE. A plain function's config is kept as
+    given, one with a ``follows_units`` attribute set on it included (only a class declares it)."""
     import types
 
-    from quantmla.kernels import api, schedule
-    from quantmla.serving.triton_backend import decode_tiling
+    from quantmla.kernels import schedule
+    from quantmla.serving.backends import AttnMeta
+    from quantmla.serving.latent_range import WideLatentsConfig
+    from quantmla.serving.triton_backend import TritonPagedBackend, decode_tiling, follows_units
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
-    real_cuda_config = schedule.cuda_config
+    real_cuda_config, real_default_config = schedule.cuda_config, schedule.default_config
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         vote = schedule.default_config(16, lay, "cuda", scale_vote=True)
         monkeypatch.setattr(schedule, "cuda_config",
                             lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
-        own = lambda rows, layout, device: vote  # noqa: E731
-        if follows:
-            own.follows_units = True
+        monkeypatch.setattr(schedule, "default_config",  # the CUDA device's configs, on the CPU
+                            lambda rows, layout, device, **kw: real_default_config(rows, layout, "cuda", **kw))
+        if own == "wide_latents":
+            config = WideLatentsConfig(frozenset({lay}), frozenset({lay}))
+        else:
+            config = lambda rows, layout, device: vote
+            if own == "function_marked":
+                config.follows_units = True
+        follows = own == "wide_latents"
+        assert follows_units(config) == follows and config(16, lay, torch.device("cpu")) == vote
         backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
-                                        decode_config=own)
+                                        decode_config=config, kind_of={0: "k"}, kinds={"k": lay})
         graph = decode_tiling(backend, lay, 8, 2304)
-        eager = api.get_mla_metadata(torch.full((8,), 2304, dtype=torch.int32), 16, 1, lay, config=vote,
-                                     num_sms=132, follow_units=follows)
+        meta = AttnMeta(slot_mapping=torch.zeros(8, dtype=torch.int64), num_decode=8,
+                        seq_lens=torch.full((8,), 2304, dtype=torch.int32))
+        eager = TritonPagedBackend._metadata(backend, 0, meta)
     assert vote.specialized and vote.scale_vote
     for cfg in (graph, eager.config):
         assert cfg.scale_vote and cfg.tokens_m and cfg.specialized != follows, cfg.describe()

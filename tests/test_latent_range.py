@@ -1,6 +1,7 @@
 """The content scales a model's latent norm allows (serving/latent_range.py), and the engine keeping latents whose
 scales the tokens-as-M decode kernel cannot hold off that kernel."""
 
+import dataclasses
 import math
 import os
 
@@ -193,8 +194,10 @@ def test_default_config_leaves_the_tokens_m_kernel_out_or_votes_when_asked(monke
 def test_wide_layouts_and_what_the_engine_says_of_them():
     """by_layout keeps each layout's largest bound over its layers; wide_warning names the layers and the largest bound,
     says where they decode (and how many layouts decode off the kernel past TM_VOTE_MAX_CONTENT_SCALE), or, for a
-    decode_config of the caller's own, what it must do; the config follows the API's unit-length rules."""
+    decode_config of the caller's own, what it must do; the config (a frozen WideLatentsConfig) declares that the API's
+    unit-length rules apply to it, a plain function does not."""
     from quantmla.kernels.cuda import TM_VOTE_MAX_CONTENT_SCALE
+    from quantmla.serving.triton_backend import follows_units
 
     int4 = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
     fp8 = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
@@ -202,7 +205,11 @@ def test_wide_layouts_and_what_the_engine_says_of_them():
     wide = {0: 300.0, 1: 900.0, 2: 2 * TM_VOTE_MAX_CONTENT_SCALE}
     assert latent_range.by_layout(wide, layouts) == {int4: 900.0, fp8: 2 * TM_VOTE_MAX_CONTENT_SCALE}
     cfg = latent_range.wide_latents_config(latent_range.by_layout(wide, layouts))
-    assert cfg.voting == {int4} and cfg.wide == {int4, fp8} and cfg.follows_units
+    assert isinstance(cfg, latent_range.WideLatentsConfig) and cfg.voting == {int4} and cfg.wide == {int4, fp8}
+    assert follows_units(cfg) and latent_range.WideLatentsConfig.follows_units is True
+    assert not follows_units(None) and not follows_units(lambda rows, layout, device: None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.voting = frozenset()
     said = latent_range.wide_warning(wide, cfg)
     assert said.startswith("the latent norms of layers [0, 1, 2] allow content-group scales up to 1.31e+05")
     assert "255.875" in said and said.endswith("decode on its SCALE_VOTE build; 1 cache layout(s) past 65504 decode "
@@ -225,6 +232,7 @@ def test_engine_decodes_wide_latents_on_the_scale_vote(v3, monkeypatch):
     from quantmla.kernels.cuda import tokens_m
     from quantmla.model.spec import mla_modules
     from quantmla.serving.engine import Engine, EngineConfig
+    from quantmla.serving.triton_backend import follows_units
 
     monkeypatch.setattr(tokens_m, "tokens_m_reason", lambda lay, rows: None)
     int2 = QuantCacheConfig.of_bits(2, 4, 32, 16)
@@ -237,10 +245,12 @@ def test_engine_decodes_wide_latents_on_the_scale_vote(v3, monkeypatch):
         with pytest.warns(UserWarning, match=r"layers \[0\].*decode on its SCALE_VOTE build$"):
             eng = Engine(v3, EngineConfig(**cfg))
         keep = eng.backend.decode_config
-        assert keep.wide == keep.voting == {eng.backend.layouts[0]} and keep.follows_units
+        assert isinstance(keep, latent_range.WideLatentsConfig) and follows_units(keep)
+        assert keep.wide == keep.voting == {eng.backend.layouts[0]}
         mine = lambda rows, layout, device: None  # noqa: E731
         with pytest.warns(UserWarning, match="decode_config must decode them on its SCALE_VOTE build or off it"):
-            assert Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config is mine
+            kept = Engine(v3, EngineConfig(**cfg, decode_config=mine)).backend.decode_config
+        assert kept is mine and not follows_units(kept)  # a caller's function: its configs as given
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             Engine(v3, EngineConfig(**{**cfg, "backend": "torch"}))

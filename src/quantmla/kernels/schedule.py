@@ -266,8 +266,10 @@ def get_mla_metadata(
     built-tile kernel rather than the tokens-as-M one, and 4-bit content codes whose units are shorter than
     ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
     one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
-    SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``: then
-    those rules apply to it as to the default (an engine's SCALE_VOTE configs, ``serving/latent_range.py``).
+    SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
+    (default False): then those rules apply to it as to the default, ``config`` being where they start (the engine
+    passes it for its ``latent_range.WideLatentsConfig``, ``triton_backend.follows_units``); without a ``config`` the
+    rules apply whatever ``follow_units`` says.
     """
     if num_heads < 1:
         raise UnsupportedFormatError(f"num_heads must be >= 1, got {num_heads}")

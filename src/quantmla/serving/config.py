@@ -25,8 +25,9 @@ class EngineConfig:
     ``kernels.api.default_config(rows, layout, device)`` is, returning a config or None (None, or no function: that
     default, with FP8 over short work units on the built-tile kernel and 4-bit content codes over short units on the
     tokens-as-M kernel's 4-warp plan, as ``get_mla_metadata`` takes them; a config given is used as it is; without a
-    function, the engine gives one that decodes layouts whose latents' scales the tokens-as-M kernel's default builds
-    cannot hold on its SCALE_VOTE build, ``serving/latent_range.py``); ``rope_pages``: store
+    function, the engine gives a ``latent_range.WideLatentsConfig``, which decodes layouts whose latents' scales the
+    tokens-as-M kernel's default builds cannot hold on its SCALE_VOTE build, those unit-length rules applied to it);
+    ``rope_pages``: store
     the RoPE path per channel per page (one scale and zero point per channel of each page, the method
     ``quantmla-rope-channel`` evaluates), keeping the full-precision keys of the pages being filled in a
     stage of max_num_seqs rows per layer that the KV budget pays for; ``rope_block`` (with rope_pages): the

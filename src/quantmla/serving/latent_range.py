@@ -14,7 +14,8 @@ metadata (the zero point and the scale rounded) can lift a stored scale by up to
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -65,32 +66,46 @@ def wide_layers(modules: dict[int, torch.nn.Module], layouts: dict[int, PageLayo
     return wide
 
 
-def wide_latents_config(wide: dict[PageLayout, float]) -> Callable:
-    """An engine's ``decode_config`` (rows, layout, device) -> DecodeConfig or None, for `wide`: page layout -> the
-    bound of its content scale (``wide_layers``). A layout whose bound, rounding included, stays under
-    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` (the largest scale fp16 metadata stores) decodes on the API's default
-    with the tokens-as-M kernel's SCALE_VOTE build (``default_config(..., scale_vote=True)``); one past it (FP8's fp32
-    scales, or a norm whose bound passes it) with that kernel left out (``allow_tokens_m=False``: the built tile on the
-    GPU); every other layout on the
-    API's own default (None). The function's ``wide`` and ``voting`` name its layouts and those that vote; its
-    ``follows_units`` has the engine apply the API's unit-length rules to the configs it gives
-    (``schedule.config_for_units``: the 4-warp plan of 4-bit codes over short units, FP8's built tile), as to the
-    default."""
-    from quantmla.kernels.cuda.tokens_m import TM_VOTE_MAX_CONTENT_SCALE
+@dataclass(frozen=True)
+class WideLatentsConfig:
+    """An engine's ``decode_config`` for the page layouts whose content scales pass the tokens-as-M kernel's default
+    builds (``wide_layers``): called (rows, layout, device) as ``kernels.api.default_config`` is, it returns a layout's
+    DecodeConfig, or None for the API's own default.
 
-    voting = frozenset(lay for lay, bound in wide.items() if bound * (1 + ROUNDING_SLACK) < TM_VOTE_MAX_CONTENT_SCALE)
+    ``wide``: the layouts it decodes; ``voting``: those of them whose bound, rounding included, stays under
+    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` (the largest scale fp16 metadata stores), which decode on the API's default
+    with the tokens-as-M kernel's SCALE_VOTE build (``default_config(..., scale_vote=True)``); the rest of ``wide``
+    (FP8's fp32 scales, or a norm whose bound passes it) decode with that kernel left out (``allow_tokens_m=False``:
+    the built tile on the GPU); every other layout on the API's own default (None)."""
 
-    def decode_config(rows: int, layout: PageLayout, device):
-        if layout not in wide:
+    wide: frozenset = frozenset()
+    voting: frozenset = frozenset()
+
+    follows_units: ClassVar[bool] = True
+    """The engine applies the API's unit-length rules (``schedule.config_for_units``: the 4-warp plan of 4-bit codes
+    over short units, FP8's built tile) to the configs this gives, as to the default: ``decode_tiling`` in a graph
+    bucket, ``get_mla_metadata(..., follow_units=True)`` in an eager call (``triton_backend.follows_units``). A
+    decode_config of the caller's own, which does not declare it, keeps its configs as given."""
+
+    def __call__(self, rows: int, layout: PageLayout, device):
+        """The DecodeConfig of `layout` at `rows` query rows on `device`, or None (the API's default)."""
+        if layout not in self.wide:
             return None
         from quantmla.kernels.schedule import default_config
 
-        if layout in voting:
+        if layout in self.voting:
             return default_config(rows, layout, device, scale_vote=True)
         return default_config(rows, layout, device, allow_tokens_m=False)
 
-    decode_config.wide, decode_config.voting, decode_config.follows_units = frozenset(wide), voting, True
-    return decode_config
+
+def wide_latents_config(wide: dict[PageLayout, float]) -> WideLatentsConfig:
+    """The engine's ``decode_config`` (a ``WideLatentsConfig``) for `wide`: page layout -> the bound of its content
+    scale (``wide_layers``, ``by_layout``); the layouts whose bound times ``1 + ROUNDING_SLACK`` stays under
+    ``cuda.TM_VOTE_MAX_CONTENT_SCALE`` vote."""
+    from quantmla.kernels.cuda.tokens_m import TM_VOTE_MAX_CONTENT_SCALE
+
+    voting = frozenset(lay for lay, bound in wide.items() if bound * (1 + ROUNDING_SLACK) < TM_VOTE_MAX_CONTENT_SCALE)
+    return WideLatentsConfig(frozenset(wide), voting)
 
 
 def by_layout(wide: dict[int, float], layouts: dict[int, PageLayout]) -> dict[PageLayout, float]:
@@ -101,8 +116,8 @@ def by_layout(wide: dict[int, float], layouts: dict[int, PageLayout]) -> dict[Pa
     return out
 
 
-def wide_warning(wide: dict[int, float], config: Callable | None) -> str:
-    """What an engine says of its `wide` layers (``wide_layers``): where they decode under `config` (a
+def wide_warning(wide: dict[int, float], config: WideLatentsConfig | None) -> str:
+    """What an engine says of its `wide` layers (``wide_layers``): where they decode under `config` (the engine's
     ``wide_latents_config``), or, with None (a decode_config of the caller's own), where they must."""
     from quantmla.kernels.cuda.tokens_m import TM_MAX_CONTENT_SCALE, TM_VOTE_MAX_CONTENT_SCALE
 

@@ -95,19 +95,28 @@ class StaticDecodePlan:
             md.seq_info.copy_(info[buffer], non_blocking=True)
 
 
+def follows_units(decode_config) -> bool:
+    """Whether the API's unit-length rules (``schedule.config_for_units``) apply to the configs that a backend's
+    `decode_config` gives, as to the default: True only where its class declares ``follows_units = True``
+    (``latent_range.WideLatentsConfig``, the engine's own); a plain function (an attribute set on it included), or
+    None, keeps its configs as given."""
+    return getattr(type(decode_config), "follows_units", False) is True
+
+
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that
     bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, 4-bit
     content codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the
     bucket's b·S CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the
-    graph keeps that choice for shorter real rows, whose units are shorter). A ``decode_config`` whose
-    ``follows_units`` is set (``latent_range.wide_latents_config``) gives the config those rules start from."""
+    graph keeps that choice for shorter real rows, whose units are shorter). A ``decode_config`` that declares
+    ``follows_units`` (:func:`follows_units`: ``latent_range.WideLatentsConfig``) gives the config those rules start
+    from; any other keeps the config it gives."""
     from quantmla.kernels import schedule
 
     H, dev, own = backend.spec.num_heads, backend.device, backend.decode_config
     cfg = None if own is None else own(H, layout, dev)
-    if cfg is not None and not getattr(own, "follows_units", False):
+    if cfg is not None and not follows_units(own):
         return cfg
     cfg = cfg or _kernels().default_config(H, layout, dev)
     sms = schedule.num_sms_of(dev)
@@ -175,7 +184,8 @@ class TritonPagedBackend(AttentionBackend):
     def __init__(self, spec, formats, num_pages, page_size, device, dtype, decode_config=None, stage_rows: int = 0,
                  graph_units: str = "length"):
         """decode_config: the decode tiling per page layout, called as ``kernels.api.default_config(rows,
-        layout, device)`` is (None: that default); graph_units: how CUDA-graph buckets deal their work units out,
+        layout, device)`` is (None: that default; a config it gives is kept as given, unless it declares
+        ``follows_units``, :func:`follows_units`); graph_units: how CUDA-graph buckets deal their work units out,
         "length" or "rows" (:class:`StaticDecodePlan`)."""
         api = _kernels()
         for lay in AttentionBackend.page_layouts(spec, formats, page_size).values():
@@ -228,7 +238,7 @@ class TritonPagedBackend(AttentionBackend):
             cfg = None if own is None else own(H, layout, meta.seq_lens.device)
             combine = None if meta.graph_buckets is None else self.graph_combine(*meta.graph_buckets)[kind]
             cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine,
-                                                      follow_units=getattr(own, "follows_units", False))
+                                                      follow_units=follows_units(own))
         return cache[kind]
 
     def decode(self, slot, q_lat, q_rope, meta):
@@ -250,4 +260,4 @@ class TritonPagedBackend(AttentionBackend):
 
 
 __all__ = ["StaticDecodePlan", "TritonPagedBackend", "UnsupportedFormatError", "bucket_schedule", "bucket_splits",
-           "decode_tiling", "triton_available"]
+           "decode_tiling", "follows_units", "triton_available"]
