@@ -2,6 +2,7 @@
 by rows and device, by the work units' length in eager calls and in the engine's decode graph buckets, with the
 SCALE_VOTE build asked for, and where a build fails. The plans themselves are tested in tests/test_kernels_cuda.py."""
 
+import re
 from unittest import mock
 
 import pytest
@@ -221,6 +222,30 @@ def test_scale_vote_through_the_configs(monkeypatch):
     assert vote.describe() == plain.describe().replace("cuda/tm/ws", "cuda/tm/wsv", 1)
     assert short.scale_vote and not short.specialized and not plain_short.scale_vote
     assert short.describe() == plain_short.describe().replace("cuda/tm", "cuda/tm" + "v", 1)
+
+
+def log2_p_scale_max() -> float:
+    """LOG2_P_SCALE_MAX as softmax_tm.cuh defines it (``constexpr float LOG2_P_SCALE_MAX = <x>f;``)."""
+    text = build.SOURCE_TM.with_name("softmax_tm.cuh").read_text()
+    found = re.findall(r"constexpr\s+float\s+LOG2_P_SCALE_MAX\s*=\s*([0-9.eE+-]+)f?\s*;", text)
+    assert len(found) == 1, found
+    return float(found[0])
+
+
+def test_the_scale_votes_bound_keeps_p_scale_a_finite_fp16():
+    """The SCALE_VOTE build caps a token's P at 2^min(8, max(0, LOG2_P_SCALE_MAX - log2 s)), s its largest content
+    scale (softmax_tm.cuh, p_limits), so P·scale, an fp16 operand, is at most max(2^LOG2_P_SCALE_MAX, s). It stays a
+    finite fp16 for every scale up to TM_VOTE_MAX_CONTENT_SCALE (fp16's 65504, all that fp16 metadata stores) where
+    2^LOG2_P_SCALE_MAX < 65504: a header constant of 16.0 or more fails here. The default build caps P at 2^8 and
+    reads scales up to TM_MAX_CONTENT_SCALE = 65504 / 2^8 exactly, so 2^LOG2_P_SCALE_MAX < 2^8 · TM_MAX_CONTENT_SCALE
+    (not >=): the vote keeps P's full 2^8 up to 2^(LOG2_P_SCALE_MAX - 8), under TM_MAX_CONTENT_SCALE by less than
+    1 % (254.2 at 15.99), and a little less above."""
+    log2_max = log2_p_scale_max()
+    fp16_max = torch.finfo(torch.float16).max
+    assert cuda.TM_VOTE_MAX_CONTENT_SCALE == fp16_max and cuda.TM_MAX_CONTENT_SCALE * 2**8 == fp16_max
+    assert 2**log2_max < fp16_max  # P·scale <= 2^LOG2_P_SCALE_MAX stays finite, fp16 rounding included
+    assert torch.tensor(2**log2_max).half().isfinite()
+    assert 0.99 * cuda.TM_MAX_CONTENT_SCALE < 2 ** (log2_max - 8) < cuda.TM_MAX_CONTENT_SCALE
 
 
 def test_the_launch_asks_for_the_configs_scale_vote(monkeypatch):

@@ -18,11 +18,14 @@ TM_MAX_CONTENT_SCALE = 65504.0 / 256
 as an fp16 operand, with P up to 2^8 (the slack of the rows' reference maximum), so a larger scale can overflow fp16's
 65504 into NaN. Layouts whose latents' norm allows larger scales decode on the `scale_vote` build
 (serving/latent_range.py)."""
-TM_VOTE_MAX_CONTENT_SCALE = torch.finfo(torch.float16).max  # 65504: the bound LOG2_P_SCALE_MAX (softmax_tm.cuh) keeps
+TM_VOTE_MAX_CONTENT_SCALE = torch.finfo(torch.float16).max  # 65504; 2^LOG2_P_SCALE_MAX (softmax_tm.cuh) stays under it
 """The largest content-group scale the `scale_vote` build (SCALE_VOTE) reads right: every scale fp16 metadata holds
-(FP8's fp32 scales past it overflow P·scale at P = 1). It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in
-INT4/INT4, 3 to 12 % in INT2/INT4 (on 6 stages) and nothing in FP8
-(lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so it is built only where asked."""
+(FP8's fp32 scales past it overflow P·scale at P = 1). The build caps P·scale at 2^LOG2_P_SCALE_MAX (softmax_tm.cuh)
+or the scale itself, whichever is larger, so both stay finite fp16 values; tests/test_decode_configs.py
+(test_the_scale_votes_bound_keeps_p_scale_a_finite_fp16) reads the header's constant and checks it against this and
+TM_MAX_CONTENT_SCALE. It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in INT4/INT4, 3 to 12 % in INT2/INT4
+(on 6 stages) and nothing in FP8 (lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so it is built only where
+asked."""
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 TM_WS_2BIT_STAGES = 3
