@@ -131,7 +131,9 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
     ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
     ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps, 144 CTAs
-    ("int2/int4", 16, 4096, "default"),  # splits of 4 tiles (256 tokens): 2-bit content keeps the warps apart
+    ("int2/int4", 16, 4096, "apart_short"),  # splits of 4 tiles (256 tokens): 2-bit content keeps the warps apart
+    ("int2/int4", 8, 2304, "apart_short"),   # the short job's rows, 128-token units: the same
+    ("int2/int4", 4, 26112, "default"),      # 448-token units: the warps apart, as for 4-bit content
     ("int4/int4", 16, 4096, "four_warps"),  # 256 tokens: two token blocks a warp (one at 8 x 2304 above)
     ("int4/int4", 9, 2304, "four_warps"),   # 128-token units, 162 CTAs: two token blocks a warp
     ("int4/int4", 4, 2304, "four_warps"),   # 128-token units, 72 CTAs: one token block a warp
@@ -141,7 +143,9 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     the combine kernel in) use the API's config for the units the bucket cuts a max_len row into
     (``config_for_units``), so FP8 over short units replays the built tile, and 4-bit content codes over units shorter
     than TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
-    backend's own ``decode_config`` is kept."""
+    backend's own ``decode_config`` is kept. want: "built", "four_warps", "default" (the API's default config), or
+    "apart_short": 2-bit content codes on the default (the warps apart) over units shorter than TM_WS_MIN_TOKENS,
+    where the same bucket of INT4/INT4 takes the 4-warp plan."""
     import types
 
     from quantmla.kernels import api, schedule
@@ -153,11 +157,13 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     real_cuda_config = schedule.cuda_config
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        default = schedule.default_config(16, lay, "cuda")
+        four_bit = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)  # the 2-bit cases' comparison
+        defaults = {x: schedule.default_config(16, x, "cuda") for x in (lay, four_bit)}
+        default = defaults[lay]
         on_cuda = lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw)  # noqa: E731
         monkeypatch.setattr(schedule, "cuda_config", on_cuda)
         for mod in (api, schedule):  # the CUDA device's default, on the CPU
-            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
+            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: defaults[layout])
         backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
                                         kinds={"k": lay}, decode_config=None, _graph_combine={})
         cfg = decode_tiling(backend, lay, b, max_len)
@@ -165,13 +171,25 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
         combine = TritonPagedBackend.graph_combine(backend, (b,), max_len)["k"]
         eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, lay, num_sms=132)
         other = real_cuda_config(16, lay, "cuda", tokens_m=want == "built")  # the kernel the rule does not pick
+        four_eager = schedule.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32), 16, 1, four_bit,
+                                               num_sms=132)
+        four = decode_tiling(types.SimpleNamespace(spec=backend.spec, device=backend.device, decode_config=None),
+                             four_bit, b, max_len)
         backend.decode_config = lambda rows, layout, device: default
         kept = decode_tiling(backend, lay, b, max_len)
-    assert default.tokens_m and cfg.kernel == "cuda" and (cfg == default) == (want == "default")
+    apart = want in ("default", "apart_short")  # the default config: the warps apart for integer codes
+    assert default.tokens_m and cfg.kernel == "cuda" and (cfg == default) == apart
     assert cfg.tokens_m == (want != "built")
     if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
-        assert default.specialized and cfg.specialized == (want == "default")
-        assert (eager.chunk_tokens >= cuda.tokens_m_ws_min_tokens(lay)) == (want == "default")
+        assert default.specialized and cfg.specialized == apart
+        # 4-bit content: the warps apart from TM_WS_MIN_TOKENS on; 2-bit: at any length
+        assert (eager.chunk_tokens >= cuda.TM_WS_MIN_TOKENS) == (want == "default"), eager.chunk_tokens
+        assert cuda.tokens_m_ws_min_tokens(lay) == (0 if name == "int2/int4" else cuda.TM_WS_MIN_TOKENS)
+        if name == "int2/int4":  # the same bucket of 4-bit content: 4 warps exactly where the units are short
+            assert four == four_eager.config and defaults[four_bit].specialized
+            assert (four_eager.chunk_tokens < cuda.TM_WS_MIN_TOKENS) == (want == "apart_short")
+            assert cfg.specialized and cfg.num_warps == 8
+            assert four.specialized == (want == "default") and four.num_warps == (8 if four.specialized else 4)
         # one token block a warp where the bucket's units are shorter than 256 tokens and fit one CTA an SM
         # (8 x 2304: 18 splits a row, 144 CTAs; 4 x 2304: 72)
         two = name == "int4/int4" and b in (8, 9, 16)
