@@ -97,3 +97,31 @@ def test_mma_rate_modes_compile_to_their_tensor_instructions(tmp_path):
         sass = subprocess.run([cuobjdump(), "-sass", str(mma_rate.cubin(mode, 2, 8, tmp_path))], capture_output=True,
                               text=True, check=True).stdout
         assert op in sass, (mode, op)
+
+
+def test_tokens_m_64_builds_compile_without_serialized_products(tmp_path):
+    """The 64-row tokens-as-M timing model (tokens_m_64.cu) builds for sm_90a with the kernels' headers: its default
+    builds keep their warpgroup products asynchronous where ptxas has the registers (the builds the docs quote: no
+    serialization, no spills), compile to HGMMA m64n64k16 with register A operands, and bad --builds are refused
+    with the fix."""
+    from quantmla.kernels.cuda import build
+    from quantmla_lab.bench.kernels import tokens_m_64 as tm
+
+    with pytest.raises(SystemExit, match="NAME one of"):
+        tm.parse_build("ZL=1,BOGUS=2")
+    with pytest.raises(SystemExit, match="multiple of 8"):
+        tm.parse_build("REGS_S=150")
+    with pytest.raises(SystemExit, match="NPBUF 1 or 2"):
+        tm.parse_build("NPBUF=3")
+    assert tm.parse_build("ZL=0,SG=4") == {"ZL": 0, "SG": 4}
+    assert tm.smem_bytes(2) <= 227 * 1024 and tm.smem_bytes(1) <= 227 * 1024
+    if build.nvcc() is None:
+        pytest.skip("needs nvcc")
+    from quantmla_lab.bench.kernels.sass_count import cuobjdump
+
+    path, ptx = tm.cubin(tm.parse_build(tm.DEFAULT_BUILDS[0]), 512, tmp_path)  # the runs' --iters
+    assert ptx == {"registers": 168, "spill_store_bytes": 0, "products_serialized": False}, ptx
+    sass = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA.64x64x16.F32" in sass and "USETMAXREG" in sass
+    _, serial = tm.cubin(tm.parse_build("ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"), 512, tmp_path)
+    assert serial["products_serialized"]  # the first build: two planes' accumulators at once do not fit

@@ -1,0 +1,419 @@
+// The tokens-as-M tile loop at 64 query rows on warpgroup MMAs, timed alone (tokens_m_64.py). A design that the
+// heads-as-M kernel's build (mla_decode_wg.cu, wg_build.cuh) does not need: no tile is built. The codes are masked in
+// place into the register A operands of wgmma m64n64k16 (exact fp16 subnormals, code_planes.cuh), as the 16-row
+// tokens-as-M kernel feeds mma.sync, and the shared-memory B operands are the query block (scores) and P·scale
+// (output). INT4/INT4, groups 128/64 (DeepSeek's), 64-token tiles, one CTA an SM of three warpgroups:
+//
+//   warpgroup 0  scores  Sᵀ[64 tokens, 64 rows] = K·Qᵀ: 36 products (32 content k-steps, the two planes of a 64-byte
+//                block on their own accumulators until the group's scale folds in per token; 4 of RoPE), then one
+//                product that adds the zero points (A: a token's zeros, B: the query's group sums); a vote on the
+//                rows' reference maxima, P = exp2(S - ref), P·scale of each content group and P itself (16-bit, the
+//                output's B operands, 128-byte swizzle), and one product a k-step that sums P·zero and P over the
+//                tile's tokens for every row (A: a token's zeros and a row of ones)
+//   warpgroups 1, 2  output  Oᵀ[channels, 64 rows] += Cᵀ·(P·scale): 128 code bytes each (a group in each plane),
+//                4 m-blocks of 64 channels x 4 k-steps of 16 tokens, the A operand two tokens' bytes of one channel
+//                paired by one byte permute
+//
+// Thread 0 refills a stage with one bulk copy of a 64-token page (cycling over `pages`) once both roles are past it.
+// The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
+// by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
+// CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (512 - REGS_S) / 2), NPAGES, ONE_ACC,
+// OUT_WAIT, SG, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+#include <cuda_fp16.h>
+#include <stdint.h>
+#define MMA_TYPE "f16"
+#define WG_AB "f16"
+typedef __half T;
+typedef __half2 T2;
+#include "ptx.cuh"
+#include "code_planes.cuh"
+#include "wgmma.cuh"
+
+#ifndef ITERS
+#define ITERS 1024
+#endif
+#ifndef NPBUF
+#define NPBUF 2  // P buffers: with 2 the stage of tile i - 2 takes tile i + 1, with 1 that of tile i - 1 tile i + 4
+#endif
+#define STAGES (NPBUF == 2 ? 3 : 5)  // the most that fit beside the P buffers
+#ifndef SKIP_COPY
+#define SKIP_COPY 0  // 1 (times only): no stage refilled after the first STAGES tiles, none waited for after them
+#endif
+#ifndef REGS_S
+#define REGS_S 192
+#endif
+#ifndef NPAGES
+#define NPAGES 64
+#endif
+#ifndef ONE_ACC
+#define ONE_ACC 0  // 1: the scores' content products a plane at a time on one set of accumulators
+#endif
+#ifndef OUT_WAIT
+#define OUT_WAIT 1  // the output's products in flight: the k-steps before the current one (wgmma.wait_group)
+#endif
+#ifndef SG
+#define SG 1  // the scores' words (4 of a 16-byte load) whose products are committed as one group
+#endif
+#ifndef STSM
+#define STSM 0  // 1: P and P·scale written by stmatrix (4 a buffer and warp) rather than a 4-byte store a pair
+#endif
+#ifndef ZL_ASYNC
+#define ZL_ASYNC 0  // 1: the Σ P·zero product left running into the next tile (0: waited for a k-step at a time)
+#endif
+#ifndef ZL
+#define ZL 1  // the product that sums P·zero and P over a tile's tokens (0: left out, its 32 accumulators too)
+#endif
+// a thread's registers at launch (65536 / 384, rounded down to 8): the CTA's pool holds 3 x 128 x 168, so what the
+// scores' warpgroup gives back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
+constexpr int REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
+static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * REGS_O <= 3 * REGS_BASE, "setmaxnreg");
+
+constexpr int BN = 64, NT = 384, CHUNK = 8192;  // tokens a tile, threads, a 64 x 128-byte swizzled chunk
+constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
+constexpr int RAW_RC = BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
+constexpr int RAW_BYTES = RAW_RM + BN * FB_RM;  // 19712: one page, one copy
+constexpr int SM_Q = 0;                          // 9 chunks: the query block, K-major (rows as N)
+constexpr int SM_QS = SM_Q + 9 * CHUNK;          // 1 chunk: the query's group sums (k 0-9: 5 groups, hi and lo)
+constexpr int SM_P = SM_QS + CHUNK;              // NPBUF buffers x 5 chunks: P·scale of 4 groups and P, N-major
+constexpr int SM_RAW = SM_P + NPBUF * 5 * CHUNK; // STAGES raw pages
+constexpr int SM_BAR = SM_RAW + STAGES * RAW_BYTES;
+constexpr int SM_FLAG = SM_BAR + 8 * STAGES;
+enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4 };  // named barriers (FULL, EMPTY: one a P buffer)
+
+// d[32] (+)= A·B over k16: m64n64k16, A (fp16) in registers (the m16n8k16 A layout, a warp's 16 rows), B (fp16)
+// through a descriptor, K-major (TB 0) or N-major (TB 1); fp32 accumulators: thread t of the warpgroup holds rows
+// 16·(t / 32) + (t % 32) / 4 (+ 8), columns 8j + 2·(t % 4) (+ 1) at d[4j ..]; scale_d = 0 overwrites d
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64_ra(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+template <int N, bool INC>
+__device__ __forceinline__ void set_max_regs() {
+  if constexpr (N == REGS_BASE) return;
+  else if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// four 8 x 8 matrices of 16-bit pairs to shared memory: matrix i's row r at the address lane 8i + r gives, its
+// thread (g, t)'s pair (row g, columns 2t, 2t + 1) from register i
+__device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(p)), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3) : "memory");
+}
+
+__device__ __forceinline__ float2 h2f(uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
+__device__ __forceinline__ uint32_t f2h(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* __restrict__ pages, float* out) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
+  float* sFlag = reinterpret_cast<float*>(smem + SM_FLAG);
+  const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < SM_RAW / 16; i += NT) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(sBar + s, 1);
+    mbar_fence_init();
+    sFlag[0] = sFlag[1] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_expect_tx(sBar + s, RAW_BYTES);
+      bulk_g2s(smem + SM_RAW + s * RAW_BYTES, pages + (size_t)((blockIdx.x * 7 + s) % NPAGES) * RAW_BYTES, RAW_BYTES,
+               sBar + s);
+    }
+  }
+  fence_proxy_async();  // the zeroed query block and P buffers, visible to the products
+  __syncthreads();
+  float sink = 0.0f;
+
+  if (wg == 0) {
+    set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
+    const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
+    const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
+    float ref[16], zl[32];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ref[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) zl[i] = 0.0f;
+    for (int it = 0; it < ITERS; ++it) {
+      const int buf = it % NPBUF;
+      const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+      if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+      float sc[32], acc[ONE_ACC ? 1 : 2][32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
+      // ---- content: two 64-byte blocks a group pair (group q in plane 0, q + 2 in plane 1); with ONE_ACC a plane at a
+      // time on one set of accumulators (the words read twice), else both planes at once on two ----
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int pp = 0; pp < (ONE_ACC ? 2 : 1); ++pp) {
+#pragma unroll
+          for (int m = 2 * q; m < 2 * q + 2; ++m) {
+            const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
+            const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
+            const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+            for (int s0 = 0; s0 < 4; s0 += SG) {  // SG words of each token: their A operands, then their products
+              uint32_t a[SG][2][4];
+#pragma unroll
+              for (int s = s0; s < s0 + SG; ++s)
+#pragma unroll
+                for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
+                  const int pl = ONE_ACC ? pp : p;
+                  a[s - s0][p][0] = plane<4>(xl[s], pl), a[s - s0][p][1] = plane<4>(xh[s], pl);
+                  a[s - s0][p][2] = plane<4>(xl[s] >> 8, pl), a[s - s0][p][3] = plane<4>(xh[s] >> 8, pl);
+                }
+              wgmma_fence();  // the operand registers just written, visible to the products
+#pragma unroll
+              for (int s = s0; s < s0 + SG; ++s)
+#pragma unroll
+                for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
+                  const int k = (m * 4 + s) * 2 + (ONE_ACC ? pp : p);  // k-step of the query block: chunk k / 4
+                  if constexpr (!SKIP_QK)
+                    wgmma_m64n64_ra<0>(acc[p], a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4),
+                                       m > 2 * q || s > 0);
+                }
+              wgmma_commit();
+              wgmma_wait<1>();  // the group before's products are done: their operand registers are free
+            }
+          }
+          wgmma_wait<0>();
+          fence_regs(acc[0]);
+          if constexpr (!ONE_ACC) fence_regs(acc[1]);
+#pragma unroll
+          for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
+            const int pl = ONE_ACC ? pp : p;
+            const float s_lo = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
+            const float s_hi = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * (q + 2 * pl))).x *
+                               (float)(1 << (24 - 4 * pl));
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              sc[4 * j] = fmaf(acc[p][4 * j], s_lo, sc[4 * j]);
+              sc[4 * j + 1] = fmaf(acc[p][4 * j + 1], s_lo, sc[4 * j + 1]);
+              sc[4 * j + 2] = fmaf(acc[p][4 * j + 2], s_hi, sc[4 * j + 2]);
+              sc[4 * j + 3] = fmaf(acc[p][4 * j + 3], s_hi, sc[4 * j + 3]);
+            }
+          }
+        }
+      }
+      // ---- RoPE: 4 k-steps (32 bytes a token), one group ----
+      {
+        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
+        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+        const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          uint32_t a[2][4];
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {  // with ONE_ACC plane 1 shifted to plane 0's weight: one group, one sum
+            const uint32_t l = ONE_ACC ? xl[s] >> (4 * p) : xl[s], h = ONE_ACC ? xh[s] >> (4 * p) : xh[s];
+            const int pl = ONE_ACC ? 0 : p;
+            a[p][0] = plane<4>(l, pl), a[p][1] = plane<4>(h, pl);
+            a[p][2] = plane<4>(l >> 8, pl), a[p][3] = plane<4>(h >> 8, pl);
+          }
+          wgmma_fence();
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            const int k = 32 + 2 * s + p;
+            if constexpr (!SKIP_QK)
+              wgmma_m64n64_ra<0>(acc[ONE_ACC ? 0 : p], a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), s > 0 || p > 0);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+        wgmma_wait<0>();
+        fence_regs(acc[0]);
+        if constexpr (!ONE_ACC) fence_regs(acc[1]);
+        const float r_lo_s = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + r_lo * FB_RM)).x;
+        const float r_hi_s = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8) * FB_RM)).x;
+#pragma unroll
+        for (int e = 0; e < 32; ++e)
+          sc[e] = fmaf(acc[0][e] * 16777216.0f + (ONE_ACC ? 0.0f : acc[ONE_ACC ? 0 : 1][e] * 1048576.0f),
+                       (e & 2) ? r_hi_s : r_lo_s, sc[e]);
+      }
+      // ---- the zero points: A a token's 5 zeros (hi and lo terms of the sums: k 2z, 2z + 1), B the group sums ----
+      {
+        auto zeros = [&](int row) {  // fp16 pairs (zero of group 2z', same) for k 2t, 2t + 1 and 2t + 8, 2t + 9
+          const uint8_t* m = st + RAW_CM + row * FB_CM;
+          const uint32_t z0 = *reinterpret_cast<const uint32_t*>(m + 4 * (t & 3)) >> 16;
+          return z0 | (z0 << 16);
+        };
+        const uint32_t a[4] = {zeros(r_lo), zeros(r_lo + 8), t == 0 ? zeros(r_lo) : 0u, t == 0 ? zeros(r_lo + 8) : 0u};
+        wgmma_fence();
+        wgmma_m64n64_ra<0>(sc, a, dqs, 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(sc);
+      }
+      // ---- the vote: does any row's reference move (by more than 2^8)? ----
+      bool up = false;
+#pragma unroll
+      for (int e = 0; e < 32; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
+      const bool moved = bar_or(BAR_VOTE, 128, up);
+      if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
+      }
+      // ---- P, P·scale of each content group (N-major, swizzled), once the output's warpgroups are past this buffer ----
+      if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
+      if (tid == 0) sFlag[buf] = moved ? 1.0f : 0.0f;  // the output's warpgroups rescale where a reference moved
+      if (!SKIP_COPY && tid == 0 && it >= NPBUF && it + STAGES - NPBUF < ITERS) {  // tile it - NPBUF's stage is free
+        const int s = (it - NPBUF) % STAGES, nxt = it - NPBUF + STAGES;
+        mbar_expect_tx(sBar + s, RAW_BYTES);
+        bulk_g2s(smem + SM_RAW + s * RAW_BYTES, pages + (size_t)((blockIdx.x * 7 + nxt) % NPAGES) * RAW_BYTES,
+                 RAW_BYTES, sBar + s);
+      }
+      uint8_t* pb = smem + SM_P + buf * 5 * CHUNK;
+      float cs[2][4];  // the content scales of the two tokens
+#pragma unroll
+      for (int G = 0; G < 4; ++G) {
+        cs[0][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * G)).x;
+        cs[1][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * G)).x;
+      }
+      if constexpr (STSM) {  // P of the 32 scores, then each buffer in 4 stmatrix.x4 (a warp's 16 tokens x 64 rows)
+        float pr[32];
+#pragma unroll
+        for (int e = 0; e < 32; ++e) pr[e] = fast_exp2(sc[e] - ref[(e >> 2) * 2 + (e & 1)]);
+        // matrix i = lane / 8 of a call c: token rows 16w + 8(i & 1) + lane % 8, 16-byte unit 2c + (i >> 1)
+        const int i8 = lane >> 3, row = 16 * w + 8 * (i8 & 1) + (lane & 7);
+#pragma unroll
+        for (int G = 0; G < 5; ++G) {
+          const float f_lo = G < 4 ? cs[0][G] : 1.0f, f_hi = G < 4 ? cs[1][G] : 1.0f;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int j0 = 2 * c, j1 = 2 * c + 1;
+            stsm_x4(pb + G * CHUNK + swz(row, 2 * c + (i8 >> 1)), f2h(pr[4 * j0] * f_lo, pr[4 * j0 + 1] * f_lo),
+                    f2h(pr[4 * j0 + 2] * f_hi, pr[4 * j0 + 3] * f_hi), f2h(pr[4 * j1] * f_lo, pr[4 * j1 + 1] * f_lo),
+                    f2h(pr[4 * j1 + 2] * f_hi, pr[4 * j1 + 3] * f_hi));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
+          const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
+          const int o_lo = swz(r_lo, j) + 4 * t, o_hi = swz(r_lo + 8, j) + 4 * t;
+#pragma unroll
+          for (int G = 0; G < 4; ++G) {
+            *reinterpret_cast<uint32_t*>(pb + G * CHUNK + o_lo) = f2h(p0 * cs[0][G], p1 * cs[0][G]);
+            *reinterpret_cast<uint32_t*>(pb + G * CHUNK + o_hi) = f2h(p2 * cs[1][G], p3 * cs[1][G]);
+          }
+          *reinterpret_cast<uint32_t*>(pb + 4 * CHUNK + o_lo) = f2h(p0, p1);
+          *reinterpret_cast<uint32_t*>(pb + 4 * CHUNK + o_hi) = f2h(p2, p3);
+        }
+      }
+      fence_proxy_async();  // P, visible to the products
+      bar_sync(BAR_VOTE, 128);
+      // ---- Σ P·zero of each group (rows 0-3) and Σ P (row 4) over the tile's tokens: A the zeros, B = P ----
+      if constexpr (ZL) {
+        const uint64_t dp = sw128_desc(pb + 4 * CHUNK, CHUNK, 1024);
+        uint32_t a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
+          if (w == 0 && g < 5) {  // row g: group g's zeros (g < 4) or ones, of tokens 16kk + 2t (+ 1, + 8, + 9)
+            const uint8_t* m = st + RAW_CM + (16 * kk + 2 * t) * FB_CM + 4 * (g & 3) + 2;
+            const uint32_t z0 = *reinterpret_cast<const uint16_t*>(m), z1 = *reinterpret_cast<const uint16_t*>(m + FB_CM);
+            const uint32_t z8 = *reinterpret_cast<const uint16_t*>(m + 8 * FB_CM), z9 = *reinterpret_cast<const uint16_t*>(m + 9 * FB_CM);
+            a[kk][0] = g < 4 ? z0 | (z1 << 16) : 0x3C003C00u;
+            a[kk][2] = g < 4 ? z8 | (z9 << 16) : 0x3C003C00u;
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n64_ra<1>(zl, a[kk], dp + ((kk * 16 * 128) >> 4), 1);
+          if constexpr (!ZL_ASYNC) {
+            wgmma_commit();
+            wgmma_wait<1>();
+          }
+        }
+        if constexpr (ZL_ASYNC) wgmma_commit();  // waited for by the next tile's first wait (groups end in order)
+      }
+      bar_arrive(BAR_FULL + buf, NT);
+      if constexpr (ZL && !ZL_ASYNC) {
+        wgmma_wait<0>();
+        fence_regs(zl);
+      }
+    }
+    wgmma_wait<0>();
+    fence_regs(zl);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sink += zl[i];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sink += ref[i];
+  } else {
+    set_max_regs<REGS_O, (REGS_O > REGS_BASE)>();
+    const int o = wg - 1;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
+    float acc[4][32];
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[mb][i] = 0.0f;
+    const int col = 128 * o + 32 * w + 4 * g;  // the thread's 4 bytes: byte pairs z = 0, 1 (channel rows g, g + 8)
+    for (int it = 0; it < ITERS; ++it) {
+      const int buf = it % NPBUF;
+      const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
+      bar_sync(BAR_FULL + buf, NT);
+      if (sFlag[buf] != 0.0f) {  // a row's reference moved (the first tile): the accumulators would be rescaled
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc[mb][i] *= 0.5f;
+      }
+      const uint8_t* pb = smem + SM_P + buf * 5 * CHUNK;
+      const uint64_t d0 = sw128_desc(pb + o * CHUNK, CHUNK, 1024), d1 = sw128_desc(pb + (o + 2) * CHUNK, CHUNK, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
+        const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
+        const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
+        const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
+        const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
+        uint32_t a[4][4];  // m-block 2p + z: byte pair z (channel rows g, g + 8), plane p
+#pragma unroll
+        for (int z = 0; z < 2; ++z) {
+          const uint32_t sel = z ? 0x7632u : 0x5410u;
+          const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            a[2 * p + z][0] = plane<4>(zab, p), a[2 * p + z][1] = plane<4>(zab >> 8, p);
+            a[2 * p + z][2] = plane<4>(zcd, p), a[2 * p + z][3] = plane<4>(zcd >> 8, p);
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb)
+          if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[mb], a[mb], (mb >= 2 ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+        wgmma_wait<OUT_WAIT>();  // the k-steps before are done: their operand registers are free
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb) fence_regs(acc[mb]);
+      if (it + NPBUF < ITERS) bar_arrive(BAR_EMPTY + buf, NT);  // (the scores' warpgroup waits only for those)
+    }
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sink += acc[mb][i];
+  }
+  out[blockIdx.x * NT + tid] = sink;
+}

@@ -1,0 +1,159 @@
+"""The tokens-as-M tile loop at 64 query rows on warpgroup MMAs, timed alone (tokens_m_64.cu): µs a 64-token tile
+against the heads-as-M kernel's (its BF16 and INT4/INT4 decode kernels at 128 heads, 32 x 8192, timed in the same
+process through the API).
+
+    python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
+
+Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`: ZL 1 with the product that sums P·zero and P over a tile's
+tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
+5 stages); SKIP_COPY 1 no refill after the first stages (times only);
+ONE_ACC 1 the scores' content products a plane at a time on one set of accumulators; OUT_WAIT the
+output's k-steps left in flight; SG the scores' words (of 4 a load) committed as one group; SKIP_QK, SKIP_PV 1 leave the scores' or the output's code products
+out (times only); REGS_S the scores' warpgroup's registers) runs one CTA an SM of three warpgroups,
+its raw pages (3 beside two P buffers, 5 beside one: NPBUF), each CTA
+`--iters` tiles, one bulk copy a tile from a buffer of pages; the values are not checked (the time is that of the
+instruction stream and the copies, see the .cu). `us_per_tile` is a launch's time (CUDA events, median of `--reps`)
+over its iterations. ptxas's registers, spills and whether it serialized the products come with each build. The
+heads-as-M rows give the same figure for the shipped kernel: a decode call's kernel time over the 64-token tiles a
+CTA reads (`decode_cuda_variants` measures the kernel alone; here the whole call, decode and combine kernels). Without
+a GPU it builds the cubins and stops (`--build-only`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantmla.kernels.cuda import build, driver
+from quantmla_lab.bench.common import parse_fresh, record, save
+
+SOURCE = Path(__file__).with_name("tokens_m_64.cu")
+RAW_BYTES, NT, CHUNK = 19712, 384, 8192  # the .cu's page, threads, chunk
+NPAGES = 64
+
+
+def smem_bytes(npbuf: int) -> int:
+    """The kernel's dynamic shared memory at `npbuf` P buffers (its SM_FLAG + 16, plus the chunks' 1024-byte
+    alignment): the query block and its sums (10 chunks), 5 chunks a P buffer, the raw stages (3, or 5 with one)."""
+    stages = 3 if npbuf == 2 else 5
+    return 10 * CHUNK + npbuf * 5 * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
+
+
+MACROS = ("ZL", "ZL_ASYNC", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+DEFAULT_BUILDS = ["ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152", "ZL=0,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
+                  "ZL=1,ONE_ACC=1,OUT_WAIT=1,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
+
+
+def parse_build(spec: str) -> dict[str, int]:
+    """`NAME=V,NAME=V` -> {NAME: V} over MACROS (STAGES 3 unless given); SystemExit naming the fix otherwise."""
+    got = {}
+    for item in spec.split(","):
+        name, _, v = item.partition("=")
+        if name not in MACROS or not v.isdigit():
+            raise SystemExit(f"--builds {spec!r}: write NAME=V[,NAME=V], NAME one of {', '.join(MACROS)}, V an integer")
+        got[name] = int(v)
+    if got.get("REGS_S", 160) % 8 or got.get("NPBUF", 2) not in (1, 2):
+        raise SystemExit(f"--builds {spec!r}: REGS_S must be a multiple of 8 (setmaxnreg's steps), NPBUF 1 or 2")
+    return got
+
+
+def cubin(macros: dict[str, int], iters: int, tmp: Path) -> tuple[Path, dict]:
+    out = tmp / ("tokens_m_64_" + "_".join(f"{k}{v}" for k, v in sorted(macros.items())) + f"_{iters}.cubin")
+    cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+           f"-I{Path(build.__file__).parent}", *[f"-D{k}={v}" for k, v in sorted(macros.items())],
+           f"-DITERS={iters}", f"-DNPAGES={NPAGES}", "-o", str(out), str(SOURCE)]
+    log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    regs_used = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return out, {"registers": int(regs_used.group(1)) if regs_used else None,
+                 "spill_store_bytes": int(spill.group(1)) if spill else None,
+                 "products_serialized": "serialized" in log}
+
+
+def heads_m_rows(reps: int) -> list[dict]:
+    """The shipped heads-as-M kernel at 128 heads, 32 x 8192 (64 tiles a CTA): BF16 and INT4/INT4 calls, µs a tile."""
+    from quantmla.cache.layout import PageLayout, TokenLayout, preset
+    from quantmla.kernels import api
+    from quantmla_lab.bench.kernels import decode_speed
+
+    rows = []
+    for fmt in ("bf16", "int4/int4"):
+        lay = PageLayout(TokenLayout(512, 64, preset(fmt)), 64)
+        c = decode_speed.Cache(lay, [8192] * 32, seed=1, device="cuda")
+        qc = torch.randn(32, 128, 512, device="cuda").to(torch.bfloat16)
+        qr = torch.randn(32, 128, 64, device="cuda").to(torch.bfloat16)
+        md = api.get_mla_metadata(c.seq_lens, 128, 1, lay)
+        out = torch.empty(32, 128, 512, device="cuda", dtype=torch.bfloat16)
+
+        def fn():
+            api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md, out=out)
+
+        ms, graphed = decode_speed.time_ms(fn, 10, 50)
+        tiles = 32 * 8192 // 64 // md.num_units  # tiles a CTA (each of the unit's head blocks reads them all)
+        rows.append({"kernel": "heads as M (shipped)", "format": fmt, "variant": str(md.variant), "call_us": ms * 1e3,
+                     "tiles_per_cta": tiles, "us_per_tile": ms * 1e3 / tiles, "graph": graphed})
+        del c
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, metavar="NAME=V[,NAME=V]")
+    p.add_argument("--iters", type=int, default=512)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--build-only", action="store_true")
+    p.add_argument("--out", default=None)
+    a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    builds = [parse_build(b) for b in a.builds]
+    if build.nvcc() is None:
+        raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
+    gpu = torch.cuda.is_available() and not a.build_only
+    res = record(iters=a.iters, rows=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        for macros in builds:
+            row = {"kernel": "tokens as M, 64 rows", "macros": macros}
+            path, ptx = cubin(macros, a.iters, Path(tmp))
+            row.update(ptx)
+            if gpu:
+                dev = torch.device("cuda")
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                pages = torch.zeros(NPAGES * RAW_BYTES, dtype=torch.uint8, device=dev)
+                out = torch.empty(sms * NT, device=dev)
+                smem = smem_bytes(macros.get("NPBUF", 2))
+                fn = driver.function(path, "tokens_m_64", smem, dev)
+
+                def run():
+                    driver.launch(fn, (sms,), NT, smem, torch.cuda.current_stream().cuda_stream,
+                                  [("p", pages.data_ptr()), ("p", out.data_ptr())])
+
+                for _ in range(3):
+                    run()
+                ts = []
+                for _ in range(a.reps):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    run()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    ts.append(e0.elapsed_time(e1) * 1e3 / a.iters)
+                row["us_per_tile"] = round(statistics.median(ts), 4)
+                row["finite"] = bool(torch.isfinite(out).all())
+            res["rows"].append(row)
+            print(row, flush=True)
+    if gpu:
+        for r in heads_m_rows(a.reps):
+            res["rows"].append(r)
+            print(r, flush=True)
+    save(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
