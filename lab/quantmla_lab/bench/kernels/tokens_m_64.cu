@@ -18,7 +18,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (512 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -53,6 +53,9 @@ typedef __half2 T2;
 #endif
 #ifndef SG
 #define SG 1  // the scores' words (4 of a 16-byte load) whose products are committed as one group
+#endif
+#ifndef PIPE
+#define PIPE 0  // 1: the scores' passes on two sets of accumulators in turn, each folded in under the next (ONE_ACC's planes)
 #endif
 #ifndef STSM
 #define STSM 0  // 1: P and P·scale written by stmatrix (4 a buffer and warp) rather than a 4-byte store a pair
@@ -154,6 +157,97 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       const int buf = it % NPBUF;
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
+#if PIPE
+      // ---- PIPE: the zero points first (sc = a token's zeros · the query's group sums), then five passes (a plane of a
+      // group pair, four times; RoPE) on two sets of accumulators in turn: pass n - 1 folds in while pass n runs ----
+      float sc[32], acc[2][32];
+      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
+      {
+        auto zeros = [&](int row) {
+          const uint8_t* m = st + RAW_CM + row * FB_CM;
+          const uint32_t z0 = *reinterpret_cast<const uint32_t*>(m + 4 * (t & 3)) >> 16;
+          return z0 | (z0 << 16);
+        };
+        const uint32_t a[4] = {zeros(r_lo), zeros(r_lo + 8), t == 0 ? zeros(r_lo) : 0u, t == 0 ? zeros(r_lo + 8) : 0u};
+        wgmma_fence();
+        wgmma_m64n64_ra<0>(sc, a, dqs, 0);
+        wgmma_commit();
+      }
+      auto fold = [&](int n, const float (&ac)[32]) {  // pass n's products times each token's scale, into sc
+        float s_lo, s_hi;
+        if (n < 4) {
+          const int q = n >> 1, pl = n & 1;
+          s_lo = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
+          s_hi = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
+        } else {
+          s_lo = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + r_lo * FB_RM)).x * 16777216.0f;
+          s_hi = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8) * FB_RM)).x * 16777216.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 32; ++e) sc[e] = fmaf(ac[e], (e & 2) ? s_hi : s_lo, sc[e]);
+      };
+#pragma unroll
+      for (int n = 0; n < 5; ++n) {
+        float(&ac)[32] = acc[n & 1];
+        if (n < 4) {
+          const int q = n >> 1, pl = n & 1;
+#pragma unroll
+          for (int m = 2 * q; m < 2 * q + 2; ++m) {
+            const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
+            const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
+            const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+            for (int s0 = 0; s0 < 4; s0 += SG) {
+              uint32_t a[SG][4];
+#pragma unroll
+              for (int s = s0; s < s0 + SG; ++s) {
+                a[s - s0][0] = plane<4>(xl[s], pl), a[s - s0][1] = plane<4>(xh[s], pl);
+                a[s - s0][2] = plane<4>(xl[s] >> 8, pl), a[s - s0][3] = plane<4>(xh[s] >> 8, pl);
+              }
+              wgmma_fence();
+#pragma unroll
+              for (int s = s0; s < s0 + SG; ++s) {
+                const int k = (m * 4 + s) * 2 + pl;
+                if constexpr (!SKIP_QK)
+                  wgmma_m64n64_ra<0>(ac, a[s - s0], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 2 * q || s > 0);
+              }
+              wgmma_commit();
+              wgmma_wait<1>();
+            }
+          }
+        } else {
+          const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
+          const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+          const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {  // plane 1 shifted to plane 0's weight: one group, one sum
+              const uint32_t l = xl[s] >> (4 * p), h = xh[s] >> (4 * p);
+              a[p][0] = plane<4>(l, 0), a[p][1] = plane<4>(h, 0), a[p][2] = plane<4>(l >> 8, 0), a[p][3] = plane<4>(h >> 8, 0);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int k = 32 + 2 * s + p;
+              if constexpr (!SKIP_QK)
+                wgmma_m64n64_ra<0>(ac, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), s > 0 || p > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+          }
+        }
+        if (n > 0) {  // every group but pass n's last is done: pass n - 1's products (and the zero points) are whole
+          fence_regs(sc);
+          fence_regs(acc[(n - 1) & 1]);
+          fold(n - 1, acc[(n - 1) & 1]);
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs(acc[0]);
+      fold(4, acc[0]);
+#else
       float sc[32], acc[ONE_ACC ? 1 : 2][32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
@@ -262,6 +356,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         wgmma_wait<0>();
         fence_regs(sc);
       }
+#endif
       // ---- the vote: does any row's reference move (by more than 2^8)? ----
       bool up = false;
 #pragma unroll

@@ -5,7 +5,8 @@ process through the API).
     python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
 
 Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`: ZL 1 with the product that sums P·zero and P over a tile's
-tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
+tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; PIPE 1 the scores' passes on two sets of accumulators in turn, each folded in under the next;
+STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
 5 stages); SKIP_COPY 1 no refill after the first stages (times only);
 ONE_ACC 1 the scores' content products a plane at a time on one set of accumulators; OUT_WAIT the
 output's k-steps left in flight; SG the scores' words (of 4 a load) committed as one group; SKIP_QK, SKIP_PV 1 leave the scores' or the output's code products
@@ -45,7 +46,7 @@ def smem_bytes(npbuf: int) -> int:
     return 10 * CHUNK + npbuf * 5 * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
 
 
-MACROS = ("ZL", "ZL_ASYNC", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+MACROS = ("ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
 DEFAULT_BUILDS = ["ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152", "ZL=0,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
                   "ZL=1,ONE_ACC=1,OUT_WAIT=1,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
