@@ -18,7 +18,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (512 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, DQA, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -35,7 +35,7 @@ typedef __half2 T2;
 #ifndef NPBUF
 #define NPBUF 2  // P buffers: with 2 the stage of tile i - 2 takes tile i + 1, with 1 that of tile i - 1 tile i + 4
 #endif
-#define STAGES (NPBUF == 2 ? 3 : 5)  // the most that fit beside the P buffers
+#define STAGES (DQA || NPBUF == 1 ? 5 : 3)  // the most that fit beside the P buffers
 #ifndef SKIP_COPY
 #define SKIP_COPY 0  // 1 (times only): no stage refilled after the first STAGES tiles, none waited for after them
 #endif
@@ -54,6 +54,9 @@ typedef __half2 T2;
 #ifndef SG
 #define SG 1  // the scores' words (4 of a 16-byte load) whose products are committed as one group
 #endif
+#ifndef DQA
+#define DQA 0  // 1: the codes dequantized into the A operands (code·scale + zero in fp16, one rounding): one accumulator,
+#endif       // no folds, no zero-point products, one P a buffer (ZL, ONE_ACC, PIPE, STSM do not apply)
 #ifndef PIPE
 #define PIPE 0  // 1: the scores' passes on two sets of accumulators in turn, each folded in under the next (ONE_ACC's planes)
 #endif
@@ -77,8 +80,9 @@ constexpr int RAW_RC = BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM
 constexpr int RAW_BYTES = RAW_RM + BN * FB_RM;  // 19712: one page, one copy
 constexpr int SM_Q = 0;                          // 9 chunks: the query block, K-major (rows as N)
 constexpr int SM_QS = SM_Q + 9 * CHUNK;          // 1 chunk: the query's group sums (k 0-9: 5 groups, hi and lo)
-constexpr int SM_P = SM_QS + CHUNK;              // NPBUF buffers x 5 chunks: P·scale of 4 groups and P, N-major
-constexpr int SM_RAW = SM_P + NPBUF * 5 * CHUNK; // STAGES raw pages
+constexpr int PCH = DQA ? 1 : 5;                 // chunks a P buffer: P·scale of 4 groups and P (DQA: P)
+constexpr int SM_P = SM_QS + CHUNK;              // NPBUF buffers x PCH chunks, N-major
+constexpr int SM_RAW = SM_P + NPBUF * PCH * CHUNK; // STAGES raw pages
 constexpr int SM_BAR = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_FLAG = SM_BAR + 8 * STAGES;
 enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4 };  // named barriers (FULL, EMPTY: one a P buffer)
@@ -115,6 +119,15 @@ __device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint3
                "r"(r2), "r"(r3) : "memory");
 }
 
+// two codes (nibble pl of bytes 0 and 2 of x) dequantized: (1024 + code) exact, less 1024, times the pair's scales
+// plus their zeros (half2 each), rounded once
+__device__ __forceinline__ uint32_t deq_pair(uint32_t x, int pl, uint32_t s2, uint32_t z2) {
+  const uint32_t m = ((x >> (4 * pl)) & 0x000F000Fu) | 0x64006400u;
+  const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&m), __half2(__half(1024.0f), __half(1024.0f)));
+  const __half2 v = __hfma2(c, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 __device__ __forceinline__ float2 h2f(uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
 __device__ __forceinline__ uint32_t f2h(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
@@ -148,16 +161,84 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
     const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
-    float ref[16], zl[32];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
+    float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
-    for (int i = 0; i < 16; ++i) ref[i] = 0.0f;
+    for (int i = 0; i < 16; ++i) ref[i] = lsum[i] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) zl[i] = 0.0f;
     for (int it = 0; it < ITERS; ++it) {
       const int buf = it % NPBUF;
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
-#if PIPE
+#if DQA
+      // ---- DQA: every k-step's A operand the dequantized values; all 36 products on sc ----
+      float sc[32];
+      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
+      uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the thread's two tokens: 4 content groups, RoPE
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int G = 0; G < 5; ++G) {
+          const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(ml + 8 * h * FB_CM + 4 * G)
+                                    : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
+          s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
+        const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
+        const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+        for (int s0 = 0; s0 < 4; s0 += SG) {
+          uint32_t a[SG][2][4];
+#pragma unroll
+          for (int s = s0; s < s0 + SG; ++s)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int G = 2 * p + m / 2;  // plane p of bytes 64m .. 64m + 63: channels p·256 + 64m ..
+              a[s - s0][p][0] = deq_pair(xl[s], p, s2[0][G], z2[0][G]), a[s - s0][p][1] = deq_pair(xh[s], p, s2[1][G], z2[1][G]);
+              a[s - s0][p][2] = deq_pair(xl[s] >> 8, p, s2[0][G], z2[0][G]);
+              a[s - s0][p][3] = deq_pair(xh[s] >> 8, p, s2[1][G], z2[1][G]);
+            }
+          wgmma_fence();
+#pragma unroll
+          for (int s = s0; s < s0 + SG; ++s)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const int k = (m * 4 + s) * 2 + p;
+              if constexpr (!SKIP_QK)
+                wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
+            }
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+      }
+      {
+        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
+        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+        const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          uint32_t a[2][4];
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            a[p][0] = deq_pair(xl[s], p, s2[0][4], z2[0][4]), a[p][1] = deq_pair(xh[s], p, s2[1][4], z2[1][4]);
+            a[p][2] = deq_pair(xl[s] >> 8, p, s2[0][4], z2[0][4]), a[p][3] = deq_pair(xh[s] >> 8, p, s2[1][4], z2[1][4]);
+          }
+          wgmma_fence();
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            const int k = 32 + 2 * s + p;
+            if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs(sc);
+#elif PIPE
       // ---- PIPE: the zero points first (sc = a token's zeros · the query's group sums), then five passes (a plane of a
       // group pair, four times; RoPE) on two sets of accumulators in turn: pass n - 1 folds in while pass n runs ----
       float sc[32], acc[2][32];
@@ -375,14 +456,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         bulk_g2s(smem + SM_RAW + s * RAW_BYTES, pages + (size_t)((blockIdx.x * 7 + nxt) % NPAGES) * RAW_BYTES,
                  RAW_BYTES, sBar + s);
       }
-      uint8_t* pb = smem + SM_P + buf * 5 * CHUNK;
+      uint8_t* pb = smem + SM_P + buf * PCH * CHUNK;
       float cs[2][4];  // the content scales of the two tokens
 #pragma unroll
       for (int G = 0; G < 4; ++G) {
         cs[0][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * G)).x;
         cs[1][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * G)).x;
       }
-      if constexpr (STSM) {  // P of the 32 scores, then each buffer in 4 stmatrix.x4 (a warp's 16 tokens x 64 rows)
+      if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
+          const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
+          lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j) + 4 * t) = f2h(p0, p1);
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j) + 4 * t) = f2h(p2, p3);
+        }
+      } else if constexpr (STSM) {  // P of the 32 scores, then each buffer in 4 stmatrix.x4 (a warp's 16 tokens x 64 rows)
         float pr[32];
 #pragma unroll
         for (int e = 0; e < 32; ++e) pr[e] = fast_exp2(sc[e] - ref[(e >> 2) * 2 + (e & 1)]);
@@ -417,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       fence_proxy_async();  // P, visible to the products
       bar_sync(BAR_VOTE, 128);
       // ---- Σ P·zero of each group (rows 0-3) and Σ P (row 4) over the tile's tokens: A the zeros, B = P ----
-      if constexpr (ZL) {
+      if constexpr (ZL && !DQA) {
         const uint64_t dp = sw128_desc(pb + 4 * CHUNK, CHUNK, 1024);
         uint32_t a[4][4];
 #pragma unroll
@@ -443,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         if constexpr (ZL_ASYNC) wgmma_commit();  // waited for by the next tile's first wait (groups end in order)
       }
       bar_arrive(BAR_FULL + buf, NT);
-      if constexpr (ZL && !ZL_ASYNC) {
+      if constexpr (ZL && !ZL_ASYNC && !DQA) {
         wgmma_wait<0>();
         fence_regs(zl);
       }
@@ -453,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
     for (int i = 0; i < 32; ++i) sink += zl[i];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) sink += ref[i];
+    for (int i = 0; i < 16; ++i) sink += ref[i] + lsum[i];
   } else {
     set_max_regs<REGS_O, (REGS_O > REGS_BASE)>();
     const int o = wg - 1;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
@@ -473,8 +563,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
           for (int i = 0; i < 32; ++i) acc[mb][i] *= 0.5f;
       }
-      const uint8_t* pb = smem + SM_P + buf * 5 * CHUNK;
-      const uint64_t d0 = sw128_desc(pb + o * CHUNK, CHUNK, 1024), d1 = sw128_desc(pb + (o + 2) * CHUNK, CHUNK, 1024);
+      const uint8_t* pb = smem + SM_P + buf * PCH * CHUNK;
+      const uint64_t d0 = sw128_desc(pb + (DQA ? 0 : o) * CHUNK, CHUNK, 1024);
+      const uint64_t d1 = sw128_desc(pb + (DQA ? 0 : o + 2) * CHUNK, CHUNK, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
@@ -483,14 +574,30 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
         const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
         uint32_t a[4][4];  // m-block 2p + z: byte pair z (channel rows g, g + 8), plane p
+        uint32_t sp[2][2], zp[2][2];  // DQA: group o + 2p's (scale, zero) pairs of tokens (r0, r0 + 8) [0], (r0 + 1, r0 + 9) [1]
+        if constexpr (DQA) {
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            const uint8_t* m = st + RAW_CM + r0 * FB_CM + 4 * (o + 2 * p);
+            const uint32_t sa = *reinterpret_cast<const uint32_t*>(m), sb = *reinterpret_cast<const uint32_t*>(m + 8 * FB_CM);
+            const uint32_t sc_ = *reinterpret_cast<const uint32_t*>(m + FB_CM), sd = *reinterpret_cast<const uint32_t*>(m + 9 * FB_CM);
+            sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
+            sp[p][1] = __byte_perm(sc_, sd, 0x5410), zp[p][1] = __byte_perm(sc_, sd, 0x7632);
+          }
+        }
 #pragma unroll
         for (int z = 0; z < 2; ++z) {
           const uint32_t sel = z ? 0x7632u : 0x5410u;
           const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
-            a[2 * p + z][0] = plane<4>(zab, p), a[2 * p + z][1] = plane<4>(zab >> 8, p);
-            a[2 * p + z][2] = plane<4>(zcd, p), a[2 * p + z][3] = plane<4>(zcd >> 8, p);
+            if constexpr (DQA) {
+              a[2 * p + z][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), a[2 * p + z][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
+              a[2 * p + z][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), a[2 * p + z][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
+            } else {
+              a[2 * p + z][0] = plane<4>(zab, p), a[2 * p + z][1] = plane<4>(zab >> 8, p);
+              a[2 * p + z][2] = plane<4>(zcd, p), a[2 * p + z][3] = plane<4>(zcd >> 8, p);
+            }
           }
         }
         wgmma_fence();

@@ -5,7 +5,8 @@ process through the API).
     python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
 
 Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`: ZL 1 with the product that sums P·zero and P over a tile's
-tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; PIPE 1 the scores' passes on two sets of accumulators in turn, each folded in under the next;
+tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; DQA 1 the codes dequantized into the A operands (one accumulator, one P a buffer, 5 stages);
+PIPE 1 the scores' passes on two sets of accumulators in turn, each folded in under the next;
 STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
 5 stages); SKIP_COPY 1 no refill after the first stages (times only);
 ONE_ACC 1 the scores' content products a plane at a time on one set of accumulators; OUT_WAIT the
@@ -39,14 +40,15 @@ RAW_BYTES, NT, CHUNK = 19712, 384, 8192  # the .cu's page, threads, chunk
 NPAGES = 64
 
 
-def smem_bytes(npbuf: int) -> int:
+def smem_bytes(npbuf: int, dqa: int = 0) -> int:
     """The kernel's dynamic shared memory at `npbuf` P buffers (its SM_FLAG + 16, plus the chunks' 1024-byte
-    alignment): the query block and its sums (10 chunks), 5 chunks a P buffer, the raw stages (3, or 5 with one)."""
-    stages = 3 if npbuf == 2 else 5
-    return 10 * CHUNK + npbuf * 5 * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
+    alignment): the query block and its sums (10 chunks), 5 chunks a P buffer (DQA: 1), the raw stages (3, or 5
+    with one P buffer or DQA)."""
+    stages = 3 if npbuf == 2 and not dqa else 5
+    return 10 * CHUNK + npbuf * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
 
 
-MACROS = ("ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+MACROS = ("DQA", "ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
 DEFAULT_BUILDS = ["ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152", "ZL=0,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
                   "ZL=1,ONE_ACC=1,OUT_WAIT=1,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 pages = torch.zeros(NPAGES * RAW_BYTES, dtype=torch.uint8, device=dev)
                 out = torch.empty(sms * NT, device=dev)
-                smem = smem_bytes(macros.get("NPBUF", 2))
+                smem = smem_bytes(macros.get("NPBUF", 2), macros.get("DQA", 0))
                 fn = driver.function(path, "tokens_m_64", smem, dev)
 
                 def run():
