@@ -18,7 +18,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (512 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, DQA, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, LEAN, NSW, DQA, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -54,6 +54,12 @@ typedef __half2 T2;
 #ifndef SG
 #define SG 1  // the scores' words (4 of a 16-byte load) whose products are committed as one group
 #endif
+#ifndef LEAN
+#define LEAN 0  // 1 (with DQA): the scores read each group's (scale, zero) where they use it; the output a byte pair at a time
+#endif
+#ifndef NSW
+#define NSW 1  // the scores' warpgroups: 2 (DQA only) split the 64 rows, 32 each (m64n32 products on the same codes)
+#endif
 #ifndef DQA
 #define DQA 0  // 1: the codes dequantized into the A operands (code·scale + zero in fp16, one rounding): one accumulator,
 #endif       // no folds, no zero-point products, one P a buffer (ZL, ONE_ACC, PIPE, STSM do not apply)
@@ -69,12 +75,15 @@ typedef __half2 T2;
 #ifndef ZL
 #define ZL 1  // the product that sums P·zero and P over a tile's tokens (0: left out, its 32 accumulators too)
 #endif
-// a thread's registers at launch (65536 / 384, rounded down to 8): the CTA's pool holds 3 x 128 x 168, so what the
-// scores' warpgroup gives back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
-constexpr int REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
-static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * REGS_O <= 3 * REGS_BASE, "setmaxnreg");
+// a thread's registers at launch (65536 / NT, rounded down to 8): the CTA's pool holds NT x REGS_BASE, so what the
+// scores' warpgroups give back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
+constexpr int NT = 128 * (NSW + 2), SN = 64 / NSW;  // threads; rows a scores' warpgroup (its products' N)
+constexpr int REGS_BASE = 65536 / NT / 8 * 8, REGS_O = ((NSW + 2) * REGS_BASE - NSW * REGS_S) / 2 / 8 * 8;
+static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && NSW * REGS_S + 2 * REGS_O <= (NSW + 2) * REGS_BASE,
+              "setmaxnreg");
+static_assert(NSW == 1 || (NSW == 2 && DQA), "two scores' warpgroups with DQA only");
 
-constexpr int BN = 64, NT = 384, CHUNK = 8192;  // tokens a tile, threads, a 64 x 128-byte swizzled chunk
+constexpr int BN = 64, CHUNK = 8192;  // tokens a tile, a 64 x 128-byte swizzled chunk
 constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
 constexpr int RAW_RC = BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
 constexpr int RAW_BYTES = RAW_RM + BN * FB_RM;  // 19712: one page, one copy
@@ -103,6 +112,24 @@ __device__ __forceinline__ void wgmma_m64n64_ra(float (&d)[32], const uint32_t (
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n32_ra(float (&d)[16], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+// the scores' product over SN rows: N = 64 (32 accumulators) or 32 (16)
+template <int NA>
+__device__ __forceinline__ void wgmma_scores(float (&d)[NA], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  if constexpr (NA == 32) wgmma_m64n64_ra<0>(d, a, db, scale_d);
+  else wgmma_m64n32_ra<0>(d, a, db, scale_d);
 }
 
 template <int N, bool INC>
@@ -157,9 +184,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
   __syncthreads();
   float sink = 0.0f;
 
-  if (wg == 0) {
+  if (wg < NSW) {
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
-    const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
+    // this warpgroup's rows: query rows SN·wg .. (32 rows of 128 bytes: 4096 bytes, whole swizzle periods)
+    const int hs = NSW == 1 ? 0 : wg;  // the warpgroup's slice of the rows (a constant with one)
+    const uint64_t dq = sw128_desc(smem + SM_Q + hs * SN * 128, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
     float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
@@ -172,23 +201,30 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
 #if DQA
       // ---- DQA: every k-step's A operand the dequantized values; all 36 products on sc ----
-      float sc[32];
+      float sc[SN / 2];
       const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
       uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the thread's two tokens: 4 content groups, RoPE
+      auto load_sz = [&](int G) {  // (LEAN: read where used, else all ahead)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int G = 0; G < 5; ++G) {
+        for (int h = 0; h < 2; ++h) {
           const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(ml + 8 * h * FB_CM + 4 * G)
                                     : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
           s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
         }
+      };
+      if constexpr (!LEAN) {
+#pragma unroll
+        for (int G = 0; G < 5; ++G) load_sz(G);
       }
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
         const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
         const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+        if constexpr (LEAN) {
+          load_sz(m / 2);
+          load_sz(2 + m / 2);
+        }
 #pragma unroll
         for (int s0 = 0; s0 < 4; s0 += SG) {
           uint32_t a[SG][2][4];
@@ -208,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
             for (int p = 0; p < 2; ++p) {
               const int k = (m * 4 + s) * 2 + p;
               if constexpr (!SKIP_QK)
-                wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
+                wgmma_scores(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
             }
           wgmma_commit();
           wgmma_wait<1>();
@@ -218,6 +254,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
         const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
         const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+        if constexpr (LEAN) load_sz(4);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           uint32_t a[2][4];
@@ -230,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
             const int k = 32 + 2 * s + p;
-            if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
+            if constexpr (!SKIP_QK) wgmma_scores(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
           }
           wgmma_commit();
           wgmma_wait<1>();
@@ -441,11 +478,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       // ---- the vote: does any row's reference move (by more than 2^8)? ----
       bool up = false;
 #pragma unroll
-      for (int e = 0; e < 32; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
-      const bool moved = bar_or(BAR_VOTE, 128, up);
+      for (int e = 0; e < SN / 2; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
+      const bool moved = bar_or(BAR_VOTE, 128 * NSW, up);
       if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
 #pragma unroll
-        for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
+        for (int e = 0; e < SN / 2; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
       }
       // ---- P, P·scale of each content group (N-major, swizzled), once the output's warpgroups are past this buffer ----
       if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
@@ -465,12 +502,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       }
       if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < SN / 8; ++j) {  // this warpgroup's rows: 16-byte units j + wg·SN/8 of the chunk's rows
           const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
           const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
           lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j) + 4 * t) = f2h(p0, p1);
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j) + 4 * t) = f2h(p2, p3);
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j + hs * SN / 8) + 4 * t) = f2h(p0, p1);
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j + hs * SN / 8) + 4 * t) = f2h(p2, p3);
         }
       } else if constexpr (STSM) {  // P of the 32 scores, then each buffer in 4 stmatrix.x4 (a warp's 16 tokens x 64 rows)
         float pr[32];
@@ -505,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         }
       }
       fence_proxy_async();  // P, visible to the products
-      bar_sync(BAR_VOTE, 128);
+      bar_sync(BAR_VOTE, 128 * NSW);
       // ---- Σ P·zero of each group (rows 0-3) and Σ P (row 4) over the tile's tokens: A the zeros, B = P ----
       if constexpr (ZL && !DQA) {
         const uint64_t dp = sw128_desc(pb + 4 * CHUNK, CHUNK, 1024);
@@ -546,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     for (int i = 0; i < 16; ++i) sink += ref[i] + lsum[i];
   } else {
     set_max_regs<REGS_O, (REGS_O > REGS_BASE)>();
-    const int o = wg - 1;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
+    const int o = wg - NSW;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
     float acc[4][32];
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb)
@@ -584,6 +621,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
             sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
             sp[p][1] = __byte_perm(sc_, sd, 0x5410), zp[p][1] = __byte_perm(sc_, sd, 0x7632);
           }
+        }
+        if constexpr (LEAN) {  // a byte pair at a time: its two m-blocks' operands, products and wait (8 registers live)
+#pragma unroll
+          for (int z = 0; z < 2; ++z) {
+            const uint32_t sel = z ? 0x7632u : 0x5410u;
+            const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
+            uint32_t ah[2][4];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              if constexpr (DQA) {
+                ah[p][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), ah[p][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
+                ah[p][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), ah[p][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
+              } else {
+                ah[p][0] = plane<4>(zab, p), ah[p][1] = plane<4>(zab >> 8, p);
+                ah[p][2] = plane<4>(zcd, p), ah[p][3] = plane<4>(zcd >> 8, p);
+              }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+              if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[2 * p + z], ah[p], (p ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
+            wgmma_commit();
+            wgmma_wait<1>();
+          }
+          continue;
         }
 #pragma unroll
         for (int z = 0; z < 2; ++z) {

@@ -5,7 +5,9 @@ process through the API).
     python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
 
 Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`: ZL 1 with the product that sums P·zero and P over a tile's
-tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; DQA 1 the codes dequantized into the A operands (one accumulator, one P a buffer, 5 stages);
+tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; LEAN 1 fewer live registers (each group's scale where used, the output a byte pair at a time);
+NSW 2 two scores' warpgroups of 32 rows each (with DQA);
+DQA 1 the codes dequantized into the A operands (one accumulator, one P a buffer, 5 stages);
 PIPE 1 the scores' passes on two sets of accumulators in turn, each folded in under the next;
 STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
 5 stages); SKIP_COPY 1 no refill after the first stages (times only);
@@ -36,7 +38,7 @@ from quantmla.kernels.cuda import build, driver
 from quantmla_lab.bench.common import parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
-RAW_BYTES, NT, CHUNK = 19712, 384, 8192  # the .cu's page, threads, chunk
+RAW_BYTES, CHUNK = 19712, 8192  # the .cu's page and chunk
 NPAGES = 64
 
 
@@ -48,7 +50,7 @@ def smem_bytes(npbuf: int, dqa: int = 0) -> int:
     return 10 * CHUNK + npbuf * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
 
 
-MACROS = ("DQA", "ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+MACROS = ("LEAN", "NSW", "DQA", "ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
 DEFAULT_BUILDS = ["ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152", "ZL=0,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
                   "ZL=1,ONE_ACC=1,OUT_WAIT=1,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
@@ -128,12 +130,13 @@ def main(argv=None) -> int:
                 dev = torch.device("cuda")
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 pages = torch.zeros(NPAGES * RAW_BYTES, dtype=torch.uint8, device=dev)
-                out = torch.empty(sms * NT, device=dev)
+                nt = 128 * (macros.get("NSW", 1) + 2)
+                out = torch.empty(sms * nt, device=dev)
                 smem = smem_bytes(macros.get("NPBUF", 2), macros.get("DQA", 0))
                 fn = driver.function(path, "tokens_m_64", smem, dev)
 
                 def run():
-                    driver.launch(fn, (sms,), NT, smem, torch.cuda.current_stream().cuda_stream,
+                    driver.launch(fn, (sms,), nt, smem, torch.cuda.current_stream().cuda_stream,
                                   [("p", pages.data_ptr()), ("p", out.data_ptr())])
 
                 for _ in range(3):
