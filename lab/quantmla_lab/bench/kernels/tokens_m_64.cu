@@ -17,8 +17,8 @@
 // Thread 0 refills a stage with one bulk copy of a 64-token page (cycling over `pages`) once both roles are past it.
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
-// CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (512 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, LEAN, NSW, DQA, PIPE, STSM, ZL, ZL_ASYNC, NPBUF, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (504 - REGS_S) / 2), NPAGES, ONE_ACC,
+// OUT_WAIT, SG, DQA, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -32,10 +32,8 @@ typedef __half2 T2;
 #ifndef ITERS
 #define ITERS 1024
 #endif
-#ifndef NPBUF
-#define NPBUF 2  // P buffers: with 2 the stage of tile i - 2 takes tile i + 1, with 1 that of tile i - 1 tile i + 4
-#endif
-#define STAGES (DQA || NPBUF == 1 ? 5 : 3)  // the most that fit beside the P buffers
+#define NPBUF 2                  // P buffers: the stage of tile i - 2 takes tile i + STAGES - 2
+#define STAGES (DQA ? 5 : 3)     // the most that fit beside the P buffers
 #ifndef SKIP_COPY
 #define SKIP_COPY 0  // 1 (times only): no stage refilled after the first STAGES tiles, none waited for after them
 #endif
@@ -54,34 +52,16 @@ typedef __half2 T2;
 #ifndef SG
 #define SG 1  // the scores' words (4 of a 16-byte load) whose products are committed as one group
 #endif
-#ifndef LEAN
-#define LEAN 0  // 1 (with DQA): the scores read each group's (scale, zero) where they use it; the output a byte pair at a time
-#endif
-#ifndef NSW
-#define NSW 1  // the scores' warpgroups: 2 (DQA only) split the 64 rows, 32 each (m64n32 products on the same codes)
-#endif
 #ifndef DQA
 #define DQA 0  // 1: the codes dequantized into the A operands (code·scale + zero in fp16, one rounding): one accumulator,
-#endif       // no folds, no zero-point products, one P a buffer (ZL, ONE_ACC, PIPE, STSM do not apply)
-#ifndef PIPE
-#define PIPE 0  // 1: the scores' passes on two sets of accumulators in turn, each folded in under the next (ONE_ACC's planes)
-#endif
-#ifndef STSM
-#define STSM 0  // 1: P and P·scale written by stmatrix (4 a buffer and warp) rather than a 4-byte store a pair
-#endif
-#ifndef ZL_ASYNC
-#define ZL_ASYNC 0  // 1: the Σ P·zero product left running into the next tile (0: waited for a k-step at a time)
-#endif
+#endif       // no folds, no zero-point products, one P a buffer, 5 stages (ZL and ONE_ACC do not apply)
 #ifndef ZL
 #define ZL 1  // the product that sums P·zero and P over a tile's tokens (0: left out, its 32 accumulators too)
 #endif
-// a thread's registers at launch (65536 / NT, rounded down to 8): the CTA's pool holds NT x REGS_BASE, so what the
-// scores' warpgroups give back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
-constexpr int NT = 128 * (NSW + 2), SN = 64 / NSW;  // threads; rows a scores' warpgroup (its products' N)
-constexpr int REGS_BASE = 65536 / NT / 8 * 8, REGS_O = ((NSW + 2) * REGS_BASE - NSW * REGS_S) / 2 / 8 * 8;
-static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && NSW * REGS_S + 2 * REGS_O <= (NSW + 2) * REGS_BASE,
-              "setmaxnreg");
-static_assert(NSW == 1 || (NSW == 2 && DQA), "two scores' warpgroups with DQA only");
+// a thread's registers at launch (65536 / 384, rounded down to 8): the CTA's pool holds 384 x 168, so what the
+// scores' warpgroup gives back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
+constexpr int NT = 384, REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
+static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * REGS_O <= 3 * REGS_BASE, "setmaxnreg");
 
 constexpr int BN = 64, CHUNK = 8192;  // tokens a tile, a 64 x 128-byte swizzled chunk
 constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
@@ -112,24 +92,6 @@ __device__ __forceinline__ void wgmma_m64n64_ra(float (&d)[32], const uint32_t (
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
-}
-
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n32_ra(float (&d)[16], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
-}
-// the scores' product over SN rows: N = 64 (32 accumulators) or 32 (16)
-template <int NA>
-__device__ __forceinline__ void wgmma_scores(float (&d)[NA], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  if constexpr (NA == 32) wgmma_m64n64_ra<0>(d, a, db, scale_d);
-  else wgmma_m64n32_ra<0>(d, a, db, scale_d);
 }
 
 template <int N, bool INC>
@@ -184,11 +146,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
   __syncthreads();
   float sink = 0.0f;
 
-  if (wg < NSW) {
+  if (wg == 0) {
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
-    // this warpgroup's rows: query rows SN·wg .. (32 rows of 128 bytes: 4096 bytes, whole swizzle periods)
-    const int hs = NSW == 1 ? 0 : wg;  // the warpgroup's slice of the rows (a constant with one)
-    const uint64_t dq = sw128_desc(smem + SM_Q + hs * SN * 128, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
+    const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
     float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
@@ -201,30 +161,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
 #if DQA
       // ---- DQA: every k-step's A operand the dequantized values; all 36 products on sc ----
-      float sc[SN / 2];
+      float sc[32];
       const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
       uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the thread's two tokens: 4 content groups, RoPE
-      auto load_sz = [&](int G) {  // (LEAN: read where used, else all ahead)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int G = 0; G < 5; ++G) {
           const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(ml + 8 * h * FB_CM + 4 * G)
                                     : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
           s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
         }
-      };
-      if constexpr (!LEAN) {
-#pragma unroll
-        for (int G = 0; G < 5; ++G) load_sz(G);
       }
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
         const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
         const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-        if constexpr (LEAN) {
-          load_sz(m / 2);
-          load_sz(2 + m / 2);
-        }
 #pragma unroll
         for (int s0 = 0; s0 < 4; s0 += SG) {
           uint32_t a[SG][2][4];
@@ -244,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
             for (int p = 0; p < 2; ++p) {
               const int k = (m * 4 + s) * 2 + p;
               if constexpr (!SKIP_QK)
-                wgmma_scores(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
+                wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
             }
           wgmma_commit();
           wgmma_wait<1>();
@@ -254,7 +207,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
         const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
         const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
-        if constexpr (LEAN) load_sz(4);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           uint32_t a[2][4];
@@ -267,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
             const int k = 32 + 2 * s + p;
-            if constexpr (!SKIP_QK) wgmma_scores(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
+            if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
           }
           wgmma_commit();
           wgmma_wait<1>();
@@ -275,96 +227,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       }
       wgmma_wait<0>();
       fence_regs(sc);
-#elif PIPE
-      // ---- PIPE: the zero points first (sc = a token's zeros · the query's group sums), then five passes (a plane of a
-      // group pair, four times; RoPE) on two sets of accumulators in turn: pass n - 1 folds in while pass n runs ----
-      float sc[32], acc[2][32];
-      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
-      {
-        auto zeros = [&](int row) {
-          const uint8_t* m = st + RAW_CM + row * FB_CM;
-          const uint32_t z0 = *reinterpret_cast<const uint32_t*>(m + 4 * (t & 3)) >> 16;
-          return z0 | (z0 << 16);
-        };
-        const uint32_t a[4] = {zeros(r_lo), zeros(r_lo + 8), t == 0 ? zeros(r_lo) : 0u, t == 0 ? zeros(r_lo + 8) : 0u};
-        wgmma_fence();
-        wgmma_m64n64_ra<0>(sc, a, dqs, 0);
-        wgmma_commit();
-      }
-      auto fold = [&](int n, const float (&ac)[32]) {  // pass n's products times each token's scale, into sc
-        float s_lo, s_hi;
-        if (n < 4) {
-          const int q = n >> 1, pl = n & 1;
-          s_lo = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
-          s_hi = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
-        } else {
-          s_lo = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + r_lo * FB_RM)).x * 16777216.0f;
-          s_hi = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8) * FB_RM)).x * 16777216.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < 32; ++e) sc[e] = fmaf(ac[e], (e & 2) ? s_hi : s_lo, sc[e]);
-      };
-#pragma unroll
-      for (int n = 0; n < 5; ++n) {
-        float(&ac)[32] = acc[n & 1];
-        if (n < 4) {
-          const int q = n >> 1, pl = n & 1;
-#pragma unroll
-          for (int m = 2 * q; m < 2 * q + 2; ++m) {
-            const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-            const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-            const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-            for (int s0 = 0; s0 < 4; s0 += SG) {
-              uint32_t a[SG][4];
-#pragma unroll
-              for (int s = s0; s < s0 + SG; ++s) {
-                a[s - s0][0] = plane<4>(xl[s], pl), a[s - s0][1] = plane<4>(xh[s], pl);
-                a[s - s0][2] = plane<4>(xl[s] >> 8, pl), a[s - s0][3] = plane<4>(xh[s] >> 8, pl);
-              }
-              wgmma_fence();
-#pragma unroll
-              for (int s = s0; s < s0 + SG; ++s) {
-                const int k = (m * 4 + s) * 2 + pl;
-                if constexpr (!SKIP_QK)
-                  wgmma_m64n64_ra<0>(ac, a[s - s0], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 2 * q || s > 0);
-              }
-              wgmma_commit();
-              wgmma_wait<1>();
-            }
-          }
-        } else {
-          const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-          const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-          const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            uint32_t a[2][4];
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {  // plane 1 shifted to plane 0's weight: one group, one sum
-              const uint32_t l = xl[s] >> (4 * p), h = xh[s] >> (4 * p);
-              a[p][0] = plane<4>(l, 0), a[p][1] = plane<4>(h, 0), a[p][2] = plane<4>(l >> 8, 0), a[p][3] = plane<4>(h >> 8, 0);
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int k = 32 + 2 * s + p;
-              if constexpr (!SKIP_QK)
-                wgmma_m64n64_ra<0>(ac, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), s > 0 || p > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();
-          }
-        }
-        if (n > 0) {  // every group but pass n's last is done: pass n - 1's products (and the zero points) are whole
-          fence_regs(sc);
-          fence_regs(acc[(n - 1) & 1]);
-          fold(n - 1, acc[(n - 1) & 1]);
-        }
-      }
-      wgmma_wait<0>();
-      fence_regs(acc[0]);
-      fold(4, acc[0]);
 #else
       float sc[32], acc[ONE_ACC ? 1 : 2][32];
 #pragma unroll
@@ -478,11 +340,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       // ---- the vote: does any row's reference move (by more than 2^8)? ----
       bool up = false;
 #pragma unroll
-      for (int e = 0; e < SN / 2; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
-      const bool moved = bar_or(BAR_VOTE, 128 * NSW, up);
+      for (int e = 0; e < 32; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
+      const bool moved = bar_or(BAR_VOTE, 128, up);
       if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
 #pragma unroll
-        for (int e = 0; e < SN / 2; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
+        for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
       }
       // ---- P, P·scale of each content group (N-major, swizzled), once the output's warpgroups are past this buffer ----
       if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
@@ -502,29 +364,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       }
       if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
 #pragma unroll
-        for (int j = 0; j < SN / 8; ++j) {  // this warpgroup's rows: 16-byte units j + wg·SN/8 of the chunk's rows
+        for (int j = 0; j < 8; ++j) {
           const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
           const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
           lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j + hs * SN / 8) + 4 * t) = f2h(p0, p1);
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j + hs * SN / 8) + 4 * t) = f2h(p2, p3);
-        }
-      } else if constexpr (STSM) {  // P of the 32 scores, then each buffer in 4 stmatrix.x4 (a warp's 16 tokens x 64 rows)
-        float pr[32];
-#pragma unroll
-        for (int e = 0; e < 32; ++e) pr[e] = fast_exp2(sc[e] - ref[(e >> 2) * 2 + (e & 1)]);
-        // matrix i = lane / 8 of a call c: token rows 16w + 8(i & 1) + lane % 8, 16-byte unit 2c + (i >> 1)
-        const int i8 = lane >> 3, row = 16 * w + 8 * (i8 & 1) + (lane & 7);
-#pragma unroll
-        for (int G = 0; G < 5; ++G) {
-          const float f_lo = G < 4 ? cs[0][G] : 1.0f, f_hi = G < 4 ? cs[1][G] : 1.0f;
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int j0 = 2 * c, j1 = 2 * c + 1;
-            stsm_x4(pb + G * CHUNK + swz(row, 2 * c + (i8 >> 1)), f2h(pr[4 * j0] * f_lo, pr[4 * j0 + 1] * f_lo),
-                    f2h(pr[4 * j0 + 2] * f_hi, pr[4 * j0 + 3] * f_hi), f2h(pr[4 * j1] * f_lo, pr[4 * j1 + 1] * f_lo),
-                    f2h(pr[4 * j1 + 2] * f_hi, pr[4 * j1 + 3] * f_hi));
-          }
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j) + 4 * t) = f2h(p0, p1);
+          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j) + 4 * t) = f2h(p2, p3);
         }
       } else {
 #pragma unroll
@@ -542,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         }
       }
       fence_proxy_async();  // P, visible to the products
-      bar_sync(BAR_VOTE, 128 * NSW);
+      bar_sync(BAR_VOTE, 128);
       // ---- Σ P·zero of each group (rows 0-3) and Σ P (row 4) over the tile's tokens: A the zeros, B = P ----
       if constexpr (ZL && !DQA) {
         const uint64_t dp = sw128_desc(pb + 4 * CHUNK, CHUNK, 1024);
@@ -562,15 +407,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           wgmma_m64n64_ra<1>(zl, a[kk], dp + ((kk * 16 * 128) >> 4), 1);
-          if constexpr (!ZL_ASYNC) {
-            wgmma_commit();
-            wgmma_wait<1>();
-          }
+          wgmma_commit();
+          wgmma_wait<1>();
         }
-        if constexpr (ZL_ASYNC) wgmma_commit();  // waited for by the next tile's first wait (groups end in order)
       }
       bar_arrive(BAR_FULL + buf, NT);
-      if constexpr (ZL && !ZL_ASYNC && !DQA) {
+      if constexpr (ZL && !DQA) {
         wgmma_wait<0>();
         fence_regs(zl);
       }
@@ -583,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     for (int i = 0; i < 16; ++i) sink += ref[i] + lsum[i];
   } else {
     set_max_regs<REGS_O, (REGS_O > REGS_BASE)>();
-    const int o = wg - NSW;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
+    const int o = wg - 1;  // code bytes 128o .. 128o + 127: group o in plane 0, group o + 2 in plane 1
     float acc[4][32];
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb)
@@ -621,31 +463,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
             sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
             sp[p][1] = __byte_perm(sc_, sd, 0x5410), zp[p][1] = __byte_perm(sc_, sd, 0x7632);
           }
-        }
-        if constexpr (LEAN) {  // a byte pair at a time: its two m-blocks' operands, products and wait (8 registers live)
-#pragma unroll
-          for (int z = 0; z < 2; ++z) {
-            const uint32_t sel = z ? 0x7632u : 0x5410u;
-            const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
-            uint32_t ah[2][4];
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              if constexpr (DQA) {
-                ah[p][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), ah[p][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
-                ah[p][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), ah[p][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
-              } else {
-                ah[p][0] = plane<4>(zab, p), ah[p][1] = plane<4>(zab >> 8, p);
-                ah[p][2] = plane<4>(zcd, p), ah[p][3] = plane<4>(zcd >> 8, p);
-              }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int p = 0; p < 2; ++p)
-              if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[2 * p + z], ah[p], (p ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
-            wgmma_commit();
-            wgmma_wait<1>();
-          }
-          continue;
         }
 #pragma unroll
         for (int z = 0; z < 2; ++z) {

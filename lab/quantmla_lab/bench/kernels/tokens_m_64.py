@@ -4,19 +4,15 @@ process through the API).
 
     python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
 
-Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`: ZL 1 with the product that sums P·zero and P over a tile's
-tokens, 0 without; ZL_ASYNC 1 that product left running into the next tile; LEAN 1 fewer live registers (each group's scale where used, the output a byte pair at a time);
-NSW 2 two scores' warpgroups of 32 rows each (with DQA);
-DQA 1 the codes dequantized into the A operands (one accumulator, one P a buffer, 5 stages);
-PIPE 1 the scores' passes on two sets of accumulators in turn, each folded in under the next;
-STSM 1 P written by stmatrix; NPBUF the P buffers (2, or 1 with
-5 stages); SKIP_COPY 1 no refill after the first stages (times only);
-ONE_ACC 1 the scores' content products a plane at a time on one set of accumulators; OUT_WAIT the
-output's k-steps left in flight; SG the scores' words (of 4 a load) committed as one group; SKIP_QK, SKIP_PV 1 leave the scores' or the output's code products
-out (times only); REGS_S the scores' warpgroup's registers) runs one CTA an SM of three warpgroups,
-its raw pages (3 beside two P buffers, 5 beside one: NPBUF), each CTA
-`--iters` tiles, one bulk copy a tile from a buffer of pages; the values are not checked (the time is that of the
-instruction stream and the copies, see the .cu). `us_per_tile` is a launch's time (CUDA events, median of `--reps`)
+Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`) runs one CTA an SM of three warpgroups, each CTA
+`--iters` tiles, one bulk copy a tile from a buffer of pages (3 stages, 5 with DQA); the values are not checked (the
+time is that of the instruction stream and the copies, see the .cu). The macros: DQA 1 the codes dequantized into
+the register A operands (one accumulator, no zero-point products, one P a buffer), else masked in place (exact fp16
+subnormals) with ZL 1 the product that sums P·zero and P over a tile's tokens (0 without) and ONE_ACC 1 the scores'
+content products a plane at a time on one set of accumulators; SG the scores' words (of the 4 a 16-byte load) whose
+products are committed as one group; OUT_WAIT the output's k-steps left in flight; REGS_S the scores' warpgroup's
+registers (setmaxnreg); SKIP_QK, SKIP_PV, SKIP_COPY 1 leave the scores' code products, the output's, or the refills out
+(times only). `us_per_tile` is a launch's time (CUDA events, median of `--reps`)
 over its iterations. ptxas's registers, spills and whether it serialized the products come with each build. The
 heads-as-M rows give the same figure for the shipped kernel: a decode call's kernel time over the 64-token tiles a
 CTA reads (`decode_cuda_variants` measures the kernel alone; here the whole call, decode and combine kernels). Without
@@ -38,21 +34,20 @@ from quantmla.kernels.cuda import build, driver
 from quantmla_lab.bench.common import parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
-RAW_BYTES, CHUNK = 19712, 8192  # the .cu's page and chunk
+RAW_BYTES, CHUNK, NT = 19712, 8192, 384  # the .cu's page, chunk and threads
 NPAGES = 64
 
 
-def smem_bytes(npbuf: int, dqa: int = 0) -> int:
-    """The kernel's dynamic shared memory at `npbuf` P buffers (its SM_FLAG + 16, plus the chunks' 1024-byte
-    alignment): the query block and its sums (10 chunks), 5 chunks a P buffer (DQA: 1), the raw stages (3, or 5
-    with one P buffer or DQA)."""
-    stages = 3 if npbuf == 2 and not dqa else 5
-    return 10 * CHUNK + npbuf * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
+def smem_bytes(dqa: int = 0) -> int:
+    """The kernel's dynamic shared memory (its SM_FLAG + 16, plus the chunks' 1024-byte alignment): the query block and
+    its sums (10 chunks), two P buffers of 5 chunks (DQA: 1), the raw stages (3; DQA: 5)."""
+    stages = 5 if dqa else 3
+    return 10 * CHUNK + 2 * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
 
 
-MACROS = ("LEAN", "NSW", "DQA", "ZL", "ZL_ASYNC", "PIPE", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "STSM", "NPBUF", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
-DEFAULT_BUILDS = ["ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152", "ZL=0,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
-                  "ZL=1,ONE_ACC=1,OUT_WAIT=1,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
+MACROS = ("DQA", "ZL", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+DEFAULT_BUILDS = ["DQA=1,ZL=0,OUT_WAIT=0,SG=2,REGS_S=136", "ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
+                  "ZL=0,ONE_ACC=1,OUT_WAIT=0,SG=4,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
 
 def parse_build(spec: str) -> dict[str, int]:
@@ -63,8 +58,8 @@ def parse_build(spec: str) -> dict[str, int]:
         if name not in MACROS or not v.isdigit():
             raise SystemExit(f"--builds {spec!r}: write NAME=V[,NAME=V], NAME one of {', '.join(MACROS)}, V an integer")
         got[name] = int(v)
-    if got.get("REGS_S", 160) % 8 or got.get("NPBUF", 2) not in (1, 2):
-        raise SystemExit(f"--builds {spec!r}: REGS_S must be a multiple of 8 (setmaxnreg's steps), NPBUF 1 or 2")
+    if got.get("REGS_S", 160) % 8:
+        raise SystemExit(f"--builds {spec!r}: REGS_S must be a multiple of 8 (setmaxnreg's steps)")
     return got
 
 
@@ -130,13 +125,12 @@ def main(argv=None) -> int:
                 dev = torch.device("cuda")
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 pages = torch.zeros(NPAGES * RAW_BYTES, dtype=torch.uint8, device=dev)
-                nt = 128 * (macros.get("NSW", 1) + 2)
-                out = torch.empty(sms * nt, device=dev)
-                smem = smem_bytes(macros.get("NPBUF", 2), macros.get("DQA", 0))
+                out = torch.empty(sms * NT, device=dev)
+                smem = smem_bytes(macros.get("DQA", 0))
                 fn = driver.function(path, "tokens_m_64", smem, dev)
 
                 def run():
-                    driver.launch(fn, (sms,), nt, smem, torch.cuda.current_stream().cuda_stream,
+                    driver.launch(fn, (sms,), NT, smem, torch.cuda.current_stream().cuda_stream,
                                   [("p", pages.data_ptr()), ("p", out.data_ptr())])
 
                 for _ in range(3):
