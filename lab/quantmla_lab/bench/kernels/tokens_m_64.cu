@@ -18,7 +18,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (504 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, DQA, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, SW, DQA, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -55,6 +55,9 @@ typedef __half2 T2;
 #ifndef DQA
 #define DQA 0  // 1: the codes dequantized into the A operands (code·scale + zero in fp16, one rounding): one accumulator,
 #endif       // no folds, no zero-point products, one P a buffer, 5 stages (ZL and ONE_ACC do not apply)
+#ifndef SW
+#define SW 1  // DQA: the scores' product groups left in flight at each wait (their operand registers kept)
+#endif
 #ifndef ZL
 #define ZL 1  // the product that sums P·zero and P over a tile's tokens (0: left out, its 32 accumulators too)
 #endif
@@ -200,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
                 wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
             }
           wgmma_commit();
-          wgmma_wait<1>();
+          wgmma_wait<SW>();  // (DQA) SW groups left in flight
         }
       }
       {
@@ -222,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
             if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
           }
           wgmma_commit();
-          wgmma_wait<1>();
+          wgmma_wait<SW>();  // (DQA) SW groups left in flight
         }
       }
       wgmma_wait<0>();

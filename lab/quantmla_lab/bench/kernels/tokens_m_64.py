@@ -10,7 +10,7 @@ time is that of the instruction stream and the copies, see the .cu). The macros:
 the register A operands (one accumulator, no zero-point products, one P a buffer), else masked in place (exact fp16
 subnormals) with ZL 1 the product that sums P·zero and P over a tile's tokens (0 without) and ONE_ACC 1 the scores'
 content products a plane at a time on one set of accumulators; SG the scores' words (of the 4 a 16-byte load) whose
-products are committed as one group; OUT_WAIT the output's k-steps left in flight; REGS_S the scores' warpgroup's
+products are committed as one group; SW (DQA) the scores' groups left in flight at a wait; OUT_WAIT the output's k-steps left in flight; REGS_S the scores' warpgroup's
 registers (setmaxnreg); SKIP_QK, SKIP_PV, SKIP_COPY 1 leave the scores' code products, the output's, or the refills out
 (times only). `us_per_tile` is a launch's time (CUDA events, median of `--reps`)
 over its iterations. ptxas's registers, spills and whether it serialized the products come with each build. The
@@ -45,7 +45,7 @@ def smem_bytes(dqa: int = 0) -> int:
     return 10 * CHUNK + 2 * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
 
 
-MACROS = ("DQA", "ZL", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+MACROS = ("DQA", "SW", "ZL", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
 DEFAULT_BUILDS = ["DQA=1,ZL=0,OUT_WAIT=0,SG=2,REGS_S=136", "ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
                   "ZL=0,ONE_ACC=1,OUT_WAIT=0,SG=4,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
