@@ -28,6 +28,24 @@ def record(**fields) -> dict:
             "torch": torch.__version__, **fields}
 
 
+def launch_ms(run, reps: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of ``run()`` (a kernel launch, or a few) over ``reps`` calls, each between two CUDA events
+    and synchronized, after ``warmup`` calls."""
+    import statistics
+
+    for _ in range(warmup):
+        run()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return statistics.median(ts)
+
+
 def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
     """``ap``'s arguments, ending the process if its ``--out`` file exists (a result is never overwritten)."""
     a = ap.parse_args()

@@ -24,7 +24,7 @@ import torch
 
 from quantmla.kernels.cuda import build, driver
 from quantmla_lab.bench.kernels.decode_speed import source_commit
-from quantmla_lab.bench.common import save
+from quantmla_lab.bench.common import launch_ms, save
 
 SOURCE = Path(__file__).with_name("mma_rate.cu")
 # per warp (mma.sync: two a chain step) / per warpgroup (wgmma)
@@ -79,17 +79,7 @@ def main() -> None:
                     grid = sms * cps
                     run = lambda: driver.launch(fn, (grid,), 128, 0, torch.cuda.current_stream().cuda_stream,  # noqa: E731
                                                 [("p", out.data_ptr()), ("i", 12345)])
-                    for _ in range(3):
-                        run()
-                    ts = []
-                    for _ in range(10):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        run()
-                        e1.record()
-                        torch.cuda.synchronize()
-                        ts.append(e0.elapsed_time(e1) * 1e-3)
-                    t = sorted(ts)[len(ts) // 2]
+                    t = launch_ms(run, 10) * 1e-3  # s
                     units = grid * (1 if mode in WGMMA else 4)  # warps (mma.sync) or warpgroups (wgmma)
                     flop = units * a.iters * chains * FLOP[mode]
                     r = {"mode": NAME[mode], "chains": chains, "sass_ops": ops,

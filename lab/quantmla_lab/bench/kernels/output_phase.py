@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
-from quantmla_lab.bench.common import parse_fresh, record, save
+from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("output_phase.cu")
 MODES = {0: "mma.sync m16n8k16 f16", 1: "wgmma m64n32k32 e4m3", 2: "wgmma m64n32k32 u8"}
@@ -186,17 +185,7 @@ def main(argv=None) -> int:
                     big = torch.empty(grid * 8192, device=dev)
                     run = lambda: driver.launch(fn, (grid,), 128, 0, torch.cuda.current_stream().cuda_stream,  # noqa: E731
                                                 [("p", t.data_ptr()) for t in args] + [("p", big.data_ptr())])
-                    for _ in range(3):
-                        run()
-                    ts = []
-                    for _ in range(a.reps):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        run()
-                        e1.record()
-                        torch.cuda.synchronize()
-                        ts.append(e0.elapsed_time(e1) * 1e6 / a.iters)
-                    row[f"ns_per_tile_{cps}_ctas_per_sm"] = round(statistics.median(ts), 1)
+                    row[f"ns_per_tile_{cps}_ctas_per_sm"] = round(launch_ms(run, a.reps) * 1e6 / a.iters, 1)
             res["rows"].append(row)
             print(row, flush=True)
     save(res, a.out)

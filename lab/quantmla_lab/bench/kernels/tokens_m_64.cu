@@ -153,6 +153,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
     const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
+    auto rope_words = [&](const uint8_t* st, uint32_t (&xl)[2], uint32_t (&xh)[2]) {  // 8 RoPE code bytes a token
+      const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
+      const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+      xl[0] = vl.x, xl[1] = vl.y, xh[0] = vh.x, xh[1] = vh.y;
+    };
     float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
     for (int i = 0; i < 16; ++i) ref[i] = lsum[i] = 0.0f;
@@ -207,9 +212,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         }
       }
       {
-        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-        const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+        uint32_t xl[2], xh[2];
+        rope_words(st, xl, xh);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           uint32_t a[2][4];
@@ -292,9 +296,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       }
       // ---- RoPE: 4 k-steps (32 bytes a token), one group ----
       {
-        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-        const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+        uint32_t xl[2], xh[2];
+        rope_words(st, xl, xh);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           uint32_t a[2][4];

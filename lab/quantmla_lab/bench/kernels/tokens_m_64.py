@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
-from quantmla_lab.bench.common import parse_fresh, record, save
+from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
 RAW_BYTES, CHUNK, NT = 19712, 8192, 384  # the .cu's page, chunk and threads
@@ -91,14 +90,14 @@ def heads_m_rows(reps: int) -> list[dict]:
         md = api.get_mla_metadata(c.seq_lens, 128, 1, lay)
         out = torch.empty(32, 128, 512, device="cuda", dtype=torch.bfloat16)
 
-        def fn():
+        def fn(qc=qc, qr=qr, c=c, lay=lay, md=md, out=out):
             api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md, out=out)
 
         ms, graphed = decode_speed.time_ms(fn, 10, 50)
         tiles = 32 * 8192 // 64 // md.num_units  # tiles a CTA (each of the unit's head blocks reads them all)
         rows.append({"kernel": "heads as M (shipped)", "format": fmt, "variant": str(md.variant), "call_us": ms * 1e3,
                      "tiles_per_cta": tiles, "us_per_tile": ms * 1e3 / tiles, "graph": graphed})
-        del c
+        del c, fn
         torch.cuda.empty_cache()
     return rows
 
@@ -129,21 +128,11 @@ def main(argv=None) -> int:
                 smem = smem_bytes(macros.get("DQA", 0))
                 fn = driver.function(path, "tokens_m_64", smem, dev)
 
-                def run():
+                def run(fn=fn, smem=smem, pages=pages, out=out, sms=sms):
                     driver.launch(fn, (sms,), NT, smem, torch.cuda.current_stream().cuda_stream,
                                   [("p", pages.data_ptr()), ("p", out.data_ptr())])
 
-                for _ in range(3):
-                    run()
-                ts = []
-                for _ in range(a.reps):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    run()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    ts.append(e0.elapsed_time(e1) * 1e3 / a.iters)
-                row["us_per_tile"] = round(statistics.median(ts), 4)
+                row["us_per_tile"] = round(launch_ms(run, a.reps) * 1e3 / a.iters, 4)
                 row["finite"] = bool(torch.isfinite(out).all())
             res["rows"].append(row)
             print(row, flush=True)

@@ -28,7 +28,7 @@ from quantmla.kernels.api import PrefillConfig, default_prefill_config, mla_pref
 from quantmla.serving.engine import Engine, EngineConfig
 from quantmla.serving.graphs import EngineObserver
 from quantmla.serving.scheduler import Request, SamplingParams
-from quantmla_lab.bench.common import record, save
+from quantmla_lab.bench.common import launch_ms, record, save
 from quantmla_lab.bench.serving.throughput import build_bench_model, method_config
 
 
@@ -151,15 +151,7 @@ def prefill_variants(a):
                 out = f()
                 torch.cuda.synchronize()
                 err = ((out.double() - ref).norm() / ref.norm()).item()
-                ts = []
-                for _ in range(12):
-                    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    st.record()
-                    f()
-                    en.record()
-                    torch.cuda.synchronize()
-                    ts.append(st.elapsed_time(en))
-                ms = statistics.median(ts[2:])
+                ms = launch_ms(f, 10, warmup=2)
                 row[name] = {"ms": ms, "TFLOPs": row["flops"] / ms / 1e9, "rel_err": err}
             except Exception as err:
                 row[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
