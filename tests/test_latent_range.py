@@ -210,6 +210,8 @@ def test_wide_layouts_and_what_the_engine_says_of_them():
     assert not follows_units(None) and not follows_units(lambda rows, layout, device: None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.voting = frozenset()
+    given = latent_range.WideLatentsConfig(wide={int4, fp8}, voting=[int4])  # any iterables, held as frozensets
+    assert given == cfg and hash(given) == hash(cfg) and isinstance(given.voting, frozenset)
     said = latent_range.wide_warning(wide, cfg)
     assert said.startswith("the latent norms of layers [0, 1, 2] allow content-group scales up to 1.31e+05")
     assert "255.875" in said and said.endswith("decode on its SCALE_VOTE build; 1 cache layout(s) past 65504 decode "

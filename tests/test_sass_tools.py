@@ -1,6 +1,7 @@
 """The lab's readers of a decode kernel's SASS and of Nsight Compute's source page (no GPU): sass_count's phases
 of the tile loop, and sass_mix's instruction mix and stall reasons."""
 
+import re
 import subprocess
 
 import pytest
@@ -112,7 +113,7 @@ def test_tokens_m_64_builds_compile_without_serialized_products(tmp_path):
     with pytest.raises(SystemExit, match="multiple of 8"):
         tm.parse_build("REGS_S=150")
     with pytest.raises(SystemExit, match="NAME one of"):
-        tm.parse_build("NPBUF=1")  # a macro the .cu no longer has
+        tm.parse_build("NPBUF=1")  # fixed in the .cu, not a build option
     assert tm.parse_build("ZL=0,SG=4") == {"ZL": 0, "SG": 4}
     assert tm.smem_bytes(0) <= 227 * 1024 and tm.smem_bytes(1) <= 227 * 1024
     if build.nvcc() is None:
@@ -122,7 +123,11 @@ def test_tokens_m_64_builds_compile_without_serialized_products(tmp_path):
     for spec in tm.DEFAULT_BUILDS[:3]:  # DQA, masked codes with and without the zero-point product
         path, ptx = tm.cubin(tm.parse_build(spec), 512, tmp_path)  # the runs' --iters
         assert ptx == {"registers": 168, "spill_store_bytes": 0, "products_serialized": False}, (spec, ptx)
-    sass = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    assert "HGMMA.64x64x16.F32" in sass and "USETMAXREG" in sass
+        sass = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        # every product m64n64k16 with its A operand in registers (HGMMA d, a-register, B descriptor), setmaxnreg used
+        products = re.findall(r"HGMMA\.64x64x16\.F32\S* R\d+, (\S+), gdesc", sass)
+        assert products and all(a.startswith("R") for a in products) and "USETMAXREG" in sass, spec
+    # ptxas serializes the products where the output keeps a k-step in flight (OUT_WAIT=1) beside both planes'
+    # accumulators at once
     _, serial = tm.cubin(tm.parse_build("ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"), 512, tmp_path)
-    assert serial["products_serialized"]  # the first build: two planes' accumulators at once do not fit
+    assert serial["products_serialized"]

@@ -87,6 +87,10 @@ class WideLatentsConfig:
     bucket, ``get_mla_metadata(..., follow_units=True)`` in an eager call (``triton_backend.follows_units``). A
     decode_config of the caller's own, which does not declare it, keeps its configs as given."""
 
+    def __post_init__(self):  # any iterable of layouts, held as frozensets (the config is hashable and cannot change)
+        object.__setattr__(self, "wide", frozenset(self.wide))
+        object.__setattr__(self, "voting", frozenset(self.voting))
+
     def __call__(self, rows: int, layout: PageLayout, device):
         """The DecodeConfig of `layout` at `rows` query rows on `device`, or None (the API's default)."""
         if layout not in self.wide:

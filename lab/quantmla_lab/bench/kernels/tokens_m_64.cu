@@ -1,8 +1,14 @@
-// The tokens-as-M tile loop at 64 query rows on warpgroup MMAs, timed alone (tokens_m_64.py). A design that the
-// heads-as-M kernel's build (mla_decode_wg.cu, wg_build.cuh) does not need: no tile is built. The codes are masked in
-// place into the register A operands of wgmma m64n64k16 (exact fp16 subnormals, code_planes.cuh), as the 16-row
-// tokens-as-M kernel feeds mma.sync, and the shared-memory B operands are the query block (scores) and P·scale
-// (output). INT4/INT4, groups 128/64 (DeepSeek's), 64-token tiles, one CTA an SM of three warpgroups:
+// The tokens-as-M tile loop at 64 query rows on warpgroup MMAs, timed alone (tokens_m_64.py): a design with no built
+// tile, unlike the heads-as-M kernel (mla_decode_wg.cu, wg_build.cuh). The codes go straight into the register A
+// operands of wgmma m64n64k16, and the shared-memory B operands are the query block (scores) and P (output). INT4/INT4,
+// groups 128/64 (DeepSeek's), 64-token tiles, one CTA an SM of three warpgroups. Two ways to make the operands:
+//
+// DQA=1  a pair of codes dequantized in registers: (1024 + code) exact in fp16, less 1024, then code·scale + zero in
+//        one fused multiply-add (the token's fp16 metadata), rounded once. All 36 scores' products on one set of
+//        accumulators, P alone as the output's B, each row's Σ P kept by its threads; 5 stages.
+// DQA=0  the codes masked in place (exact fp16 subnormals, code_planes.cuh), as the 16-row tokens-as-M kernel feeds
+//        mma.sync; each group's products apart until its scale folds in, so the zero points take products of their
+//        own (below); 3 stages. Per role:
 //
 //   warpgroup 0  scores  Sᵀ[64 tokens, 64 rows] = K·Qᵀ: 36 products (32 content k-steps, the two planes of a 64-byte
 //                block on their own accumulators until the group's scale folds in per token; 4 of RoPE), then one
@@ -32,8 +38,8 @@ typedef __half2 T2;
 #ifndef ITERS
 #define ITERS 1024
 #endif
-#define NPBUF 2                  // P buffers: the stage of tile i - 2 takes tile i + STAGES - 2
-#define STAGES (DQA ? 5 : 3)     // the most that fit beside the P buffers
+#define NPBUF 2                  // P buffers: the stage of tile i - 2 takes tile i + STAGES - 2 once both are past it
+#define STAGES (DQA ? 5 : 3)     // beside two P buffers of 5 chunks the most that fit; of one chunk (DQA) 5
 #ifndef SKIP_COPY
 #define SKIP_COPY 0  // 1 (times only): no stage refilled after the first STAGES tiles, none waited for after them
 #endif
@@ -102,13 +108,6 @@ __device__ __forceinline__ void set_max_regs() {
   if constexpr (N == REGS_BASE) return;
   else if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-// four 8 x 8 matrices of 16-bit pairs to shared memory: matrix i's row r at the address lane 8i + r gives, its
-// thread (g, t)'s pair (row g, columns 2t, 2t + 1) from register i
-__device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(p)), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3) : "memory");
 }
 
 // two codes (nibble pl of bytes 0 and 2 of x) dequantized: (1024 + code) exact, less 1024, times the pair's scales
@@ -313,7 +312,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
           for (int p = 0; p < 2; ++p) {
             const int k = 32 + 2 * s + p;
             if constexpr (!SKIP_QK)
-              wgmma_m64n64_ra<0>(acc[ONE_ACC ? 0 : p], a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), s > 0 || p > 0);
+              wgmma_m64n64_ra<0>(acc[ONE_ACC ? 0 : p], a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4),
+                                 s > 0 || (ONE_ACC && p > 0));
           }
           wgmma_commit();
           wgmma_wait<1>();

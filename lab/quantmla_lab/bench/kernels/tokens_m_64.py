@@ -5,17 +5,21 @@ process through the API).
     python -m quantmla_lab.bench.kernels.tokens_m_64 --out $OUT/kernels/tokens_m_64_h200.json
 
 Each build (`--builds`: the .cu's macros, `NAME=V,NAME=V`) runs one CTA an SM of three warpgroups, each CTA
-`--iters` tiles, one bulk copy a tile from a buffer of pages (3 stages, 5 with DQA); the values are not checked (the
-time is that of the instruction stream and the copies, see the .cu). The macros: DQA 1 the codes dequantized into
-the register A operands (one accumulator, no zero-point products, one P a buffer), else masked in place (exact fp16
-subnormals) with ZL 1 the product that sums P·zero and P over a tile's tokens (0 without) and ONE_ACC 1 the scores'
-content products a plane at a time on one set of accumulators; SG the scores' words (of the 4 a 16-byte load) whose
-products are committed as one group; SW (DQA) the scores' groups left in flight at a wait; OUT_WAIT the output's k-steps left in flight; REGS_S the scores' warpgroup's
-registers (setmaxnreg); SKIP_QK, SKIP_PV, SKIP_COPY 1 leave the scores' code products, the output's, or the refills out
-(times only). `us_per_tile` is a launch's time (CUDA events, median of `--reps`)
-over its iterations. ptxas's registers, spills and whether it serialized the products come with each build. The
-heads-as-M rows give the same figure for the shipped kernel: a decode call's kernel time over the 64-token tiles a
-CTA reads (`decode_cuda_variants` measures the kernel alone; here the whole call, decode and combine kernels). Without
+`--iters` tiles, one bulk copy a tile from a pool of `--pages` pages (3 stages, 5 with DQA); the values are not
+checked (the time is that of the instruction stream and the copies, see the .cu). The macros: DQA 1 the codes
+dequantized into the register A operands (one accumulator, no zero-point products, P alone a buffer), else masked in
+place (exact fp16 subnormals) with ZL 1 the product that sums P·zero and P over a tile's tokens (0 without) and
+ONE_ACC 1 the scores' content products a plane at a time on one set of accumulators; SG the scores' words (of the 4 a
+16-byte load) whose products are committed as one group; SW (DQA) the scores' groups left in flight at a wait;
+OUT_WAIT the output's k-steps left in flight; REGS_S the scores' warpgroup's registers (setmaxnreg); SKIP_QK, SKIP_PV,
+SKIP_COPY 1 leave the scores' code products, the output's, or the refills out (times only). `us_per_tile` is a
+launch's time (CUDA events, median of `--reps`) over its iterations. ptxas's registers, spills and whether it
+serialized the products come with each build.
+
+The heads-as-M rows give the same figure for the shipped kernel: a decode call's time (the decode and combine
+kernels, CUDA-graph replay with L2 flushed before each call) over the 64-token tiles a CTA reads. The model's page
+pool, 64 pages by default (1.26 MB), stays in L2; `--pages 4096` (80.7 MB) reads it from DRAM as the shipped calls
+do. Without
 a GPU it builds the cubins and stops (`--build-only`).
 """
 
@@ -34,7 +38,6 @@ from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
 RAW_BYTES, CHUNK, NT = 19712, 8192, 384  # the .cu's page, chunk and threads
-NPAGES = 64
 
 
 def smem_bytes(dqa: int = 0) -> int:
@@ -50,7 +53,7 @@ DEFAULT_BUILDS = ["DQA=1,ZL=0,OUT_WAIT=0,SG=2,REGS_S=136", "ZL=1,ONE_ACC=1,OUT_W
 
 
 def parse_build(spec: str) -> dict[str, int]:
-    """`NAME=V,NAME=V` -> {NAME: V} over MACROS (STAGES 3 unless given); SystemExit naming the fix otherwise."""
+    """`NAME=V,NAME=V` -> {NAME: V} over MACROS; SystemExit naming the fix otherwise."""
     got = {}
     for item in spec.split(","):
         name, _, v = item.partition("=")
@@ -62,11 +65,13 @@ def parse_build(spec: str) -> dict[str, int]:
     return got
 
 
-def cubin(macros: dict[str, int], iters: int, tmp: Path) -> tuple[Path, dict]:
-    out = tmp / ("tokens_m_64_" + "_".join(f"{k}{v}" for k, v in sorted(macros.items())) + f"_{iters}.cubin")
+def cubin(macros: dict[str, int], iters: int, tmp: Path, pages: int = 64) -> tuple[Path, dict]:
+    """The build of `macros` for sm_90a, `iters` tiles a CTA over a pool of `pages` pages, in `tmp`: (its path,
+    ptxas's registers, spill-store bytes and whether it serialized the warpgroup products)."""
+    out = tmp / ("tokens_m_64_" + "_".join(f"{k}{v}" for k, v in sorted(macros.items())) + f"_{iters}_{pages}.cubin")
     cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
            f"-I{Path(build.__file__).parent}", *[f"-D{k}={v}" for k, v in sorted(macros.items())],
-           f"-DITERS={iters}", f"-DNPAGES={NPAGES}", "-o", str(out), str(SOURCE)]
+           f"-DITERS={iters}", f"-DNPAGES={pages}", "-o", str(out), str(SOURCE)]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     regs_used = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
@@ -75,7 +80,7 @@ def cubin(macros: dict[str, int], iters: int, tmp: Path) -> tuple[Path, dict]:
                  "products_serialized": "serialized" in log}
 
 
-def heads_m_rows(reps: int) -> list[dict]:
+def heads_m_rows() -> list[dict]:
     """The shipped heads-as-M kernel at 128 heads, 32 x 8192 (64 tiles a CTA): BF16 and INT4/INT4 calls, µs a tile."""
     from quantmla.cache.layout import PageLayout, TokenLayout, preset
     from quantmla.kernels import api
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, metavar="NAME=V[,NAME=V]")
     p.add_argument("--iters", type=int, default=512)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--pages", type=int, default=64, help="the page pool the copies cycle over (64: 1.26 MB, in L2)")
     p.add_argument("--build-only", action="store_true")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
@@ -114,16 +120,16 @@ def main(argv=None) -> int:
     if build.nvcc() is None:
         raise SystemExit("no nvcc: install the CUDA toolkit (or set CUDA_HOME)")
     gpu = torch.cuda.is_available() and not a.build_only
-    res = record(iters=a.iters, rows=[])
+    res = record(iters=a.iters, pages=a.pages, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         for macros in builds:
             row = {"kernel": "tokens as M, 64 rows", "macros": macros}
-            path, ptx = cubin(macros, a.iters, Path(tmp))
+            path, ptx = cubin(macros, a.iters, Path(tmp), a.pages)
             row.update(ptx)
             if gpu:
                 dev = torch.device("cuda")
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                pages = torch.zeros(NPAGES * RAW_BYTES, dtype=torch.uint8, device=dev)
+                pages = torch.zeros(a.pages * RAW_BYTES, dtype=torch.uint8, device=dev)
                 out = torch.empty(sms * NT, device=dev)
                 smem = smem_bytes(macros.get("DQA", 0))
                 fn = driver.function(path, "tokens_m_64", smem, dev)
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(row, flush=True)
     if gpu:
-        for r in heads_m_rows(a.reps):
+        for r in heads_m_rows():
             res["rows"].append(r)
             print(r, flush=True)
     save(res, a.out)

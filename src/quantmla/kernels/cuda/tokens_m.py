@@ -23,9 +23,9 @@ TM_VOTE_MAX_CONTENT_SCALE = torch.finfo(torch.float16).max  # 65504; 2^LOG2_P_SC
 (FP8's fp32 scales past it overflow P·scale at P = 1). The build caps P·scale at 2^LOG2_P_SCALE_MAX (softmax_tm.cuh)
 or the scale itself, whichever is larger, so both stay finite fp16 values; tests/test_decode_configs.py
 (test_the_scale_votes_bound_keeps_p_scale_a_finite_fp16) reads the header's constant and checks it against this and
-TM_MAX_CONTENT_SCALE. It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in INT4/INT4, 3 to 12 % in INT2/INT4
-(on 6 stages) and nothing in FP8 (lab/results/kernels/decode_tokens_m_scale_vote_h100.json), so it is built only where
-asked."""
+TM_MAX_CONTENT_SCALE. It costs the decode kernel alone, on an H100, 0.9 to 2.1 % in INT4/INT4, 3.1 to 4.8 % in INT2/INT4
+on its plan's 3 stages (3 to 12 % on 6) and nothing in FP8 (lab/results/kernels/decode_tokens_m_scale_vote_h100.json,
+decode_tokens_m_scale_vote_two_bit_h100.json), so it is built only where asked."""
 TM_TOKEN_BLOCKS = TM_BLOCK_N // 16  # the scores' blocks of 16 tokens
 TM_WS_SCORE_REGS = 152  # with the warps apart at two CTAs an SM: the scores' warps' registers (the output's: 104)
 TM_WS_2BIT_STAGES = 3
