@@ -24,7 +24,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (504 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, SW, DQA, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, SW, DQA, CHECK, P_NATURAL, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -64,6 +64,12 @@ typedef __half2 T2;
 #ifndef SW
 #define SW 1  // DQA: the scores' product groups left in flight at each wait (their operand registers kept)
 #endif
+#ifndef CHECK
+#define CHECK 0  // 1 (with DQA, ITERS 1): the query block read from after the pages, no reference moves, and every thread's
+#endif           // scores or output accumulators written out: the layouts checked against an fp64 reference
+#ifndef P_NATURAL
+#define P_NATURAL 0  // 1 (a negative control of CHECK): P's rows in token order, not the output's pairing
+#endif
 #ifndef ZL
 #define ZL 1  // the product that sums P·zero and P over a tile's tokens (0: left out, its 32 accumulators too)
 #endif
@@ -71,6 +77,7 @@ typedef __half2 T2;
 // scores' warpgroup gives back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
 constexpr int NT = 384, REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
 static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * REGS_O <= 3 * REGS_BASE, "setmaxnreg");
+static_assert(!CHECK || (DQA && ITERS == 1), "CHECK reads one tile of the DQA build");
 
 constexpr int BN = 64, CHUNK = 8192;  // tokens a tile, a 64 x 128-byte swizzled chunk
 constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
@@ -144,7 +151,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
                sBar + s);
     }
   }
-  fence_proxy_async();  // the zeroed query block and P buffers, visible to the products
+  if constexpr (CHECK) {  // the query block (9 chunks, as the products read it) from after the pages
+    __syncthreads();
+    const uint4* src = reinterpret_cast<const uint4*>(pages + (size_t)NPAGES * RAW_BYTES);
+    for (int i = tid; i < 9 * CHUNK / 16; i += NT) reinterpret_cast<uint4*>(smem + SM_Q)[i] = src[i];
+  }
+  fence_proxy_async();  // the zeroed (or read) query block and P buffers, visible to the products
   __syncthreads();
   float sink = 0.0f;
 
@@ -233,6 +245,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       }
       wgmma_wait<0>();
       fence_regs(sc);
+      if constexpr (CHECK) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) out[((size_t)blockIdx.x * NT + tid) * 128 + i] = sc[i];
+      }
 #else
       float sc[32], acc[ONE_ACC ? 1 : 2][32];
 #pragma unroll
@@ -347,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       bool up = false;
 #pragma unroll
       for (int e = 0; e < 32; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
-      const bool moved = bar_or(BAR_VOTE, 128, up);
+      const bool moved = bar_or(BAR_VOTE, 128, up) && !CHECK;  // (CHECK: every reference stays 0)
       if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
 #pragma unroll
         for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
@@ -369,13 +385,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         cs[1][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * G)).x;
       }
       if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
+        // P's rows in the order the output's operands pair the tokens: k 2t, 2t + 1 of a k-step are tokens 2t and 2t + 8,
+        // k 2t + 8, 2t + 9 tokens 2t + 1 and 2t + 9 (output: a register's two tokens of one channel, one byte permute)
+        const int p_lo = P_NATURAL ? r_lo : 16 * w + ((g & 1) ? g + 7 : g);
+        const int p_hi = P_NATURAL ? r_lo + 8 : 16 * w + ((g & 1) ? g + 8 : g + 1);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
           const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
           lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo, j) + 4 * t) = f2h(p0, p1);
-          *reinterpret_cast<uint32_t*>(pb + swz(r_lo + 8, j) + 4 * t) = f2h(p2, p3);
+          *reinterpret_cast<uint32_t*>(pb + swz(p_lo, j) + 4 * t) = f2h(p0, p1);
+          *reinterpret_cast<uint32_t*>(pb + swz(p_hi, j) + 4 * t) = f2h(p2, p3);
         }
       } else {
 #pragma unroll
@@ -497,10 +517,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       for (int mb = 0; mb < 4; ++mb) fence_regs(acc[mb]);
       if (it + NPBUF < ITERS) bar_arrive(BAR_EMPTY + buf, NT);  // (the scores' warpgroup waits only for those)
     }
+    if constexpr (CHECK) {
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) out[((size_t)blockIdx.x * NT + tid) * 128 + 32 * mb + i] = acc[mb][i];
+    }
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
       for (int i = 0; i < 32; ++i) sink += acc[mb][i];
   }
-  out[blockIdx.x * NT + tid] = sink;
+  if constexpr (!CHECK) out[blockIdx.x * NT + tid] = sink;
 }

@@ -80,6 +80,83 @@ def cubin(macros: dict[str, int], iters: int, tmp: Path, pages: int = 64) -> tup
                  "products_serialized": "serialized" in log}
 
 
+def query_channel(K: int, k: int) -> int:
+    """The latent (0-511) or RoPE (512-575) channel of column k (0-15) of the scores' k-step K (0-35), as the A operands
+    take a token's codes: content k-step K is plane K % 2 of word (K // 2) % 4 of 16-byte load K // 8 (of the thread's
+    t), k 2t, 2t + 1 its bytes 0 and 2, k 2t + 8, 2t + 9 its bytes 1 and 3; byte c's plane p is channel c + 256p
+    (RoPE: 8 bytes a thread, channel 512 + c + 32p)."""
+    t, e, odd = (k >> 1, k & 1, 0) if k < 8 else ((k - 8) >> 1, (k - 8) & 1, 1)
+    if K < 32:
+        m, s_, p = K >> 3, (K >> 1) & 3, K & 1
+        return 16 * (4 * m + t) + 4 * s_ + odd + 2 * e + 256 * p
+    s_, p = (K - 32) >> 1, (K - 32) & 1
+    return 512 + 8 * t + 4 * s_ + odd + 2 * e + 32 * p
+
+
+def swizzled(chunks: torch.Tensor) -> torch.Tensor:
+    """[c, 64 rows, 64] fp16 -> the bytes of c chunks in the 128-byte swizzle (16-byte unit j of row r at
+    r·128 + ((j ^ (r % 8)) << 4)), as wgmma.cuh's swz lays them."""
+    c = chunks.shape[0]
+    units = chunks.contiguous().view(torch.uint8).view(c, 64, 8, 16)
+    out = torch.empty_like(units)
+    r = torch.arange(64).view(64, 1)
+    out[:, r, torch.arange(8).view(1, 8) ^ (r % 8)] = units
+    return out.reshape(-1)
+
+
+def check_layouts(tmp: Path, seed: int = 0, natural_q: bool = False, natural_p: bool = False) -> dict:
+    """The DQA build's one tile (CHECK=1: ITERS 1, one CTA) against fp64: its scores Sᵀ[64 tokens, 64 rows] and its output
+    Oᵀ[512 channels, 64 rows] with P = 2^S (each row's reference 0) from random codes, metadata and query; relative
+    errors (Frobenius). Checks the query block's channel order, P's token order and both products' layouts. The
+    negative controls: `natural_q` stores the query in channel order (the scores' error must be large), `natural_p`
+    builds the kernel with P's rows in token order (P_NATURAL=1: the output's error must be large)."""
+    g = torch.Generator().manual_seed(seed)
+    cc = torch.randint(0, 256, (64, 256), generator=g, dtype=torch.uint8)
+    rc = torch.randint(0, 256, (64, 32), generator=g, dtype=torch.uint8)
+    cm = torch.stack([0.02 + 0.06 * torch.rand(64, 4, generator=g), -0.5 + 0.2 * torch.rand(64, 4, generator=g)], -1)
+    rm = torch.stack([0.02 + 0.06 * torch.rand(64, generator=g), -0.5 + 0.2 * torch.rand(64, generator=g)], -1)
+    cm, rm = cm.to(torch.float16), rm.to(torch.float16)  # [64, 4, (scale, zero)], [64, (scale, zero)]
+    q = (torch.rand(64, 576, generator=g) - 0.5).to(torch.float16)
+    ch = torch.arange(512)
+    codes = ((cc[:, ch % 256].to(torch.int64) >> (4 * (ch // 256))) & 15).double()  # [tokens, 512]
+    val_c = codes * cm[:, ch // 128, 0].double() + cm[:, ch // 128, 1].double()
+    rch = torch.arange(64)
+    rcodes = ((rc[:, rch % 32].to(torch.int64) >> (4 * (rch // 32))) & 15).double()
+    val_r = rcodes * rm[:, 0:1].double() + rm[:, 1:2].double()
+    vals = torch.cat([val_c, val_r], 1).to(torch.float16).double()  # code·scale + zero, rounded once: [64, 576]
+    order = torch.arange(576) if natural_q else torch.tensor([query_channel(K, k) for K in range(36) for k in range(16)])
+    qblock = swizzled(q[:, order].view(64, 9, 64).transpose(0, 1))
+    page = torch.cat([cc.reshape(-1), rc.reshape(-1), cm.view(torch.uint8).reshape(-1), rm.view(torch.uint8).reshape(-1)])
+    assert page.numel() == RAW_BYTES
+    dev = torch.device("cuda")
+    macros = {"DQA": 1, "ZL": 0, "OUT_WAIT": 0, "SG": 2, "REGS_S": 136, "CHECK": 1} | ({"P_NATURAL": 1} if natural_p else {})
+    path, _ = cubin(macros, 1, tmp, pages=1)
+    buf = torch.cat([page, qblock]).to(dev)
+    out = torch.full((NT * 128,), float("nan"), device=dev)
+    smem = smem_bytes(1)
+    fn = driver.function(path, "tokens_m_64", smem, dev)
+    driver.launch(fn, (1,), NT, smem, torch.cuda.current_stream().cuda_stream, [("p", buf.data_ptr()), ("p", out.data_ptr())])
+    torch.cuda.synchronize()
+    got = out.view(NT, 128).double().cpu()
+    s_ref = vals @ q.double().T  # [tokens, rows]
+    p_ref = torch.exp2(s_ref).to(torch.float16).double()
+    o_ref = vals[:, :512].T @ p_ref  # [channels, rows]
+    s_got, o_got = torch.full_like(s_ref, float("nan")), torch.full_like(o_ref, float("nan"))
+    for tid in range(NT):
+        w, g_, t = (tid >> 5) & 3, (tid & 31) >> 2, tid & 3
+        for i in range(128 if tid >= 128 else 32):
+            mb, j, e = i >> 5, (i & 31) >> 2, i & 3
+            n = 8 * j + 2 * t + (e & 1)
+            if tid < 128:
+                s_got[16 * w + g_ + 8 * (e >> 1), n] = got[tid, i]
+            else:
+                o, p, z = (tid >> 7) - 1, mb >> 1, mb & 1
+                o_got[256 * p + 128 * o + 32 * w + 4 * g_ + 2 * z + (e >> 1), n] = got[tid, i]
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    return {"scores_rel_err": rel(s_got, s_ref), "output_rel_err": rel(o_got, o_ref),
+            "all_written": bool(torch.isfinite(s_got).all() and torch.isfinite(o_got).all())}
+
+
 def heads_m_rows() -> list[dict]:
     """The shipped heads-as-M kernel at 128 heads, 32 x 8192 (64 tiles a CTA): BF16 and INT4/INT4 calls, µs a tile."""
     from quantmla.cache.layout import PageLayout, TokenLayout, preset
@@ -114,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--pages", type=int, default=64, help="the page pool the copies cycle over (64: 1.26 MB, in L2)")
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--check", action="store_true", help="first check the DQA build's layouts on one tile against fp64")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     builds = [parse_build(b) for b in a.builds]
@@ -122,6 +200,11 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available() and not a.build_only
     res = record(iters=a.iters, pages=a.pages, rows=[])
     with tempfile.TemporaryDirectory() as tmp:
+        if a.check and gpu:  # the layouts, two seeds, then the two negative controls (their errors must be large)
+            res["layout_check"] = {"seed_0": check_layouts(Path(tmp), 0), "seed_1": check_layouts(Path(tmp), 1),
+                                   "query_in_channel_order": check_layouts(Path(tmp), 0, natural_q=True),
+                                   "p_in_token_order": check_layouts(Path(tmp), 0, natural_p=True)}
+            print("layout check:", res["layout_check"], flush=True)
         for macros in builds:
             row = {"kernel": "tokens as M, 64 rows", "macros": macros}
             path, ptx = cubin(macros, a.iters, Path(tmp), a.pages)
