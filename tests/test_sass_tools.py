@@ -131,3 +131,24 @@ def test_tokens_m_64_builds_compile_without_serialized_products(tmp_path):
     # accumulators at once
     _, serial = tm.cubin(tm.parse_build("ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"), 512, tmp_path)
     assert serial["products_serialized"]
+
+
+def test_tokens_m_64_query_order_and_swizzle():
+    """The timing model's host side (no GPU): query_channel is a permutation of the 576 channels in which every content
+    k-step reads one metadata group (128 channels) and the RoPE k-steps read channels 512-575, and `swizzled` puts
+    16-byte unit j of row r at r·128 + ((j ^ (r % 8)) << 4), wgmma.cuh's swz."""
+    import torch
+
+    from quantmla_lab.bench.kernels import tokens_m_64 as tm
+
+    order = [[tm.query_channel(K, k) for k in range(16)] for K in range(36)]
+    assert sorted(c for row in order for c in row) == list(range(576))
+    for K, row in enumerate(order):
+        groups = {c // 128 for c in row} if K < 32 else {4 if c >= 512 else -1 for c in row}
+        assert len(groups) == 1 and -1 not in groups, (K, row)
+    x = torch.arange(2 * 64 * 64, dtype=torch.int16).view(2, 64, 64).view(torch.float16)
+    b = tm.swizzled(x).view(torch.int16).view(2, 64 * 64)
+    for c, r, col in ((0, 0, 0), (0, 3, 17), (1, 9, 63), (1, 63, 40)):
+        j, e = col // 8, col % 8
+        off = r * 128 + ((j ^ (r % 8)) << 4) + 2 * e  # bytes
+        assert int(b[c, off // 2]) == int(x[c, r, col].view(torch.int16)), (c, r, col)
