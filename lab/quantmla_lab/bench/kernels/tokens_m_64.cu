@@ -24,7 +24,7 @@
 // The values are not checked (the query block, the group sums and the pages are whatever the buffers hold, zeros
 // by default): the time is that of the instruction stream and the copies such a kernel runs. Macros: ITERS (tiles a
 // CTA), REGS_S (setmaxnreg of the scores' warpgroup; the output's take (504 - REGS_S) / 2), NPAGES, ONE_ACC,
-// OUT_WAIT, SG, SW, DQA, CHECK, P_NATURAL, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
+// OUT_WAIT, SG, SW, DQA, EXACT, CHECK, P_NATURAL, ZL, SKIP_COPY (below); SKIP_QK, SKIP_PV (ptx.cuh) leave the scores' or the output's code products out.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #define MMA_TYPE "f16"
@@ -67,6 +67,9 @@ typedef __half2 T2;
 #ifndef CHECK
 #define CHECK 0  // 1 (with DQA, ITERS 1): the query block read from after the pages, no reference moves, and every thread's
 #endif           // scores or output accumulators written out: the layouts checked against an fp64 reference
+#ifndef EXACT
+#define EXACT 0  // 1 (DQA): each row's reference maximum moved to the tile's exact maximum over the 64 tokens (lanes, then
+#endif           // the four warps), the output rescaled by 2^(old - new) a row, and the output divided by Σ P at the end
 #ifndef P_NATURAL
 #define P_NATURAL 0  // 1 (a negative control of CHECK): P's rows in token order, not the output's pairing
 #endif
@@ -77,7 +80,8 @@ typedef __half2 T2;
 // scores' warpgroup gives back is all the output's two can take (setmaxnreg.inc waits for registers in the pool)
 constexpr int NT = 384, REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
 static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * REGS_O <= 3 * REGS_BASE, "setmaxnreg");
-static_assert(!CHECK || (DQA && ITERS == 1), "CHECK reads one tile of the DQA build");
+static_assert(!CHECK || (DQA && (ITERS == 1 || EXACT)), "CHECK reads one tile of the DQA build, or with EXACT many");
+static_assert(!EXACT || DQA, "EXACT with DQA");
 
 constexpr int BN = 64, CHUNK = 8192;  // tokens a tile, a 64 x 128-byte swizzled chunk
 constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
@@ -90,7 +94,10 @@ constexpr int SM_P = SM_QS + CHUNK;              // NPBUF buffers x PCH chunks, 
 constexpr int SM_RAW = SM_P + NPBUF * PCH * CHUNK; // STAGES raw pages
 constexpr int SM_BAR = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_FLAG = SM_BAR + 8 * STAGES;
-enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4 };  // named barriers (FULL, EMPTY: one a P buffer)
+constexpr int SM_RED = SM_FLAG + 16;      // EXACT: [4 warps, 64 rows] fp32, the rows' maxima or sums a warp
+constexpr int SM_ALPHA = SM_RED + 1024;   // [NPBUF, 64 rows] fp32: each row's rescale factor for a P buffer's tile
+constexpr int SM_L = SM_ALPHA + 512;      // [64 rows] fp32: Σ P a row over the unit
+enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, BAR_EPI = 6 };  // named barriers (FULL, EMPTY: one a P buffer)
 
 // d[32] (+)= A·B over k16: m64n64k16, A (fp16) in registers (the m16n8k16 A layout, a warp's 16 rows), B (fp16)
 // through a descriptor, K-major (TB 0) or N-major (TB 1); fp32 accumulators: thread t of the warpgroup holds rows
@@ -171,7 +178,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     };
     float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
-    for (int i = 0; i < 16; ++i) ref[i] = lsum[i] = 0.0f;
+    for (int i = 0; i < 16; ++i) ref[i] = EXACT ? -INFINITY : 0.0f, lsum[i] = 0.0f;
+    float* red = reinterpret_cast<float*>(smem + SM_RED);
+    [[maybe_unused]] float al[16];  // EXACT: the thread's rows' rescale factors of this tile
 #pragma unroll
     for (int i = 0; i < 32; ++i) zl[i] = 0.0f;
     for (int it = 0; it < ITERS; ++it) {
@@ -363,14 +372,47 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       bool up = false;
 #pragma unroll
       for (int e = 0; e < 32; ++e) up |= sc[e] > ref[(e >> 2) * 2 + (e & 1)] + 8.0f;
-      const bool moved = bar_or(BAR_VOTE, 128, up) && !CHECK;  // (CHECK: every reference stays 0)
-      if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
+      const bool moved = bar_or(BAR_VOTE, 128, up) && (EXACT || !CHECK);  // (CHECK alone: every reference stays 0)
+      if (EXACT && moved) {  // each row's maximum over the tile's 64 tokens: its thread's two, the 8 lanes g, the 4 warps
+        float mx[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) mx[2 * j + c] = fmaxf(sc[4 * j + c], sc[4 * j + 2 + c]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+        if (g == 0) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) red[w * 64 + 8 * j + 2 * t + c] = mx[2 * j + c];
+        }
+        bar_sync(BAR_VOTE, 128);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = 8 * j + 2 * t + c, i = 2 * j + c;
+            const float nr = fmaxf(ref[i], fmaxf(fmaxf(red[n], red[64 + n]), fmaxf(red[128 + n], red[192 + n])));
+            al[i] = fast_exp2(ref[i] - nr);  // 0 the first time (ref -inf)
+            lsum[i] *= al[i], ref[i] = nr;
+          }
+        bar_sync(BAR_VOTE, 128);  // red is read before the next tile writes it
+      } else if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
 #pragma unroll
         for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
       }
       // ---- P, P·scale of each content group (N-major, swizzled), once the output's warpgroups are past this buffer ----
       if (it >= NPBUF) bar_sync(BAR_EMPTY + buf, NT);
       if (tid == 0) sFlag[buf] = moved ? 1.0f : 0.0f;  // the output's warpgroups rescale where a reference moved
+      if (EXACT && moved && w == 0 && g == 0) {  // this buffer's factors, once its last reader is done
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) reinterpret_cast<float*>(smem + SM_ALPHA)[buf * 64 + 8 * j + 2 * t + c] = al[2 * j + c];
+      }
       if (!SKIP_COPY && tid == 0 && it >= NPBUF && it + STAGES - NPBUF < ITERS) {  // tile it - NPBUF's stage is free
         const int s = (it - NPBUF) % STAGES, nxt = it - NPBUF + STAGES;
         mbar_expect_tx(sBar + s, RAW_BYTES);
@@ -447,6 +489,29 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     fence_regs(zl);
 #pragma unroll
     for (int i = 0; i < 32; ++i) sink += zl[i];
+    if constexpr (EXACT) {  // each row's Σ P over the unit: its thread's, the 8 lanes g, the 4 warps
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], o);
+      if (g == 0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) red[w * 64 + 8 * j + 2 * t + c] = lsum[2 * j + c];
+      }
+      bar_sync(BAR_VOTE, 128);
+      if (w == 0 && g == 0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = 8 * j + 2 * t + c;
+            reinterpret_cast<float*>(smem + SM_L)[n] = red[n] + red[64 + n] + red[128 + n] + red[192 + n];
+          }
+      }
+      bar_arrive(BAR_EPI, NT);
+    }
 #pragma unroll
     for (int i = 0; i < 16; ++i) sink += ref[i] + lsum[i];
   } else {
@@ -462,11 +527,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       const int buf = it % NPBUF;
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       bar_sync(BAR_FULL + buf, NT);
-      if (sFlag[buf] != 0.0f) {  // a row's reference moved (the first tile): the accumulators would be rescaled
+      if (sFlag[buf] != 0.0f) {  // a row's reference moved: its accumulators rescaled (EXACT: by 2^(old - new) a row)
+        const float* alpha = reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * 64;
 #pragma unroll
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
-          for (int i = 0; i < 32; ++i) acc[mb][i] *= 0.5f;
+          for (int i = 0; i < 32; ++i) acc[mb][i] *= EXACT ? alpha[8 * (i >> 2) + 2 * t + (i & 1)] : 0.5f;
       }
       const uint8_t* pb = smem + SM_P + buf * PCH * CHUNK;
       const uint64_t d0 = sw128_desc(pb + (DQA ? 0 : o) * CHUNK, CHUNK, 1024);
@@ -516,6 +582,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
       for (int mb = 0; mb < 4; ++mb) fence_regs(acc[mb]);
       if (it + NPBUF < ITERS) bar_arrive(BAR_EMPTY + buf, NT);  // (the scores' warpgroup waits only for those)
+    }
+    if constexpr (EXACT) {  // O = acc / Σ P, each row (the scores' warpgroup has summed them)
+      bar_sync(BAR_EPI, NT);
+      const float* L = reinterpret_cast<const float*>(smem + SM_L);
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[mb][i] /= L[8 * (i >> 2) + 2 * t + (i & 1)];
     }
     if constexpr (CHECK) {
 #pragma unroll

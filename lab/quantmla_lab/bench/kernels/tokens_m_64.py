@@ -41,13 +41,14 @@ RAW_BYTES, CHUNK, NT = 19712, 8192, 384  # the .cu's page, chunk and threads
 
 
 def smem_bytes(dqa: int = 0) -> int:
-    """The kernel's dynamic shared memory (its SM_FLAG + 16, plus the chunks' 1024-byte alignment): the query block and
-    its sums (10 chunks), two P buffers of 5 chunks (DQA: 1), the raw stages (3; DQA: 5)."""
+    """The kernel's dynamic shared memory (its SM_L + 256, plus the chunks' 1024-byte alignment): the query block and
+    its sums (10 chunks), two P buffers of 5 chunks (DQA: 1), the raw stages (3; DQA: 5), the barriers, the flags and
+    EXACT's row maxima, factors and sums (1792 bytes)."""
     stages = 5 if dqa else 3
-    return 10 * CHUNK + 2 * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1024
+    return 10 * CHUNK + 2 * (1 if dqa else 5) * CHUNK + stages * RAW_BYTES + 8 * stages + 16 + 1792 + 1024
 
 
-MACROS = ("DQA", "SW", "ZL", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
+MACROS = ("DQA", "EXACT", "SW", "ZL", "ONE_ACC", "OUT_WAIT", "REGS_S", "SG", "SKIP_QK", "SKIP_PV", "SKIP_COPY")
 DEFAULT_BUILDS = ["DQA=1,ZL=0,OUT_WAIT=0,SG=2,REGS_S=152", "ZL=1,ONE_ACC=1,OUT_WAIT=0,REGS_S=152",
                   "ZL=0,ONE_ACC=1,OUT_WAIT=0,SG=4,REGS_S=152", "ZL=1,ONE_ACC=0,OUT_WAIT=1,REGS_S=152"]
 
@@ -104,43 +105,56 @@ def swizzled(chunks: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1)
 
 
-def check_layouts(tmp: Path, seed: int = 0, natural_q: bool = False, natural_p: bool = False) -> dict:
+def check_layouts(tmp: Path, seed: int = 0, natural_q: bool = False, natural_p: bool = False, tiles: int = 1,
+                  q_scale: float = 1.0) -> dict:
     """The DQA build's one tile (CHECK=1: ITERS 1, one CTA) against fp64: its scores Sᵀ[64 tokens, 64 rows] and its output
     Oᵀ[512 channels, 64 rows] with P = 2^S (each row's reference 0) from random codes, metadata and query; relative
     errors (Frobenius). Checks the query block's channel order, P's token order and both products' layouts. The
     negative controls: `natural_q` stores the query in channel order (the scores' error must be large), `natural_p`
-    builds the kernel with P's rows in token order (P_NATURAL=1: the output's error must be large)."""
+    builds the kernel with P's rows in token order (P_NATURAL=1: the output's error must be large). With `tiles` > 1
+    the EXACT build reads that many pages of random codes and gives the attention of its 64 rows over all their tokens
+    (each row's reference moved to its exact maximum, the output divided by Σ P): `output_rel_err` is then O's against
+    fp64 softmax attention, `scores_rel_err` the last tile's scores'; `q_scale` widens the scores so that the
+    references move past their slack of 2^8 on later tiles."""
     g = torch.Generator().manual_seed(seed)
-    cc = torch.randint(0, 256, (64, 256), generator=g, dtype=torch.uint8)
-    rc = torch.randint(0, 256, (64, 32), generator=g, dtype=torch.uint8)
-    cm = torch.stack([0.02 + 0.06 * torch.rand(64, 4, generator=g), -0.5 + 0.2 * torch.rand(64, 4, generator=g)], -1)
-    rm = torch.stack([0.02 + 0.06 * torch.rand(64, generator=g), -0.5 + 0.2 * torch.rand(64, generator=g)], -1)
-    cm, rm = cm.to(torch.float16), rm.to(torch.float16)  # [64, 4, (scale, zero)], [64, (scale, zero)]
-    q = (torch.rand(64, 576, generator=g) - 0.5).to(torch.float16)
+    T = 64 * tiles
+    cc = torch.randint(0, 256, (T, 256), generator=g, dtype=torch.uint8)
+    rc = torch.randint(0, 256, (T, 32), generator=g, dtype=torch.uint8)
+    cm = torch.stack([0.02 + 0.06 * torch.rand(T, 4, generator=g), -0.5 + 0.2 * torch.rand(T, 4, generator=g)], -1)
+    rm = torch.stack([0.02 + 0.06 * torch.rand(T, generator=g), -0.5 + 0.2 * torch.rand(T, generator=g)], -1)
+    cm, rm = cm.to(torch.float16), rm.to(torch.float16)  # [T, 4, (scale, zero)], [T, (scale, zero)]
+    q = ((torch.rand(64, 576, generator=g) - 0.5) * q_scale).to(torch.float16)
     ch = torch.arange(512)
     codes = ((cc[:, ch % 256].to(torch.int64) >> (4 * (ch // 256))) & 15).double()  # [tokens, 512]
     val_c = codes * cm[:, ch // 128, 0].double() + cm[:, ch // 128, 1].double()
     rch = torch.arange(64)
     rcodes = ((rc[:, rch % 32].to(torch.int64) >> (4 * (rch // 32))) & 15).double()
     val_r = rcodes * rm[:, 0:1].double() + rm[:, 1:2].double()
-    vals = torch.cat([val_c, val_r], 1).to(torch.float16).double()  # code·scale + zero, rounded once: [64, 576]
+    vals = torch.cat([val_c, val_r], 1).to(torch.float16).double()  # code·scale + zero, rounded once: [T, 576]
     order = torch.arange(576) if natural_q else torch.tensor([query_channel(K, k) for K in range(36) for k in range(16)])
     qblock = swizzled(q[:, order].view(64, 9, 64).transpose(0, 1))
-    page = torch.cat([cc.reshape(-1), rc.reshape(-1), cm.view(torch.uint8).reshape(-1), rm.view(torch.uint8).reshape(-1)])
-    assert page.numel() == RAW_BYTES
+    pages = [torch.cat([cc[i:i + 64].reshape(-1), rc[i:i + 64].reshape(-1), cm[i:i + 64].view(torch.uint8).reshape(-1),
+                        rm[i:i + 64].view(torch.uint8).reshape(-1)]) for i in range(0, T, 64)]
+    assert all(pg.numel() == RAW_BYTES for pg in pages)
     dev = torch.device("cuda")
     macros = {"DQA": 1, "ZL": 0, "OUT_WAIT": 0, "SG": 2, "REGS_S": 136, "CHECK": 1} | ({"P_NATURAL": 1} if natural_p else {})
-    path, _ = cubin(macros, 1, tmp, pages=1)
-    buf = torch.cat([page, qblock]).to(dev)
+    macros |= {"EXACT": 1} if tiles > 1 else {}
+    path, _ = cubin(macros, tiles, tmp, pages=tiles)  # CTA 0 reads page i as tile i
+    buf = torch.cat(pages + [qblock]).to(dev)
     out = torch.full((NT * 128,), float("nan"), device=dev)
     smem = smem_bytes(1)
     fn = driver.function(path, "tokens_m_64", smem, dev)
     driver.launch(fn, (1,), NT, smem, torch.cuda.current_stream().cuda_stream, [("p", buf.data_ptr()), ("p", out.data_ptr())])
     torch.cuda.synchronize()
     got = out.view(NT, 128).double().cpu()
-    s_ref = vals @ q.double().T  # [tokens, rows]
-    p_ref = torch.exp2(s_ref).to(torch.float16).double()
-    o_ref = vals[:, :512].T @ p_ref  # [channels, rows]
+    s_all = vals @ q.double().T  # [T, rows]
+    s_ref = s_all[-64:]  # the last tile's (the one the scores' accumulators hold)
+    if tiles == 1:
+        p_ref = torch.exp2(s_ref).to(torch.float16).double()
+        o_ref = vals[:, :512].T @ p_ref  # [channels, rows]
+    else:
+        w_ = torch.exp2(s_all - s_all.max(0).values)
+        o_ref = vals[:, :512].T @ (w_ / w_.sum(0))  # softmax attention, base 2: [channels, rows]
     s_got, o_got = torch.full_like(s_ref, float("nan")), torch.full_like(o_ref, float("nan"))
     for tid in range(NT):
         w, g_, t = (tid >> 5) & 3, (tid & 31) >> 2, tid & 3
@@ -203,7 +217,9 @@ def main(argv=None) -> int:
         if a.check and gpu:  # the layouts, two seeds, then the two negative controls (their errors must be large)
             res["layout_check"] = {"seed_0": check_layouts(Path(tmp), 0), "seed_1": check_layouts(Path(tmp), 1),
                                    "query_in_channel_order": check_layouts(Path(tmp), 0, natural_q=True),
-                                   "p_in_token_order": check_layouts(Path(tmp), 0, natural_p=True)}
+                                   "p_in_token_order": check_layouts(Path(tmp), 0, natural_p=True),
+                                   "exact_8_tiles": check_layouts(Path(tmp), 0, tiles=8, q_scale=1.0),
+                                   "exact_8_tiles_moving": check_layouts(Path(tmp), 2, tiles=8, q_scale=16.0)}
             print("layout check:", res["layout_check"], flush=True)
         for macros in builds:
             row = {"kernel": "tokens as M, 64 rows", "macros": macros}
