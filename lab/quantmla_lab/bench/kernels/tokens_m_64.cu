@@ -139,6 +139,30 @@ __device__ __forceinline__ uint32_t f2h(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// v[i] (the thread's row 8(i / 2) + 2t + i % 2, i < 16) combined over the 64 tokens: over the 8 lanes g of its warp,
+// then over the scores' 4 warps through red[4 warps][64 rows] (a named barrier of the 128 threads; red is free after)
+template <bool MAX>
+__device__ __forceinline__ void over_tokens(float (&v)[16], float* red, int w, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      const float x = __shfl_xor_sync(0xffffffffu, v[i], o);
+      v[i] = MAX ? fmaxf(v[i], x) : v[i] + x;
+    }
+  if (g == 0) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) red[w * 64 + 8 * (i >> 1) + 2 * t + (i & 1)] = v[i];
+  }
+  bar_sync(BAR_VOTE, 128);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float* r = red + 8 * (i >> 1) + 2 * t + (i & 1);
+    v[i] = MAX ? fmaxf(fmaxf(r[0], r[64]), fmaxf(r[128], r[192])) : (r[0] + r[64]) + (r[128] + r[192]);
+  }
+  bar_sync(BAR_VOTE, 128);
+}
+
 extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* __restrict__ pages, float* out) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -376,30 +400,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       if (EXACT && moved) {  // each row's maximum over the tile's 64 tokens: its thread's two, the 8 lanes g, the 4 warps
         float mx[16];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 16; ++i) mx[i] = fmaxf(sc[4 * (i >> 1) + (i & 1)], sc[4 * (i >> 1) + 2 + (i & 1)]);
+        over_tokens<true>(mx, red, w, g, t);
 #pragma unroll
-          for (int c = 0; c < 2; ++c) mx[2 * j + c] = fmaxf(sc[4 * j + c], sc[4 * j + 2 + c]);
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
-        if (g == 0) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) red[w * 64 + 8 * j + 2 * t + c] = mx[2 * j + c];
+        for (int i = 0; i < 16; ++i) {
+          const float nr = fmaxf(ref[i], mx[i]);
+          al[i] = fast_exp2(ref[i] - nr);  // 0 the first time (ref -inf)
+          lsum[i] *= al[i], ref[i] = nr;
         }
-        bar_sync(BAR_VOTE, 128);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = 8 * j + 2 * t + c, i = 2 * j + c;
-            const float nr = fmaxf(ref[i], fmaxf(fmaxf(red[n], red[64 + n]), fmaxf(red[128 + n], red[192 + n])));
-            al[i] = fast_exp2(ref[i] - nr);  // 0 the first time (ref -inf)
-            lsum[i] *= al[i], ref[i] = nr;
-          }
-        bar_sync(BAR_VOTE, 128);  // red is read before the next tile writes it
       } else if (moved) {  // the first tiles: every row's reference becomes its largest score (here: the thread's own)
 #pragma unroll
         for (int e = 0; e < 32; ++e) ref[(e >> 2) * 2 + (e & 1)] = fmaxf(ref[(e >> 2) * 2 + (e & 1)], sc[e]);
@@ -490,25 +498,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
     for (int i = 0; i < 32; ++i) sink += zl[i];
     if constexpr (EXACT) {  // each row's Σ P over the unit: its thread's, the 8 lanes g, the 4 warps
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], o);
-      if (g == 0) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) red[w * 64 + 8 * j + 2 * t + c] = lsum[2 * j + c];
-      }
-      bar_sync(BAR_VOTE, 128);
+      over_tokens<false>(lsum, red, w, g, t);
       if (w == 0 && g == 0) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int n = 8 * j + 2 * t + c;
-            reinterpret_cast<float*>(smem + SM_L)[n] = red[n] + red[64 + n] + red[128 + n] + red[192 + n];
-          }
+        for (int i = 0; i < 16; ++i) reinterpret_cast<float*>(smem + SM_L)[8 * (i >> 1) + 2 * t + (i & 1)] = lsum[i];
       }
       bar_arrive(BAR_EPI, NT);
     }
