@@ -89,6 +89,10 @@
 # s8-scores       the tokens-as-M kernel's scores on 8-bit warpgroup MMAs (S8_QK): its GPU tests against the oracle
 #                 and fp64, then its decode kernel beside the default, with the layout checks and without output products
 #                 -> kernels/tokens_m_s8_scores_gpu_tests_h200.log, kernels/decode_tokens_m_s8_scores_h200.json
+# tokens-m64      the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu): its GPU tests, then at 128 heads its calls
+#                 and decode kernel beside the heads-as-M kernel's, INT4/INT4 and BF16 (TM64_VARIANTS="MACRO=V ...":
+#                 other builds timed beside it)  -> kernels/tokens_m64_gpu_tests_h200.log,
+#                                                   kernels/decode_tokens_m64_128h_h200.json
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
@@ -340,6 +344,15 @@ combine() {
 
 e4m3-scores() {
   timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
+}
+
+tokens-m64() {
+  timeout 200 python3 -m pytest -q -x tests/test_kernels_gpu_tokens_m64.py -s -p no:cacheprovider 2>&1 | grep -v -i warn \
+    > "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
+  tail -12 "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
+    --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup ${TM64_VARIANTS:+--tm64-variants $TM64_VARIANTS} \
+    --out "$OUT/kernels/decode_tokens_m64_128h_h200.json" 2>&1 | grep -v -i warn | tail -24
 }
 
 warpgroup() {
