@@ -34,6 +34,7 @@ typedef __half2 T2;
 #include "ptx.cuh"
 #include "code_planes.cuh"
 #include "wgmma.cuh"
+#include "tm64_ops.cuh"  // wgmma_m64n64_ra, deq_pair, h2f, f2h, over_tokens
 
 #ifndef ITERS
 #define ITERS 1024
@@ -99,68 +100,11 @@ constexpr int SM_ALPHA = SM_RED + 1024;   // [NPBUF, 64 rows] fp32: each row's r
 constexpr int SM_L = SM_ALPHA + 512;      // [64 rows] fp32: Σ P a row over the unit
 enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, BAR_EPI = 6 };  // named barriers (FULL, EMPTY: one a P buffer)
 
-// d[32] (+)= A·B over k16: m64n64k16, A (fp16) in registers (the m16n8k16 A layout, a warp's 16 rows), B (fp16)
-// through a descriptor, K-major (TB 0) or N-major (TB 1); fp32 accumulators: thread t of the warpgroup holds rows
-// 16·(t / 32) + (t % 32) / 4 (+ 8), columns 8j + 2·(t % 4) (+ 1) at d[4j ..]; scale_d = 0 overwrites d
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n64_ra(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
-}
-
 template <int N, bool INC>
 __device__ __forceinline__ void set_max_regs() {
   if constexpr (N == REGS_BASE) return;
   else if constexpr (INC) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-// two codes (nibble pl of bytes 0 and 2 of x) dequantized: (1024 + code) exact, less 1024, times the pair's scales
-// plus their zeros (half2 each), rounded once
-__device__ __forceinline__ uint32_t deq_pair(uint32_t x, int pl, uint32_t s2, uint32_t z2) {
-  const uint32_t m = ((x >> (4 * pl)) & 0x000F000Fu) | 0x64006400u;
-  const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&m), __half2(__half(1024.0f), __half(1024.0f)));
-  const __half2 v = __hfma2(c, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float2 h2f(uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
-__device__ __forceinline__ uint32_t f2h(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// v[i] (the thread's row 8(i / 2) + 2t + i % 2, i < 16) combined over the 64 tokens: over the 8 lanes g of its warp,
-// then over the scores' 4 warps through red[4 warps][64 rows] (a named barrier of the 128 threads; red is free after)
-template <bool MAX>
-__device__ __forceinline__ void over_tokens(float (&v)[16], float* red, int w, int g, int t) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      const float x = __shfl_xor_sync(0xffffffffu, v[i], o);
-      v[i] = MAX ? fmaxf(v[i], x) : v[i] + x;
-    }
-  if (g == 0) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) red[w * 64 + 8 * (i >> 1) + 2 * t + (i & 1)] = v[i];
-  }
-  bar_sync(BAR_VOTE, 128);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float* r = red + 8 * (i >> 1) + 2 * t + (i & 1);
-    v[i] = MAX ? fmaxf(fmaxf(r[0], r[64]), fmaxf(r[128], r[192])) : (r[0] + r[64]) + (r[128] + r[192]);
-  }
-  bar_sync(BAR_VOTE, 128);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* __restrict__ pages, float* out) {
@@ -401,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         float mx[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) mx[i] = fmaxf(sc[4 * (i >> 1) + (i & 1)], sc[4 * (i >> 1) + 2 + (i & 1)]);
-        over_tokens<true>(mx, red, w, g, t);
+        over_tokens<true, BAR_VOTE>(mx, red, w, g, t);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const float nr = fmaxf(ref[i], mx[i]);
@@ -498,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
 #pragma unroll
     for (int i = 0; i < 32; ++i) sink += zl[i];
     if constexpr (EXACT) {  // each row's Σ P over the unit: its thread's, the 8 lanes g, the 4 warps
-      over_tokens<false>(lsum, red, w, g, t);
+      over_tokens<false, BAR_VOTE>(lsum, red, w, g, t);
       if (w == 0 && g == 0) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) reinterpret_cast<float*>(smem + SM_L)[8 * (i >> 1) + 2 * t + (i & 1)] = lsum[i];

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
+from quantmla.kernels.cuda.tokens_m64 import query_channel  # noqa: F401 (the order the model's query block takes)
 from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
@@ -79,19 +80,6 @@ def cubin(macros: dict[str, int], iters: int, tmp: Path, pages: int = 64) -> tup
     return out, {"registers": int(regs_used.group(1)) if regs_used else None,
                  "spill_store_bytes": int(spill.group(1)) if spill else None,
                  "products_serialized": "serialized" in log}
-
-
-def query_channel(K: int, k: int) -> int:
-    """The latent (0-511) or RoPE (512-575) channel of column k (0-15) of the scores' k-step K (0-35), as the A operands
-    take a token's codes: content k-step K is plane K % 2 of word (K // 2) % 4 of 16-byte load K // 8 (of the thread's
-    t), k 2t, 2t + 1 its bytes 0 and 2, k 2t + 8, 2t + 9 its bytes 1 and 3; byte c's plane p is channel c + 256p
-    (RoPE: 8 bytes a thread, channel 512 + c + 32p)."""
-    t, e, odd = (k >> 1, k & 1, 0) if k < 8 else ((k - 8) >> 1, (k - 8) & 1, 1)
-    if K < 32:
-        m, s_, p = K >> 3, (K >> 1) & 3, K & 1
-        return 16 * (4 * m + t) + 4 * s_ + odd + 2 * e + 256 * p
-    s_, p = (K - 32) >> 1, (K - 32) & 1
-    return 512 + 8 * t + 4 * s_ + odd + 2 * e + 32 * p
 
 
 def swizzled(chunks: torch.Tensor) -> torch.Tensor:

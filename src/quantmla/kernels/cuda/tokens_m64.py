@@ -16,6 +16,18 @@ TM64_MIN_ROWS = 64
 """Fewer query rows than this pad the MMA's N; the 16-row tokens-as-M kernel takes them."""
 
 
+def query_channel(K: int, k: int) -> int:
+    """The latent (0-511) or RoPE (512-575) channel that column k (0-15) of the scores' k-step K (0-35) holds in the
+    query block, as the A operands take a token's codes (tm64_ops.cuh's query_channel, its twin): content k-step K is
+    plane K % 2 of word (K // 2) % 4 of 16-byte load K // 8 (of the thread's t), k 2t, 2t + 1 its bytes 0 and 2,
+    k 2t + 8, 2t + 9 its bytes 1 and 3; byte c's plane p is channel c + 256p (RoPE: 8 bytes a thread, channel
+    512 + c + 32p)."""
+    t, e, odd = (k & 7) >> 1, k & 1, k >> 3
+    if K < 32:
+        return 16 * (4 * (K >> 3) + t) + 4 * ((K >> 1) & 3) + odd + 2 * e + 256 * (K & 1)
+    return 512 + 8 * t + 4 * ((K - 32) >> 1) + odd + 2 * e + 32 * (K & 1)
+
+
 def tokens_m64_reason(layout: PageLayout, rows: int) -> str | None:
     """Why the 64-row tokens-as-M kernel cannot read `layout` for `rows` query rows, or None where it can."""
     tok = layout.token
