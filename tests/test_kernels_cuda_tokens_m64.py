@@ -28,8 +28,8 @@ def test_tokens_m64_plan(page):
     assert (m["OFF_CC"], m["OFF_RC"], m["OFF_CM"], m["OFF_RM"]) == tuple(o[k] for k in
                                                                          ("content_codes", "rope_codes", "content_meta", "rope_meta"))
     # the query block, two P buffers, five raw stages of a tile's sections, mbarriers, flags, the rows' exchange,
-    # factors, sums and scales, the alignment slack
-    assert p.smem == m["SMEM_EXPECTED"] == 11 * 8192 + 5 * 64 * lay.token.bytes_per_token + 40 + 16 + 1024 + 1024 + 1024
+    # factors, sums, scales and causal limits, the alignment slack
+    assert p.smem == m["SMEM_EXPECTED"] == 11 * 8192 + 5 * 64 * lay.token.bytes_per_token + 40 + 16 + 1024 + 1280 + 1024
     assert p.smem <= cuda.SMEM_PER_CTA and p.describe() == "cuda/f16/tm64/M64N64w12s5c1"
     assert build.source_of(p.macros).name == "mla_decode_tm64.cu"
     cfg = schedule.DecodeConfig(block_m=64, num_warps=12, kernel="cuda", warpgroup=True, tokens_m64=True)

@@ -74,7 +74,8 @@ constexpr int SM_RED = SM_FLAG + 16;             // [4 warps, 64 rows] fp32: ove
 constexpr int SM_ALPHA = SM_RED + 1024;          // [NPBUF, 64 rows] fp32: each row's rescale factor a P buffer
 constexpr int SM_L = SM_ALPHA + NPBUF * BM * 4;  // [64 rows] fp32: Σ P a row over the unit
 constexpr int SM_QF = SM_L + BM * 4;             // [64 rows] fp32: the factor that takes a row's scores to base 2
-constexpr int SMEM = SM_QF + BM * 4 + 1024;      // + the slack that aligns the chunks to 1024 bytes
+constexpr int SM_LIM = SM_QF + BM * 4;           // [64 rows] int: the end of a row's tokens in the unit (causal)
+constexpr int SMEM = SM_LIM + BM * 4 + 1024;     // + the slack that aligns the chunks to 1024 bytes
 static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (tokens_m64.py) disagrees with this map");
 enum { BAR_VOTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, BAR_EPI = 6 };  // named barriers (FULL, EMPTY: one a P buffer)
 
@@ -135,7 +136,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
                                                                                : qr + qrow * D_R + 8 * j))));
     }
     const float scale = row_scale_below_2p13(__uint_as_float(__reduce_max_sync(0xffffffffu, m)));
-    if (lane == 0) sScale[r] = scale, sQf[r] = qk_scale_log2 / scale;
+    if (lane == 0) {
+      sScale[r] = scale, sQf[r] = qk_scale_log2 / scale;
+      reinterpret_cast<int*>(smem + SM_LIM)[r] = min(end, L - causal * (SQ - 1 - gr / H));
+    }
   }
   __syncthreads();
   for (int i = tid; i < BM * D / 8; i += NT) {
@@ -164,6 +168,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens of a tile: r_lo and r_lo + 8
     float* red = reinterpret_cast<float*>(smem + SM_RED);
+    const int* sLim = reinterpret_cast<const int*>(smem + SM_LIM);
+    const int full_to = min(end, L - causal * (SQ - 1));  // tokens before this are every row's
     float ref[16], lsum[16];  // the reference maxima and Σ P of its rows 8(i / 2) + 2t + i % 2
 #pragma unroll
     for (int i = 0; i < 16; ++i) ref[i] = -INFINITY, lsum[i] = 0.0f;
@@ -244,15 +250,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       wgmma_wait<0>();
       fence_regs(sc);
       // base 2 (each row's query scale undone); tokens past the unit's end or a row's causal limit -inf
-      const bool edge = valid < BN || (causal && n0 + BN > L - (SQ - 1));
+      const bool edge = n0 + BN > full_to;
 #pragma unroll
       for (int e = 0; e < 32; ++e) {
         const int n = 8 * (e >> 2) + 2 * t + (e & 1);
         sc[e] *= sQf[n];
-        if (edge) {
-          const int pos = n0 + r_lo + (e & 2) * 4, limit = L - causal * (SQ - 1 - (row0 + n) / H);
-          if (pos >= end || pos >= limit) sc[e] = -INFINITY;
-        }
+        if (edge && n0 + r_lo + (e & 2) * 4 >= sLim[n]) sc[e] = -INFINITY;
       }
       // the vote: does any score exceed its row's reference by more than the slack? Then every row's reference moves
       // to the tile's exact maximum (where larger), the sums and (through the flag) the output rescaled

@@ -49,10 +49,10 @@ def tokens_m64_reason(layout: PageLayout, rows: int) -> str | None:
 def smem_bytes_tm64(stages: int = TM64_STAGES) -> int:
     """Dynamic shared memory of one CTA, bytes (the map of mla_decode_tm64.cu, which asserts it): the query block (nine
     64 x 64 fp16 chunks), two P buffers of one chunk, `stages` raw stages of a tile's page sections (19712 bytes),
-    their mbarriers, the P buffers' flags, the rows' maxima exchange (1 KiB), their factors, sums and scales, and 1024
-    bytes to align the chunks."""
+    their mbarriers, the P buffers' flags, the rows' maxima exchange (1 KiB), their factors, sums, scales and causal
+    limits, and 1024 bytes to align the chunks."""
     chunk, raw, bm = 64 * 128, 64 * (256 + 32 + 16 + 4), TM64_BLOCK_M
-    return 9 * chunk + 2 * chunk + stages * raw + 8 * stages + 16 + 1024 + 2 * bm * 4 + bm * 4 + bm * 4 + 1024
+    return 9 * chunk + 2 * chunk + stages * raw + 8 * stages + 16 + 1024 + 2 * bm * 4 + 3 * bm * 4 + 1024
 
 
 def tokens_m64_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, stages: int = TM64_STAGES) -> DecodePlan | str:
