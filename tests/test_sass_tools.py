@@ -3,6 +3,7 @@ of the tile loop, and sass_mix's instruction mix and stall reasons."""
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -155,7 +156,7 @@ def test_tokens_m_64_query_order_and_swizzle():
 
 
 def test_tokens_m_64_page_is_the_cache_formats():
-    """The timing model's page (tokens_m_64.cu's FB_* sections, one after another, and the driver's RAW_BYTES) is the
+    """The timing model's page (tm64_ops.cuh's FB_* sections, one after another, and the driver's RAW_BYTES) is the
     INT4/INT4 cache page of groups 128/64 that the library's plan describes (kernels.cuda.decode_plan's macros), so
     the model reads the format the cache writes rather than a copy of it that could drift."""
     from unittest import mock
@@ -169,8 +170,10 @@ def test_tokens_m_64_page_is_the_cache_formats():
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         m = dict(cuda.decode_plan(lay, 16, torch.bfloat16, torch.device("cuda"), tokens_m=True).macros)
-    src = tm.SOURCE.read_text()
-    fb = {k: int(v) for k, v in re.findall(r"\b(FB_(?:CC|RC|CM|RM)) = (\d+)", src)}
+    from quantmla.kernels.cuda import build
+
+    src = Path(build.__file__).with_name("tm64_ops.cuh")  # the sections the 64-row kernel and the model both read
+    fb = {k: int(v) for k, v in re.findall(r"\b(FB_(?:CC|RC|CM|RM)) = (\d+)", src.read_text())}
     assert fb == {k: m[k] for k in ("FB_CC", "FB_RC", "FB_CM", "FB_RM")}
     offsets = {"OFF_CC": 0, "OFF_RC": 64 * fb["FB_CC"], "OFF_CM": 64 * (fb["FB_CC"] + fb["FB_RC"]),
                "OFF_RM": 64 * (fb["FB_CC"] + fb["FB_RC"] + fb["FB_CM"])}  # the .cu's RAW_* offsets

@@ -84,10 +84,7 @@ static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * R
 static_assert(!CHECK || (DQA && (ITERS == 1 || EXACT)), "CHECK reads one tile of the DQA build, or with EXACT many");
 static_assert(!EXACT || DQA, "EXACT with DQA");
 
-constexpr int BN = 64, CHUNK = 8192;  // tokens a tile, a 64 x 128-byte swizzled chunk
-constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
-constexpr int RAW_RC = BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
-constexpr int RAW_BYTES = RAW_RM + BN * FB_RM;  // 19712: one page, one copy
+constexpr int BN = 64;  // tokens a tile; a page's sections (one copy) and CHUNK: tm64_ops.cuh
 constexpr int SM_Q = 0;                          // 9 chunks: the query block, K-major (rows as N)
 constexpr int SM_QS = SM_Q + 9 * CHUNK;          // 1 chunk: the query's group sums (k 0-9: 5 groups, hi and lo)
 constexpr int PCH = DQA ? 1 : 5;                 // chunks a P buffer: P·scale of 4 groups and P (DQA: P)
@@ -159,69 +156,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       // ---- DQA: every k-step's A operand the dequantized values; all 36 products on sc ----
       float sc[32];
       const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
-      uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the thread's two tokens: 4 content groups, RoPE
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int G = 0; G < 5; ++G) {
-          const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(ml + 8 * h * FB_CM + 4 * G)
-                                    : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
-          s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-        const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-        const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-        for (int s0 = 0; s0 < 4; s0 += SG) {
-          uint32_t a[SG][2][4];
-#pragma unroll
-          for (int s = s0; s < s0 + SG; ++s)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int G = 2 * p + m / 2;  // plane p of bytes 64m .. 64m + 63: channels p·256 + 64m ..
-              a[s - s0][p][0] = deq_pair(xl[s], p, s2[0][G], z2[0][G]), a[s - s0][p][1] = deq_pair(xh[s], p, s2[1][G], z2[1][G]);
-              a[s - s0][p][2] = deq_pair(xl[s] >> 8, p, s2[0][G], z2[0][G]);
-              a[s - s0][p][3] = deq_pair(xh[s] >> 8, p, s2[1][G], z2[1][G]);
-            }
-          wgmma_fence();
-#pragma unroll
-          for (int s = s0; s < s0 + SG; ++s)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int k = (m * 4 + s) * 2 + p;
-              if constexpr (!SKIP_QK)
-                wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
-            }
-          wgmma_commit();
-          wgmma_wait<SW>();  // (DQA) SW groups left in flight
-        }
-      }
-      {
-        uint32_t xl[2], xh[2];
-        rope_words(st, xl, xh);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          uint32_t a[2][4];
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            a[p][0] = deq_pair(xl[s], p, s2[0][4], z2[0][4]), a[p][1] = deq_pair(xh[s], p, s2[1][4], z2[1][4]);
-            a[p][2] = deq_pair(xl[s] >> 8, p, s2[0][4], z2[0][4]), a[p][3] = deq_pair(xh[s] >> 8, p, s2[1][4], z2[1][4]);
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            const int k = 32 + 2 * s + p;
-            if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
-          }
-          wgmma_commit();
-          wgmma_wait<SW>();  // (DQA) SW groups left in flight
-        }
-      }
-      wgmma_wait<0>();
-      fence_regs(sc);
+      scores_dqa<SG, SW>(sc, st, dq, r_lo, t);
       if constexpr (CHECK) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) out[((size_t)blockIdx.x * NT + tid) * 128 + i] = sc[i];
@@ -379,18 +314,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
         cs[1][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * G)).x;
       }
       if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
-        // P's rows in the order the output's operands pair the tokens: k 2t, 2t + 1 of a k-step are tokens 2t and 2t + 8,
-        // k 2t + 8, 2t + 9 tokens 2t + 1 and 2t + 9 (output: a register's two tokens of one channel, one byte permute)
-        const int p_lo = P_NATURAL ? r_lo : 16 * w + ((g & 1) ? g + 7 : g);
-        const int p_hi = P_NATURAL ? r_lo + 8 : 16 * w + ((g & 1) ? g + 8 : g + 1);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
-          const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
-          lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
-          *reinterpret_cast<uint32_t*>(pb + swz(p_lo, j) + 4 * t) = f2h(p0, p1);
-          *reinterpret_cast<uint32_t*>(pb + swz(p_hi, j) + 4 * t) = f2h(p2, p3);
-        }
+        write_p<P_NATURAL>(sc, ref, lsum, pb, w, g, t);
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -476,43 +400,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       const uint64_t d1 = sw128_desc(pb + (DQA ? 0 : o + 2) * CHUNK, CHUNK, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
-        const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
-        const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
-        const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
-        const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
-        uint32_t a[4][4];  // m-block 2p + z: byte pair z (channel rows g, g + 8), plane p
-        uint32_t sp[2][2], zp[2][2];  // DQA: group o + 2p's (scale, zero) pairs of tokens (r0, r0 + 8) [0], (r0 + 1, r0 + 9) [1]
         if constexpr (DQA) {
+          output_dqa_kstep(acc, st, d0, kk, col, o, t);
+        } else {  // the codes masked in place: m-block 2p + z, byte pair z (channel rows g, g + 8), plane p
+          const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
+          const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
+          const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
+          const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
+          const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
+          uint32_t a[4][4];
 #pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            const uint8_t* m = st + RAW_CM + r0 * FB_CM + 4 * (o + 2 * p);
-            const uint32_t sa = *reinterpret_cast<const uint32_t*>(m), sb = *reinterpret_cast<const uint32_t*>(m + 8 * FB_CM);
-            const uint32_t sc_ = *reinterpret_cast<const uint32_t*>(m + FB_CM), sd = *reinterpret_cast<const uint32_t*>(m + 9 * FB_CM);
-            sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
-            sp[p][1] = __byte_perm(sc_, sd, 0x5410), zp[p][1] = __byte_perm(sc_, sd, 0x7632);
-          }
-        }
+          for (int z = 0; z < 2; ++z) {
+            const uint32_t sel = z ? 0x7632u : 0x5410u;
+            const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
 #pragma unroll
-        for (int z = 0; z < 2; ++z) {
-          const uint32_t sel = z ? 0x7632u : 0x5410u;
-          const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            if constexpr (DQA) {
-              a[2 * p + z][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), a[2 * p + z][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
-              a[2 * p + z][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), a[2 * p + z][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
-            } else {
+            for (int p = 0; p < 2; ++p) {
               a[2 * p + z][0] = plane<4>(zab, p), a[2 * p + z][1] = plane<4>(zab >> 8, p);
               a[2 * p + z][2] = plane<4>(zcd, p), a[2 * p + z][3] = plane<4>(zcd >> 8, p);
             }
           }
-        }
-        wgmma_fence();
+          wgmma_fence();
 #pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-          if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[mb], a[mb], (mb >= 2 ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
-        wgmma_commit();
+          for (int mb = 0; mb < 4; ++mb)
+            if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[mb], a[mb], (mb >= 2 ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
+          wgmma_commit();
+        }
         wgmma_wait<OUT_WAIT>();  // the k-steps before are done: their operand registers are free
       }
       wgmma_wait<0>();

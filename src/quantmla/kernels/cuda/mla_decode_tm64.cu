@@ -54,7 +54,6 @@ typedef __half2 T2;
 
 constexpr int D_C = 512, D_R = 64, D = D_C + D_R;  // DeepSeek's latent and RoPE key
 constexpr int BM = 64, NT = 384, NPBUF = 2;  // query rows, threads, P buffers (BN: 64 tokens a tile)
-constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's bytes: codes, RoPE codes, their metadata
 static_assert(BN == 64 && NW == 12 && HALF, "the plan of this kernel: 64-token tiles, three warpgroups, fp16 operands");
 static_assert(PS % BN == 0, "a tile lies inside one page");
 // the threads' registers at launch (65536 / 384, rounded down to 8): what the scores' warpgroup gives back is all the
@@ -62,13 +61,10 @@ static_assert(PS % BN == 0, "a tile lies inside one page");
 constexpr int REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
 static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= REGS_BASE && REGS_O <= 256, "setmaxnreg");
 
-constexpr int CHUNK = 8192;  // 64 rows x 128 bytes, in the 128-byte swizzle
-constexpr int RAW_CC = 0, RAW_RC = BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
-constexpr int RAW = RAW_RM + BN * FB_RM;         // 19712: a tile's four page sections
 constexpr int SM_Q = 0;                          // 9 chunks: the query block, K-major (rows as N)
 constexpr int SM_P = SM_Q + 9 * CHUNK;           // NPBUF chunks: P [64 tokens x 64 rows], N-major
 constexpr int SM_RAW = SM_P + NPBUF * CHUNK;     // STAGES raw stages
-constexpr int SM_BAR = SM_RAW + STAGES * RAW;    // their mbarriers
+constexpr int SM_BAR = SM_RAW + STAGES * RAW_BYTES;    // their mbarriers
 constexpr int SM_FLAG = SM_BAR + 8 * STAGES;     // [NPBUF]: whether a P buffer's tile moved a reference
 constexpr int SM_RED = SM_FLAG + 16;             // [4 warps, 64 rows] fp32: over_tokens
 constexpr int SM_ALPHA = SM_RED + 1024;          // [NPBUF, 64 rows] fp32: each row's rescale factor a P buffer
@@ -105,8 +101,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   auto issue = [&](int it, int s) {
     const int n0 = start + it * BN, t0 = n0 % PS;
     const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
-    uint8_t* raw = smem + SM_RAW + s * RAW;
-    mbar_expect_tx(sBar + s, RAW);
+    uint8_t* raw = smem + SM_RAW + s * RAW_BYTES;
+    mbar_expect_tx(sBar + s, RAW_BYTES);
     bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, sBar + s);
     bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, sBar + s);
     bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, sBar + s);
@@ -175,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     for (int i = 0; i < 16; ++i) ref[i] = -INFINITY, lsum[i] = 0.0f;
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it % NPBUF, n0 = start + it * BN, valid = min(BN, end - n0);
-      uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW;
+      uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
       if (valid < BN) {  // the stale tokens' metadata zeroed (their values 0, not NaN), for both roles
         for (int n = valid + tid; n < BN; n += 128) {
@@ -187,68 +183,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       }
       // the scores: every k-step's A operand its dequantized values, all 36 products on sc
       float sc[32];
-      uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the two tokens: 4 content groups, RoPE
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int G = 0; G < 5; ++G) {
-          const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(st + RAW_CM + (r_lo + 8 * h) * FB_CM + 4 * G)
-                                    : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
-          s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
-        }
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-        const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-        const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-        for (int s0 = 0; s0 < 4; s0 += 2) {  // two words of each token: their operands, then their 4 products
-          uint32_t a[2][2][4];
-#pragma unroll
-          for (int s = s0; s < s0 + 2; ++s)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int G = 2 * p + m / 2;  // plane p of bytes 64m .. 64m + 63: channels 256p + 64m ..
-              a[s - s0][p][0] = deq_pair(xl[s], p, s2[0][G], z2[0][G]), a[s - s0][p][1] = deq_pair(xh[s], p, s2[1][G], z2[1][G]);
-              a[s - s0][p][2] = deq_pair(xl[s] >> 8, p, s2[0][G], z2[0][G]);
-              a[s - s0][p][3] = deq_pair(xh[s] >> 8, p, s2[1][G], z2[1][G]);
-            }
-          wgmma_fence();
-#pragma unroll
-          for (int s = s0; s < s0 + 2; ++s)
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const int k = (m * 4 + s) * 2 + p;
-              wgmma_m64n64_ra<0>(sc, a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), m > 0 || s > 0 || p > 0);
-            }
-          wgmma_commit();
-          wgmma_wait<1>();  // the group before's operand registers are free
-        }
-      }
-      {  // RoPE: 8 code bytes a token, 4 k-steps
-        const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-        const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-        const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          uint32_t a[2][4];
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            a[p][0] = deq_pair(xl[s], p, s2[0][4], z2[0][4]), a[p][1] = deq_pair(xh[s], p, s2[1][4], z2[1][4]);
-            a[p][2] = deq_pair(xl[s] >> 8, p, s2[0][4], z2[0][4]), a[p][3] = deq_pair(xh[s] >> 8, p, s2[1][4], z2[1][4]);
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            const int k = 32 + 2 * s + p;
-            wgmma_m64n64_ra<0>(sc, a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4), 1);
-          }
-          wgmma_commit();
-          wgmma_wait<1>();
-        }
-      }
-      wgmma_wait<0>();
-      fence_regs(sc);
+      scores_dqa<2, 1>(sc, st, dq, r_lo, t);
       // base 2 (each row's query scale undone); tokens past the unit's end or a row's causal limit -inf
       const bool edge = n0 + BN > full_to;
 #pragma unroll
@@ -282,19 +217,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         for (int i = 0; i < 16; ++i) reinterpret_cast<float*>(smem + SM_ALPHA)[buf * BM + 8 * (i >> 1) + 2 * t + (i & 1)] = al[i];
       }
       if (tid == 0 && it >= NPBUF && it - NPBUF + STAGES < ntiles) issue(it - NPBUF + STAGES, (it - NPBUF) % STAGES);
-      // P (fp16) into the buffer, its rows in the order the output's operands pair the tokens: k 2t, 2t + 1 of a
-      // k-step are tokens 2t and 2t + 8, k 2t + 8, 2t + 9 tokens 2t + 1 and 2t + 9
-      uint8_t* pb = smem + SM_P + buf * CHUNK;
-      const int p_lo = 16 * w + ((g & 1) ? g + 7 : g), p_hi = 16 * w + ((g & 1) ? g + 8 : g + 1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float m0 = ref[2 * j] == -INFINITY ? 0.0f : ref[2 * j], m1 = ref[2 * j + 1] == -INFINITY ? 0.0f : ref[2 * j + 1];
-        const float p0 = fast_exp2(sc[4 * j] - m0), p1 = fast_exp2(sc[4 * j + 1] - m1);
-        const float p2 = fast_exp2(sc[4 * j + 2] - m0), p3 = fast_exp2(sc[4 * j + 3] - m1);
-        lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
-        *reinterpret_cast<uint32_t*>(pb + swz(p_lo, j) + 4 * t) = f2h(p0, p1);
-        *reinterpret_cast<uint32_t*>(pb + swz(p_hi, j) + 4 * t) = f2h(p2, p3);
-      }
+      write_p<false>(sc, ref, lsum, smem + SM_P + buf * CHUNK, w, g, t);  // P, Σ P
       fence_proxy_async();  // P, visible to the products
       bar_arrive(BAR_FULL + buf, NT);
     }
@@ -325,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     const int col = 128 * o + 32 * w + 4 * g;  // the thread's 4 bytes: byte pairs z = 0, 1 (channel rows g, g + 8)
     for (int it = 0; it < ntiles; ++it) {
       const int buf = it % NPBUF;
-      const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW;
+      const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       bar_sync(BAR_FULL + buf, NT);
       if (sFlag[buf] != 0.0f) {  // a reference moved: the accumulators rescaled by 2^(old - new) a row
         const float* alpha = reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * BM;
@@ -337,35 +260,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       const uint64_t dp = sw128_desc(smem + SM_P + buf * CHUNK, CHUNK, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
-        const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
-        const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
-        const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
-        const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
-        uint32_t a[4][4];             // m-block 2p + z: byte pair z (channel rows g, g + 8), plane p
-        uint32_t sp[2][2], zp[2][2];  // group o + 2p's (scale, zero) pairs of tokens (r0, r0 + 8) [0], (r0 + 1, r0 + 9) [1]
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const uint8_t* m = st + RAW_CM + r0 * FB_CM + 4 * (o + 2 * p);
-          const uint32_t sa = *reinterpret_cast<const uint32_t*>(m), sb = *reinterpret_cast<const uint32_t*>(m + 8 * FB_CM);
-          const uint32_t sc_ = *reinterpret_cast<const uint32_t*>(m + FB_CM), sd = *reinterpret_cast<const uint32_t*>(m + 9 * FB_CM);
-          sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
-          sp[p][1] = __byte_perm(sc_, sd, 0x5410), zp[p][1] = __byte_perm(sc_, sd, 0x7632);
-        }
-#pragma unroll
-        for (int z = 0; z < 2; ++z) {
-          const uint32_t sel = z ? 0x7632u : 0x5410u;
-          const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            a[2 * p + z][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), a[2 * p + z][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
-            a[2 * p + z][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), a[2 * p + z][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
-          }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb) wgmma_m64n64_ra<1>(acc[mb], a[mb], dp + ((kk * 16 * 128) >> 4), 1);
-        wgmma_commit();
+        output_dqa_kstep(acc, st, dp, kk, col, o, t);
         wgmma_wait<0>();  // the operand registers are free
       }
 #pragma unroll

@@ -72,3 +72,135 @@ __host__ __device__ constexpr int query_channel(int K, int k) {
   return K < 32 ? 16 * (4 * (K >> 3) + t) + 4 * ((K >> 1) & 3) + odd + 2 * e + 256 * (K & 1)
                 : 512 + 8 * t + 4 * ((K - 32) >> 1) + odd + 2 * e + 32 * (K & 1);
 }
+
+// ---------------------------------------------------------------------------------------------------
+// A tile of 64 tokens in a raw stage: its four page sections as the cache stores them (INT4/INT4, groups 128/64, fp16
+// metadata: a group's (scale, zero) in 4 bytes), bytes
+// ---------------------------------------------------------------------------------------------------
+constexpr int FB_CC = 256, FB_RC = 32, FB_CM = 16, FB_RM = 4;  // a token's codes, RoPE codes, their metadata
+constexpr int RAW_CC = 0, RAW_RC = 64 * FB_CC, RAW_CM = RAW_RC + 64 * FB_RC, RAW_RM = RAW_CM + 64 * FB_CM;
+constexpr int RAW_BYTES = RAW_RM + 64 * FB_RM;  // 19712
+constexpr int CHUNK = 8192;                     // an operand chunk: 64 rows x 128 bytes in the 128-byte swizzle
+
+// the scores Sᵀ[64 tokens, 64 rows] of the tile in raw stage st into sc (overwritten), all products done on return:
+// 36 products whose A operands are the dequantized codes of the thread's tokens r_lo and r_lo + 8 (a warp's 16 rows;
+// its t picks 16 bytes of each 64-byte block and 8 RoPE bytes), B the query block (dq: nine K-major chunks in
+// query_channel's order). WORDS words of a token per commit group, IN_FLIGHT groups left in flight at each wait.
+template <int WORDS, int IN_FLIGHT>
+__device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, uint64_t dq, int r_lo, int t) {
+  uint32_t s2[2][5], z2[2][5];  // (scale, scale) and (zero, zero) of the two tokens: 4 content groups, RoPE
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int G = 0; G < 5; ++G) {
+      const uint32_t sz = G < 4 ? *reinterpret_cast<const uint32_t*>(st + RAW_CM + (r_lo + 8 * h) * FB_CM + 4 * G)
+                                : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
+      s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
+    }
+  auto kstep = [&](int k) { return dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4); };
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {  // content: 16-byte load m of each token, 4 words, 2 planes a word
+    const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
+    const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
+    const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+    for (int s0 = 0; s0 < 4; s0 += WORDS) {  // WORDS words of each token: their operands, then their products
+      uint32_t a[WORDS][2][4];
+#pragma unroll
+      for (int s = s0; s < s0 + WORDS; ++s)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const int G = 2 * p + m / 2;  // plane p of bytes 64m .. 64m + 63: channels 256p + 64m ..
+          a[s - s0][p][0] = deq_pair(xl[s], p, s2[0][G], z2[0][G]), a[s - s0][p][1] = deq_pair(xh[s], p, s2[1][G], z2[1][G]);
+          a[s - s0][p][2] = deq_pair(xl[s] >> 8, p, s2[0][G], z2[0][G]);
+          a[s - s0][p][3] = deq_pair(xh[s] >> 8, p, s2[1][G], z2[1][G]);
+        }
+      wgmma_fence();
+#pragma unroll
+      for (int s = s0; s < s0 + WORDS; ++s)
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+          if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[s - s0][p], kstep((m * 4 + s) * 2 + p), m > 0 || s > 0 || p > 0);
+      wgmma_commit();
+      wgmma_wait<IN_FLIGHT>();  // the groups before: done, their operand registers free
+    }
+  }
+  const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);  // RoPE: 8 bytes, 4 k-steps
+  const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+  const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      a[p][0] = deq_pair(xl[s], p, s2[0][4], z2[0][4]), a[p][1] = deq_pair(xh[s], p, s2[1][4], z2[1][4]);
+      a[p][2] = deq_pair(xl[s] >> 8, p, s2[0][4], z2[0][4]), a[p][3] = deq_pair(xh[s] >> 8, p, s2[1][4], z2[1][4]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], kstep(32 + 2 * s + p), 1);
+    wgmma_commit();
+    wgmma_wait<IN_FLIGHT>();
+  }
+  wgmma_wait<0>();
+  fence_regs(sc);
+}
+
+// P = 2^(sc - ref) of the thread's two tokens (fp16) into P buffer pb, N-major, its rows (tokens) in the order the
+// output's operands pair them: k 2t, 2t + 1 of a k-step are tokens 2t and 2t + 8, k 2t + 8, 2t + 9 tokens 2t + 1 and
+// 2t + 9 (NATURAL: in token order, a negative control); each row's Σ P added to lsum. A reference of -inf (a row with
+// no token yet, all its scores -inf) reads as 0.
+template <bool NATURAL>
+__device__ __forceinline__ void write_p(const float (&sc)[32], const float (&ref)[16], float (&lsum)[16], uint8_t* pb,
+                                        int w, int g, int t) {
+  const int p_lo = NATURAL ? 16 * w + g : 16 * w + ((g & 1) ? g + 7 : g);
+  const int p_hi = NATURAL ? 16 * w + g + 8 : 16 * w + ((g & 1) ? g + 8 : g + 1);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float m0 = ref[2 * j] == -INFINITY ? 0.0f : ref[2 * j], m1 = ref[2 * j + 1] == -INFINITY ? 0.0f : ref[2 * j + 1];
+    const float p0 = fast_exp2(sc[4 * j] - m0), p1 = fast_exp2(sc[4 * j + 1] - m1);
+    const float p2 = fast_exp2(sc[4 * j + 2] - m0), p3 = fast_exp2(sc[4 * j + 3] - m1);
+    lsum[2 * j] += p0 + p2, lsum[2 * j + 1] += p1 + p3;
+    *reinterpret_cast<uint32_t*>(pb + swz(p_lo, j) + 4 * t) = f2h(p0, p1);
+    *reinterpret_cast<uint32_t*>(pb + swz(p_hi, j) + 4 * t) = f2h(p2, p3);
+  }
+}
+
+// k-step kk (tokens 16kk ..) of output warpgroup o's products, issued and committed (the caller waits):
+// acc[2p + z] += Cᵀ·P with A the dequantized values of byte pair z of the thread's 4 code bytes at col (128o + 32w +
+// 4g: channel rows g, g + 8 of m-block 2p + z) in plane p, of tokens 16kk + 2t, + 8, + 1, + 9 (one byte permute pairs
+// two tokens' bytes of a channel), group o + 2p's metadata; B P (dp, N-major)
+__device__ __forceinline__ void output_dqa_kstep(float (&acc)[4][32], const uint8_t* st, uint64_t dp, int kk, int col,
+                                                 int o, int t) {
+  const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
+  const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
+  const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
+  const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
+  const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
+  uint32_t sp[2][2], zp[2][2];  // group o + 2p's (scale, zero) pairs of tokens (r0, r0 + 8) [0], (r0 + 1, r0 + 9) [1]
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const uint8_t* m = st + RAW_CM + r0 * FB_CM + 4 * (o + 2 * p);
+    const uint32_t sa = *reinterpret_cast<const uint32_t*>(m), sb = *reinterpret_cast<const uint32_t*>(m + 8 * FB_CM);
+    const uint32_t sc = *reinterpret_cast<const uint32_t*>(m + FB_CM), sd = *reinterpret_cast<const uint32_t*>(m + 9 * FB_CM);
+    sp[p][0] = __byte_perm(sa, sb, 0x5410), zp[p][0] = __byte_perm(sa, sb, 0x7632);
+    sp[p][1] = __byte_perm(sc, sd, 0x5410), zp[p][1] = __byte_perm(sc, sd, 0x7632);
+  }
+  uint32_t a[4][4];  // m-block 2p + z
+#pragma unroll
+  for (int z = 0; z < 2; ++z) {
+    const uint32_t sel = z ? 0x7632u : 0x5410u;
+    const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      a[2 * p + z][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), a[2 * p + z][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);
+      a[2 * p + z][2] = deq_pair(zcd, p, sp[p][1], zp[p][1]), a[2 * p + z][3] = deq_pair(zcd >> 8, p, sp[p][1], zp[p][1]);
+    }
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb)
+    if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[mb], a[mb], dp + ((kk * 16 * 128) >> 4), 1);
+  wgmma_commit();
+}
