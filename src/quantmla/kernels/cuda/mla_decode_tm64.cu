@@ -117,9 +117,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   }
 
   // the query block: a warp a row finds the power of two that brings the row's largest |q| below 2^13 (fp16's range
-  // with room for the sums), then every thread writes 16-byte units of 8 positions, position 16K + k holding channel
-  // query_channel(K, k) of the row times its scale, in fp16; rows past R are zero
+  // with room for the sums), then every thread writes QU 16-byte units of 8 positions, position 16K + k holding
+  // channel query_channel(K, k) of the row times its scale, in fp16; rows past R are zero. Every load of a pass is
+  // issued before the first is used.
   float* sScale = reinterpret_cast<float*>(smem + SM_RED);
+#pragma unroll
   for (int r = tid >> 5; r < BM; r += NT / 32) {
     const int gr = row0 + r;
     const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
@@ -137,22 +139,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       reinterpret_cast<int*>(smem + SM_LIM)[r] = min(end, L - causal * (SQ - 1 - gr / H));
     }
   }
-  __syncthreads();
-  for (int i = tid; i < BM * D / 8; i += NT) {
-    const int r = i / (D / 8), p0 = 8 * (i % (D / 8)), gr = row0 + r;  // positions p0 .. p0 + 7 of row r
+  constexpr int QU = BM * D / 8 / NT;  // 12 units a thread: unit i = tid + n·NT is positions 8(i % 72) .. of row i / 72
+  static_assert(BM * D / 8 % NT == 0, "whole units a thread");
+  __nv_bfloat16 qv[QU][8];
+#pragma unroll
+  for (int n = 0; n < QU; ++n) {
+    const int i = tid + n * NT, r = i / (D / 8), p0 = 8 * (i % (D / 8)), gr = row0 + r;
     const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
-    const float scale = sScale[r];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int p = p0 + x, ch = query_channel(p >> 4, p & 15);
+      qv[n][x] = ch < D_C ? qc[qrow * D_C + ch] : qr[qrow * D_R + ch - D_C];
+    }
+  }
+  __syncthreads();  // the rows' scales
+#pragma unroll
+  for (int n = 0; n < QU; ++n) {
+    const int i = tid + n * NT, r = i / (D / 8), p0 = 8 * (i % (D / 8));
+    const float scale = row0 + r < R ? sScale[r] : 0.0f;
     uint32_t h[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v[2];
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int p = p0 + 2 * e + x, ch = query_channel(p >> 4, p & 15);
-        v[x] = gr < R ? __bfloat162float(ch < D_C ? qc[qrow * D_C + ch] : qr[qrow * D_R + ch - D_C]) * scale : 0.0f;
-      }
-      h[e] = f2h(v[0], v[1]);
-    }
+    for (int e = 0; e < 4; ++e)
+      h[e] = f2h(__bfloat162float(qv[n][2 * e]) * scale, __bfloat162float(qv[n][2 * e + 1]) * scale);
     *reinterpret_cast<uint4*>(smem + SM_Q + (p0 >> 6) * CHUNK + swz(r, (p0 & 63) >> 3)) = make_uint4(h[0], h[1], h[2], h[3]);
   }
   fence_proxy_async();  // the query block, visible to the products
