@@ -79,10 +79,11 @@ def test_query_channel_is_a_permutation_a_group_a_k_step():
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
 def test_query_channel_twins_agree(tmp_path):
-    """tm64_ops.cuh's query_channel (constexpr, host and device) equals the Python twin at all 576 columns: nvcc
-    compiles a static_assert of each."""
-    checks = "\n".join(f"static_assert(query_channel({K}, {k}) == {tokens_m64.query_channel(K, k)}, \"{K} {k}\");"
-                       for K in range(36) for k in range(16))
+    """tm64_ops.cuh's query_channel (constexpr, host and device) equals the Python twin at all 576 columns, and its
+    query_position (where the prologue writes a channel) is the inverse: nvcc compiles a static_assert of each."""
+    checks = "\n".join(f"static_assert(query_channel({K}, {k}) == {c}, \"{K} {k}\");\n"
+                       f"static_assert(query_position({c}) == {16 * K + k}, \"{c}\");"
+                       for K in range(36) for k in range(16) for c in [tokens_m64.query_channel(K, k)])
     src = tmp_path / "twins.cu"
     head = ('#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <stdint.h>\ntypedef __half T;\ntypedef __half2 T2;\n#define MMA_TYPE "f16"\n'
             '#define WG_AB "f16"\n#include "ptx.cuh"\n#include "wgmma.cuh"\n#include "tm64_ops.cuh"\n')

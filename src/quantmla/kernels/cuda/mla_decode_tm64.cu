@@ -97,12 +97,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const int* bt_row = block_table + (int64_t)b * stride_bt;
   const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
 
-  // tile `it`'s four page sections into raw stage s (thread 0)
+  // tile `it`'s four page sections into raw stage s (thread 0): one bulk copy where a page is one tile stored as the
+  // stage holds it (64-token pages), else one a section
+  constexpr bool WHOLE_PAGE = PS == BN && PAGE_BYTES == RAW_BYTES && OFF_CC == RAW_CC && OFF_RC == RAW_RC &&
+                              OFF_CM == RAW_CM && OFF_RM == RAW_RM;
   auto issue = [&](int it, int s) {
     const int n0 = start + it * BN, t0 = n0 % PS;
     const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
     uint8_t* raw = smem + SM_RAW + s * RAW_BYTES;
     mbar_expect_tx(sBar + s, RAW_BYTES);
+    if constexpr (WHOLE_PAGE) {
+      bulk_g2s(raw, pg, RAW_BYTES, sBar + s);
+      return;
+    }
     bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, sBar + s);
     bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, sBar + s);
     bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, sBar + s);
@@ -116,52 +123,46 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     for (int s = 0; s < STAGES && s < ntiles; ++s) issue(s, s);
   }
 
-  // the query block: a warp a row finds the power of two that brings the row's largest |q| below 2^13 (fp16's range
-  // with room for the sums), then every thread writes QU 16-byte units of 8 positions, position 16K + k holding
-  // channel query_channel(K, k) of the row times its scale, in fp16; rows past R are zero. Every load of a pass is
-  // issued before the first is used.
-  float* sScale = reinterpret_cast<float*>(smem + SM_RED);
+  // the query block: a warp a row (rows warp, warp + 12, ..), its 72 pieces of 8 channels read coalesced (every row's
+  // loads issued before the first is used); the power of two that brings the row's largest |q| below 2^13 (fp16's
+  // range with room for the sums), then each channel times it, in fp16, at its position query_position(c); rows past
+  // R are zero
+  constexpr int QROWS = (BM + NT / 32 - 1) / (NT / 32);  // rows a warp (6, the last only for some warps)
+  uint4 qv[QROWS][3];
 #pragma unroll
-  for (int r = tid >> 5; r < BM; r += NT / 32) {
-    const int gr = row0 + r;
+  for (int i = 0; i < QROWS; ++i) {
+    const int r = (tid >> 5) + i * (NT / 32), gr = row0 + r;
     const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
-    uint32_t m = 0;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       const int pc = lane + 32 * k, c = pc >> 3, j = pc & 7;
-      if (pc < D / 8 && gr < R)
-        m = max(m, piece_amax_bits(__ldg(reinterpret_cast<const uint4*>(c < 8 ? qc + qrow * D_C + 64 * c + 8 * j
-                                                                               : qr + qrow * D_R + 8 * j))));
+      qv[i][k] = make_uint4(0, 0, 0, 0);
+      if (r < BM && gr < R && pc < D / 8)
+        qv[i][k] = __ldg(reinterpret_cast<const uint4*>(c < 8 ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j));
     }
+  }
+#pragma unroll
+  for (int i = 0; i < QROWS; ++i) {
+    const int r = (tid >> 5) + i * (NT / 32), gr = row0 + r;
+    if (r >= BM) break;  // (warp-uniform)
+    const uint32_t m = max(max(piece_amax_bits(qv[i][0]), piece_amax_bits(qv[i][1])), piece_amax_bits(qv[i][2]));
     const float scale = row_scale_below_2p13(__uint_as_float(__reduce_max_sync(0xffffffffu, m)));
     if (lane == 0) {
-      sScale[r] = scale, sQf[r] = qk_scale_log2 / scale;
+      sQf[r] = qk_scale_log2 / scale;
       reinterpret_cast<int*>(smem + SM_LIM)[r] = min(end, L - causal * (SQ - 1 - gr / H));
     }
-  }
-  constexpr int QU = BM * D / 8 / NT;  // 12 units a thread: unit i = tid + n·NT is positions 8(i % 72) .. of row i / 72
-  static_assert(BM * D / 8 % NT == 0, "whole units a thread");
-  __nv_bfloat16 qv[QU][8];
 #pragma unroll
-  for (int n = 0; n < QU; ++n) {
-    const int i = tid + n * NT, r = i / (D / 8), p0 = 8 * (i % (D / 8)), gr = row0 + r;
-    const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
+    for (int k = 0; k < 3; ++k) {
+      const int pc = lane + 32 * k;
+      if (pc >= D / 8) continue;
+      const uint4 h = piece_to_half(qv[i][k], scale);
+      const uint16_t* hv = reinterpret_cast<const uint16_t*>(&h);
 #pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      const int p = p0 + x, ch = query_channel(p >> 4, p & 15);
-      qv[n][x] = ch < D_C ? qc[qrow * D_C + ch] : qr[qrow * D_R + ch - D_C];
+      for (int x = 0; x < 8; ++x) {
+        const int P = query_position(8 * pc + x);
+        *reinterpret_cast<uint16_t*>(smem + SM_Q + (P >> 6) * CHUNK + swz(r, (P & 63) >> 3) + 2 * (P & 7)) = hv[x];
+      }
     }
-  }
-  __syncthreads();  // the rows' scales
-#pragma unroll
-  for (int n = 0; n < QU; ++n) {
-    const int i = tid + n * NT, r = i / (D / 8), p0 = 8 * (i % (D / 8));
-    const float scale = row0 + r < R ? sScale[r] : 0.0f;
-    uint32_t h[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      h[e] = f2h(__bfloat162float(qv[n][2 * e]) * scale, __bfloat162float(qv[n][2 * e + 1]) * scale);
-    *reinterpret_cast<uint4*>(smem + SM_Q + (p0 >> 6) * CHUNK + swz(r, (p0 & 63) >> 3)) = make_uint4(h[0], h[1], h[2], h[3]);
   }
   fence_proxy_async();  // the query block, visible to the products
   __syncthreads();

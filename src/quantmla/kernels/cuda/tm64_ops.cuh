@@ -73,6 +73,17 @@ __host__ __device__ constexpr int query_channel(int K, int k) {
                 : 512 + 8 * t + 4 * ((K - 32) >> 1) + odd + 2 * e + 32 * (K & 1);
 }
 
+// query_channel's inverse: the position 16K + k of channel c (0-575) in a row of the query block
+__host__ __device__ constexpr int query_position(int c) {
+  const int q = c & 3, k_off = (q & 1) * 8 + (q >> 1);  // bytes 0, 2, 1, 3 of a word: k 2t, 2t + 1, 2t + 8, 2t + 9
+  if (c < 512) {
+    const int b = c & 255;
+    return 16 * (8 * (b >> 6) + 2 * ((b >> 2) & 3) + (c >> 8)) + 2 * ((b >> 4) & 3) + k_off;
+  }
+  const int b = (c - 512) & 31;
+  return 16 * (32 + 2 * ((b >> 2) & 1) + ((c - 512) >> 5)) + 2 * (b >> 3) + k_off;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // A tile of 64 tokens in a raw stage: its four page sections as the cache stores them (INT4/INT4, groups 128/64, fp16
 // metadata: a group's (scale, zero) in 4 bytes), bytes
