@@ -84,7 +84,7 @@ static_assert(REGS_S % 8 == 0 && REGS_S >= 24 && REGS_S <= 256 && REGS_S + 2 * R
 static_assert(!CHECK || (DQA && (ITERS == 1 || EXACT)), "CHECK reads one tile of the DQA build, or with EXACT many");
 static_assert(!EXACT || DQA, "EXACT with DQA");
 
-constexpr int BN = 64;  // tokens a tile; a page's sections (one copy) and CHUNK: tm64_ops.cuh
+// 64 tokens a tile; a page's sections (one copy) and CHUNK: tm64_ops.cuh
 constexpr int SM_Q = 0;                          // 9 chunks: the query block, K-major (rows as N)
 constexpr int SM_QS = SM_Q + 9 * CHUNK;          // 1 chunk: the query's group sums (k 0-9: 5 groups, hi and lo)
 constexpr int PCH = DQA ? 1 : 5;                 // chunks a P buffer: P·scale of 4 groups and P (DQA: P)
@@ -136,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
     const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
-    auto rope_words = [&](const uint8_t* st, uint32_t (&xl)[2], uint32_t (&xh)[2]) {  // 8 RoPE code bytes a token
+    [[maybe_unused]] auto rope_words = [&](const uint8_t* st, uint32_t (&xl)[2], uint32_t (&xh)[2]) {  // 8 RoPE bytes a token (masked)
       const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
       const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
       xl[0] = vl.x, xl[1] = vl.y, xh[0] = vh.x, xh[1] = vh.y;
