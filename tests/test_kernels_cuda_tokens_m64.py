@@ -34,6 +34,9 @@ def test_tokens_m64_plan(page):
     assert build.source_of(p.macros).name == "mla_decode_tm64.cu"
     cfg = schedule.DecodeConfig(block_m=64, num_warps=12, kernel="cuda", warpgroup=True, tokens_m64=True)
     assert cfg.describe().startswith("cuda/tm64 M64")
+    # tokens_m64 alone asks for the same plan (it implies the heads-as-M launch shape)
+    assert plan("int4/int4", 128, page=page, tokens_m64=True)[1] == p
+    assert schedule.DecodeConfig(block_m=64, kernel="cuda", tokens_m64=True).describe().startswith("cuda/tm64 M64")
     # not the API's default: asking for the heads-as-M kernel alone still gets it
     assert "WG" in dict(plan("int4/int4", 128, warpgroup=True)[1].macros)
 
@@ -61,7 +64,7 @@ def test_tokens_m64_needs_sm90():
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
         assert cuda.decode_plan(lay, 128, torch.bfloat16, CUDA, warpgroup=True, tokens_m64=True) is None
-    assert "9.0" in cuda.plan_reason[lay]
+    assert "tokens as M at 64 rows: needs compute capability 9.0" in cuda.plan_reason[lay]
 
 
 def test_query_channel_is_a_permutation_a_group_a_k_step():
@@ -89,24 +92,36 @@ def test_query_channel_twins_agree(tmp_path):
             '#define WG_AB "f16"\n#include "ptx.cuh"\n#include "wgmma.cuh"\n#include "tm64_ops.cuh"\n')
     src.write_text(head + checks + "\n")
     r = subprocess.run([build.nvcc(), "-c", "-std=c++17", f"-I{build.SOURCE.parent}", "-arch=sm_90a", "-o",
-                        str(tmp_path / "twins.o"), str(src)], capture_output=True, text=True)
+                        str(tmp_path / "twins.o"), str(src)], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     bad = src.read_text().replace("== 0,", "== 1,", 1)  # the check can fail: channel 0 is not 1
     src.write_text(bad)
     assert subprocess.run([build.nvcc(), "-c", "-std=c++17", f"-I{build.SOURCE.parent}", "-arch=sm_90a", "-o",
-                           str(tmp_path / "twins.o"), str(src)], capture_output=True).returncode != 0
+                           str(tmp_path / "twins.o"), str(src)], capture_output=True, check=False).returncode != 0
 
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize("out,page", [(torch.bfloat16, 64), (torch.float32, 128)])
 def test_tokens_m64_builds_for_sm90(out, page, tmp_path):
-    """The plan's build compiles for sm_90a (its shared-memory map asserts the plan's size), every product an
-    m64n64k16 HGMMA with its A operand in registers, not serialized, the registers handed over by setmaxnreg."""
+    """The plan's build compiles for sm_90a (its shared-memory map asserts the plan's size) with its products not
+    serialized and at most 4 bytes of spill (one value kept from the prologue for the epilogues: none in the tile
+    loops), every product an m64n64k16 HGMMA with its A operand in registers, the registers handed over by
+    setmaxnreg; fewer than 3 stages are refused by the plan and by the source."""
     from quantmla_lab.bench.kernels.sass_count import cuobjdump
 
     lay, p = plan("int4/int4", 128, page=page, out=out, warpgroup=True, tokens_m64=True)
-    path = build.compile_cubin(p.macros, "sm_90a", out=tmp_path / "tm64.cubin", extra=("-Xptxas", "-v"))
+    path = tmp_path / "tm64.cubin"
+    r = subprocess.run([build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                        "-Xptxas", "-v", *[f"-D{k}={v}" for k, v in p.macros], "-o", str(path), str(build.SOURCE_TM64)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    assert "serialized" not in r.stderr and spill and int(spill.group(1)) <= 4, r.stderr[-1500:]
     sass = subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     products = re.findall(r"HGMMA\.64x64x16\.F32\S* R\d+, (\S+), gdesc", sass)
     assert len(products) == 36 + 16 and all(a.startswith("R") for a in products), products
     assert "USETMAXREG" in sass
+    assert "3 or more" in tokens_m64.tokens_m64_plan(lay, 128, out, stages=2)
+    two = tuple(sorted({**dict(p.macros), "STAGES": 2, "SMEM_EXPECTED": tokens_m64.smem_bytes_tm64(2)}.items()))
+    with pytest.raises(Exception, match="more stages than P buffers"):
+        build.compile_cubin(two, "sm_90a", out=tmp_path / "two.cubin")

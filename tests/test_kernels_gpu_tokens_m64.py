@@ -1,6 +1,6 @@
 """The tokens-as-M decode kernel at 64 query rows (mla_decode_tm64.cu: the codes dequantized into the register operands
 of warpgroup MMAs, no tile built) on the GPU, at full shape against the fp32 oracle over the cache's own dequantized
-values: INT4/INT4 with DeepSeek's groups, 40 to 128 heads and 1 to 4 query tokens, page sizes, splits, query ranges,
+values: INT4/INT4 with DeepSeek's groups, 32 to 128 heads and 1 to 4 query tokens, page sizes, splits, query ranges,
 rising scores and large scales, and its error against fp64 within 2x the BF16 heads-as-M kernel's. Skipped without
 CUDA. Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab pytest -v tests/test_kernels_gpu_tokens_m64.py"""
 
@@ -12,8 +12,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from helpers.gpu_decode import (  # noqa: E402
-    FORMATS, LENS, check_decode, fp64_error, make_cache, tokens_m64_config, warpgroup_config)
+from helpers.gpu_decode import FORMATS, LENS, check_decode, fp64_error, make_cache, tokens_m64_config, warpgroup_config
 
 VARIANT = "cuda/f16/tm64/M64N64w12s5c1"
 

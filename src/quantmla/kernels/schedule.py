@@ -57,7 +57,7 @@ class DecodeConfig:
     the layout, kernels.cuda.tokens_m_default_blocks);
     warpgroup: the CUDA kernel with the query rows as the M of Hopper's warpgroup MMAs (kernels/cuda/mla_decode_wg.cu;
     BF16 caches at 64 rows or more, 64 rows a CTA);
-    tokens_m64: with warpgroup, the tokens as the M of the warpgroup MMAs and 64 query rows as their N, the codes
+    tokens_m64: (implies warpgroup) the tokens as the M of the warpgroup MMAs and 64 query rows as their N, the codes
     dequantized into their register operands, no tile built (kernels/cuda/mla_decode_tm64.cu; INT4/INT4 with groups
     128/64, 64 rows or more);
     specialized: with tokens_m, 8 warps a CTA: 4 take a tile's scores, softmax and P, the other 4 its output
@@ -91,7 +91,7 @@ class DecodeConfig:
         tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "") + (
             "v" if self.scale_vote else "")
         wg = "cuda/tm64" if self.tokens_m64 else "cuda/wg"
-        cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup else "cuda"
+        cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup or self.tokens_m64 else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
@@ -163,6 +163,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     if nvcc() is None:
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
+    warpgroup = warpgroup or tokens_m64  # (the 64-row tokens-as-M kernel takes the heads-as-M launch shape)
     if warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, tokens_m64=tokens_m64))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):

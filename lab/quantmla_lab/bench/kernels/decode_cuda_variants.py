@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--warpgroup", action="store_true",
                     help="first the API's default kernel, then the heads-as-M kernel on warpgroup MMAs (BF16, 64+ rows)")
     ap.add_argument("--tm64-variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --warpgroup: other builds of the 64-row tokens-as-M plan (e.g. REGS_S=144), timed beside it")
+                    help="with --warpgroup: other builds of the 64-row tokens-as-M plan (e.g. REGS_S=144, SKIP_QK=1), timed "
+                         "beside it (not STAGES: its shared-memory map is the plan's)")
     ap.add_argument("--timeline", action="store_true",
                     help="with --tokens-m: each CTA's clocks through one call (prologue, first tile, tiles, epilogue)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
-from quantmla.kernels.cuda.tokens_m64 import query_channel  # noqa: F401 (the order the model's query block takes)
+from quantmla.kernels.cuda.tokens_m64 import query_channel
 from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")

@@ -1,4 +1,4 @@
-"""The CUDA C++ decode path: three kernels, one build per cache layout and plan, cached on disk, launched on
+"""The CUDA C++ decode path: four kernels, one build per cache layout and plan, cached on disk, launched on
 torch's current stream (so CUDA graphs capture it). ``tokens_m.py`` plans the tokens-as-M kernel
 (``mla_decode_tm.cu``), ``built_tile.py`` the built-tile kernel (``mla_decode.cu``), ``warpgroup.py`` the heads-as-M
 kernel on warpgroup MMAs (``mla_decode_wg.cu``, 64 rows or more), ``tokens_m64.py`` the tokens-as-M kernel at 64 rows
@@ -51,15 +51,17 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     `fragments=True` takes the path without a built tile (None where it cannot read the layout); `tokens_m=True` the
     tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
-    `warpgroup_reason`); with `tokens_m64` as well, the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu, the same launch
-    shape; None where it cannot, the reason from `tokens_m64_reason`). Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32
-    x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
+    `warpgroup_reason`); `tokens_m64=True` the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu, the heads-as-M launch
+    shape; None where it cannot, the reason from `tokens_m64_reason`). Fragments are not the default: on the H200 it is
+    slower than building the tile (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
     Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
     per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
     lab/results/kernels/decode_cuda_tilings_128h_h200.json).
     """
+    warpgroup = warpgroup or tokens_m64  # (the 64-row tokens-as-M kernel takes the heads-as-M launch shape)
     why = device_reason(device, (9, 0) if tokens_m or warpgroup else (8, 0),
                         "tokens as M: needs compute capability 9.0 (bulk copies)" if tokens_m
+                        else "tokens as M at 64 rows: needs compute capability 9.0 (warpgroup MMAs)" if tokens_m64
                         else "heads as M: needs compute capability 9.0 (warpgroup MMAs)" if warpgroup
                         else "needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     if why is None and out_dtype not in _OUT:

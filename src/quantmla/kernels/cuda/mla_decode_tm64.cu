@@ -12,7 +12,8 @@
 //                tokens' codes dequantized in registers (code·scale + zero, one fp16 rounding: tm64_ops.cuh), B the
 //                query block (fp16, each row scaled by a power of two undone here, its channels in the order the A
 //                operands take them: query_channel). Then the softmax: a row's reference maximum moves only where
-//                some score exceeds it by more than 2^MAX_SLACK (one vote of the warpgroup), and then to the tile's
+//                some score exceeds it by more than MAX_SLACK in base 2 (P above 2^MAX_SLACK; one vote of the
+//                warpgroup), and then to the tile's
 //                exact row maxima (over the 64 tokens); P = 2^(S - ref) in fp16 into one of two P buffers, its rows
 //                in the order the output's A operands pair the tokens; each row's Σ P kept by its threads.
 //   warpgroups 1, 2  output  Oᵀ[channels, 64 rows] += V·Pᵀ: warpgroup 1 + o takes the code bytes 128o .. 128o + 127
@@ -25,8 +26,9 @@
 // writes the unit's output and log-sum-exp as the other CUDA decode kernels do (the sequence's own rows where it has
 // one split, else the unit's partial rows for the combine kernel).
 //
-// Macros (quantmla.kernels.cuda.tokens_m64): PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM OUT_KIND SMEM_EXPECTED, the
-// partials' PART_KIND and PART_SHIFT; STAGES, REGS_S (the scores' warpgroup's registers: setmaxnreg), MAX_SLACK (below).
+// Macros (quantmla.kernels.cuda.tokens_m64): TM64 HALF NW BN (fixed: the plan's), PS PAGE_BYTES OFF_CC OFF_RC OFF_CM
+// OFF_RM OUT_KIND SMEM_EXPECTED, the partials' PART_KIND and PART_SHIFT; STAGES, REGS_S (the scores' warpgroup's
+// registers: setmaxnreg), MAX_SLACK (below); SKIP_QK, SKIP_PV (ptx.cuh: a phase's products left out, times only).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -56,6 +58,7 @@ constexpr int D_C = 512, D_R = 64, D = D_C + D_R;  // DeepSeek's latent and RoPE
 constexpr int BM = 64, NT = 384, NPBUF = 2;  // query rows, threads, P buffers (BN: 64 tokens a tile)
 static_assert(BN == 64 && NW == 12 && HALF, "the plan of this kernel: 64-token tiles, three warpgroups, fp16 operands");
 static_assert(PS % BN == 0, "a tile lies inside one page");
+static_assert(STAGES > NPBUF, "a stage is refilled once the tile NPBUF before is done: more stages than P buffers");
 // the threads' registers at launch (65536 / 384, rounded down to 8): what the scores' warpgroup gives back is all the
 // output's two take (setmaxnreg.inc waits for registers in the CTA's pool of 384 x 168)
 constexpr int REGS_BASE = 168, REGS_O = (3 * REGS_BASE - REGS_S) / 2 / 8 * 8;
@@ -97,19 +100,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   const int* bt_row = block_table + (int64_t)b * stride_bt;
   const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
 
-  // tile `it`'s four page sections into raw stage s (thread 0): one bulk copy where a page is one tile stored as the
-  // stage holds it (64-token pages), else one a section
-  constexpr bool WHOLE_PAGE = PS == BN && PAGE_BYTES == RAW_BYTES && OFF_CC == RAW_CC && OFF_RC == RAW_RC &&
-                              OFF_CM == RAW_CM && OFF_RM == RAW_RM;
+  // tile `it`'s four page sections into raw stage s (thread 0), a bulk copy each (units start on whole tiles:
+  // get_mla_metadata cuts them so, and PS % BN == 0 keeps a tile inside its page). (One copy of a whole 64-token
+  // page instead costs the scores' warpgroup 40 bytes of spill in its tile loop.)
   auto issue = [&](int it, int s) {
     const int n0 = start + it * BN, t0 = n0 % PS;
     const uint8_t* pg = pages + (int64_t)bt_row[n0 / PS] * PAGE_BYTES;
     uint8_t* raw = smem + SM_RAW + s * RAW_BYTES;
     mbar_expect_tx(sBar + s, RAW_BYTES);
-    if constexpr (WHOLE_PAGE) {
-      bulk_g2s(raw, pg, RAW_BYTES, sBar + s);
-      return;
-    }
     bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, sBar + s);
     bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, sBar + s);
     bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, sBar + s);

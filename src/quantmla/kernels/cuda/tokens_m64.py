@@ -56,10 +56,12 @@ def smem_bytes_tm64(stages: int = TM64_STAGES) -> int:
 
 
 def tokens_m64_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, stages: int = TM64_STAGES) -> DecodePlan | str:
-    """The 64-row tokens-as-M build for `layout` (or why there is none)."""
+    """The 64-row tokens-as-M build for `layout` with `stages` raw stages, 3 or more (or why there is none)."""
     why = tokens_m64_reason(layout, rows)
     if why:
         return why
+    if stages < 3:
+        return f"{stages} stages: it refills a stage two tiles behind, so it takes 3 or more"
     smem = smem_bytes_tm64(stages)
     if smem > SMEM_PER_CTA:
         return f"{smem} bytes of shared memory a CTA: more than {SMEM_PER_CTA} ({stages} stages)"
