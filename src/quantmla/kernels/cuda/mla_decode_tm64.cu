@@ -58,6 +58,8 @@ constexpr int D_C = 512, D_R = 64, D = D_C + D_R;  // DeepSeek's latent and RoPE
 constexpr int BM = 64, NT = 384, NPBUF = 2;  // query rows, threads, P buffers (BN: 64 tokens a tile)
 static_assert(BN == 64 && NW == 12 && HALF, "the plan of this kernel: 64-token tiles, three warpgroups, fp16 operands");
 static_assert(PS % BN == 0, "a tile lies inside one page");
+static_assert(PAGE_BYTES == PS * (FB_CC + FB_RC + FB_CM + FB_RM) && OFF_RC == PS * FB_CC && OFF_CM == OFF_RC + PS * FB_RC &&
+              OFF_RM == OFF_CM + PS * FB_CM, "the page's sections are tm64_ops.cuh's: INT4/INT4, groups 128/64, fp16 metadata");
 static_assert(STAGES > NPBUF, "a stage is refilled once the tile NPBUF before is done: more stages than P buffers");
 // the threads' registers at launch (65536 / 384, rounded down to 8): what the scores' warpgroup gives back is all the
 // output's two take (setmaxnreg.inc waits for registers in the CTA's pool of 384 x 168)
