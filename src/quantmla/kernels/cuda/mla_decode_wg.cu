@@ -78,10 +78,6 @@ typedef __nv_bfloat162 T2;
 #define PV_STEPS 0  // SPLIT: the output products' k-steps committed apart, each 16 tokens of a warpgroup's chunks built
 #endif              // as soon as its k-step is done (the plan's default)
 static_assert(!PV_STEPS || (LOWBIT && SPLIT), "the k-steps' builds are the warpgroups' own (SPLIT)");
-#ifndef QK_AHEAD
-#define QK_AHEAD (!LOWBIT && TMA)  // BF16 (two tile stages): the next tile's scores issued behind this tile's output
-#endif                             // products, so the tensor pipe runs them back to back
-static_assert(!QK_AHEAD || (!LOWBIT && TMA), "the scores run ahead into the other tile stage: BF16 through TMA only");
 #ifndef S_CHAINS
 #define S_CHAINS 1
 #endif
@@ -469,34 +465,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   };
 #endif
 
-#if QK_AHEAD
-  // tile it + 1's scores go into the tensor pipe right behind tile it's output products (they read the other stage
-  // and their own accumulators); only then does each warpgroup wait for its output products, and one CTA barrier
-  // frees P and tile it's stage for the refill two tiles ahead
-  if (ntiles > 0) {
-    ready(0);
-    scores_issue(0);
-  }
-  for (int it = 0; it < ntiles; ++it) {
-    scores_done();
-    softmax(it);
-    output_issue(it);
-    const bool next = it + 1 < ntiles;
-    if (next) {
-      ready(it + 1);
-      scores_issue(it + 1);
-    }
-    if constexpr (!SKIP_PV) {
-      if (next && !SKIP_QK) wgmma_wait<1>();  // the output products (committed first) are done
-      else wgmma_wait<0>();
-      fence_regs(o);
-    }
-    __syncthreads();  // both warpgroups' output products of tile it: P and its stage are free
-    if (it + 2 < ntiles) issue(it + 2, stage(it));
-  }
-  wgmma_wait<0>();  // (nothing is in flight: said so to ptxas, which cannot tell from the branches above)
-  fence_regs(o);
-#else
   for (int it = 0; it < ntiles; ++it) {
     ready(it);
     scores_issue(it);
@@ -540,7 +508,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 #endif
     cp_async_commit();
   }
-#endif
   cp_async_wait<0>();
 
   // the rows' sums over both warpgroups
