@@ -313,3 +313,16 @@ def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
                     assert plan.split["k"][0] == S and plan.md["k"].combine == api.combine_shape(b, H, 64, S, sms)
                     seen.add(S > 1)
     assert seen == {True, False}
+
+
+def test_combine_is_stream_ordered_off_hopper(monkeypatch):
+    """The combine launches as a programmatic dependent only on a CUDA device that has it, outside the interpreter:
+    on the CPU, under TRITON_INTERPRET=1 or with COMBINE_PDL off it is an ordinary launch (GDC off)."""
+    from quantmla.kernels import launch
+
+    assert not launch.combine_pdl(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launch.combine_pdl(torch.device("cuda"))  # decided before any device is asked
+    monkeypatch.setattr(launch, "COMBINE_PDL", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not launch.combine_pdl(torch.device("cuda"))

@@ -1,14 +1,18 @@
 """Launching a decode: the configured kernel (CUDA C++ or Triton), and on a compile or build failure the next one
-down (CUDA -> fused Triton -> generic Triton -> fewer stages) with a warning, remembered a process."""
+down (CUDA -> fused Triton -> generic Triton -> fewer stages) with a warning, remembered a process; then the combine
+of split sequences, launched as a programmatic dependent of the decode kernel where the device has it."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
-from quantmla.kernels.schedule import DecodeConfig, default_config, interpreting
+import torch
+
+from quantmla.kernels.schedule import CombineShape, DecodeConfig, default_config, interpreting
 from quantmla.kernels.support import layout_constexprs
 
 _FALLBACK: dict = {}
@@ -93,3 +97,45 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}")
     warnings.warn(f"the CUDA decode kernel cannot run this call ({why}); the Triton kernel runs instead")
     return None
+
+
+# Whether the combine may launch as a programmatic dependent of the decode kernel (sm_90 and later): its programs are
+# scheduled once every decode CTA has finished its tiles (the CUDA kernels' launch_dependents) and wait for the
+# decode grid's writes (griddepcontrol.wait) before reading a partial, so the launch no longer waits for the decode
+# grid to drain. False launches it in stream order only (a benchmark's comparison).
+COMBINE_PDL = True
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    """Whether device `index` and this Triton can launch a programmatic dependent (sm_90+, gdc_wait, launch_pdl)."""
+    import triton.language as tl
+
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def combine_pdl(device: torch.device) -> bool:
+    """Whether the combine on `device` launches as a programmatic dependent of the decode kernel."""
+    if not COMBINE_PDL or interpreting() or torch.device(device).type != "cuda":
+        return False
+    index = torch.device(device).index
+    return _pdl_supported(torch.cuda.current_device() if index is None else index)
+
+
+def launch_combine(po, plse, seq_info, out, lse, rows: int, d_c: int, c: CombineShape) -> None:
+    """Merge the split partials po [units, rows, d_c] and plse [units, rows] of the sequences with more than one unit
+    (seq_info int32 [B, 2]: first unit, splits) into out [B, ..., d_c] and lse; the others were written directly."""
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    pdl = combine_pdl(out.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    _mla_combine_kernel[(seq_info.shape[0], -(-rows // c.block_r), d_c // c.block_d)](
+        po, plse, seq_info, out, lse, rows, D_C=d_c, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
+        ONE_STEP=c.one_step, GDC=pdl, num_warps=4, num_stages=2, **extra,
+    )

@@ -481,6 +481,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   if constexpr (!WS && !BULK_TILES) cp_async_wait<0>();
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
+  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
 #pragma unroll
   for (int i = 0; i < RPW / RP; ++i) {
     const int rr = warp * RPW + RP * i + lrow;

@@ -495,6 +495,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 #endif
 
   mark(tl, 5);
+  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
   // ---- epilogue: the own rows' sums and zero-point sums across lanes and token groups, then
   // O = (2^(24-o)·acc + Σ P·zero) / l for every row of the warp's channels
   __syncthreads();  // every warp is done with sRed's tile maxima

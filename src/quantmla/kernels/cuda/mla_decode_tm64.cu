@@ -278,6 +278,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
     // O = acc / Σ P a row; row 8j + 2t + e % 2, channel 256p + 128o + 32w + 4g + 2z + e / 2 of m-block 2p + z
     bar_sync(BAR_EPI, NT);
+    launch_dependents();  // every tile is done: the combine may be scheduled (it waits for this grid's writes)
     const float* Ls = reinterpret_cast<const float*>(smem + SM_L);
 #pragma unroll
     for (int j = 0; j < 8; ++j)

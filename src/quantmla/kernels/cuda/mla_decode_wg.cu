@@ -510,6 +510,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   }
   cp_async_wait<0>();
 
+  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
   // the rows' sums over both warpgroups
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -1,0 +1,94 @@
+"""The combine launched as a programmatic dependent of the CUDA decode kernels (launch.launch_combine) on the GPU: on
+Hopper it is on, and with it every CUDA kernel's split calls give the stream-ordered launch's output bit for bit, eager
+and in a CUDA graph, with the partials' workspace poisoned before each call (a combine that read a partial before the
+decode grid wrote it would give NaN). Skipped without CUDA.
+Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests pytest -v tests/test_kernels_gpu_pdl.py"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from helpers.gpu_decode import (  # noqa: E402
+    FORMATS, check_decode, kernel_config, make_cache, tokens_m64_config, warpgroup_config)
+from quantmla.kernels import launch  # noqa: E402
+from quantmla.kernels.partials import partial_dtype  # noqa: E402
+
+
+@pytest.fixture
+def pdl_flag():
+    saved = launch.COMBINE_PDL
+    yield
+    launch.COMBINE_PDL = saved
+
+
+def test_combine_is_a_dependent_launch_on_hopper(pdl_flag):
+    """On sm_90 and later, with this Triton, the combine launches as a programmatic dependent; COMBINE_PDL = False
+    turns it off."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    assert launch.combine_pdl(torch.device("cuda"))
+    launch.COMBINE_PDL = False
+    assert not launch.combine_pdl(torch.device("cuda"))
+
+
+def _call(api, lay, pages, bt, sl, md, q, graph: bool):
+    """One decode call with every output and partial poisoned with NaN first (eager, or a CUDA graph's replay)."""
+    qc, qr = q
+    B, SQ, H, DC = qc.shape
+    po, plse = md.partials(H * SQ, DC, partial_dtype(lay), qc.device)
+    out = torch.empty(B, SQ, H, DC, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(B, SQ, H, device="cuda")
+
+    def run():
+        api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 1 / math.sqrt(192), metadata=md, out=out, lse=lse)
+
+    if graph:
+        run()  # builds and compiles outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+    for t in (po, plse, out, lse):
+        t.fill_(float("nan"))
+    g.replay() if graph else run()
+    torch.cuda.synchronize()
+    return out.clone(), lse.clone()
+
+
+CASES = {  # name: (format, heads, config of (layout, rows))
+    "tokens-m int4/int4 16h": ("int4/int4", 16, lambda lay, rows: kernel_config("cuda", lay, 16, 1)),
+    "built tile bf16 16h": ("bf16", 16, lambda lay, rows: kernel_config("cuda", lay, 16, 1)),
+    "heads-as-M bf16 128h": ("bf16", 128, warpgroup_config),
+    "heads-as-M int4/int4 128h": ("int4/int4", 128, warpgroup_config),
+    "tokens-m64 int4/int4 128h": ("int4/int4", 128, tokens_m64_config),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("graph", [False, True])
+def test_dependent_combine_matches_stream_order(name, graph, pdl_flag):
+    """Hundreds of splits a sequence (64-token units) and a sequence of one split: the dependent combine's output is
+    the stream-ordered one's bit for bit, and the oracle's; repeated, each time over poisoned partials."""
+    from quantmla.kernels import api
+
+    fmt, H, config = CASES[name]
+    lay, pages, bt, sl = make_cache(FORMATS[fmt], [20000, 3, 4097], seed=len(name))
+    cfg = config(lay, H)
+    md = check_decode(lay, pages, bt, sl, H, 1, seed=5, config=cfg, chunk_tokens=64)
+    assert md.max_splits > 100 and md.variant.startswith("cuda/"), (md.max_splits, md.variant)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = (torch.randn(3, 1, H, 512, generator=g, device="cuda").bfloat16(),
+         torch.randn(3, 1, H, 64, generator=g, device="cuda").bfloat16())
+    launch.COMBINE_PDL = False
+    ref = _call(api, lay, pages, bt, sl, md, q, graph)
+    launch.COMBINE_PDL = True
+    for _ in range(5):
+        out, lse = _call(api, lay, pages, bt, sl, md, q, graph)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
