@@ -8,10 +8,10 @@ import functools
 import warnings
 from dataclasses import replace
 
-from quantmla.cache.layout import PageLayout
-from quantmla.errors import QuantMLAError, UnsupportedFormatError
 import torch
 
+from quantmla.cache.layout import PageLayout
+from quantmla.errors import QuantMLAError, UnsupportedFormatError
 from quantmla.kernels.schedule import CombineShape, DecodeConfig, default_config, interpreting
 from quantmla.kernels.support import layout_constexprs
 
@@ -89,7 +89,7 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         why = _CUDA_FAILED[plan]
     else:
         try:
-            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
+            cuda.launch_decode(plan, (grid[1], grid[0]), args, device, dependent=decode_pdl(device))
             return plan.describe()
         except QuantMLAError as e:
             why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
@@ -104,6 +104,9 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
 # decode grid's writes (griddepcontrol.wait) before reading a partial, so the launch no longer waits for the decode
 # grid to drain. False launches it in stream order only (a benchmark's comparison).
 COMBINE_PDL = True
+# Whether the CUDA decode kernel launches as a programmatic dependent of the kernel before it (every build waits for
+# that kernel's grid, griddepcontrol.wait, before its first read).
+DECODE_PDL = False
 
 
 @functools.cache
@@ -118,6 +121,12 @@ def _pdl_supported(index: int) -> bool:
     except ImportError:
         return False
     return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def decode_pdl(device: torch.device) -> bool:
+    """Whether the CUDA decode kernel on `device` launches as a programmatic dependent of the kernel before it."""
+    index = torch.device(device).index
+    return DECODE_PDL and torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] >= 9
 
 
 def combine_pdl(device: torch.device) -> bool:

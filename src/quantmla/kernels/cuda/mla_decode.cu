@@ -159,6 +159,7 @@ __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, in
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
+  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(16) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sS = reinterpret_cast<float*>(smem + SM_S);

@@ -235,6 +235,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 #include "output_tm.cuh"
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
+  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);

@@ -90,6 +90,7 @@ __device__ __forceinline__ void set_max_regs() {
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
+  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);

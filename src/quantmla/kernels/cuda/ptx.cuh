@@ -61,6 +61,14 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// ... and as the dependent of the kernel before it (launch.DECODE_PDL): nothing may be read before that grid is done
+// and its memory visible (the queries, the page the append just wrote). Returns at once where the launch did not ask.
+__device__ __forceinline__ void wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

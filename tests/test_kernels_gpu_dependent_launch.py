@@ -1,8 +1,10 @@
-"""The combine launched as a programmatic dependent of the CUDA decode kernels (launch.launch_combine) on the GPU: on
-Hopper it is on, and with it every CUDA kernel's split calls give the stream-ordered launch's output bit for bit, eager
-and in a CUDA graph, with the partials' workspace poisoned before each call (a combine that read a partial before the
-decode grid wrote it would give NaN). Skipped without CUDA.
-Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests pytest -v tests/test_kernels_gpu_pdl.py"""
+"""Programmatic dependent launches on the GPU: the combine as a dependent of the CUDA decode kernels
+(launch.launch_combine, on by default on Hopper) and the decode kernel as a dependent of the kernel before it
+(launch.DECODE_PDL). With either, every CUDA kernel's split calls give the stream-ordered launch's output bit for bit,
+eager and in a CUDA graph, with the outputs and the partials' workspace poisoned just before each call by a kernel
+(a combine that read a partial before the decode grid wrote it, or a decode kernel that wrote before the poisoning
+kernel ended, would leave NaN). Skipped without CUDA.
+Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests pytest -v tests/test_kernels_gpu_dependent_launch.py"""
 
 import math
 
@@ -14,17 +16,17 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from helpers.gpu_decode import (  # noqa: E402
-    FORMATS, check_decode, kernel_config, make_cache, tokens_m64_config, warpgroup_config)
-from quantmla.kernels import launch  # noqa: E402
-from quantmla.kernels.partials import partial_dtype  # noqa: E402
+from helpers.gpu_decode import FORMATS, check_decode, kernel_config, make_cache, tokens_m64_config, warpgroup_config
+
+from quantmla.kernels import launch
+from quantmla.kernels.partials import partial_dtype
 
 
 @pytest.fixture
 def pdl_flag():
-    saved = launch.COMBINE_PDL
+    saved = launch.DECODE_PDL, launch.COMBINE_PDL
     yield
-    launch.COMBINE_PDL = saved
+    launch.DECODE_PDL, launch.COMBINE_PDL = saved
 
 
 def test_combine_is_a_dependent_launch_on_hopper(pdl_flag):
@@ -72,9 +74,10 @@ CASES = {  # name: (format, heads, config of (layout, rows))
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("graph", [False, True])
-def test_dependent_combine_matches_stream_order(name, graph, pdl_flag):
-    """Hundreds of splits a sequence (64-token units) and a sequence of one split: the dependent combine's output is
-    the stream-ordered one's bit for bit, and the oracle's; repeated, each time over poisoned partials."""
+def test_dependent_launches_match_stream_order(name, graph, pdl_flag):
+    """Hundreds of splits a sequence (64-token units) and a sequence of one split: with the combine a dependent, and
+    with the decode kernel one as well, the output is the stream-ordered one's bit for bit, and the oracle's;
+    repeated, each time over poisoned outputs and partials."""
     from quantmla.kernels import api
 
     fmt, H, config = CASES[name]
@@ -85,10 +88,11 @@ def test_dependent_combine_matches_stream_order(name, graph, pdl_flag):
     g = torch.Generator(device="cuda").manual_seed(9)
     q = (torch.randn(3, 1, H, 512, generator=g, device="cuda").bfloat16(),
          torch.randn(3, 1, H, 64, generator=g, device="cuda").bfloat16())
-    launch.COMBINE_PDL = False
+    launch.DECODE_PDL, launch.COMBINE_PDL = False, False
     ref = _call(api, lay, pages, bt, sl, md, q, graph)
-    launch.COMBINE_PDL = True
-    for _ in range(5):
-        out, lse = _call(api, lay, pages, bt, sl, md, q, graph)
-        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    for setting in [(False, True), (True, True)]:
+        launch.DECODE_PDL, launch.COMBINE_PDL = setting
+        for _ in range(5):
+            out, lse = _call(api, lay, pages, bt, sl, md, q, graph)
+            assert not torch.isnan(out).any() and not torch.isnan(lse).any(), setting
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), setting

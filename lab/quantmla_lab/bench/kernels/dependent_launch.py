@@ -1,15 +1,17 @@
-"""Does launching the combine as a programmatic dependent of the decode kernel shorten a split decode call? Times the
-API's whole call (its default kernels: decode, then the combine of split sequences) as a CUDA-graph replay with L2
-flushed, with `launch.COMBINE_PDL` on and off in turn (two rounds each, same tokens and queries), the outputs of both
-compared bit for bit. Needs an sm_90 GPU.
+"""Do programmatic dependent launches shorten a decode call? Times the API's whole call (its default kernels: decode,
+then the combine of split sequences) as a CUDA-graph replay with L2 flushed, in three settings in turn (two rounds
+each, same tokens and queries): stream order (`launch.COMBINE_PDL` and `DECODE_PDL` off), the combine a dependent of
+the decode kernel (the default), and the decode kernel a dependent of the kernel before it (the L2 flush) as well;
+the outputs of all three compared bit for bit. Needs an sm_90 GPU.
 
-    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.combine_pdl --out out/kernels/combine_pdl.json
+    PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.dependent_launch --out out/kernels/dependent_launch.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import sys
 
@@ -20,6 +22,7 @@ from quantmla.kernels import api, launch
 from quantmla_lab.bench.common import save
 from quantmla_lab.bench.kernels import decode_speed as bench
 
+SETTINGS = {"none": (False, False), "combine": (False, True), "both": (True, True)}  # (DECODE_PDL, COMBINE_PDL)
 SHAPES = {16: "1x131072,8x16384,32x16384,128x2048,8x2048", 128: "1x32768,32x8192"}
 
 
@@ -33,11 +36,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        raise SystemExit("combine_pdl needs an sm_90 GPU (programmatic dependent launch)")
+        raise SystemExit("dependent_launch needs an sm_90 GPU (programmatic dependent launch)")
     if not launch.combine_pdl(torch.device("cuda")):
         raise SystemExit("this Triton cannot launch the combine as a programmatic dependent (gdc_wait, launch_pdl)")
     dev = torch.device("cuda")
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "flush": bench.FLUSH,
         "rows": []}
     for H in a.heads:
@@ -51,29 +54,27 @@ def main() -> None:
                 out, lse = torch.empty_like(qc), torch.empty(B, 1, H, device=dev)
                 md = api.get_mla_metadata(c.seq_lens, H, 1, lay)
 
-                def run():
-                    api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md,
-                                                out=out, lse=lse)
+                run = functools.partial(api.mla_decode_with_kvcache, qc, qr, c.pages, c.block_table, c.seq_lens, lay,
+                                        0.07, metadata=md, out=out, lse=lse)
 
-                times, outs = {False: [], True: []}, {}
+                times, outs = {k: [] for k in SETTINGS}, {}
                 for _ in range(a.rounds):
-                    for pdl in (False, True):
-                        launch.COMBINE_PDL = pdl  # (read at launch: each time_ms captures its own graph)
+                    for k, (dec, comb) in SETTINGS.items():
+                        launch.DECODE_PDL, launch.COMBINE_PDL = dec, comb  # read at launch: each capture its own
                         out.fill_(float("nan"))
                         run()
                         torch.cuda.synchronize()
-                        outs[pdl] = out.clone()
-                        times[pdl].append(bench.time_ms(run, 25, 100)[0] * 1e3)
-                launch.COMBINE_PDL = True
-                same = bool(torch.equal(outs[False], outs[True]))
-                off, on = statistics.median(times[False]), statistics.median(times[True])
+                        outs[k] = out.clone()
+                        times[k].append(bench.time_ms(run, 25, 100)[0] * 1e3)
+                launch.DECODE_PDL, launch.COMBINE_PDL = SETTINGS["combine"]
+                same = all(torch.equal(outs["none"], o) for o in outs.values())
+                us = {k: statistics.median(v) for k, v in times.items()}
                 row = {"heads": H, "format": name, "batch": B, "context": L, "splits": md.max_splits,
                        "units": md.num_units, "config": md.config.describe(), "variant": md.variant,
-                       "us_stream_order": off, "us_dependent": on, "us_saved": off - on, "rounds_us": {"stream_order": times[False], "dependent": times[True]},
-                       "outputs_equal": same}
+                       "us": us, "rounds_us": times, "outputs_equal": same}
                 res["rows"].append(row)
-                print(f"{H:3d}h {name:10s} {B}x{L:<7d} splits {md.max_splits:4d}  stream order {off:7.1f} us  "
-                      f"dependent {on:7.1f} us  saved {off - on:5.1f}  same={same}", flush=True)
+                print(f"{H:3d}h {name:10s} {B}x{L:<7d} splits {md.max_splits:4d}  " + "  ".join(
+                    f"{k} {v:7.1f}" for k, v in us.items()) + f" us  same={same}", flush=True)
                 save(res, a.out)
 
 
