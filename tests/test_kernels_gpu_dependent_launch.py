@@ -1,6 +1,6 @@
 """Programmatic dependent launches on the GPU: the combine as a dependent of the CUDA decode kernels
 (launch.launch_combine, on by default on Hopper) and the decode kernel as a dependent of the kernel before it
-(launch.DECODE_PDL). With either, every CUDA kernel's split calls give the stream-ordered launch's output bit for bit,
+(QUANTMLA_DEPENDENT_LAUNCH=both). With either, every CUDA kernel's split calls give the stream-ordered launch's output bit for bit,
 eager and in a CUDA graph, with the outputs and the partials' workspace poisoned just before each call by a kernel
 (a combine that read a partial before the decode grid wrote it, or a decode kernel that wrote before the poisoning
 kernel ended, would leave NaN). Skipped without CUDA.
@@ -22,21 +22,18 @@ from quantmla.kernels import launch
 from quantmla.kernels.partials import partial_dtype
 
 
-@pytest.fixture
-def pdl_flag():
-    saved = launch.DECODE_PDL, launch.COMBINE_PDL
-    yield
-    launch.DECODE_PDL, launch.COMBINE_PDL = saved
-
-
-def test_combine_is_a_dependent_launch_on_hopper(pdl_flag):
-    """On sm_90 and later, with this Triton, the combine launches as a programmatic dependent; COMBINE_PDL = False
-    turns it off."""
+def test_combine_is_a_dependent_launch_on_hopper(monkeypatch):
+    """On sm_90 and later, with this Triton, the combine launches as a programmatic dependent by default, the decode
+    kernel too with QUANTMLA_DEPENDENT_LAUNCH=both; none turns both off."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    assert launch.combine_pdl(torch.device("cuda"))
-    launch.COMBINE_PDL = False
-    assert not launch.combine_pdl(torch.device("cuda"))
+    monkeypatch.delenv("QUANTMLA_DEPENDENT_LAUNCH", raising=False)
+    cuda = torch.device("cuda")
+    assert launch.combine_pdl(cuda) and not launch.decode_pdl(cuda)
+    monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", "both")
+    assert launch.combine_pdl(cuda) and launch.decode_pdl(cuda)
+    monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", "none")
+    assert not launch.combine_pdl(cuda) and not launch.decode_pdl(cuda)
 
 
 def _call(api, lay, pages, bt, sl, md, q, graph: bool):
@@ -74,7 +71,7 @@ CASES = {  # name: (format, heads, config of (layout, rows))
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("graph", [False, True])
-def test_dependent_launches_match_stream_order(name, graph, pdl_flag):
+def test_dependent_launches_match_stream_order(name, graph, monkeypatch):
     """Hundreds of splits a sequence (64-token units) and a sequence of one split: with the combine a dependent, and
     with the decode kernel one as well, the output is the stream-ordered one's bit for bit, and the oracle's;
     repeated, each time over poisoned outputs and partials."""
@@ -88,10 +85,10 @@ def test_dependent_launches_match_stream_order(name, graph, pdl_flag):
     g = torch.Generator(device="cuda").manual_seed(9)
     q = (torch.randn(3, 1, H, 512, generator=g, device="cuda").bfloat16(),
          torch.randn(3, 1, H, 64, generator=g, device="cuda").bfloat16())
-    launch.DECODE_PDL, launch.COMBINE_PDL = False, False
+    monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", "none")
     ref = _call(api, lay, pages, bt, sl, md, q, graph)
-    for setting in [(False, True), (True, True)]:
-        launch.DECODE_PDL, launch.COMBINE_PDL = setting
+    for setting in ("combine", "both"):
+        monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", setting)
         for _ in range(5):
             out, lse = _call(api, lay, pages, bt, sl, md, q, graph)
             assert not torch.isnan(out).any() and not torch.isnan(lse).any(), setting

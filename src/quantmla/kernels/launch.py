@@ -5,6 +5,7 @@ of split sequences, launched as a programmatic dependent of the decode kernel wh
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import replace
 
@@ -99,14 +100,20 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
     return None
 
 
-# Whether the combine may launch as a programmatic dependent of the decode kernel (sm_90 and later): its programs are
-# scheduled once every decode CTA has finished its tiles (the CUDA kernels' launch_dependents) and wait for the
-# decode grid's writes (griddepcontrol.wait) before reading a partial, so the launch no longer waits for the decode
-# grid to drain. False launches it in stream order only (a benchmark's comparison).
-COMBINE_PDL = True
-# Whether the CUDA decode kernel launches as a programmatic dependent of the kernel before it (every build waits for
-# that kernel's grid, griddepcontrol.wait, before its first read).
-DECODE_PDL = False
+DEPENDENT_LAUNCH = ("none", "combine", "both")
+
+
+def dependent_launch_setting() -> str:
+    """QUANTMLA_DEPENDENT_LAUNCH, the programmatic dependent launches on sm_90 and later: "combine" (the default) lets
+    the combine's programs be scheduled once every decode CTA has finished its tiles (the CUDA kernels'
+    launch_dependents), each waiting for the decode grid's writes (griddepcontrol.wait) before it reads a partial, so
+    its launch no longer waits for the decode grid to drain; "both" also launches the CUDA decode kernel as a dependent
+    of the kernel before it (every build waits for that grid before its first read); "none" keeps stream order.
+    Read at each launch (a CUDA graph keeps what its capture read); results record it beside their commit."""
+    how = os.environ.get("QUANTMLA_DEPENDENT_LAUNCH", "combine").strip().lower()
+    if how not in DEPENDENT_LAUNCH:
+        raise QuantMLAError(f"QUANTMLA_DEPENDENT_LAUNCH={how!r}: use 'combine' (the default), 'both' or 'none'")
+    return how
 
 
 @functools.cache
@@ -125,13 +132,15 @@ def _pdl_supported(index: int) -> bool:
 
 def decode_pdl(device: torch.device) -> bool:
     """Whether the CUDA decode kernel on `device` launches as a programmatic dependent of the kernel before it."""
+    if dependent_launch_setting() != "both":
+        return False
     index = torch.device(device).index
-    return DECODE_PDL and torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] >= 9
+    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] >= 9
 
 
 def combine_pdl(device: torch.device) -> bool:
     """Whether the combine on `device` launches as a programmatic dependent of the decode kernel."""
-    if not COMBINE_PDL or interpreting() or torch.device(device).type != "cuda":
+    if dependent_launch_setting() == "none" or interpreting() or torch.device(device).type != "cuda":
         return False
     index = torch.device(device).index
     return _pdl_supported(torch.cuda.current_device() if index is None else index)

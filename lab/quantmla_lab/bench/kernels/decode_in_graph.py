@@ -19,7 +19,7 @@ gives, medians over the layers: the span from a layer's first CTA's entry to its
 warp's epilogue done), the median CTA's lifetime, the gap from a layer's last CTA's end to the next layer's first
 CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over 5 groups of
 `--reps` replays, CUDA events (``step_overhead.replay_ms``). `--pdl` times each method under several settings of
-the programmatic dependent launches (``kernels.launch.COMBINE_PDL``, ``DECODE_PDL``), one row each.
+the programmatic dependent launches (``QUANTMLA_DEPENDENT_LAUNCH``: none, combine, both), one row each.
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
@@ -111,9 +112,6 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
             "sms_median": float(torch.tensor([float(w[l, :, 2 * nmark].unique().numel()) for l in range(L)]).median())}
 
 
-PDL = {"none": (False, False), "combine": (False, True), "both": (True, True)}  # (DECODE_PDL, COMBINE_PDL)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", nargs="+", default=["bf16", "fp8", "int4/int4", "int2/int4"])
@@ -127,12 +125,13 @@ def main(argv=None) -> int:
                    help="with --timeline, tokens-as-M plans to time and trace: '' the plan cuda.decode_plan gives "
                         "(for integer codes the warps apart, whatever the units), or its tiling keywords (token_blocks, "
                         "specialized, ctas_per_sm) and build macros in upper case, e.g. specialized=0 or WS_REGS=0")
-    p.add_argument("--pdl", nargs="+", default=["combine"], choices=sorted(PDL),
+    p.add_argument("--pdl", nargs="+", default=["combine"], choices=launch.DEPENDENT_LAUNCH,
                    help="programmatic dependent launches, each setting timed in turn: none (stream order), combine (the "
                         "combine a dependent of the decode kernel: the default), both (the decode kernel a dependent of "
                         "the kernel before it as well)")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    default = launch.dependent_launch_setting()
     for spec in a.plans:
         parse_plan(spec)
     try:  # bad shapes and names reported before the device is touched
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
         vals = torch.empty(L, B, H, D_V, device=dev, dtype=torch.bfloat16)
         lse = torch.empty(L, B, H, device=dev)
         for m, setting in [(m, s) for m in methods for s in a.pdl]:
-            launch.DECODE_PDL, launch.COMBINE_PDL = PDL[setting]  # read at each launch, so at each capture
+            os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = setting  # read at each launch, so at each capture
             lay = PageLayout(TokenLayout(D_C, D_R, preset(m)), 64)
             caches = [bench.Cache(lay, [n] * B, seed=1000 * l + B + n, device=dev) for l in range(L)]
             md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay)
@@ -213,7 +212,7 @@ def main(argv=None) -> int:
             save(res, a.out)
             del graphs, caches
             torch.cuda.empty_cache()
-    launch.DECODE_PDL, launch.COMBINE_PDL = PDL["combine"]
+    os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = default
     save(res, a.out)
     return 0
 

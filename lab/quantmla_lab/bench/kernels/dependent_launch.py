@@ -1,7 +1,8 @@
 """Do programmatic dependent launches shorten a decode call? Times the API's whole call (its default kernels: decode,
 then the combine of split sequences) as a CUDA-graph replay with L2 flushed, in three settings in turn (two rounds
-each, same tokens and queries): stream order (`launch.COMBINE_PDL` and `DECODE_PDL` off), the combine a dependent of
-the decode kernel (the default), and the decode kernel a dependent of the kernel before it (the L2 flush) as well;
+each, same tokens and queries): stream order (`QUANTMLA_DEPENDENT_LAUNCH=none`), the combine a dependent of the
+decode kernel (`combine`, the default), and the decode kernel a dependent of the kernel before it (the L2 flush) as
+well (`both`);
 the outputs of all three compared bit for bit. Needs an sm_90 GPU.
 
     PYTHONPATH=src:lab python3 -m quantmla_lab.bench.kernels.dependent_launch --out out/kernels/dependent_launch.json
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import statistics
 import sys
 
@@ -19,10 +21,10 @@ import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.kernels import api, launch
+from quantmla.kernels.partials import partials_setting
 from quantmla_lab.bench.common import save
 from quantmla_lab.bench.kernels import decode_speed as bench
 
-SETTINGS = {"none": (False, False), "combine": (False, True), "both": (True, True)}  # (DECODE_PDL, COMBINE_PDL)
 SHAPES = {16: "1x131072,8x16384,32x16384,128x2048,8x2048", 128: "1x32768,32x8192"}
 
 
@@ -40,9 +42,10 @@ def main() -> None:
     if not launch.combine_pdl(torch.device("cuda")):
         raise SystemExit("this Triton cannot launch the combine as a programmatic dependent (gdc_wait, launch_pdl)")
     dev = torch.device("cuda")
+    default = launch.dependent_launch_setting()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds"), "commit": bench.source_commit(), "command": " ".join(sys.argv), "flush": bench.FLUSH,
-        "rows": []}
+        "partials": partials_setting(), "rows": []}
     for H in a.heads:
         for name in a.formats.split(","):
             lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
@@ -57,16 +60,16 @@ def main() -> None:
                 run = functools.partial(api.mla_decode_with_kvcache, qc, qr, c.pages, c.block_table, c.seq_lens, lay,
                                         0.07, metadata=md, out=out, lse=lse)
 
-                times, outs = {k: [] for k in SETTINGS}, {}
+                times, outs = {k: [] for k in launch.DEPENDENT_LAUNCH}, {}
                 for _ in range(a.rounds):
-                    for k, (dec, comb) in SETTINGS.items():
-                        launch.DECODE_PDL, launch.COMBINE_PDL = dec, comb  # read at launch: each capture its own
+                    for k in launch.DEPENDENT_LAUNCH:
+                        os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = k  # read at launch: each capture its own
                         out.fill_(float("nan"))
                         run()
                         torch.cuda.synchronize()
                         outs[k] = out.clone()
                         times[k].append(bench.time_ms(run, 25, 100)[0] * 1e3)
-                launch.DECODE_PDL, launch.COMBINE_PDL = SETTINGS["combine"]
+                os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = default
                 same = all(torch.equal(outs["none"], o) for o in outs.values())
                 us = {k: statistics.median(v) for k, v in times.items()}
                 row = {"heads": H, "format": name, "batch": B, "context": L, "splits": md.max_splits,

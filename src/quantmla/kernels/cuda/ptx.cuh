@@ -61,7 +61,7 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
-// ... and as the dependent of the kernel before it (launch.DECODE_PDL): nothing may be read before that grid is done
+// ... and as the dependent of the kernel before it (QUANTMLA_DEPENDENT_LAUNCH=both): nothing may be read before that grid is done
 // and its memory visible (the queries, the page the append just wrote). Returns at once where the launch did not ask.
 __device__ __forceinline__ void wait_prerequisites() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
