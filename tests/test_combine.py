@@ -313,20 +313,3 @@ def test_bucket_splits_are_the_static_plans(sms, monkeypatch):
                     assert plan.split["k"][0] == S and plan.md["k"].combine == api.combine_shape(b, H, 64, S, sms)
                     seen.add(S > 1)
     assert seen == {True, False}
-
-
-def test_combine_is_stream_ordered_off_hopper(monkeypatch):
-    """The combine launches as a programmatic dependent only on a CUDA device that has it, outside the interpreter:
-    on the CPU, under TRITON_INTERPRET=1 or with QUANTMLA_DEPENDENT_LAUNCH=none it is an ordinary launch (GDC off), and
-    a setting that is none of none, combine and both is refused with the choices."""
-    from quantmla.kernels import launch
-
-    assert not launch.combine_pdl(torch.device("cpu"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not launch.combine_pdl(torch.device("cuda"))  # decided before any device is asked
-    monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", "none")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not launch.combine_pdl(torch.device("cuda")) and not launch.decode_pdl(torch.device("cuda"))
-    monkeypatch.setenv("QUANTMLA_DEPENDENT_LAUNCH", "always")
-    with pytest.raises(QuantMLAError, match="QUANTMLA_DEPENDENT_LAUNCH='always': use 'combine'"):
-        launch.combine_pdl(torch.device("cuda"))

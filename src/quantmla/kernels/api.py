@@ -28,7 +28,7 @@ import torch
 from quantmla.cache.layout import PageLayout
 from quantmla.cache.paged import gather_sequences, read_tokens, write_tokens, write_tokens_staged
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
-from quantmla.kernels.launch import launch_combine, launch_decode
+from quantmla.kernels.launch import launch_decode
 from quantmla.kernels.partials import partial_dtype
 from quantmla.kernels.schedule import (  # noqa: F401 - the public surface is here
     MAX_Q_LEN,
@@ -166,7 +166,12 @@ def mla_decode_with_kvcache(
     )
     metadata.workspace["variant"] = launch_decode(grid, args, layout, cfg)
     if metadata.max_splits > 1:
-        launch_combine(po, plse, metadata.seq_info, out, lse, R, DC, c)
+        from quantmla.kernels.decode import _mla_combine_kernel
+
+        _mla_combine_kernel[(B, -(-R // c.block_r), DC // c.block_d)](
+            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
+            ONE_STEP=c.one_step, num_warps=4, num_stages=2,
+        )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 

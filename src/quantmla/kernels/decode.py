@@ -297,17 +297,14 @@ def _combine_passes(PO, PLSE, first, n, rows, rmask, dc, R, D_C: tl.constexpr, B
 @triton.jit(do_not_specialize=["R"])
 def _mla_combine_kernel(
     PO, PLSE, SEQINFO, OUT, LSE, R, D_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, ONE_STEP: tl.constexpr, GDC: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, ONE_STEP: tl.constexpr,
 ):
     """Merge the split partials of sequences with more than one unit (others were written directly).
     Grid (sequences, row blocks, channel blocks): many programs share a long sequence's splits, and each
     reads BLOCK_S splits per step, so a lone sequence's hundreds of splits merge in a few wide steps. With
     ONE_STEP a program whose sequence has at most BLOCK_S splits loads its log-sum-exps and partials at once:
     one round trip to memory instead of a pass for the maximum and one for the sums (a sequence with more,
-    which a CUDA graph's schedule may deal out, takes the passes). GDC: launched as a programmatic dependent of the
-    decode kernel (launch.launch_combine), so every program first waits for that grid's writes."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
+    which a CUDA graph's schedule may deal out, takes the passes)."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     db = tl.program_id(2)

@@ -1,19 +1,14 @@
 """Launching a decode: the configured kernel (CUDA C++ or Triton), and on a compile or build failure the next one
-down (CUDA -> fused Triton -> generic Triton -> fewer stages) with a warning, remembered a process; then the combine
-of split sequences, launched as a programmatic dependent of the decode kernel where the device has it."""
+down (CUDA -> fused Triton -> generic Triton -> fewer stages) with a warning, remembered a process."""
 
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 from dataclasses import replace
 
-import torch
-
 from quantmla.cache.layout import PageLayout
 from quantmla.errors import QuantMLAError, UnsupportedFormatError
-from quantmla.kernels.schedule import CombineShape, DecodeConfig, default_config, interpreting
+from quantmla.kernels.schedule import DecodeConfig, default_config, interpreting
 from quantmla.kernels.support import layout_constexprs
 
 _FALLBACK: dict = {}
@@ -90,7 +85,7 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         why = _CUDA_FAILED[plan]
     else:
         try:
-            cuda.launch_decode(plan, (grid[1], grid[0]), args, device, dependent=decode_pdl(device))
+            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
             return plan.describe()
         except QuantMLAError as e:
             why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
@@ -98,62 +93,3 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}")
     warnings.warn(f"the CUDA decode kernel cannot run this call ({why}); the Triton kernel runs instead")
     return None
-
-
-DEPENDENT_LAUNCH = ("none", "combine", "both")
-
-
-def dependent_launch_setting() -> str:
-    """QUANTMLA_DEPENDENT_LAUNCH, the programmatic dependent launches on sm_90 and later: "combine" (the default) lets
-    the combine's programs be scheduled once every decode CTA has finished its tiles (the CUDA kernels'
-    launch_dependents), each waiting for the decode grid's writes (griddepcontrol.wait) before it reads a partial, so
-    its launch no longer waits for the decode grid to drain; "both" also launches the CUDA decode kernel as a dependent
-    of the kernel before it (every build waits for that grid before its first read); "none" keeps stream order.
-    Read at each launch (a CUDA graph keeps what its capture read); results record it beside their commit."""
-    how = os.environ.get("QUANTMLA_DEPENDENT_LAUNCH", "combine").strip().lower()
-    if how not in DEPENDENT_LAUNCH:
-        raise QuantMLAError(f"QUANTMLA_DEPENDENT_LAUNCH={how!r}: use 'combine' (the default), 'both' or 'none'")
-    return how
-
-
-@functools.cache
-def _pdl_supported(index: int) -> bool:
-    """Whether device `index` and this Triton can launch a programmatic dependent (sm_90+, gdc_wait, launch_pdl)."""
-    import triton.language as tl
-
-    if torch.cuda.get_device_capability(index)[0] < 9:
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
-
-
-def decode_pdl(device: torch.device) -> bool:
-    """Whether the CUDA decode kernel on `device` launches as a programmatic dependent of the kernel before it."""
-    if dependent_launch_setting() != "both":
-        return False
-    index = torch.device(device).index
-    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] >= 9
-
-
-def combine_pdl(device: torch.device) -> bool:
-    """Whether the combine on `device` launches as a programmatic dependent of the decode kernel."""
-    if dependent_launch_setting() == "none" or interpreting() or torch.device(device).type != "cuda":
-        return False
-    index = torch.device(device).index
-    return _pdl_supported(torch.cuda.current_device() if index is None else index)
-
-
-def launch_combine(po, plse, seq_info, out, lse, rows: int, d_c: int, c: CombineShape) -> None:
-    """Merge the split partials po [units, rows, d_c] and plse [units, rows] of the sequences with more than one unit
-    (seq_info int32 [B, 2]: first unit, splits) into out [B, ..., d_c] and lse; the others were written directly."""
-    from quantmla.kernels.decode import _mla_combine_kernel
-
-    pdl = combine_pdl(out.device)
-    extra = {"launch_pdl": True} if pdl else {}
-    _mla_combine_kernel[(seq_info.shape[0], -(-rows // c.block_r), d_c // c.block_d)](
-        po, plse, seq_info, out, lse, rows, D_C=d_c, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
-        ONE_STEP=c.one_step, GDC=pdl, num_warps=4, num_stages=2, **extra,
-    )

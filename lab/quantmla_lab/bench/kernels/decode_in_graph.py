@@ -18,8 +18,7 @@ or another tiling) runs alone in a graph of the layers, and a graph of its ``TIM
 gives, medians over the layers: the span from a layer's first CTA's entry to its last CTA's end (every
 warp's epilogue done), the median CTA's lifetime, the gap from a layer's last CTA's end to the next layer's first
 CTA's entry, the spread of the CTAs' entries and ends, and the SMs a layer's CTAs ran on. Medians over 5 groups of
-`--reps` replays, CUDA events (``step_overhead.replay_ms``). `--pdl` times each method under several settings of
-the programmatic dependent launches (``QUANTMLA_DEPENDENT_LAUNCH``: none, combine, both), one row each.
+`--reps` replays, CUDA events (``step_overhead.replay_ms``).
 
     python -m quantmla_lab.bench.kernels.decode_in_graph --out $OUT/kernels/decode_in_graph_h200.json
 """
@@ -28,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
-from quantmla.kernels import api, cuda, launch
+from quantmla.kernels import api, cuda
 from quantmla.kernels.launch import launch_decode
 from quantmla.kernels.partials import partial_dtype
 from quantmla_lab.bench.common import parse_fresh, record, save
@@ -125,13 +123,8 @@ def main(argv=None) -> int:
                    help="with --timeline, tokens-as-M plans to time and trace: '' the plan cuda.decode_plan gives "
                         "(for integer codes the warps apart, whatever the units), or its tiling keywords (token_blocks, "
                         "specialized, ctas_per_sm) and build macros in upper case, e.g. specialized=0 or WS_REGS=0")
-    p.add_argument("--pdl", nargs="+", default=["combine"], choices=launch.DEPENDENT_LAUNCH,
-                   help="programmatic dependent launches, each setting timed in turn: none (stream order), combine (the "
-                        "combine a dependent of the decode kernel: the default), both (the decode kernel a dependent of "
-                        "the kernel before it as well)")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
-    default = launch.dependent_launch_setting()
     for spec in a.plans:
         parse_plan(spec)
     try:  # bad shapes and names reported before the device is touched
@@ -156,8 +149,7 @@ def main(argv=None) -> int:
         o_lat = torch.empty(L, B, H, D_C, device=dev, dtype=torch.bfloat16)
         vals = torch.empty(L, B, H, D_V, device=dev, dtype=torch.bfloat16)
         lse = torch.empty(L, B, H, device=dev)
-        for m, setting in [(m, s) for m in methods for s in a.pdl]:
-            os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = setting  # read at each launch, so at each capture
+        for m in methods:
             lay = PageLayout(TokenLayout(D_C, D_R, preset(m)), 64)
             caches = [bench.Cache(lay, [n] * B, seed=1000 * l + B + n, device=dev) for l in range(L)]
             md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay)
@@ -195,7 +187,7 @@ def main(argv=None) -> int:
                 "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
             }
             us = {k: replay_us(gr, a.reps) / L for k, gr in graphs.items()}
-            row = {"method": m, "pdl": setting, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
+            row = {"method": m, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
                    "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
                    "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
                    "combine_us": round(us["decode"] - us["kernel"], 2)}
@@ -205,14 +197,13 @@ def main(argv=None) -> int:
                 for t in row["timeline"]:
                     print(f"{'':10} timeline: {t}", flush=True)
             res["rows"].append(row)
-            print(f"{m:10} {setting:8} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
+            print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
                   f"(its kernel {us['kernel']:6.2f}), "
                   f"bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} -> decode between the products "
                   f"{row['decode_between_products_us']:6.2f}", flush=True)
             save(res, a.out)
             del graphs, caches
             torch.cuda.empty_cache()
-    os.environ["QUANTMLA_DEPENDENT_LAUNCH"] = default
     save(res, a.out)
     return 0
 

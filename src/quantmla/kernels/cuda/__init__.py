@@ -110,13 +110,11 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
     driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
 
 
-def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device,
-                  dependent: bool = False) -> None:
+def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
     """Run the build of `plan` over grid (units, head blocks) on the current stream (the heads-as-M and 64-row
     tokens-as-M kernels' grid is (head blocks, units): a unit's head blocks run side by side and share its tiles in L2). `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
-    stride_bt, H, S_q, R, causal, qk_scale·log2 e). `dependent`: launched as a programmatic dependent of the kernel
-    before it (sm_90; every build waits for that kernel before it reads anything)."""
+    stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
     from quantmla.kernels.cuda.build import cubin_for
 
@@ -135,4 +133,4 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
-                                              ("i", int(causal)), ("f", float(scale))] + extra, dependent=dependent)
+                                              ("i", int(causal)), ("f", float(scale))] + extra)

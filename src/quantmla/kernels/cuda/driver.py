@@ -78,37 +78,12 @@ def tensor_map_2byte(address: int, dims: tuple[int, ...], strides: tuple[int, ..
     return buf
 
 
-class LaunchAttribute(ctypes.Structure):
-    """A CUlaunchAttribute: its id, then a 64-byte value union at offset 8 (only its first int is used here)."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """A CUlaunchConfig: grid and block dimensions, dynamic shared memory, stream, attributes."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
-
-
-def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]],
-           dependent: bool = False) -> None:
+def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]]) -> None:
     """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f", value), or ("s", a ctypes
-    buffer) for a struct passed by value (a tensor map). `dependent`: cuLaunchKernelEx with programmatic stream
-    serialization, so the grid may be scheduled before the kernel ahead of it on the stream has finished (the kernel
-    must wait for it, griddepcontrol.wait, before it reads what that kernel wrote; sm_90)."""
+    buffer) for a struct passed by value (a tensor map)."""
     conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float, "s": lambda v: v}
     vals = [conv[k](v) for k, v in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    if not dependent:
-        _check(_lib().cuLaunchKernel(fn, gx, gy, gz, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None),
-               "cuLaunchKernel")
-        return
-    attr = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = LaunchConfig((ctypes.c_uint * 3)(gx, gy, gz), (ctypes.c_uint * 3)(threads, 1, 1), smem, ctypes.c_void_p(stream),
-                       ctypes.pointer(attr), 1)
-    _check(_lib().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
+    _check(_lib().cuLaunchKernel(fn, gx, gy, gz, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None),
+           "cuLaunchKernel")

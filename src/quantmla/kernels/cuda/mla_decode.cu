@@ -159,7 +159,6 @@ __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, in
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
-  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(16) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sS = reinterpret_cast<float*>(smem + SM_S);
@@ -482,7 +481,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   if constexpr (!WS && !BULK_TILES) cp_async_wait<0>();
 
   // ---- epilogue: normalise, write the output (or the split's partial) and the log-sum-exp --------------
-  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
 #pragma unroll
   for (int i = 0; i < RPW / RP; ++i) {
     const int rr = warp * RPW + RP * i + lrow;

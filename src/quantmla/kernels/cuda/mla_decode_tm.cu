@@ -235,7 +235,6 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
 #include "output_tm.cuh"
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE_PARAMS) {
-  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(128) uint8_t smem[];
   T* sQ = reinterpret_cast<T*>(smem + SM_Q);
   float* sQsum = reinterpret_cast<float*>(smem + SM_QSUM);
@@ -496,7 +495,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
 #endif
 
   mark(tl, 5);
-  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
   // ---- epilogue: the own rows' sums and zero-point sums across lanes and token groups, then
   // O = (2^(24-o)·acc + Σ P·zero) / l for every row of the warp's channels
   __syncthreads();  // every warp is done with sRed's tile maxima

@@ -90,7 +90,6 @@ __device__ __forceinline__ void set_max_regs() {
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS) {
-  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + SM_BAR);
@@ -279,7 +278,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     }
     // O = acc / Σ P a row; row 8j + 2t + e % 2, channel 256p + 128o + 32w + 4g + 2z + e / 2 of m-block 2p + z
     bar_sync(BAR_EPI, NT);
-    launch_dependents();  // every tile is done: the combine may be scheduled (it waits for this grid's writes)
     const float* Ls = reinterpret_cast<const float*>(smem + SM_L);
 #pragma unroll
     for (int j = 0; j < 8; ++j)

@@ -137,7 +137,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ CUtensorMap map_c,
                                                                const __grid_constant__ CUtensorMap map_r) {
 #endif
-  wait_prerequisites();  // (launched as a dependent: the kernel before it is done)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint8_t* sQ = smem + SM_Q;
@@ -511,7 +510,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   }
   cp_async_wait<0>();
 
-  launch_dependents();  // the tiles are done: the combine may be scheduled (it waits for this grid's writes)
   // the rows' sums over both warpgroups
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -52,23 +52,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 }
 #undef MMA16816
 
-// Programmatic dependent launch (sm_90): the kernel launched next with the attribute (the combine) may be scheduled
-// once every CTA of this grid has passed here (the first thread of a CTA counts for it); it waits for this grid's
-// completion and memory (griddepcontrol.wait) before it reads anything. A no-op where no kernel asked for it.
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// ... and as the dependent of the kernel before it (QUANTMLA_DEPENDENT_LAUNCH=both): nothing may be read before that grid is done
-// and its memory visible (the queries, the page the append just wrote). Returns at once where the launch did not ask.
-__device__ __forceinline__ void wait_prerequisites() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
