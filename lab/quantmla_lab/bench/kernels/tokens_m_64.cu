@@ -389,11 +389,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       bar_sync(BAR_FULL + buf, NT);
       if (sFlag[buf] != 0.0f) {  // a row's reference moved: its accumulators rescaled (EXACT: by 2^(old - new) a row)
-        const float* alpha = reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * 64;
+        if constexpr (EXACT) {
+          scale_rows(acc, reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * 64, t);
+        } else {
 #pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
+          for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
-          for (int i = 0; i < 32; ++i) acc[mb][i] *= EXACT ? alpha[8 * (i >> 2) + 2 * t + (i & 1)] : 0.5f;
+            for (int i = 0; i < 32; ++i) acc[mb][i] *= 0.5f;
+        }
       }
       const uint8_t* pb = smem + SM_P + buf * PCH * CHUNK;
       const uint64_t d0 = sw128_desc(pb + (DQA ? 0 : o) * CHUNK, CHUNK, 1024);

@@ -259,13 +259,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       const int buf = it % NPBUF;
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       bar_sync(BAR_FULL + buf, NT);
-      if (sFlag[buf] != 0.0f) {  // a reference moved: the accumulators rescaled by 2^(old - new) a row
-        const float* alpha = reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * BM;
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-          for (int i = 0; i < 32; ++i) acc[mb][i] *= alpha[8 * (i >> 2) + 2 * t + (i & 1)];
-      }
+      if (sFlag[buf] != 0.0f)  // a reference moved: the accumulators rescaled by 2^(old - new) a row
+        scale_rows(acc, reinterpret_cast<const float*>(smem + SM_ALPHA) + buf * BM, t);
       const uint64_t dp = sw128_desc(smem + SM_P + buf * CHUNK, CHUNK, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {

@@ -63,6 +63,15 @@ __device__ __forceinline__ void over_tokens(float (&v)[16], float* red, int w, i
   bar_sync(BAR, 128);
 }
 
+// acc (the output warpgroup's 4 m-blocks of m64n64 accumulators, query rows as N) times each query row's factor:
+// register i of an m-block holds row 8(i / 4) + 2t + i % 2 of the 64 (alpha: [64] fp32, shared memory)
+__device__ __forceinline__ void scale_rows(float (&acc)[4][32], const float* alpha, int t) {
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[mb][i] *= alpha[8 * (i >> 2) + 2 * t + (i & 1)];
+}
+
 // the latent (0-511) or RoPE (512-575) channel of column k (0-15) of the scores' k-step K (0-35), as the A operands
 // take a token's codes (deq_pair): content k-step K is plane K % 2 of word (K / 2) % 4 of 16-byte load K / 8 (of the
 // thread's t), k 2t, 2t + 1 its bytes 0 and 2, k 2t + 8, 2t + 9 its bytes 1 and 3; byte c's plane p is channel
