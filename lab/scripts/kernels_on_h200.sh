@@ -93,6 +93,10 @@
 #                 and decode kernel beside the heads-as-M kernel's, INT4/INT4 and BF16 (TM64_VARIANTS="MACRO=V ...":
 #                 other builds timed beside it)  -> kernels/tokens_m64_gpu_tests_h200.log,
 #                                                   kernels/decode_tokens_m64_128h_h200.json
+# fp8-one-cta     FP8 on the tokens-as-M kernel (16 heads), whose loop is bound by its copies through two 42 KB stages
+#                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default, at
+#                 the 16-head shapes of 128K tokens or more where FP8 is under 1.7x the peer
+#                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
@@ -344,6 +348,12 @@ combine() {
 
 e4m3-scores() {
   timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
+}
+
+fp8-one-cta() {
+  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats fp8 --heads 16 \
+    --shapes 8x16384,32x16384,64x4096,128x2048 --tilings "" --tokens-m --variants CTAS=1 \
+    --out "$OUT/kernels/decode_tokens_m_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | grep "tokens_m" | tail -16
 }
 
 tokens-m64() {
