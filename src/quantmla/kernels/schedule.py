@@ -87,11 +87,15 @@ class DecodeConfig:
     scale_vote: bool = False
     tokens_m64: bool = False
 
+    def __post_init__(self):
+        if self.tokens_m64 and not self.warpgroup:  # the 64-row tokens-as-M kernel takes the heads-as-M launch shape
+            object.__setattr__(self, "warpgroup", True)
+
     def describe(self) -> str:
         tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "") + (
             "v" if self.scale_vote else "")
         wg = "cuda/tm64" if self.tokens_m64 else "cuda/wg"
-        cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup or self.tokens_m64 else "cuda"
+        cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
