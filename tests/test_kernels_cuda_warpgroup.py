@@ -120,3 +120,42 @@ def test_warpgroup_needs_sm90():
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
         assert cuda.decode_plan(lay, 128, torch.bfloat16, CUDA, warpgroup=True) is None
     assert "9.0" in cuda.plan_reason[lay] and "warpgroup" in cuda.plan_reason[lay]
+
+
+def test_seesaw_plan():
+    """The heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu): the BF16 plan's launch shape and
+    shared memory with SEESAW=1, its own source and name; a config asks for it and implies the heads-as-M launch."""
+    from quantmla.kernels import schedule
+
+    lay, p = plan("bf16", 128, warpgroup=True, seesaw=True)
+    _, base = plan("bf16", 128, warpgroup=True)
+    assert dict(p.macros) == {**dict(base.macros), "SEESAW": 1}
+    assert (p.block_m, p.num_warps, p.block_n, p.ctas_per_sm, p.smem) == (64, 8, 64, 1, base.smem)
+    assert build.source_of(p.macros).name == "mla_decode_seesaw.cu"
+    assert p.describe().startswith("cuda/bf16/ss/M64N64w8")
+    assert plan("bf16", 128, seesaw=True)[1] == p  # seesaw alone asks for the same plan
+    cfg = schedule.DecodeConfig(block_m=64, num_warps=8, kernel="cuda", seesaw=True)
+    assert cfg.warpgroup and cfg.describe().startswith("cuda/ss ")
+
+
+@pytest.mark.parametrize("fmt", ["int4/int4", "fp8"])
+def test_seesaw_refuses_low_bit_caches(fmt):
+    lay, p = plan(fmt, 128, warpgroup=True, seesaw=True)
+    assert p is None and "BF16 cache only" in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
+
+
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+def test_seesaw_builds_for_sm90_without_spills_or_serialized_products(tmp_path):
+    """The kernel compiles for sm_90a with no stack spills, and ptxas does not serialize its warpgroup MMAs (it does
+    where a product follows a branch, e.g. a barrier's wait, without a fence of its own); its timing builds too."""
+    import subprocess
+
+    _, p = plan("bf16", 128, warpgroup=True, seesaw=True)
+    for extra in ({}, {"SKIP_QK": 1, "SKIP_PV": 1}):
+        mac = tuple(sorted({**dict(p.macros), **extra}.items()))
+        cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+               *[f"-D{k}={v}" for k, v in mac], "-o", str(tmp_path / "ss.cubin"), str(build.source_of(mac))]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr[-2000:]
+        assert "serialized" not in r.stderr and "injected" not in r.stderr, r.stderr[-2000:]

@@ -16,30 +16,34 @@ from helpers.gpu_decode import (  # noqa: E402
 from quantmla.cache.paged import gather_sequences  # noqa: E402
 
 
+@pytest.mark.parametrize("seesaw", [False, True])
 @pytest.mark.parametrize("H,SQ", [(128, 1), (64, 1), (128, 2), (64, 4), (16, 4), (40, 3)])
-def test_decode_cuda_warpgroup(H, SQ):
-    """Heads as the M of warpgroup MMAs (mla_decode_wg.cu, BF16) against the same fp32 oracle: NaN-poisoned outputs,
-    lengths 0, 1, odd and across pages, causal multi-token rows, row blocks past the last row (40 x 3 = 120 rows in
-    two 64-row blocks); the garbage bytes past a partial last tile (the pages start random) never reach the output."""
+def test_decode_cuda_warpgroup(H, SQ, seesaw):
+    """Heads as the M of warpgroup MMAs (mla_decode_wg.cu, BF16; `seesaw`: its warpgroups out of phase,
+    mla_decode_seesaw.cu) against the same fp32 oracle: NaN-poisoned outputs, lengths 0, 1, odd and across pages (odd
+    and even tile counts), causal multi-token rows, row blocks past the last row (40 x 3 = 120 rows in two 64-row
+    blocks); the garbage bytes past a partial last tile (the pages start random) never reach the output."""
     lay, pages, bt, sl = make_cache(FORMATS["bf16"], LENS, seed=23 * H + SQ)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 13 * SQ, config=warpgroup_config(lay, H * SQ))
-    assert md.variant.startswith("cuda/bf16/wg/M64N64w8s2c1"), md.variant
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 13 * SQ, config=warpgroup_config(lay, H * SQ, seesaw))
+    assert md.variant.startswith("cuda/bf16/ss/" if seesaw else "cuda/bf16/wg/M64N64w8s2c1"), md.variant
 
 
-def test_decode_cuda_warpgroup_splits():
+@pytest.mark.parametrize("seesaw", [False, True])
+def test_decode_cuda_warpgroup_splits(seesaw):
     """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
     lay, pages, bt, sl = make_cache(FORMATS["bf16"], [20000, 3, 511], seed=31)
-    cfg = warpgroup_config(lay, 128)
+    cfg = warpgroup_config(lay, 128, seesaw)
     check_decode(lay, pages, bt, sl, 128, 1, seed=1, config=cfg, chunk_tokens=64)
     check_decode(lay, pages, bt, sl, 128, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
 
 
-def test_decode_cuda_warpgroup_error_within_bf16_paths():
+@pytest.mark.parametrize("seesaw", [False, True])
+def test_decode_cuda_warpgroup_error_within_bf16_paths(seesaw):
     """Against fp64, the heads-as-M kernel's error at 128 heads is within 1.5x the Triton BF16 kernel's (both round P
     to bf16 and accumulate in fp32)."""
     lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 4, seed=37)
-    wg, md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128))
-    assert md.variant.startswith("cuda/bf16/wg/"), md.variant
+    wg, md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128, seesaw))
+    assert md.variant.startswith("cuda/bf16/ss/" if seesaw else "cuda/bf16/wg/"), md.variant
     tri, md = fp64_error(lay, pages, bt, sl, 128, 22, kernel_config("triton", lay, 128, 1))
     assert not md.variant.startswith("cuda/"), md.variant
     print(f"warpgroup {wg:.2e}, triton {tri:.2e}")
@@ -82,13 +86,14 @@ def test_decode_cuda_warpgroup_lowbit_splits(name):
     check_decode(lay, pages, bt, sl, 128, 1, seed=4, config=cfg, chunk_tokens=1 << 20)
 
 
-@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "fp8"])
+@pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4", "fp8", "bf16/seesaw"])
 def test_decode_cuda_warpgroup_rising_scores(name):
     """Scores that rise along each sequence (keys scaled by 1 + position/256, to about 60 in base 2 at 10K tokens):
     the rows' reference maxima move many times, by more and by less than the 2^8 slack they keep before the output
     is rescaled, and the outputs still match the oracle, with hundreds of splits and with one."""
-    lay, pages, bt, sl = make_cache(FORMATS[name], [9999, 4097, 700, 65], seed=47, grow=1 / 256)
-    cfg = warpgroup_config(lay, 128)
+    fmt, seesaw, _ = name.partition("/seesaw")
+    lay, pages, bt, sl = make_cache(FORMATS[fmt], [9999, 4097, 700, 65], seed=47, grow=1 / 256)
+    cfg = warpgroup_config(lay, 128, bool(seesaw))
     check_decode(lay, pages, bt, sl, 128, 1, seed=6, config=cfg, chunk_tokens=1 << 20, lse_rel=True)
     check_decode(lay, pages, bt, sl, 128, 1, seed=7, config=cfg, chunk_tokens=512, lse_rel=True)
 

@@ -40,7 +40,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False, scale_vote: bool = False,
-                tokens_m64: bool = False) -> DecodePlan | None:
+                tokens_m64: bool = False, seesaw: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
@@ -52,13 +52,14 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
     `warpgroup_reason`); `tokens_m64=True` the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu, the heads-as-M launch
-    shape; None where it cannot, the reason from `tokens_m64_reason`). Fragments are not the default: on the H200 it is
+    shape; None where it cannot, the reason from `tokens_m64_reason`); `seesaw=True` the heads-as-M kernel with its
+    warpgroups out of phase (mla_decode_seesaw.cu, BF16). Fragments are not the default: on the H200 it is
     slower than building the tile (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
     Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
     per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
     lab/results/kernels/decode_cuda_tilings_128h_h200.json).
     """
-    warpgroup = warpgroup or tokens_m64  # (the 64-row tokens-as-M kernel takes the heads-as-M launch shape)
+    warpgroup = warpgroup or tokens_m64 or seesaw  # (both take the heads-as-M launch shape)
     why = device_reason(device, (9, 0) if tokens_m or warpgroup else (8, 0),
                         "tokens as M: needs compute capability 9.0 (bulk copies)" if tokens_m
                         else "tokens as M at 64 rows: needs compute capability 9.0 (warpgroup MMAs)" if tokens_m64
@@ -70,11 +71,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
+           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
-                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64)
+                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64,
+                                   seesaw)
     if isinstance(plan, str):
         plan_reason[layout] = plan
         return None
@@ -85,13 +87,13 @@ _PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' 
 
 
 def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-          specialized, ctas_per_sm, s8_scores, scale_vote=False, tokens_m64=False) -> DecodePlan | str:
+          specialized, ctas_per_sm, s8_scores, scale_vote=False, tokens_m64=False, seesaw=False) -> DecodePlan | str:
     """decode_plan on a device that can run the kernels: the plan, or why there is none."""
     if warpgroup and tokens_m64:
         plan = tokens_m64_plan(layout, rows, out_dtype)
         return f"tokens as M at 64 rows: {plan}" if isinstance(plan, str) else plan
     if warpgroup:
-        plan = warpgroup_plan(layout, rows, out_dtype)
+        plan = warpgroup_plan(layout, rows, out_dtype, seesaw=seesaw)
         return f"heads as M: {plan}" if isinstance(plan, str) else plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,

@@ -23,6 +23,7 @@ SOURCE = Path(__file__).with_name("mla_decode.cu")
 SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's M dimension (plans with TM=1)
 SOURCE_WG = Path(__file__).with_name("mla_decode_wg.cu")  # heads as M on warpgroup MMAs (plans with WG=1)
 SOURCE_TM64 = Path(__file__).with_name("mla_decode_tm64.cu")  # tokens as M at 64 query rows (plans with TM64=1)
+SOURCE_SEESAW = Path(__file__).with_name("mla_decode_seesaw.cu")  # heads as M, warpgroups out of phase (WG=1, SEESAW=1)
 # the headers the sources include: part of every build's cache key
 HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh", "query_pieces.cuh",
            "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh", "wgmma.cuh", "wg_build.cuh", "code_expand.cuh",
@@ -30,10 +31,12 @@ HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query
 
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:
-    """The kernel source a plan's constants build: mla_decode_tm.cu where TM=1, mla_decode_wg.cu where WG=1,
-    mla_decode_tm64.cu where TM64=1, else mla_decode.cu."""
+    """The kernel source a plan's constants build: mla_decode_tm.cu where TM=1, mla_decode_wg.cu where WG=1
+    (mla_decode_seesaw.cu where SEESAW=1 too), mla_decode_tm64.cu where TM64=1, else mla_decode.cu."""
     m = dict(macros)
-    return SOURCE_TM if m.get("TM") else SOURCE_WG if m.get("WG") else SOURCE_TM64 if m.get("TM64") else SOURCE
+    if m.get("WG"):
+        return SOURCE_SEESAW if m.get("SEESAW") else SOURCE_WG
+    return SOURCE_TM if m.get("TM") else SOURCE_TM64 if m.get("TM64") else SOURCE
 
 
 def cache_dir() -> Path:

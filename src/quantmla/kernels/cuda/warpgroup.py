@@ -67,11 +67,14 @@ def half_operands(layout: PageLayout) -> bool:
     return c.quantized and r.quantized and c.meta_dtype == r.meta_dtype == "float16"
 
 
-def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> DecodePlan | str:
-    """The heads-as-M build for `layout` (or why there is none)."""
+def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw: bool = False) -> DecodePlan | str:
+    """The heads-as-M build for `layout` (or why there is none); `seesaw`: its two warpgroups out of phase, each
+    taking a whole tile's scores in turn (mla_decode_seesaw.cu; a BF16 cache only)."""
     why = warpgroup_reason(layout, rows)
     if why:
         return why
+    if seesaw and layout.token.fmt.content.quantized:
+        return f"{layout.token.fmt.content.describe()}: the warpgroups out of phase read a BF16 cache only"
     smem = smem_bytes_wg(layout)
     if smem > SMEM_PER_CTA:
         return f"{smem} bytes of shared memory a CTA: more than {SMEM_PER_CTA}"
@@ -94,6 +97,8 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype) -> Dec
         # the output products' k-steps committed apart, each one's tokens of the next tile built as it is done (at
         # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/decode_heads_m.md)
         macros["PV_STEPS"] = 1
+    if seesaw:
+        macros["SEESAW"] = 1  # (the map it takes fits the heads-as-M plan's shared memory: the kernel asserts it)
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
 
 
