@@ -94,12 +94,13 @@
 #                 other builds timed beside it)  -> kernels/tokens_m64_gpu_tests_h200.log,
 #                                                   kernels/decode_tokens_m64_128h_h200.json
 # fp8-one-cta     FP8 on the tokens-as-M kernel (16 heads), whose loop is bound by its copies through two 42 KB stages
-#                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default, at
-#                 the 16-head shapes of 128K tokens or more where FP8 is under 1.7x the peer
+#                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default and
+#                 the built tile (FP8's plan for units under 576 tokens), at the issue's 16-head shapes (FP8_SHAPES)
 #                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
 # seesaw          the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu, BF16): the heads-as-M
 #                 GPU tests of BF16 (both loops), then at 128 heads its decode kernel beside the default loop's, with
-#                 and without products, and INT4/INT4's beside them (SEESAW_VARIANTS: other builds)
+#                 and without products, and without the next scores behind the products (SS_EARLY=0)
+#                 (SEESAW_FORMATS: e.g. bf16,int4/int4 for INT4/INT4's default beside them; SEESAW_VARIANTS: other builds)
 #                          -> kernels/seesaw_gpu_tests_h200.log, kernels/decode_seesaw_128h_h200.json
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
@@ -355,18 +356,18 @@ e4m3-scores() {
 }
 
 fp8-one-cta() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats fp8 --heads 16 \
-    --shapes 8x16384,32x16384,64x4096,128x2048 --tilings "" --tokens-m --variants CTAS=1 \
-    --out "$OUT/kernels/decode_tokens_m_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | grep "tokens_m" | tail -16
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats fp8 --heads 16 \
+    --shapes ${FP8_SHAPES:-1x131072,8x16384,8x65536,32x16384,64x4096,128x2048} --tilings 8x32 --tokens-m --variants CTAS=1 \
+    --out "$OUT/kernels/decode_tokens_m_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | grep "tokens_m\|w8_n32" | tail -40
 }
 
 seesaw() {
   timeout 200 python3 -m pytest -q -x tests/test_kernels_gpu_warpgroup.py -k "not lowbit and not int and not fp8" -s \
     -p no:cacheprovider 2>&1 | grep -v -i warn > "$OUT/kernels/seesaw_gpu_tests_h200.log"
   tail -12 "$OUT/kernels/seesaw_gpu_tests_h200.log"
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats bf16,int4/int4 \
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats ${SEESAW_FORMATS:-bf16} \
     --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup \
-    --variants SEESAW=1 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
+    --variants SEESAW=1 SEESAW=1,SS_EARLY=0 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
     --out "$OUT/kernels/decode_seesaw_128h_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 
