@@ -100,44 +100,78 @@ def test_combine_undoes_the_fp16_partials_power_of_two():
         assert torch.allclose(lse[b].cpu().double(), ref_lse, rtol=0, atol=1e-5)
 
 
+def test_combine_merges_bf16_partials_of_any_range():
+    """bf16 partials (raw bf16 and FP8 caches) merge as they are, no power of two to undo: values from 1e-30 to 1e30,
+    far past fp16's range, give the fp64 merge of the same bf16 values within fp32 arithmetic, and the fp64 merge of
+    the unrounded partials within bf16's rounding (2^-8 relative)."""
+    from quantmla.kernels.decode import _mla_combine_kernel
+
+    g = torch.Generator().manual_seed(13)
+    R, DC, info = 2, 32, [(0, 6), (6, 3)]
+    po = torch.randn(9, R, DC, generator=g) * torch.logspace(-30, 30, DC)[None, None, :]
+    plse = torch.randn(9, R, generator=g)
+    pob = po.bfloat16()
+    out = torch.full((2, R, DC), float("nan"), device=DEV)
+    lse = torch.full((2, R), float("nan"), device=DEV)
+    _mla_combine_kernel[(2, 1, 1)](pob.to(DEV), plse.to(DEV), torch.tensor(info, dtype=torch.int32, device=DEV), out,
+                                   lse, R, D_C=DC, BLOCK_R=2, BLOCK_D=DC, BLOCK_S=8, ONE_STEP=True)
+    for b, (f, n) in enumerate(info):
+        l64 = plse[f:f + n].double()
+        ref_lse = torch.logsumexp(l64, 0)
+        w = torch.exp(l64 - ref_lse[None])[:, :, None]
+        got = out[b].cpu().double()
+        scale = (w * po[f:f + n].double().abs()).sum(0)  # the merge's magnitude, channel by channel
+        assert torch.isfinite(got).all()
+        assert ((got - (w * pob[f:f + n].double()).sum(0)).abs() <= 1e-6 * scale).all()
+        assert ((got - (w * po[f:f + n].double()).sum(0)).abs() <= 2 ** -8 * scale).all()
+        assert torch.allclose(lse[b].cpu().double(), ref_lse, rtol=0, atol=1e-5)
+
+
 def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
-    """partial_dtype by default and with QUANTMLA_PARTIALS=fp16: fp16 for integer content codes of up to 4 bits with
-    fp16 metadata (affine or symmetric, any RoPE path), fp32 for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata;
-    fp32 for every format with QUANTMLA_PARTIALS=fp32 (the setting results record); every CUDA plan of a layout writes
-    the dtype its workspace has (PART_KIND), and a launch with a workspace of another dtype is refused before any
-    launch."""
+    """partial_dtype by setting: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or
+    symmetric, any RoPE path) under "bf16" (the default) and "fp16"; for raw bf16, FP8, 8-bit codes and bf16 or fp32
+    metadata bf16 under "bf16" and fp32 under "fp16"; fp32 for every format under "fp32" (the setting results record);
+    every CUDA plan of a layout writes the dtype its workspace has (PART_KIND), a launch with a workspace of another
+    dtype is refused before any launch, and an unknown setting names the ones there are."""
     from helpers.cuda_plans import plan
 
     from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
     from quantmla.kernels import cuda
     from quantmla.quant import BF16, PathFormat
 
-    fp16 = {"int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
-            "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
-            "int4-sym/bf16": CacheFormat(PathFormat(4, 64, "symmetric"), BF16),
-            "int4/int8": CacheFormat(PathFormat(4, 64), PathFormat(8, 64))}
-    fp32 = {"bf16": CacheFormat(BF16, BF16), "fp8": CacheFormat(PathFormat(8, 128, "fp8", "float32"), BF16),
+    bounded = {"int4/int4": CacheFormat(PathFormat(4, 128), PathFormat(4, 64)),
+               "int2/int4": CacheFormat(PathFormat(2, 128), PathFormat(4, 64)),
+               "int4-sym/bf16": CacheFormat(PathFormat(4, 64, "symmetric"), BF16),
+               "int4/int8": CacheFormat(PathFormat(4, 64), PathFormat(8, 64))}
+    wide = {"bf16": CacheFormat(BF16, BF16), "fp8": CacheFormat(PathFormat(8, 128, "fp8", "float32"), BF16),
             "int8/int4": CacheFormat(PathFormat(8, 64), PathFormat(4, 64)),
             "int4-bf16meta": CacheFormat(PathFormat(4, 64, "affine", "bfloat16"), PathFormat(4, 64)),
             "int4-fp32meta": CacheFormat(PathFormat(4, 64, "affine", "float32"), PathFormat(4, 64))}
-    monkeypatch.setenv("QUANTMLA_PARTIALS", "fp16")
-    for want, fmts in ((torch.float16, fp16), (torch.float32, fp32)):
-        for name, fmt in fmts.items():
-            lay = PageLayout(TokenLayout(512, 64, fmt), 64)
-            assert partials.partial_dtype(lay) == want, name
-            for rows, tiling in ((16, {}), (16, {"tokens_m": False}), (128, {"warpgroup": True})):
-                p = plan(fmt, rows, **tiling)[1]
-                if p is not None:
-                    assert cuda.partial_kind(p) == want, (name, rows, tiling)
-    int4 = PageLayout(TokenLayout(512, 64, fp16["int4/int4"]), 64)
+    for setting, want_bounded, want_wide in (("bf16", torch.float16, torch.bfloat16),
+                                              ("fp16", torch.float16, torch.float32),
+                                              ("fp32", torch.float32, torch.float32)):
+        monkeypatch.setenv("QUANTMLA_PARTIALS", setting)
+        for want, fmts in ((want_bounded, bounded), (want_wide, wide)):
+            for name, fmt in fmts.items():
+                lay = PageLayout(TokenLayout(512, 64, fmt), 64)
+                assert partials.partial_dtype(lay) == want, (setting, name)
+                for rows, tiling in ((16, {}), (16, {"tokens_m": False}), (128, {"warpgroup": True})):
+                    p = plan(fmt, rows, **tiling)[1]
+                    if p is not None:
+                        assert cuda.partial_kind(p) == want, (setting, name, rows, tiling)
+    int4 = PageLayout(TokenLayout(512, 64, bounded["int4/int4"]), 64)
+    bf16 = PageLayout(TokenLayout(512, 64, wide["bf16"]), 64)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("QUANTMLA_PARTIALS")
-        assert partials.partial_dtype(int4) == torch.float16 and partials.partials_setting() == "fp16"  # the default
+        assert partials.partials_setting() == "bf16"  # the default
+        assert partials.partial_dtype(int4) == torch.float16 and partials.partial_dtype(bf16) == torch.bfloat16
         mp.setenv("QUANTMLA_PARTIALS", " FP32")
         assert partials.partial_dtype(int4) == torch.float32 and partials.partials_setting() == "fp32"
         mp.setenv("QUANTMLA_PARTIALS", "half")
-        with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS"):
+        with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS='half': use 'bf16'.*'fp16'.*'fp32'"):
             partials.partial_dtype(int4)
+    monkeypatch.delenv("QUANTMLA_PARTIALS")
+    assert dict(plan("bf16", 128, warpgroup=True)[1].macros)["PART_KIND"] == 2
     lay, p = plan("int4/int4", 16, tokens_m=True)
     assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == partials.PARTIAL_FP16_SHIFT
     lse = torch.zeros(4, 16)

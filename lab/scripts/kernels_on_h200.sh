@@ -48,6 +48,12 @@
 #                 32 x 16384 and 8 x 2048; then, all with fp16 partials, the GPU tests of the splits and of
 #                 partials past fp16's range        -> kernels/decode_in_graph_partials_{fp16,fp32}_h200.json,
 #                                                      kernels/partials_gpu_tests_h200.log
+# bf16-partials   the decode call in graphs of 8 layers with bf16 split partials for BF16 and FP8 (the default) and with
+#                 fp32 ones (QUANTMLA_PARTIALS=fp16: fp16 for integer codes, fp32 for the rest), one process each,
+#                 BF16 and FP8 at the issue's 16-head shapes and BF16 at its 128-head ones; then, with the default,
+#                 the GPU tests of the splits and of the error against fp64
+#                            -> kernels/decode_in_graph_partials_{16h,128h}_{bf16,fp16}_h200.json,
+#                               kernels/bf16_partials_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
@@ -278,6 +284,23 @@ partials() {
     -p no:cacheprovider $xdist -k "fp16_partials or many_splits or tokens_m_splits or warpgroup_splits or lowbit_splits or error_within or full_shape" 2>&1 \
     | tail -8 \
     | tee "$OUT/kernels/partials_gpu_tests_h200.log"
+}
+
+bf16-partials() {
+  local p
+  for p in fp16 bf16; do
+    QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 fp8 \
+      --shapes 1x131072 8x16384 32x16384 64x4096 128x2048 --layers 8 \
+      --out "$OUT/kernels/decode_in_graph_partials_16h_${p}_h200.json" 2>&1 | grep -v -i warn | tail -12
+    QUANTMLA_PARTIALS=$p timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 --heads 128 \
+      --shapes 1x32768 32x8192 64x4096 --layers 8 \
+      --out "$OUT/kernels/decode_in_graph_partials_128h_${p}_h200.json" 2>&1 | grep -v -i warn | tail -5
+  done
+  local xdist=""
+  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
+  timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py -q -rfs -p no:cacheprovider \
+    $xdist -k "many_splits or tokens_m_splits or warpgroup_splits or lowbit_splits or error_within or full_shape" 2>&1 \
+    | tail -8 | tee "$OUT/kernels/bf16_partials_gpu_tests_h200.log"
 }
 
 peer() {

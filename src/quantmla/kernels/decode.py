@@ -16,7 +16,7 @@ in bf16 registers (``code·scale + zero`` per channel group; the BF16 format loa
 A unit that covers a whole sequence writes the normalised output and the log-sum-exp directly;
 otherwise it writes a partial (output, lse) that ``_mla_combine_kernel`` merges: the lse in fp32, the output in the
 workspace's dtype (``partials.partial_dtype``: fp16 holding o·2^-5 for integer content codes of up to 4 bits with fp16
-metadata, fp32 otherwise or with QUANTMLA_PARTIALS=fp32).
+metadata, bf16 for the other formats; fp32 where QUANTMLA_PARTIALS asks).
 
 Two ways to rebuild a quantized tile (constexpr ``DEQ``):
   0: one wide byte load per token, planes split by shifts into a [N, planes, groups, width] tensor,
@@ -39,9 +39,11 @@ PART_FP16_UNSCALE = tl.constexpr(2.0**PARTIAL_FP16_SHIFT)
 @triton.jit
 def _partial(o, PO):
     """An fp32 partial output as the workspace PO stores it: in fp16 times 2^-PARTIAL_FP16_SHIFT (exact: a power of
-    two), in fp32 as it is."""
+    two), in bf16 or fp32 as it is."""
     if PO.dtype.element_ty == tl.float16:
         return (o * PART_FP16_SCALE).to(tl.float16)
+    elif PO.dtype.element_ty == tl.bfloat16:
+        return o.to(tl.bfloat16)
     else:
         return o
 

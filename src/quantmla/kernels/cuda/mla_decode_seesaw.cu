@@ -22,7 +22,7 @@
 // beside the query block and two stages).
 //
 // Macros: as mla_decode_wg.cu's BF16 plan (D_C D_R PS PAGE_BYTES OFF_CC OFF_RC FB_CC FB_RC OUT_KIND SMEM_EXPECTED
-// WG NW BN TMA HALF), SEESAW (1: this source), SS_EARLY (below); SKIP_QK and SKIP_PV (ptx.cuh: timing only).
+// WG NW BN TMA HALF), SEESAW (1: this source).
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -58,10 +58,6 @@ constexpr int SM_L = SM_SC + 2 * BM * 4;              // [2 warpgroups][BM] fp32
 constexpr int SM_BAR = SM_L + 2 * BM * 4;             // [2 stages][9 chunks] mbarriers
 constexpr int SMEM = SM_BAR + 2 * NCH * 8 + 1024;     // + the slack that aligns the chunks to 1024 bytes
 static_assert(SMEM <= SMEM_EXPECTED, "the heads-as-M plan's shared memory holds this map");
-
-#ifndef SS_EARLY
-#define SS_EARLY 1  // warpgroup 0's next scores over chunks 0-3 issued behind its products of P_b, before their wait
-#endif
 
 enum { BAR_SCALE0 = 1, BAR_SCALE1, BAR_P0, BAR_P1 };  // named barriers of the 256 threads (0: __syncthreads)
 
@@ -133,15 +129,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
   const uint64_t dq = sw128_desc(sQ, 16, 1024);
 
-  // the scores of tile it (stage it & 1, its barriers' phase `par`): s = Q·Kᵀ over chunks [c0, c1) (c0 = 0
-  // overwrites s), each issued as soon as it lands, as one group of products (`live` false: no tile it, the products
-  // run over the stage as it is and s is not used, so that the groups in flight are the same on every path)
-  auto scores_issue = [&](int it, int par, int c0, int c1, bool live = true) {
+  // the scores of tile it (stage it & 1, its barriers' phase `par`): s = Q·Kᵀ over the nine chunks, each issued as
+  // soon as it lands; waits for them
+  auto scores = [&](int it, int par) {
     uint8_t* st = stage(it & 1);
     const uint64_t dk = sw128_desc(st, 16, 1024);
 #pragma unroll
-    for (int c = c0; c < c1; ++c) {
-      if (live) mbar_wait(&sBar[(it & 1) * NCH + c], par);
+    for (int c = 0; c < NCH; ++c) {
+      mbar_wait(&sBar[(it & 1) * NCH + c], par);
       wgmma_fence();  // after the wait's branch: the compiler would otherwise fence every product
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -150,9 +145,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       }
     }
     wgmma_commit();
-  };
-  auto scores = [&](int it, int par) {
-    scores_issue(it, par, 0, NCH);
     wgmma_wait<0>();
     fence_regs(s);
   };
@@ -294,22 +286,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         for (int h = 0; h < 2; ++h) l_run[h] *= f[h];
         bar_sync(BAR_P1, NT);  // P_b is out, V_b's tail zeroed
         output_smem(sb, sb);   // O_L += P_b·V_bL
-        // SS_EARLY: the next tile's scores over the chunks refilled first (after the products of P_a) go in behind
-        // these products, before they are waited for
-        if (SS_EARLY) scores_issue(ta + 2, par ^ 1, 0, 4, next_a);
-        wgmma_wait<(SS_EARLY ? 1 : 0)>();
+        wgmma_wait<0>();
         fence_regs(o);
         if (lt == 0 && next_b) {  // V_bL and P_b read: refill them (and the RoPE chunk)
           load(tb + 2, 0, 4);
           load(tb + 2, CCH, NCH);
         }
-        if (SS_EARLY) {
-          scores_issue(ta + 2, par ^ 1, 4, NCH, next_a);
-          wgmma_wait<0>();
-          fence_regs(s);
-        }
       }
-      if ((!SS_EARLY || !has_b) && next_a) scores(ta + 2, par ^ 1);
+      if (next_a) scores(ta + 2, par ^ 1);
     } else {
       bar_sync(BAR_SCALE0, NT);  // m0 and its factors are out
       softmax(tb, !has_b, sSc, alpha);  // m0 → m1

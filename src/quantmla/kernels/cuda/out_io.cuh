@@ -1,5 +1,5 @@
 // The output's 16-bit or fp32 stores of the CUDA decode kernels (OUT_KIND: 0 bf16, 1 fp16, 2 fp32), and the type of
-// their split partials (PART_KIND: 0 fp32; 1 fp16 holding o·2^-PART_SHIFT, kernels.partials.partial_dtype).
+// their split partials (PART_KIND: 0 fp32; 1 fp16 holding o·2^-PART_SHIFT; 2 bf16; kernels.partials.partial_dtype).
 #pragma once
 
 #ifndef PART_KIND
@@ -8,6 +8,9 @@
 #if PART_KIND == 1
 typedef __half PartT;
 constexpr float PART_SCALE = 1.0f / float(1 << PART_SHIFT);  // exact: a power of two, undone by the combine
+#elif PART_KIND == 2
+typedef __nv_bfloat16 PartT;
+constexpr float PART_SCALE = 1.0f;
 #else
 typedef float PartT;
 constexpr float PART_SCALE = 1.0f;

@@ -94,16 +94,18 @@ def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
 
 
 def partial_macros(layout: PageLayout) -> dict:
-    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout: fp16 holding o·2^-PART_SHIFT where
-    ``partials.partial_dtype`` gives the workspace fp16, nothing (fp32, the build as it was) elsewhere."""
+    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout, as ``partials.partial_dtype``
+    gives its workspace: fp16 holding o·2^-PART_SHIFT (1), bf16 (2), or nothing (fp32, the build as it was)."""
     from quantmla.kernels.partials import PARTIAL_FP16_SHIFT, partial_dtype
 
-    return dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if partial_dtype(layout) == torch.float16 else {}
+    dt = partial_dtype(layout)
+    return (dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if dt == torch.float16 else dict(PART_KIND=2)
+            if dt == torch.bfloat16 else {})
 
 
 def partial_kind(plan: DecodePlan) -> torch.dtype:
     """The dtype of the partial output a build of `plan` writes."""
-    return torch.float16 if dict(plan.macros).get("PART_KIND") == 1 else torch.float32
+    return {1: torch.float16, 2: torch.bfloat16}.get(dict(plan.macros).get("PART_KIND", 0), torch.float32)
 
 
 def is_fp8(layout: PageLayout) -> bool:
