@@ -288,7 +288,7 @@ partials() {
 
 bf16-partials() {
   local p
-  for p in fp16 bf16; do
+  for p in ${PARTIALS_ORDER:-fp16 bf16}; do
     QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 fp8 \
       --shapes 1x131072 8x16384 32x16384 64x4096 128x2048 --layers 8 \
       --out "$OUT/kernels/decode_in_graph_partials_16h_${p}_h200.json" 2>&1 | grep -v -i warn | tail -12

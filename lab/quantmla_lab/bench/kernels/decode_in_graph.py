@@ -167,15 +167,17 @@ def main(argv=None) -> int:
                 torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
 
             decode(0)
-            # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none)
-            po, plse = (md.partials(H, D_C, partial_dtype(lay), caches[0].pages.device) if md.max_splits > 1
-                        else (lse[0], lse[0]))
+            # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none: the API
+            # passes each call's own lse in its place)
+            split = md.max_splits > 1
+            po, plse = md.partials(H, D_C, partial_dtype(lay), caches[0].pages.device) if split else (None, None)
 
             def kernel(l: int) -> None:
                 c = caches[l]
                 pages, pc16, pr16 = api.page_views(c.pages, lay)  # the call's own views of the pages
                 args = (q_lat[l], q_rope[l], pages, pc16, pr16, c.block_table, c.seq_lens, md.units, o_lat[l],
-                        lse[l], po, plse, c.block_table.stride(0), H, 1, H, 1, scale * api.LOG2E)
+                        lse[l], po if split else lse[l], plse if split else lse[l], c.block_table.stride(0), H, 1, H,
+                        1, scale * api.LOG2E)
                 ran = launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
                 if ran != md.variant:
                     raise SystemExit(f"{m}: the kernel alone ran {ran}, the call {md.variant}: not the same kernel")
