@@ -54,6 +54,9 @@
 #                 the GPU tests of the splits and of the error against fp64
 #                            -> kernels/decode_in_graph_partials_{16h,128h}_{bf16,fp16}_h200.json,
 #                               kernels/bf16_partials_gpu_tests_h200.log
+# bf16-partials-repeat  the shapes where bf16 partials moved most (16 heads: 64 x 4096, 32 x 16384, BF16 and FP8;
+#                 128 heads: 1 x 32768, 32 x 8192, BF16), fp16 / bf16 / bf16 / fp16 settings, a process each
+#                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
@@ -301,6 +304,19 @@ bf16-partials() {
   timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py -q -rfs -p no:cacheprovider \
     $xdist -k "many_splits or tokens_m_splits or warpgroup_splits or lowbit_splits or error_within or full_shape" 2>&1 \
     | tail -8 | tee "$OUT/kernels/bf16_partials_gpu_tests_h200.log"
+}
+
+bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both settings twice, alternating
+  local p n=0
+  for p in fp16 bf16 bf16 fp16; do
+    n=$((n + 1))
+    QUANTMLA_PARTIALS=$p timeout 100 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 fp8 \
+      --shapes 64x4096 32x16384 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_repeat_16h_${p}_${n}_h200.json" \
+      2>&1 | grep -v -i warn | tail -4
+    QUANTMLA_PARTIALS=$p timeout 100 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 --heads 128 \
+      --shapes 1x32768 32x8192 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_repeat_128h_${p}_${n}_h200.json" \
+      2>&1 | grep -v -i warn | tail -2
+  done
 }
 
 peer() {
