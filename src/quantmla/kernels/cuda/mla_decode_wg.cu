@@ -120,6 +120,7 @@ static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.p
 
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
 #include "wg_build.cuh"
+#include "wg_epilogue.cuh"
 
 // one bulk tensor copy of a [64 tokens x 64 channels] box at (channel c0, token t0, page pg) into dst, completing on bar
 __device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
@@ -510,32 +511,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   }
   cp_async_wait<0>();
 
-  // the rows' sums over both warpgroups
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-    if ((lane & 3) == 0) sL[wg * BM + r0 + 8 * h] = l_run[h];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + r0 + 8 * h;
-    if (r >= R) continue;
-    const float l = sL[r0 + 8 * h] + sL[BM + r0 + 8 * h];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    if (wg == 0 && (lane & 3) == 0) {
-      const float lv = l > 0.0f ? (m_run[h] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-      if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
-      else part_lse[(int64_t)u * R + r] = lv;
-    }
-    const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int c = wg * 256 + 8 * j + cq;
-      const float o0 = o[4 * j + 2 * h] * inv, o1 = o[4 * j + 2 * h + 1] * inv;
-      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
-      else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
-    }
-  }
+  wg_epilogue(o, l_run, [&](int h) { return m_run[h]; }, sL, wg, lane, r0, cq, row0, R, b, u, nsplit, out, lse, part_out,
+              part_lse);
 }
