@@ -128,11 +128,12 @@ def test_combine_merges_bf16_partials_of_any_range():
 
 
 def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
-    """partial_dtype by setting: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or
-    symmetric, any RoPE path) under "bf16" (the default) and "fp16"; for raw bf16, FP8, 8-bit codes and bf16 or fp32
-    metadata bf16 under "bf16" and fp32 under "fp16"; fp32 for every format under "fp32" (the setting results record);
-    every CUDA plan of a layout writes the dtype its workspace has (PART_KIND), a launch with a workspace of another
-    dtype is refused before any launch, and an unknown setting names the ones there are."""
+    """partial_dtype by setting and rows: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or
+    symmetric, any RoPE path) and, for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata, bf16 under "auto" (the
+    default) below 64 rows and under "bf16" at any, fp32 under "fp16"; "auto" gives fp32 at 64 rows or more (the
+    heads-as-M kernels), "fp32" everywhere; every CUDA plan of a layout writes the dtype its workspace has (PART_KIND),
+    a launch with a workspace of another dtype is refused before any launch, and an unknown setting names the ones
+    there are."""
     from helpers.cuda_plans import plan
 
     from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout
@@ -147,15 +148,19 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
             "int8/int4": CacheFormat(PathFormat(8, 64), PathFormat(4, 64)),
             "int4-bf16meta": CacheFormat(PathFormat(4, 64, "affine", "bfloat16"), PathFormat(4, 64)),
             "int4-fp32meta": CacheFormat(PathFormat(4, 64, "affine", "float32"), PathFormat(4, 64))}
-    for setting, want_bounded, want_wide in (("bf16", torch.float16, torch.bfloat16),
-                                              ("fp16", torch.float16, torch.float32),
-                                              ("fp32", torch.float32, torch.float32)):
+    f16, b16, f32 = torch.float16, torch.bfloat16, torch.float32
+    # setting: (bounded, wide) under 64 rows, then at 64 rows or more
+    want_of = {"auto": ((f16, b16), (f32, f32)), "bf16": ((f16, b16), (f16, b16)),
+               "fp16": ((f16, f32), (f16, f32)), "fp32": ((f32, f32), (f32, f32))}
+    cases = ((16, {}, 0), (16, {"tokens_m": False}, 0), (63, {"tokens_m": False}, 0), (64, {"warpgroup": True}, 1),
+             (128, {"warpgroup": True}, 1), (128, {"tokens_m": False}, 1))
+    for setting, wants in want_of.items():
         monkeypatch.setenv("QUANTMLA_PARTIALS", setting)
-        for want, fmts in ((want_bounded, bounded), (want_wide, wide)):
-            for name, fmt in fmts.items():
-                lay = PageLayout(TokenLayout(512, 64, fmt), 64)
-                assert partials.partial_dtype(lay) == want, (setting, name)
-                for rows, tiling in ((16, {}), (16, {"tokens_m": False}), (128, {"warpgroup": True})):
+        for rows, tiling, many in cases:
+            for want, fmts in zip(wants[many], (bounded, wide)):
+                for name, fmt in fmts.items():
+                    lay = PageLayout(TokenLayout(512, 64, fmt), 64)
+                    assert partials.partial_dtype(lay, rows) == want, (setting, name, rows)
                     p = plan(fmt, rows, **tiling)[1]
                     if p is not None:
                         assert cuda.partial_kind(p) == want, (setting, name, rows, tiling)
@@ -163,15 +168,17 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
     bf16 = PageLayout(TokenLayout(512, 64, wide["bf16"]), 64)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("QUANTMLA_PARTIALS")
-        assert partials.partials_setting() == "bf16"  # the default
-        assert partials.partial_dtype(int4) == torch.float16 and partials.partial_dtype(bf16) == torch.bfloat16
+        assert partials.partials_setting() == "auto"  # the default
+        assert partials.partial_dtype(int4, 16) == f16 and partials.partial_dtype(bf16, 16) == b16
+        assert partials.partial_dtype(int4, 128) == f32 and partials.partial_dtype(bf16, 128) == f32
         mp.setenv("QUANTMLA_PARTIALS", " FP32")
-        assert partials.partial_dtype(int4) == torch.float32 and partials.partials_setting() == "fp32"
+        assert partials.partial_dtype(int4, 16) == f32 and partials.partials_setting() == "fp32"
         mp.setenv("QUANTMLA_PARTIALS", "half")
-        with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS='half': use 'bf16'.*'fp16'.*'fp32'"):
-            partials.partial_dtype(int4)
+        with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS='half': use 'auto'.*'bf16'.*'fp16'.*'fp32'"):
+            partials.partial_dtype(int4, 16)
     monkeypatch.delenv("QUANTMLA_PARTIALS")
-    assert dict(plan("bf16", 128, warpgroup=True)[1].macros)["PART_KIND"] == 2
+    assert dict(plan("bf16", 16, tokens_m=False)[1].macros)["PART_KIND"] == 2
+    assert "PART_KIND" not in dict(plan("bf16", 128, warpgroup=True)[1].macros)
     lay, p = plan("int4/int4", 16, tokens_m=True)
     assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == partials.PARTIAL_FP16_SHIFT
     lse = torch.zeros(4, 16)
@@ -211,7 +218,7 @@ def test_decode_splits_of_latents_past_fp16s_range(monkeypatch):
         runs.append((md, *mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)))
     (split, o, l), (whole, o1, _) = runs
     assert split.max_splits > 1 and whole.max_splits == 1
-    po, _ = split.partials(H, D_C, partials.partial_dtype(lay), pool.layer(0).device)  # the API's, not a new one
+    po, _ = split.partials(H, D_C, partials.partial_dtype(lay, H), pool.layer(0).device)  # the API's, not a new one
     assert po.dtype == torch.float16 and sum(isinstance(k, tuple) for k in split.workspace) == 1
     ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
     assert ro.abs().max() > 65504 and torch.isfinite(o).all()

@@ -48,8 +48,8 @@
 #                 32 x 16384 and 8 x 2048; then, all with fp16 partials, the GPU tests of the splits and of
 #                 partials past fp16's range        -> kernels/decode_in_graph_partials_{fp16,fp32}_h200.json,
 #                                                      kernels/partials_gpu_tests_h200.log
-# bf16-partials   the decode call in graphs of 8 layers with bf16 split partials for BF16 and FP8 (the default) and with
-#                 fp32 ones (QUANTMLA_PARTIALS=fp16: fp16 for integer codes, fp32 for the rest), one process each,
+# bf16-partials   the decode call in graphs of 8 layers with bf16 split partials for BF16 and FP8 at any row count
+#                 (QUANTMLA_PARTIALS=bf16) and with fp32 ones (fp16: fp16 for integer codes, fp32 for the rest), a process each,
 #                 BF16 and FP8 at the issue's 16-head shapes and BF16 at its 128-head ones; then, with the default,
 #                 the GPU tests of the splits and of the error against fp64
 #                            -> kernels/decode_in_graph_partials_{16h,128h}_{bf16,fp16}_h200.json,

@@ -93,12 +93,13 @@ def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
-def partial_macros(layout: PageLayout) -> dict:
-    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout, as ``partials.partial_dtype``
-    gives its workspace: fp16 holding o·2^-PART_SHIFT (1), bf16 (2), or nothing (fp32, the build as it was)."""
+def partial_macros(layout: PageLayout, rows: int) -> dict:
+    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout read for `rows` query rows, as
+    ``partials.partial_dtype`` gives its workspace: fp16 holding o·2^-PART_SHIFT (1), bf16 (2), or nothing (fp32,
+    the build as it was)."""
     from quantmla.kernels.partials import PARTIAL_FP16_SHIFT, partial_dtype
 
-    dt = partial_dtype(layout)
+    dt = partial_dtype(layout, rows)
     return (dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if dt == torch.float16 else dict(PART_KIND=2)
             if dt == torch.bfloat16 else {})
 
