@@ -57,6 +57,10 @@
 # bf16-partials-repeat  the shapes where bf16 partials moved most (16 heads: 64 x 4096, 32 x 16384, BF16 and FP8;
 #                 128 heads: 1 x 32768, 32 x 8192, BF16), fp16 / bf16 / bf16 / fp16 settings, a process each
 #                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
+# staged-epilogue the heads-as-M kernels' epilogue through shared memory (EPI_SMEM=1: whole 16-byte stores) beside the
+#                 default at 128 heads, BF16 and INT4/INT4, with fp32 partials (the default there) and with 16-bit ones
+#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's
+#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
@@ -316,6 +320,15 @@ bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both sett
     QUANTMLA_PARTIALS=$p timeout 100 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 --heads 128 \
       --shapes 1x32768 32x8192 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_repeat_128h_${p}_${n}_h200.json" \
       2>&1 | grep -v -i warn | tail -2
+  done
+}
+
+staged-epilogue() {
+  local p
+  for p in auto bf16; do
+    QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
+      --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=1 \
+      --out "$OUT/kernels/decode_staged_epilogue_128h_${p}_h200.json" 2>&1 | grep -v -i warn | grep "warpgroup" | tail -24
   done
 }
 

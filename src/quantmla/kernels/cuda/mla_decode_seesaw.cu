@@ -329,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   }
 
   // the maxima as the last pair left them
+  static_assert(!EPI_SMEM || SM_M >= 64 * 520 * 4, "EPI_SMEM stages the rows over the query block and the stages");
   wg_epilogue(o, l_run, [&](int h) { return sM[r0 + 8 * h]; }, sL, wg, lane, r0, cq, row0, R, b, u, nsplit, out, lse,
-              part_out, part_lse);
+              part_out, part_lse, smem);
 }
