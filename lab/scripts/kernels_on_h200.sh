@@ -112,8 +112,8 @@
 #                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
 # seesaw          the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu, BF16): the heads-as-M
 #                 GPU tests of BF16 (both loops), then at 128 heads its decode kernel beside the default loop's, with
-#                 and without products, and without the next scores behind the products (SS_EARLY=0)
-#                 (SEESAW_FORMATS: e.g. bf16,int4/int4 for INT4/INT4's default beside them; SEESAW_VARIANTS: other builds)
+#                 and without products (SEESAW_FORMATS: e.g. bf16,int4/int4 for INT4/INT4's default beside them;
+#                 SEESAW_VARIANTS: other builds)
 #                          -> kernels/seesaw_gpu_tests_h200.log, kernels/decode_seesaw_128h_h200.json
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
@@ -419,7 +419,7 @@ seesaw() {
   tail -12 "$OUT/kernels/seesaw_gpu_tests_h200.log"
   timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats ${SEESAW_FORMATS:-bf16} \
     --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup \
-    --variants SEESAW=1 SEESAW=1,SS_EARLY=0 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
+    --variants SEESAW=1 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
     --out "$OUT/kernels/decode_seesaw_128h_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 

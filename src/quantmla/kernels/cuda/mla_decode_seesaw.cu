@@ -60,7 +60,8 @@ constexpr int SM_BAR = SM_L + 2 * BM * 4;             // [2 stages][9 chunks] mb
 constexpr int SMEM = SM_BAR + 2 * NCH * 8 + 1024;     // + the slack that aligns the chunks to 1024 bytes
 static_assert(SMEM <= SMEM_EXPECTED, "the heads-as-M plan's shared memory holds this map");
 
-enum { BAR_SCALE0 = 1, BAR_SCALE1, BAR_P0, BAR_P1 };  // named barriers of the 256 threads (0: __syncthreads)
+enum { BAR_SCALE0 = 1, BAR_SCALE1, BAR_P0, BAR_P1, BAR_WG0 };  // named barriers of the 256 threads (0: __syncthreads),
+                                                          // then one of each warpgroup's 128 (BAR_WG0 + wg)
 
 __device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
   asm volatile(
@@ -211,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
         *reinterpret_cast<T2*>(sp + swz(r0 + 8 * h, j) + 2 * cq) =
             __floats2bfloat162_rn(s[4 * j + 2 * h] * f[h], s[4 * j + 2 * h + 1] * f[h]);
   };
-  // the stale latent rows past the unit's end in a partial tile: zero (P·V would take NaN · 0), by one warpgroup
+  // the stale latent rows past the unit's end in a partial tile: zero (P·V would take NaN · 0), by one warpgroup,
+  // whose four warps then meet (each warp's products read every row of V, which all four zero)
   auto zero_tail = [&](int it) {
     const int valid = min(BN, end - (start + it * BN));
     if (valid == BN) return;
@@ -221,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       *reinterpret_cast<uint4*>(st + c * CHUNK + swz(t, i & 7)) = make_uint4(0, 0, 0, 0);
     }
     fence_proxy_async();
+    bar_sync(BAR_WG0 + wg, 128);
   };
   // o += P·V of this warpgroup's 256 channels of stage st: P from registers (s, as bf16 A fragments) or from the
   // stage `pst`'s RoPE chunk

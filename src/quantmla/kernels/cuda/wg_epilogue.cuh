@@ -66,26 +66,26 @@ __device__ __forceinline__ void wg_epilogue(const float (&o)[128], float (&l_run
     else
       wg_store_staged<OutT>(o, inv, 1.0f, stage, wg, r0, cq, nrows,
                             reinterpret_cast<OutT*>(out) + ((int64_t)b * R + row0) * D_C);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + r0 + 8 * h;
-    if (r >= R) continue;
-    const float l = sL[r0 + 8 * h] + sL[64 + r0 + 8 * h];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    if (wg == 0 && (lane & 3) == 0) {
-      const float lv = l > 0.0f ? (m_of(h) + log2f(l)) * 0.6931471805599453f : -INFINITY;
-      if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
-      else part_lse[(int64_t)u * R + r] = lv;
-    }
-    const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + r0 + 8 * h;
+      if (r >= R) continue;
+      const float l = sL[r0 + 8 * h] + sL[64 + r0 + 8 * h];
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      if (wg == 0 && (lane & 3) == 0) {
+        const float lv = l > 0.0f ? (m_of(h) + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        if (nsplit == 1) lse[(int64_t)b * R + r] = lv;
+        else part_lse[(int64_t)u * R + r] = lv;
+      }
+      const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int c = wg * 256 + 8 * j + cq;
-      const float o0 = o[4 * j + 2 * h] * inv, o1 = o[4 * j + 2 * h + 1] * inv;
-      if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
-      else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
+      for (int j = 0; j < 32; ++j) {
+        const int c = wg * 256 + 8 * j + cq;
+        const float o0 = o[4 * j + 2 * h] * inv, o1 = o[4 * j + 2 * h + 1] * inv;
+        if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
+        else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
+      }
     }
   }
 }
