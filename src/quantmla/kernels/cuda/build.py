@@ -27,7 +27,8 @@ SOURCE_SEESAW = Path(__file__).with_name("mla_decode_seesaw.cu")  # heads as M, 
 # the headers the sources include: part of every build's cache key
 HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh", "query_pieces.cuh",
            "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh", "wgmma.cuh", "wg_build.cuh", "code_expand.cuh",
-           "query_s8.cuh", "scores_s8.cuh", "code_planes.cuh", "tm64_ops.cuh", "wg_epilogue.cuh")
+           "query_s8.cuh", "scores_s8.cuh", "code_planes.cuh", "tm64_ops.cuh", "wg_epilogue.cuh",
+           "wg_copy.cuh")
 
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:

@@ -38,6 +38,7 @@ typedef __nv_bfloat162 T2;
 #include "out_io.cuh"
 #include "wgmma.cuh"
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
+#include "wg_copy.cuh"
 #include "wg_epilogue.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -63,13 +64,6 @@ static_assert(SMEM <= SMEM_EXPECTED, "the heads-as-M plan's shared memory holds 
 enum { BAR_SCALE0 = 1, BAR_SCALE1, BAR_P0, BAR_P1, BAR_WG0 };  // named barriers of the 256 threads (0: __syncthreads),
                                                           // then one of each warpgroup's 128 (BAR_WG0 + wg)
 
-__device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(pg), "r"(smem_u32(bar))
-      : "memory");
-}
-
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS, const __grid_constant__ CUtensorMap map_c,
                                                                const __grid_constant__ CUtensorMap map_r) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -89,12 +83,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   auto stage = [&](int s) { return smem + SM_K + s * TILE; };
 
   // the query block (rows past R read as zero), the barriers, the rows' maxima
-  for (int i = tid; i < BM * NCH * 8; i += NT) {
-    const int r = i / (NCH * 8), c = (i >> 3) % NCH, j = i & 7, gr = row0 + r;
-    const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
-    const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
-    cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
-  }
+  load_query_block_bf16(sQ, qc, qr, b, R, row0, tid, NT);
   cp_async_commit();
   if (tid < BM) sM[tid] = -INFINITY;
   if (tid == 0) {

@@ -120,15 +120,8 @@ static_assert(SMEM == SMEM_EXPECTED, "the plan's shared-memory size (warpgroup.p
 
 #include "query_pieces.cuh"  // MLA_DECODE_PARAMS
 #include "wg_build.cuh"
+#include "wg_copy.cuh"
 #include "wg_epilogue.cuh"
-
-// one bulk tensor copy of a [64 tokens x 64 channels] box at (channel c0, token t0, page pg) into dst, completing on bar
-__device__ __forceinline__ void tma_box(void* dst, const CUtensorMap* map, int c0, int t0, int pg, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(pg), "r"(smem_u32(bar))
-      : "memory");
-}
 
 // the kernel's arguments: the decode ABI, then (BF16) the tensor maps of the pages' latent and RoPE sections
 // (dims: channels, tokens of a page, pages; boxes of 64 x 64 x 1 in the 128-byte swizzle)
@@ -180,12 +173,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
     if (lane == 0) sQf[r] = qk_scale_log2 / scale;
   }
 #else
-  for (int i = tid; i < BM * NCH * 8; i += NT) {
-    const int r = i / (NCH * 8), c = (i >> 3) % NCH, j = i & 7, gr = row0 + r;
-    const int64_t qrow = (int64_t)b * R + (gr < R ? gr : 0);
-    const __nv_bfloat16* src = c < CCH ? qc + qrow * D_C + 64 * c + 8 * j : qr + qrow * D_R + 8 * j;
-    cp_async16_zfill(sQ + c * CHUNK + swz(r, j), src, gr < R);
-  }
+  load_query_block_bf16(sQ, qc, qr, b, R, row0, tid, NT);
 #endif
   if ((TMA || LOWBIT) && tid == 0) {
 #pragma unroll
