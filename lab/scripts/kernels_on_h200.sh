@@ -59,8 +59,10 @@
 #                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
 # staged-epilogue the heads-as-M kernels' epilogue through shared memory (EPI_SMEM=1: whole 16-byte stores) beside the
 #                 default at 128 heads, BF16 and INT4/INT4, with fp32 partials (the default there) and with 16-bit ones
-#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's
-#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json
+#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's; before that the
+#                 heads-as-M GPU tests with EPI_SMEM=1 as the source's default
+#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json,
+#                                                 kernels/staged_epilogue_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
@@ -324,7 +326,13 @@ bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both sett
 }
 
 staged-epilogue() {
-  local p
+  local p log="$OUT/kernels/staged_epilogue_gpu_tests_h200.log"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  sed -i 's/^#define EPI_SMEM 0 /#define EPI_SMEM 1 /' src/quantmla/kernels/cuda/wg_epilogue.cuh
+  grep -n "^#define EPI_SMEM" src/quantmla/kernels/cuda/wg_epilogue.cuh >> "$log"
+  timeout 200 python3 -m pytest -q tests/test_kernels_gpu_warpgroup.py -rfs -p no:cacheprovider 2>&1 \
+    | grep -v -i warn | tail -8 | tee -a "$log"
+  sed -i 's/^#define EPI_SMEM 1 /#define EPI_SMEM 0 /' src/quantmla/kernels/cuda/wg_epilogue.cuh
   for p in auto bf16; do
     QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
       --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=1 \
