@@ -65,6 +65,9 @@
 #                                                 kernels/staged_epilogue_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
+# combine-blocks  the combine kernel alone at the API's program blocks and at blocks narrowed rows first (whole
+#                 128-byte rows of a partial a program): 16 rows with fp16 partials, 128 rows with fp32
+#                          -> kernels/combine_blocks_16rows_fp16_h200.json, kernels/combine_blocks_128rows_fp32_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
 #                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format
 #                                                                           -> kernels/decode_vs_peer_h200.json (+ .png)
@@ -409,6 +412,13 @@ two-bit-plans() {
 
 combine() {
   timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
+}
+
+combine-blocks() {
+  timeout 100 python3 -m quantmla_lab.bench.kernels.combine --partials fp16 --blocks 1x64 2x32 1x32 4x16 \
+    --out "$OUT/kernels/combine_blocks_16rows_fp16_h200.json" 2>&1 | tail -30
+  timeout 100 python3 -m quantmla_lab.bench.kernels.combine --rows 128 --shapes 1x64,8x8,32x2 --blocks 2x64 4x32 1x128 \
+    --out "$OUT/kernels/combine_blocks_128rows_fp32_h200.json" 2>&1 | tail -16
 }
 
 e4m3-scores() {
