@@ -65,6 +65,11 @@
 #                                                 kernels/staged_epilogue_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
+# cluster-merge   the heads-as-M kernel's cluster-merge build (CLUSTER_MERGE: a thread-block cluster's units merged
+#                 through distributed shared memory, one partial a cluster): its GPU tests, then whole calls at 128 heads
+#                 in clusters of up to 2, 4 and 8 units beside the default, BF16 and INT4/INT4, fp32 partials (auto) and
+#                 16-bit ones (bf16), a process each  -> kernels/cluster_merge_gpu_tests_h200.log,
+#                                                      kernels/decode_cluster_merge_128h_{auto,bf16}_h200.json
 # combine-blocks  the combine kernel alone at the API's program blocks and at blocks narrowed rows first (whole
 #                 128-byte rows of a partial a program): 16 rows with fp16 partials, 128 rows with fp32
 #                          -> kernels/combine_blocks_16rows_fp16_h200.json, kernels/combine_blocks_128rows_fp32_h200.json
@@ -412,6 +417,19 @@ two-bit-plans() {
 
 combine() {
   timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
+}
+
+cluster-merge() {
+  local p log="$OUT/kernels/cluster_merge_gpu_tests_h200.log"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  timeout 240 python3 -m pytest -q tests/test_kernels_gpu_warpgroup.py -k cluster -rfs -s -p no:cacheprovider 2>&1 \
+    | grep -v -i warn | tail -40 | tee -a "$log"
+  for p in auto bf16; do
+    QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
+      --formats bf16,int4/int4 --shapes ${CLUSTER_SHAPES:-1x32768,4x16384,32x8192,64x4096} --tilings "" --warpgroup \
+      --cluster 2 4 8 --out "$OUT/kernels/decode_cluster_merge_128h_${p}_h200.json" 2>&1 | grep -v -i warn \
+      | grep "warpgroup \|warpgroup_cl\|api_default" | tail -40
+  done
 }
 
 combine-blocks() {
