@@ -50,37 +50,6 @@ def test_decode_cuda_warpgroup_error_within_bf16_paths(seesaw):
     assert wg <= 1.5 * tri, (wg, tri)
 
 
-@pytest.mark.parametrize("name,seesaw", [("bf16", False), ("bf16", True), ("int4/int4", False), ("fp8", False)])
-@pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (40, 3)])
-def test_decode_cuda_warpgroup_cluster_merge(name, seesaw, H, SQ):
-    """The cluster-merge build (CLUSTER_MERGE: a thread-block cluster's units merged through distributed shared memory)
-    against the fp32 oracle: NaN-poisoned outputs, lengths 0, 1, odd and across pages with the splits rounded up to the
-    cluster (trailing empty units), a lone long sequence (clusters of up to 8, partials through the combine), and
-    sequences whose clusters hold all their units (no combine); row blocks past the last row (40 x 3 rows)."""
-    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=29 * H + SQ)
-    cfg = warpgroup_config(lay, H * SQ, seesaw, cluster=8)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 17 * SQ, config=cfg)
-    print(name, H, SQ, md.config.describe(), md.variant, md.num_units, md.combine_splits)
-    assert md.config.cluster > 1 and "x" in md.variant.split("/")[-1], (md.config.describe(), md.variant)
-    for lens, chunk in (([20000], None), ([6000] * 8, None), ([20000, 3, 511], 64)):
-        lay, pages, bt, sl = make_cache(FORMATS[name], lens, seed=len(lens) + H)
-        md = check_decode(lay, pages, bt, sl, H, SQ, seed=3 + H, config=cfg, chunk_tokens=chunk)
-        print(" ", lens[:3], chunk, md.config.describe(), md.num_units, md.max_splits, md.combine_splits)
-        assert md.config.cluster > 1, md.config.describe()
-
-
-@pytest.mark.parametrize("seesaw", [False, True])
-def test_decode_cuda_warpgroup_cluster_merge_error_within_bf16_paths(seesaw):
-    """Against fp64, the cluster merge's error at 128 heads (a lone sequence in clusters of up to 8) is within 1.5x the
-    Triton BF16 kernel's."""
-    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [16384], seed=41)
-    cm, md = fp64_error(lay, pages, bt, sl, 128, 22, warpgroup_config(lay, 128, seesaw, cluster=8))
-    assert md.config.cluster > 1, md.config.describe()
-    tri, md = fp64_error(lay, pages, bt, sl, 128, 22, kernel_config("triton", lay, 128, 1))
-    print(f"cluster merge {cm:.2e}, triton {tri:.2e}")
-    assert cm <= 1.5 * tri, (cm, tri)
-
-
 WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym", "fp8"]
 
 

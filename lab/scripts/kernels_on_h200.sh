@@ -57,19 +57,17 @@
 # bf16-partials-repeat  the shapes where bf16 partials moved most (16 heads: 64 x 4096, 32 x 16384, BF16 and FP8;
 #                 128 heads: 1 x 32768, 32 x 8192, BF16), fp16 / bf16 / bf16 / fp16 settings, a process each
 #                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
-# staged-epilogue the heads-as-M kernels' epilogue through shared memory (EPI_SMEM=1: whole 16-byte stores) beside the
-#                 default at 128 heads, BF16 and INT4/INT4, with fp32 partials (the default there) and with 16-bit ones
-#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's; before that the
-#                 heads-as-M GPU tests with EPI_SMEM=1 as the source's default
-#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json,
-#                                                 kernels/staged_epilogue_gpu_tests_h200.log
+# staged-epilogue the heads-as-M kernels' epilogue from the registers (EPI_SMEM=0) beside the default staged one at
+#                 128 heads, BF16 and INT4/INT4, with fp32 partials (the default there) and with 16-bit ones
+#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's
+#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json
+# partials-128    whole calls at 128 heads (decode_in_graph, graphs of 8 layers) with fp32 partials (auto) and 16-bit
+#                 ones (bf16), BF16 and INT4/INT4, a process each; then the combine alone at 128 rows with bf16
+#                 partials, the API's blocks beside blocks narrowed rows first
+#                                   -> kernels/decode_in_graph_partials_128h_{auto,bf16}_staged_h200.json,
+#                                      kernels/combine_blocks_128rows_bf16_h200.json
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
-# cluster-merge   the heads-as-M kernel's cluster-merge build (CLUSTER_MERGE: a thread-block cluster's units merged
-#                 through distributed shared memory, one partial a cluster): its GPU tests, then whole calls at 128 heads
-#                 in clusters of up to 2, 4 and 8 units beside the default, BF16 and INT4/INT4, fp32 partials (auto) and
-#                 16-bit ones (bf16), a process each  -> kernels/cluster_merge_gpu_tests_h200.log,
-#                                                      kernels/decode_cluster_merge_128h_{auto,bf16}_h200.json
 # combine-blocks  the combine kernel alone at the API's program blocks and at blocks narrowed rows first (whole
 #                 128-byte rows of a partial a program): 16 rows with fp16 partials, 128 rows with fp32
 #                          -> kernels/combine_blocks_16rows_fp16_h200.json, kernels/combine_blocks_128rows_fp32_h200.json
@@ -334,18 +332,23 @@ bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both sett
 }
 
 staged-epilogue() {
-  local p log="$OUT/kernels/staged_epilogue_gpu_tests_h200.log"
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  sed -i 's/^#define EPI_SMEM 0 /#define EPI_SMEM 1 /' src/quantmla/kernels/cuda/wg_epilogue.cuh
-  grep -n "^#define EPI_SMEM" src/quantmla/kernels/cuda/wg_epilogue.cuh >> "$log"
-  timeout 200 python3 -m pytest -q tests/test_kernels_gpu_warpgroup.py -rfs -p no:cacheprovider 2>&1 \
-    | grep -v -i warn | tail -8 | tee -a "$log"
-  sed -i 's/^#define EPI_SMEM 1 /#define EPI_SMEM 0 /' src/quantmla/kernels/cuda/wg_epilogue.cuh
+  local p
   for p in auto bf16; do
     QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
-      --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=1 \
+      --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=0 \
       --out "$OUT/kernels/decode_staged_epilogue_128h_${p}_h200.json" 2>&1 | grep -v -i warn | grep "warpgroup" | tail -24
   done
+}
+
+partials-128() {
+  local p
+  for p in auto bf16; do
+    QUANTMLA_PARTIALS=$p timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 int4/int4 \
+      --heads 128 --shapes 1x32768 4x16384 32x8192 64x4096 --layers 8 \
+      --out "$OUT/kernels/decode_in_graph_partials_128h_${p}_staged_h200.json" 2>&1 | grep -v -i warn | tail -10
+  done
+  timeout 100 python3 -m quantmla_lab.bench.kernels.combine --rows 128 --partials bf16 --shapes 1x64,4x16,8x8,32x2 \
+    --blocks 1x128 2x64 4x32 1x64 2x32 --out "$OUT/kernels/combine_blocks_128rows_bf16_h200.json" 2>&1 | tail -28
 }
 
 peer() {
@@ -417,19 +420,6 @@ two-bit-plans() {
 
 combine() {
   timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
-}
-
-cluster-merge() {
-  local p log="$OUT/kernels/cluster_merge_gpu_tests_h200.log"
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  timeout 240 python3 -m pytest -q tests/test_kernels_gpu_warpgroup.py -k cluster -rfs -s -p no:cacheprovider 2>&1 \
-    | grep -v -i warn | tail -40 | tee -a "$log"
-  for p in auto bf16; do
-    QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
-      --formats bf16,int4/int4 --shapes ${CLUSTER_SHAPES:-1x32768,4x16384,32x8192,64x4096} --tilings "" --warpgroup \
-      --cluster 2 4 8 --out "$OUT/kernels/decode_cluster_merge_128h_${p}_h200.json" 2>&1 | grep -v -i warn \
-      | grep "warpgroup \|warpgroup_cl\|api_default" | tail -40
-  done
 }
 
 combine-blocks() {

@@ -143,18 +143,16 @@ def tokens_m_config(lay, rows, plan=None):
     return cfg
 
 
-def warpgroup_config(lay, rows, seesaw=False, cluster=1):
+def warpgroup_config(lay, rows, seesaw=False):
     """The heads-as-M kernel's config (mla_decode_wg.cu: the query rows as the M of warpgroup MMAs; `seesaw`: its
-    warpgroups out of phase, mla_decode_seesaw.cu; `cluster`: its cluster-merge build, up to that many units a
-    cluster)."""
+    warpgroups out of phase, mla_decode_seesaw.cu)."""
     from quantmla.kernels.cuda.build import nvcc
     from quantmla.kernels.schedule import cuda_config
 
     if nvcc() is None:
         pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    cfg = cuda_config(rows, lay, "cuda", warpgroup=True, seesaw=seesaw, cluster=cluster)
-    assert cfg is not None and cfg.warpgroup and cfg.seesaw == seesaw and cfg.cluster == cluster, \
-        __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
+    cfg = cuda_config(rows, lay, "cuda", warpgroup=True, seesaw=seesaw)
+    assert cfg is not None and cfg.warpgroup and cfg.seesaw == seesaw, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
     return cfg
 
 

@@ -153,8 +153,8 @@ def mla_decode_with_kvcache(
         out = torch.empty((B, SQ, H, DC), dtype=out_dtype, device=device)
     if lse is None:
         lse = torch.empty((B, SQ, H), dtype=torch.float32, device=device)
-    if metadata.combine_splits > 1:  # (clusters that hold all their sequence's units write its rows themselves)
-        c = metadata.combine or combine_shape(B, R, DC, metadata.combine_splits, num_sms_of(device))
+    if metadata.max_splits > 1:
+        c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
         c.check(R, DC)  # before any launch
         po, plse = metadata.partials(R, DC, partial_dtype(layout, R), device)
     else:
@@ -165,11 +165,11 @@ def mla_decode_with_kvcache(
         bt.stride(0), H, SQ, R, 1 if causal else 0, float(softmax_scale) * LOG2E,
     )
     metadata.workspace["variant"] = launch_decode(grid, args, layout, cfg)
-    if metadata.combine_splits > 1:
+    if metadata.max_splits > 1:
         from quantmla.kernels.decode import _mla_combine_kernel
 
         _mla_combine_kernel[(B, -(-R // c.block_r), DC // c.block_d)](
-            po, plse, metadata.combine_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
+            po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
             ONE_STEP=c.one_step, num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)

@@ -76,7 +76,7 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
                             fragments=cfg.fragments, tokens_m=cfg.tokens_m, token_blocks=cfg.token_blocks,
                             warpgroup=cfg.warpgroup, specialized=cfg.specialized, s8_scores=cfg.s8_scores,
                             scale_vote=cfg.scale_vote, tokens_m64=cfg.tokens_m64, seesaw=cfg.seesaw,
-                            ctas_per_sm=cfg.ctas_per_sm if cfg.tokens_m else None, cluster_merge=cfg.cluster > 1)
+                            ctas_per_sm=cfg.ctas_per_sm if cfg.tokens_m else None)
     if plan is None:
         why = cuda.plan_reason.get(layout, "no plan")
     elif plan.block_m != cfg.block_m:
@@ -85,13 +85,11 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         why = _CUDA_FAILED[plan]
     else:
         try:
-            cuda.launch_decode(plan, (grid[1], grid[0]), args, device, cluster=cfg.cluster)
+            cuda.launch_decode(plan, (grid[1], grid[0]), args, device)
             return plan.describe()
         except QuantMLAError as e:
             why = _CUDA_FAILED[plan] = str(e).splitlines()[0]
-    if cuda.mode() == "cuda" or cfg.cluster > 1:  # (units cut for clusters are the cluster-merge build's alone)
-        raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}" + (
-            " (units cut for clusters run on the CUDA cluster-merge build only: a config with cluster=1 runs anywhere)"
-            if cfg.cluster > 1 else ""))
+    if cuda.mode() == "cuda":
+        raise UnsupportedFormatError(f"the CUDA decode kernel cannot run {cfg.describe()}: {why}")
     warnings.warn(f"the CUDA decode kernel cannot run this call ({why}); the Triton kernel runs instead")
     return None

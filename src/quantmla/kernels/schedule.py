@@ -10,7 +10,7 @@ kernel's programs (``combine_shape``). ``kernels.api`` re-exports all of it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,12 +68,7 @@ class DecodeConfig:
     s8_scores: with tokens_m and specialized, the scores' products as 8-bit warpgroup MMAs (S8_QK, INT4/INT4; not the
     default);
     scale_vote: with tokens_m, each token's P also held under 65504 / its largest content scale (SCALE_VOTE), so that
-    content scales past kernels.cuda.TM_MAX_CONTENT_SCALE read right (not the default: it costs up to 12 %);
-    cluster: with warpgroup (not tokens_m64), the most CTAs (2, 4 or 8) of a thread-block cluster whose consecutive
-    units of one sequence merge their outputs through distributed shared memory before they store them (CLUSTER_MERGE,
-    kernels/cuda/wg_epilogue.cuh): a cluster writes one partial, or the sequence's own rows where it holds all of its
-    units. ``get_mla_metadata`` cuts the units for the largest cluster up to this that keeps one wave
-    (``cluster_units``) and gives its metadata that cluster (1: the plain build). Not the default."""
+    content scales past kernels.cuda.TM_MAX_CONTENT_SCALE read right (not the default: it costs up to 12 %)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -94,7 +89,6 @@ class DecodeConfig:
     scale_vote: bool = False
     tokens_m64: bool = False
     seesaw: bool = False
-    cluster: int = 1
 
     def __post_init__(self):
         if (self.tokens_m64 or self.seesaw) and not self.warpgroup:  # both take the heads-as-M launch shape
@@ -106,8 +100,7 @@ class DecodeConfig:
         wg = "cuda/tm64" if self.tokens_m64 else "cuda/ss" if self.seesaw else "cuda/wg"
         cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
-        x = f" x{self.cluster}" if self.cluster > 1 else ""
-        return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}{x}"
+        return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
 
 def default_config(rows: int, layout: PageLayout | None = None, device: torch.device | str | None = None,
@@ -157,8 +150,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False,
-                scale_vote: bool = False, tokens_m64: bool = False, seesaw: bool = False,
-                cluster: int = 1) -> DecodeConfig | None:
+                scale_vote: bool = False, tokens_m64: bool = False, seesaw: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
     None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
     where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
@@ -170,22 +162,18 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs, `scale_vote` its
     SCALE_VOTE build), `tokens_m=False` for
     the built tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only (with `tokens_m64=True` the
-    tokens-as-M kernel at 64 rows instead; with `seesaw=True` its warpgroups out of phase, BF16 only; with `cluster` 2, 4
-    or 8 its build that merges up to that many units in a thread-block cluster, ``DecodeConfig.cluster``)."""
+    tokens-as-M kernel at 64 rows instead; with `seesaw=True` its warpgroups out of phase, BF16 only)."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
     dev = torch.device(device)
-    if cluster not in (1, 2, 4, 8) or (cluster > 1 and (not warpgroup or tokens_m64)):
-        raise UnsupportedFormatError(f"cluster={cluster}: clusters of 2, 4 or 8 units merge in the heads-as-M kernel "
-                                     "only (warpgroup=True, not tokens_m64); 1 turns the merge off")
     if nvcc() is None:
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
     warpgroup = warpgroup or tokens_m64 or seesaw  # (both take the heads-as-M launch shape)
     if warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, tokens_m64=tokens_m64,
-                                      seesaw=seesaw, cluster_merge=cluster > 1))
+                                      seesaw=seesaw))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
                                       specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores,
@@ -212,8 +200,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                         tokens_m64=bool(dict(plan.macros).get("TM64")), seesaw=bool(dict(plan.macros).get("SEESAW")),
                         specialized=bool(dict(plan.macros).get("WS")),
                         s8_scores=bool(dict(plan.macros).get("S8_QK")),
-                        scale_vote=bool(dict(plan.macros).get("SCALE_VOTE")),
-                        cluster=cluster if dict(plan.macros).get("CLUSTER_MERGE") else 1)
+                        scale_vote=bool(dict(plan.macros).get("SCALE_VOTE")))
 
 
 @dataclass
@@ -235,18 +222,6 @@ class MLAMetadata:
     chunk_tokens: int
     combine: CombineShape | None = None
     workspace: dict = field(default_factory=dict, repr=False)
-    merged_info: torch.Tensor | None = None
-
-    @property
-    def combine_info(self) -> torch.Tensor:
-        """int32 [B, 2] rows (first partial, partials) the combine kernel merges: ``seq_info``, or with clusters of C
-        units (``config.cluster``) ``seq_info // C``: each cluster writes one partial, in slot (its first unit) / C."""
-        return self.seq_info if self.merged_info is None else self.merged_info
-
-    @property
-    def combine_splits(self) -> int:
-        """The most partials a sequence leaves to the combine kernel (1: none runs)."""
-        return self.max_splits // self.config.cluster
 
     @property
     def variant(self) -> str | None:
@@ -256,14 +231,12 @@ class MLAMetadata:
         return self.workspace.get("variant")
 
     def partials(self, rows: int, d_c: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split partials' workspace of calls with this schedule, made on first use and kept: (outputs [slots, rows,
-        d_c] of `dtype`, ``partials.partial_dtype``; log-sum-exps [slots, rows] fp32), a slot a unit (a cluster of
-        ``config.cluster`` units where they merge)."""
+        """The split partials' workspace of calls with this schedule, made on first use and kept: (outputs [units, rows,
+        d_c] of `dtype`, ``partials.partial_dtype``; log-sum-exps [units, rows] fp32)."""
         key = (rows, d_c, dtype, str(torch.device(device)))
         if key not in self.workspace:
-            n = self.num_units // self.config.cluster
-            self.workspace[key] = (torch.empty((n, rows, d_c), dtype=dtype, device=device),
-                                   torch.empty((n, rows), dtype=torch.float32, device=device))
+            self.workspace[key] = (torch.empty((self.num_units, rows, d_c), dtype=dtype, device=device),
+                                   torch.empty((self.num_units, rows), dtype=torch.float32, device=device))
         return self.workspace[key]
 
     @property
@@ -334,14 +307,6 @@ def get_mla_metadata(
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
-    if cfg.cluster > 1:
-        from quantmla.kernels import cuda
-
-        sms = num_sms or num_sms_of(device)
-        c, units, info = cluster_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn, cfg.cluster, sms // hb,
-                                       lambda c, n: cuda.clusters_fit(cfg_plan(cfg, rows, layout, device), device, c,
-                                                                      n * hb))
-        cfg = replace(cfg, cluster=c)
     one_an_sm = len(units) * hb <= (num_sms or num_sms_of(device))
     if (config is None or follow_units) and (
             chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm)) is not cfg:
@@ -358,8 +323,6 @@ def get_mla_metadata(
         seq_lens=lens,
         chunk_tokens=chunk_tiles * bn,
         combine=combine,
-        merged_info=None if cfg.cluster == 1 else torch.from_numpy(info // cfg.cluster).to(
-            device=device, dtype=torch.int32).reshape(-1, 2),
     )
 
 
@@ -386,53 +349,21 @@ def fewest_tiles(tiles: np.ndarray, num_units: int, min_tiles: int) -> int:
     return lo
 
 
-def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
     """Sequences of `lens` tokens cut into splits of at most `chunk_tiles` key tiles of `tile` tokens, evened out
     (equal whole tiles, the last one shorter; a sequence of 0 tokens one empty unit) -> (units int64 [U, 4] rows
-    (sequence, token start, token end, splits), seq_info int64 [B, 2] rows (first unit, splits)). `multiple` > 1:
-    every sequence's splits rounded up to a multiple of it (the tiles evened over them; the last units may be empty)."""
+    (sequence, token start, token end, splits), seq_info int64 [B, 2] rows (first unit, splits))."""
     n = np.asarray(lens, dtype=np.int64).reshape(-1)
     t = -(-n // tile)
     splits = np.maximum(1, -(-t // chunk_tiles))
     per = -(-t // splits)  # tiles a split, balanced
-    if multiple > 1:
-        splits = -(-splits // multiple) * multiple
-        per = -(-t // splits)
-    else:
-        splits = np.where(per > 0, -(-t // np.maximum(per, 1)), 1)
+    splits = np.where(per > 0, -(-t // np.maximum(per, 1)), 1)
     first = (np.cumsum(splits) - splits).astype(np.int64)
     seq = np.repeat(np.arange(len(n)), splits)
     j = np.arange(len(seq)) - first[seq]
     units = np.stack([seq, np.minimum(n[seq], j * per[seq] * tile), np.minimum(n[seq], (j + 1) * per[seq] * tile),
                       splits[seq]], axis=1).astype(np.int64).reshape(-1, 4)
     return units, np.stack([first, splits], axis=1).astype(np.int64).reshape(-1, 2)
-
-
-def cluster_units(lens: np.ndarray, chunk_tiles: int, tile: int, max_cluster: int, max_units: int,
-                  fits=None) -> tuple[int, np.ndarray, np.ndarray]:
-    """The units of sequences of `lens` tokens (``cut_units`` at `chunk_tiles` tiles of `tile` tokens) for thread-block
-    clusters of C consecutive units of one sequence: C the largest power of two up to `max_cluster` for which every
-    sequence's splits rounded up to a multiple of C make no more waves of `max_units` units than the units without
-    clusters (the rounding's empty units fill a wave, never start one) and `fits(C, n)` (the device runs n units, a
-    wave's or fewer, in clusters of C at once; None: it does) -> (C, units, seq_info); C = 1 where no cluster of 2
-    does (the units as ``cut_units`` cuts them)."""
-    base = cut_units(lens, chunk_tiles, tile)
-    waves = -(-len(base[0]) // max_units)
-    c = max_cluster
-    while c > 1:
-        units, info = cut_units(lens, chunk_tiles, tile, multiple=c)
-        if -(-len(units) // max_units) <= waves and (fits is None or fits(c, min(len(units), max_units))):
-            return c, units, info
-        c //= 2
-    return 1, *base
-
-
-def cfg_plan(cfg: DecodeConfig, rows: int, layout: PageLayout, device):
-    """The CUDA build a heads-as-M config with ``cluster`` > 1 launches (its cluster-merge plan)."""
-    from quantmla.kernels import cuda
-
-    return cuda.decode_plan(layout, rows, torch.bfloat16, torch.device(device), warpgroup=True, seesaw=cfg.seesaw,
-                            cluster_merge=True)
 
 
 def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,

@@ -71,9 +71,6 @@ class StaticDecodePlan:
         self.host: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, layout in backend.kinds.items():
             cfg = decode_tiling(backend, layout, b, max_len)
-            if cfg.cluster > 1:  # (a bucket deals its units out by length: no multiple of a cluster a sequence)
-                raise UnsupportedFormatError(f"decode config {cfg.describe()}: CUDA-graph buckets do not launch "
-                                             "thread-block clusters; give the engine a decode_config with cluster=1")
             S, chunk, min_span = bucket_splits(cfg, H, b, max_len, schedule.num_sms_of(dev))
             proto = api.get_mla_metadata(torch.full((b,), max_len, dtype=torch.int32, device=dev), H, 1, layout,
                                          config=cfg, chunk_tokens=chunk)

@@ -110,9 +110,6 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
                     help="with --tokens-m or --warpgroup: other builds of its plan (e.g. TPW=1, S_CHAINS=2), timed beside "
                          "it, their outputs compared with its")
-    ap.add_argument("--cluster", type=int, nargs="*", default=[], metavar="C",
-                    help="with --warpgroup: the whole call with the cluster-merge build, clusters of up to C units "
-                         "(schedule.DecodeConfig.cluster), beside the default's")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
@@ -229,13 +226,6 @@ def main() -> None:
                     base: list = []
                     us = time_decode(plan, md, base)
                     row("warpgroup_decode", us, plan, decode_only=True, units=md.num_units, tflops=tflop / us * 1e6)
-                    for cl in a.cluster:  # the whole call with the units of a thread-block cluster merged on chip
-                        ccfg = schedule.cuda_config(H, lay, dev, warpgroup=True, cluster=cl)
-                        cmd_ = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=ccfg)
-                        cus, cdiff = time_call(cmd_)
-                        row(f"warpgroup_cluster{cl}", cus, None, config=cmd_.config.describe(), variant_ran=cmd_.variant,
-                            units=cmd_.num_units, cluster=cmd_.config.cluster, combine_splits=cmd_.combine_splits,
-                            max_abs_diff_vs_first=cdiff, tflops=tflop / cus * 1e6)
                     for spec in a.variants:  # other builds of the plan (e.g. S_CHAINS=2, SKIP_QK=1): decode time, outputs
                         kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
                         vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))

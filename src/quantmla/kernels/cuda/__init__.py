@@ -40,7 +40,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False, scale_vote: bool = False,
-                tokens_m64: bool = False, seesaw: bool = False, cluster_merge: bool = False) -> DecodePlan | None:
+                tokens_m64: bool = False, seesaw: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
@@ -53,8 +53,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
     `warpgroup_reason`); `tokens_m64=True` the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu, the heads-as-M launch
     shape; None where it cannot, the reason from `tokens_m64_reason`); `seesaw=True` the heads-as-M kernel with its
-    warpgroups out of phase (mla_decode_seesaw.cu, BF16); `cluster_merge` with `warpgroup` the build that merges a
-    thread-block cluster's units before its stores (launched with ``launch_decode(..., cluster=C)``). Fragments are not the default: on the H200 it is
+    warpgroups out of phase (mla_decode_seesaw.cu, BF16). Fragments are not the default: on the H200 it is
     slower than building the tile (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
     Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
     per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
@@ -72,13 +71,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, cluster_merge,
-           partial_dtype(layout, rows))  # (QUANTMLA_PARTIALS may change it)
+           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, partial_dtype(layout, rows))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
                                    token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64,
-                                   seesaw, cluster_merge)
+                                   seesaw)
     if isinstance(plan, str):
         plan_reason[layout] = plan
         return None
@@ -89,16 +87,13 @@ _PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' 
 
 
 def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-          specialized, ctas_per_sm, s8_scores, scale_vote=False, tokens_m64=False, seesaw=False,
-          cluster_merge=False) -> DecodePlan | str:
+          specialized, ctas_per_sm, s8_scores, scale_vote=False, tokens_m64=False, seesaw=False) -> DecodePlan | str:
     """decode_plan on a device that can run the kernels: the plan, or why there is none."""
-    if cluster_merge and not (warpgroup and not tokens_m64):
-        return "the cluster merge is a build of the heads-as-M kernel (warpgroup=True)"
     if warpgroup and tokens_m64:
         plan = tokens_m64_plan(layout, rows, out_dtype)
         return f"tokens as M at 64 rows: {plan}" if isinstance(plan, str) else plan
     if warpgroup:
-        plan = warpgroup_plan(layout, rows, out_dtype, seesaw=seesaw, cluster_merge=cluster_merge)
+        plan = warpgroup_plan(layout, rows, out_dtype, seesaw=seesaw)
         return f"heads as M: {plan}" if isinstance(plan, str) else plan
     if tokens_m:
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
@@ -117,28 +112,9 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
     driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
 
 
-_FITS: dict = {}  # (plan, device, cluster) -> the clusters the device runs at once
-
-
-def clusters_fit(plan: DecodePlan | None, device: torch.device, cluster: int, ctas: int) -> bool:
-    """Whether `ctas` CTAs of the build `plan` (a CLUSTER_MERGE build; None: no) in clusters of `cluster` consecutive
-    units run at once on `device` (cuOccupancyMaxActiveClusters): one wave, no CTA waiting for another's SM."""
-    from quantmla.kernels.cuda import driver
-    from quantmla.kernels.cuda.build import cubin_for
-
-    if plan is None:
-        return False
-    key = (plan, str(device), cluster)
-    if key not in _FITS:
-        fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
-        _FITS[key] = driver.max_active_clusters(fn, (1, cluster), plan.num_warps * 32, plan.smem, (1, cluster, 1))
-    return _FITS[key] * cluster >= ctas
-
-
-def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device, cluster: int = 1) -> None:
+def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
     """Run the build of `plan` over grid (units, head blocks) on the current stream (the heads-as-M and 64-row
-    tokens-as-M kernels' grid is (head blocks, units): a unit's head blocks run side by side and share its tiles in L2;
-    `cluster` > 1: thread-block clusters of that many consecutive units, for the CLUSTER_MERGE build). `args` are the
+    tokens-as-M kernels' grid is (head blocks, units): a unit's head blocks run side by side and share its tiles in L2). `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
     stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
@@ -149,11 +125,6 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
         # a caller's mistake, not a build that failed: a ValueError, which launch_cuda does not take for a fall back
         raise ValueError(f"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it as "
                          "kernels.partials.partial_dtype(layout, rows) gives")
-    merge = bool(dict(plan.macros).get("CLUSTER_MERGE"))
-    if merge != (cluster > 1) or cluster not in (1, 2, 4, 8) or grid[0] % cluster:
-        raise ValueError(f"a launch in clusters of {cluster} units over {grid[0]} units with the build {plan.describe()}: "
-                         "clusters of 2, 4 or 8 that divide the units take the CLUSTER_MERGE build, and only they "
-                         "(schedule.cluster_units cuts the units so)")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
     if dict(plan.macros).get("WG") or dict(plan.macros).get("TM64"):
@@ -164,5 +135,4 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
-                                              ("i", int(causal)), ("f", float(scale))] + extra,
-                  cluster=(1, cluster, 1) if cluster > 1 else None)
+                                              ("i", int(causal)), ("f", float(scale))] + extra)

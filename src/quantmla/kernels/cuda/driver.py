@@ -1,6 +1,5 @@
 """The few CUDA driver calls the CUDA decode path needs, through ctypes: load a cubin into the current
-context, raise a function's dynamic shared-memory limit, encode a tensor map, launch it on a stream (in thread-block
-clusters where asked, and how many such clusters fit the device at once). Functions are
+context, raise a function's dynamic shared-memory limit, encode a tensor map, launch it on a stream. Functions are
 cached per (device, cubin)."""
 
 from __future__ import annotations
@@ -79,55 +78,12 @@ def tensor_map_2byte(address: int, dims: tuple[int, ...], strides: tuple[int, ..
     return buf
 
 
-class _LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value (here the cluster's x, y, z)."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h)."""
-
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-
-
-def _config(grid: tuple[int, ...], threads: int, smem: int, stream: int, cluster: tuple[int, int, int]):
-    """A CUlaunchConfig with one attribute, the cluster's dims (the attribute array is kept alive on the config)."""
-    attr = (_LaunchAttribute * 1)()
-    attr[0].id = _CLUSTER_DIMENSION
-    attr[0].value[0], attr[0].value[1], attr[0].value[2] = cluster
-    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    cfg = _LaunchConfig(gx, gy, gz, threads, 1, 1, smem, ctypes.c_void_p(stream), attr, 1)
-    cfg._attrs = attr
-    return cfg
-
-
-def max_active_clusters(fn, grid: tuple[int, ...], threads: int, smem: int, cluster: tuple[int, int, int]) -> int:
-    """cuOccupancyMaxActiveClusters: how many clusters of `cluster` CTAs of `fn` the device runs at once."""
-    n = ctypes.c_int()
-    cfg = _config(grid, threads, smem, 0, cluster)
-    _check(_lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters")
-    return n.value
-
-
-def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]],
-           cluster: tuple[int, int, int] | None = None) -> None:
+def launch(fn, grid: tuple[int, ...], threads: int, smem: int, stream: int, args: list[tuple[str, object]]) -> None:
     """cuLaunchKernel(fn) with grid (x[, y[, z]]), `threads` per block; args as ("p"|"i"|"f", value), or ("s", a ctypes
-    buffer) for a struct passed by value (a tensor map). `cluster`: thread-block clusters of those dims
-    (cuLaunchKernelEx)."""
+    buffer) for a struct passed by value (a tensor map)."""
     conv = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float, "s": lambda v: v}
     vals = [conv[k](v) for k, v in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
-    if cluster is not None:
-        cfg = _config(grid, threads, smem, stream, cluster)
-        _check(_lib().cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
-        return
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     _check(_lib().cuLaunchKernel(fn, gx, gy, gz, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None),
            "cuLaunchKernel")

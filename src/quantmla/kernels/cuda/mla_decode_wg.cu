@@ -500,8 +500,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
   cp_async_wait<0>();
 
   static_assert(!EPI_SMEM || SM_P >= 64 * 520 * 4, "EPI_SMEM stages the rows over the query block and the tiles");
-  static_assert(!CLUSTER_MERGE || SM_P >= 64 * 520 * 4 + 256, "the cluster merge stages the rows and their log-sum-exps "
-                "below the rows' sums");
   wg_epilogue(o, l_run, [&](int h) { return m_run[h]; }, sL, wg, lane, r0, cq, row0, R, b, u, nsplit, out, lse, part_out,
               part_lse, smem);
 }

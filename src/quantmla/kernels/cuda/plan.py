@@ -57,7 +57,6 @@ class DecodePlan:
         frag = ("/frag" if m.get("REG") else "/tm" if m.get("TM") else "/ss" if m.get("SEESAW") else "/wg" if m.get("WG")
                 else "/tm64" if m.get("TM64") else "")
         tpw = f"t{m['TPW']}" if m.get("TPW", 1) != 1 else ""
-        ws += "x" if m.get("CLUSTER_MERGE") else ""  # (the cluster merge)
         return (f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{tpw}{ws}s{self.stages}"
                 f"c{self.ctas_per_sm}")
 

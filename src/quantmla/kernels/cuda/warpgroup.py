@@ -67,12 +67,9 @@ def half_operands(layout: PageLayout) -> bool:
     return c.quantized and r.quantized and c.meta_dtype == r.meta_dtype == "float16"
 
 
-def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw: bool = False,
-                   cluster_merge: bool = False) -> DecodePlan | str:
+def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw: bool = False) -> DecodePlan | str:
     """The heads-as-M build for `layout` (or why there is none); `seesaw`: its two warpgroups out of phase, each
-    taking a whole tile's scores in turn (mla_decode_seesaw.cu; a BF16 cache only); `cluster_merge`: the build whose
-    epilogue merges the units of a thread-block cluster through distributed shared memory (wg_epilogue.cuh,
-    CLUSTER_MERGE; launched with clusters of 1 to 8 CTAs along the units, ``schedule.cluster_units``)."""
+    taking a whole tile's scores in turn (mla_decode_seesaw.cu; a BF16 cache only)."""
     why = warpgroup_reason(layout, rows)
     if why:
         return why
@@ -100,8 +97,6 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw
         # the output products' k-steps committed apart, each one's tokens of the next tile built as it is done (at
         # 128 heads 1 to 2 % faster for integer codes, 4 to 6 % for FP8, the same outputs: docs/decode_heads_m.md)
         macros["PV_STEPS"] = 1
-    if cluster_merge:
-        macros["CLUSTER_MERGE"] = 1
     if seesaw:
         macros["SEESAW"] = 1  # (the map it takes fits the heads-as-M plan's shared memory: the kernel asserts it)
     return DecodePlan(tuple(sorted(macros.items())), WG_BLOCK_M, stages, 1, smem)
