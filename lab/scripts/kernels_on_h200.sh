@@ -66,6 +66,10 @@
 #                 partials, the API's blocks beside blocks narrowed rows first
 #                                   -> kernels/decode_in_graph_partials_128h_{auto,bf16}_staged_h200.json,
 #                                      kernels/combine_blocks_128rows_bf16_h200.json
+# tm-staged-epilogue the tokens-as-M kernel (16 heads) with its epilogue staged in shared memory and stored in whole
+#                 16-byte pieces (TM_EPI_SMEM=1) beside the default, INT4/INT4, INT2/INT4 and FP8 at the issue's shapes,
+#                 its outputs against the default's; then the tokens-as-M GPU tests with it as the source's default
+#                 -> kernels/decode_tokens_m_staged_epilogue_h200.json, kernels/tokens_m_staged_epilogue_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # combine-blocks  the combine kernel alone at the API's program blocks and at blocks narrowed rows first (whole
@@ -420,6 +424,20 @@ two-bit-plans() {
 
 combine() {
   timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
+}
+
+tm-staged-epilogue() {
+  local log="$OUT/kernels/tokens_m_staged_epilogue_gpu_tests_h200.log" xdist=""
+  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 --heads 16 \
+    --shapes ${TM_EPI_SHAPES:-1x131072,8x16384,32x16384,64x4096,128x2048} --tilings "" --tokens-m --variants TM_EPI_SMEM=1 \
+    --out "$OUT/kernels/decode_tokens_m_staged_epilogue_h200.json" 2>&1 | grep -v -i warn | grep "EPI\|tokens_m_decode"
+  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  sed -i 's/^#define TM_EPI_SMEM 0 /#define TM_EPI_SMEM 1 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
+  grep -n "^#define TM_EPI_SMEM" src/quantmla/kernels/cuda/mla_decode_tm.cu >> "$log"
+  timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
+    -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -6 | tee -a "$log"
+  sed -i 's/^#define TM_EPI_SMEM 1 /#define TM_EPI_SMEM 0 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
 }
 
 combine-blocks() {
