@@ -348,9 +348,10 @@ partials-128() {
   local p
   for p in auto bf16; do
     QUANTMLA_PARTIALS=$p timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 int4/int4 \
-      --heads 128 --shapes 1x32768 4x16384 32x8192 64x4096 --layers 8 \
+      --heads 128 --shapes ${PARTIALS_SHAPES:-1x32768 4x16384 32x8192 64x4096} --layers 8 \
       --out "$OUT/kernels/decode_in_graph_partials_128h_${p}_staged_h200.json" 2>&1 | grep -v -i warn | tail -10
   done
+  [ -n "${PARTIALS_NO_COMBINE:-}" ] && return
   timeout 100 python3 -m quantmla_lab.bench.kernels.combine --rows 128 --partials bf16 --shapes 1x64,4x16,8x8,32x2 \
     --blocks 1x128 2x64 4x32 1x64 2x32 --out "$OUT/kernels/combine_blocks_128rows_bf16_h200.json" 2>&1 | tail -28
 }
