@@ -236,6 +236,34 @@ def test_unsupported_formats_raise_before_launch(fmt, match):
     assert torch.equal(pool.data, before)
 
 
+def test_decode_outputs_checked_before_launch():
+    """A caller's `out` / `lse` that the kernels could not write into as they are (shape, dtype, not contiguous) is a
+    QuantMLAError naming it, before anything is written; the shapes it takes (4-D, or 3-D for 3-D queries) give the
+    same outputs as those the API allocates."""
+    lay, pool, bt, sl = make_cache(FORMATS["bf16"], [5, 70])
+    g = torch.Generator().manual_seed(3)
+    qc = torch.randn(2, 1, 4, D_C, generator=g).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 1, 4, D_R, generator=g).to(DEV, torch.bfloat16)
+    ref, ref_lse = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.1)
+    bad = {"out": [torch.empty(2, 1, 4, D_C + 1, device=DEV), torch.empty(2, 1, 4, D_C, dtype=torch.int32, device=DEV),
+                   torch.empty(2, 1, D_C, 4, device=DEV).transpose(-1, -2), torch.empty(2, 4, D_C, device=DEV)],
+           "lse": [torch.empty(2, 1, 5, device=DEV), torch.empty(2, 1, 4, dtype=torch.bfloat16, device=DEV),
+                   torch.empty(2, 1, 8, device=DEV)[..., ::2]]}
+    for name, ts in bad.items():
+        for t in ts:
+            t.fill_(7)
+            before = t.clone()
+            with pytest.raises(QuantMLAError, match=rf"^{name} must be a contiguous"):
+                mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.1, **{name: t})
+            assert torch.equal(t, before)
+    out, lse = torch.empty(2, 1, 4, D_C, dtype=torch.bfloat16, device=DEV), torch.empty(2, 1, 4, device=DEV)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.1, out=out, lse=lse)
+    assert o is out and l is lse and torch.equal(o, ref) and torch.equal(l, ref_lse)
+    out3, lse3 = torch.empty(2, 4, D_C, dtype=torch.float32, device=DEV), torch.empty(2, 4, device=DEV)
+    o, l = mla_decode_with_kvcache(qc[:, 0], qr[:, 0], pool.layer(0), bt, sl, lay, 0.1, out=out3, lse=lse3)
+    assert torch.allclose(out3, ref[:, 0].float(), rtol=1e-2, atol=1e-2) and torch.equal(lse3, ref_lse[:, 0])
+
+
 def test_unsupported_shapes_raise():
     with pytest.raises(UnsupportedFormatError, match="d_c"):
         check_layout_supported(PageLayout(TokenLayout(96, 32, CacheFormat()), PAGE))

@@ -50,6 +50,27 @@ def test_decode_cuda_warpgroup_error_within_bf16_paths(seesaw):
     assert wg <= 1.5 * tri, (wg, tri)
 
 
+def test_decode_cuda_warpgroup_out_off_16_bytes():
+    """A caller's `out` that starts off a 16-byte boundary (the staged epilogue stores 16-byte pieces) is written
+    through an aligned copy: the same values as an output the API allocates, sequences split and not."""
+    import torch
+
+    from quantmla.kernels import api
+
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [20000, 3, 511], seed=43)
+    cfg = warpgroup_config(lay, 128)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qc = torch.randn(3, 1, 128, 512, generator=g, device="cuda").to(torch.bfloat16)
+    qr = torch.randn(3, 1, 128, 64, generator=g, device="cuda").to(torch.bfloat16)
+    md = api.get_mla_metadata(sl, 128, 1, lay, config=cfg)
+    ref, _ = api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 0.07, metadata=md)
+    buf = torch.full((qc.numel() + 4,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[4:].view(qc.shape)  # 8 bytes past a 16-byte boundary
+    assert out.data_ptr() % 16 == 8
+    api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 0.07, metadata=md, out=out)
+    assert md.variant.startswith("cuda/bf16/wg/") and torch.equal(out, ref)
+
+
 WG_LOWBIT = ["int4/int4", "int2/int4", "int4/int8", "int4/int4-g64/g32", "int2/int8-sym-bf16", "int2/int4-sym", "fp8"]
 
 

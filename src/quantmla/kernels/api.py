@@ -110,6 +110,7 @@ def mla_decode_with_kvcache(
         raise UnsupportedFormatError(f"the decode kernel takes 1 to {MAX_Q_LEN} query tokens per sequence, got {SQ}")
     if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.reshape(-1).shape[0] != B:
         raise QuantMLAError(f"block_table must be [B={B}, max_pages] and seq_lens [B={B}]")
+    _check_outputs(out, lse, (B, SQ, H, DC), squeeze, kv_pages.device)
     pages, pc16, pr16 = page_views(kv_pages, layout)
     out_dtype = q_latent.dtype if q_latent.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
@@ -173,6 +174,24 @@ def mla_decode_with_kvcache(
             ONE_STEP=c.one_step, num_warps=4, num_stages=2,
         )
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+def _check_outputs(out, lse, shape: tuple[int, int, int, int], squeeze: bool, device: torch.device) -> None:
+    """QuantMLAError unless the caller's `out` and `lse` (where given) are what the kernels write into as they are:
+    out [B, S_q, H, d_c] (or [B, H, d_c] for 3-D queries) in bf16, fp16 or fp32, lse [B, S_q, H] (or [B, H]) in fp32,
+    both contiguous and on the cache's device."""
+    B, SQ, H, DC = shape
+    for name, t, full, dtypes in (("out", out, (B, SQ, H, DC), (torch.bfloat16, torch.float16, torch.float32)),
+                                  ("lse", lse, (B, SQ, H), (torch.float32,))):
+        if t is None:
+            continue
+        shapes = [full] + ([full[:1] + full[2:]] if squeeze else [])
+        if tuple(t.shape) not in shapes or t.dtype not in dtypes or not t.is_contiguous() or t.device != device:
+            raise QuantMLAError(
+                f"{name} must be a contiguous {' or '.join(str(list(x)) for x in shapes)} tensor of "
+                f"{' / '.join(str(d).replace('torch.', '') for d in dtypes)} on {device}: got {list(t.shape)} "
+                f"{str(t.dtype).replace('torch.', '')} on {t.device}{'' if t.is_contiguous() else ', not contiguous'} "
+                f"(pass out=None / lse=None to have them allocated)")
 
 
 # --------------------------------------------------------------------------------------------------

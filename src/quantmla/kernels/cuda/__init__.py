@@ -130,9 +130,13 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     if dict(plan.macros).get("WG") or dict(plan.macros).get("TM64"):
         grid = (grid[1], grid[0])
         extra = [] if dict(plan.macros).get("TM64") or lowbit(plan) else [("s", m) for m in tensor_maps(pages, plan)]
-    # the kernel reads the queries in 16-byte pieces: a view that starts off a 16-byte boundary is copied
+    # the kernel reads the queries and (heads-as-M, rows staged) writes the output in 16-byte pieces: a view that
+    # starts off a 16-byte boundary is read from a copy, or written through one
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))
-    ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, out, lse, po, plse)]
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    ptrs = [t.data_ptr() for t in (qc, qr, pages, bt, sl, units, dst, lse, po, plse)]
     driver.launch(fn, grid, plan.num_warps * 32, plan.smem, torch.cuda.current_stream(device).cuda_stream,
                   [("p", p) for p in ptrs] + [("i", int(stride_bt)), ("i", int(H)), ("i", int(SQ)), ("i", int(R)),
                                               ("i", int(causal)), ("f", float(scale))] + extra)
+    if dst is not out:
+        out.copy_(dst)
