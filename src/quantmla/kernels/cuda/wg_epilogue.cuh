@@ -5,8 +5,8 @@
 #pragma once
 
 // EPI_SMEM 1 (the default): the rows staged in shared memory and stored as whole 16-byte pieces; 0: each thread's
-// pairs straight from its registers. At 128 heads the staged rows' decode kernels are 0 to 3 % faster with fp32
-// partials and 3 to 13 % with 16-bit ones (docs/decode_heads_m.md, "The staged epilogue").
+// pairs straight from its registers. At 128 heads the staged rows' decode kernels take 0.3 % longer to 3.2 % less
+// with fp32 partials and 2.8 to 13 % less with 16-bit ones (docs/decode_heads_m.md, "The staged epilogue").
 #ifndef EPI_SMEM
 #define EPI_SMEM 1
 #endif
