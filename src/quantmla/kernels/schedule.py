@@ -416,10 +416,17 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_
             block_d //= 2
         else:
             block_r //= 2
+    return block_r, block_d, combine_step_splits(block_r, block_d, max_splits, one_step)
+
+
+def combine_step_splits(block_r: int, block_d: int, max_splits: int, one_step: bool = True) -> int:
+    """The splits a combine program of `block_r` rows x `block_d` channels reads a step: all of them (the next power of
+    two of `max_splits`) where that [splits, rows, channels] tile holds at most COMBINE_ONE_STEP_TILE fp32 and
+    `one_step`, else as many as a tile of COMBINE_TILE holds."""
     splits = _next_pow2(max_splits)
     if one_step and splits * block_r * block_d <= COMBINE_ONE_STEP_TILE:
-        return block_r, block_d, splits
-    return block_r, block_d, max(1, min(splits, COMBINE_TILE // (block_r * block_d)))
+        return splits
+    return max(1, min(splits, COMBINE_TILE // (block_r * block_d)))
 
 
 def combine_one_step(max_splits: int, block_s: int) -> bool:

@@ -27,13 +27,14 @@ from quantmla_lab.bench.kernels import decode_speed
 from quantmla_lab.bench.common import save
 
 SHAPES = ((1, 264), (1, 128), (8, 33), (8, 16), (32, 8), (64, 4))
+PARTIALS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES), help="sequences x splits")
-    ap.add_argument("--partials", choices=("fp32", "fp16", "bf16"), default="fp32", help="the partials' dtype")
+    ap.add_argument("--partials", choices=tuple(PARTIALS), default="fp32", help="the partials' dtype")
     ap.add_argument("--blocks", nargs="*", default=[], metavar="RxD", help="other program blocks: rows x channels")
     ap.add_argument("--out", default="combine.json")
     a = ap.parse_args()
@@ -45,19 +46,17 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     for spec in a.shapes.split(","):
         B, S = (int(x) for x in spec.split("x"))
-        po = torch.randn(B * S, R, DC, device=dev, generator=g).to(getattr(torch, {"fp32": "float32"}.get(
-            a.partials, {"fp16": "float16", "bf16": "bfloat16"}.get(a.partials))))
+        po = torch.randn(B * S, R, DC, device=dev, generator=g).to(PARTIALS[a.partials])
         plse = torch.randn(B * S, R, device=dev, generator=g) * 4
         info = torch.tensor([(b * S, S) for b in range(B)], dtype=torch.int32, device=dev)
         br, bd, bs = schedule.combine_blocks(B, R, DC, S, sms)
         _, _, two_pass_s = schedule.combine_blocks(B, R, DC, S, sms, one_step=False)
         outs = {}
         variants = [("api", br, bd, bs, schedule.combine_one_step(S, bs)), ("two_pass", br, bd, two_pass_s, False)]
-        for blk in a.blocks:  # the same rule for the splits a step as combine_blocks, at other row/channel blocks
+        for blk in a.blocks:  # the API's splits a step (combine_step_splits) at other row/channel blocks
             r, d = (int(x) for x in blk.split("x"))
-            s1 = 1 << max(0, (S - 1).bit_length())
-            one = s1 * r * d <= schedule.COMBINE_ONE_STEP_TILE
-            variants.append((f"r{r}_d{d}", r, d, s1 if one else max(1, min(s1, schedule.COMBINE_TILE // (r * d))), one))
+            s1 = schedule.combine_step_splits(r, d, S)
+            variants.append((f"r{r}_d{d}", r, d, s1, schedule.combine_one_step(S, s1)))
         for name, br, bd, block_s, one in variants:
             out = torch.full((B, R, DC), float("nan"), device=dev)
             lse = torch.full((B, R), float("nan"), device=dev)
