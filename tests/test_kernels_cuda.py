@@ -415,6 +415,19 @@ def test_an_edited_header_is_another_build(tmp_path, monkeypatch):
     assert build.compile_cubin(p.macros, "sm_90a") != first
 
 
+def test_every_included_header_is_in_the_cache_key():
+    """Every header a kernel source or header includes by quotes is one the cache key reads (an edit to any of them
+    is another build, never a stale cubin)."""
+    import re
+
+    folder = build.SOURCE.parent
+    included = {name for f in [*folder.glob("*.cu"), *folder.glob("*.cuh")]
+                for name in re.findall(r'^#include "([^"]+)"', f.read_text(), re.M)}
+    assert "timeline_tm.cuh" in included and "out_io.cuh" in included
+    assert included <= set(build.HEADERS), included - set(build.HEADERS)
+    assert all((folder / h).is_file() for h in build.HEADERS)
+
+
 def test_a_build_is_looked_up_once_a_process(monkeypatch):
     """Launches ask for their cubin by the plan's constants: the sources are read and hashed (the disk cache's
     key) once a process, not at every eager launch (27 a decode step); another architecture or line info is

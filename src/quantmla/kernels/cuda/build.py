@@ -24,11 +24,8 @@ SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's 
 SOURCE_WG = Path(__file__).with_name("mla_decode_wg.cu")  # heads as M on warpgroup MMAs (plans with WG=1)
 SOURCE_TM64 = Path(__file__).with_name("mla_decode_tm64.cu")  # tokens as M at 64 query rows (plans with TM64=1)
 SOURCE_SEESAW = Path(__file__).with_name("mla_decode_seesaw.cu")  # heads as M, warpgroups out of phase (WG=1, SEESAW=1)
-# the headers the sources include: part of every build's cache key
-HEADERS = ("ptx.cuh", "tile_build.cuh", "tile_copy.cuh", "tile_frag.cuh", "query_io.cuh", "out_io.cuh", "query_pieces.cuh",
-           "query_tm.cuh", "scores_tm.cuh", "softmax_tm.cuh", "output_tm.cuh", "wgmma.cuh", "wg_build.cuh", "code_expand.cuh",
-           "query_s8.cuh", "scores_s8.cuh", "code_planes.cuh", "tm64_ops.cuh", "wg_epilogue.cuh",
-           "wg_copy.cuh")
+# the headers the sources include (every .cuh beside them): part of every build's cache key
+HEADERS = tuple(sorted(p.name for p in SOURCE.parent.glob("*.cuh")))
 
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:

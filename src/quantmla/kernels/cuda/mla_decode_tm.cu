@@ -55,44 +55,13 @@ typedef __half2 T2;
 #ifndef MIN_CTAS
 #define MIN_CTAS 2
 #endif
-// TIMELINE (timing experiments only: the unit's partial output is overwritten): thread 0 of each CTA records
-// %globaltimer and clock64 at NMARK marks (entry, the query pieces' loads issued, the first tiles' copies issued,
-// the query block written, the first tile landed, after the tile loop, the end of every warp's epilogue), then
-// the SM it ran on and its tile count, in the first 2·NMARK + 2 64-bit words of its unit's partial output
-#ifndef TIMELINE
-#define TIMELINE 0
-#endif
-// PHASES (with TIMELINE and ONE_BARRIER): thread 0 also sums clock64 over the tile loop's NPHASE phases (the copy's
-// wait, the scores, the vote, the copy issue and the output products, P) into the NPHASE words after those
-#ifndef PHASES
-#define PHASES 0
-#endif
 // ONE_BARRIER (default): one CTA barrier a tile, P·scale double-buffered; 0: the vote and a barrier after P
 #ifndef ONE_BARRIER
 #define ONE_BARRIER 1
 #endif
 constexpr int NPBUF = ONE_BARRIER ? 2 : 1;  // P·scale buffers
 static_assert(!ONE_BARRIER || STAGES >= 3, "a stage is refilled two tiles after its scores");
-constexpr int NMARK = 7;
-__device__ __forceinline__ void mark(uint64_t (&tl)[2 * NMARK], int i) {
-  if constexpr (TIMELINE) {
-    uint64_t g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    tl[2 * i] = g;
-    tl[2 * i + 1] = (uint64_t)clock64();
-  }
-}
-
-static_assert(!PHASES || (TIMELINE && ONE_BARRIER), "the phases are timed in the one-barrier loop, with the marks");
-constexpr int NPHASE = 5;
-// PHASES: the clocks since the last call added to phase i (ph[NPHASE]: the clock of the last call)
-__device__ __forceinline__ void phase(uint64_t (&ph)[NPHASE + 1], int i) {
-  if constexpr (PHASES) {
-    const uint64_t now = (uint64_t)clock64();
-    ph[i] += now - ph[NPHASE];
-    ph[NPHASE] = now;
-  }
-}
+#include "timeline_tm.cuh"
 
 // WS (warp specialization): 8 warps, the first NWR = 4 take the scores, the softmax and P of each tile, the other 4
 // its output products, a tile behind; the P·scale buffers pass between them on named barriers (full, empty) and the
@@ -595,20 +564,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   if constexpr (TIMELINE) {
     __syncthreads();  // every warp's epilogue done (with WS the output warps store after the scores' warps finish)
     mark(tl, NMARK - 1);
-    if (tid == 0) {
-      unsigned smid;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      uint64_t* dst = reinterpret_cast<uint64_t*>(part_out + (int64_t)u * R * D_C);
-#pragma unroll
-      for (int i = 0; i < 2 * NMARK; ++i) dst[i] = tl[i];
-      dst[2 * NMARK] = smid;
-      dst[2 * NMARK + 1] = (uint64_t)ntiles;
 #if ONE_BARRIER && !WS
-      if constexpr (PHASES) {
-#pragma unroll
-        for (int i = 0; i < NPHASE; ++i) dst[2 * NMARK + 2 + i] = ph[i];
-      }
+    if (tid == 0) write_timeline(tl, ph, reinterpret_cast<uint64_t*>(part_out + (int64_t)u * R * D_C), ntiles);
+#else
+    if (tid == 0) write_timeline(tl, nullptr, reinterpret_cast<uint64_t*>(part_out + (int64_t)u * R * D_C), ntiles);
 #endif
-    }
   }
 }
