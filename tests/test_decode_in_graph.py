@@ -18,11 +18,23 @@ def test_a_bad_plan_is_refused_with_its_form(spec):
         dig.parse_plan(spec)
 
 
+def test_configs_are_cuda_config_keywords():
+    assert dig.parse_config("") == {}
+    assert dig.parse_config("tokens_m=1,ctas_per_sm=1") == {"tokens_m": True, "ctas_per_sm": 1}
+
+
+@pytest.mark.parametrize("spec", ["ctas=1", "ctas_per_sm=one", "WS=1"])
+def test_a_bad_config_is_refused_with_its_form(spec):
+    with pytest.raises(SystemExit, match="KEY=INT"):
+        dig.parse_config(spec)
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--shapes", "8y2048"], "BATCHxCONTEXT"),
     (["--methods", "int5/int4"], "5-bit"),
     (["--layers", "0"], "must be positive"),
     (["--plans", "bogus=1"], "KEY=INT"),
+    (["--configs", "", "bogus=1"], "KEY=INT"),
 ])
 def test_bad_input_is_refused_before_the_device(argv, says):
     with pytest.raises(SystemExit, match=says):

@@ -122,6 +122,9 @@
 #                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default and
 #                 the built tile (FP8's plan for units under 576 tokens), at the issue's 16-head shapes (FP8_SHAPES)
 #                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
+# fp8-one-cta-calls  FP8 whole calls in graphs of 8 layers (decode_in_graph) with the API's choice (FP8_ONE_CTA_MAX_TOKENS),
+#                 the tokens-as-M kernel at two and at one CTA an SM, and the built tile, at FP8_CALL_SHAPES
+#                                                        -> kernels/decode_in_graph_fp8_one_cta_h200.json
 # seesaw          the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu, BF16): the heads-as-M
 #                 GPU tests of BF16 (both loops), then at 128 heads its decode kernel beside the default loop's, with
 #                 and without products (SEESAW_FORMATS: e.g. bf16,int4/int4 for INT4/INT4's default beside them;
@@ -450,6 +453,13 @@ combine-blocks() {
 
 e4m3-scores() {
   timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
+}
+
+fp8-one-cta-calls() {
+  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods fp8 --layers 8 \
+    --shapes ${FP8_CALL_SHAPES:-64x4096 128x2048 8x26112 7x20480 32x16384 8x65536} \
+    --configs "" "tokens_m=1,ctas_per_sm=2" "tokens_m=1,ctas_per_sm=1" "tokens_m=0" \
+    --out "$OUT/kernels/decode_in_graph_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 
 fp8-one-cta() {

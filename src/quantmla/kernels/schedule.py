@@ -280,7 +280,8 @@ def get_mla_metadata(
     the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
     Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
-    built-tile kernel rather than the tokens-as-M one, and 4-bit content codes whose units are shorter than
+    built-tile kernel rather than the tokens-as-M one, and one whose units are shorter than
+    ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where the sequences fit one wave so, and 4-bit content codes whose units are shorter than
     ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
     one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
     SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
@@ -307,9 +308,10 @@ def get_mla_metadata(
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
-    one_an_sm = len(units) * hb <= (num_sms or num_sms_of(device))
+    sms = num_sms or num_sms_of(device)
+    one_an_sm, sequences_fit = len(units) * hb <= sms, len(lens) * hb <= sms
     if (config is None or follow_units) and (
-            chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm)) is not cfg:
+            chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm, sequences_fit)) is not cfg:
         return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
                                 chunk_tokens=chunk_tokens, combine=combine)
     return MLAMetadata(
@@ -367,10 +369,13 @@ def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray
 
 
 def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,
-                     unit_tokens: int, one_cta_an_sm: bool = False) -> DecodeConfig:
+                     unit_tokens: int, one_cta_an_sm: bool = False, sequences_fit: bool = False) -> DecodeConfig:
     """The default config `cfg` for work units of `unit_tokens` tokens (`one_cta_an_sm`: the call's CTAs, units times
-    head blocks, are at most the SMs): an FP8 cache on the tokens-as-M kernel whose units are shorter than
-    ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on the tokens-as-M kernel
+    head blocks, are at most the SMs; `sequences_fit`: its sequences times head blocks are): an FP8 cache on the
+    tokens-as-M kernel whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel
+    instead, and one whose units are shorter than ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where
+    `sequences_fit` (half the units; their config's own units are then cut by the caller); integer codes on the
+    tokens-as-M kernel
     with the warps apart whose units are shorter than ``cuda.tokens_m_ws_min_tokens`` (4-bit content codes:
     ``cuda.TM_WS_MIN_TOKENS``; 2-bit: none) by its 4-warp plan, with one token
     block a warp where the CTAs fit one an SM and the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each
@@ -383,6 +388,11 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
         built = cuda_config(rows, layout, device, tokens_m=False)
         if built is not None:
             return built
+    if (cfg.tokens_m and cfg.ctas_per_sm == 2 and sequences_fit and layout is not None and cuda.is_fp8(layout)
+            and unit_tokens < cuda.FP8_ONE_CTA_MAX_TOKENS):
+        one = cuda_config(rows, layout, device, tokens_m=True, ctas_per_sm=1)
+        if one is not None:
+            return one
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.tokens_m_ws_min_tokens(layout):
         blocks = 1 if one_cta_an_sm and unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the default
         four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks,

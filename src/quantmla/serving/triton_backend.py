@@ -106,7 +106,8 @@ def follows_units(decode_config) -> bool:
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that
-    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, 4-bit
+    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, and over
+    units shorter than ``FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where the bucket's b rows fit one wave so, 4-bit
     content codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the
     bucket's b·S CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the
     graph keeps that choice for shorter real rows, whose units are shorter). A ``decode_config`` that declares
@@ -121,7 +122,8 @@ def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     cfg = cfg or _kernels().default_config(H, layout, dev)
     sms = schedule.num_sms_of(dev)
     S, chunk, _ = bucket_splits(cfg, H, b, max_len, sms)
-    return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * -(-H // cfg.block_m) <= sms)
+    hb = -(-H // cfg.block_m)
+    return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * hb <= sms, b * hb <= sms)
 
 
 def bucket_splits(cfg, H: int, b: int, max_len: int, num_sms: int) -> tuple[int, int, int]:

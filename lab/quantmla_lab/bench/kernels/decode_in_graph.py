@@ -32,7 +32,7 @@ import torch
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.errors import QuantMLAError
-from quantmla.kernels import api, cuda
+from quantmla.kernels import api, cuda, schedule
 from quantmla.kernels.launch import launch_decode
 from quantmla.kernels.partials import partial_dtype
 from quantmla_lab.bench.common import parse_fresh, record, save
@@ -59,6 +59,19 @@ def parse_plan(text: str) -> dict:
             kw.setdefault("macros", {})[k] = int(v)
         else:
             kw[k] = bool(int(v)) if k == "specialized" else int(v)
+    return kw
+
+
+def parse_config(text: str) -> dict:
+    """'' or 'key=int,...' -> ``schedule.cuda_config``'s keywords (tokens_m, ctas_per_sm, specialized, token_blocks)."""
+    keys = ("tokens_m", "ctas_per_sm", "specialized", "token_blocks")
+    kw: dict = {}
+    for item in filter(None, text.split(",")):
+        k, _, v = item.partition("=")
+        if k not in keys or not v.isdigit():
+            raise SystemExit(f"--configs {text!r}: write KEY=INT[,...] with KEY one of {', '.join(keys)}, or '' for "
+                             "the API's own choice")
+        kw[k] = bool(int(v)) if k in ("tokens_m", "specialized") else int(v)
     return kw
 
 
@@ -101,13 +114,69 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
     w = po.view(L, md.num_units, -1).view(torch.int64)[:, :, :2 * nmark + 2].cpu()  # marks, SM, tiles: 64-bit words
     entry, end = w[:, :, 0].double(), w[:, :, 2 * nmark - 2].double()  # ns
     first, last = entry.min(dim=1).values, end.max(dim=1).values
-    med = lambda x: round(float(x.median()) / 1e3, 2)  # noqa: E731
+    med = lambda x: round(float(x.median()) / 1e3, 2)
     named = plan.describe() + "".join(f" {k}={v}" for k, v in macros.items())
     return {"plan_kw": plan_kw, "plan": named, "smem": plan.smem, "kernel_us": round(kernel_us, 2),
             "span_us": med(last - first), "cta_us": med((end - entry).median(dim=1).values),
             "gap_to_next_layer_us": med(first[1:] - last[:-1]) if L > 1 else None,
             "entry_skew_us": med(entry.max(dim=1).values - first), "end_skew_us": med(last - end.median(dim=1).values),
             "sms_median": float(torch.tensor([float(w[l, :, 2 * nmark].unique().numel()) for l in range(L)]).median())}
+
+
+def time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, vals, lse, w_uk, w_uv, H, L,
+              dev) -> dict:
+    """One method, shape and config's row: its graphs of `L` layers replayed (µs a layer), and its timeline."""
+    scale = (D_N + D_R) ** -0.5
+
+    def decode(l: int) -> None:
+        c = caches[l]
+        api.mla_decode_with_kvcache(q_lat[l], q_rope[l], c.pages, c.block_table, c.seq_lens, lay, scale,
+                                    metadata=md, out=o_lat[l], lse=lse[l])
+
+    def absorb_in(l: int) -> None:
+        torch.bmm(q_nope[l].transpose(0, 1), w_uk[l], out=q_lat[l].transpose(0, 1))
+
+    def absorb_out(l: int) -> None:
+        torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
+
+    decode(0)
+    # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none: the API
+    # passes each call's own lse in its place)
+    split = md.max_splits > 1
+    po, plse = md.partials(H, D_C, partial_dtype(lay, H), caches[0].pages.device) if split else (None, None)
+
+    def kernel(l: int) -> None:
+        c = caches[l]
+        pages, pc16, pr16 = api.page_views(c.pages, lay)  # the call's own views of the pages
+        args = (q_lat[l], q_rope[l], pages, pc16, pr16, c.block_table, c.seq_lens, md.units, o_lat[l],
+                lse[l], po if split else lse[l], plse if split else lse[l], c.block_table.stride(0), H, 1, H,
+                1, scale * api.LOG2E)
+        ran = launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
+        if ran != md.variant:
+            raise SystemExit(f"{m}: the kernel alone ran {ran}, the call {md.variant}: not the same kernel")
+
+    graphs = {
+        "decode": capture(lambda: [decode(l) for l in range(L)]),
+        "kernel": capture(lambda: [kernel(l) for l in range(L)]),
+        "absorb": capture(lambda: [(absorb_in(l), absorb_out(l)) for l in range(L)]),
+        "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
+    }
+    us = {k: replay_us(gr, a.reps) / L for k, gr in graphs.items()}
+    row = {"method": m, "batch": B, "context": n, "config": spec, "units": md.num_units,
+           "max_splits": md.max_splits, "variant": md.variant, "plan": md.config.describe(),
+           "us_per_layer": {k: round(v, 2) for k, v in us.items()},
+           "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
+           "combine_us": round(us["decode"] - us["kernel"], 2)}
+    if a.timeline and "/tm/" in (md.variant or ""):
+        row["timeline"] = [plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, a.reps,
+                                       **parse_plan(ps)) for ps in a.plans]
+        for t in row["timeline"]:
+            print(f"{'':10} timeline: {t}", flush=True)
+    print(f"{m:10} {B}x{n:<6} {spec or 'api':>8} units {md.num_units:4}: decode call {us['decode']:6.2f} us "
+          f"a layer (its kernel {us['kernel']:6.2f}), bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} "
+          f"-> decode between the products {row['decode_between_products_us']:6.2f}", flush=True)
+    del graphs
+    return row
 
 
 def main(argv=None) -> int:
@@ -123,10 +192,16 @@ def main(argv=None) -> int:
                    help="with --timeline, tokens-as-M plans to time and trace: '' the plan cuda.decode_plan gives "
                         "(for integer codes the warps apart, whatever the units), or its tiling keywords (token_blocks, "
                         "specialized, ctas_per_sm) and build macros in upper case, e.g. specialized=0 or WS_REGS=0")
+    p.add_argument("--configs", nargs="+", default=[""], metavar="KEY=INT,...",
+                   help="the decode configs each method and shape runs: '' the API's choice (get_mla_metadata's rules "
+                        "for the units), or schedule.cuda_config's keywords (tokens_m, ctas_per_sm, specialized, "
+                        "token_blocks), e.g. tokens_m=1,ctas_per_sm=2: that config as given, whatever the units")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     for spec in a.plans:
         parse_plan(spec)
+    for spec in a.configs:
+        parse_config(spec)
     try:  # bad shapes and names reported before the device is touched
         shapes = bench.parse_shapes(",".join(a.shapes), "--shapes")
         methods = bench.parse_methods(",".join(a.methods))
@@ -152,59 +227,16 @@ def main(argv=None) -> int:
         for m in methods:
             lay = PageLayout(TokenLayout(D_C, D_R, preset(m)), 64)
             caches = [bench.Cache(lay, [n] * B, seed=1000 * l + B + n, device=dev) for l in range(L)]
-            md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay)
-            scale = (D_N + D_R) ** -0.5
-
-            def decode(l: int) -> None:
-                c = caches[l]
-                api.mla_decode_with_kvcache(q_lat[l], q_rope[l], c.pages, c.block_table, c.seq_lens, lay, scale,
-                                            metadata=md, out=o_lat[l], lse=lse[l])
-
-            def absorb_in(l: int) -> None:
-                torch.bmm(q_nope[l].transpose(0, 1), w_uk[l], out=q_lat[l].transpose(0, 1))
-
-            def absorb_out(l: int) -> None:
-                torch.bmm(o_lat[l].transpose(0, 1), w_uv[l], out=vals[l].transpose(0, 1))
-
-            decode(0)
-            # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none: the API
-            # passes each call's own lse in its place)
-            split = md.max_splits > 1
-            po, plse = md.partials(H, D_C, partial_dtype(lay, H), caches[0].pages.device) if split else (None, None)
-
-            def kernel(l: int) -> None:
-                c = caches[l]
-                pages, pc16, pr16 = api.page_views(c.pages, lay)  # the call's own views of the pages
-                args = (q_lat[l], q_rope[l], pages, pc16, pr16, c.block_table, c.seq_lens, md.units, o_lat[l],
-                        lse[l], po if split else lse[l], plse if split else lse[l], c.block_table.stride(0), H, 1, H,
-                        1, scale * api.LOG2E)
-                ran = launch_decode((md.head_blocks, md.num_units), args, lay, md.config)
-                if ran != md.variant:
-                    raise SystemExit(f"{m}: the kernel alone ran {ran}, the call {md.variant}: not the same kernel")
-
-            graphs = {
-                "decode": capture(lambda: [decode(l) for l in range(L)]),
-                "kernel": capture(lambda: [kernel(l) for l in range(L)]),
-                "absorb": capture(lambda: [(absorb_in(l), absorb_out(l)) for l in range(L)]),
-                "layer": capture(lambda: [(absorb_in(l), decode(l), absorb_out(l)) for l in range(L)]),
-            }
-            us = {k: replay_us(gr, a.reps) / L for k, gr in graphs.items()}
-            row = {"method": m, "batch": B, "context": n, "units": md.num_units, "max_splits": md.max_splits,
-                   "variant": md.variant, "us_per_layer": {k: round(v, 2) for k, v in us.items()},
-                   "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
-                   "combine_us": round(us["decode"] - us["kernel"], 2)}
-            if a.timeline and "/tm/" in (md.variant or ""):
-                row["timeline"] = [plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, a.reps,
-                                               **parse_plan(spec)) for spec in a.plans]
-                for t in row["timeline"]:
-                    print(f"{'':10} timeline: {t}", flush=True)
-            res["rows"].append(row)
-            print(f"{m:10} {B}x{n:<6} units {md.num_units:4}: decode call {us['decode']:6.2f} us a layer "
-                  f"(its kernel {us['kernel']:6.2f}), "
-                  f"bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} -> decode between the products "
-                  f"{row['decode_between_products_us']:6.2f}", flush=True)
-            save(res, a.out)
-            del graphs, caches
+            for spec in a.configs:
+                cfg = schedule.cuda_config(H, lay, dev, **parse_config(spec)) if spec else None
+                if spec and cfg is None:
+                    print(f"{m:10} {B}x{n:<6} {spec}: no such CUDA config here ({cuda.plan_reason.get(lay)})")
+                    continue
+                md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay, config=cfg)
+                res["rows"].append(time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, vals,
+                                             lse, w_uk, w_uv, H, L, dev))
+                save(res, a.out)
+            del caches
             torch.cuda.empty_cache()
     save(res, a.out)
     return 0

@@ -60,6 +60,14 @@ tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slo
 3.2 % faster at 576 (7 x 20480) and 9 to 18 % faster at 1024 tokens and more (docs/decode_tokens_m.md, "FP8 on the
 tokens-as-M kernel"; lab/results/decode_schedule/long_decode_batches_h200.json)."""
 
+FP8_ONE_CTA_MAX_TOKENS = 2048
+"""FP8 work units on the tokens-as-M kernel (at least FP8_TM_MIN_TOKENS) shorter than this (tokens, at two CTAs an SM)
+are read at one CTA an SM instead, in half as many units of twice the tokens with 4 stages rather than 2, where every
+sequence's one unit then fits one wave (``schedule.config_for_units``). On an H100 at 16 heads a whole call (decode and
+combine) takes 89.8 against 95.5 µs at 64 x 4096 (1024-token units) and 84.2 against 92.4 at 128 x 2048 (no combine
+at one CTA an SM); at 2048-token units 151.0 against 151.4 (32 x 16384) and 153.8 against 151.2 (8 x 65536); at
+512-token units 58.2 against 62.9 (1 x 131072), where the built tile (54.9) reads them faster still
+(lab/results/kernels/decode_tokens_m_fp8_one_cta_h100.json)."""
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
