@@ -457,7 +457,7 @@ e4m3-scores() {
 
 fp8-one-cta-calls() {
   timeout 300 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods fp8 --layers 8 \
-    --shapes ${FP8_CALL_SHAPES:-64x4096 128x2048 8x26112 7x20480 32x16384 8x65536} \
+    --shapes ${FP8_CALL_SHAPES:-64x4096 128x2048 8x26112 16x26112 7x20480} \
     --configs "" "tokens_m=1,ctas_per_sm=2" "tokens_m=1,ctas_per_sm=1" "tokens_m=0" \
     --out "$OUT/kernels/decode_in_graph_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
