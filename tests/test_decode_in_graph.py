@@ -29,12 +29,31 @@ def test_a_bad_config_is_refused_with_its_form(spec):
         dig.parse_config(spec)
 
 
+def test_combine_blocks_take_the_apis_splits_a_step():
+    from quantmla.kernels import schedule
+
+    assert dig.parse_blocks("") is None and dig.combine_for(None, 33) is None
+    assert dig.parse_blocks("1x64") == (1, 64)
+    shape = dig.combine_for((1, 64), 33)  # 64 splits of one row's 64 channels fit one step
+    assert shape == schedule.CombineShape(1, 64, 64, True)
+    wide = dig.combine_for((16, 64), 264)  # a tile of COMBINE_TILE: 4 splits a step, two passes
+    assert wide.block_s == schedule.COMBINE_TILE // (16 * 64) and not wide.one_step
+    wide.check(16, 512)
+
+
+@pytest.mark.parametrize("spec", ["1x48", "64", "ax2", "0x64"])
+def test_bad_combine_blocks_are_refused_with_their_form(spec):
+    with pytest.raises(SystemExit, match="ROWSxCHANNELS"):
+        dig.parse_blocks(spec)
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--shapes", "8y2048"], "BATCHxCONTEXT"),
     (["--methods", "int5/int4"], "5-bit"),
     (["--layers", "0"], "must be positive"),
     (["--plans", "bogus=1"], "KEY=INT"),
     (["--configs", "", "bogus=1"], "KEY=INT"),
+    (["--combine-blocks", "3x64"], "ROWSxCHANNELS"),
 ])
 def test_bad_input_is_refused_before_the_device(argv, says):
     with pytest.raises(SystemExit, match=says):

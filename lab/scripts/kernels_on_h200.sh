@@ -122,6 +122,9 @@
 #                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default and
 #                 the built tile (FP8's plan for units under 576 tokens), at the issue's 16-head shapes (FP8_SHAPES)
 #                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
+# combine-calls   whole calls in graphs of 8 layers (decode_in_graph, 16 heads) with the combine's blocks the API's and
+#                 1x64, 1x32, 2x32, 4x16 (rows x channels a program) at COMBINE_SHAPES, COMBINE_METHODS
+#                                                        -> kernels/decode_in_graph_combine_blocks_h200.json
 # fp8-one-cta-calls  FP8 whole calls in graphs of 8 layers (decode_in_graph) with the API's choice (FP8_ONE_CTA_MAX_TOKENS),
 #                 the tokens-as-M kernel at two and at one CTA an SM, and the built tile, at FP8_CALL_SHAPES
 #                                                        -> kernels/decode_in_graph_fp8_one_cta_h200.json
@@ -453,6 +456,12 @@ combine-blocks() {
 
 e4m3-scores() {
   timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
+}
+
+combine-calls() {
+  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods ${COMBINE_METHODS:-int4/int4} --layers 8 \
+    --shapes ${COMBINE_SHAPES:-8x16384 1x131072 4x32768 8x65536} --combine-blocks "" 1x64 1x32 2x32 4x16 \
+    --out "$OUT/kernels/decode_in_graph_combine_blocks_h200.json" 2>&1 | grep -v -i warn | tail -30
 }
 
 fp8-one-cta-calls() {

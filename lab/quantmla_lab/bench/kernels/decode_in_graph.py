@@ -75,6 +75,30 @@ def parse_config(text: str) -> dict:
     return kw
 
 
+def parse_blocks(text: str) -> tuple[int, int] | None:
+    """'' (the API's combine blocks) or 'RxD' -> (rows, channels) a combine program."""
+    if not text:
+        return None
+    r, _, d = text.partition("x")
+    if not (r.isdigit() and d.isdigit()) or not all(_pow2(int(x)) for x in (r, d)):
+        raise SystemExit(f"--combine-blocks {text!r}: write ROWSxCHANNELS, powers of two (e.g. 1x64), or '' for the "
+                         "API's")
+    return int(r), int(d)
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def combine_for(blocks: tuple[int, int] | None, max_splits: int) -> schedule.CombineShape | None:
+    """The combine shape of `blocks` (rows, channels) for calls of up to `max_splits` splits, its splits a step as
+    the API's rule gives them (``schedule.combine_step_splits``); None: the API's own shape."""
+    if blocks is None:
+        return None
+    s = schedule.combine_step_splits(*blocks, max_splits)
+    return schedule.CombineShape(*blocks, s, schedule.combine_one_step(max_splits, s))
+
+
 def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     """Median µs of one replay over 5 groups of `reps` back-to-back replays."""
     return replay_ms(graph, 5 * reps) * 1e3
@@ -172,7 +196,8 @@ def time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, v
                                        **parse_plan(ps)) for ps in a.plans]
         for t in row["timeline"]:
             print(f"{'':10} timeline: {t}", flush=True)
-    print(f"{m:10} {B}x{n:<6} {spec or 'api':>8} units {md.num_units:4}: decode call {us['decode']:6.2f} us "
+    comb = f" combine {md.combine.block_r}x{md.combine.block_d}x{md.combine.block_s}" if md.combine else ""
+    print(f"{m:10} {B}x{n:<6} {spec or 'api':>8}{comb} units {md.num_units:4}: decode call {us['decode']:6.2f} us "
           f"a layer (its kernel {us['kernel']:6.2f}), bmm pair {us['absorb']:6.2f}, layer {us['layer']:6.2f} "
           f"-> decode between the products {row['decode_between_products_us']:6.2f}", flush=True)
     del graphs
@@ -196,8 +221,13 @@ def main(argv=None) -> int:
                    help="the decode configs each method and shape runs: '' the API's choice (get_mla_metadata's rules "
                         "for the units), or schedule.cuda_config's keywords (tokens_m, ctas_per_sm, specialized, "
                         "token_blocks), e.g. tokens_m=1,ctas_per_sm=2: that config as given, whatever the units")
+    p.add_argument("--combine-blocks", nargs="+", default=[""], metavar="RxD",
+                   help="the combine programs' blocks each config runs with where its sequences are split: '' the "
+                        "API's (schedule.combine_blocks), or ROWSxCHANNELS, e.g. 1x64 (splits a step by the API's rule)")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
+    for spec in a.combine_blocks:
+        parse_blocks(spec)
     for spec in a.plans:
         parse_plan(spec)
     for spec in a.configs:
@@ -233,9 +263,15 @@ def main(argv=None) -> int:
                     print(f"{m:10} {B}x{n:<6} {spec}: no such CUDA config here ({cuda.plan_reason.get(lay)})")
                     continue
                 md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay, config=cfg)
-                res["rows"].append(time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, vals,
-                                             lse, w_uk, w_uv, H, L, dev))
-                save(res, a.out)
+                for cb in a.combine_blocks if md.max_splits > 1 else [""]:
+                    shape = combine_for(parse_blocks(cb), md.max_splits)
+                    md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay, config=cfg, combine=shape)
+                    row = time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, vals, lse, w_uk,
+                                    w_uv, H, L, dev)
+                    ran = shape or schedule.combine_shape(B, H, D_C, md.max_splits, schedule.num_sms_of(dev))
+                    row["combine"] = {"blocks": cb or "api", **dataclasses.asdict(ran)} if md.max_splits > 1 else None
+                    res["rows"].append(row)
+                    save(res, a.out)
             del caches
             torch.cuda.empty_cache()
     save(res, a.out)
