@@ -93,9 +93,10 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
     FP8_TM_MIN_TOKENS tokens and takes the built tile below, at one CTA an SM where its units at two are shorter than
-    FP8_ONE_CTA_MAX_TOKENS and every sequence fits a CTA of one wave so; 4-bit content codes keep the tokens-as-M kernel's warps
-    apart where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one token block a warp
-    below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content codes keep the warps apart at any length (each measured faster
+    FP8_ONE_CTA_MAX_TOKENS and every sequence fits a CTA of one wave so; 4-bit content codes keep the tokens-as-M
+    kernel's warps apart where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one
+    token block a warp below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content codes keep the warps apart at any length (each
+    measured faster
     there); a config passed in is kept."""
     from quantmla.kernels import schedule
 
@@ -157,7 +158,8 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     than TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
     backend's own ``decode_config`` is kept. want: "built", "four_warps", "default" (the API's default config),
     "one_cta" (FP8 on the tokens-as-M kernel at one CTA an SM: its units at two are shorter than
-    FP8_ONE_CTA_MAX_TOKENS), or "apart_short": 2-bit content codes on the default (the warps apart) over units shorter than TM_WS_MIN_TOKENS,
+    FP8_ONE_CTA_MAX_TOKENS), or "apart_short": 2-bit content codes on the default (the warps apart) over units shorter
+    than TM_WS_MIN_TOKENS,
     where the same bucket of INT4/INT4 takes the 4-warp plan."""
     import types
 

@@ -279,12 +279,12 @@ def get_mla_metadata(
     Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size; ``combine``
     the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
-    Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
-    built-tile kernel rather than the tokens-as-M one, and one whose units are shorter than
-    ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where the sequences fit one wave so, and 4-bit content codes whose units are shorter than
-    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
-    one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
-    SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
+    Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile
+    kernel rather than the tokens-as-M one, and one whose units are shorter than ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one
+    CTA an SM where the sequences fit one wave so; 4-bit content codes whose units are shorter than
+    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with one
+    token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an SM
+    (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
     (default False): then those rules apply to it as to the default, ``config`` being where they start (the engine
     passes it for its ``latent_range.WideLatentsConfig``, ``triton_backend.follows_units``); without a ``config`` the
     rules apply whatever ``follow_units`` says.
@@ -310,8 +310,8 @@ def get_mla_metadata(
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
     sms = num_sms or num_sms_of(device)
     one_an_sm, sequences_fit = len(units) * hb <= sms, len(lens) * hb <= sms
-    if (config is None or follow_units) and (
-            chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm, sequences_fit)) is not cfg:
+    if (config is None or follow_units) and (chosen := config_for_units(
+            cfg, rows, layout, device, chunk_tiles * bn, one_an_sm, sequences_fit)) is not cfg:
         return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
                                 chunk_tokens=chunk_tokens, combine=combine)
     return MLAMetadata(

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
                         "token_blocks), e.g. tokens_m=1,ctas_per_sm=2: that config as given, whatever the units")
     p.add_argument("--combine-blocks", nargs="+", default=[""], metavar="RxD",
                    help="the combine programs' blocks each config runs with where its sequences are split: '' the "
-                        "API's (schedule.combine_blocks), or ROWSxCHANNELS, e.g. 1x64 (splits a step by the API's rule)")
+                        "API's (schedule.combine_blocks), or ROWSxCHANNELS, e.g. 1x64 (splits a step by the API's "
+                        "rule)")
     p.add_argument("--out", default=None)
     a = parse_fresh(p) if argv is None else p.parse_args(argv)
     for spec in a.combine_blocks:
