@@ -167,13 +167,17 @@ def test_decode_cuda_tokens_m_page_sizes(name, page):
     assert md.variant.startswith("cuda/f16/tm/"), md.variant
 
 
+@pytest.mark.parametrize("ctas", [2, 1])
 @pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
-def test_decode_cuda_tokens_m_fp8(H, SQ):
+def test_decode_cuda_tokens_m_fp8(H, SQ, ctas):
     """FP8 (fp8_ds_mla) on the tokens-as-M kernel (e4m3 widened to fp16 in the products' operands, the RoPE key on
-    bf16 products) against the same oracle, as the integer formats above."""
-    lay, pages, bt, sl = make_cache(FORMATS["fp8"], LENS, seed=19 * H + SQ)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 11 * SQ, config=tokens_m_config(lay, H * SQ))
+    bf16 products) against the same oracle, as the integer formats above, at two CTAs an SM (2 stages) and at one
+    (4 stages: the API's plan for short units, FP8_ONE_CTA_MAX_TOKENS)."""
+    lay, pages, bt, sl = make_cache(FORMATS["fp8"], LENS, seed=19 * H + SQ + (ctas == 1))
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 11 * SQ, config=tokens_m_config(lay, H * SQ,
+                                                                                         {"ctas_per_sm": ctas}))
     assert md.variant.startswith("cuda/f16/tm/M16N64w4s"), md.variant
+    assert md.config.num_stages == (4 if ctas == 1 else 2), md.config
 
 
 @pytest.mark.parametrize("warps", TM_WARPS + [S8], ids=TM_IDS + ["s8"])
