@@ -75,11 +75,12 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
     ("fp8", [16384] * 8, False),
     ("fp8", [16384] * 32, True),       # units of 2048 tokens (FP8_ONE_CTA_MAX_TOKENS): tokens as M, two CTAs an SM
     ("fp8", [65536] * 8, True),        # 2048 tokens: the same
-    ("fp8", [4096] * 64, True),        # 1024 tokens: tokens as M at one CTA an SM, 2048-token units
+    ("fp8", [4096] * 64, True),        # 1024 tokens: tokens as M at one CTA an SM, 2048-token units, 2 splits
     ("fp8", [2048] * 128, True),       # 1024 tokens: one CTA an SM, a unit a sequence, 128 CTAs
     ("fp8", [1536] * 160, True),       # 1536 tokens, a unit a sequence, 160 CTAs: two CTAs an SM (one wave)
     ("fp8", [20480] * 4, False),       # 320 tokens
-    ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS: one CTA an SM
+    ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS; 18 splits at one CTA an SM: two
+    ("fp8", [65536] * 2 + [1024] * 120, True),  # short units, but the long rows would take 6 splits at one CTA: two
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
     ("int4/int4", [2048] * 8, True),   # 128-token units, 128 CTAs: the 4-warp plan, one token block a warp
     ("int4/int4", [2048] * 16, True),  # 128-token units, 256 CTAs: the 4-warp plan, two token blocks a warp
@@ -93,10 +94,10 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
     FP8_TM_MIN_TOKENS tokens and takes the built tile below, at one CTA an SM where its units at two are shorter than
-    FP8_ONE_CTA_MAX_TOKENS and every sequence fits a CTA of one wave so; 4-bit content codes keep the tokens-as-M
-    kernel's warps apart where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one
-    token block a warp below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content codes keep the warps apart at any length (each
-    measured faster
+    FP8_ONE_CTA_MAX_TOKENS and its units cut for one CTA an SM leave every sequence at most FP8_ONE_CTA_MAX_SPLITS
+    splits; 4-bit content codes keep the tokens-as-M kernel's warps apart where units have at least TM_WS_MIN_TOKENS
+    tokens and take its 4-warp plan below, with one token block a warp below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content
+    codes keep the warps apart at any length (each measured faster
     there); a config passed in is kept."""
     from quantmla.kernels import schedule
 
@@ -116,10 +117,11 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     assert name != "fp8" or (md.chunk_tokens >= cuda.FP8_TM_MIN_TOKENS) == tokens_m
     if name == "fp8" and tokens_m:  # one CTA an SM: half the units, twice the tokens; two where the units are long
         one = {(32, 16384): False, (8, 65536): False, (64, 4096): True, (128, 2048): True, (160, 1536): False,
-               (7, 20480): True}[(len(lens), lens[0])]
+               (7, 20480): False, (122, 65536): False}[(len(lens), lens[0])]
         assert md.config.ctas_per_sm == (1 if one else 2) and md.config.num_stages == (4 if one else 2), md.config
-        assert md.chunk_tokens == {(64, 4096): 2048, (128, 2048): 2048, (7, 20480): 1152}.get((len(lens), lens[0]),
-                                                                                            md.chunk_tokens)
+        assert md.chunk_tokens == {(64, 4096): 2048, (128, 2048): 2048, (7, 20480): 576}.get((len(lens), lens[0]),
+                                                                                           md.chunk_tokens)
+        assert md.max_splits <= (cuda.FP8_ONE_CTA_MAX_SPLITS if one else md.max_splits)
         assert md.num_units <= 132 * md.config.ctas_per_sm
     if name != "fp8":  # the warps apart from tokens_m_ws_min_tokens on, the 4-warp plan (4 warps a CTA) below
         least = {"int4/int4": cuda.TM_WS_MIN_TOKENS, "int2/int4": 0}[name]
@@ -138,7 +140,7 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
 
 @pytest.mark.parametrize("name,b,max_len,want", [
     ("fp8", 4, 26112, "built"),          # the long job's rows (max_model_len) in 59 splits of 7 tiles: the built tile
-    ("fp8", 8, 26112, "one_cta"),        # 32 splits of 13 tiles: tokens as M, at one CTA an SM (16 of 26 tiles)
+    ("fp8", 8, 26112, "default"),        # 32 splits of 13 tiles: tokens as M (16 splits at one CTA an SM: two)
     ("fp8", 32, 26112, "default"),       # 8 splits of 51 tiles
     ("fp8", 64, 4096, "one_cta"),        # 4 splits of 16 tiles at two CTAs an SM: 2 of 32 at one
     ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
@@ -157,9 +159,9 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     (``config_for_units``), so FP8 over short units replays the built tile, and 4-bit content codes over units shorter
     than TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
     backend's own ``decode_config`` is kept. want: "built", "four_warps", "default" (the API's default config),
-    "one_cta" (FP8 on the tokens-as-M kernel at one CTA an SM: its units at two are shorter than
-    FP8_ONE_CTA_MAX_TOKENS), or "apart_short": 2-bit content codes on the default (the warps apart) over units shorter
-    than TM_WS_MIN_TOKENS,
+    "one_cta" (FP8 on the tokens-as-M kernel at one CTA an SM: its units at two are shorter than FP8_ONE_CTA_MAX_TOKENS
+    and a row takes at most FP8_ONE_CTA_MAX_SPLITS splits at one), or "apart_short": 2-bit content codes on the default
+    (the warps apart) over units shorter than TM_WS_MIN_TOKENS,
     where the same bucket of INT4/INT4 takes the 4-warp plan."""
     import types
 

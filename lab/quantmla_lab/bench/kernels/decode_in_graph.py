@@ -149,7 +149,8 @@ def plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, reps,
 
 def time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, vals, lse, w_uk, w_uv, H, L,
               dev) -> dict:
-    """One method, shape and config's row: its graphs of `L` layers replayed (µs a layer), and its timeline."""
+    """One method, shape and config's row: its graphs of `L` layers replayed (µs a layer), and where the API chose
+    the config and the combine blocks (`spec` and ``md.combine`` empty), the --plans timelines over its units."""
     scale = (D_N + D_R) ** -0.5
 
     def decode(l: int) -> None:
@@ -191,7 +192,7 @@ def time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, v
            "us_per_layer": {k: round(v, 2) for k, v in us.items()},
            "decode_between_products_us": round(us["layer"] - us["absorb"], 2),
            "combine_us": round(us["decode"] - us["kernel"], 2)}
-    if a.timeline and "/tm/" in (md.variant or ""):
+    if a.timeline and not spec and md.combine is None and "/tm/" in (md.variant or ""):  # the API's own call only
         row["timeline"] = [plan_graphs(caches, md, lay, q_lat, q_rope, o_lat, lse, scale, H, dev, a.reps,
                                        **parse_plan(ps)) for ps in a.plans]
         for t in row["timeline"]:
@@ -261,7 +262,9 @@ def main(argv=None) -> int:
             for spec in a.configs:
                 cfg = schedule.cuda_config(H, lay, dev, **parse_config(spec)) if spec else None
                 if spec and cfg is None:
-                    print(f"{m:10} {B}x{n:<6} {spec}: no such CUDA config here ({cuda.plan_reason.get(lay)})")
+                    why = cuda.plan_reason.get(lay)
+                    print(f"{m:10} {B}x{n:<6} {spec}: no such CUDA config here ({why})")
+                    res["rows"].append({"method": m, "batch": B, "context": n, "config": spec, "skipped": why})
                     continue
                 md = api.get_mla_metadata(caches[0].seq_lens, H, 1, lay, config=cfg)
                 for cb in a.combine_blocks if md.max_splits > 1 else [""]:
