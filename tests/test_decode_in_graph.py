@@ -41,7 +41,7 @@ def test_combine_blocks_take_the_apis_splits_a_step():
     wide.check(16, 512)
 
 
-@pytest.mark.parametrize("spec", ["1x48", "64", "ax2", "0x64"])
+@pytest.mark.parametrize("spec", ["1x48", "64", "ax2", "0x64", "1x1024"])
 def test_bad_combine_blocks_are_refused_with_their_form(spec):
     with pytest.raises(SystemExit, match="ROWSxCHANNELS"):
         dig.parse_blocks(spec)

@@ -80,9 +80,9 @@ def parse_blocks(text: str) -> tuple[int, int] | None:
     if not text:
         return None
     r, _, d = text.partition("x")
-    if not (r.isdigit() and d.isdigit()) or not all(_pow2(int(x)) for x in (r, d)):
-        raise SystemExit(f"--combine-blocks {text!r}: write ROWSxCHANNELS, powers of two (e.g. 1x64), or '' for the "
-                         "API's")
+    if not (r.isdigit() and d.isdigit()) or not all(_pow2(int(x)) for x in (r, d)) or int(d) > D_C:
+        raise SystemExit(f"--combine-blocks {text!r}: write ROWSxCHANNELS, powers of two with at most {D_C} channels "
+                         "(e.g. 1x64), or '' for the API's")
     return int(r), int(d)
 
 
