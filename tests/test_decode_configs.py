@@ -346,3 +346,36 @@ def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, own):
     for cfg in (graph, eager.config):
         assert cfg.scale_vote and cfg.tokens_m and cfg.specialized != follows, cfg.describe()
     assert (graph == vote) != follows and (eager.config == vote) != follows
+
+
+@pytest.mark.parametrize("max_len,rows", [(2432, range(53, 133)), (4096, range(45, 89)), (26112, range(0)),
+                                          (65536, range(0))])
+def test_fp8_one_cta_buckets(monkeypatch, max_len, rows):
+    """The engine's FP8 decode graph buckets of b rows up to max_len tokens (1 to 256 rows, 16 heads, 132 SMs) that
+    take one CTA an SM (docs/decode_tokens_m.md, "FP8 at one CTA an SM"): each then has at most
+    FP8_ONE_CTA_MAX_SPLITS splits a row in one wave; the long jobs' rows (26112, 65536 tokens) take none."""
+    import types
+
+    from quantmla.kernels import api, schedule
+    from quantmla.serving.triton_backend import bucket_splits, decode_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
+    lay = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
+    real_cuda_config = schedule.cuda_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        default = schedule.default_config(16, lay, "cuda")
+        monkeypatch.setattr(schedule, "cuda_config",
+                            lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
+        for mod in (api, schedule):
+            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
+                                        decode_config=None)
+        one = {}
+        for b in range(1, 257):
+            cfg = decode_tiling(backend, lay, b, max_len)
+            if cfg.tokens_m and cfg.ctas_per_sm == 1:
+                one[b] = bucket_splits(cfg, 16, b, max_len, 132)[0]
+    assert sorted(one) == list(rows)
+    assert all(s <= cuda.FP8_ONE_CTA_MAX_SPLITS and b * s <= 132 for b, s in one.items())
