@@ -348,6 +348,41 @@ def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, own):
     assert (graph == vote) != follows and (eager.config == vote) != follows
 
 
+def test_fp8_one_cta_keeps_the_scale_vote(monkeypatch):
+    """An FP8 layout whose content scales need the SCALE_VOTE build (WideLatentsConfig's `voting`) keeps it where the
+    unit-length rule moves FP8 to one CTA an SM, in an eager call (64 x 4096) and in a graph bucket of 64 rows up to
+    4096 tokens; at 32 x 16384 (two CTAs an SM) it keeps it as well."""
+    import types
+
+    from quantmla.kernels import schedule
+    from quantmla.serving.latent_range import WideLatentsConfig
+    from quantmla.serving.triton_backend import decode_tiling
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
+    lay = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
+    real_cuda_config, real_default_config = schedule.cuda_config, schedule.default_config
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        monkeypatch.setattr(schedule, "cuda_config",
+                            lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
+        monkeypatch.setattr(schedule, "default_config",
+                            lambda rows, layout, device, **kw: real_default_config(rows, layout, "cuda", **kw))
+        own = WideLatentsConfig(frozenset({lay}), frozenset({lay}))
+        start = own(16, lay, torch.device("cpu"))
+        got = {}
+        for lens in ([4096] * 64, [16384] * 32):
+            md = schedule.get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, lay, config=start,
+                                           num_sms=132, follow_units=True)
+            got[len(lens)] = md.config
+        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
+                                        decode_config=own)
+        graph = decode_tiling(backend, lay, 64, 4096)
+    assert start.scale_vote and start.tokens_m and start.ctas_per_sm == 2, start.describe()
+    assert got[64].ctas_per_sm == 1 and graph.ctas_per_sm == 1 and got[32].ctas_per_sm == 2
+    assert all(c.scale_vote and c.tokens_m for c in (got[64], got[32], graph)), [c.describe() for c in got.values()]
+
+
 @pytest.mark.parametrize("max_len,rows", [(2432, range(53, 133)), (4096, range(45, 89)), (26112, range(0)),
                                           (65536, range(0))])
 def test_fp8_one_cta_buckets(monkeypatch, max_len, rows):

@@ -397,7 +397,7 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
     if (cfg.tokens_m and cfg.ctas_per_sm == 2 and layout is not None and cuda.is_fp8(layout)
             and unit_tokens < cuda.FP8_ONE_CTA_MAX_TOKENS and one_cta_splits is not None
             and one_cta_splits <= cuda.FP8_ONE_CTA_MAX_SPLITS):
-        one = cuda_config(rows, layout, device, tokens_m=True, ctas_per_sm=1)
+        one = cuda_config(rows, layout, device, tokens_m=True, ctas_per_sm=1, scale_vote=cfg.scale_vote)
         if one is not None:
             return one
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.tokens_m_ws_min_tokens(layout):
