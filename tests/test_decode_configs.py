@@ -10,6 +10,7 @@ import torch
 from helpers.cuda_plans import CUDA
 
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
+from quantmla.errors import UnsupportedFormatError
 from quantmla.kernels import cuda
 from quantmla.kernels.cuda import build
 
@@ -302,6 +303,35 @@ def test_the_launch_asks_for_the_configs_scale_vote(monkeypatch):
         with pytest.warns(UserWarning, match="the Triton kernel runs instead"):
             assert launch.launch_cuda((1, 1), args, lay, cfg) is None
         assert asked["scale_vote"] is vote and asked["tokens_m"] and asked["specialized"]
+
+
+def test_the_launch_refuses_a_plan_of_other_key_tiles(monkeypatch):
+    """A caller's tokens-as-M config with 32-token tiles: its units start on 32-token tiles, which the 64-token
+    kernel's page copies cannot start from, so the launch leaves the call to Triton with a warning saying why (and
+    raises where QUANTMLA_DECODE_KERNEL=cuda asks for the CUDA kernel only); with the kernel's own tiles it launches."""
+    import dataclasses
+    import types
+
+    from quantmla.kernels import launch, schedule
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
+    launched = []
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"), \
+            mock.patch.object(cuda, "launch_decode", lambda plan, grid, args, device: launched.append(plan)):
+        base = schedule.cuda_config(16, lay, "cuda")
+        args = [None] * 18
+        args[2], args[8], args[15] = types.SimpleNamespace(device=torch.device("cuda")), torch.zeros(1).bfloat16(), 16
+        assert base.tokens_m and launch.launch_cuda((1, 4), tuple(args), lay, base) is not None and launched
+        ours = dataclasses.replace(base, block_n=32)
+        monkeypatch.setattr(cuda, "mode", lambda: "auto")
+        with pytest.warns(UserWarning, match="its key tile is 64 tokens, the schedule's 32"):
+            assert launch.launch_cuda((1, 4), tuple(args), lay, ours) is None
+        monkeypatch.setattr(cuda, "mode", lambda: "cuda")
+        with pytest.raises(UnsupportedFormatError, match="its key tile is 64 tokens"):
+            launch.launch_cuda((1, 4), tuple(args), lay, ours)
+    assert len(launched) == 1
 
 
 @pytest.mark.parametrize("own", ["wide_latents", "function", "function_marked"])

@@ -6,6 +6,7 @@ cannot run. The same checks at full shapes run on the GPU in test_kernels_gpu.py
 import dataclasses
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -198,6 +199,64 @@ def test_metadata_covers_every_token_once():
         assert cover[0][0] == 0 and cover[-1][1] == n
         assert all(a[1] == b_[0] for a, b_ in zip(cover, cover[1:]))
     assert md.max_splits > 1
+
+
+def test_metadata_for_other_lengths_is_refused():
+    """Metadata cut for other lengths (an earlier step's, say) is refused naming both, before any launch: shorter
+    units would drop tokens, longer ones read slots never written. The tensor it was cut from, unchanged, passes with
+    no host read; another tensor of the same values passes once read; an in-place change is caught by its version."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [40, 50], seed=3)
+    qc = torch.randn(2, 1, 4, D_C).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 1, 4, D_R).to(DEV, torch.bfloat16)
+    for stale in ([20, 50], [48, 50]):
+        md = get_mla_metadata(torch.tensor(stale, dtype=torch.int32, device=DEV), 4, 1, lay)
+        with pytest.raises(QuantMLAError, match=re.escape(f"made for sequence lengths {stale}, not [40, 50]")):
+            mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)
+    mine = sl.clone()
+    md = get_mla_metadata(mine, 4, 1, lay)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, mine, lay, 0.125, metadata=md)
+    o2, l2 = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl.clone(), lay, 0.125, metadata=md)  # same values
+    assert torch.equal(o, o2) and torch.equal(l, l2) and len(md.lengths) == 2
+    mine[0] = 24  # in place: the version counter moves
+    with pytest.raises(QuantMLAError, match=re.escape("not [24, 50]")):
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, mine, lay, 0.125, metadata=md)
+
+
+def test_a_config_beside_metadata_must_be_the_metadatas():
+    """A config passed beside metadata cut for another config is refused (the units follow the metadata's tiles);
+    the metadata's own config passes."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [40, 50], seed=3)
+    qc = torch.randn(2, 1, 4, D_C).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 1, 4, D_R).to(DEV, torch.bfloat16)
+    md = get_mla_metadata(sl, 4, 1, lay)
+    other = dataclasses.replace(md.config, block_n=md.config.block_n * 2)
+    with pytest.raises(QuantMLAError, match="differs from the metadata's"):
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md, config=other)
+    mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md, config=md.config)
+
+
+def test_strided_seq_lens_are_read_as_their_values():
+    """An int32 seq_lens that is a strided view (a column of [B, 2]) decodes as its contiguous copy does."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [40, 50], seed=3)
+    col = torch.stack([torch.tensor([7, 9], dtype=torch.int32, device=DEV), sl.to(torch.int32)], dim=1)[:, 1]
+    assert col.stride() == (2,)
+    qc = torch.randn(2, 1, 4, D_C).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 1, 4, D_R).to(DEV, torch.bfloat16)
+    o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, col, lay, 0.125)
+    check(o, l, *reference(lay, pool, bt, sl, qc, qr, 0.125))
+
+
+def test_inputs_off_the_caches_device_are_refused():
+    """A query, block table or lengths on another device than the cache: a QuantMLAError naming it, before launch."""
+    lay, pool, bt, sl = make_cache(FORMATS["int4/int4"], [40, 50], seed=3)
+    qc = torch.randn(2, 1, 4, D_C).to(DEV, torch.bfloat16)
+    qr = torch.randn(2, 1, 4, D_R).to(DEV, torch.bfloat16)
+    args = dict(q_latent=qc, q_rope=qr, block_table=bt, seq_lens=sl)
+    for name in args:
+        moved = dict(args, **{name: args[name].to("meta")})
+        with pytest.raises(QuantMLAError, match=f"^{name} is on meta, the cache on"):
+            mla_decode_with_kvcache(moved["q_latent"], moved["q_rope"], pool.layer(0), moved["block_table"],
+                                    moved["seq_lens"], lay, 0.125)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int4/int4", "int2/int4"])
@@ -511,6 +570,12 @@ def test_prefill_attention_bf16_and_errors():
     qr_strided = torch.stack([q_rope, q_rope], -1)[..., 0]
     assert qr_strided.stride(-1) == 2
     torch.testing.assert_close(mla_prefill_attention(q_nope, qr_strided, kv, k_rope, 0.15), got)
+    # the CPU reference path checks `out` too, before it writes (a wider one would take the result broadcast)
+    wide = torch.full((24, 2, 64), 7.0, dtype=torch.bfloat16)
+    with mock.patch.object(api, "_use_triton", lambda t: False), \
+            pytest.raises(QuantMLAError, match=r"out must be \[24, 2, 32\]"):
+        mla_prefill_attention(q_nope.cpu(), q_rope.cpu(), kv.cpu(), k_rope.cpu(), 0.15, out=wide)
+    assert torch.all(wide == 7.0)
 
 
 @triton.jit

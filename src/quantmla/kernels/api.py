@@ -14,6 +14,10 @@ d_r]``; ``out`` ``[B, S_q, H, d_c]`` is the latent-space output (the caller appl
 ``lse`` ``[B, S_q, H]`` the natural-log log-sum-exp, with the causal multi-query semantics of
 ``reference.absorbed.absorbed_attention`` (query i of S_q sees tokens ``t < L − S_q + i + 1``).
 
+A call checks that its ``metadata`` was cut for its ``seq_lens``: the tensor the metadata read, unchanged, passes
+as it is; any other is read once on the host and refused unless it holds the same lengths
+(``MLAMetadata.check_lengths``). Every input must be on the cache's device.
+
 CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``) run the Triton kernels; other CPU tensors
 take the pure-torch reference path (same results up to bf16 rounding). Formats the kernels cannot
 run raise :class:`UnsupportedFormatError` before anything is launched.
@@ -129,10 +133,17 @@ def mla_decode_with_kvcache(
         return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
 
     device = kv_pages.device
+    for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != device:
+            raise QuantMLAError(f"{name} is on {t.device}, the cache on {device}: the kernels read every input on the "
+                                f"cache's device (move it with .to({str(device)!r}))")
     if B == 0:
         o = out if out is not None else torch.empty((0, SQ, H, DC), dtype=out_dtype, device=device)
         l = lse if lse is not None else torch.empty((0, SQ, H), dtype=torch.float32, device=device)
         return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
+    if metadata is not None and config is not None and config != metadata.config:
+        raise QuantMLAError(f"config {config.describe()} differs from the metadata's {metadata.config.describe()}: "
+                            "a metadata's units are cut for its own config; pass config to get_mla_metadata instead")
     if metadata is None:
         metadata = get_mla_metadata(seq_lens, H, SQ, layout, config=config)
     elif metadata.num_heads != H or metadata.q_len != SQ or len(metadata.seq_lens) != B:
@@ -140,6 +151,10 @@ def mla_decode_with_kvcache(
             f"metadata was made for {metadata.num_heads} heads × {metadata.q_len} query tokens and "
             f"{len(metadata.seq_lens)} sequences, not {H} × {SQ} and {B}"
         )
+    if metadata.units.device != device:
+        raise QuantMLAError(f"metadata was made on {metadata.units.device}, the cache is on {device}: make it from "
+                            "seq_lens on the cache's device")
+    metadata.check_lengths(seq_lens)
     need = max(metadata.seq_lens + [0])
     if need > block_table.shape[1] * layout.page_size:
         raise QuantMLAError(f"a sequence of {need} tokens needs more than the {block_table.shape[1]} pages of its block-table row")
@@ -147,8 +162,7 @@ def mla_decode_with_kvcache(
     qc = q_latent.to(torch.bfloat16).contiguous()
     qr = q_rope.to(torch.bfloat16).contiguous()
     bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else block_table.to(torch.int32).contiguous()
-    sl = seq_lens.reshape(-1)
-    sl = sl if sl.dtype == torch.int32 else sl.to(torch.int32)
+    sl = seq_lens.reshape(-1).to(torch.int32).contiguous()  # the kernels read it with stride 1
     R = H * SQ
     if out is None:
         out = torch.empty((B, SQ, H, DC), dtype=out_dtype, device=device)
@@ -406,6 +420,9 @@ def mla_prefill_attention(
                             f"(got T={T}, kv width {kv.shape[-1]}, d_n={d_n})")
     if out is None:
         out = torch.empty((n, H, d_v), dtype=q_nope.dtype, device=q_nope.device)
+    if out.shape != (n, H, d_v) or out.stride(-1) != 1:
+        raise QuantMLAError(f"prefill attention: out must be [{n}, {H}, {d_v}] with unit stride in its last dim, "
+                            f"got {tuple(out.shape)} with strides {out.stride()}")
     if n == 0:
         return out
     if not _use_triton(q_nope):
@@ -414,9 +431,6 @@ def mla_prefill_attention(
     from quantmla.kernels.prefill import _mla_prefill_kernel
 
     cfg = config or default_prefill_config(n, T)
-    if out.shape != (n, H, d_v) or out.stride(-1) != 1:
-        raise QuantMLAError(f"prefill attention: out must be [{n}, {H}, {d_v}] with unit stride in its last dim, "
-                            f"got {tuple(out.shape)} with strides {out.stride()}")
     dt = torch.float32 if interpreting() else torch.bfloat16
     q_nope, q_rope, kv, k_rope = (x.to(dt) if x.stride(-1) == 1 else x.to(dt).contiguous()
                                   for x in (q_nope, q_rope, kv, k_rope))  # any strides, unit last stride

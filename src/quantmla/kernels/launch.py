@@ -81,6 +81,8 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
         why = cuda.plan_reason.get(layout, "no plan")
     elif plan.block_m != cfg.block_m:
         why = f"its row block is {plan.block_m}, the schedule's {cfg.block_m}"
+    elif plan.block_n != cfg.block_n:  # the units start on the schedule's key tiles, the kernel's copies on its own
+        why = f"its key tile is {plan.block_n} tokens, the schedule's {cfg.block_n}"
     elif plan in _CUDA_FAILED:
         why = _CUDA_FAILED[plan]
     else:

@@ -10,6 +10,7 @@ kernel's programs (``combine_shape``). ``kernels.api`` re-exports all of it.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,7 +210,9 @@ class MLAMetadata:
 
     units: int32 [U, 4] rows (sequence, token start, token end, splits of that sequence);
     seq_info: int32 [B, 2] rows (first unit, splits); combine: the combine kernel's program shape (None: sized by
-    ``combine_shape`` for these sequences and splits at launch)."""
+    ``combine_shape`` for these sequences and splits at launch); lengths: the ``seq_lens`` tensors whose values the
+    units were cut for (weak references with their version counters; :meth:`check_lengths`), None where the units'
+    owner deals them out to the lengths itself (a CUDA-graph bucket's ``StaticDecodePlan.update``)."""
 
     units: torch.Tensor
     seq_info: torch.Tensor
@@ -222,6 +225,25 @@ class MLAMetadata:
     chunk_tokens: int
     combine: CombineShape | None = None
     workspace: dict = field(default_factory=dict, repr=False)
+    lengths: list | None = field(default_factory=list, repr=False)
+
+    def check_lengths(self, seq_lens: torch.Tensor) -> None:
+        """QuantMLAError unless `seq_lens` holds the lengths these units were cut for: the tensor they were cut from,
+        unchanged since (its version counter, where it keeps one: inference-mode tensors do not), needs no check;
+        any other is read on the host once (a sync; refused inside a CUDA-graph capture) and remembered if it holds
+        the same values. Stale units would drop tokens past their ends, or read slots never written."""
+        if self.lengths is None or any(ref() is seq_lens and v == _version(seq_lens) for ref, v in self.lengths):
+            return
+        how = "make the metadata with get_mla_metadata for these lengths"
+        if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise QuantMLAError(f"metadata was made from another seq_lens tensor, or this one changed since: {how}, "
+                                "and pass the tensor it read, unchanged, to every call in the capture")
+        now = [int(x) for x in seq_lens.reshape(-1).tolist()]
+        if now != self.seq_lens:
+            shown = lambda v: str(v[:8])[:-1] + (", ...]" if len(v) > 8 else "]")  # noqa: E731
+            raise QuantMLAError(
+                f"metadata was made for sequence lengths {shown(self.seq_lens)}, not {shown(now)}: {how}")
+        self.lengths.append((weakref.ref(seq_lens), _version(seq_lens)))
 
     @property
     def variant(self) -> str | None:
@@ -246,6 +268,14 @@ class MLAMetadata:
     @property
     def head_blocks(self) -> int:
         return -(-self.rows // self.config.block_m)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """`t`'s version counter (bumped by torch's in-place writes), None for an inference-mode tensor (it keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 _SM_COUNT: dict = {}
@@ -330,6 +360,7 @@ def get_mla_metadata(
         seq_lens=lens,
         chunk_tokens=chunk_tiles * bn,
         combine=combine,
+        lengths=[(weakref.ref(seq_lens), _version(seq_lens))],
     )
 
 

@@ -79,6 +79,7 @@ class StaticDecodePlan:
             if proto.max_splits != S or proto.num_units != b * S:
                 raise RuntimeError("unexpected decode schedule shape")  # uniform lengths give b·S units
             proto.combine = schedule.combine_shape(b, H, layout.token.d_c, S, schedule.num_sms_of(dev))
+            proto.lengths = None  # update() deals the units out to each replay's real lengths
             self.md[kind], self.split[kind] = proto, (S, min_span, cfg.block_n)
             # two pinned sets used in turn: a step's units may still be on their way while the next is prepared
             pin = dev.type == "cuda"
