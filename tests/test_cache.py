@@ -119,6 +119,30 @@ def test_crop_and_batch_ops():
     layer.batch_select_indices(torch.tensor([2, 0]))
     c3, _ = layer._read(torch.float32)
     torch.testing.assert_close(c3[:, 0], full_c[[2, 0], 0, :6])
+    layer.crop(8)  # a positive value keeps that many tokens, as transformers' DynamicLayer: none past the length
+    assert layer.get_seq_length() == 6
+    layer.crop(4)
+    assert layer.get_seq_length() == 4
+    c4, _ = layer._read(torch.float32)
+    torch.testing.assert_close(c4[:, 0], full_c[[2, 0], 0, :4])
+
+
+def test_crop_agrees_with_transformers_dynamic_cache():
+    """crop(n) of the whole cache leaves the length a DynamicCache leaves, for a positive (tokens kept) and a negative
+    (tokens removed) n, so the layers of a mixed cache never disagree."""
+    import warnings
+
+    m = tiny_model("deepseek_v3")
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    for n in (5, -3, 30):
+        lengths = []
+        for cache in (DynamicCache(config=m.config), QuantMLACache(m, QuantCacheConfig.of_bits(4, 4, 32, 16))):
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m(ids, past_key_values=cache, use_cache=True)
+                cache.crop(n)
+            lengths.append(cache.get_seq_length())
+        assert lengths[0] == lengths[1] == {5: 5, -3: 17, 30: 20}[n], (n, lengths)
 
 
 def test_mismatched_model_is_a_clear_error():

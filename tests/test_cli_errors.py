@@ -420,6 +420,7 @@ def test_checkpoint_without_weights(ckpts, tmp_path, capsys):
     ("not json\n", [r"prompts.jsonl:1: not a JSON object"]),
     ('{"prompt": "a", "prompt_ids": [1]}\n', [r":1: each line needs exactly one of"]),
     ('{"prompt_ids": []}\n', [r"\"prompt_ids\" must be a non-empty list of token ids"]),
+    ('{"prompt_ids": [1], "id": 1}\n{"prompt_ids": [2]}\n', [r":2: id 1 is taken"]),
     ('{"prompt": "a", "max_new_tokens": "ten"}\n', [r"\"max_new_tokens\" must be a positive integer, got 'ten'"]),
 ])
 def test_serve_bad_prompts(content, needles, ckpts, tmp_path, capsys):

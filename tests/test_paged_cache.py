@@ -43,6 +43,7 @@ def test_pool_allocates_frees_and_reuses_pages():
     assert pool.free_pages == 0
     with pytest.raises(OutOfPagesError, match="free"):
         pool.append_slots("d", 1)
+    assert "d" not in pool and pool.sequences == ["b", "c"]  # a sequence refused its pages is not added
 
 
 def test_block_table_and_lengths():

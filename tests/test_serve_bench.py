@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+
 def test_serve_bench_jobs_and_fp8_method():
     from quantmla_lab.bench.serving.throughput import JOBS, job_budgets_gib, method_config
 
@@ -47,11 +48,17 @@ def test_serve_bench_job_sets_its_chunk_budget_unless_given():
                        (["--job", "longest", "--max-batched-tokens", "4096"], 4096),
                        ([], BenchSettings.max_num_batched_tokens), (["--max-batched-tokens", "2048"], 2048)):
         args = p.parse_args(argv)
-        apply_job(args, " ".join(argv))
+        apply_job(args)
         assert args.max_batched_tokens == want, argv
-    args = p.parse_args(["--job", "long", "--budgets-gib", "3"])
-    apply_job(args, "--job long --budgets-gib 3")
-    assert args.budgets_gib == [3.0] and args.requests == 32
+    # budgets given win over the job's, however the option is spelt (argparse takes a prefix and `=`)
+    for argv in (["--job", "long", "--budgets-gib", "3"], ["--job", "long", "--budgets-gib=3"],
+                 ["--job", "long", "--budgets", "3"]):
+        args = p.parse_args(argv)
+        apply_job(args)
+        assert args.budgets_gib == [3.0] and args.requests == 32, argv
+    args = p.parse_args([])
+    apply_job(args)
+    assert args.budgets_gib == list(BenchSettings.budgets_gib)
 
 
 def test_check_compares_the_engine_logic_apart_from_the_kernels():
@@ -129,6 +136,40 @@ def test_serve_bench_command_at_toy_size(tmp_path, monkeypatch):
         compiled = sum(p["compiles"] for p in pre) + sum(d["compiles"] for d in dec.values())
         assert compiled == log["compiles"]["count"] == 0  # the torch backend compiles nothing (per-step
         # attribution: tests/test_compile_watch.py)
+
+
+def test_serve_bench_never_replaces_a_result_unasked(tmp_path, capsys, monkeypatch):
+    """An --out (or its figure) that exists is refused before any work unless --overwrite is given, which removes the
+    old figure first; --check-only writes agreement.json by default, apart from the benchmark's serving.json; a
+    partial result (a run cut short) is not drawn; a job whose every run failed exits non-zero."""
+    import argparse
+
+    from quantmla.cli import main
+    from quantmla.errors import QuantMLAError
+    from quantmla_lab.bench.serving.command import add_arguments, claim_output
+    from quantmla_lab.bench.serving.throughput_report import load_result
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "serving.json"
+    out.with_suffix(".png").write_text("old figure")
+    args = p.parse_args(["--out", str(out)])
+    with pytest.raises(QuantMLAError, match="exist; pass --overwrite"):
+        claim_output(args)
+    claim_output(p.parse_args(["--out", str(out), "--overwrite"]))
+    assert not out.with_suffix(".png").exists()
+    args = p.parse_args(["--check-only"])
+    monkeypatch.chdir(tmp_path)
+    claim_output(args)
+    assert args.out == "out/serve-bench/agreement.json"
+    out.write_text(json.dumps({"runs": [{"method": "bf16"}], "partial": True}))
+    with pytest.raises(QuantMLAError, match="did not finish"):
+        load_result(str(out))
+    rc = main(["serve-bench", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "2",
+               "--prompt-len", "20", "30", "--output-len", "2", "3", "--budgets-gib", "0.0000001", "--page-size", "16",
+               "--content-group", "32", "--rope-group", "16", "--backend", "torch", "--methods", "bf16",
+               "--out", str(tmp_path / "none.json")])
+    assert rc == 1 and "1 errors, 0 runs" in capsys.readouterr().out
 
 
 def test_serve_bench_ratios_and_medians_over_repeats():

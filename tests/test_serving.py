@@ -277,6 +277,29 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
         Engine(tiny_model("deepseek_v3"), EngineConfig(num_pages=4, graph_units="even"))
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("watermark", -1.0, "watermark = -1.0: the fraction of pages"),
+    ("watermark", 1.0, "watermark = 1.0"),
+    ("max_num_seqs", 0, "max_num_seqs = 0: it takes a whole number of at least 1"),
+    ("max_num_batched_tokens", 1.5, "max_num_batched_tokens = 1.5"),
+    ("max_model_len", -5, "max_model_len = -5"),
+    ("mixed_decode_graphs", -1, "mixed_decode_graphs = -1"),
+    ("graph_buckets", (), r"graph_buckets = \(\): the decode graphs' rows"),
+    ("graph_buckets", (0, 2), r"graph_buckets = \(0, 2\)"),
+    ("page_size", 0, "page_size = 0"),
+])
+def test_engine_config_out_of_range_is_refused_before_anything_is_built(field, value, match):
+    """A setting out of its range: a QuantMLAError naming it when the engine is made (not a traceback from inside a
+    later capture or step), and the Scheduler refuses a watermark outside [0, 1) as well."""
+    import dataclasses
+
+    with pytest.raises(QuantMLAError, match=match):
+        Engine(tiny_model("deepseek_v3"), dataclasses.replace(EngineConfig(num_pages=4), **{field: value}))
+    if field == "watermark":
+        with pytest.raises(QuantMLAError, match="watermark"):
+            Scheduler(4, 16, watermark=value)
+
+
 @pytest.mark.parametrize("path", local_reference_models() or [None])
 def test_reference_model_matches_generate(path):
     if path is None:

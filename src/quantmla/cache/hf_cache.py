@@ -156,8 +156,12 @@ class QuantMLALayer(CacheLayerMixin):
         self._apply_batch(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `tokens_to_remove` tokens (a negative count, as transformers passes, or positive)."""
-        n = abs(int(tokens_to_remove))
+        """Drop tokens from the end as transformers' layers do: a negative count removes that many; a positive one is
+        transformers' older ``max_length``, the tokens to keep (none dropped where it is the length or more)."""
+        n = int(tokens_to_remove)
+        if n > 0:
+            n = max(0, self.cumulative_length - n)
+        n = abs(n)
         if n == 0:
             return
         keep = max(0, self.cumulative_length - n)

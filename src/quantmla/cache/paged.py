@@ -193,15 +193,17 @@ class PagePool:
         return list(self._pages[seq_id])
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Make sure `seq_id` has pages for `num_tokens` tokens in total (its length is unchanged)."""
-        pages = self._pages.setdefault(seq_id, [])
-        self._lens.setdefault(seq_id, 0)
+        """Make sure `seq_id` has pages for `num_tokens` tokens in total (its length is unchanged). Where the pool
+        has too few free pages nothing changes: a new sequence is not added."""
+        pages = self._pages.get(seq_id, [])
         need = -(-num_tokens // self.page_size) - len(pages)
         if need > self._alloc.free:
             raise OutOfPagesError(
                 f"sequence {seq_id!r} needs {need} more pages for {num_tokens} tokens but only "
                 f"{self._alloc.free} of {self.num_pages} are free; free finished sequences or make a larger pool"
             )
+        self._pages[seq_id] = pages
+        self._lens.setdefault(seq_id, 0)
         if need > 0:
             pages += self._alloc.allocate(need)
 

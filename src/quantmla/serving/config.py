@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE
+from quantmla.errors import QuantMLAError
 from quantmla.serving.scheduler import SchedulerStats
 
 
@@ -75,6 +77,35 @@ class EngineConfig:
     overlap_steps: bool = True
     graph_units: str = "length"
     mixed_decode_graphs: int = 0
+
+    def check(self) -> None:
+        """QuantMLAError naming the first setting out of its range (the engine checks before it builds anything)."""
+        def whole(name: str, least: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, Integral) or isinstance(v, bool) or v < least:
+                raise QuantMLAError(f"EngineConfig.{name} = {v!r}: it takes a whole number of at least {least}")
+
+        for name, least in (("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                            ("prefill_graph_min", 1), ("rope_block", 0), ("mixed_decode_graphs", 0)):
+            whole(name, least)
+        for name in ("num_pages", "kv_budget_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                whole(name, 1)
+        if not 0.0 <= self.watermark < 1.0:
+            raise QuantMLAError(f"EngineConfig.watermark = {self.watermark!r}: the fraction of pages admission leaves "
+                                "free, at least 0 and below 1")
+        b = self.graph_buckets
+        if not b or any(not isinstance(x, Integral) or isinstance(x, bool) or x < 1 for x in b):
+            raise QuantMLAError(f"EngineConfig.graph_buckets = {b!r}: the decode graphs' rows, one or more whole "
+                                "numbers of at least 1 (cuda_graphs=False turns the graphs off)")
+        if self.prefill_graph_max < 2:
+            raise QuantMLAError(f"prefill_graph_max {self.prefill_graph_max}: a prefill chunk has 2 tokens or more, so "
+                                "the largest prefill graph needs at least 2 (prefill_graphs=False turns them off)")
+        if self.graph_units not in GRAPH_UNITS:
+            raise QuantMLAError(f"graph_units {self.graph_units!r}: use one of {', '.join(GRAPH_UNITS)}")
+        if self.rope_block and not self.rope_pages:
+            raise QuantMLAError(f"rope_block {self.rope_block} sets the RoPE scales' blocks inside a page: it needs "
+                                "rope_pages=True")
 
 
 @dataclass

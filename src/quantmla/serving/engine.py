@@ -34,7 +34,7 @@ from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
 from quantmla.serving import fused_rope, latent_range, mlp, norms
 from quantmla.serving.backends import AttentionBackend, AttnMeta, TorchPagedBackend
-from quantmla.serving.config import GRAPH_UNITS, EngineConfig, JobStats
+from quantmla.serving.config import EngineConfig, JobStats
 from quantmla.serving.eager_step import eager_inputs
 from quantmla.serving.fused_rope import step_pieces
 from quantmla.serving.graphs import (
@@ -83,6 +83,7 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        config.check()
         self.model, self.config = model.eval(), config
         spec = load_spec(model)
         spec.require_latent_cache()
@@ -101,14 +102,6 @@ class Engine:
             raise QuantMLAError("the paged engine keeps no full-precision window: set fp_window=0 in the cache config")
         self.spec, self.quant = spec, quant
         self.formats: dict[int, CacheFormat] = {s: quant.format_for(s) for s in spec.mla_layers}
-        if config.prefill_graph_max < 2:
-            raise QuantMLAError(f"prefill_graph_max {config.prefill_graph_max}: a prefill chunk has 2 tokens or more, so "
-                                "the largest prefill graph needs at least 2 (prefill_graphs=False turns them off)")
-        if config.graph_units not in GRAPH_UNITS:
-            raise QuantMLAError(f"graph_units {config.graph_units!r}: use one of {', '.join(GRAPH_UNITS)}")
-        if config.rope_block and not config.rope_pages:
-            raise QuantMLAError(f"rope_block {config.rope_block} sets the RoPE scales' blocks inside a page: it needs "
-                                "rope_pages=True")
         if config.rope_pages:
             self.formats = {s: CacheFormat(f.content, page_grouped(f.rope, config.rope_block))
                             for s, f in self.formats.items()}

@@ -163,6 +163,8 @@ class Scheduler:
             raise QuantMLAError(f"the KV budget holds {num_pages} pages; give a budget of at least one page per layer")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise QuantMLAError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0.0 <= watermark < 1.0:
+            raise QuantMLAError(f"watermark {watermark!r}: the fraction of pages admission leaves free, in [0, 1)")
         self.page_size = page_size
         self.alloc = PageAllocator(num_pages, first_page)
         self.num_pages = num_pages

@@ -66,6 +66,9 @@ def read_prompts(path: str) -> list[dict]:
             if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
                 raise CLIError(f"{path}:{i}: \"max_new_tokens\" must be a positive integer, got {m!r}")
             r.setdefault("id", len(records))
+            if any(r["id"] == o["id"] for o in records):
+                raise CLIError(f"{path}:{i}: id {r['id']!r} is taken (a line without an id takes its line's number "
+                               "among the prompts): give every line its own id, or none")
             records.append(r)
     else:
         records = [{"id": i, "prompt": line} for i, line in enumerate(x for x in lines if x.strip())]

@@ -36,7 +36,9 @@ def add_arguments(p):
     p.add_argument("--output-len", type=int, nargs=2, default=(d.output_min, d.output_max), metavar=("MIN", "MAX"),
                    help="output lengths (tokens), drawn between MIN and MAX (EOS ignored)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
-    p.add_argument("--budgets-gib", type=float, nargs="+", default=list(d.budgets_gib), help="KV budgets in GiB (page data, all layers)")
+    p.add_argument("--budgets-gib", type=float, nargs="+", default=None,
+                   help=f"KV budgets in GiB (page data, all layers; default {' '.join(map(str, d.budgets_gib))}, or the "
+                        "--job's)")
     p.add_argument("--methods", nargs="+", default=None,
                    help=f"cache methods: bf16, fp8, intC/intR, intC/intR-page (RoPE keys per channel per page), intC/intR-pageN "
                         f"(per channel per block of N tokens) "
@@ -76,7 +78,9 @@ def add_arguments(p):
     p.add_argument("--check-refs", nargs="*", default=None, help="checkpoint dirs to check (default: all under models/)")
     p.add_argument("--check-methods", nargs="+", default=["bf16", "int4/int4", "int2/int4"],
                    help="cache methods of the agreement check")
-    p.add_argument("--out", default="out/serve-bench/serving.json", help="JSON output path (the figure goes beside it, .png)")
+    p.add_argument("--out", default=None, help="JSON output path, the figure beside it (.png); default "
+                   "out/serve-bench/serving.json, or agreement.json with --check-only")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out (and its figure) that exists")
     p.add_argument("--replot", metavar="RESULT_JSON", default=None, help="only draw the figure of a saved result, then exit")
     p.add_argument("--job", choices=sorted(JOBS), default=None,
                    help="a named job shape (short: prompts 1K-2K, outputs 256-384, 64 requests; long: prompts 16K-24K, "
@@ -185,8 +189,16 @@ def check_args(args) -> None:
         check_methods(args.methods, args, d_c, d_r)
     from quantmla.checks import check_device, check_positive
 
-    for b in args.budgets_gib:
+    for b in args.budgets_gib or ():
         check_positive(b, "--budgets-gib")
+    for flag, (lo, hi) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if not 1 <= lo <= hi:
+            raise QuantMLAError(f"{flag} {lo} {hi}: give MIN and MAX tokens with 1 <= MIN <= MAX")
+    for flag, v in (("--requests", args.requests), ("--page-size", args.page_size), ("--max-num-seqs", args.max_num_seqs)):
+        if v < 1:
+            raise QuantMLAError(f"{flag} {v}: give 1 or more")
+    if not 0.0 <= args.watermark < 1.0:
+        raise QuantMLAError(f"--watermark {args.watermark:g}: the fraction of pages admission leaves free, in [0, 1)")
     if args.repeats < 1:
         raise QuantMLAError(f"--repeats {args.repeats}: give how many times each method runs at each budget (1 or more)")
     if args.stall_seconds < 0:
@@ -206,18 +218,40 @@ def _figure(result: dict, json_path: str) -> str:
     return plot_curve(result, os.path.splitext(json_path)[0] + ".png")
 
 
-def apply_job(args, command_line: str) -> None:
+def apply_job(args) -> None:
     """--job's shape into args: requests, prompt and output lengths, and, unless the command line gives them,
-    its budgets and its tokens an engine step batches (without --job: the settings' default chunk budget)."""
+    its budgets and its tokens an engine step batches (without --job: the settings' default budgets and chunk
+    budget)."""
     if args.job:
         j = JOBS[args.job]
         args.requests, args.prompt_len, args.output_len = j["requests"], j["prompt"], j["output"]
-        if "--budgets-gib" not in command_line.split():
+        if args.budgets_gib is None:
             args.budgets_gib = job_budgets_gib(args.job, args.preset, page_size=args.page_size)
         if args.max_batched_tokens is None:
             args.max_batched_tokens = j["batched_tokens"]
+    if args.budgets_gib is None:
+        args.budgets_gib = list(BenchSettings.budgets_gib)
     if args.max_batched_tokens is None:
         args.max_batched_tokens = BenchSettings.max_num_batched_tokens
+
+
+def claim_output(args) -> None:
+    """--out (default: serving.json, or agreement.json with --check-only) can be written, and neither it nor its
+    figure exists unless --overwrite says to replace them (then the old figure goes now, so none is left beside a
+    result that draws none)."""
+    from quantmla.checks import check_output_file
+    from quantmla.errors import QuantMLAError
+
+    if args.out is None:
+        args.out = "out/serve-bench/" + ("agreement.json" if args.check_only else "serving.json")
+    check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
+    png = os.path.splitext(args.out)[0] + ".png"
+    there = [p for p in (args.out, png) if os.path.exists(p)]
+    if there and not args.overwrite:
+        raise QuantMLAError(f"--out {args.out}: {' and '.join(there)} exist; pass --overwrite to replace them, or "
+                            "give another --out")
+    if args.overwrite and os.path.exists(png):
+        os.remove(png)
 
 
 def run(args) -> int:
@@ -227,10 +261,8 @@ def run(args) -> int:
         print(f"wrote {_figure(load_result(args.replot), args.replot)}")
         return 0
     check_args(args)
-    apply_job(args, getattr(args, "command_line", " ".join(sys.argv)))
-    from quantmla.checks import check_output_file
-
-    check_output_file(args.out)  # an unwritable --out fails now, not after the benchmark
+    apply_job(args)
+    claim_output(args)
     s = BenchSettings(
         preset=args.preset, model_path=args.model_path, requests=args.requests, prompt_min=args.prompt_len[0],
         prompt_max=args.prompt_len[1], output_min=args.output_len[0], output_max=args.output_len[1], seed=args.seed,
@@ -269,4 +301,9 @@ def run(args) -> int:
         log(f"figure: {_figure(result, args.out)}")
     log(format_table(result))
     log("summary: " + json.dumps(result["summary"]))
+    failed = [r for r in result.get("runs", []) if not r.get("all_complete_and_unique")]
+    if result.get("errors") or not result.get("runs") or failed:
+        log(f"serve-bench: {len(result.get('errors', []))} errors, {len(result.get('runs', []))} runs, "
+            f"{len(failed)} with a request not completed exactly once (see {args.out})")
+        return 1
     return 0 if (check is None or check["ok"]) else 1

@@ -23,6 +23,9 @@ def load_result(path: str) -> dict:
         raise QuantMLAError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(res, dict) or not res.get("runs"):
         raise QuantMLAError(f"{path}: not a serve-bench result with runs (a --check-only file has none)")
+    if res.get("partial"):
+        raise QuantMLAError(f"{path}: the saved state of a run that did not finish (\"partial\": true); draw a "
+                            "finished result")
     return res
 
 
