@@ -74,14 +74,11 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 @pytest.mark.parametrize("name,lens,tokens_m", [
     ("fp8", [131072], False),          # 256 units of 512 tokens: the built tile
     ("fp8", [16384] * 8, False),
-    ("fp8", [16384] * 32, True),       # units of 2048 tokens (FP8_ONE_CTA_MAX_TOKENS): tokens as M, two CTAs an SM
-    ("fp8", [65536] * 8, True),        # 2048 tokens: the same
-    ("fp8", [4096] * 64, True),        # 1024 tokens: tokens as M at one CTA an SM, 2048-token units, 2 splits
-    ("fp8", [2048] * 128, True),       # 1024 tokens: one CTA an SM, a unit a sequence, 128 CTAs
-    ("fp8", [1536] * 160, True),       # 1536 tokens, a unit a sequence, 160 CTAs: two CTAs an SM (one wave)
+    ("fp8", [16384] * 32, True),       # units of 2048 tokens: tokens as M
+    ("fp8", [4096] * 64, True),        # 1024 tokens (two CTAs an SM: one is slower in graphs of layers)
+    ("fp8", [2048] * 128, True),       # 1024 tokens, 2 splits
     ("fp8", [20480] * 4, False),       # 320 tokens
-    ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS; 18 splits at one CTA an SM: two
-    ("fp8", [65536] * 2 + [1024] * 120, True),  # short units, but the long rows would take 6 splits at one CTA: two
+    ("fp8", [20480] * 7, True),        # 576 tokens, FP8_TM_MIN_TOKENS
     ("int4/int4", [131072], True),     # integer codes: tokens as M at any length
     ("int4/int4", [2048] * 8, True),   # 128-token units, 128 CTAs: the 4-warp plan, one token block a warp
     ("int4/int4", [2048] * 16, True),  # 128-token units, 256 CTAs: the 4-warp plan, two token blocks a warp
@@ -94,11 +91,9 @@ def test_default_config_takes_the_cuda_kernel_only_on_cuda(monkeypatch):
 ])
 def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
     """The API's schedule keeps FP8 on the tokens-as-M kernel where its work units have at least
-    FP8_TM_MIN_TOKENS tokens and takes the built tile below, at one CTA an SM where its units at two are shorter than
-    FP8_ONE_CTA_MAX_TOKENS and its units cut for one CTA an SM leave every sequence at most FP8_ONE_CTA_MAX_SPLITS
-    splits; 4-bit content codes keep the tokens-as-M kernel's warps apart where units have at least TM_WS_MIN_TOKENS
-    tokens and take its 4-warp plan below, with one token block a warp below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content
-    codes keep the warps apart at any length (each measured faster
+    FP8_TM_MIN_TOKENS tokens and takes the built tile below; 4-bit content codes keep the tokens-as-M kernel's warps
+    apart where units have at least TM_WS_MIN_TOKENS tokens and take its 4-warp plan below, with one token block a warp
+    below TM_TWO_BLOCKS_MIN_TOKENS, and 2-bit content codes keep the warps apart at any length (each measured faster
     there); a config passed in is kept."""
     from quantmla.kernels import schedule
 
@@ -116,14 +111,7 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
             kept = schedule.get_mla_metadata(seq, 16, 1, lay, config=default, num_sms=132)
     assert default.tokens_m and md.config.kernel == "cuda" and md.config.tokens_m == tokens_m
     assert name != "fp8" or (md.chunk_tokens >= cuda.FP8_TM_MIN_TOKENS) == tokens_m
-    if name == "fp8" and tokens_m:  # one CTA an SM: half the units, twice the tokens; two where the units are long
-        one = {(32, 16384): False, (8, 65536): False, (64, 4096): True, (128, 2048): True, (160, 1536): False,
-               (7, 20480): False, (122, 65536): False}[(len(lens), lens[0])]
-        assert md.config.ctas_per_sm == (1 if one else 2) and md.config.num_stages == (4 if one else 2), md.config
-        assert md.chunk_tokens == {(64, 4096): 2048, (128, 2048): 2048, (7, 20480): 576}.get((len(lens), lens[0]),
-                                                                                           md.chunk_tokens)
-        assert md.max_splits <= (cuda.FP8_ONE_CTA_MAX_SPLITS if one else md.max_splits)
-        assert md.num_units <= 132 * md.config.ctas_per_sm
+    assert name != "fp8" or not tokens_m or md.config.ctas_per_sm == 2, md.config  # FP8 on tokens as M: two CTAs
     if name != "fp8":  # the warps apart from tokens_m_ws_min_tokens on, the 4-warp plan (4 warps a CTA) below
         least = {"int4/int4": cuda.TM_WS_MIN_TOKENS, "int2/int4": 0}[name]
         assert cuda.tokens_m_ws_min_tokens(lay) == least
@@ -141,9 +129,8 @@ def test_kernel_chosen_by_the_units_tokens(monkeypatch, name, lens, tokens_m):
 
 @pytest.mark.parametrize("name,b,max_len,want", [
     ("fp8", 4, 26112, "built"),          # the long job's rows (max_model_len) in 59 splits of 7 tiles: the built tile
-    ("fp8", 8, 26112, "default"),        # 32 splits of 13 tiles: tokens as M (16 splits at one CTA an SM: two)
+    ("fp8", 8, 26112, "default"),        # 32 splits of 13 tiles: tokens as M
     ("fp8", 32, 26112, "default"),       # 8 splits of 51 tiles
-    ("fp8", 64, 4096, "one_cta"),        # 4 splits of 16 tiles at two CTAs an SM: 2 of 32 at one
     ("fp8", 7, 12288, "built"),          # 6 tiles: the built tile, whose splits give another combine shape
     ("int4/int4", 4, 26112, "default"),  # integer codes: tokens as M, splits of 7 tiles (448 tokens): the warps apart
     ("int4/int4", 8, 2304, "four_warps"),  # the short job's rows in splits of 2 tiles: tokens as M on 4 warps, 144 CTAs
@@ -159,10 +146,8 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     the combine kernel in) use the API's config for the units the bucket cuts a max_len row into
     (``config_for_units``), so FP8 over short units replays the built tile, and 4-bit content codes over units shorter
     than TM_WS_MIN_TOKENS the tokens-as-M kernel's 4-warp plan, as an eager call of b rows of max_len reads them; a
-    backend's own ``decode_config`` is kept. want: "built", "four_warps", "default" (the API's default config),
-    "one_cta" (FP8 on the tokens-as-M kernel at one CTA an SM: its units at two are shorter than FP8_ONE_CTA_MAX_TOKENS
-    and a row takes at most FP8_ONE_CTA_MAX_SPLITS splits at one), or "apart_short": 2-bit content codes on the default
-    (the warps apart) over units shorter than TM_WS_MIN_TOKENS,
+    backend's own ``decode_config`` is kept. want: "built", "four_warps", "default" (the API's default config), or
+    "apart_short": 2-bit content codes on the default (the warps apart) over units shorter than TM_WS_MIN_TOKENS,
     where the same bucket of INT4/INT4 takes the 4-warp plan."""
     import types
 
@@ -198,8 +183,6 @@ def test_decode_graph_buckets_take_the_kernel_an_eager_call_would(monkeypatch, n
     apart = want in ("default", "apart_short")  # the default config: the warps apart for integer codes
     assert default.tokens_m and cfg.kernel == "cuda" and (cfg == default) == apart
     assert cfg.tokens_m == (want != "built")
-    if name == "fp8" and cfg.tokens_m:  # one CTA an SM exactly where the bucket's units at two are short
-        assert (cfg.ctas_per_sm == 1) == (want == "one_cta"), cfg
     if name != "fp8":  # the warps apart by default, on 4 warps exactly where the bucket's units are short
         assert default.specialized and cfg.specialized == apart
         # 4-bit content: the warps apart from TM_WS_MIN_TOKENS on; 2-bit: at any length
@@ -376,71 +359,3 @@ def test_the_engines_wide_configs_follow_the_units_rules(monkeypatch, own):
     for cfg in (graph, eager.config):
         assert cfg.scale_vote and cfg.tokens_m and cfg.specialized != follows, cfg.describe()
     assert (graph == vote) != follows and (eager.config == vote) != follows
-
-
-def test_fp8_one_cta_keeps_the_scale_vote(monkeypatch):
-    """An FP8 layout whose content scales need the SCALE_VOTE build (WideLatentsConfig's `voting`) keeps it where the
-    unit-length rule moves FP8 to one CTA an SM, in an eager call (64 x 4096) and in a graph bucket of 64 rows up to
-    4096 tokens; at 32 x 16384 (two CTAs an SM) it keeps it as well."""
-    import types
-
-    from quantmla.kernels import schedule
-    from quantmla.serving.latent_range import WideLatentsConfig
-    from quantmla.serving.triton_backend import decode_tiling
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
-    lay = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
-    real_cuda_config, real_default_config = schedule.cuda_config, schedule.default_config
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
-            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        monkeypatch.setattr(schedule, "cuda_config",
-                            lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
-        monkeypatch.setattr(schedule, "default_config",
-                            lambda rows, layout, device, **kw: real_default_config(rows, layout, "cuda", **kw))
-        own = WideLatentsConfig(frozenset({lay}), frozenset({lay}))
-        start = own(16, lay, torch.device("cpu"))
-        got = {}
-        for lens in ([4096] * 64, [16384] * 32):
-            md = schedule.get_mla_metadata(torch.tensor(lens, dtype=torch.int32), 16, 1, lay, config=start,
-                                           num_sms=132, follow_units=True)
-            got[len(lens)] = md.config
-        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
-                                        decode_config=own)
-        graph = decode_tiling(backend, lay, 64, 4096)
-    assert start.scale_vote and start.tokens_m and start.ctas_per_sm == 2, start.describe()
-    assert got[64].ctas_per_sm == 1 and graph.ctas_per_sm == 1 and got[32].ctas_per_sm == 2
-    assert all(c.scale_vote and c.tokens_m for c in (got[64], got[32], graph)), [c.describe() for c in got.values()]
-
-
-@pytest.mark.parametrize("max_len,rows", [(2432, range(53, 133)), (4096, range(45, 89)), (26112, range(0)),
-                                          (65536, range(0))])
-def test_fp8_one_cta_buckets(monkeypatch, max_len, rows):
-    """The engine's FP8 decode graph buckets of b rows up to max_len tokens (1 to 256 rows, 16 heads, 132 SMs) that
-    take one CTA an SM (docs/decode_tokens_m.md, "FP8 at one CTA an SM"): each then has at most
-    FP8_ONE_CTA_MAX_SPLITS splits a row in one wave; the long jobs' rows (26112, 65536 tokens) take none."""
-    import types
-
-    from quantmla.kernels import api, schedule
-    from quantmla.serving.triton_backend import bucket_splits, decode_tiling
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(schedule, "num_sms_of", lambda device: 132)
-    lay = PageLayout(TokenLayout(512, 64, preset("fp8")), 64)
-    real_cuda_config = schedule.cuda_config
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
-            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        default = schedule.default_config(16, lay, "cuda")
-        monkeypatch.setattr(schedule, "cuda_config",
-                            lambda rows, layout, device, **kw: real_cuda_config(rows, layout, "cuda", **kw))
-        for mod in (api, schedule):
-            monkeypatch.setattr(mod, "default_config", lambda rows, layout, device: default)
-        backend = types.SimpleNamespace(spec=types.SimpleNamespace(num_heads=16), device=torch.device("cpu"),
-                                        decode_config=None)
-        one = {}
-        for b in range(1, 257):
-            cfg = decode_tiling(backend, lay, b, max_len)
-            if cfg.tokens_m and cfg.ctas_per_sm == 1:
-                one[b] = bucket_splits(cfg, 16, b, max_len, 132)[0]
-    assert sorted(one) == list(rows)
-    assert all(s <= cuda.FP8_ONE_CTA_MAX_SPLITS and b * s <= 132 for b, s in one.items())

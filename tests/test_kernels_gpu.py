@@ -172,7 +172,7 @@ def test_decode_cuda_tokens_m_page_sizes(name, page):
 def test_decode_cuda_tokens_m_fp8(H, SQ, ctas):
     """FP8 (fp8_ds_mla) on the tokens-as-M kernel (e4m3 widened to fp16 in the products' operands, the RoPE key on
     bf16 products) against the same oracle, as the integer formats above, at two CTAs an SM (2 stages) and at one
-    (4 stages: the API's plan for short units, FP8_ONE_CTA_MAX_TOKENS)."""
+    (4 stages: opt-in, cuda_config(..., ctas_per_sm=1))."""
     lay, pages, bt, sl = make_cache(FORMATS["fp8"], LENS, seed=19 * H + SQ + (ctas == 1))
     md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 11 * SQ, config=tokens_m_config(lay, H * SQ,
                                                                                          {"ctas_per_sm": ctas}))

@@ -125,7 +125,7 @@
 # combine-calls   whole calls in graphs of 8 layers (decode_in_graph, 16 heads) with the combine's blocks the API's and
 #                 1x64, 1x32, 2x32, 4x16 (rows x channels a program) at COMBINE_SHAPES, COMBINE_METHODS
 #                                                        -> kernels/decode_in_graph_combine_blocks_h200.json
-# fp8-one-cta-calls  FP8 whole calls in graphs of 8 layers (decode_in_graph) with the API's choice (FP8_ONE_CTA_MAX_TOKENS),
+# fp8-one-cta-calls  FP8 whole calls in graphs of 8 layers (decode_in_graph) with the API's choice beside
 #                 the tokens-as-M kernel at two and at one CTA an SM, and the built tile, at FP8_CALL_SHAPES
 #                                                        -> kernels/decode_in_graph_fp8_one_cta_h200.json
 # seesaw          the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu, BF16): the heads-as-M

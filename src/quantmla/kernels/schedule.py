@@ -309,13 +309,11 @@ def get_mla_metadata(
     Reads ``seq_lens`` on the host (one sync per decode step). ``chunk_tokens`` forces the split size; ``combine``
     the combine kernel's program shape (any shape of the same rows and d_c merges correctly: an engine gives its
     eager decode calls its CUDA graphs' shapes, so they compile no other variant of the kernel).
-    Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile
-    kernel rather than the tokens-as-M one, and one whose units are shorter than ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one
-    CTA an SM where its units cut for that leave every sequence at most ``cuda.FP8_ONE_CTA_MAX_SPLITS`` splits (no
-    ``chunk_tokens`` given); 4-bit content codes whose units are shorter than
-    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with one
-    token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an SM
-    (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
+    Without ``config``, an FP8 cache whose units are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the
+    built-tile kernel rather than the tokens-as-M one, and 4-bit content codes whose units are shorter than
+    ``cuda.TM_WS_MIN_TOKENS`` by the tokens-as-M kernel's 4-warp plan rather than the one with the warps apart, with
+    one token block a warp where the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` and their CTAs fit one an
+    SM (``config_for_units``; each measured faster there). A ``config`` is kept as given, unless ``follow_units``
     (default False): then those rules apply to it as to the default, ``config`` being where they start (the engine
     passes it for its ``latent_range.WideLatentsConfig``, ``triton_backend.follows_units``); without a ``config`` the
     rules apply whatever ``follow_units`` says.
@@ -339,14 +337,9 @@ def get_mla_metadata(
     else:
         chunk_tiles = max(1, -(-chunk_tokens // bn))
     units, info = cut_units(np.asarray(lens, dtype=np.int64), chunk_tiles, bn)
-    sms = num_sms or num_sms_of(device)
-    one_an_sm = len(units) * hb <= sms
-    one_cta_splits = None  # the most splits a sequence takes where the units are cut for one CTA an SM
-    if chunk_tokens is None and len(lens) * hb <= sms:
-        one = fewest_tiles(tiles, max(1, sms // hb), -(-cfg.min_chunk // bn))
-        one_cta_splits = int(np.maximum(1, -(-tiles // one)).max(initial=1))
-    if (config is None or follow_units) and (chosen := config_for_units(
-            cfg, rows, layout, device, chunk_tiles * bn, one_an_sm, one_cta_splits)) is not cfg:
+    one_an_sm = len(units) * hb <= (num_sms or num_sms_of(device))
+    if (config is None or follow_units) and (
+            chosen := config_for_units(cfg, rows, layout, device, chunk_tiles * bn, one_an_sm)) is not cfg:
         return get_mla_metadata(seq_lens, num_heads, q_len, layout, config=chosen, num_sms=num_sms,
                                 chunk_tokens=chunk_tokens, combine=combine)
     return MLAMetadata(
@@ -405,14 +398,10 @@ def cut_units(lens: np.ndarray, chunk_tiles: int, tile: int) -> tuple[np.ndarray
 
 
 def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, device,
-                     unit_tokens: int, one_cta_an_sm: bool = False, one_cta_splits: int | None = None) -> DecodeConfig:
+                     unit_tokens: int, one_cta_an_sm: bool = False) -> DecodeConfig:
     """The default config `cfg` for work units of `unit_tokens` tokens (`one_cta_an_sm`: the call's CTAs, units times
-    head blocks, are at most the SMs; `one_cta_splits`: the most splits a sequence takes where the call's units are
-    cut for one CTA an SM in one wave, None where they cannot be): an FP8 cache on the tokens-as-M kernel whose units
-    are shorter than ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and one whose units are
-    shorter than ``cuda.FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where that leaves every sequence at most
-    ``cuda.FP8_ONE_CTA_MAX_SPLITS`` splits (the caller then cuts that config's own units); integer codes on the
-    tokens-as-M kernel
+    head blocks, are at most the SMs): an FP8 cache on the tokens-as-M kernel whose units are shorter than
+    ``cuda.FP8_TM_MIN_TOKENS`` is read by the built-tile kernel instead, and integer codes on the tokens-as-M kernel
     with the warps apart whose units are shorter than ``cuda.tokens_m_ws_min_tokens`` (4-bit content codes:
     ``cuda.TM_WS_MIN_TOKENS``; 2-bit: none) by its 4-warp plan, with one token
     block a warp where the CTAs fit one an SM and the units are shorter than ``cuda.TM_TWO_BLOCKS_MIN_TOKENS`` (each
@@ -425,12 +414,6 @@ def config_for_units(cfg: DecodeConfig, rows: int, layout: PageLayout | None, de
         built = cuda_config(rows, layout, device, tokens_m=False)
         if built is not None:
             return built
-    if (cfg.tokens_m and cfg.ctas_per_sm == 2 and layout is not None and cuda.is_fp8(layout)
-            and unit_tokens < cuda.FP8_ONE_CTA_MAX_TOKENS and one_cta_splits is not None
-            and one_cta_splits <= cuda.FP8_ONE_CTA_MAX_SPLITS):
-        one = cuda_config(rows, layout, device, tokens_m=True, ctas_per_sm=1, scale_vote=cfg.scale_vote)
-        if one is not None:
-            return one
     if cfg.tokens_m and cfg.specialized and layout is not None and unit_tokens < cuda.tokens_m_ws_min_tokens(layout):
         blocks = 1 if one_cta_an_sm and unit_tokens < cuda.TM_TWO_BLOCKS_MIN_TOKENS else None  # None: the default
         four_warps = cuda_config(rows, layout, device, tokens_m=True, specialized=False, token_blocks=blocks,

@@ -15,8 +15,6 @@ token start, token end, splits) and each sequence's (first unit, splits) that th
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -109,9 +107,7 @@ def follows_units(decode_config) -> bool:
 def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     """The decode tiling (``DecodeConfig``) of `layout` at the backend's heads for a graph bucket of `b` rows up to
     `max_len` tokens: the backend's ``decode_config`` where it gives one, else the API's default for the units that
-    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, and over
-    units shorter than ``FP8_ONE_CTA_MAX_TOKENS`` at one CTA an SM where a row then takes at most
-    ``FP8_ONE_CTA_MAX_SPLITS`` splits, 4-bit
+    bucket cuts a `max_len` row into (``schedule.config_for_units``: FP8 over short units on the built tile, 4-bit
     content codes over short units on the tokens-as-M kernel's 4-warp plan, with one token block a warp where the
     bucket's b·S CTAs fit one an SM, as an eager call's ``get_mla_metadata`` reads b rows of `max_len` tokens; the
     graph keeps that choice for shorter real rows, whose units are shorter). A ``decode_config`` that declares
@@ -126,9 +122,7 @@ def decode_tiling(backend, layout: PageLayout, b: int, max_len: int):
     cfg = cfg or _kernels().default_config(H, layout, dev)
     sms = schedule.num_sms_of(dev)
     S, chunk, _ = bucket_splits(cfg, H, b, max_len, sms)
-    hb = -(-H // cfg.block_m)
-    one = bucket_splits(dataclasses.replace(cfg, ctas_per_sm=1), H, b, max_len, sms)[0] if b * hb <= sms else None
-    return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * hb <= sms, one)
+    return schedule.config_for_units(cfg, H, layout, dev, chunk, b * S * -(-H // cfg.block_m) <= sms)
 
 
 def bucket_splits(cfg, H: int, b: int, max_len: int, num_sms: int) -> tuple[int, int, int]:

@@ -60,19 +60,6 @@ tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slo
 3.2 % faster at 576 (7 x 20480) and 9 to 18 % faster at 1024 tokens and more (docs/decode_tokens_m.md, "FP8 on the
 tokens-as-M kernel"; lab/results/decode_schedule/long_decode_batches_h200.json)."""
 
-FP8_ONE_CTA_MAX_TOKENS = 2048
-FP8_ONE_CTA_MAX_SPLITS = 2
-"""FP8 work units on the tokens-as-M kernel (at least FP8_TM_MIN_TOKENS) shorter than FP8_ONE_CTA_MAX_TOKENS (tokens,
-at two CTAs an SM) are read at one CTA an SM instead (4 stages rather than 2), where the units cut for one CTA an SM
-leave every sequence at most FP8_ONE_CTA_MAX_SPLITS splits (``schedule.config_for_units``). On an H100 at 16 heads a
-whole call (decode and combine) takes 89.8 against 95.5 µs at 64 x 4096 (1024-token units, 4 splits a sequence to 2)
-and 84.2 against 92.4 at 128 x 2048 (2 splits to 1: no combine); where the splits stay many, one CTA an SM is not
-faster: 151.0 against 151.4 at 32 x 16384 and 153.8 against 151.2 at 8 x 65536 (2048-token units)
-(lab/results/kernels/decode_tokens_m_fp8_one_cta_h100.json), and on the H200 with 2 stages at one CTA an SM 88.86
-against 85.34 µs at 13 x 20480 (1024-token units, 20 splits to 10; lab/results/decode_schedule/
-long_decode_batches_h200.json). The bound on splits also keeps a batch of a few long sequences beside many short ones
-at two CTAs an SM, where one would lengthen the long sequences' units far more than twice."""
-
 
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
