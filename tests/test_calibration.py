@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache
+from quantmla.cache.layout import CacheFormat
 from quantmla.calibration import calibrate, load_quantized, save_quantized
 from quantmla.calibration.bound import output_distortion, output_distortion_bound
 from quantmla.calibration.capture import capture_calibration_data
@@ -239,6 +240,33 @@ def test_calibrate_rejects_bad_input():
         calibrate(model, torch.randn(4, 16), INT2_INT4, progress=False)
     with pytest.raises(QuantMLAError, match="group_size"):
         calibrate(model, _ids(4, 16, 0), QuantCacheConfig.of_bits(4, 4, 64, 16), progress=False)  # 64 > d_c = 32
+
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(rope_searches=("gird",)), r"rope_searches must be a non-empty subset of \('closed', 'grid', 'adam'\)"),
+    (dict(queries_per_seq=0), "queries_per_seq is a number of positions"),
+    (dict(rope_keys_per_seq=-1), "rope_keys_per_seq is a number of positions"),
+    (dict(heldout_fraction=1.5), "heldout_fraction is the share"),
+    (dict(rope_steps=-2), "rope_steps must be >= 0"),
+    (dict(rope_center=False, rope_spread=0.5), "rope_spread spreads the keys .* it needs rope_center"),
+    (dict(rope_page=64), "rope_page 64: the calibration rows hold 16 tokens"),
+    (dict(quant=QuantCacheConfig(content=PathFormat(2, 32), rope=PathFormat(4, 16),
+                                 layer_overrides={7: CacheFormat(PathFormat(4, 32), PathFormat(4, 16))})),
+     r"layer overrides for cache slots \[7\]"),
+    (dict(rope_page=8, quant=QuantCacheConfig(content=PathFormat(2, 32), rope=PathFormat(8, 16, "fp8"))),
+     "per-channel RoPE pages store integer codes"),
+])
+def test_calibrate_refuses_bad_options_before_capturing(changes, match, monkeypatch):
+    """Options out of range, a config for another model's slots, and a RoPE page the rows or the format cannot
+    hold: a QuantMLAError naming the problem before any activation is captured (they used to be ignored, give bare
+    ZeroDivisionError/IndexError, or fit the RoPE path on nothing)."""
+    from quantmla.calibration import api
+
+    monkeypatch.setattr(api, "capture_calibration_data", lambda *a, **k: pytest.fail("captured before refusing"))
+    quant = changes.pop("quant", INT2_INT4)
+    with pytest.raises(QuantMLAError, match=match):
+        calibrate(tiny_model("deepseek_v3"), _ids(4, 16, 0), quant, progress=False, **changes)
 
 
 # -- checkpoints -------------------------------------------------------------------------------------

@@ -91,15 +91,26 @@ def split_sequences(n: int, heldout_fraction: float, generator: torch.Generator)
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
-def check_formats(spec, quant: QuantCacheConfig) -> None:
-    """The model caches a latent and every layer's formats fit its d_c and d_r."""
+def check_formats(spec, quant: QuantCacheConfig, opts: CalibrationOptions | None = None,
+                  seq_len: int | None = None) -> None:
+    """The model caches a latent, `quant` is for this model (its layer overrides name its cache slots) and every
+    layer's formats fit its d_c and d_r; with `opts.rope_page`, every quantized RoPE path can be stored per channel
+    per page and the calibration rows (`seq_len` tokens) hold at least one page. Run before any capture."""
     if not isinstance(quant, QuantCacheConfig):
         raise QuantMLAError(f"quant must be a QuantCacheConfig, got {type(quant).__name__}")
     spec.require_latent_cache()
+    quant.check_model(spec)
     for slot in spec.mla_layers:
         f = quant.format_for(slot)
         f.content.check_dim(spec.d_c, f"content path of layer {slot}")
         f.rope.check_dim(spec.d_r, f"RoPE path of layer {slot}")
+        if opts is not None and opts.rope_page and f.rope.quantized:
+            from quantmla.cache.rope_channel import RopeChannelFormat
+
+            RopeChannelFormat(f.rope.bits, opts.rope_page, f.rope.mode, f.rope.meta_dtype)  # FP8 RoPE: refused here
+    if opts is not None and opts.rope_page and seq_len is not None and seq_len < opts.rope_page:
+        raise QuantMLAError(f"rope_page {opts.rope_page}: the calibration rows hold {seq_len} tokens, not one whole "
+                            "page, so the RoPE path would be fitted on nothing; give longer rows or a smaller page")
 
 
 def rope_centring(quant: QuantCacheConfig, slots, *, method: str, paths, rope_center: bool) -> bool:
@@ -292,12 +303,12 @@ def calibrate(
     """
     opts = CalibrationOptions.of(options, **changes).check()
     spec = load_spec(model)
-    check_formats(spec, quant)
+    calib_ids = torch.as_tensor(calib_ids)
+    check_formats(spec, quant, opts, calib_ids.shape[-1])
     verbose = progress if verbose is None else verbose
     method, paths, seed = opts.method, opts.paths, opts.seed
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(seed)  # every random choice below uses explicit generators
-    calib_ids = torch.as_tensor(calib_ids)
     fit_seqs, held_seqs = split_sequences(calib_ids.shape[0], opts.heldout_fraction, g)
 
     was_training = model.training

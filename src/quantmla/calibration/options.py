@@ -100,6 +100,21 @@ class CalibrationOptions:
             raise QuantMLAError(f"rope_weighting must be one of {WEIGHTINGS}, got {self.rope_weighting!r}")
         if int(self.steps) < 0 or int(self.batch_size) < 1:
             raise QuantMLAError(f"steps must be >= 0 and batch_size >= 1, got {self.steps} and {self.batch_size}")
+        if self.rope_steps is not None and int(self.rope_steps) < 0:
+            raise QuantMLAError(f"rope_steps must be >= 0 (None: steps), got {self.rope_steps}")
+        for name in ("queries_per_seq", "rope_keys_per_seq"):
+            if int(getattr(self, name)) < 1:
+                raise QuantMLAError(f"{name} is a number of positions sampled per sequence (>= 1), "
+                                    f"got {getattr(self, name)}")
+        if not 0.0 < float(self.heldout_fraction) < 1.0:
+            raise QuantMLAError(f"heldout_fraction is the share of sequences held out, between 0 and 1; "
+                                f"got {self.heldout_fraction}")
+        bad = [s for s in self.rope_searches if s not in SEARCHES]
+        if bad or not self.rope_searches:
+            raise QuantMLAError(f"rope_searches must be a non-empty subset of {SEARCHES}, got {self.rope_searches}")
+        if self.rope_spread and not (self.rope_center and self.method == "quantmla" and "rope" in self.paths):
+            raise QuantMLAError("rope_spread spreads the keys whose context mean the RoPE centring removes: it needs "
+                                "rope_center, the quantmla method and the rope path")
         return self
 
     def to_dict(self) -> dict:

@@ -130,9 +130,9 @@ class ProjectFitter(LayerFitter):
             if k in given and given.pop(k) != mine:
                 raise QuantMLAError(f"fit_kwargs {k}={self.fit_kwargs[k]!r} differs from the streamed run's {k}={mine!r}")
         self.o = o = CalibrationOptions.of(given, method=self.method, seed=self.seed).check()
-        api.check_formats(self.spec, self.quant)
-        self.store_device = torch.device(o.device or "cpu")
         N, L = self.shape
+        api.check_formats(self.spec, self.quant, o, L)
+        self.store_device = torch.device(o.device or "cpu")
         g = torch.Generator().manual_seed(self.seed)
         self.fit_seqs, self.held_seqs = api.split_sequences(N, o.heldout_fraction, g)
         # the positions capture_calibration_data samples (same generator), and its budget check
