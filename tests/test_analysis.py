@@ -221,8 +221,14 @@ def test_analyze_command_writes_json_and_plots(tmp_path):
         assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size < 200_000
     from quantmla.analysis.overview import write_overview
 
-    md = Path(write_overview(str(tmp_path))).read_text()
-    assert md.count("| [m](out/summary.md) |") == 2  # one line per bit width
+    path, why = write_overview(str(tmp_path))
+    md = Path(path).read_text()
+    assert why is None and md.count("| [m](out/summary.md) |") == 2  # one line per bit width
+    assert "per-token groups: content 16, RoPE 8 channels" in md  # the run's groups, not the defaults
+    # a README.md that is not an overview, or the current directory, is never written over
+    (tmp_path / "README.md").write_text("# my project\n")
+    assert write_overview(str(tmp_path))[0] is None and (tmp_path / "README.md").read_text() == "# my project\n"
+    assert write_overview("")[0] is None
 
 
 def test_analyze_command_errors(tmp_path, capsys):
@@ -237,6 +243,9 @@ def test_analyze_command_errors(tmp_path, capsys):
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
     assert main(["analyze", str(llama)]) == 2
     assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
+    for flags in (["--num-seqs", "0"], ["--seq-len", "1"]):  # refused before the model is read
+        assert main(["analyze", str(llama), *flags]) == 2
+        assert "give at least 1 sequence of at least 2 tokens" in capsys.readouterr().err
 
 
 def test_analyze_default_output_and_unwritable_output(tmp_path, monkeypatch, capsys):

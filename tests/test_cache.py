@@ -127,6 +127,21 @@ def test_crop_and_batch_ops():
     torch.testing.assert_close(c4[:, 0], full_c[[2, 0], 0, :4])
 
 
+def test_only_a_layer_without_full_precision_window_is_croppable():
+    """A rollback (crop) cannot bring tokens back into the full-precision window once they were quantized, so a
+    layer with a window says it is not croppable; without one a crop leaves exactly the shorter cache."""
+    fmt = CacheFormat(PathFormat(4, 16), BF16)
+    assert QuantMLALayer(fmt, 32, 16, fp_window=0, layer_idx=0).is_croppable
+    windowed = QuantMLALayer(fmt, 32, 16, fp_window=4, layer_idx=0)
+    assert not windowed.is_croppable
+    c, r = torch.randn(1, 1, 8, 32), torch.randn(1, 1, 8, 16)
+    windowed.update(c[:, :, :5], r[:, :, :5])
+    windowed.update(c[:, :, 5:], r[:, :, 5:])
+    windowed.crop(-3)
+    got, _ = windowed._read(torch.float32)
+    assert not torch.equal(got[:, 0, 1:5], c[0, :, 1:5])  # token 1 left the window for good: why it is not croppable
+
+
 def test_crop_agrees_with_transformers_dynamic_cache():
     """crop(n) of the whole cache leaves the length a DynamicCache leaves, for a positive (tokens kept) and a negative
     (tokens removed) n, so the layers of a mixed cache never disagree."""

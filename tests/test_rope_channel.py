@@ -114,6 +114,18 @@ def test_bytes_per_token():
         RopeChannelFormat(4, 48)  # pages of a power of two tokens
     with pytest.raises(UnsupportedFormatError):
         RopeChannelFormat(8, 64, "fp8")
+    for bad in (lambda: RopeChannelFormat(16, 64), lambda: KIVIFormat(content, 16, 32)):  # nothing to quantize
+        with pytest.raises(UnsupportedFormatError, match="stores them as"):
+            bad()
+    # fp32 metadata: the KIVI layout counts 4 bytes a field, as its store keeps them
+    from quantmla.cache.kivi import _ChannelBlockStore
+
+    f32 = KIVIFormat(PathFormat(4, 32), rope_bits=4, block=32, meta_dtype="float32")
+    store = _ChannelBlockStore(f32, 16)
+    store.append(torch.randn(1, 64, 16))
+    stored = (store.codes.numel() * store.codes.element_size() + store.meta.numel() * store.meta.element_size()) / 64
+    field = KIVILayout(32, 16, f32).field_bytes
+    assert field["rope_codes"] + field["rope_meta"] == stored == 12
 
 
 @pytest.mark.parametrize("P", [8, 16, 64])

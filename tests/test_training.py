@@ -167,6 +167,12 @@ def test_bits_per_byte_matches_manual(tokenizer):
     # token chunks as input give the same figure
     r2 = bits_per_byte(model, tokenizer, chunks, seq_len=64)
     assert r2["bits_per_byte"] == pytest.approx(r["bits_per_byte"], rel=1e-5)
+    # nothing to predict is an error, not a perfect 0 bits a byte
+    from quantmla.errors import QuantMLAError
+
+    for got, n in (([], 64), (["x"], 64), (texts, 1)):
+        with pytest.raises(QuantMLAError, match="no token was predicted|seq_len 1"):
+            bits_per_byte(model, tokenizer, got, seq_len=n)
 
 
 def test_retrieval_accuracy_equals_greedy_decoding(tokenizer):

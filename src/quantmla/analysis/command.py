@@ -97,6 +97,9 @@ def run(args) -> int:
     from quantmla.corpus.chunks import token_chunks
 
     path = resolve_model(args.model)
+    if args.num_seqs < 1 or args.seq_len < 2:
+        raise QuantMLAError(f"--num-seqs {args.num_seqs} --seq-len {args.seq_len}: give at least 1 sequence of at least "
+                            "2 tokens")
     check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
     name = os.path.basename(os.path.normpath(path))
     out = args.out or os.path.join("out", "analysis", name)
@@ -121,9 +124,11 @@ def run(args) -> int:
     if os.path.basename(os.path.normpath(out)) == name:  # the layout <root>/<model>: refresh the cross-model overview
         from quantmla.analysis.overview import write_overview
 
-        ov = write_overview(os.path.dirname(out))
+        ov, why = write_overview(os.path.dirname(os.path.normpath(out)))
         if ov:
             files.append(ov)
+        else:
+            print(f"[analyze] no cross-model overview written: {why}", file=sys.stderr)
     print(summary_markdown(result, name))
     print("wrote " + ", ".join([os.path.join(out, "analysis.json"), os.path.join(out, "summary.md"), *files]))
     return 0

@@ -19,10 +19,22 @@ def _load(root: str) -> list[dict]:
     return out
 
 
+TITLE = "# Dual-path error analysis: all models"
+
+
+def _groups(results: list[dict]) -> str:
+    """The per-token groups of the results: one pair where all share it, else "per model, in its summary.md"."""
+    got = {(r["settings"].get("content_group"), r["settings"].get("rope_group")) for r in results}
+    if len(got) == 1:
+        c, g = next(iter(got))
+        return f"content {c}, RoPE {g} channels"
+    return "each model's own, in its summary.md"
+
+
 def overview_markdown(results: list[dict]) -> str:
-    lines = ["# Dual-path error analysis: all models", "",
+    lines = [TITLE, "",
              "Per model (geometric mean over layers): the attention-output distortion of RoPE-only over content-only "
-             "quantization at equal bits (per-token groups: content 64, RoPE 32 channels), the RoPE amplification "
+             f"quantization at equal bits (per-token groups: {_groups(results)}), the RoPE amplification "
              "(distortion per unit of relative cache error, RoPE over content), the same ratio already present in the "
              "RMS logit error, and how many layers the RoPE path hurts more. Definitions: each model's analysis.json "
              "(`definitions`); per-layer figures and plots: each model's summary.md and PNGs.", "",
@@ -51,11 +63,19 @@ def overview_markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_overview(root: str) -> str | None:
+def write_overview(root: str) -> tuple[str | None, str | None]:
+    """<root>/README.md from every <root>/<model>/analysis.json -> (its path, None), or (None, why not): a root
+    that is the current directory, or whose README.md is not such an overview, is left alone."""
+    if not root or os.path.abspath(root) == os.getcwd():
+        return None, "the output's parent is the current directory, which is no analysis root"
+    path = os.path.join(root, "README.md")
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.readline().rstrip("\n") != TITLE:
+                return None, f"{path} is not an analysis overview; it is left as it is"
     results = _load(root)
     if not results:
-        return None
-    path = os.path.join(root, "README.md")
+        return None, "no analysis.json beside it"
     with open(path, "w") as f:
         f.write(overview_markdown(results))
-    return path
+    return path, None

@@ -73,7 +73,12 @@ class QuantMLALayer(CacheLayerMixin):
     """One MLA layer's cache: quantized history plus an optional full-precision recent window."""
 
     is_sliding = False
-    is_croppable = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether crop() puts the layer back exactly as it was: only without a full-precision window, whose tokens a
+        rollback cannot bring back from quantized storage once they have left it."""
+        return self.fp_window == 0
 
     def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None,
                  rope_offset: torch.Tensor | None = None):

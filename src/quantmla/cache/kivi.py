@@ -57,6 +57,9 @@ class KIVIFormat:
     def __post_init__(self):
         if self.rope_mode == "fp8":
             raise UnsupportedFormatError("KIVI quantizes to integer codes; use rope_mode 'affine' or 'symmetric'")
+        if self.rope_bits >= 16:
+            raise UnsupportedFormatError(f"KIVI quantizes the RoPE keys: rope_bits {self.rope_bits} stores them as they "
+                                         "are (use a 16-bit cache format instead)")
         self.rope_channel_format  # validates bits, mode and block (power of two)
 
     @property
@@ -96,7 +99,7 @@ class KIVILayout:
             "content_codes": self.fmt.content.code_bytes(self.d_c),
             "rope_codes": self.d_r * self.fmt.rope_bits // 8,
             "content_meta": self.fmt.content.meta_bytes(self.d_c),
-            "rope_meta": self.d_r * rf.meta_fields * 2 / self.fmt.block,
+            "rope_meta": self.d_r * rf.meta_fields * rf.meta_elem_bytes / self.fmt.block,
         }
 
     @property
@@ -187,7 +190,7 @@ class _ChannelBlockStore:
         if self.fmt.fp_residual:
             return n + self.residual.numel() * 2
         B, r, D = self.residual.shape
-        return n + B * (r * D * self.fmt.rope_bits // 8 + D * self.qfmt.meta_fields * 2)
+        return n + B * (r * D * self.fmt.rope_bits // 8 + D * self.qfmt.meta_fields * self.qfmt.meta_elem_bytes)
 
     def index_batch(self, fn) -> None:
         self.codes = None if self.codes is None else fn(self.codes)

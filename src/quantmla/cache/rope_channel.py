@@ -75,6 +75,9 @@ class RopeChannelFormat:
     def __post_init__(self):
         if self.mode == "fp8":
             raise UnsupportedFormatError("per-channel RoPE pages store integer codes; use mode 'affine' or 'symmetric'")
+        if self.bits >= 16:
+            raise UnsupportedFormatError(f"per-channel RoPE pages quantize the keys: bits {self.bits} stores them as "
+                                         "they are (use a 16-bit cache format instead)")
         _ = self.page_format  # validates bits, mode, page size (a power of two) and the meta dtype
 
     @property

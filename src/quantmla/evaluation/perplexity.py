@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from quantmla.corpus.chunks import token_chunks
+from quantmla.errors import QuantMLAError
 from quantmla.evaluation.tokens import token_byte_lengths
 
 _BYTE_LENGTHS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -76,6 +77,8 @@ def bits_per_byte(
     max_chunks: int | None = None,
 ) -> dict:
     """Bits per UTF-8 byte of held-out text (see the module docstring for the exact rules)."""
+    if seq_len < 2:
+        raise QuantMLAError(f"seq_len {seq_len}: a chunk predicts its tokens after the first, so it needs at least 2")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     blen = _byte_lengths(tokenizer).to(device)
     specials = torch.zeros_like(blen, dtype=torch.bool)
@@ -109,6 +112,9 @@ def bits_per_byte(
         model.train()
     nll_bits = float(nll) / math.log(2)
     tokens, nbytes = int(n_tok), int(n_bytes)
+    if tokens == 0 or nbytes == 0:
+        raise QuantMLAError(f"no token was predicted ({len(chunks)} chunks of at least 2 tokens): give more held-out "
+                            "text, or text that is not all special tokens")
     return {
         "bits_per_byte": nll_bits / max(nbytes, 1),
         "bits_per_token": nll_bits / max(tokens, 1),
