@@ -311,6 +311,12 @@ def test_eval_command_end_to_end(checkpoint, tmp_path):
                "--method", "bf16", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "2", "--lengths", "1024",
                "--content-group", "16", "--rope-group", "8", "--out", str(out), "--resume"])
     assert rc == 0 and json.loads((out / "accuracy.json").read_text())["rows"] == doc["rows"]
+    # a KIVI row at another token block is another row: --resume runs it, beside the one at the RoPE group's 8
+    rc = main(["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "INT4/INT4",
+               "--method", "kivi", "--seq-len", "64", "--ppl-chunks", "2", "--retrieval-n", "2", "--lengths", "1024",
+               "--content-group", "16", "--rope-group", "8", "--kivi-block", "16", "--out", str(out), "--resume"])
+    kivi = [r for r in json.loads((out / "accuracy.json").read_text())["rows"] if r["method"] == "kivi"]
+    assert rc == 0 and sorted(r.get("setup", {}).get("kivi_block", 8) for r in kivi) == [8, 16]
 
 
 def _eval_args(*argv):
@@ -499,6 +505,9 @@ def test_eval_command_errors(tmp_path, capsys):
     assert "not a Multi-Head Latent Attention model" in capsys.readouterr().err
     assert main(["eval", str(llama), "--config", "INT5/INT4", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "accuracy.json").exists()
+    capsys.readouterr()
+    assert main(["eval", str(llama), "--kivi-block", "0", "--out", str(tmp_path)]) == 2
+    assert "--kivi-block 0: give KIVI's token block" in capsys.readouterr().err
 
 
 def test_from_json_regenerates_and_merges(tmp_path, capsys):
@@ -519,6 +528,14 @@ def test_from_json_regenerates_and_merges(tmp_path, capsys):
     table.write([_row("n", "BF16", "bf16", 3.0, 0.8, 96, data=dict(DATA, seq_len=128))], b, )
     assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 2
     assert "seq_len 64" in capsys.readouterr().err
+    # a table in --out that is not an input is never replaced unasked
+    d = str(tmp_path / "d")
+    table.write([_row("k", "BF16", "bf16", 1.0, 0.8, 96)], d)
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", "--out", d]) == 2
+    assert "holds an accuracy.json that is not among the --from-json files" in capsys.readouterr().err
+    assert [r["model"] for r in table.load(d)] == ["k"]
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", "--out", d, "--overwrite"]) == 0
+    assert {r["model"] for r in table.load(d)} == {"m"}
 
 
 def test_eval_shows_progress_while_calibrating(checkpoint, tmp_path, capsys):

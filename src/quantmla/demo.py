@@ -23,6 +23,24 @@ def add_arguments(p):
     p.add_argument("--skip-analysis", action="store_true", help="skip the per-layer error analysis step")
 
 
+MARK = ".quantmla-demo"  # the file that says a directory holds the demo's own output
+
+
+def claim_out(out: str) -> None:
+    """Make `out` the demo's directory: new, empty, or an earlier demo's (marked); one that holds an accuracy table or
+    a report the demo did not write is refused (the demo replaces them), before any work."""
+    from quantmla.errors import QuantMLAError
+
+    if os.path.isdir(out) and not os.path.exists(os.path.join(out, MARK)):
+        theirs = [f for f in ("accuracy.json", "accuracy.md", "report.md") if os.path.exists(os.path.join(out, f))]
+        if theirs:
+            raise QuantMLAError(f"--out {out} holds {', '.join(theirs)} that quantmla demo did not write, and the demo "
+                                "replaces them: give another --out (the default is out/demo)")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, MARK), "w") as f:
+        f.write("written by quantmla demo: its next run may replace what is here\n")
+
+
 def _sub(module: str, argv: list[str]):
     import importlib
 
@@ -41,7 +59,7 @@ def run(args) -> int:
     model = args.model or str(model_path(DEFAULT_MODEL))
     name = os.path.basename(os.path.normpath(model))
     spec = load_spec(model)
-    os.makedirs(args.out, exist_ok=True)
+    claim_out(args.out)
     print(f"QuantMLA demo on {name} ({spec.family}: d_c={spec.d_c}, d_r={spec.d_r}, {spec.num_heads} heads, "
           f"{len(spec.mla_layers)} MLA layers)", flush=True)
 
@@ -70,10 +88,10 @@ def run(args) -> int:
     from quantmla.evaluation.report import accuracy_plot, compression_plot, report_markdown
 
     plots = [accuracy_plot(rows, args.out), compression_plot(spec.d_c, spec.d_r, args.out)]
-    if os.path.isdir(analysis_dir):
+    if not args.skip_analysis:  # this run's analysis only, never one an earlier run left there
         plots += sorted(os.path.join(analysis_dir, p) for p in os.listdir(analysis_dir) if p.endswith(".png"))
     analysis_md = None
-    if os.path.exists(os.path.join(analysis_dir, "summary.md")):
+    if not args.skip_analysis:
         with open(os.path.join(analysis_dir, "summary.md")) as f:
             analysis_md = f.read()
     header = (f"Model: `{model}` ({spec.family}; d_c {spec.d_c}, d_r {spec.d_r}, {spec.num_heads} heads, "

@@ -183,13 +183,14 @@ def _rows(args, add, rows):
             for cg, rg in settings:
                 for w in args.fp_window:
                     try:
-                        add(RowSpec(named_config(parts[0], cg, rg), parts[1], args.kivi_block or rg,
-                                    0 if parts[1] == "bf16" else w, **rope_block))
+                        block = rg if args.kivi_block is None else args.kivi_block
+                        add(RowSpec(named_config(parts[0], cg, rg), parts[1], block, 0 if parts[1] == "bf16" else w,
+                                    **rope_block))
                     except QuantMLAError as e:
                         raise type(e)(f"--rows {spec}: {e}") from None
         return rows
     for cg, rg in group_settings(args):
-        block = args.kivi_block or rg
+        block = rg if args.kivi_block is None else args.kivi_block
         for w in args.fp_window:
             window = 0 if w is None else w
             if args.config is None and args.method is None:
@@ -324,6 +325,10 @@ def from_json(args) -> int:
             table.check_merge(rows, table.check_same_data(more, path), replace=False, out_dir=f"the files before {path}",
                               new_keys=[table.row_key(r) for r in more])
             rows = table.merge_rows(rows, more)
+    target = os.path.abspath(os.path.join(out, "accuracy.json"))
+    if os.path.exists(target) and target not in {os.path.abspath(p) for p, _ in sources} and not args.overwrite:
+        raise CLIError(f"--out {out} holds an accuracy.json that is not among the --from-json files, and this would "
+                       "replace it: add it to --from-json to merge it, or pass --overwrite")
     check_output_dir(out, "--out" if args.out else "--from-json")
     jpath, mpath = table.write([], out, base=rows, claim_lines=claims.claim_lines)
     block = claims.readme_block(rows)
@@ -367,6 +372,8 @@ def run(args) -> int:
         models += [m for m in found if m not in models]
     if not models:
         raise CLIError("give a model directory (or a reference model name), or --all")
+    if args.kivi_block is not None and args.kivi_block < 1:
+        raise CLIError(f"--kivi-block {args.kivi_block}: give KIVI's token block, 1 or more (default: the RoPE group)")
     if sum(map(bool, (args.resume, args.replace_rows, args.overwrite))) > 1:
         raise CLIError("--resume, --replace-rows and --overwrite exclude each other: pick one")
     specs = {m: check_model_dir(m) for m in models}  # fail early on a bad path or a non-MLA model
@@ -397,6 +404,8 @@ def run(args) -> int:
         return {"content_group": r.config.content.group_size if r.config.content.quantized else None,
                 "rope_group": r.config.rope.group_size if r.config.rope.quantized else None, **clip,
                 **({"rope_block": r.rope_page} if r.method in ROPE_CHANNEL and r.rope_page != DEFAULT_PAGE_SIZE else {}),
+                **({"kivi_block": r.kivi_block}  # absent: the RoPE group's tokens (equal bytes), as rows made before
+                   if r.method == "kivi" and r.kivi_block != r.config.rope.group_size else {}),
                 "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
                 **({"calib_len": preset["calib_len"]} if preset["calib_len"] != preset["seq_len"] else {}),
                 "calib_steps": calib_kwargs.get("steps", "default")}

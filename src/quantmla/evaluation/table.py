@@ -33,7 +33,8 @@ METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla
 PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
 DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
 # how a row's cache was set up: part of the row's identity (rows with other setups sit side by side)
-SETUP_KEYS = ("content_group", "rope_group", "content_clip", "rope_block", "fp_window", "calib_rows", "calib_len", "calib_steps")
+SETUP_KEYS = ("content_group", "rope_group", "content_clip", "rope_block", "kivi_block", "fp_window", "calib_rows",
+              "calib_len", "calib_steps")
 
 
 class ResultMergeError(QuantMLAError):
