@@ -269,6 +269,22 @@ def test_resume_refuses_different_settings_and_foreign_directories(ds3, tmp_path
     (foreign / "model.safetensors").write_bytes(b"x")
     with pytest.raises(QuantMLAError, match="not written by a streamed calibration"):
         calibrate_streamed(ds3, foreign, ids, QUANT, method="hadamard")
+    (foreign / "model.safetensors").unlink()
+    (foreign / "pytorch_model.bin").write_bytes(b"x")  # a .bin checkpoint is as foreign
+    with pytest.raises(QuantMLAError, match=r"not written by a streamed calibration \(pytorch_model.bin"):
+        calibrate_streamed(ds3, foreign, ids, QUANT, method="hadamard")
+
+
+def test_resume_refuses_a_source_rewritten_under_the_same_names(tmp_path):
+    """A run stopped, then resumed after its source checkpoint was rewritten with other weights under the same tensor
+    names, is refused (it would mix layers fitted on two models)."""
+    src, out, ids = tmp_path / "src", tmp_path / "out", _ids()
+    write_random_checkpoint(tiny_config("deepseek_v3", num_hidden_layers=2), str(src), seed=1)
+    code, _ = spawn_call(calibrate_streamed, str(src), str(out), ids, QUANT, method="hadamard", _fault=KillAt(1))
+    assert code == -9
+    write_random_checkpoint(tiny_config("deepseek_v3", num_hidden_layers=2), str(src), seed=2)
+    with pytest.raises(QuantMLAError, match="different source_weights"):
+        calibrate_streamed(src, out, ids, QUANT, method="hadamard")
 
 
 def test_user_errors(ds3, tmp_path):

@@ -107,6 +107,7 @@ class Streamer:
         self.manifest = {
             "format_version": FORMAT_VERSION,
             "source_index": self.ckpt.index_digest(),
+            "source_weights": self.ckpt.weights_digest(),
             "calibration": _calib_digest(self.calib_ids),
             "quant": quant.to_dict(),
             "method": method,

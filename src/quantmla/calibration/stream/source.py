@@ -90,6 +90,20 @@ class ShardedCheckpoint:
     def index_digest(self) -> str:
         return hashlib.sha256(json.dumps(self.weight_map, sort_keys=True).encode()).hexdigest()
 
+    def weights_digest(self, sample: int = 1 << 20) -> str:
+        """What a resumed run checks the source against beyond its names: config.json, and each shard's size and the
+        sha256 of its first and last `sample` bytes (new weights under the same names change them; no full read)."""
+        h = hashlib.sha256(json.dumps(self.config_dict, sort_keys=True, default=str).encode())
+        for file in sorted(set(self.weight_map.values())):
+            path = os.path.join(self.path, file)
+            size = os.path.getsize(path)
+            h.update(f"{file}:{size}".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(sample))
+                f.seek(max(0, size - sample))
+                h.update(f.read(sample))
+        return h.hexdigest()
+
     # -- headers ---------------------------------------------------------------------------------
     def _header(self, file: str) -> dict:
         if file not in self._headers:
