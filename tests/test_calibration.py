@@ -292,6 +292,11 @@ def test_save_load_round_trip_sets_up_the_cache(calibrated, tmp_path):
     load_quantized(out, INT2_INT4)
     with pytest.raises(QuantMLAError, match="calibrated"):
         load_quantized(out, QuantCacheConfig.of_bits(4, 4, 32, 16))
+    # a directory holding a checkpoint is replaced only when asked, and then whole (the old report goes too)
+    with pytest.raises(QuantMLAError, match="already holds a checkpoint; pass overwrite=True"):
+        save_quantized(cal, None, out)
+    save_quantized(cal, None, out, overwrite=True)
+    assert not (out / "calibration_report.json").exists() and (out / "config.json").exists()
 
 
 def test_checkpoint_errors(tmp_path):

@@ -21,12 +21,16 @@ from quantmla.errors import NotMLAError, QuantMLAError
 REPORT_FILE = "calibration_report.json"
 
 
-def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dtype: torch.dtype | None = None) -> Path:
+def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dtype: torch.dtype | None = None,
+                   overwrite: bool = False) -> Path:
     """Write a calibrated model (and its tokenizer, if given) to `out_dir`; returns the path.
 
     The model config must carry the quantization_config that :func:`calibrate` set. `dtype`
-    casts the saved weights (default: as they are)."""
+    casts the saved weights (default: as they are). A directory that already holds a checkpoint is refused unless
+    `overwrite`: then the new one is written beside it and swapped in whole (no file of the old one is left)."""
     import quantmla.hf_integration  # noqa: F401  (quant_method "quantmla" known to transformers)
+
+    from quantmla.calibration.outdir import fresh_staging, holds_checkpoint, staging_dir, swap_in
 
     qc = QuantCacheConfig.from_model_config(model.config)
     if qc is None:
@@ -34,6 +38,13 @@ def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dt
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QuantMLAError(f"output path {out} exists and is not a directory")
+    if holds_checkpoint(out):
+        if not overwrite:
+            raise QuantMLAError(f"{out} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it, "
+                                "or choose another directory")
+        save_quantized(model, tokenizer, fresh_staging(out), report=report, dtype=dtype)
+        swap_in(staging_dir(out), out)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     src_dtype = next(model.parameters()).dtype
     if dtype is not None and dtype != src_dtype:

@@ -31,7 +31,6 @@ def run(args) -> int:
     from quantmla.calibration.api import calibrate
     from quantmla.calibration.checkpoint import save_quantized
     from quantmla.calibration.options import CalibrationOptions
-    from quantmla.calibration.outdir import fresh_staging, holds_checkpoint, staging_dir, swap_in
 
     t0 = time.perf_counter()
     opts = CalibrationOptions.from_args(args).check()
@@ -51,12 +50,9 @@ def run(args) -> int:
     model = model.eval().to(args.device)
     progress = not args.no_progress and not args.json
     report = calibrate(model, ids, quant, opts, progress=progress, verbose=not args.json)
-    if holds_checkpoint(args.out):  # --overwrite: write beside the old checkpoint, then swap it in whole
-        save_quantized(model, tok, fresh_staging(args.out), report=report, dtype=getattr(torch, saved_dtype))
-        swap_in(staging_dir(args.out), args.out)
-        out = args.out
-    else:
-        out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype))
+    # (--overwrite: written beside the old checkpoint, then swapped in whole; preflight refused it otherwise)
+    out = save_quantized(model, tok, args.out, report=report, dtype=getattr(torch, saved_dtype),
+                         overwrite=args.overwrite)
     if args.json:
         d = report.to_dict()
         d["out"] = str(out)
