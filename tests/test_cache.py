@@ -196,6 +196,16 @@ def test_config_round_trip_and_per_layer_override():
     assert cache.layers[1].fmt.content.bits == 8 and cache.layers[0].fmt.content.bits == 2
     with pytest.raises(QuantMLAError, match="quant_method"):
         QuantCacheConfig.from_dict({"quant_method": "gptq"})
+    from quantmla.cache.config import check_matches
+
+    check_matches(QuantCacheConfig(content=PathFormat(4, 16), rope=PathFormat(16, 32)),  # 16-bit: groups mean nothing
+                  QuantCacheConfig(content=PathFormat(4, 16), rope=BF16))
+    with pytest.raises(QuantMLAError, match="calibrated"):
+        check_matches(QuantCacheConfig(content=PathFormat(4, 16), rope=PathFormat(4, 8)),
+                      QuantCacheConfig(content=PathFormat(4, 16), rope=BF16))
+    misspelt = {("layer_override" if k == "layer_overrides" else k): v for k, v in cfg.to_dict().items()}
+    with pytest.raises(QuantMLAError, match=r"unknown fields \['layer_override'\]"):  # never read as "no overrides"
+        QuantCacheConfig.from_dict(misspelt)
 
 
 def test_quantization_config_survives_save_and_from_pretrained(tmp_path):

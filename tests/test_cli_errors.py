@@ -399,6 +399,17 @@ def test_installed_script_reports_without_traceback(tmp_path):
     assert p.stderr.startswith("quantmla spec: error: ") and "does not exist" in p.stderr
 
 
+def test_python_m_cli_reports_a_commands_error_without_traceback(ckpts):
+    """`python -m quantmla.cli` runs cli as __main__; an error a command module raises is still the one class main
+    catches (it lives in quantmla.errors), so it is a message and exit status 2, not a traceback."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-m", "quantmla.cli", "eval", str(ckpts / "mla"), "--config", "INT4/INT4",
+                        "--method", "quantmla", "--content-group", "16", "--rope-group", "8", "--calib-len", "1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout, p.stderr[-500:]
+    assert "--calib-len" in p.stderr
+
+
 def test_checkpoint_without_weights(ckpts, tmp_path, capsys):
     from quantmla.model.tiny import tiny_config
 

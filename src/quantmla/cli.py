@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import sys
 
-from quantmla.errors import QuantMLAError
+from quantmla.errors import CLIError, QuantMLAError  # noqa: F401 - CLIError: commands import it from here
 
 # name -> (module, one-line help); a command's module is imported only when that command runs or its
 # arguments are shown (build_parser).
@@ -45,10 +45,6 @@ def lab_missing(name: str) -> str:
             "QuantMLA repository), which is not importable here. Run it from a checkout of the repository, "
             "installed with `pip install -e .` (as `make setup` does) or with lab/ on the path beside src/ "
             "(PYTHONPATH=src:lab).")
-
-
-class CLIError(Exception):
-    """An error with a message meant for the user (no traceback)."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

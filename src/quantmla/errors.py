@@ -27,3 +27,8 @@ class CacheConfigMismatchError(QuantMLAError):
 
 class CorruptCheckpointError(QuantMLAError):
     """A checkpoint file that is missing, truncated or not in the format its name says."""
+
+
+class CLIError(Exception):
+    """An error with a message meant for the user (no traceback). It lives here, not in ``cli``, so that commands
+    raise the one class ``cli.main`` catches, also where ``python -m quantmla.cli`` runs cli as ``__main__``."""

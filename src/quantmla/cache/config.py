@@ -16,6 +16,9 @@ from quantmla.errors import CacheConfigMismatchError, QuantMLAError
 from quantmla.quant.format import PathFormat
 
 QUANT_METHOD = "quantmla"
+# the fields of a quantization_config (to_dict writes them; from_dict refuses any other)
+_KEYS = frozenset({"quant_method", "content", "rope", "layer_overrides", "fp_window", "method", "rope_offsets",
+                   "rope_centring"})
 
 
 def centre_rope_keys(k_rope: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -137,6 +140,10 @@ class QuantCacheConfig:
                 raise QuantMLAError(f"{where} has no {k!r} format (the {k} path's bits and group size): config.json is "
                                     "incomplete; calibrate the original checkpoint again, or restore the field, e.g. "
                                     f'"{k}": {{"bits": 4, "group_size": {64 if k == "content" else 32}}}')
+        unknown = sorted(set(d) - _KEYS)
+        if unknown:
+            raise QuantMLAError(f"{where} has unknown fields {unknown} (known: {sorted(_KEYS)}): a misspelt field "
+                                "would be read as absent; correct config.json, or calibrate the checkpoint again")
         overrides = d.get("layer_overrides") or {}
         fp_window = d.get("fp_window", 0)
         if not isinstance(fp_window, int) or isinstance(fp_window, bool):
@@ -230,10 +237,15 @@ def reconcile(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: str | 
     return replace(requested, rope_offsets=stored.rope_offsets)
 
 
-
-
 def same_formats(a: QuantCacheConfig, b: QuantCacheConfig) -> bool:
-    return (a.content, a.rope, a.layer_overrides) == (b.content, b.rope, b.layer_overrides)
+    """The same formats on every path of every layer; unquantized (16-bit) paths are equal whatever their other
+    fields say (a group size means nothing where nothing is grouped)."""
+    def key(q: QuantCacheConfig):
+        plain = lambda p: "16-bit" if not p.quantized else p  # noqa: E731
+        return (plain(q.content), plain(q.rope),
+                {s: (plain(f.content), plain(f.rope)) for s, f in q.layer_overrides.items()})
+
+    return key(a) == key(b)
 
 
 def check_matches(stored: QuantCacheConfig, requested: QuantCacheConfig, fix: str | None = None) -> None:
