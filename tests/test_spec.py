@@ -87,3 +87,27 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     with pytest.raises(NotMLAError, match="not_a_model"):
         load_spec(tmp_path)
+
+
+def test_mistral4_query_scaling_bounds_what_the_latent_path_serves_and_calibrates():
+    """mistral4 with llama_4_scaling_beta scales queries from original_max_position_embeddings on, which the MLAView
+    path does not apply: the spec says where, and the engine and calibration refuse longer contexts (the view's
+    attention matched the module's only below it)."""
+    from transformers import AutoModel
+
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.calibration import calibrate
+    from quantmla.errors import QuantMLAError
+    from quantmla.model.tiny import _COMMON
+    from quantmla.serving.engine import Engine, EngineConfig
+
+    cfg = AutoConfig.for_model("mistral4", **_COMMON)
+    cfg.rope_parameters = {**cfg.rope_parameters, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8}
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    assert load_spec(model).scaled_query_from == 8 and load_spec(tiny_model("deepseek_v3")).scaled_query_from is None
+    with pytest.raises(QuantMLAError, match="scales its queries from position 8 on"):
+        Engine(model, EngineConfig(num_pages=4, page_size=16, backend="torch", max_model_len=16))
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(QuantMLAError, match="calibration rows of 12 tokens: mistral4 scales its queries"):
+        calibrate(model, ids, QuantCacheConfig.of_bits(4, 4, 32, 16), progress=False)

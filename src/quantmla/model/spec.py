@@ -73,6 +73,10 @@ class MLASpec:
     query_scale: float = 1.0  # longcat_flash multiplies the query by sqrt(hidden / q_lora_rank)
     caches_latent: bool = True
     max_positions: int | None = None  # config.max_position_embeddings: the context the model is built for
+    # mistral4 with llama_4_scaling_beta: queries at positions of at least this many tokens are scaled by
+    # 1 + β·log(1 + ⌊pos / this⌋), which the MLAView path (engine, calibration objectives) does not apply: those
+    # serve and calibrate contexts up to this many tokens only (None: no such scaling)
+    scaled_query_from: int | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -175,7 +179,17 @@ def spec_from_model(model: torch.nn.Module) -> MLASpec:
         query_scale=float(getattr(m, "mla_scale_q_lora", 1.0)),
         caches_latent=family not in EXPANDED_CACHING,
         max_positions=getattr(config, "max_position_embeddings", None),
+        scaled_query_from=_scaled_query_from(config),
     )
+
+
+def _scaled_query_from(config) -> int | None:
+    """Where mistral4's position-dependent query scaling starts (its original_max_position_embeddings), None where
+    the config has no llama_4_scaling_beta."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    if not rp.get("llama_4_scaling_beta"):
+        return None
+    return int(rp.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings"))
 
 
 def spec_from_config(config) -> MLASpec:

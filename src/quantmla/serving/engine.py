@@ -161,6 +161,12 @@ class Engine:
         self.latent_norms = fused_rope.latent_norms(self._patched, spec, self) if self.rope == "fused" else {}
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
+        if spec.scaled_query_from:  # mistral4: past it the family scales its queries, which this path does not
+            if (config.max_model_len or 0) > spec.scaled_query_from:
+                raise QuantMLAError(f"max_model_len {config.max_model_len}: {spec.family} scales its queries from "
+                                    f"position {spec.scaled_query_from} on, which the engine does not apply; serve at "
+                                    f"most {spec.scaled_query_from} tokens a sequence")
+            width_tokens = min(width_tokens, spec.scaled_query_from)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: DecodeGraphs | None = None
         self._prefill: PrefillGraphs | None = None
@@ -448,7 +454,9 @@ class Engine:
             elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
                     f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
-                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"))
+                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"
+                    + (f" (at most {self.spec.scaled_query_from} for {self.spec.family})"
+                       if self.spec.scaled_query_from else "")))
             else:
                 sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))
