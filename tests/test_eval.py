@@ -536,6 +536,12 @@ def test_from_json_regenerates_and_merges(tmp_path, capsys):
     assert [r["model"] for r in table.load(d)] == ["k"]
     assert main(["eval", "--from-json", f"{a}/accuracy.json", "--out", d, "--overwrite"]) == 0
     assert {r["model"] for r in table.load(d)} == {"m"}
+    # a README without the summary block's markers is refused before the table is written
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    Path(a, "accuracy.md").write_text("before")
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", "--readme", str(readme)]) == 2
+    assert Path(a, "accuracy.md").read_text() == "before" and readme.read_text() == "# no markers\n"
 
 
 def test_eval_shows_progress_while_calibrating(checkpoint, tmp_path, capsys):

@@ -330,15 +330,17 @@ def from_json(args) -> int:
         raise CLIError(f"--out {out} holds an accuracy.json that is not among the --from-json files, and this would "
                        "replace it: add it to --from-json to merge it, or pass --overwrite")
     check_output_dir(out, "--out" if args.out else "--from-json")
-    jpath, mpath = table.write([], out, base=rows, claim_lines=claims.claim_lines)
     block = claims.readme_block(rows)
-    if args.readme:
+    new = None
+    if args.readme:  # its markers checked before anything is written
         with open(args.readme) as f:
             text = f.read()
         try:
             new = claims.replace_block(text, block)
         except ValueError as e:
             raise CLIError(f"--readme {args.readme}: {e}") from None
+    jpath, mpath = table.write([], out, base=rows, claim_lines=claims.claim_lines)
+    if new is not None:
         with open(args.readme, "w") as f:
             f.write(new)
     print(block)
