@@ -98,8 +98,8 @@ def run(args) -> int:
 
     path = resolve_model(args.model)
     if args.num_seqs < 1 or args.seq_len < 2:
-        raise QuantMLAError(f"--num-seqs {args.num_seqs} --seq-len {args.seq_len}: give at least 1 sequence of at least "
-                            "2 tokens")
+        raise QuantMLAError(f"--num-seqs {args.num_seqs} --seq-len {args.seq_len}: give at least 1 sequence of at "
+                            "least 2 tokens")
     check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
     name = os.path.basename(os.path.normpath(path))
     out = args.out or os.path.join("out", "analysis", name)

@@ -58,8 +58,8 @@ class KIVIFormat:
         if self.rope_mode == "fp8":
             raise UnsupportedFormatError("KIVI quantizes to integer codes; use rope_mode 'affine' or 'symmetric'")
         if self.rope_bits >= 16:
-            raise UnsupportedFormatError(f"KIVI quantizes the RoPE keys: rope_bits {self.rope_bits} stores them as they "
-                                         "are (use a 16-bit cache format instead)")
+            raise UnsupportedFormatError(f"KIVI quantizes the RoPE keys: rope_bits {self.rope_bits} stores them as "
+                                         "they are (use a 16-bit cache format instead)")
         self.rope_channel_format  # validates bits, mode and block (power of two)
 
     @property

@@ -243,7 +243,8 @@ class MLAMetadata:
             shown = lambda v: str(v[:8])[:-1] + (", ...]" if len(v) > 8 else "]")  # noqa: E731
             raise QuantMLAError(
                 f"metadata was made for sequence lengths {shown(self.seq_lens)}, not {shown(now)}: {how}")
-        self.lengths.append((weakref.ref(seq_lens), _version(seq_lens)))
+        alive = [(r, v) for r, v in self.lengths if r() is not None]
+        self.lengths = alive + [(weakref.ref(seq_lens), _version(seq_lens))]
 
     @property
     def variant(self) -> str | None:

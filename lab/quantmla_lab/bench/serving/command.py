@@ -37,8 +37,8 @@ def add_arguments(p):
                    help="output lengths (tokens), drawn between MIN and MAX (EOS ignored)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the job")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=None,
-                   help=f"KV budgets in GiB (page data, all layers; default {' '.join(map(str, d.budgets_gib))}, or the "
-                        "--job's)")
+                   help="KV budgets in GiB (page data, all layers; default "
+                        f"{' '.join(map(str, d.budgets_gib))}, or the --job's)")
     p.add_argument("--methods", nargs="+", default=None,
                    help=f"cache methods: bf16, fp8, intC/intR, intC/intR-page (RoPE keys per channel per page), intC/intR-pageN "
                         f"(per channel per block of N tokens) "
@@ -194,7 +194,8 @@ def check_args(args) -> None:
     for flag, (lo, hi) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
         if not 1 <= lo <= hi:
             raise QuantMLAError(f"{flag} {lo} {hi}: give MIN and MAX tokens with 1 <= MIN <= MAX")
-    for flag, v in (("--requests", args.requests), ("--page-size", args.page_size), ("--max-num-seqs", args.max_num_seqs)):
+    for flag, v in (("--requests", args.requests), ("--page-size", args.page_size),
+                    ("--max-num-seqs", args.max_num_seqs)):
         if v < 1:
             raise QuantMLAError(f"{flag} {v}: give 1 or more")
     if not 0.0 <= args.watermark < 1.0:
