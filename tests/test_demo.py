@@ -18,6 +18,12 @@ def test_demo_claims_only_its_own_or_an_empty_directory(tmp_path):
     with pytest.raises(QuantMLAError, match="holds accuracy.json that quantmla demo did not write"):
         claim_out(str(theirs))
     assert (theirs / "accuracy.json").read_text() == '{"rows": ["kept"]}' and not (theirs / MARK).exists()
+    old = tmp_path / "old"  # a demo's output from before the mark: its report says so
+    old.mkdir()
+    (old / "accuracy.json").write_text("{}")
+    (old / "report.md").write_text("# QuantMLA report: qmla-ref-deepseek-v3\n")
+    claim_out(str(old))
+    assert (old / MARK).exists()
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("x")

@@ -27,10 +27,16 @@ MARK = ".quantmla-demo"  # the file that says a directory holds the demo's own o
 
 
 def claim_out(out: str) -> None:
-    """Make `out` the demo's directory: new, empty, or an earlier demo's (marked); one that holds an accuracy table or
-    a report the demo did not write is refused (the demo replaces them), before any work."""
+    """Make `out` the demo's directory: new, empty, or an earlier demo's (marked, or holding a demo's report.md); one
+    that holds an accuracy table or a report the demo did not write is refused (the demo replaces them), before any
+    work."""
     from quantmla.errors import QuantMLAError
 
+    report = os.path.join(out, "report.md")
+    if os.path.isfile(report):  # a demo's report from before the mark: the demo's own directory
+        with open(report) as f:
+            if f.readline().startswith("# QuantMLA report: "):
+                open(os.path.join(out, MARK), "a").close()
     if os.path.isdir(out) and not os.path.exists(os.path.join(out, MARK)):
         theirs = [f for f in ("accuracy.json", "accuracy.md", "report.md") if os.path.exists(os.path.join(out, f))]
         if theirs:
