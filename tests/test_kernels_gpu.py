@@ -224,6 +224,7 @@ def launch_bucket_units(name: str, launches: int, splits: int = 16) -> None:
         assert md.num_units == len(lens) * splits and (units[:, 1] == units[:, 2]).float().mean() > 0.7
         md.units.copy_(units.to(torch.int32))
         md.seq_info.copy_(info.to(torch.int32))
+        md.lengths = None  # units dealt to the real lengths here, as a graph bucket's are
         out = torch.full((len(lens), 1, 16, D_C), float("nan"), dtype=torch.bfloat16, device="cuda")
         for _ in range(launches if ws else 1):
             api.mla_decode_with_kvcache(qc, qr, pages, bt, sl, lay, 1 / math.sqrt(192), metadata=md, out=out)

@@ -300,6 +300,16 @@ def test_engine_config_out_of_range_is_refused_before_anything_is_built(field, v
             Scheduler(4, 16, watermark=value)
 
 
+def test_engine_config_takes_what_it_took_before():
+    """No graph buckets without graphs, buckets and budgets as numpy values, a budget in bytes as a float: accepted."""
+    import numpy as np
+
+    for cfg in (EngineConfig(num_pages=4, cuda_graphs=False, graph_buckets=()),
+                EngineConfig(num_pages=4, graph_buckets=np.array([1, 2, 4]), max_model_len=np.int64(64)),
+                EngineConfig(kv_budget_bytes=4.0 * (1 << 20))):
+        cfg.check()
+
+
 @pytest.mark.parametrize("path", local_reference_models() or [None])
 def test_reference_model_matches_generate(path):
     if path is None:

@@ -93,7 +93,7 @@ def test_mistral4_query_scaling_bounds_what_the_latent_path_serves_and_calibrate
     """mistral4 with llama_4_scaling_beta scales queries from original_max_position_embeddings on, which the MLAView
     path does not apply: the spec says where, and the engine and calibration refuse longer contexts (the view's
     attention matched the module's only below it)."""
-    from transformers import AutoModel
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4ForCausalLM
 
     from quantmla.cache.config import QuantCacheConfig
     from quantmla.calibration import calibrate
@@ -104,10 +104,18 @@ def test_mistral4_query_scaling_bounds_what_the_latent_path_serves_and_calibrate
     cfg = AutoConfig.for_model("mistral4", **_COMMON)
     cfg.rope_parameters = {**cfg.rope_parameters, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8}
     torch.manual_seed(0)
-    model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    model = Mistral4ForCausalLM(cfg).eval()
     assert load_spec(model).scaled_query_from == 8 and load_spec(tiny_model("deepseek_v3")).scaled_query_from is None
     with pytest.raises(QuantMLAError, match="scales its queries from position 8 on"):
         Engine(model, EngineConfig(num_pages=4, page_size=16, backend="torch", max_model_len=16))
+    from quantmla.serving.scheduler import Request, SamplingParams
+
+    with Engine(model, EngineConfig(num_pages=4, page_size=16, backend="torch", cuda_graphs=False)) as eng:
+        out = {o.request_id: o for o in eng.generate(
+            [Request("ok", [5] * 6, SamplingParams(max_new_tokens=3, ignore_eos=True)),
+             Request("long", [5] * 9, SamplingParams(max_new_tokens=2, ignore_eos=True))])}
+    assert out["ok"].finish_reason == "length" and out["long"].finish_reason == "error"
+    assert "needs 10 positions, but mistral4 scales its queries from position 8 on" in out["long"].error
     ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     with pytest.raises(QuantMLAError, match="calibration rows of 12 tokens: mistral4 scales its queries"):
         calibrate(model, ids, QuantCacheConfig.of_bits(4, 4, 32, 16), progress=False)

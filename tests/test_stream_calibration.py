@@ -285,6 +285,12 @@ def test_resume_refuses_a_source_rewritten_under_the_same_names(tmp_path):
     write_random_checkpoint(tiny_config("deepseek_v3", num_hidden_layers=2), str(src), seed=2)
     with pytest.raises(QuantMLAError, match="different source_weights"):
         calibrate_streamed(src, out, ids, QUANT, method="hadamard")
+    # a run begun before the digest was recorded resumes (it cannot tell, as before)
+    run = out / ".quantmla_stream" / "run.json"
+    manifest = json.loads(run.read_text())
+    del manifest["source_weights"]
+    run.write_text(json.dumps(manifest))
+    assert calibrate_streamed(src, out, ids, QUANT, method="hadamard").skipped == [0]
 
 
 def test_user_errors(ds3, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.layout import DEFAULT_PAGE_SIZE
@@ -88,14 +88,18 @@ class EngineConfig:
         for name, least in (("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                             ("prefill_graph_min", 1), ("rope_block", 0), ("mixed_decode_graphs", 0)):
             whole(name, least)
-        for name in ("num_pages", "kv_budget_bytes", "max_model_len"):
+        for name in ("num_pages", "max_model_len"):
             if getattr(self, name) is not None:
                 whole(name, 1)
+        v = self.kv_budget_bytes
+        if v is not None and (not isinstance(v, Real) or isinstance(v, bool) or v < 1):
+            raise QuantMLAError(f"EngineConfig.kv_budget_bytes = {v!r}: give the KV budget in bytes, at least 1")
         if not 0.0 <= self.watermark < 1.0:
             raise QuantMLAError(f"EngineConfig.watermark = {self.watermark!r}: the fraction of pages admission leaves "
                                 "free, at least 0 and below 1")
         b = self.graph_buckets
-        if not b or any(not isinstance(x, Integral) or isinstance(x, bool) or x < 1 for x in b):
+        if self.cuda_graphs and (len(b) == 0 or any(not isinstance(x, Integral) or isinstance(x, bool) or x < 1
+                                                    for x in b)):
             raise QuantMLAError(f"EngineConfig.graph_buckets = {b!r}: the decode graphs' rows, one or more whole "
                                 "numbers of at least 1 (cuda_graphs=False turns the graphs off)")
         if self.prefill_graph_max < 2:

@@ -117,7 +117,7 @@ class Engine:
         if config.num_pages is not None:
             pool_pages = config.num_pages
         elif config.kv_budget_bytes is not None:
-            pool_pages = (config.kv_budget_bytes - self.stage_bytes) // self.page_bytes
+            pool_pages = (int(config.kv_budget_bytes) - self.stage_bytes) // self.page_bytes
         else:
             raise QuantMLAError("give the engine a KV budget: EngineConfig(kv_budget_bytes=...) or num_pages=...")
         if pool_pages < 1:
@@ -451,12 +451,14 @@ class Engine:
             bad = self._bad_request(s, vocab)
             if bad is not None:  # fails alone, before any token of it reaches the model
                 sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
+            elif self.spec.scaled_query_from and need > self.spec.scaled_query_from:
+                sched._fail(s, QuantMLAError(
+                    f"request {s.req.request_id!r} needs {need} positions, but {self.spec.family} scales its queries "
+                    f"from position {self.spec.scaled_query_from} on, which the engine does not apply"))
             elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
                     f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
-                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"
-                    + (f" (at most {self.spec.scaled_query_from} for {self.spec.family})"
-                       if self.spec.scaled_query_from else "")))
+                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"))
             else:
                 sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))

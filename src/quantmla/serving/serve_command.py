@@ -46,7 +46,7 @@ def read_prompts(path: str) -> list[dict]:
 
     if not os.path.isfile(path):
         raise CLIError(f"prompts file {path!r} does not exist")
-    records = []
+    records, seen = [], set()  # seen: the ids so far, as JSON text (an id may be any JSON value)
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     if path.endswith(".jsonl"):
@@ -66,9 +66,10 @@ def read_prompts(path: str) -> list[dict]:
             if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
                 raise CLIError(f"{path}:{i}: \"max_new_tokens\" must be a positive integer, got {m!r}")
             r.setdefault("id", len(records))
-            if any(r["id"] == o["id"] for o in records):
+            if json.dumps(r["id"], sort_keys=True) in seen:
                 raise CLIError(f"{path}:{i}: id {r['id']!r} is taken (a line without an id takes its line's number "
                                "among the prompts): give every line its own id, or none")
+            seen.add(json.dumps(r["id"], sort_keys=True))
             records.append(r)
     else:
         records = [{"id": i, "prompt": line} for i, line in enumerate(x for x in lines if x.strip())]
@@ -138,7 +139,7 @@ def run(args) -> int:
         ids = r["prompt_ids"] if "prompt_ids" in r else tok(r["prompt"], add_special_tokens=True)["input_ids"]
         n_new = int(r.get("max_new_tokens", args.max_new_tokens))
         reqs.append(Request(r["id"], list(ids), SamplingParams(max_new_tokens=n_new, ignore_eos=args.ignore_eos)))
-    check_lengths(records, reqs, spec.max_positions)
+    check_lengths(records, reqs, min(filter(None, (spec.max_positions, spec.scaled_query_from)), default=None))
     model, tok = load_model(args.model, dtype=dtype, device=device)
     cfg = EngineConfig(quant=quant, kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)), backend=args.backend,
                        cuda_graphs=not args.no_cuda_graphs, max_num_seqs=args.max_num_seqs,

@@ -117,6 +117,7 @@ class RunState:
         if os.path.isfile(run):
             with open(run) as f:
                 old = json.load(f)
+            old.setdefault("source_weights", manifest.get("source_weights"))  # a run begun before the digest
             diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
             if diff:
                 raise QuantMLAError(
