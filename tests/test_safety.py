@@ -305,7 +305,7 @@ def test_serve_refuses_a_prompt_past_the_models_positions(ckpts, tmp_path, capsy
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_ids": [5, 6]}\n{"id": "long", "prompt_ids": ' + json.dumps([5] * 510) + "}\n")
     rc, out, err = run_cli(capsys, "serve", ckpts / "mla", "--prompts", f, "--device", "cpu", "--max-new-tokens", "4")
-    assert_clean_error(rc, err, "serve", "prompt 'long' has 510 tokens", "514 positions",
+    assert_clean_error(rc, err, "serve", "prompt 'long' has 510 tokens", "needs 513 positions",
                        "max_position_embeddings 512", "shorten the prompt or lower --max-new-tokens")
 
 
