@@ -19,16 +19,19 @@ STATE_DIR = ".quantmla_stream"  # a streamed run's state (markers, activation ch
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The names in the directory `path` that belong to a checkpoint: config.json and weight files (safetensors,
+    .bin, their indexes); none where `path` is not a directory."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return []
+    return sorted(f for f in os.listdir(path) if f == "config.json" or f.endswith(_WEIGHT_SUFFIXES))
+
+
 def holds_checkpoint(path: str | os.PathLike) -> bool:
     """True if the directory `path` holds a checkpoint or part of one: config.json, weight files
     (safetensors, .bin, their indexes), or a streamed run's state."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        return False
-    for f in os.listdir(path):
-        if f in ("config.json", STATE_DIR) or f.endswith(_WEIGHT_SUFFIXES):
-            return True
-    return False
+    return bool(checkpoint_files(path)) or os.path.isdir(os.path.join(os.fspath(path), STATE_DIR))
 
 
 def staging_dir(path: str | os.PathLike) -> str:

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from quantmla.calibration.outdir import _WEIGHT_SUFFIXES, STATE_DIR, fresh_staging, holds_checkpoint, staging_dir
+from quantmla.calibration.outdir import STATE_DIR, checkpoint_files, fresh_staging, holds_checkpoint, staging_dir
 from quantmla.calibration.stream.activations import ActivationBuffer
-from quantmla.calibration.stream.files import INDEX_NAME, _sha256_file, atomic_write_json, read_safetensors_header
+from quantmla.calibration.stream.files import _sha256_file, atomic_write_json, read_safetensors_header
 from quantmla.errors import QuantMLAError
 
 FORMAT_VERSION = 1
@@ -125,8 +125,7 @@ class RunState:
                     "resume with the same settings, use another output directory, or pass overwrite=True (--overwrite)"
                 )
         else:
-            stray = [f for f in os.listdir(self.output)  # any checkpoint's files (outdir.holds_checkpoint's kinds)
-                     if f != STATE_DIR and (f == "config.json" or f == INDEX_NAME or f.endswith(_WEIGHT_SUFFIXES))]
+            stray = checkpoint_files(self.output)
             if stray and not overwrite:
                 raise QuantMLAError(
                     f"{self.output} already holds a checkpoint not written by a streamed calibration "
