@@ -161,7 +161,7 @@ source "$(dirname "$0")/device_names.sh"
 NAME_SINCE=$(mktemp)
 trap name_by_device EXIT
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
-export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
+export TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests PYTHONUNBUFFERED=1
 EXTRA=()
 STEPS=()
 while [ $# -gt 0 ]; do

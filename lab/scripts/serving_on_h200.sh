@@ -111,7 +111,7 @@ OUT=${OUT:-/tmp/out}
 source "$(dirname "$0")/device_names.sh"
 NAME_SINCE=$(mktemp)
 mkdir -p "$OUT"/{agreement,serving,profile,prefill,step_overhead,decode_splits,capture_cost}
-export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1
+export TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests PYTHONUNBUFFERED=1
 LOG="$OUT/console.log"
 trap 'name_by_device | tee -a "$LOG"' EXIT
 M=models/qmla-ref-deepseek-v3
