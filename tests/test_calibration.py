@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from helpers.quant_cases import far_groups
 from quantmla.cache.config import QuantCacheConfig
 from quantmla.cache.hf_cache import QuantMLACache
 from quantmla.cache.layout import CacheFormat
@@ -65,6 +66,8 @@ def calibrated():
 def test_lsq_fake_quant_equals_cache_round_trip_and_has_range_gradient(fmt):
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3 + 0.5
     assert torch.equal(fake_quant_lsq(x, fmt), quantize_dequantize(x, fmt))
+    far = far_groups(fmt.bits)  # zeros rounded down, scales up, as the cache stores them
+    assert torch.equal(fake_quant_lsq(far, fmt), quantize_dequantize(far, fmt))
     xr = x.clone().requires_grad_(True)
     fake_quant_lsq(xr, fmt).pow(2).sum().backward()
     # the plain STE gradient would be 2·x̂; here the group min/max also receive the range's gradient

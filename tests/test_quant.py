@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.quant_cases import far_groups
 from quantmla.errors import MetadataRangeError, NonFiniteError, UnsupportedFormatError
 from quantmla.quant import PathFormat, dequantize, fake_quant, pack, quantize, quantize_dequantize, unpack
 
@@ -92,6 +93,22 @@ def test_bf16_meta_dtype():
     x = torch.randn(2, 64)
     y = quantize_dequantize(x, PathFormat(4, 32, meta_dtype="bfloat16"))
     assert (y - x).abs().max() < 1.0
+
+
+@pytest.mark.parametrize("meta", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_affine_grid_spans_groups_far_from_zero(meta, bits):
+    """The stored zero is rounded down and the scale up, so [zero, zero + (2^b - 1)·scale] spans each group and every
+    value dequantizes within half a stored step (rounded to nearest, a bf16 zero of [1002.5, 1003.5] clamped its
+    low values by up to 1.5 against a step of 0.004 at 8 bits)."""
+    x = far_groups(bits)
+    fmt = PathFormat(bits, 32, "affine", meta)
+    q = quantize(x, fmt)
+    scale, zero = q.meta[..., 0].double(), q.meta[..., 1].double()  # [8, 1]
+    assert (zero[:, 0] <= x.amin(-1).double()).all()
+    assert (zero[:, 0] + (2**bits - 1) * scale[:, 0] >= x.amax(-1).double()).all()
+    err = (dequantize(q, fmt, 32) - x).abs().amax(-1).double()
+    assert (err <= scale[:, 0] / 2 + 2**-22 * x.abs().amax(-1).double()).all(), (err, scale[:, 0])
 
 
 def test_fake_quant_straight_through():

@@ -20,18 +20,13 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
-def _cast_ste(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x + (x.to(dtype).float() - x).detach()
-
-
 def fake_quant_lsq(x: torch.Tensor, fmt: PathFormat) -> torch.Tensor:
     """x [..., D] -> quantize-dequantize(x) in fp32, differentiable through the group scale/zero
-    (the stored format's own scale math, ``groupwise.group_scales``, with straight-through casts)."""
+    (the stored format's own scale math, ``groupwise.group_scales``, with straight-through roundings)."""
     if not fmt.quantized or fmt.mode == "fp8":
         return fake_quant(x.float(), fmt)
     xg = grouped(x, fmt)
-    mdt = fmt.torch_meta_dtype
-    scale, zero = group_scales(xg, fmt, cast=lambda t: _cast_ste(t, mdt))
+    scale, zero = group_scales(xg, fmt, ste=True)
     qmax = 2**fmt.bits - 1
     if fmt.mode == "affine":
         q = _round_ste((xg - zero) / scale).clamp(0, qmax)

@@ -6,8 +6,8 @@ page a call writes from the call's keys and the earlier ones of a stage the call
 rope_stage=, stage_rows=)``).
 
 Bit-exact with the Python reference (``quant.groupwise.quantize`` + ``cache.paged.write_tokens``):
-the stored scale and zero are rounded to the metadata dtype first and the codes are computed against
-the rounded values, with IEEE division (``div_rn``) and round-half-to-even, like ``torch.round``.
+the stored scale and zero are rounded to the metadata dtype first (an affine zero down, its scale up)
+and the codes are computed against the rounded values, with IEEE division (``div_rn``) and round-half-to-even, like ``torch.round``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,34 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2
 
 
 @triton.jit
+def _meta_round(x, UP: tl.constexpr, META_BF16: tl.constexpr):
+    """fp32 x -> the nearest 16-bit metadata value (bf16 or fp16) at or below x (UP = False) or at or above it
+    (UP = True), as fp32: the nearest one, stepped by one ulp where it lies on the wrong side
+    (``quant.groupwise.to_meta``)."""
+    if META_BF16:
+        r = _bf16_rne(x)
+    else:
+        r = x.to(tl.float16)
+    rf = r.to(tl.float32)
+    b = r.to(tl.int16, bitcast=True).to(tl.int32)  # a step away from 0 is +1 on the bits, toward 0 is -1
+    if UP:
+        step = tl.where(rf < 0.0, b - 1, tl.where(rf == 0.0, 1, b + 1))
+        b = tl.where(rf < x, step, b)
+    else:
+        step = tl.where(rf > 0.0, b - 1, tl.where(rf == 0.0, -32767, b + 1))  # -32767: 0x8001, the least negative
+        b = tl.where(rf > x, step, b)
+    b = b.to(tl.int16)
+    if META_BF16:
+        return b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return b.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.constexpr = 0, MB: tl.constexpr = 2):
-    """(scale, zero) of groups spanning [lo, hi], rounded to the metadata dtype first (MB = 4: fp32, kept as
-    computed; a constant group gets scale 1), as ``quant.groupwise.group_scales``. CLIP = k > 0: the range shrinks
-    by 2^-(k+1) of its width at each end (the format's clip 1 - 2^-k; the product is exact, so a fused multiply-add
-    rounds alike)."""
+    """(scale, zero) of groups spanning [lo, hi] as ``quant.groupwise.group_scales`` stores them: the zero rounded
+    down to the metadata dtype, then the scale (hi - zero) / QMAX rounded up (MB = 4: fp32, kept as computed; a
+    constant group gets scale 1). CLIP = k > 0: the range shrinks by 2^-(k+1) of its width at each end (the format's
+    clip 1 - 2^-k; the product is exact, so a fused multiply-add rounds alike)."""
     if CLIP > 0:
         t = (hi - lo) * (0.5 ** (CLIP + 1))
         lo = lo + t
@@ -33,12 +56,9 @@ def _affine_meta(lo, hi, QMAX: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.c
     if MB == 4:
         zero = lo
         scale = tl.math.div_rn(hi - zero, QMAX * 1.0)
-    elif META_BF16:
-        zero = _bf16_rne(lo).to(tl.float32)
-        scale = _bf16_rne(tl.math.div_rn(hi - zero, QMAX * 1.0)).to(tl.float32)
     else:
-        zero = lo.to(tl.float16).to(tl.float32)
-        scale = tl.math.div_rn(hi - zero, QMAX * 1.0).to(tl.float16).to(tl.float32)
+        zero = _meta_round(lo, False, META_BF16)
+        scale = _meta_round(tl.math.div_rn(hi - zero, QMAX * 1.0), True, META_BF16)
     return tl.where(scale > 0.0, scale, 1.0), zero
 
 

@@ -65,12 +65,33 @@ def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=like.device)
 
 
-def group_scales(xg: torch.Tensor, fmt: PathFormat, cast=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stored scale (and zero, affine formats) per group of xg [..., G, group_size], rounded to the
-    meta dtype, as fp32 [..., G, 1]. `cast(t)` rounds to the meta dtype (default ``t.to(meta).float()``;
-    calibration's fake quantizer passes a straight-through version)."""
+def to_meta(t: torch.Tensor, mdt: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
+    """fp32 `t` as a value the metadata dtype `mdt` holds, returned as fp32: the nearest (ties to even), the
+    nearest at or below t (``"down"``) or at or above it (``"up"``). fp32 metadata keeps t as it is."""
+    if mdt == torch.float32:
+        return t
+    r = t.to(mdt)
+    if rounding == "down":
+        r = torch.where(r.float() > t, torch.nextafter(r, torch.full_like(r, -torch.inf)), r)
+    elif rounding == "up":
+        r = torch.where(r.float() < t, torch.nextafter(r, torch.full_like(r, torch.inf)), r)
+    elif rounding != "nearest":
+        raise ValueError(f"rounding must be 'nearest', 'down' or 'up', got {rounding!r}")
+    return r.float()
+
+
+def group_scales(xg: torch.Tensor, fmt: PathFormat, ste: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored scale (and zero, affine formats) per group of xg [..., G, group_size], as fp32 [..., G, 1] holding
+    values of the meta dtype. An affine group's zero is rounded down and its scale up, so the stored grid
+    [zero, zero + (2^b - 1)·scale] still spans the group's [min, max] (rounding the zero to nearest would clamp the
+    low values of a group far from 0, by up to half an ulp of the zero); a symmetric scale is rounded to nearest.
+    ``ste``: the roundings pass gradients straight through (calibration's fake quantizer)."""
     mdt = fmt.torch_meta_dtype
-    cast = cast or (lambda t: t.to(mdt).float())
+
+    def stored(t: torch.Tensor, rounding: str = "nearest") -> torch.Tensor:
+        r = to_meta(t, mdt, rounding)
+        return t + (r - t).detach() if ste else r
+
     k = fmt.clip_exp  # clip = 1 - 2^-k: shrinking by a power of two of the width rounds once, on any device
     if fmt.mode == "affine":
         lo = xg.amin(-1, keepdim=True)
@@ -78,15 +99,15 @@ def group_scales(xg: torch.Tensor, fmt: PathFormat, cast=None) -> tuple[torch.Te
         if k:
             t = (hi - lo) * 2.0 ** -(k + 1)  # (1 - clip) / 2 of the width, exact
             lo, hi = lo + t, hi - t
-        zero = cast(lo)
-        scale = cast((hi - zero) / _divisor(xg, 2**fmt.bits - 1))
+        zero = stored(lo, "down")
+        scale = stored((hi - zero) / _divisor(xg, 2**fmt.bits - 1), "up")
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
         return scale, zero
     amax = xg.abs().amax(-1, keepdim=True)
     if k:
         amax = amax - amax * 2.0**-k
     top = FP8_MAX if fmt.mode == "fp8" else 2 ** (fmt.bits - 1) - 1
-    scale = cast(amax / _divisor(xg, top))
+    scale = stored(amax / _divisor(xg, top))
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale, None
 

@@ -8,7 +8,8 @@ LongCat-Flash's sqrt(hidden / d_c)). Its unit-norm direction ``u = x / ||x||`` p
 ``s·(sqrt(d_c)·sqrt(γ_a² + γ_b²) + |β_a| + |β_b|)`` over its two largest ``|γ|`` and ``|β|``, and its largest
 ``|c|`` at most ``s·(sqrt(d_c)·max|γ| + max|β|)``: bounds, in exact arithmetic, on the scale a group of each format
 stores whatever the tokens. The model's dtype (the normed latent and its product with γ each rounded to bf16) and fp16
-metadata (the zero point and the scale rounded) can lift a stored scale by up to about 1 %: ``ROUNDING_SLACK``.
+metadata (the zero point rounded down, by up to 2^-10 of the group's largest |value|, which the range bound exceeds,
+then the scale rounded up) can lift a stored scale by up to about 1 %: ``ROUNDING_SLACK``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import FP8_MAX
 
-ROUNDING_SLACK = 2.0**-6  # (1 + 2^-8)^2 (a bf16 norm's two roundings) x (1 + 2^-11)^2 (fp16 metadata) < 1 + 2^-6
+ROUNDING_SLACK = 2.0**-6  # ((1 + 2^-8)^2 (a bf16 norm) + 2^-10 (the zero)) x (1 + 2^-10) (the scale) < 1 + 2^-6
 
 
 def content_scale_bound(norm: torch.nn.Module, fmt: PathFormat, d_c: int, latent_scale: float = 1.0) -> float | None:
