@@ -89,33 +89,56 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
         load_spec(tmp_path)
 
 
-def test_mistral4_query_scaling_bounds_what_the_latent_path_serves_and_calibrates():
-    """mistral4 with llama_4_scaling_beta scales queries from original_max_position_embeddings on, which the MLAView
-    path does not apply: the spec says where, and the engine and calibration refuse longer contexts (the view's
-    attention matched the module's only below it)."""
+def test_mistral4_query_scaling_is_applied_where_it_starts():
+    """mistral4 with llama_4_scaling_beta scales its rotated queries by 1 + β·log(1 + ⌊p / 8⌋) from position 8 on
+    (original_max_position_embeddings): the view's attention with ``scale_queries`` equals the module's over 30
+    positions (and without it does not), the engine's tokens and logits equal generate()'s past position 8 (within
+    2e-3; 0.022 apart without the scale), and calibration takes rows longer than 8."""
     from transformers.models.mistral4.modeling_mistral4 import Mistral4ForCausalLM
 
     from quantmla.cache.config import QuantCacheConfig
     from quantmla.calibration import calibrate
-    from quantmla.errors import QuantMLAError
+    from quantmla.model.capture import capture_attention_inputs
+    from quantmla.model.spec import mla_modules
     from quantmla.model.tiny import _COMMON
-    from quantmla.serving.engine import Engine, EngineConfig
+    from quantmla.model.view import MLAView
+    from quantmla.reference import absorbed_attention
+    from quantmla.serving.engine import BF16_CONFIG, Engine, EngineConfig
+    from quantmla.serving.scheduler import SamplingParams
+    from quantmla_lab.bench.serving.agreement import reference_generate
 
     cfg = AutoConfig.for_model("mistral4", **_COMMON)
     cfg.rope_parameters = {**cfg.rope_parameters, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8}
     torch.manual_seed(0)
     model = Mistral4ForCausalLM(cfg).eval()
-    assert load_spec(model).scaled_query_from == 8 and load_spec(tiny_model("deepseek_v3")).scaled_query_from is None
-    with pytest.raises(QuantMLAError, match="scales its queries from position 8 on"):
-        Engine(model, EngineConfig(num_pages=4, page_size=16, backend="torch", max_model_len=16))
-    from quantmla.serving.scheduler import Request, SamplingParams
-
-    with Engine(model, EngineConfig(num_pages=4, page_size=16, backend="torch", cuda_graphs=False)) as eng:
-        out = {o.request_id: o for o in eng.generate(
-            [Request("ok", [5] * 6, SamplingParams(max_new_tokens=3, ignore_eos=True)),
-             Request("long", [5] * 9, SamplingParams(max_new_tokens=2, ignore_eos=True))])}
-    assert out["ok"].finish_reason == "length" and out["long"].finish_reason == "error"
-    assert "needs 10 positions, but mistral4 scales its queries from position 8 on" in out["long"].error
-    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(QuantMLAError, match="calibration rows of 12 tokens: mistral4 scales its queries"):
-        calibrate(model, ids, QuantCacheConfig.of_bits(4, 4, 32, 16), progress=False)
+    spec = load_spec(model)
+    assert (spec.scaled_query_from, spec.query_scale_beta) == (8, 0.5)
+    assert load_spec(tiny_model("deepseek_v3")).scaled_query_from is None
+    ids = torch.randint(3, 100, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), capture_attention_inputs(model, outputs=True) as rec:
+        model(ids)
+    pos = torch.arange(30)
+    for slot, module in mla_modules(model).items():
+        r, view = rec[slot][0], MLAView(module, spec)
+        assert torch.equal(view.position_query_scale(torch.tensor([0, 7, 8, 16, 24])),
+                           1 + 0.5 * torch.log(torch.tensor([1.0, 1.0, 2.0, 3.0, 4.0])))
+        with torch.no_grad():
+            p = view.parts(r["hidden"], r["position_embeddings"])
+            q = (p["q_nope"].transpose(1, 2), p["q_rope"].transpose(1, 2))  # [B, S, H, d]
+            for qs, agrees in ((view.scale_queries(pos, *q), True), (q, False)):
+                o, _ = absorbed_attention(view.absorb(qs[0].transpose(1, 2)).transpose(1, 2), qs[1], p["latent"],
+                                          p["k_rope"], spec.softmax_scale)
+                close = torch.allclose(view.output(o), r["output"], rtol=1e-4, atol=1e-5)
+                assert close == agrees, (slot, agrees)
+    prompts = [ids[0, :9].tolist(), ids[1, :20].tolist()]
+    for quant in (BF16_CONFIG, QuantCacheConfig.of_bits(4, 4, 32, 16)):
+        cfg = EngineConfig(quant=quant, num_pages=8, page_size=16, max_num_batched_tokens=16, backend="torch",
+                           keep_logits=True)
+        with Engine(model, cfg) as eng:
+            outs = eng.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        for prompt, o in zip(prompts, outs):  # each step's logits, positions 9 to 31, as generate() computes them
+            toks, scores = reference_generate(model, quant, prompt, 12)
+            assert o.output_ids == toks
+            torch.testing.assert_close(torch.stack([torch.as_tensor(x) for x in o.logits]).float(), scores,
+                                       rtol=0, atol=2e-3)
+    calibrate(model, ids[:, :12], QuantCacheConfig.of_bits(4, 4, 32, 16), progress=False)  # rows past position 8

@@ -69,8 +69,11 @@ def collect_layer_tensors(model: torch.nn.Module, input_ids: torch.Tensor, layer
             view = MLAView(mods[l], spec)
             with torch.no_grad():
                 p = view.parts(r["hidden"], r["position_embeddings"])
+                pos = torch.arange(ids.shape[1], device=r["hidden"].device)  # mistral4 scales its queries by position
+                q_nope, q_rope = (q.transpose(1, 2) for q in view.scale_queries(
+                    pos, p["q_nope"].transpose(1, 2), p["q_rope"].transpose(1, 2)))
                 out[l].append(LayerTensors(
-                    q_lat=view.absorb(p["q_nope"]).double(), q_rope=p["q_rope"].double(),
+                    q_lat=view.absorb(q_nope).double(), q_rope=q_rope.double(),
                     latent=p["latent"].double(), k_rope=p["k_rope"].double(),
                     w_uv=view.w_uv.detach().double(), scale=spec.softmax_scale,
                     w_o=mods[l].o_proj.weight.detach().double(),

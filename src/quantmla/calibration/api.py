@@ -108,10 +108,6 @@ def check_formats(spec, quant: QuantCacheConfig, opts: CalibrationOptions | None
             from quantmla.cache.rope_channel import RopeChannelFormat
 
             RopeChannelFormat(f.rope.bits, opts.rope_page, f.rope.mode, f.rope.meta_dtype)  # FP8 RoPE: refused here
-    if spec.scaled_query_from and seq_len is not None and seq_len > spec.scaled_query_from:
-        raise QuantMLAError(f"calibration rows of {seq_len} tokens: {spec.family} scales its queries from position "
-                            f"{spec.scaled_query_from} on, which the calibration objectives do not apply; give rows of "
-                            f"at most {spec.scaled_query_from} tokens")
     if opts is not None and opts.rope_page and seq_len is not None and seq_len < opts.rope_page:
         raise QuantMLAError(f"rope_page {opts.rope_page}: the calibration rows hold {seq_len} tokens, not one whole "
                             "page, so the RoPE path would be fitted on nothing; give longer rows or a smaller page")

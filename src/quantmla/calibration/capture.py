@@ -161,9 +161,12 @@ def _record(data: LayerData, view: MLAView, hidden, pe, q_pos: torch.Tensor, key
     scale = data.scale
     latent = p["latent"].float()  # [B, L, d_c]
     k_rope = p["k_rope"].float()  # [B, L, d_r]
-    q_rope_all = p["q_rope"].float()  # [B, H, L, d_r]
+    # the queries as attention sees them (mistral4 scales them by position; a row starts at position 0)
+    q_nope_all, q_rope_all = view.scale_queries(torch.arange(L, device=hidden.device), p["q_nope"].transpose(1, 2),
+                                                p["q_rope"].transpose(1, 2))  # [B, L, H, d]
+    q_rope_all = q_rope_all.float().transpose(1, 2)  # [B, H, L, d_r]
     bidx = torch.arange(B, device=hidden.device)[:, None]
-    q_nope = p["q_nope"].float().transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_n]
+    q_nope = q_nope_all[bidx, q_pos].float()  # [B, S_q, H, d_n]
     q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, view.w_uk.float())
     q_r = q_rope_all.transpose(1, 2)[bidx, q_pos]  # [B, S_q, H, d_r]
     _check_finite(data.slot, view.m, hidden, {"latent": latent, "RoPE key": k_rope, "content query": q_lat,

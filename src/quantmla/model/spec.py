@@ -73,10 +73,10 @@ class MLASpec:
     query_scale: float = 1.0  # longcat_flash multiplies the query by sqrt(hidden / q_lora_rank)
     caches_latent: bool = True
     max_positions: int | None = None  # config.max_position_embeddings: the context the model is built for
-    # mistral4 with llama_4_scaling_beta: queries at positions of at least this many tokens are scaled by
-    # 1 + β·log(1 + ⌊pos / this⌋), which the MLAView path (engine, calibration objectives) does not apply: those
-    # serve and calibrate contexts up to this many tokens only (None: no such scaling)
+    # mistral4 with llama_4_scaling_beta β: the query at position p is scaled by 1 + β·log(1 + ⌊p / this⌋), so from
+    # this many tokens on (``MLAView.position_query_scale``; None: no such scaling)
     scaled_query_from: int | None = None
+    query_scale_beta: float = 0.0
 
     @property
     def num_pairs(self) -> int:
@@ -179,17 +179,19 @@ def spec_from_model(model: torch.nn.Module) -> MLASpec:
         query_scale=float(getattr(m, "mla_scale_q_lora", 1.0)),
         caches_latent=family not in EXPANDED_CACHING,
         max_positions=getattr(config, "max_position_embeddings", None),
-        scaled_query_from=_scaled_query_from(config),
+        **_query_scaling(config),
     )
 
 
-def _scaled_query_from(config) -> int | None:
-    """Where mistral4's position-dependent query scaling starts (its original_max_position_embeddings), None where
-    the config has no llama_4_scaling_beta."""
+def _query_scaling(config) -> dict:
+    """mistral4's position-dependent query scaling: where it starts (its original_max_position_embeddings) and its
+    β (llama_4_scaling_beta); nothing where the config has no β."""
     rp = getattr(config, "rope_parameters", None) or {}
-    if not rp.get("llama_4_scaling_beta"):
-        return None
-    return int(rp.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings"))
+    beta = rp.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    start = int(rp.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings"))
+    return {"scaled_query_from": start, "query_scale_beta": float(beta)}
 
 
 def spec_from_config(config) -> MLASpec:

@@ -58,6 +58,23 @@ class MLAView:
             q = q * s.query_scale
         return q[..., : s.d_n], q[..., s.d_n :]
 
+    def position_query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """mistral4's query scale at integer `positions` [...]: 1 + β·log(1 + ⌊p / scaled_query_from⌋), fp32 [...],
+        the family's own arithmetic (it multiplies the rotated query by it in the model's dtype); None where the
+        family scales no query by position."""
+        s = self.spec
+        if not s.scaled_query_from:
+            return None
+        return 1 + s.query_scale_beta * torch.log(1 + torch.floor(positions / s.scaled_query_from))
+
+    def scale_queries(self, positions: torch.Tensor, *queries: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`queries` [..., S, H, d] (rows at `positions` [..., S]) times :meth:`position_query_scale`, each in its
+        own dtype as the family multiplies; unchanged where the family scales no query."""
+        f = self.position_query_scale(positions)
+        if f is None:
+            return queries
+        return tuple(q * f[..., None, None].to(q.dtype) for q in queries)
+
     def project_kv(self, hidden: torch.Tensor, ckv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (latent [B, S, d_c] as cached, RoPE key before rotation [B, S, d_r]). `ckv`:
         ``kv_a_proj_with_mqa(hidden)`` when already computed."""

@@ -161,12 +161,6 @@ class Engine:
         self.latent_norms = fused_rope.latent_norms(self._patched, spec, self) if self.rope == "fused" else {}
         self.eos = self._eos_ids()
         width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
-        if spec.scaled_query_from:  # mistral4: past it the family scales its queries, which this path does not
-            if (config.max_model_len or 0) > spec.scaled_query_from:
-                raise QuantMLAError(f"max_model_len {config.max_model_len}: {spec.family} scales its queries from "
-                                    f"position {spec.scaled_query_from} on, which the engine does not apply; serve at "
-                                    f"most {spec.scaled_query_from} tokens a sequence")
-            width_tokens = min(width_tokens, spec.scaled_query_from)
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: DecodeGraphs | None = None
         self._prefill: PrefillGraphs | None = None
@@ -451,10 +445,6 @@ class Engine:
             bad = self._bad_request(s, vocab)
             if bad is not None:  # fails alone, before any token of it reaches the model
                 sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
-            elif self.spec.scaled_query_from and need > self.spec.scaled_query_from:
-                sched._fail(s, QuantMLAError(
-                    f"request {s.req.request_id!r} needs {need} positions, but {self.spec.family} scales its queries "
-                    f"from position {self.spec.scaled_query_from} on, which the engine does not apply"))
             elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
                     f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
@@ -547,6 +537,8 @@ def _dispatch_forward(module, *args, **kwargs):
     merged = reg["merged"] if engine.projections == "merged" else None
     q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused", merged,
                                                  engine.latent_norms.get(slot))  # hidden [1, N, h]
+    if view.spec.scaled_query_from:  # mistral4: the rotated queries times its per-position scale
+        q_nope, q_rope = view.scale_queries(kwargs["position_ids"][0], q_nope, q_rope)
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
     engine.backend.write(slot, latent, k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]

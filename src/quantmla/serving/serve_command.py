@@ -139,7 +139,7 @@ def run(args) -> int:
         ids = r["prompt_ids"] if "prompt_ids" in r else tok(r["prompt"], add_special_tokens=True)["input_ids"]
         n_new = int(r.get("max_new_tokens", args.max_new_tokens))
         reqs.append(Request(r["id"], list(ids), SamplingParams(max_new_tokens=n_new, ignore_eos=args.ignore_eos)))
-    check_lengths(records, reqs, min(filter(None, (spec.max_positions, spec.scaled_query_from)), default=None))
+    check_lengths(records, reqs, spec.max_positions)
     model, tok = load_model(args.model, dtype=dtype, device=device)
     cfg = EngineConfig(quant=quant, kv_budget_bytes=int(args.kv_budget_gib * (1 << 30)), backend=args.backend,
                        cuda_graphs=not args.no_cuda_graphs, max_num_seqs=args.max_num_seqs,
