@@ -150,7 +150,8 @@ def test_metadata_past_fp16s_range_is_a_clear_error(mode, lo, hi):
 
 def test_metadata_range_edges():
     """An affine group whose zero point fits fp16 but whose scale does not (0 to 1e6: scale 6.7e4) is refused; a
-    zero point at -65504 (fp16's largest finite) passes and one at -65520 (rounding to -inf) is refused; bf16
+    zero point at -65504 (fp16's largest finite) passes and one at -65520 (rounding to -inf) or +65520 (to +inf, not
+    stepped down to 65504) is refused; bf16
     metadata that overflows asks about the activations, not for bf16."""
     x = torch.zeros(4, 64)
     x[:, 1::32] = 1e6
@@ -162,6 +163,10 @@ def test_metadata_range_edges():
     edge[0, 0] = -65520.0
     with pytest.raises(MetadataRangeError, match="1 group with"):
         quantize(edge, PathFormat(4, 32))
+    above = torch.full((1, 32), 65520.0) + torch.arange(32.0)  # a zero past the range is refused, not stepped down
+    for bits in (2, 8):
+        with pytest.raises(MetadataRangeError, match="1 group with"):
+            quantize(above, PathFormat(bits, 32))
     huge = torch.full((1, 32), 3.3e38)
     huge[0, 0] = -3.3e38
     with pytest.raises(MetadataRangeError, match="past bfloat16.*check the model's activations \\(fp16"):

@@ -23,20 +23,21 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2
 @triton.jit
 def _meta_round(x, UP: tl.constexpr, META_BF16: tl.constexpr):
     """fp32 x -> the nearest 16-bit metadata value (bf16 or fp16) at or below x (UP = False) or at or above it
-    (UP = True), as fp32: the nearest one, stepped by one ulp where it lies on the wrong side
-    (``quant.groupwise.to_meta``)."""
+    (UP = True), as fp32: the nearest one, stepped by one ulp where it lies on the wrong side; inf where x rounds
+    past the dtype's range (``quant.groupwise.to_meta``)."""
     if META_BF16:
         r = _bf16_rne(x)
     else:
         r = x.to(tl.float16)
     rf = r.to(tl.float32)
     b = r.to(tl.int16, bitcast=True).to(tl.int32)  # a step away from 0 is +1 on the bits, toward 0 is -1
+    finite = tl.abs(rf) < float("inf")
     if UP:
         step = tl.where(rf < 0.0, b - 1, tl.where(rf == 0.0, 1, b + 1))
-        b = tl.where(rf < x, step, b)
+        b = tl.where(finite & (rf < x), step, b)
     else:
         step = tl.where(rf > 0.0, b - 1, tl.where(rf == 0.0, -32767, b + 1))  # -32767: 0x8001, the least negative
-        b = tl.where(rf > x, step, b)
+        b = tl.where(finite & (rf > x), step, b)
     b = b.to(tl.int16)
     if META_BF16:
         return b.to(tl.bfloat16, bitcast=True).to(tl.float32)

@@ -188,7 +188,7 @@ def _query_scaling(config) -> dict:
     β (llama_4_scaling_beta); nothing where the config has no β."""
     rp = getattr(config, "rope_parameters", None) or {}
     beta = rp.get("llama_4_scaling_beta")
-    if not beta:
+    if not beta or getattr(config, "model_type", None) != "mistral4":  # the one MLA family whose module applies it
         return {}
     start = int(rp.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings"))
     return {"scaled_query_from": start, "query_scale_beta": float(beta)}

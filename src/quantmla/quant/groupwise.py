@@ -67,14 +67,16 @@ def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
 
 def to_meta(t: torch.Tensor, mdt: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
     """fp32 `t` as a value the metadata dtype `mdt` holds, returned as fp32: the nearest (ties to even), the
-    nearest at or below t (``"down"``) or at or above it (``"up"``). fp32 metadata keeps t as it is."""
+    nearest at or below t (``"down"``) or at or above it (``"up"``); inf where t rounds past the dtype's range.
+    fp32 metadata keeps t as it is."""
     if mdt == torch.float32:
         return t
     r = t.to(mdt)
+    finite = torch.isfinite(r)  # past the dtype's range it stays inf, for check_meta_range to refuse
     if rounding == "down":
-        r = torch.where(r.float() > t, torch.nextafter(r, torch.full_like(r, -torch.inf)), r)
+        r = torch.where(finite & (r.float() > t), torch.nextafter(r, torch.full_like(r, -torch.inf)), r)
     elif rounding == "up":
-        r = torch.where(r.float() < t, torch.nextafter(r, torch.full_like(r, torch.inf)), r)
+        r = torch.where(finite & (r.float() < t), torch.nextafter(r, torch.full_like(r, torch.inf)), r)
     elif rounding != "nearest":
         raise ValueError(f"rounding must be 'nearest', 'down' or 'up', got {rounding!r}")
     return r.float()

@@ -538,7 +538,11 @@ def _dispatch_forward(module, *args, **kwargs):
     q_nope, q_rope, latent, k_rope = step_pieces(view, hidden, pe, engine.rope == "fused", merged,
                                                  engine.latent_norms.get(slot))  # hidden [1, N, h]
     if view.spec.scaled_query_from:  # mistral4: the rotated queries times its per-position scale
-        q_nope, q_rope = view.scale_queries(kwargs["position_ids"][0], q_nope, q_rope)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            raise QuantMLAError(f"{view.spec.family} scales its queries by position, but its attention module was "
+                                "called without position_ids as a keyword; the engine needs them to apply the scale")
+        q_nope, q_rope = view.scale_queries(pos[0], q_nope, q_rope)
     k_rope = centre_rope_keys(k_rope, engine.rope_offsets.get(slot))  # as the transformers cache does
     engine.backend.write(slot, latent, k_rope, meta.slot_mapping, meta.stage_rows)
     v = engine.backend.attend(slot, view, q_nope, q_rope, meta)  # [N, H, d_v]

@@ -24,7 +24,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import FP8_MAX
 
-ROUNDING_SLACK = 2.0**-6  # ((1 + 2^-8)^2 (a bf16 norm) + 2^-10 (the zero)) x (1 + 2^-10) (the scale) < 1 + 2^-6
+ROUNDING_SLACK = 2.0**-6  # (1 + 2^-8)^2 (a bf16 norm) x (1 + 2^-10) (the zero) x (1 + 2^-10) (the scale) < 1 + 2^-6
 
 
 def content_scale_bound(norm: torch.nn.Module, fmt: PathFormat, d_c: int, latent_scale: float = 1.0) -> float | None:
