@@ -151,8 +151,7 @@ def test_metadata_past_fp16s_range_is_a_clear_error(mode, lo, hi):
 def test_metadata_range_edges():
     """An affine group whose zero point fits fp16 but whose scale does not (0 to 1e6: scale 6.7e4) is refused; a
     zero point at -65504 (fp16's largest finite) passes and one at -65520 (rounding to -inf) or +65520 (to +inf, not
-    stepped down to 65504) is refused; bf16
-    metadata that overflows asks about the activations, not for bf16."""
+    stepped down to 65504) is refused; bf16 metadata that overflows asks about the activations, not for bf16."""
     x = torch.zeros(4, 64)
     x[:, 1::32] = 1e6
     with pytest.raises(MetadataRangeError, match="8 groups with a scale or zero point past float16"):
