@@ -22,16 +22,22 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA or TRITON_INTERPRET=1",
 )
 def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
-    """A step's 8 to 64 sequences of at most 64 splits merge in one load round; a lone sequence's 264 in steps of
-    128."""
-    for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128)]:
+    """A step's 1 to 64 sequences of at most 256 splits merge in one load round; a lone sequence's 264 in steps;
+    sequences of 64 splits or more (33 rounds up to 64) take a row's whole channels a program, 64 or, where that leaves
+    under two programs an SM or overfills the tile, 32."""
+    for B, splits in [(8, 33), (32, 8), (64, 4), (1, 128), (8, 32), (7, 36), (1, 256), (13, 20)]:
         br, bd, bs = schedule.combine_blocks(B, 16, 512, splits, 132)
         assert schedule.combine_one_step(splits, bs) and bs * br * bd <= schedule.COMBINE_ONE_STEP_TILE
         assert B * -(-16 // br) * (512 // bd) >= 256  # still about two programs an SM
+        assert (br == 1) == (splits > 32), (B, splits, br)  # a row a program from 64 splits (rounded up) on
+    assert schedule.combine_blocks(7, 16, 512, 36, 132) == (1, 64, 64)
+    assert schedule.combine_blocks(1, 16, 512, 256, 132) == (1, 32, 256)  # 128 programs of 64 channels: too few
+    assert schedule.combine_blocks(1, 128, 512, 64, 132) == (1, 64, 64)
+    assert schedule.combine_blocks(32, 16, 512, 8, 132) == (16, 32, 8)  # few splits: channels narrowed first
     br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
     assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
-    br, bd, bs = schedule.combine_blocks(8, 16, 512, 33, 132, one_step=False)  # the two-pass blocks, for benchmarks
-    assert not schedule.combine_one_step(33, bs) and bs * br * bd == schedule.COMBINE_TILE
+    br, bd, bs = schedule.combine_blocks(13, 16, 512, 20, 132, one_step=False)  # the two-pass blocks, for benchmarks
+    assert not schedule.combine_one_step(20, bs) and bs * br * bd == schedule.COMBINE_TILE
 
 
 @pytest.mark.parametrize("one_step", [True, False])

@@ -435,13 +435,28 @@ COMBINE_TILE = 4096  # fp32 elements of a combine step's [splits, rows, channels
 COMBINE_ONE_STEP_TILE = 8192  # .. and of the tile a program loads at once where every split fits one step
 
 
+COMBINE_ROWS_FIRST_SPLITS = 64
+"""From this many splits a sequence (the next power of two of the most) a combine program merges one query row's whole
+pieces of channels: 1 row x 64 channels (128 bytes of a 16-bit partial), 1 x 32 where that leaves fewer than about two
+programs an SM or the [splits, 1, 64] tile would pass COMBINE_ONE_STEP_TILE. In whole decode calls in CUDA graphs
+(H100, INT4/INT4, 16 heads) that took 38.4 to 34.5 µs a layer at 7 x 20480 (36 splits), 25.7 to 23.9 at 4 x 20480
+(64) and 31.6 to 30.2 at 1 x 131072 (256, 1 x 32); at 32 splits it moved nothing and at 8 or fewer it lost
+(docs/kernels.md, "The combine's blocks")."""
+
+
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_step: bool = True) -> tuple[int, int, int]:
-    """(rows, channels, splits) per step of a combine program: narrower row and channel blocks until
-    about two programs per SM run (a lone sequence's partials are read by many SMs at once), and as many
-    splits read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32 holds, so a lone sequence's
-    hundreds of splits merge in a few wide steps rather than many dependent narrow ones. Where every split
-    fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless ``one_step`` is
-    False (the two-pass loop's blocks, which benchmarks time beside it)."""
+    """(rows, channels, splits) per step of a combine program. Sequences of at least COMBINE_ROWS_FIRST_SPLITS splits:
+    a row's whole 64 (or 32) channels a program. Fewer: narrower channel blocks, then row blocks, until about two
+    programs per SM run. As many splits are read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32
+    holds, so a lone sequence's hundreds of splits merge in a few wide steps rather than many dependent narrow ones.
+    Where every split fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless
+    ``one_step`` is False (the two-pass loop's blocks, which benchmarks time beside it)."""
+    if _next_pow2(max_splits) >= COMBINE_ROWS_FIRST_SPLITS:
+        block_d = min(64, d_c)
+        while block_d > 32 and (B * R * (d_c // block_d) < 2 * num_sms
+                                or _next_pow2(max_splits) * block_d > COMBINE_ONE_STEP_TILE):
+            block_d //= 2
+        return 1, block_d, combine_step_splits(1, block_d, max_splits, one_step)
     block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
