@@ -134,10 +134,10 @@ def test_combine_merges_bf16_partials_of_any_range():
 
 
 def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
-    """partial_dtype by setting and rows: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or
+    """partial_dtype by setting: fp16 for integer content codes of up to 4 bits with fp16 metadata (affine or
     symmetric, any RoPE path) and, for raw bf16, FP8, 8-bit codes and bf16 or fp32 metadata, bf16 under "auto" (the
-    default) below 64 rows and under "bf16" at any, fp32 under "fp16"; "auto" gives fp32 at 64 rows or more (the
-    heads-as-M kernels), "fp32" everywhere; every CUDA plan of a layout writes the dtype its workspace has (PART_KIND),
+    default) and "bf16", fp32 under "fp16", at any row count (16 to 128: the heads-as-M kernels too); "fp32"
+    everywhere; every CUDA plan of a layout writes the dtype its workspace has (PART_KIND),
     a launch with a workspace of another dtype is refused before any launch, and an unknown setting names the ones
     there are."""
     from helpers.cuda_plans import plan
@@ -155,8 +155,8 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
             "int4-bf16meta": CacheFormat(PathFormat(4, 64, "affine", "bfloat16"), PathFormat(4, 64)),
             "int4-fp32meta": CacheFormat(PathFormat(4, 64, "affine", "float32"), PathFormat(4, 64))}
     f16, b16, f32 = torch.float16, torch.bfloat16, torch.float32
-    # setting: (bounded, wide) under 64 rows, then at 64 rows or more
-    want_of = {"auto": ((f16, b16), (f32, f32)), "bf16": ((f16, b16), (f16, b16)),
+    # setting: (bounded, wide) under 64 rows, then at 64 rows or more (the same since 16-bit partials pay at 128 rows)
+    want_of = {"auto": ((f16, b16), (f16, b16)), "bf16": ((f16, b16), (f16, b16)),
                "fp16": ((f16, f32), (f16, f32)), "fp32": ((f32, f32), (f32, f32))}
     cases = ((16, {}, 0), (16, {"tokens_m": False}, 0), (63, {"tokens_m": False}, 0), (64, {"warpgroup": True}, 1),
              (128, {"warpgroup": True}, 1), (128, {"tokens_m": False}, 1))
@@ -166,7 +166,7 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
             for want, fmts in zip(wants[many], (bounded, wide)):
                 for name, fmt in fmts.items():
                     lay = PageLayout(TokenLayout(512, 64, fmt), 64)
-                    assert partials.partial_dtype(lay, rows) == want, (setting, name, rows)
+                    assert partials.partial_dtype(lay) == want, (setting, name, rows)
                     p = plan(fmt, rows, **tiling)[1]
                     if p is not None:
                         assert cuda.partial_kind(p) == want, (setting, name, rows, tiling)
@@ -175,16 +175,15 @@ def test_partials_are_fp16_only_where_the_content_codes_bound_them(monkeypatch):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("QUANTMLA_PARTIALS")
         assert partials.partials_setting() == "auto"  # the default
-        assert partials.partial_dtype(int4, 16) == f16 and partials.partial_dtype(bf16, 16) == b16
-        assert partials.partial_dtype(int4, 128) == f32 and partials.partial_dtype(bf16, 128) == f32
+        assert partials.partial_dtype(int4) == f16 and partials.partial_dtype(bf16) == b16
         mp.setenv("QUANTMLA_PARTIALS", " FP32")
-        assert partials.partial_dtype(int4, 16) == f32 and partials.partials_setting() == "fp32"
+        assert partials.partial_dtype(int4) == f32 and partials.partials_setting() == "fp32"
         mp.setenv("QUANTMLA_PARTIALS", "half")
         with pytest.raises(QuantMLAError, match="QUANTMLA_PARTIALS='half': use 'auto'.*'bf16'.*'fp16'.*'fp32'"):
-            partials.partial_dtype(int4, 16)
+            partials.partial_dtype(int4)
     monkeypatch.delenv("QUANTMLA_PARTIALS")
     assert dict(plan("bf16", 16, tokens_m=False)[1].macros)["PART_KIND"] == 2
-    assert "PART_KIND" not in dict(plan("bf16", 128, warpgroup=True)[1].macros)
+    assert dict(plan("bf16", 128, warpgroup=True)[1].macros)["PART_KIND"] == 2
     lay, p = plan("int4/int4", 16, tokens_m=True)
     assert dict(p.macros)["PART_KIND"] == 1 and dict(p.macros)["PART_SHIFT"] == partials.PARTIAL_FP16_SHIFT
     lse = torch.zeros(4, 16)
@@ -224,7 +223,7 @@ def test_decode_splits_of_latents_past_fp16s_range(monkeypatch):
         runs.append((md, *mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)))
     (split, o, l), (whole, o1, _) = runs
     assert split.max_splits > 1 and whole.max_splits == 1
-    po, _ = split.partials(H, D_C, partials.partial_dtype(lay, H), pool.layer(0).device)  # the API's, not a new one
+    po, _ = split.partials(H, D_C, partials.partial_dtype(lay), pool.layer(0).device)  # the API's, not a new one
     assert po.dtype == torch.float16 and sum(isinstance(k, tuple) for k in split.workspace) == 1
     ro, rl = reference(lay, pool, bt, sl, qc, qr, 0.125)
     assert ro.abs().max() > 65504 and torch.isfinite(o).all()

@@ -162,19 +162,18 @@ def test_seesaw_builds_for_sm90_without_spills_or_serialized_products(tmp_path):
 
 
 @pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("setting", ["auto", "bf16"])
+@pytest.mark.parametrize("setting", ["fp32", "auto"])
 def test_staged_epilogue_builds_for_sm90(setting, tmp_path, monkeypatch):
     """The heads-as-M kernels' epilogue through shared memory (EPI_SMEM=1, the default; its plans do not set it)
-    compiles for sm_90a with
-    fp32 partials (the default at 128 rows) and with 16-bit ones, for BF16, INT4/INT4, FP8 and the warpgroups out of
-    phase, with no stack spills and no warning; its rows fit the space it stages them in (the kernels'
-    static_asserts)."""
+    compiles for sm_90a with 16-bit partials (the default) and with fp32 ones, for BF16, INT4/INT4, FP8 and the
+    warpgroups out of phase, with no stack spills and no warning; its rows fit the space it stages them in (the
+    kernels' static_asserts)."""
     import subprocess
 
     monkeypatch.setenv("QUANTMLA_PARTIALS", setting)
     for fmt, kw in (("bf16", {}), ("int4/int4", {}), ("fp8", {}), ("bf16", {"seesaw": True})):
         _, p = plan(fmt, 128, warpgroup=True, **kw)
-        assert cuda.partial_kind(p) == ((torch.float16 if fmt == "int4/int4" else torch.bfloat16) if setting == "bf16"
+        assert cuda.partial_kind(p) == ((torch.float16 if fmt == "int4/int4" else torch.bfloat16) if setting == "auto"
                                         else torch.float32)
         assert "EPI_SMEM" not in dict(p.macros)
         mac = p.macros

@@ -326,7 +326,7 @@ def test_decode_fp16_partials_hold_latents_past_fp16s_range(kernel, H, lo, hi, m
     scaled down so that scores stay near 1."""
     monkeypatch.setenv("QUANTMLA_PARTIALS", "fp16")
     lay, pages, bt, sl = make_cache(FORMATS["int4/int4"], [3000, 1, 700], seed=H + 5, latent_range=(lo, hi))
-    assert partials.partial_dtype(lay, H) == torch.float16
+    assert partials.partial_dtype(lay) == torch.float16
     if kernel == "tokens-m":
         cfg = tokens_m_config(lay, H)
     elif kernel == "heads-m":

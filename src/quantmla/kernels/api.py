@@ -171,7 +171,7 @@ def mla_decode_with_kvcache(
     if metadata.max_splits > 1:
         c = metadata.combine or combine_shape(B, R, DC, metadata.max_splits, num_sms_of(device))
         c.check(R, DC)  # before any launch
-        po, plse = metadata.partials(R, DC, partial_dtype(layout, R), device)
+        po, plse = metadata.partials(R, DC, partial_dtype(layout), device)
     else:
         po = plse = lse  # never written
     grid = (metadata.head_blocks, metadata.num_units)

@@ -15,8 +15,8 @@ in bf16 registers (``code·scale + zero`` per channel group; the BF16 format loa
 
 A unit that covers a whole sequence writes the normalised output and the log-sum-exp directly;
 otherwise it writes a partial (output, lse) that ``_mla_combine_kernel`` merges: the lse in fp32, the output in the
-workspace's dtype (``partials.partial_dtype``: under 64 query rows fp16 holding o·2^-5 for integer content codes of up to
-4 bits with fp16 metadata and bf16 for the other formats; fp32 at 64 rows or more, or where QUANTMLA_PARTIALS asks).
+workspace's dtype (``partials.partial_dtype``: fp16 holding o·2^-5 for integer content codes of up to 4 bits with fp16
+metadata and bf16 for the other formats; fp32 where QUANTMLA_PARTIALS asks).
 
 Two ways to rebuild a quantized tile (constexpr ``DEQ``):
   0: one wide byte load per token, planes split by shifts into a [N, planes, groups, width] tensor,

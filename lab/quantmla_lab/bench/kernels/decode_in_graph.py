@@ -168,7 +168,7 @@ def time_call(a, caches, md, lay, m, B, n, spec, q_nope, q_rope, q_lat, o_lat, v
     # the call's partials' workspace, as the API keeps it in the metadata (unsplit calls write none: the API
     # passes each call's own lse in its place)
     split = md.max_splits > 1
-    po, plse = md.partials(H, D_C, partial_dtype(lay, H), caches[0].pages.device) if split else (None, None)
+    po, plse = md.partials(H, D_C, partial_dtype(lay), caches[0].pages.device) if split else (None, None)
 
     def kernel(l: int) -> None:
         c = caches[l]

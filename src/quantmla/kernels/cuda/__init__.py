@@ -71,7 +71,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, partial_dtype(layout, rows))  # (QUANTMLA_PARTIALS may change it)
+           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
@@ -124,7 +124,7 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
     if po.data_ptr() != lse.data_ptr() and po.dtype != partial_kind(plan):  # (po is lse where no unit splits)
         # a caller's mistake, not a build that failed: a ValueError, which launch_cuda does not take for a fall back
         raise ValueError(f"the build writes {partial_kind(plan)} partials into a {po.dtype} workspace: allocate it as "
-                         "kernels.partials.partial_dtype(layout, rows) gives")
+                         "kernels.partials.partial_dtype(layout) gives")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
     if dict(plan.macros).get("WG") or dict(plan.macros).get("TM64"):

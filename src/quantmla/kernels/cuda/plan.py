@@ -99,7 +99,7 @@ def partial_macros(layout: PageLayout, rows: int) -> dict:
     the build as it was)."""
     from quantmla.kernels.partials import PARTIAL_FP16_SHIFT, partial_dtype
 
-    dt = partial_dtype(layout, rows)
+    dt = partial_dtype(layout)
     return (dict(PART_KIND=1, PART_SHIFT=PARTIAL_FP16_SHIFT) if dt == torch.float16 else dict(PART_KIND=2)
             if dt == torch.bfloat16 else {})
 
