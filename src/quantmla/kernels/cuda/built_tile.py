@@ -172,7 +172,7 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_KIND=ck, C_BITS=cb, C_GS=cg, C_MB=cm, R_KIND=rk, R_BITS=rb, R_GS=rg, R_MB=rm,
         HALF=int(half), RM=rm_, NW=nw, BN=bn, KSPLIT=ksplit, STAGES=stages, MIN_CTAS=ctas,
-        WS=int(ws), OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, **partial_macros(layout, rows),
+        WS=int(ws), OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, **partial_macros(layout),
     )
     if r_page:  # absent otherwise: the plans (and their builds) of per-token formats stay as they are
         macros.update(R_PAGE=1, PMB_R=pmb)

@@ -93,8 +93,8 @@ def path_codes(fmt: PathFormat, dim: int) -> tuple[int, int, int, int]:
     return _KIND[fmt.mode], fmt.bits, fmt.group_size, _MB[fmt.meta_dtype]
 
 
-def partial_macros(layout: PageLayout, rows: int) -> dict:
-    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout read for `rows` query rows, as
+def partial_macros(layout: PageLayout) -> dict:
+    """The split partials' type (PART_KIND, PART_SHIFT of out_io.cuh) for a layout, as
     ``partials.partial_dtype`` gives its workspace: fp16 holding o·2^-PART_SHIFT (1), bf16 (2), or nothing (fp32,
     the build as it was)."""
     from quantmla.kernels.partials import PARTIAL_FP16_SHIFT, partial_dtype

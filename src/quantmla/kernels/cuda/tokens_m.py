@@ -200,7 +200,7 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS * (2 if specialized else 1), BN=TM_BLOCK_N, STAGES=stages,
         OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, MIN_CTAS=ctas_per_sm, ONE_BARRIER=int(p_buffers == 2),
-        **partial_macros(layout, rows),
+        **partial_macros(layout),
     )
     if blocks_per_warp != 1:
         macros["TPW"] = blocks_per_warp

@@ -84,7 +84,7 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw
         WG=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
         OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"],
         HALF=0, NW=WG_WARPS, BN=WG_BLOCK_N, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, TMA=1,
-        **partial_macros(layout, rows),
+        **partial_macros(layout),
     )
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
