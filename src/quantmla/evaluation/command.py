@@ -398,6 +398,14 @@ def run(args) -> int:
     elif args.quick:
         calib_kwargs["steps"] = 20
     names = {m: os.path.basename(os.path.normpath(m)) for m in models}
+    if len(set(names.values())) < len(names):
+        dup = next(n for n in names.values() if list(names.values()).count(n) > 1)
+        raise CLIError(f"two of the models share the directory name {dup!r}, which names their rows: give each "
+                       "checkpoint a directory of its own name")
+    from quantmla.evaluation.provenance import data_fingerprint, model_fingerprint
+
+    provenance = {"heldout": data_fingerprint(heldout_root(args.heldout)),
+                  "models": {names[m]: model_fingerprint(m) for m in models}}
 
     def setup(r) -> dict:
         if r.method == "bf16":
@@ -417,7 +425,8 @@ def run(args) -> int:
     base = [] if args.overwrite else table.load(out)
     keys = [(names[m], r.config.name, r.method, json.dumps(table.setup_of({"method": r.method, "config": r.config.name, "setup": setup(r)}),
                                                            sort_keys=True)) for m in models for r in rows]
-    table.check_merge(base, data, replace=args.replace_rows or args.resume, out_dir=out, new_keys=keys)
+    table.check_merge(base, data, replace=args.replace_rows or args.resume, out_dir=out, new_keys=keys,
+                      provenance=provenance)
     done = {table.row_key(r) for r in base} if args.resume else set()
     new_rows: list[dict] = []
     for mdir in models:
@@ -443,6 +452,7 @@ def run(args) -> int:
                                calib_kwargs=calib_kwargs, prepared=prepared)
             row["model"] = name
             row["data"] = data
+            row["provenance"] = {"model": provenance["models"][name], "heldout": provenance["heldout"]}
             row["setup"] = setup(r)
             row["device"] = _device_name(args.device)
             if "calibration" in row:

@@ -11,6 +11,9 @@ Rules:
   DATA_KEYS): a merge that mixes data settings is refused, naming them;
 - a row is identified by (model, config, method, setup); a row already in the file is replaced only
   when the caller asks for it (`replace=True`, the CLI's --replace-rows);
+- rows that carry fingerprints (`provenance`: {"model", "heldout"}, ``evaluation.provenance``) join a file only
+  when those of its rows match: a checkpoint or a held-out set of the same name but other files is refused (rows
+  written before fingerprints are matched by name only);
 - a row's bits per byte are compared only with rows of its model measured on identical perplexity
   data (PPL_KEYS), its retrieval only with rows of identical retrieval data as well. A file written
   before these rules may hold several data settings; its table names them (settings A, B, ...).
@@ -122,9 +125,12 @@ def load(out_dir: str) -> list[dict]:
     return list(doc.get("rows", []))
 
 
-def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_keys=()) -> None:
+def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_keys=(),
+                provenance: dict | None = None) -> None:
     """Before any work: rows measured on `data` may join `old` (the rows already in out_dir).
-    Refuses a file of other data settings, and existing rows named in `new_keys` unless `replace`."""
+    Refuses a file of other data settings, rows whose fingerprints differ from this run's (`provenance`:
+    {"heldout": fingerprint, "models": {name: fingerprint}}), and existing rows named in `new_keys` unless
+    `replace`."""
     if not old:
         return
     here = check_same_data(old, f"{out_dir}/accuracy.json")
@@ -133,6 +139,8 @@ def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_ke
             f"{out_dir}/accuracy.json holds rows measured on other data: {describe_difference(here, data)}. "
             "Rows are merged only with rows of identical data settings: give another --out, or --overwrite to "
             "replace the file")
+    if provenance is not None:
+        check_provenance(old, provenance, out_dir)
     if not replace:
         have = {row_key(r) for r in old}
         clash = [k for k in new_keys if k in have]
@@ -141,6 +149,24 @@ def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_ke
             raise ResultMergeError(
                 f"{out_dir}/accuracy.json already has {len(clash)} of these rows ({names}); pass --replace-rows to "
                 "replace them, --resume to keep them and compute the rest, or give another --out")
+
+
+def check_provenance(old: list[dict], provenance: dict, out_dir: str) -> None:
+    """ResultMergeError where a row of `old` was measured on held-out files, or on a checkpoint named as one of this
+    run's models, whose fingerprint differs from this run's. Rows without fingerprints pass (matched by name)."""
+    for r in old:
+        p = r.get("provenance") or {}
+        if p.get("heldout") and p["heldout"] != provenance["heldout"]:
+            raise ResultMergeError(
+                f"{out_dir}/accuracy.json holds rows measured on held-out files named {data_of(r).get('heldout')!r} "
+                f"whose contents differ from this run's (fingerprint {p['heldout']} vs {provenance['heldout']}): give "
+                "another --out, or --overwrite to replace the file")
+        mine = provenance["models"].get(r["model"])
+        if p.get("model") and mine is not None and p["model"] != mine:
+            raise ResultMergeError(
+                f"{out_dir}/accuracy.json holds rows of a model named {r['model']!r} whose checkpoint differs from "
+                f"this run's (fingerprint {p['model']} vs {mine}): give another --out, name the checkpoint's directory "
+                "apart, or --overwrite to replace the file")
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
