@@ -58,13 +58,13 @@
 #                 128 heads: 1 x 32768, 32 x 8192, BF16), fp16 / bf16 / bf16 / fp16 settings, a process each
 #                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
 # staged-epilogue the heads-as-M kernels' epilogue from the registers (EPI_SMEM=0) beside the default staged one at
-#                 128 heads, BF16 and INT4/INT4, with fp32 partials (the default there) and with 16-bit ones
-#                 (QUANTMLA_PARTIALS=bf16), a process each; its outputs against the default build's
-#                                              -> kernels/decode_staged_epilogue_128h_{auto,bf16}_h200.json
-# partials-128    whole calls at 128 heads (decode_in_graph, graphs of 8 layers) with fp32 partials (auto) and 16-bit
-#                 ones (bf16), BF16 and INT4/INT4, a process each; then the combine alone at 128 rows with bf16
+#                 128 heads, BF16 and INT4/INT4, with fp32 partials (QUANTMLA_PARTIALS=fp32; the files of 6f4d717 and
+#                 before name them auto) and with 16-bit ones (bf16), a process each; its outputs against the default's
+#                                              -> kernels/decode_staged_epilogue_128h_{fp32,bf16}_h200.json
+# partials-128    whole calls at 128 heads (decode_in_graph, graphs of 8 layers) with fp32 partials (fp32; the files of
+#                 6f4d717 name them auto) and 16-bit ones (bf16), BF16 and INT4/INT4, a process each; then the combine alone at 128 rows with bf16
 #                 partials, the API's blocks beside blocks narrowed rows first
-#                                   -> kernels/decode_in_graph_partials_128h_{auto,bf16}_staged_h200.json,
+#                                   -> kernels/decode_in_graph_partials_128h_{fp32,bf16}_staged_h200.json,
 #                                      kernels/combine_blocks_128rows_bf16_h200.json
 # tm-staged-epilogue the tokens-as-M kernel (16 heads) with its epilogue staged in shared memory and stored in whole
 #                 16-byte pieces (TM_EPI_SMEM=1) beside the default, INT4/INT4, INT2/INT4 and FP8 at the issue's shapes,
@@ -343,7 +343,7 @@ bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both sett
 
 staged-epilogue() {
   local p
-  for p in auto bf16; do
+  for p in fp32 bf16; do
     QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
       --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=0 \
       --out "$OUT/kernels/decode_staged_epilogue_128h_${p}_h200.json" 2>&1 | grep -v -i warn | grep "warpgroup" | tail -24
@@ -352,7 +352,7 @@ staged-epilogue() {
 
 partials-128() {
   local p
-  for p in auto bf16; do
+  for p in fp32 bf16; do
     QUANTMLA_PARTIALS=$p timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 int4/int4 \
       --heads 128 --shapes ${PARTIALS_SHAPES:-1x32768 4x16384 32x8192 64x4096} --layers 8 \
       --out "$OUT/kernels/decode_in_graph_partials_128h_${p}_staged_h200.json" 2>&1 | grep -v -i warn | tail -10

@@ -7,7 +7,7 @@ combine kernel as the API launches it (`schedule.combine_blocks`, one step where
 blocks with the two-pass loop (`combine_blocks(..., one_step=False)`: COMBINE_TILE splits a step), each replayed
 as a CUDA graph with L2 flushed before every call. Both outputs must agree. The shapes are the splits of the decode steps the jobs run:
 1 x 264 (a lone long sequence), 8 x 33, 32 x 8, 64 x 4 (16K to 64K contexts at batches 8 to 64) and 8 x 16 (short
-contexts). `--partials fp16` or `bf16` stores the partials as the API's 16-bit workspaces do (below 64 rows), and
+contexts). `--partials fp16` or `bf16` stores the partials as the API's 16-bit workspaces do, and
 `--blocks RxD ...` times other program blocks (R rows, D channels) beside the API's on the same partials, each read in
 one step where every split fits a tile of COMBINE_ONE_STEP_TILE and else in passes of COMBINE_TILE:
 
