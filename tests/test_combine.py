@@ -34,6 +34,11 @@ def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
     assert schedule.combine_blocks(1, 16, 512, 256, 132) == (1, 32, 256)  # 128 programs of 64 channels: too few
     assert schedule.combine_blocks(1, 128, 512, 64, 132) == (1, 64, 64)
     assert schedule.combine_blocks(32, 16, 512, 8, 132) == (16, 32, 8)  # few splits: channels narrowed first
+    for d_c in (96, 160, 48):  # channel blocks divide any d_c (a power of two of it)
+        for splits in (8, 64):
+            br, bd, bs = schedule.combine_blocks(1, 16, d_c, splits, 132)
+            assert d_c % bd == 0 and bd & (bd - 1) == 0, (d_c, splits, bd)
+            schedule.CombineShape(br, bd, bs, True).check(16, d_c)
     br, bd, bs = schedule.combine_blocks(1, 16, 512, 264, 132)
     assert not schedule.combine_one_step(264, bs) and bs * br * bd == schedule.COMBINE_TILE
     br, bd, bs = schedule.combine_blocks(13, 16, 512, 20, 132, one_step=False)  # the two-pass blocks, for benchmarks

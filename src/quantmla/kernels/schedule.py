@@ -451,13 +451,14 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_
     holds, so a lone sequence's hundreds of splits merge in a few wide steps rather than many dependent narrow ones.
     Where every split fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless
     ``one_step`` is False (the two-pass loop's blocks, which benchmarks time beside it)."""
+    widest = min(64, d_c & -d_c)  # the widest power-of-two block of channels that divides d_c
     if _next_pow2(max_splits) >= COMBINE_ROWS_FIRST_SPLITS:
-        block_d = min(64, d_c)
+        block_d = widest
         while block_d > 32 and (B * R * (d_c // block_d) < 2 * num_sms
                                 or _next_pow2(max_splits) * block_d > COMBINE_ONE_STEP_TILE):
             block_d //= 2
         return 1, block_d, combine_step_splits(1, block_d, max_splits, one_step)
-    block_r, block_d = min(16, _next_pow2(R)), min(64, d_c)
+    block_r, block_d = min(16, _next_pow2(R)), widest
     while B * -(-R // block_r) * (d_c // block_d) < 2 * num_sms and (block_d > 16 or block_r > 2):
         if block_d > 16:
             block_d //= 2
