@@ -21,3 +21,27 @@ def v3():
     from quantmla.model.tiny import tiny_model
 
     return tiny_model("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny checkpoint with its own tokenizer and a held-out set beside it (tiny/, heldout/), as `quantmla eval`
+    reads them."""
+    import sysconfig
+    from pathlib import Path
+
+    from quantmla.corpus.datasets import write_jsonl
+    from quantmla.model.tiny import tiny_model
+    from quantmla_lab.training.tasks import make_eval_samples
+    from quantmla_lab.training.tokenizer import train_tokenizer, wrap
+
+    root = tmp_path_factory.mktemp("ckpt")
+    std = Path(sysconfig.get_paths()["stdlib"])
+    docs = [(std / n).read_text() for n in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py")]
+    tok = wrap(train_tokenizer(docs, 300))
+    model = tiny_model("deepseek_v3_rotate_half", vocab_size=300, max_position_embeddings=2048)
+    model.save_pretrained(root / "tiny")
+    tok.save_pretrained(root / "tiny")
+    write_jsonl(root / "heldout" / "code.jsonl", [{"text": d} for d in docs[2:]])
+    write_jsonl(root / "heldout" / "retrieval_1024.jsonl.xz", make_eval_samples(tok, docs, 1024, 2))
+    return root
