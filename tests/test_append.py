@@ -78,31 +78,30 @@ def test_append_tiling_defaults_and_bad_knobs():
                          ids=["int4-f32meta/int4", "int2/int8-sym-f32meta"])
 def test_append_keeps_fp32_metadata_of_integer_codes_exact(fmt):
     """Integer groups with fp32 scales and zero points store them unrounded, as the reference writer does."""
-    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
     g = torch.Generator().manual_seed(5)
-    pool = PagePool(lay, 3, device=DEV)
     slots = torch.randperm(3 * PAGE, generator=g)[:29]
-    x = torch.randn(29, D_C, generator=g) * 3 + 0.1
-    r = torch.randn(29, D_R, generator=g) * 7
-    ref = pool.data.clone()
-    write_tokens(ref[0], lay, slots.to(DEV), x.to(DEV), r.to(DEV))
-    for apart in (True, False):
-        pool.data.zero_()
-        append_to_pages(pool.layer(0), lay, slots.to(DEV), x.to(DEV), r.to(DEV), paths_apart=apart)
-        assert torch.equal(pool.data, ref), apart
+    x, r = torch.randn(29, D_C, generator=g) * 3 + 0.1, torch.randn(29, D_R, generator=g) * 7
+    _append_equals_writer(fmt, 3, slots, x, r)
 
 
-@pytest.mark.parametrize("fmt", [CacheFormat(PathFormat(8, 32, meta_dtype="bfloat16"), PathFormat(4, 32, meta_dtype="bfloat16")),
-                                 CacheFormat(PathFormat(2, 32), PathFormat(8, 16))], ids=["int8/int4-bf16meta", "int2/int8"])
+BF16_META = CacheFormat(PathFormat(8, 32, meta_dtype="bfloat16"), PathFormat(4, 32, meta_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("fmt", [BF16_META, CacheFormat(PathFormat(2, 32), PathFormat(8, 16))],
+                         ids=["int8/int4-bf16meta", "int2/int8"])
 def test_append_rounds_affine_metadata_as_the_reference_writer(fmt):
     """Groups far from 0 against their width, and within an fp16 subnormal of 0 on either side: the append kernel
     stores each zero rounded down and each scale rounded up, bit for bit as the reference writer."""
-    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
     far = far_groups(fmt.content.bits)  # [8, 32]
-    x = torch.cat([far, far.roll(3, 0)], -1)  # [8, D_C]
-    r = far.roll(5, 0)[:, :D_R]
     slots = torch.randperm(2 * PAGE, generator=torch.Generator().manual_seed(9))[:8]
-    pool = PagePool(lay, 2, device=DEV)
+    _append_equals_writer(fmt, 2, slots, torch.cat([far, far.roll(3, 0)], -1), far.roll(5, 0)[:, :D_R])
+
+
+def _append_equals_writer(fmt: CacheFormat, pages: int, slots, x, r) -> None:
+    """Tokens x [n, D_C], r [n, D_R] at `slots` of a pool of `pages`: the kernel's pages (paths apart and together)
+    equal the reference writer's byte for byte."""
+    lay = PageLayout(TokenLayout(D_C, D_R, fmt), PAGE)
+    pool = PagePool(lay, pages, device=DEV)
     ref = pool.data.clone()
     write_tokens(ref[0], lay, slots.to(DEV), x.to(DEV), r.to(DEV))
     for apart in (True, False):

@@ -62,8 +62,8 @@
 #                 before name them auto) and with 16-bit ones (bf16), a process each; its outputs against the default's
 #                                              -> kernels/decode_staged_epilogue_128h_{fp32,bf16}_h200.json
 # partials-128    whole calls at 128 heads (decode_in_graph, graphs of 8 layers) with fp32 partials (fp32; the files of
-#                 6f4d717 name them auto) and 16-bit ones (bf16), BF16 and INT4/INT4, a process each; then the combine alone at 128 rows with bf16
-#                 partials, the API's blocks beside blocks narrowed rows first
+#                 6f4d717 name them auto) and 16-bit ones (bf16), BF16 and INT4/INT4, a process each; then the
+#                 combine alone at 128 rows with bf16 partials, the API's blocks beside blocks narrowed rows first
 #                                   -> kernels/decode_in_graph_partials_128h_{fp32,bf16}_staged_h200.json,
 #                                      kernels/combine_blocks_128rows_bf16_h200.json
 # tm-staged-epilogue the tokens-as-M kernel (16 heads) with its epilogue staged in shared memory and stored in whole

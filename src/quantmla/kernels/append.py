@@ -7,7 +7,8 @@ rope_stage=, stage_rows=)``).
 
 Bit-exact with the Python reference (``quant.groupwise.quantize`` + ``cache.paged.write_tokens``):
 the stored scale and zero are rounded to the metadata dtype first (an affine zero down, its scale up)
-and the codes are computed against the rounded values, with IEEE division (``div_rn``) and round-half-to-even, like ``torch.round``.
+and the codes are computed against the rounded values, with IEEE division (``div_rn``) and round-half-to-even,
+like ``torch.round``.
 """
 
 from __future__ import annotations

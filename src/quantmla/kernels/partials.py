@@ -35,11 +35,10 @@ def partial_dtype(layout: PageLayout) -> torch.dtype:
     merges (their log-sum-exps stay fp32), at any row count, by QUANTMLA_PARTIALS (``partials_setting``):
 
     - fp16 where the content path is integer codes of at most 4 bits with fp16 metadata ("auto", "bf16", "fp16"). A
-      partial is a weighted mean of dequantized values, each inside its group's [zero, zero + (2^b - 1)·scale] (affine) or [-2^(b-1)·scale, (2^(b-1) - 1)·scale]
-      (symmetric), so |o| < 2^b·65504 and o·2^-PARTIAL_FP16_SHIFT is a finite fp16 (11-bit significand: below the
-      bf16 output's own rounding).
-    - bf16 for every other format ("auto", "bf16"): raw bf16 and FP8 values have fp32's range,
-      which bf16 keeps; its 8-bit significand rounds a partial as the bf16 output rounds the merged one, and the merge
+      partial is a weighted mean of dequantized values, each inside its group's [zero, zero + (2^b - 1)·scale]
+      (affine) or [-2^(b-1)·scale, (2^(b-1) - 1)·scale] (symmetric), so |o| < 2^b·65504 and o·2^-PARTIAL_FP16_SHIFT
+      is a finite fp16 (11-bit significand: below the bf16 output's own rounding).
+    - bf16 for every other format ("auto", "bf16"): raw bf16 and FP8 values have fp32's range, which bf16 keeps; its 8-bit significand rounds a partial as the bf16 output rounds the merged one, and the merge
       of n splits averages n such roundings.
     - fp32 otherwise: "fp16" for the other formats, "fp32" for all.
 

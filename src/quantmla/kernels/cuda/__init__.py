@@ -71,7 +71,8 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw, partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
+           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw,
+           partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,

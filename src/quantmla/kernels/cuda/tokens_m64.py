@@ -68,5 +68,6 @@ def tokens_m64_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, stage
     o = layout.offsets
     macros = dict(TM64=1, PS=layout.page_size, PAGE_BYTES=layout.page_bytes, OFF_CC=o["content_codes"],
                   OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"], HALF=1, NW=TM64_WARPS,
-                  BN=TM64_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem, **partial_macros(layout))
+                  BN=TM64_BLOCK_N, STAGES=stages, OUT_KIND=_OUT[out_dtype], SMEM_EXPECTED=smem,
+                  **partial_macros(layout))
     return DecodePlan(tuple(sorted(macros.items())), TM64_BLOCK_M, stages, 1, smem)
