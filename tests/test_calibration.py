@@ -302,6 +302,28 @@ def test_save_load_round_trip_sets_up_the_cache(calibrated, tmp_path):
     assert not (out / "calibration_report.json").exists() and (out / "config.json").exists()
 
 
+def test_saving_in_bf16_casts_the_saved_weights_only(calibrated, tmp_path):
+    """save_quantized(dtype=bfloat16) casts what it writes, not the model, and keeps in fp32 what transformers keeps
+    there (deepseek_v3's router e_score_correction_bias: rounded to bf16 it moved logits by 3.5 % and changed 5 of
+    256 greedy tokens of a 16-expert model): loaded back the bias is the model's to the bit and the config names
+    bfloat16; tensors that share storage (tied embeddings) stay one tensor."""
+    from quantmla.calibration.checkpoint import saved_state
+
+    cal = copy.deepcopy(calibrated[1])
+    bias = [k for k in cal.state_dict() if k.endswith("e_score_correction_bias")]
+    for k in bias:
+        cal.get_buffer(k).copy_(1 + 1e-4 * torch.arange(cal.get_buffer(k).numel()).float())
+    before = {k: v.clone() for k, v in cal.state_dict().items()}
+    out = save_quantized(cal, None, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert all(v.dtype == before[k].dtype and torch.equal(v, before[k]) for k, v in cal.state_dict().items())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    sd = load_quantized(out)[0].state_dict()
+    assert bias and all(sd[k].dtype == torch.float32 and torch.equal(sd[k], before[k]) for k in bias)
+    assert sd["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+    tied = saved_state(tiny_model("deepseek_v3", tie_word_embeddings=True), torch.bfloat16)
+    assert tied["lm_head.weight"] is tied["model.embed_tokens.weight"]
+
+
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_quantized(tmp_path / "nothing")

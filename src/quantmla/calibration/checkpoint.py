@@ -26,7 +26,7 @@ def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dt
     """Write a calibrated model (and its tokenizer, if given) to `out_dir`; returns the path.
 
     The model config must carry the quantization_config that :func:`calibrate` set. `dtype`
-    casts the saved weights (default: as they are). A directory that already holds a checkpoint is refused unless
+    casts the saved weights (default: as they are; ``saved_state``): the model itself is left as it is. A directory that already holds a checkpoint is refused unless
     `overwrite`: then the new one is written beside it and swapped in whole (no file of the old one is left)."""
     import quantmla.hf_integration  # noqa: F401  (quant_method "quantmla" known to transformers)
 
@@ -46,19 +46,46 @@ def save_quantized(model, tokenizer, out_dir: str | os.PathLike, report=None, dt
         swap_in(staging_dir(out), out)
         return out
     out.mkdir(parents=True, exist_ok=True)
-    src_dtype = next(model.parameters()).dtype
-    if dtype is not None and dtype != src_dtype:
-        model.to(dtype)
-    try:
-        model.save_pretrained(str(out), safe_serialization=True)
-    finally:
-        if dtype is not None and dtype != src_dtype:
-            model.to(src_dtype)
+    model.save_pretrained(str(out), safe_serialization=True, state_dict=saved_state(model, dtype))
+    if dtype is not None:  # the config names the saved weights' dtype (save_pretrained wrote the model's)
+        was = model.config.dtype
+        model.config.dtype = dtype
+        try:
+            model.config.save_pretrained(str(out))
+        finally:
+            model.config.dtype = was
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     if report is not None:
         d = report.to_dict() if hasattr(report, "to_dict") else dict(report)
         jsonfile.write(out / REPORT_FILE, d)
+    return out
+
+
+def saved_state(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The model's state dict with its 16- and 32-bit float tensors cast to `dtype` (None: as they are), except those
+    transformers keeps in fp32 at that dtype (``_keep_in_fp32_modules_strict`` for fp16 and bf16, and
+    ``_keep_in_fp32_modules`` for fp16: e.g. deepseek_v3's router ``e_score_correction_bias``); tensors that share
+    storage (tied embeddings) stay shared; 8-bit and integer tensors are left as they are."""
+    import re
+
+    state = model.state_dict()
+    if dtype is None:
+        return state
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    fp32 = re.compile("|".join(map(re.escape, sorted(keep)))) if keep else None
+    out, cast = {}, {}
+    for name, t in state.items():
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            out[name] = t
+            continue
+        want = torch.float32 if fp32 is not None and fp32.search(name) else dtype
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), want)
+        if key not in cast:
+            cast[key] = t.to(want)
+        out[name] = cast[key]
     return out
 
 
