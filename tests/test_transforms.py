@@ -1,6 +1,7 @@
 """Fusible transforms: exact function preservation on every family, RoPE commutation, Hadamard."""
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -183,3 +184,30 @@ def test_learned_rotation_and_content_transform_checks():
     model = tiny_model("minicpm3")
     with pytest.raises(QuantMLAError):
         fuse_transforms(model, {99: LayerTransform()})
+
+
+def test_block_fp8_weights_are_refused_before_any_fusion_or_capture():
+    """A layer whose kv_b_proj is transformers' block-FP8 FP8Linear (e4m3 weights under per-block scales, as official
+    DeepSeek-V3 checkpoints load on an FP8 GPU): fusing into it rewrote the codes under their old scales (28 to 56 %
+    off); fuse_transforms and calibrate refuse it, naming the way out, before any weight changes or any capture."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from quantmla.cache.config import QuantCacheConfig
+    from quantmla.calibration import calibrate
+
+    model = tiny_model("deepseek_v3")
+    mods = mla_modules(model)
+    kvb = mods[0].kv_b_proj
+    fp8 = FP8Linear(kvb.in_features, kvb.out_features, block_size=(16, 16))
+    fp8.weight.data.copy_(kvb.weight.data.to(fp8.weight.dtype))
+    mods[0].kv_b_proj = fp8
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(QuantMLAError, match="MLA layer 0: kv_b_proj holds torch.float8_e4m3fn weights with per-block "
+                                            "scales.*FineGrainedFP8Config\\(dequantize=True\\)"):
+        fuse_transforms(model, random_transforms(model))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # not even layer 1 was fused
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    with mock.patch("quantmla.calibration.api.capture_calibration_data") as capture:
+        with pytest.raises(QuantMLAError, match="kv_b_proj holds torch.float8_e4m3fn"):
+            calibrate(model, ids, QuantCacheConfig.of_bits(4, 4, 32, 16), progress=False)
+        capture.assert_not_called()

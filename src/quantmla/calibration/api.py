@@ -27,9 +27,9 @@ from quantmla.calibration.objectives import OutputDistortion, RopeQK, rope_dequa
 from quantmla.calibration.options import METHODS, PATHS, CalibrationOptions
 from quantmla.calibration.rope import fit_rope, rope_objective
 from quantmla.errors import QuantMLAError
-from quantmla.model.spec import load_spec
+from quantmla.model.spec import load_spec, mla_modules
 from quantmla.transforms.content import ContentTransform
-from quantmla.transforms.fuse import LayerTransform, fuse_transforms
+from quantmla.transforms.fuse import LayerTransform, check_fusable, fuse_transforms
 from quantmla.transforms.rope import RopeTransform, apply_pairs
 
 __all__ = ["METHODS", "PATHS", "CalibrationOptions", "CalibrationReport", "LayerReport", "calibrate", "fit_layer"]
@@ -305,6 +305,9 @@ def calibrate(
     spec = load_spec(model)
     calib_ids = torch.as_tensor(calib_ids)
     check_formats(spec, quant, opts, calib_ids.shape[-1])
+    if opts.method != "rtn":  # the transforms fuse into plain float weights only: known before any capture
+        for slot, module in mla_modules(model).items():
+            check_fusable(module, slot)
     verbose = progress if verbose is None else verbose
     method, paths, seed = opts.method, opts.paths, opts.seed
     t0 = time.perf_counter()

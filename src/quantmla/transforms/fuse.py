@@ -44,13 +44,37 @@ class LayerTransform:
 TransformSet = Mapping[int, LayerTransform]
 
 
+FUSED_INTO = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_b_proj", "q_proj")
+
+
+def check_fusable(module: torch.nn.Module, slot: int) -> None:
+    """QuantMLAError where a weight the transforms fuse into is not plain 16- or 32-bit floats: block-FP8 weights
+    (official DeepSeek-V3 and Kimi-K2 checkpoints loaded as transformers' FP8Linear, with per-block scales beside them)
+    or other quantized storage would be rewritten under scales that no longer fit them."""
+    for name in FUSED_INTO:
+        sub = getattr(module, name, None)
+        w = getattr(sub, "weight", None)
+        if w is None:
+            continue
+        scaled = hasattr(sub, "weight_scale_inv")
+        if not w.is_floating_point() or w.element_size() < 2 or scaled:
+            raise QuantMLAError(
+                f"MLA layer {slot}: {name} holds {w.dtype} weights{' with per-block scales' if scaled else ''}, "
+                "which the transforms cannot be fused into: load the checkpoint dequantized (from_pretrained(..., "
+                "quantization_config=FineGrainedFP8Config(dequantize=True)) for block-FP8 checkpoints), or calibrate "
+                "it with --stream, which reads FP8 shards itself")
+
+
 def fuse_transforms(model: torch.nn.Module, transforms: TransformSet, spec: MLASpec | None = None) -> None:
-    """Fuse each slot's transforms into its attention module (in place)."""
+    """Fuse each slot's transforms into its attention module (in place); every module is checked first
+    (``check_fusable``), so a refused model is left as it was."""
     spec = spec or load_spec(model)
     mods = mla_modules(model)
-    for slot, lt in transforms.items():
+    for slot in transforms:
         if slot not in mods:
             raise QuantMLAError(f"transform for cache slot {slot}, but the model's MLA slots are {list(mods)}")
+        check_fusable(mods[slot], slot)
+    for slot, lt in transforms.items():
         module = mods[slot]
         if lt.content is not None:
             fuse_content(module, spec.d_c, lt.content)
