@@ -83,6 +83,21 @@ def test_each_path_alone_is_exact_and_bias_is_transformed(family):
             assert _rel(model(ids).logits, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("family, interleaved", [("minicpm3", False), ("deepseek_v3", True)])
+def test_rope_layout_follows_what_the_family_rotates(family, interleaved):
+    """A config with rope_interleave=True: deepseek_v3's attention rotates interleaved pairs, minicpm3's rotates halves
+    whatever its config says (read from the config, its spec said interleaved and a RoPE fusion moved logits by
+    7.6 %); either way the fused model keeps its logits."""
+    model = tiny_model(family, rope_interleave=True)
+    assert (load_spec(model).rope_weight_layout == "interleaved") == interleaved
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    fuse_transforms(model, random_transforms(model, torch.Generator().manual_seed(2), content=False))
+    with torch.no_grad():
+        assert _rel(model(ids).logits, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "longcat_flash"])
 def test_wrong_pair_layout_breaks_equivalence(family):
     """The check has teeth: fusing the RoPE transform in the other pair layout changes the logits."""

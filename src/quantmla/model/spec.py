@@ -113,14 +113,22 @@ def _yarn_scale(config, qk_head_dim: int) -> float:
     return scale
 
 
+ALWAYS_INTERLEAVED = ("longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2")
+"""Families whose attention always rotates interleaved weight pairs (whatever their config says)."""
+READS_ROPE_INTERLEAVE = ("deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "axk1")
+"""Families whose attention rotates interleaved pairs where ``config.rope_interleave`` is set; the others (minicpm3,
+hy_v4, glm5_next, ...) rotate halves whatever the config says."""
+
+
 def _rope_layouts(family: str, config) -> tuple[str, str]:
+    """(weight layout, cache layout) of the RoPE pairs, as the family's attention code rotates them."""
     if family == "deepseek_v2":
         return "interleaved", "interleaved"  # complex multiply on (2j, 2j+1)
     if family == "kimi_linear":
         return "none", "none"
-    if family in ("longcat_flash", "deepseek_v32", "glm_moe_dsa"):
+    if family in ALWAYS_INTERLEAVED:
         return "interleaved", "rotate_half"
-    if getattr(config, "rope_interleave", None) is True:
+    if family in READS_ROPE_INTERLEAVE and getattr(config, "rope_interleave", None) is True:
         return "interleaved", "rotate_half"
     return "rotate_half", "rotate_half"
 
