@@ -423,3 +423,30 @@ def test_threads_default_and_flag(monkeypatch, capsys):
         assert_clean_error(rc, err, "bytes", "--threads must be at least 1")
     finally:
         torch.set_num_threads(before)
+
+
+def test_prompt_files_split_at_newlines_only(tmp_path):
+    """A .txt prompt holding a form feed or U+2028 stays one prompt (str.splitlines cut it in two and shifted every
+    later id); \\r\\n ends a line as \\n does; a .jsonl line may hold U+2028 inside a string."""
+    from quantmla.serving.serve_command import read_prompts
+
+    p = tmp_path / "p.txt"
+    p.write_bytes("first prompt\x0cstill first\r\nsecond \u2028 prompt\n\nthird\n".encode())
+    want = ["first prompt\x0cstill first", "second \u2028 prompt", "third"]
+    assert [r["prompt"] for r in read_prompts(str(p))] == want
+    j = tmp_path / "p.jsonl"
+    j.write_text(json.dumps({"prompt": "a \u2028 b"}, ensure_ascii=False) + "\n")
+    assert read_prompts(str(j)) == [{"prompt": "a \u2028 b", "id": 0}]
+
+
+def test_generate_refuses_params_beside_requests(v3):
+    """engine.generate(requests, params): params are for token-id lists; beside Request objects (which carry their
+    own) they were ignored, so a caller asking for 40 tokens got the Request default's 16."""
+    from quantmla.serving.engine import Engine, EngineConfig
+    from quantmla.serving.scheduler import Request, SamplingParams
+
+    with Engine(v3, EngineConfig(num_pages=8, page_size=16, backend="torch", cuda_graphs=False)) as eng:
+        with pytest.raises(QuantMLAError, match="params are for token-id lists"):
+            eng.generate([Request("a", [5, 6, 7])], SamplingParams(max_new_tokens=40))
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(out[0].output_ids) == 3

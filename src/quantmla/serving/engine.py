@@ -429,6 +429,9 @@ class Engine:
         ``requests``: Request objects, or token-id lists (with ``params`` for all of them). A request that can
         never fit in the KV budget returns ``finish_reason="error"`` with the reason; the others go on.
         ``on_step(finished, total)``: called after every step with the number of requests done (progress)."""
+        if params is not None and any(isinstance(r, Request) for r in requests):
+            raise QuantMLAError("generate(requests, params): params are for token-id lists; a Request carries its "
+                                "own SamplingParams (Request(id, prompt, params))")
         reqs = [r if isinstance(r, Request) else Request(i, list(r), params or SamplingParams())
                 for i, r in enumerate(requests)]
         cfg = self.config

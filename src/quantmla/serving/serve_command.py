@@ -47,8 +47,8 @@ def read_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise CLIError(f"prompts file {path!r} does not exist")
     records, seen = [], set()  # seen: the ids so far, as JSON text (an id may be any JSON value)
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    with open(path, encoding="utf-8", newline="") as f:  # lines end at \n (or \r\n) only: a form feed or U+2028
+        lines = [line.removesuffix("\r") for line in f.read().split("\n")]  # inside a prompt stays in it
     if path.endswith(".jsonl"):
         for i, line in enumerate(lines, 1):
             if not line.strip():
