@@ -291,7 +291,9 @@ class Scheduler:
             st.decode_steps += 1
         for it in items:
             st.computed_tokens += it.n
-            st.recomputed_tokens += max(0, min(it.start + it.n, it.seq.high) - it.start)
+            # positions computed before (a cached prefix never was: after a preemption it is computed the first time)
+            first = max(it.start, it.seq.req.cached_prefix)
+            st.recomputed_tokens += max(0, min(it.start + it.n, it.seq.high) - first)
         return plan
 
     def commit(self, plan: StepPlan, sampled: list[int | None], logits: list | None = None) -> list[Sequence]:
