@@ -3,7 +3,7 @@
 import pytest
 
 from quantmla.cache.command import table
-from quantmla.cache.layout import ALIGN, CacheFormat, PageLayout, TokenLayout, compression
+from quantmla.cache.layout import ALIGN, CacheFormat, PageLayout, TokenLayout, compression, preset
 from quantmla.errors import UnsupportedFormatError
 from quantmla.quant import BF16, PathFormat
 
@@ -55,3 +55,16 @@ def test_compression_counts_pages_and_tables():
 def test_layout_rejects_formats_that_do_not_fit():
     with pytest.raises(UnsupportedFormatError, match="RoPE path"):
         TokenLayout(512, 64, CacheFormat(PathFormat(4, 64), PathFormat(4, 128)))
+
+
+def test_decode_bytes_count_every_byte_of_the_pages_read():
+    """The bytes a decode reads (benchmarks' GB/s): full pages of every format, per-page RoPE metadata included
+    (it was left out: 304 instead of 308 bytes a token for INT4/INT4 with RoPE per channel per page), plus the
+    queries and block tables."""
+    from quantmla.kernels.schedule import decode_bytes
+
+    page_rope = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))
+    for fmt in (preset("bf16"), preset("fp8"), preset("int4/int4"), preset("int2/int4"), page_rope):
+        lay = PageLayout(TokenLayout(512, 64, fmt), 64)
+        queries, tables = 16 * (512 + 64) * 2, 2048 * 4 + 4
+        assert decode_bytes([131072], lay, 16, 1) == 2048 * lay.page_bytes + queries + tables, fmt

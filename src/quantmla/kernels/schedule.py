@@ -525,9 +525,11 @@ def decode_flops(lens: list[int], num_heads: int, q_len: int, d_c: int, d_r: int
 
 
 def decode_bytes(lens: list[int], layout: PageLayout, num_heads: int, q_len: int) -> int:
-    """Bytes the decode must read: each cached token's record once, the queries and block tables."""
+    """Bytes the decode must read: each cached token's record once, each page's own metadata (a RoPE path grouped
+    per page) once, the queries and block tables."""
     tok = layout.token
-    cache = sum(lens) * tok.bytes_per_token
+    pages = sum(layout.pages_for(n) for n in lens)
+    cache = sum(lens) * tok.bytes_per_token + pages * sum(layout.page_field_bytes.values())
     q = len(lens) * q_len * num_heads * (tok.d_c + tok.d_r) * 2
-    tables = sum(layout.pages_for(n) for n in lens) * 4 + 4 * len(lens)
+    tables = pages * 4 + 4 * len(lens)
     return cache + q + tables

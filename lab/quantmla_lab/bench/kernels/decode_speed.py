@@ -38,7 +38,9 @@ METHODS: dict[str, CacheFormat] = {
 DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
 """Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,
 128 heads (DeepSeek-V3) up to 256K."""
-PEER_SPLITS = (4, 8, 16, 32, 64, 128)
+PEER_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""The peer's num_kv_splits swept: its grid is (batch, head blocks, splits), so a lone 131072-token sequence wants 256
+(the work of 8 x 16384 at 32), and 128 x 2048 at 128 heads wants 2; a best at either end is flagged in its row."""
 
 
 def source_commit() -> str | None:
@@ -518,6 +520,7 @@ def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: li
             fn()
             row["rel_diff_vs_ours"] = float((fn.out.float() - ours[:, 0].float()).norm() / ours.float().norm())
         row["peer_num_kv_splits"] = best
+        row["peer_best_at_sweep_edge"] = len(times) > 1 and best in (PEER_SPLITS[0], PEER_SPLITS[-1])
         row["peer_ms_by_splits"] = {str(k): v * 1e3 for k, v in times.items()}
         rows.append(row)
         del kv
