@@ -212,6 +212,18 @@ def test_serve_bench_ratios_and_medians_over_repeats():
     # whole repeats only (repeat 2 lacks BF16); of two, the lower middle by summed wall time: repeat 1's 12.9 s
     assert {r["repeat"] for r in representative_runs(even)} == {1}
 
+    # a run that failed its completion check (a request lost or short) gives no ratio, serves as no baseline and
+    # counts in no median: it is named instead
+    bad = job({("bf16", 0): 100.0, ("int4/int4", 0): 300.0, ("bf16", 1): 50.0, ("int4/int4", 1): 900.0})
+    bad[3]["all_complete_and_unique"] = False  # int4/int4, repeat 1
+    bad[2]["all_complete_and_unique"] = False  # bf16, repeat 1
+    add_ratios(bad)
+    assert [r["ratio_to_bf16"] for r in bad if r["method"] == "int4/int4"] == [3.0, None]
+    sm = summarize({"runs": bad})
+    assert sm["ratio_by_budget"]["int4/int4"][1.0] == 3.0 and sm["median_tokens_per_s"]["int4/int4"][1.0] == 300.0
+    assert sm["failed_runs"] == [{"method": "bf16", "budget_gib": 1.0, "repeat": 1},
+                                 {"method": "int4/int4", "budget_gib": 1.0, "repeat": 1}]
+
 
 def test_slow_steps_against_a_reference_run():
     """Steps over both the ratio and the floor count, their excess comes out of the wall time, and runs of different

@@ -29,13 +29,20 @@ def load_result(path: str) -> dict:
     return res
 
 
+def complete(run: dict) -> bool:
+    """Whether a run passed its check: every request completed once with all its tokens (runs saved before the
+    check existed pass)."""
+    return run.get("all_complete_and_unique", True)
+
+
 def add_ratios(runs: list[dict]) -> None:
     """Each run's ``ratio_to_bf16`` and ``ratio_to_fp8``: its tokens/s over the baseline's at the same budget and
-    repeat (None where that baseline did not run)."""
+    repeat (None where that baseline did not run, or where either run failed its completion check)."""
     for base in ("bf16", "fp8"):
-        ref = {(r["budget_gib"], r.get("repeat", 0)): r["tokens_per_s"] for r in runs if r["method"] == base}
+        ref = {(r["budget_gib"], r.get("repeat", 0)): r["tokens_per_s"] for r in runs if r["method"] == base
+               and complete(r)}
         for r in runs:
-            t = ref.get((r["budget_gib"], r.get("repeat", 0)))
+            t = ref.get((r["budget_gib"], r.get("repeat", 0))) if complete(r) else None
             r[f"ratio_to_{base}"] = round(r["tokens_per_s"] / t, 3) if t else None
 
 
@@ -69,11 +76,14 @@ def _median_ratios(runs: list[dict], m: str, key: str) -> dict:
 def summarize(result: dict) -> dict:
     """Ratios by budget (with repeats: the median of the repeats' paired ratios, the lower middle one of an even
     count, so that every figure is one repeat's), median tokens/s likewise, the runs each method has at each budget
-    (a time limit can cut a repeat short), and where the gain over BF16 starts."""
-    runs = result["runs"]
+    (a time limit can cut a repeat short), and where the gain over BF16 starts. A run that failed its completion check
+    counts in none of them (``failed_runs`` names it)."""
+    out_failed = [{"method": r["method"], "budget_gib": r["budget_gib"], "repeat": r.get("repeat", 0)}
+                  for r in result["runs"] if not complete(r)]
+    runs = [r for r in result["runs"] if complete(r)]
     budgets = sorted({r["budget_gib"] for r in runs})
     methods = list(dict.fromkeys(r["method"] for r in runs))
-    out = {"pressured_budget_gib": budgets[0] if budgets else None, "ratio_by_budget": {}}
+    out = {"pressured_budget_gib": budgets[0] if budgets else None, "ratio_by_budget": {}, "failed_runs": out_failed}
 
     def of(m, b):
         return [r["tokens_per_s"] for r in runs if r["method"] == m and r["budget_gib"] == b]
