@@ -144,13 +144,13 @@
 #                 saved, and the 8-bit builds on a tile stored pre-transposed (the bound of a token-interleaved
 #                 cache layout)  -> kernels/output_phase_{128_registers,two_ctas,pretransposed}_h200.json
 # combine-rule    whole calls in graphs of 8 layers (decode_in_graph) with the combine's blocks as the API chooses them
-#                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16: 16 heads at 1 x 131072, the
-#                 long job's 4, 7 and 13 x 20480 and 32 x 16384; 128 heads at 1 x 32768 and 8 x 8192
+#                 (schedule.combine_blocks) beside fixed blocks: INT4/INT4 at 16 heads, 1 x 131072, the long job's 4, 7 and
+#                 13 x 20480 and 32 x 16384; INT4/INT4 and BF16 at 128 heads, 1 x 32768 and 8 x 8192
 #                                            -> kernels/decode_in_graph_combine_rule_{16h,128h}_h200.json
 # rules-tests     the GPU tests of the API's rules: splits, 16-bit partials, full shapes, the error against fp64,
 #                 the append's metadata rounding, mistral4's query scale, the 64-row kernel
 #                                                                         -> kernels/rules_gpu_tests_h200.log
-# peer-wide       `peer`, the peer's num_kv_splits swept over 1 to 512 (decode_speed.PEER_SPLITS)   
+# peer-wide       `peer`, the peer's num_kv_splits swept over 1 to 512 (decode_speed.PEER_SPLITS)
 #                                                              -> kernels/decode_vs_peer_wide_sweep_h200.json (+ .png)
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
@@ -378,7 +378,7 @@ peer() {
 }
 
 combine-rule() {
-  timeout 330 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods int4/int4 bf16 --layers 8 \
+  timeout 330 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods int4/int4 --layers 8 \
     --shapes 1x131072 4x20480 7x20480 13x20480 32x16384 --combine-blocks "" 8x16 2x16 2x64 4x64 4x16 1x64 \
     --out "$OUT/kernels/decode_in_graph_combine_rule_16h_h200.json" 2>&1 | grep -v -i warn | tail -30
   timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --heads 128 --methods int4/int4 bf16 --layers 8 \
