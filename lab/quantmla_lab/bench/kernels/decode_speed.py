@@ -27,7 +27,7 @@ from quantmla.kernels.api import DecodeConfig, decode_bytes, decode_flops
 from quantmla.kernels.partials import partials_setting
 from quantmla.serving.rope_stage import page_grouped
 from quantmla.reference.absorbed import absorbed_attention
-from quantmla_lab.bench.kernels.peer import load_peer, peer_kv
+from quantmla_lab.bench.kernels.peer import load_peer, peer_indexes, peer_kv
 
 D_C, D_R, PAGE = 512, 64, 64
 METHODS: dict[str, CacheFormat] = {
@@ -505,7 +505,10 @@ def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: li
     try:
         kv = peer_kv(cache)
         times = {}
+        skipped = [n for n in PEER_SPLITS if not peer_indexes(B, H, n)]
         for n in PEER_SPLITS:
+            if n in skipped:
+                continue
             fn = peer[0](q[0][:, 0], q[1][:, 0], kv, cache.block_table, cache.seq_lens, 1 / math.sqrt(192), num_kv_splits=n) \
                 if peer[1] == "decode_attention_fwd" else peer[0](q[0][:, 0], q[1][:, 0], kv, cache.block_table, cache.seq_lens, 1 / math.sqrt(192))
             t, graph = time_ms(fn, args.warmup_ms, args.rep_ms)
@@ -520,8 +523,9 @@ def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: li
             fn()
             row["rel_diff_vs_ours"] = float((fn.out.float() - ours[:, 0].float()).norm() / ours.float().norm())
         row["peer_num_kv_splits"] = best
-        row["peer_best_at_sweep_edge"] = len(times) > 1 and best in (PEER_SPLITS[0], PEER_SPLITS[-1])
+        row["peer_best_at_sweep_edge"] = len(times) > 1 and best in (min(times), max(times))
         row["peer_ms_by_splits"] = {str(k): v * 1e3 for k, v in times.items()}
+        row["peer_splits_skipped"] = skipped  # past the peer's int32 offsets (peer.peer_indexes)
         rows.append(row)
         del kv
         return times[best]

@@ -55,6 +55,13 @@ def load_peer(path: str):
     raise api.QuantMLAError(f"{path} defines neither quantmla_peer_decode nor decode_attention_fwd")
 
 
+def peer_indexes(batch: int, heads: int, num_kv_splits: int, d_c: int = D_C) -> bool:
+    """Whether the vLLM / SGLang decode can address its split partials [batch, heads, splits, d_c + 1] (fp32): it
+    forms their offsets in int32, so a tensor of 2**31 elements or more makes it read and write out of bounds
+    (an illegal address that ends the process's CUDA context)."""
+    return batch * heads * num_kv_splits * (d_c + 1) < 2**31
+
+
 def peer_kv(cache) -> torch.Tensor:
     """The same (dequantized BF16) tokens of a benchmark cache (decode_speed.Cache) in the token-interleaved
     [pages, page, d_c + d_r] layout peers take."""
