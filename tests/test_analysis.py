@@ -267,3 +267,49 @@ def test_analyze_default_output_and_unwritable_output(tmp_path, monkeypatch, cap
     (tmp_path / "a-file").write_text("")
     assert main(args + ["--out", str(tmp_path / "a-file" / "sub")]) == 2
     assert "cannot write into" in capsys.readouterr().err
+
+
+def test_analyze_refuses_16_bits_and_contexts_past_the_model(tmp_path, monkeypatch, capsys):
+    """16 bits quantize nothing (every error ratio would be 0/0 and the overview would fail half written), and a
+    --seq-len past max_position_embeddings measures positions the model is not built for: both are refused before
+    any weights are read; analyze_model refuses 16 bits too."""
+    import json as _json
+
+    from quantmla.cli import main
+    from quantmla.errors import QuantMLAError
+
+    model_dir, heldout = _checkpoint(tmp_path)
+    max_pos = _json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+
+    def no_work(*a, **k):
+        raise AssertionError("weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr("quantmla.model.load.load_model", no_work)
+    base = ["analyze", str(model_dir), "--heldout", str(heldout), "--num-seqs", "1", "--content-group", "16",
+            "--rope-group", "8", "--out", str(tmp_path / "o")]
+    assert main(base + ["--seq-len", "32", "--bits", "4", "16"]) == 2
+    assert "--bits 16" in capsys.readouterr().err
+    assert main(base + ["--seq-len", str(max_pos + 1), "--bits", "4"]) == 2
+    assert f"max_position_embeddings {max_pos}" in capsys.readouterr().err
+    model = tiny_model("deepseek_v3")
+    with pytest.raises(QuantMLAError, match="integer codes"):
+        analyze_model(model, torch.zeros(1, 8, dtype=torch.long), bits=(4, 16), content_group=16, rope_group=8)
+
+
+def test_overview_failure_leaves_the_old_overview(tmp_path, monkeypatch):
+    """The overview is made whole before README.md is opened: a failure while making it leaves the file as it was."""
+    from quantmla.analysis import overview
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "analysis.json").write_text("{}")
+    old = overview.TITLE + "\n\nthe previous overview\n"
+    (tmp_path / "README.md").write_text(old)
+    monkeypatch.setattr(overview, "_load", lambda root: [{"model": "m"}])
+
+    def broken(results):
+        raise TypeError("a figure that cannot be formatted")
+
+    monkeypatch.setattr(overview, "overview_markdown", broken)
+    with pytest.raises(TypeError):
+        overview.write_overview(str(tmp_path))
+    assert (tmp_path / "README.md").read_text() == old

@@ -75,9 +75,12 @@ def summary_markdown(result: dict, name: str) -> str:
 def check_formats(spec, args) -> None:
     """Every --bits width at the group sizes given fits the model's latent and RoPE dims."""
     from quantmla.errors import UnsupportedFormatError
-    from quantmla.quant.format import PathFormat
+    from quantmla.quant.format import INT_BITS, PathFormat
 
     for b in args.bits:
+        if b == 16:  # a valid width elsewhere (no quantization), with no error to analyze
+            raise UnsupportedFormatError(f"--bits 16: 16 bits quantize nothing, so there is no error to analyze; "
+                                         f"give bits from {INT_BITS}")
         for flag, group, dim, what in (("--content-group", args.content_group, spec.d_c, "content path (kv_lora_rank"),
                                        ("--rope-group", args.rope_group, spec.d_r, "RoPE path (qk_rope_head_dim")):
             try:
@@ -100,7 +103,11 @@ def run(args) -> int:
     if args.num_seqs < 1 or args.seq_len < 2:
         raise QuantMLAError(f"--num-seqs {args.num_seqs} --seq-len {args.seq_len}: give at least 1 sequence of at "
                             "least 2 tokens")
-    check_formats(check_model_dir(path), args)  # bad path, non-MLA model or bad bits: before any weights are read
+    spec = check_model_dir(path)
+    check_formats(spec, args)  # bad path, non-MLA model or bad bits: before any weights are read
+    if spec.max_positions and args.seq_len > spec.max_positions:
+        raise QuantMLAError(f"--seq-len {args.seq_len}: {path} has max_position_embeddings {spec.max_positions}; "
+                            f"ask for at most {spec.max_positions} tokens")
     name = os.path.basename(os.path.normpath(path))
     out = args.out or os.path.join("out", "analysis", name)
     check_output_dir(out)  # an unwritable output fails now, not after the analysis

@@ -76,6 +76,7 @@ def write_overview(root: str) -> tuple[str | None, str | None]:
     results = _load(root)
     if not results:
         return None, "no analysis.json beside it"
+    text = overview_markdown(results)  # whole before the file is opened: a failure leaves the old one as it was
     with open(path, "w") as f:
-        f.write(overview_markdown(results))
+        f.write(text)
     return path, None

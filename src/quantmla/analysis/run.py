@@ -18,6 +18,7 @@ from quantmla.analysis.error_model import (
     path_formats,
     quantize_paths,
 )
+from quantmla.quant.format import INT_BITS
 from quantmla.quant.groupwise import quantize_dequantize
 from quantmla.errors import QuantMLAError
 from quantmla.model.capture import capture_attention_inputs
@@ -163,6 +164,8 @@ def analyze_model(model: torch.nn.Module, input_ids: torch.Tensor, *, bits=(2, 3
         if d % g:
             raise QuantMLAError(f"{name} group size {g} does not divide the {name} dim {d}; pick a divisor of {d}")
     bits = tuple(int(b) for b in bits)
+    if not bits or any(b not in INT_BITS for b in bits):
+        raise QuantMLAError(f"bits {bits}: the analysis measures integer codes' errors; give widths from {INT_BITS}")
     tensors = collect_layer_tensors(model, input_ids, layers, batch_size)
     pair_index = spec.pair_index()
     per_layer = []
