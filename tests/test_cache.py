@@ -142,6 +142,29 @@ def test_only_a_layer_without_full_precision_window_is_croppable():
     assert not torch.equal(got[:, 0, 1:5], c[0, :, 1:5])  # token 1 left the window for good: why it is not croppable
 
 
+@pytest.mark.parametrize("fp_residual", [True, False])
+def test_layers_with_per_channel_rope_blocks_are_not_croppable(fp_residual):
+    """KIVI's and the per-page RoPE layers quantize whole blocks of tokens together: a crop into a completed block
+    keeps its tokens only dequantized, so a rollback reads them otherwise than before the tokens that it drops were
+    added. They say they are not croppable (transformers rolls back only croppable caches)."""
+    from quantmla.cache.kivi import KIVIFormat, KIVILayer
+    from quantmla.cache.rope_channel import RopeChannelFormat, RopeChannelLayer
+
+    torch.manual_seed(0)
+    c, r = torch.randn(1, 1, 10, 32), torch.randn(1, 1, 10, 16) * 3
+    layers = [lambda: KIVILayer(KIVIFormat(PathFormat(4, 16), rope_bits=4, block=8, fp_residual=fp_residual), 32, 16),
+              lambda: RopeChannelLayer(PathFormat(4, 16), RopeChannelFormat(4, page_size=8), 32, 16)]
+    for make in layers:
+        rolled, short = make(), make()
+        assert not rolled.is_croppable
+        rolled.update(c[:, :, :5], r[:, :, :5])
+        rolled.update(c[:, :, 5:], r[:, :, 5:])
+        rolled.crop(-5)
+        short.update(c[:, :, :5], r[:, :, :5])
+        assert not torch.equal(rolled._read(torch.float32)[1], short._read(torch.float32)[1])  # why: not restored
+    assert QuantMLALayer(CacheFormat(PathFormat(4, 16), PathFormat(4, 8)), 32, 16).is_croppable
+
+
 def test_crop_agrees_with_transformers_dynamic_cache():
     """crop(n) of the whole cache leaves the length a DynamicCache leaves, for a positive (tokens kept) and a negative
     (tokens removed) n, so the layers of a mixed cache never disagree."""

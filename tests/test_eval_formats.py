@@ -1,6 +1,7 @@
 """The same full-precision window for every method, and the line-recall retrieval format."""
 
 import json
+import math
 import sysconfig
 from pathlib import Path
 
@@ -138,3 +139,39 @@ def test_byte_lengths_are_never_a_collected_tokenizers():
     got = perplexity._byte_lengths(tok)
     assert torch.equal(got, torch.from_numpy(token_byte_lengths(tok))) and len(got) == len(tok)
     assert perplexity._byte_lengths(tok) is got  # kept while the tokenizer lives
+
+
+@pytest.mark.parametrize("method,window", [("rtn", 4), ("kivi", 4), ("kivi", 0)])
+def test_every_query_reads_the_cache_as_decode_steps_do(method, window):
+    """With a full-precision window each query reads its own newest W tokens unquantized, and KIVI's blocks are read
+    quantized over the tokens a decode has seen: the logits that bits per byte and retrieval score equal a
+    token-by-token decode's. One forward over the chunk read otherwise (the last W tokens of the chunk unquantized
+    for every query; KIVI's blocks quantized over later tokens too)."""
+    from quantmla.evaluation.decode_reads import decode_logits
+    from quantmla.evaluation.perplexity import bits_per_byte
+
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3").eval()
+    ids = torch.randint(3, 128, (1, 24))
+    factory = RowSpec(named_config("INT2/INT4", 16, 8), method, kivi_block=8, fp_window=window).cache_factory()
+    with torch.no_grad():
+        cache = factory(model)
+        stepped = torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                             for t in range(24)], 1)
+        one_forward = model(ids, past_key_values=factory(model), use_cache=True).logits
+    torch.testing.assert_close(decode_logits(model, ids, factory(model)), stepped, atol=2e-5, rtol=1e-5)
+    assert (one_forward[:, :20] - stepped[:, :20]).abs().max() > 1e-4  # what one forward read instead (fp32: 1e-7)
+    torch.testing.assert_close(decode_logits(model, ids, factory(model), first=17), stepped[:, 17:], atol=2e-5,
+                               rtol=1e-5)
+    nll = bits_per_byte(model, _OneByteTokens(), ids, seq_len=24, cache_factory=factory)["nll_bits"]
+    lp = torch.log_softmax(stepped[0, :-1].double(), -1).gather(-1, ids[0, 1:, None]).sum()
+    assert abs(nll + float(lp) / math.log(2)) < 1e-3
+
+
+class _OneByteTokens:
+    """A stand-in tokenizer for bits_per_byte's byte table: 128 tokens, no special ones."""
+
+    all_special_ids: list = []
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(128)}

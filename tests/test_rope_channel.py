@@ -274,3 +274,21 @@ def test_calibration_fits_the_rope_path_for_pages():
     for bad in (12, -8):
         with pytest.raises(QuantMLAError, match="rope_page"):
             calibrate(tiny_model("deepseek_v3"), ids, quant, rope_page=bad, progress=False)
+
+
+def test_cache_without_a_rope_format_keeps_each_layers_rope_settings():
+    """RopeChannelCache(model, quant) with no `rope`: every layer's per-page codes take that layer's RoPE bits, mode
+    and metadata dtype (its override included), as the harness, calibration and the engine build them; stored
+    metadata is in that dtype. An explicit `rope` serves every layer."""
+    model = tiny_model("deepseek_v3")
+    quant = QuantCacheConfig(content=PathFormat(4, 16), rope=PathFormat(4, 8, "symmetric", "float32"),
+                             layer_overrides={1: CacheFormat(PathFormat(4, 16), PathFormat(8, 8))})
+    cache = RopeChannelCache(model, quant)
+    got = {l.layer_idx: l.rope_channel for l in cache.mla_layers()}
+    assert (got[0].bits, got[0].mode, got[0].meta_dtype) == (4, "symmetric", "float32")
+    assert (got[1].bits, got[1].mode, got[1].meta_dtype) == (8, "affine", "float16")
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 70)), past_key_values=cache, use_cache=True)
+    assert cache.mla_layers()[0].rope.meta.dtype == torch.float32
+    one = RopeChannelFormat(4, page_size=32)
+    assert all(l.rope_channel == one for l in RopeChannelCache(model, quant, one).mla_layers())

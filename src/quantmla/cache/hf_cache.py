@@ -4,7 +4,10 @@ Every latent-caching MLA family calls ``past_key_values.update(latent, k_rope, l
 latent [B, 1, T, d_c] and k_rope [B, 1, T, d_r]. Each MLA layer here quantizes the new tokens
 (per its ``CacheFormat``), stores packed codes and group metadata, and returns the *dequantized*
 history including the new tokens — so every attention read, prefill included, sees the quantized
-cache, as a token-by-token decode would. Non-MLA layers (e.g. kimi_linear's linear attention) get
+cache. With per-token codes and no full-precision window a prefill reads it as token-by-token decode steps
+would; with a window, or RoPE blocks quantized over several tokens (kivi, rope_channel), one forward reads
+otherwise, and the evaluation decodes such caches a token a forward (``evaluation.decode_reads``,
+``QuantMLALayer.exact_prefill``). Non-MLA layers (e.g. kimi_linear's linear attention) get
 transformers' own layer classes.
 """
 
@@ -28,6 +31,8 @@ from quantmla.quant.groupwise import Quantized, check_finite, dequantize, quanti
 
 class _PathStore:
     """The stored tokens of one path of one layer: packed codes + metadata, or raw values (16-bit)."""
+
+    per_token_codes = True  # every token's codes stand alone: dropping or adding tokens leaves the others' codes
 
     def __init__(self, fmt: PathFormat, dim: int):
         self.fmt, self.dim = fmt, dim
@@ -77,8 +82,18 @@ class QuantMLALayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Whether crop() puts the layer back exactly as it was: only without a full-precision window, whose tokens a
-        rollback cannot bring back from quantized storage once they have left it."""
-        return self.fp_window == 0
+        rollback cannot bring back from quantized storage once they have left it, and only where each path's store
+        can drop tokens alone (not one that quantizes whole blocks of tokens together: ``per_token_codes``)."""
+        return self.fp_window == 0 and self.content.per_token_codes and self.rope.per_token_codes
+
+    def exact_prefill(self) -> int | None:
+        """How many leading tokens one forward over a sequence reads as token-by-token decode steps read them (None:
+        any number): every token with per-token codes and no window; the window's length with one, since a decode
+        query reads its own newest tokens unquantized; 1 where a store quantizes blocks of tokens together (a block
+        is quantized over its tokens so far in a decode, over all of them in one forward)."""
+        if not (self.content.per_token_codes and self.rope.per_token_codes):
+            return 1
+        return self.fp_window or None
 
     def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None,
                  rope_offset: torch.Tensor | None = None):

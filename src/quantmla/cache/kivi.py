@@ -132,6 +132,10 @@ class _ChannelBlockStore:
     """RoPE keys of one layer: completed blocks quantized per channel over `block` tokens, plus a
     full-precision residual of the unfinished block."""
 
+    # a block's codes depend on all its tokens: a crop into a completed block keeps them only dequantized (a rollback
+    # does not restore the store), and one forward over a block reads it quantized over tokens a decode has not seen
+    per_token_codes = False
+
     def __init__(self, fmt: KIVIFormat, dim: int):
         self.fmt, self.dim, self.block = fmt, dim, fmt.block
         self.qfmt = fmt.rope_channel_format

@@ -215,7 +215,8 @@ class RopeChannelCache(QuantMLACache):
     """QuantMLACache with per-channel per-page RoPE codes in every MLA layer.
 
     `quant`: the (calibrated) config: its content format, RoPE offsets and full-precision window are
-    used; its per-token RoPE format is replaced by `rope`.
+    used; its per-token RoPE format is replaced by `rope`, or, without `rope`, by per-page codes of each
+    layer's own RoPE bits, mode and metadata dtype (layer overrides included) at the default page size.
 
     >>> cache = RopeChannelCache(model, quant, RopeChannelFormat(bits=4, page_size=64))
     """
@@ -223,10 +224,12 @@ class RopeChannelCache(QuantMLACache):
     def __init__(self, model_or_config, quant: QuantCacheConfig | None = None, rope: RopeChannelFormat | None = None):
         super().__init__(model_or_config, quant)
         q = self.quant
-        self.rope_channel = rope or RopeChannelFormat(bits=q.rope.bits)
+        self.rope_channel = rope or RopeChannelFormat(q.rope.bits, mode=q.rope.mode, meta_dtype=q.rope.meta_dtype)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, QuantMLALayer):
-                self.layers[i] = RopeChannelLayer(q.format_for(layer.layer_idx).content, self.rope_channel,
+                r = q.format_for(layer.layer_idx).rope
+                fmt = rope or RopeChannelFormat(r.bits, mode=r.mode, meta_dtype=r.meta_dtype)
+                self.layers[i] = RopeChannelLayer(q.format_for(layer.layer_idx).content, fmt,
                                                   self.spec.d_c, self.spec.d_r, q.fp_window, layer.layer_idx,
                                                   rope_offset=layer.rope_offset)
 

@@ -6,7 +6,8 @@ Registered as lm-eval model ``quantmla``:
 
 or from Python: ``QuantMLALM(pretrained=DIR, content_bits=4, rope_bits=4)``. Every forward
 (log-likelihood scoring) and every ``generate`` (generation tasks) gets a fresh quantized cache,
-so all attention reads, the prefill included, see the quantized latent and RoPE key. Without
+so all attention reads, the prefill included, see the quantized latent and RoPE key (with a full-precision
+window, each query its own newest tokens unquantized: ``evaluation.decode_reads``). Without
 bits, a calibrated checkpoint's own ``quantization_config`` is used; bits that disagree with it
 are an error.
 """
@@ -19,6 +20,7 @@ from lm_eval.models.huggingface import HFLM
 
 from quantmla.cache.config import QuantCacheConfig, resolve_cache_config
 from quantmla.cache.hf_cache import QuantMLACache
+from quantmla.evaluation.decode_reads import decode_logits
 
 
 @register_model("quantmla")
@@ -46,8 +48,7 @@ class QuantMLALM(HFLM):
         return QuantMLACache(self.model, self.quant)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
-        with torch.no_grad():
-            return self.model(inps, past_key_values=self.new_cache(), use_cache=True).logits
+        return decode_logits(self.model, inps, self.new_cache())  # a window is read per query, as decode steps do
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         generation_kwargs["past_key_values"] = self.new_cache()

@@ -11,7 +11,9 @@
 - Each chunk is one forward of ``[batch, seq_len]`` tokens with
   ``past_key_values=cache_factory(model)`` (a fresh cache per forward; ``None`` lets
   transformers make a plain ``DynamicCache``) and ``use_cache=True``: the prefill's
-  attention reads the keys/values *after* they went through ``cache.update``.
+  attention reads the keys/values *after* they went through ``cache.update``. A cache with a
+  full-precision window is read as decode steps read it (``evaluation.decode_reads``): a
+  prefill of the window's length, then a forward a token.
 - Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
   token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
   counts its exact UTF-8 bytes (:func:`quantmla.evaluation.tokens.token_byte_lengths`);
@@ -31,6 +33,7 @@ import torch
 
 from quantmla.corpus.chunks import token_chunks
 from quantmla.errors import QuantMLAError
+from quantmla.evaluation.decode_reads import decode_logits
 from quantmla.evaluation.tokens import token_byte_lengths
 
 _BYTE_LENGTHS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -99,15 +102,14 @@ def bits_per_byte(
         for i in range(0, len(group), batch_size):
             ids = torch.stack(group[i : i + batch_size]).to(device)
             cache = cache_factory(model) if cache_factory is not None else None
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            logits = out.logits[:, :-1].float()
+            logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window too)
             target = ids[:, 1:]
             lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
             keep = ~specials[target]
             nll -= (lp.double() * keep).sum()
             n_tok += keep.sum()
             n_bytes += (blen[target] * keep).sum()
-            del out, logits, lp
+            del logits, lp
     if was_training:
         model.train()
     nll_bits = float(nll) / math.log(2)

@@ -9,7 +9,8 @@ forward over ``prompt + answer`` (``[1, n_tokens]``, ``past_key_values=cache_fac
 a fresh cache per sample, ``use_cache=True``); the sample is correct when, at every answer
 position, the answer token is the argmax of the logits — exactly what greedy decoding of
 the answer would produce. (The prefill attends through the cache: keys/values are read
-back from ``cache.update``.)
+back from ``cache.update``; with a full-precision window the answer's queries are decoded a
+token a forward, ``evaluation.decode_reads``, so each reads its own window.)
 
 Returns a dict: ``accuracy`` (fraction correct), ``correct``, ``n``, ``per_sample``
 (list of bools), ``answer_logprob`` (mean log-probability of the answer tokens, nats),
@@ -22,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from quantmla.evaluation.decode_reads import decode_logits
 
 
 def _ids(tokenizer, sample: dict) -> tuple[list[int], list[int]]:
@@ -50,9 +53,8 @@ def retrieval_accuracy(
         p, a = _ids(tokenizer, s)
         ids = torch.tensor([p + a], dtype=torch.long, device=device)
         cache = cache_factory(model) if cache_factory is not None else None
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         # logits at position t predict token t+1: answer tokens sit at len(p)..len(p)+len(a)-1
-        logits = out.logits[0, len(p) - 1 : len(p) + len(a) - 1].float()
+        logits = decode_logits(model, ids, cache, first=len(p) - 1)[0, : len(a)]
         target = torch.tensor(a, device=device)
         tgt_logit = logits.gather(-1, target[:, None]).squeeze(-1)
         other = logits.scatter(-1, target[:, None], float("-inf")).max(-1).values
@@ -61,7 +63,6 @@ def retrieval_accuracy(
         margins.append(margin)
         logprobs.append(float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).mean()))
         lengths.append(len(p) + len(a))
-        del out
     if was_training:
         model.train()
     n = len(per_sample)
