@@ -39,8 +39,9 @@ def _options(args) -> dict:
     from quantmla.calibration.options import CalibrationOptions
 
     fit = CalibrationOptions.from_args(args).check()
-    if str(args.device) != "cpu":  # fit where the layers run ("cuda": each rank's own GPU)
-        fit = dataclasses.replace(fit, device="cuda" if str(args.device).startswith("cuda") else args.device)
+    if str(args.device) != "cpu":  # fit where the layers run (several ranks: "cuda", each rank's own GPU)
+        ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(getattr(args, "nproc", 1) or 1) > 1
+        fit = dataclasses.replace(fit, device="cuda" if ranks and str(args.device).startswith("cuda") else args.device)
     return dict(method=fit.method, seed=fit.seed, activations=args.activations, checkpoint_every=args.checkpoint_every,
                 checksum=args.checksum, overwrite=args.overwrite, fit_kwargs=fit)
 

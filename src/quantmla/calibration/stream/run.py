@@ -62,6 +62,7 @@ from quantmla.calibration.stream.state import (
     EXTRA_UNIT, FORMAT_VERSION, LayerStats, RunState, StreamReport, _calib_digest, _layer_unit, _unit_file, choose_work_dir,
 )
 from quantmla.errors import QuantMLAError
+from quantmla.transforms.fuse import FUSED_INTO
 
 _NON_WEIGHT_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template.*|vocab\..*|merges\.txt|"
@@ -88,7 +89,12 @@ class Streamer:
         self.device = torch.device(device)
         self.activations, self.checkpoint_every = activations, int(checkpoint_every)
         if isinstance(fit_kwargs, CalibrationOptions):
-            fit_kwargs = {k: v for k, v in fit_kwargs.to_dict().items() if k not in ("method", "seed")}
+            fit_kwargs = fit_kwargs.to_dict()
+            for k, mine in (("method", method), ("seed", int(seed))):
+                theirs = fit_kwargs.pop(k)
+                if theirs != mine:
+                    raise QuantMLAError(f"fit_kwargs (CalibrationOptions) has {k}={theirs!r} but the streamed run's {k} "
+                                        f"is {mine!r}: pass {k}= to calibrate_streamed, or the same value in both")
         self.fit_kwargs = dict(fit_kwargs or {})
         if fit_fn is None or (isinstance(fit_fn, type) and issubclass(fit_fn, ProjectFitter)):
             self.fit_kwargs.setdefault("batch_size", self.batch_size)  # calibrate's one batch_size
@@ -97,6 +103,12 @@ class Streamer:
         self.meter = WeightMeter()
         self.skel = Skeleton(self.ckpt, dtype, self.device, attn_implementation, self.meter)
         self.spec = self.skel.spec
+        vocab = getattr(self.skel.base.get_input_embeddings(), "num_embeddings", None)
+        if vocab is not None and self.calib_ids.numel():
+            lo, hi = int(self.calib_ids.min()), int(self.calib_ids.max())
+            if lo < 0 or hi >= vocab:  # before anything is written to the output
+                raise QuantMLAError(f"calibration token ids span {lo}..{hi}, outside the model's vocabulary [0, {vocab}): "
+                                    "tokenize the calibration text with this checkpoint's tokenizer")
         self.fitter = make_fitter(self.spec, tuple(self.calib_ids.shape), quant, method, self.seed, self.fit_kwargs, fit_fn)
         # decoder layers of the model class (longcat_flash: num_layers, each with two MLA blocks)
         self.L = self.ckpt.num_layers = len(self.skel.base.layers)
@@ -247,16 +259,20 @@ class Streamer:
 
     def fit_modules(self, mods: dict[int, tuple[str, torch.nn.Module]], captured: dict[int, Any], layer_prefix: str,
                     fuse_target: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-        """Fit and fuse every MLA module of one layer; -> (full-name tensors of the fused modules, info)."""
+        """Fit and fuse every MLA module of one layer; -> (full-name tensors the fusion changed, info). Every other
+        tensor is copied from the source as it is stored there (not through the compute dtype and back)."""
         transforms, info = {}, {}
         for slot, (_, m) in mods.items():
             lt, info[str(slot)] = self.fitter.fit(slot, captured[slot], m)
             transforms[slot] = _transform_to(lt, m.kv_a_layernorm.weight.device)
+        before = {(slot, k): v.detach().clone() for slot, (_, m) in mods.items() for k, v in m.state_dict().items()
+                  if k.split(".", 1)[0] in FUSED_INTO}
         fuse_layer(fuse_target, self.spec, transforms)
         fused = {}
         for slot, (rel, m) in mods.items():
             for k, v in m.state_dict().items():
-                fused[f"{layer_prefix}{rel}.{k}" if rel else f"{layer_prefix}{k}"] = v
+                if (slot, k) in before and not torch.equal(before[slot, k], v):
+                    fused[f"{layer_prefix}{rel}.{k}" if rel else f"{layer_prefix}{k}"] = v
         return fused, info
 
     def finalize(self) -> None:
