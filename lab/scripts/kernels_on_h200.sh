@@ -147,6 +147,9 @@
 #                 (schedule.combine_blocks) beside fixed blocks: INT4/INT4 at 16 heads, 1 x 131072, the long job's 4, 7 and
 #                 13 x 20480 and 32 x 16384; INT4/INT4 and BF16 at 128 heads, 1 x 32768 and 8 x 8192
 #                                            -> kernels/decode_in_graph_combine_rule_{16h,128h}_h200.json
+# combine-128-repeats whole calls at 128 heads with few splits a sequence (4 x 16384, 8, 16 and 32 x 8192), INT4/INT4
+#                 and BF16, the API's combine blocks beside 4x32, 2x32, 8x32 and 4x64, in two processes
+#                                       -> kernels/decode_in_graph_combine_128h_few_splits_{1,2}_h200.json
 # rules-tests     the GPU tests of the API's rules: splits, 16-bit partials, full shapes, the error against fp64,
 #                 the append's metadata rounding, mistral4's query scale, the 64-row kernel
 #                                                                         -> kernels/rules_gpu_tests_h200.log
@@ -384,6 +387,15 @@ combine-rule() {
   timeout 150 python3 -m quantmla_lab.bench.kernels.decode_in_graph --heads 128 --methods int4/int4 bf16 --layers 8 \
     --shapes 1x32768 8x8192 --combine-blocks "" 8x16 2x64 4x32 \
     --out "$OUT/kernels/decode_in_graph_combine_rule_128h_h200.json" 2>&1 | grep -v -i warn | tail -12
+}
+
+combine-128-repeats() {
+  local k
+  for k in 1 2; do
+    timeout 140 python3 -m quantmla_lab.bench.kernels.decode_in_graph --heads 128 --methods int4/int4 bf16 --layers 8 \
+      --shapes 4x16384 8x8192 16x8192 32x8192 --combine-blocks "" 4x32 2x32 8x32 4x64 \
+      --out "$OUT/kernels/decode_in_graph_combine_128h_few_splits_${k}_h200.json" 2>&1 | grep -v -i warn | tail -40
+  done
 }
 
 rules-tests() {

@@ -78,8 +78,13 @@ def bits_per_byte(
     device: str | torch.device | None = None,
     batch_size: int = 1,
     max_chunks: int | None = None,
+    reads: str = "decode",
 ) -> dict:
-    """Bits per UTF-8 byte of held-out text (see the module docstring for the exact rules)."""
+    """Bits per UTF-8 byte of held-out text (see the module docstring for the exact rules). `reads`: "decode", every
+    query reads the cache as decode steps would (``evaluation.decode_reads``); "prefill", one forward a chunk
+    whatever the cache (what a prefill reads: for caches with a window or per-channel RoPE blocks, not a decode's)."""
+    if reads not in ("decode", "prefill"):
+        raise QuantMLAError(f"reads {reads!r}: 'decode' or 'prefill'")
     if seq_len < 2:
         raise QuantMLAError(f"seq_len {seq_len}: a chunk predicts its tokens after the first, so it needs at least 2")
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -102,7 +107,11 @@ def bits_per_byte(
         for i in range(0, len(group), batch_size):
             ids = torch.stack(group[i : i + batch_size]).to(device)
             cache = cache_factory(model) if cache_factory is not None else None
-            logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window too)
+            if reads == "decode":
+                logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window too)
+            else:
+                with torch.no_grad():
+                    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, :-1].float()
             target = ids[:, 1:]
             lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
             keep = ~specials[target]
