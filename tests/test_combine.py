@@ -34,6 +34,9 @@ def test_combine_blocks_read_every_split_in_one_step_where_it_fits():
     assert schedule.combine_blocks(1, 16, 512, 256, 132) == (1, 32, 256)  # 128 programs of 64 channels: too few
     assert schedule.combine_blocks(1, 128, 512, 64, 132) == (1, 64, 64)
     assert schedule.combine_blocks(32, 16, 512, 8, 132) == (16, 32, 8)  # few splits: channels narrowed first
+    assert schedule.combine_blocks(8, 128, 512, 8, 132) == (8, 32, 8)  # many rows, 8 to 63 splits: 8 x 32 at most
+    assert schedule.combine_blocks(4, 128, 512, 16, 132) == (8, 32, 16)
+    assert schedule.combine_blocks(16, 128, 512, 4, 132) == (16, 64, 4)  # .. not at 4 splits
     for d_c in (96, 160, 48):  # channel blocks divide any d_c (a power of two of it)
         for splits in (8, 64):
             br, bd, bs = schedule.combine_blocks(1, 16, d_c, splits, 132)

@@ -443,11 +443,19 @@ programs an SM or the [splits, 1, 64] tile would pass COMBINE_ONE_STEP_TILE. In 
 (64) and 31.6 to 30.2 at 1 x 131072 (256, 1 x 32); at 32 splits it moved nothing and at 8 or fewer it lost
 (docs/kernels.md, "The combine's blocks")."""
 
+COMBINE_MANY_ROWS = 64
+COMBINE_MANY_ROWS_BLOCK = (8, 32)
+"""With at least COMBINE_MANY_ROWS query rows and 8 to 63 splits a sequence, a combine program takes at most 8 rows x 32
+channels (a [splits, 8, 32] tile) rather than the channels-first rule's 16 x 64. In whole decode calls in CUDA graphs
+at 128 heads (H100, two processes each) that took 66.8 and 66.2 to 62.9 µs a layer at 8 x 8192 (8 splits, INT4/INT4;
+BF16 54.2 and 55.9 to 50.6) and 65.1 to 64.1 at 4 x 16384 (16 splits); at 4 and 2 splits 16 x 64 stays faster
+(docs/kernels.md, "The combine's blocks")."""
+
 
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_step: bool = True) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program. Sequences of at least COMBINE_ROWS_FIRST_SPLITS splits:
     a row's whole 64 (or 32) channels a program. Fewer: narrower channel blocks, then row blocks, until about two
-    programs per SM run. As many splits are read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32
+    programs per SM run; with many rows and 8 or more splits, at most COMBINE_MANY_ROWS_BLOCK. As many splits are read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32
     holds, so a lone sequence's hundreds of splits merge in a few wide steps rather than many dependent narrow ones.
     Where every split fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless
     ``one_step`` is False (the two-pass loop's blocks, which benchmarks time beside it)."""
@@ -464,6 +472,8 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_
             block_d //= 2
         else:
             block_r //= 2
+    if R >= COMBINE_MANY_ROWS and _next_pow2(max_splits) >= 8:
+        block_r, block_d = min(block_r, COMBINE_MANY_ROWS_BLOCK[0]), min(block_d, COMBINE_MANY_ROWS_BLOCK[1])
     return block_r, block_d, combine_step_splits(block_r, block_d, max_splits, one_step)
 
 
