@@ -97,6 +97,17 @@ def test_append_rounds_affine_metadata_as_the_reference_writer(fmt):
     _append_equals_writer(fmt, 2, slots, torch.cat([far, far.roll(3, 0)], -1), far.roll(5, 0)[:, :D_R])
 
 
+@pytest.mark.parametrize("meta", ["float16", "bfloat16"])
+def test_append_rounds_symmetric_scales_up_as_the_reference_writer(meta):
+    """Symmetric groups of every magnitude down to subnormal fp16 scales: the append kernel stores each scale rounded
+    up, bit for bit as the reference writer."""
+    fmt = CacheFormat(PathFormat(8, 32, "symmetric", meta), PathFormat(4, 16, "symmetric", meta))
+    g = torch.Generator().manual_seed(11)
+    mags = torch.tensor([1e-2, 1e-4, 2.5e-5, 3e-6, 1.0, 7.0, 0.3, 5e-5])[:, None]
+    slots = torch.randperm(2 * PAGE, generator=g)[:8]
+    _append_equals_writer(fmt, 2, slots, torch.randn(8, D_C, generator=g) * mags, torch.randn(8, D_R, generator=g) * mags)
+
+
 def _append_equals_writer(fmt: CacheFormat, pages: int, slots, x, r) -> None:
     """Tokens x [n, D_C], r [n, D_R] at `slots` of a pool of `pages`: the kernel's pages (paths apart and together)
     equal the reference writer's byte for byte."""

@@ -111,6 +111,22 @@ def test_affine_grid_spans_groups_far_from_zero(meta, bits):
     assert (err <= scale[:, 0] / 2 + 2**-22 * x.abs().amax(-1).double()).all(), (err, scale[:, 0])
 
 
+@pytest.mark.parametrize("meta", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_symmetric_codes_hold_the_largest_magnitude_of_small_groups(meta, bits):
+    """Symmetric scales are rounded up to the metadata dtype, so ±amax stays within the codes and every value is
+    within half a stored step, subnormal fp16 scales included (rounded to nearest, INT8 groups of amax 2.5e-5
+    saturated by 9 % of amax)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 32, generator=g) * torch.tensor([1e-2, 1e-4, 2.5e-5, 3e-6, 1.0, 7.0])[:, None]
+    fmt = PathFormat(bits, 32, "symmetric", meta)
+    q = quantize(x, fmt)
+    scale = q.meta[..., 0].double()[:, 0]
+    assert ((2 ** (bits - 1) - 1) * scale >= x.abs().amax(-1).double()).all()
+    err = (dequantize(q, fmt, 32) - x).abs().amax(-1).double()
+    assert (err <= scale / 2 + 2**-22 * x.abs().amax(-1).double()).all(), (err, scale)
+
+
 def test_fake_quant_straight_through():
     x = torch.randn(2, 64, requires_grad=True)
     y = fake_quant(x, PathFormat(2, 32))

@@ -194,6 +194,8 @@ def test_learned_rotation_and_content_transform_checks():
     assert torch.allclose(had.gamma, had.gamma[0].expand(16)) and abs(float(had.gamma[0]) - float(gamma.pow(2).mean().sqrt())) < 1e-12
     with pytest.raises(QuantMLAError):
         ContentTransform(torch.randn(16, 16, generator=g, dtype=torch.float64), gamma)  # not orthogonal
+    with pytest.raises(QuantMLAError, match="NaN or Inf"):  # NaN passed |QᵀQ − I| > tol: NaN compares false
+        ContentTransform(torch.full((16, 16), float("nan"), dtype=torch.float64), gamma)
     with pytest.raises(QuantMLAError):
         ContentTransform(torch.eye(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64))
     model = tiny_model("minicpm3")

@@ -62,11 +62,13 @@ def _index(rows: list[dict], setup: str) -> dict:
 
 
 def _name(R: dict, model: str, config: str, method: str) -> str:
-    """The method's name, with † when its row keeps KIVI's full-precision residual (older rows)."""
-    from quantmla.evaluation.harness import EVAL_MODE
+    """The method's name, with † when its row keeps KIVI's full-precision residual (older rows), ‡ when it was read
+    with one forward a chunk where decode steps read otherwise (harness.read_in_one_forward)."""
+    from quantmla.evaluation.harness import EVAL_MODE, read_in_one_forward
 
     r = R.get((model, config, method))
-    return NAMES.get(method, method) + ("†" if r is not None and r["eval_mode"] != EVAL_MODE else "")
+    return (NAMES.get(method, method) + ("†" if r is not None and r["eval_mode"] != EVAL_MODE else "")
+            + ("‡" if r is not None and read_in_one_forward(r) else ""))
 
 
 def _pct(x: float) -> str:
@@ -152,7 +154,7 @@ def claim_lines(rows: list[dict]) -> list[str]:
 def summary_table(rows: list[dict], setup: str) -> list[str]:
     """The README's table: per model, INT4/INT4 baselines and QuantMLA, INT2/INT4 best baseline and QuantMLA, and
     QuantMLA with RoPE keys per channel at the baselines' bytes where the file has it."""
-    from quantmla.evaluation.harness import EVAL_MODE
+    from quantmla.evaluation.harness import EVAL_MODE, read_in_one_forward
 
     R = _index(rows, setup)
     models = sorted({r["model"] for r in rows})
@@ -167,7 +169,8 @@ def summary_table(rows: list[dict], setup: str) -> list[str]:
         r = R.get((m, cfg, meth))
         if r is None or r.get("bpb_increase_pct") is None:
             return "missing"
-        return _pct(r["bpb_increase_pct"]) + ("†" if r["eval_mode"] != EVAL_MODE else "")
+        return (_pct(r["bpb_increase_pct"]) + ("†" if r["eval_mode"] != EVAL_MODE else "")
+                + ("‡" if read_in_one_forward(r) else ""))
 
     def retrieval(m, meth):
         q = R.get((m, "INT4/INT4", meth))
@@ -199,6 +202,8 @@ def readme_block(rows: list[dict]) -> str:
 
     rows = relative([dict(r) for r in rows])
     datas = {json.dumps(data_of(r), sort_keys=True) for r in rows}
+    from quantmla.evaluation.harness import read_in_one_forward
+
     setups = _setups(rows)
     lines = [BEGIN, ""]
     d = data_of(rows[0]) if rows else {}
@@ -206,7 +211,10 @@ def readme_block(rows: list[dict]) -> str:
     lines.append(f"Data: {what}" + ("" if len(datas) == 1 else "; the rows come from runs with different retrieval "
                                     "sample counts (n in brackets)") + ". Δ bits per byte against BF16 on the same "
                  "held-out chunks; key retrieval % at each length in brackets (the `<key> =` query form the models "
-                 "were trained on). † keeps the newest RoPE keys of an unfinished KIVI block in full precision.")
+                 "were trained on). † keeps the newest RoPE keys of an unfinished KIVI block in full precision." +
+                 (" ‡ was read with one forward a chunk, which reads KIVI-style and per-channel RoPE blocks (and a "
+                  "full-precision window) otherwise than decode steps do (`docs/accuracy.md`, \"How the cache is "
+                  "read\")." if any(read_in_one_forward(r) for r in rows) else ""))
     for s in setups[:1]:  # the first setup of the file: its default groups
         lines += ["", f"Setup {_setup_name(json.loads(s))}:", "", *summary_table(rows, s)]
     lines += ["", *claim_lines(rows), "", END]

@@ -52,6 +52,7 @@ from quantmla.model.spec import MLASpec, load_spec
 from quantmla.quant.format import BF16
 
 EVAL_MODE = "every read quantized incl. prefill"
+READS = "decode"  # a row's `reads`: every query read the cache as a decode step reads it (evaluation.decode_reads)
 
 METHODS = {
     "bf16": "BF16 reference: the cache stored in bf16, no quantization",
@@ -370,6 +371,7 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
            if row.config.mix and quant is not None else {}),
         "bf16_bytes_per_token": spec.bytes_per_token_bf16(),
         "eval_mode": EVAL_MODE,
+        "reads": READS,
         "calibration_s": round(t_cal, 1) if row.method in CALIBRATED else None,
         "eval_s": round(time.time() - t1, 1),
     }
@@ -410,3 +412,14 @@ def _summarize_report(report) -> dict:
     if layers:
         out["layers"] = layers
     return out
+
+
+def read_in_one_forward(r: dict) -> bool:
+    """Whether a stored row was measured with one forward a chunk where decode steps read the cache otherwise: rows
+    written before `reads` (READS) with a full-precision window, KIVI-style RoPE blocks or per-channel RoPE pages.
+    One forward kept only a chunk's last W tokens unquantized for every query, and quantized a block over the
+    chunk's later tokens too (evaluation.decode_reads)."""
+    if r.get("reads") == READS or r["method"] == "bf16":
+        return False
+    window = (r.get("setup") or {}).get("fp_window") or (r.get("data") or {}).get("fp_window") or 0
+    return bool(window) or r["method"] == "kivi" or r["method"] in ROPE_CHANNEL

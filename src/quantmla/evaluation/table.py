@@ -26,7 +26,7 @@ import os
 
 from quantmla.errors import QuantMLAError
 from quantmla import jsonfile
-from quantmla.evaluation.harness import EVAL_MODE, METHODS
+from quantmla.evaluation.harness import EVAL_MODE, METHODS, read_in_one_forward
 from quantmla.evaluation.intervals import paired_difference, wilson
 
 REQUIRED = ("model", "config", "method", "bits_per_byte", "retrieval", "bytes_per_token", "eval_mode")
@@ -262,6 +262,11 @@ def markdown(rows: list[dict], claim_lines=None) -> str:
            "method of a setup; none unless stated)."]
     if any(r["eval_mode"] != EVAL_MODE for r in rows):
         out.append("Rows marked † keep KIVI's residual (the newest RoPE keys of an unfinished block) at full precision.")
+    if any(read_in_one_forward(r) for r in rows):
+        out.append("Rows marked ‡ were measured with one forward a chunk, which reads a full-precision window or "
+                   "per-channel RoPE blocks otherwise than decode steps do: every query read only the chunk's last "
+                   "tokens unquantized, and a block quantized over the chunk's later tokens too "
+                   "(`quantmla.evaluation.decode_reads`; rows written since read the cache as decode steps do).")
     mixed = len(datas) > 1
     if len(datas) == 1:
         out += ["", "Data: " + ", ".join(f"{k} {v}" for k, v in datas[0].items()) + "."]
@@ -286,7 +291,7 @@ def markdown(rows: list[dict], claim_lines=None) -> str:
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|")
         for r in R:
-            mark = " †" if r["eval_mode"] != EVAL_MODE else ""
+            mark = (" †" if r["eval_mode"] != EVAL_MODE else "") + (" ‡" if read_in_one_forward(r) else "")
             cells = [r["config"], _setup_name(setup_of(r)), r["method"] + mark, _fmt_bytes(r["bytes_per_token"]),
                      f"{r['bits_per_byte']:.4f}", "—" if r["method"] == "bf16" else _fmt_pct(r.get("bpb_increase_pct"))]
             for L in lengths:

@@ -72,10 +72,8 @@ def _symmetric_scale(amax, MID: tl.constexpr, META_BF16: tl.constexpr, CLIP: tl.
         amax = amax - amax * (0.5 ** CLIP)
     if MB == 4:
         scale = tl.math.div_rn(amax, (MID - 1) * 1.0)
-    elif META_BF16:
-        scale = _bf16_rne(tl.math.div_rn(amax, (MID - 1) * 1.0)).to(tl.float32)
-    else:
-        scale = tl.math.div_rn(amax, (MID - 1) * 1.0).to(tl.float16).to(tl.float32)
+    else:  # rounded up, as quant.groupwise.group_scales rounds integer codes' scales: amax stays within the codes
+        scale = _meta_round(tl.math.div_rn(amax, (MID - 1) * 1.0), True, META_BF16)
     return tl.where(scale > 0.0, scale, 1.0)
 
 

@@ -93,9 +93,11 @@ class ContentTransform:
             raise QuantMLAError(f"content rotation must be [{d}, {d}] to match γ' [{d}], got {tuple(self.rotation.shape)}")
         if not torch.isfinite(self.gamma).all() or (self.gamma == 0).any():
             raise QuantMLAError("content rescale γ' must be finite and nonzero in every channel")
+        if not torch.isfinite(self.rotation).all():
+            raise QuantMLAError("content rotation holds NaN or Inf (a diverged fit?): it cannot be fused into weights")
         q = self.rotation.double()
         err = (q.T @ q - torch.eye(d, dtype=torch.float64, device=q.device)).abs().max().item()
-        if err > 1e-4:
+        if not err <= 1e-4:
             raise QuantMLAError(f"content rotation is not orthogonal (max |QᵀQ − I| = {err:.2e})")
 
     @property
