@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 BASELINES = ("rtn", "kivi", "hadamard")
+CALIB_KEYS = ("calib_rows", "calib_len", "calib_steps")
 # QuantMLA with RoPE keys per channel per block (one of evaluation.harness.ROPE_CHANNEL), compared with the
 # baselines where it stores their bytes
 RC_METHOD = "quantmla-rope-channel"
@@ -43,10 +44,14 @@ def _index(rows: list[dict], setup: str) -> dict:
     stores the KIVI-style row's bytes per token, so that it is compared at equal bytes."""
     from quantmla.evaluation.table import ppl_data_of, setup_of
 
+    wanted = json.loads(setup)
+
     def key(r) -> str:
         s = setup_of(r)
         if r["method"] == RC_METHOD:
             s.pop("rope_block", None)
+        if not any(k in s for k in CALIB_KEYS):  # a row that read no calibration data joins every calibration
+            s.update({k: wanted[k] for k in CALIB_KEYS if k in wanted})
         return json.dumps(s, sort_keys=True)
 
     ref = {r["model"]: ppl_data_of(r) for r in rows if r["method"] == "quantmla" and key(r) == setup}
@@ -97,7 +102,7 @@ def compare(rows: list[dict], setup: str, model: str, config: str, method: str =
 def claim_lines(rows: list[dict]) -> list[str]:
     """Bullet sentences per setup: INT4/INT4 and INT2/INT4 against the best baseline, per model and overall, for
     QuantMLA and, where the file has it at the baselines' bytes, QuantMLA with RoPE keys per channel."""
-    from quantmla.evaluation.table import _setup_name
+    from quantmla.evaluation.table import _setup_name, setup_of
 
     models = sorted({r["model"] for r in rows})
     lines = []
@@ -142,7 +147,8 @@ def claim_lines(rows: list[dict]) -> list[str]:
                 lines.append(head + " " + "; ".join(per) + ".")
     alone = []
     for config, what in (("BF16/INT4", "INT4 RoPE keys alone"), ("INT4/BF16", "INT4 content alone")):
-        figs = [f"{_short(r['model'])} {_pct(r['bpb_increase_pct'])}" for r in sorted(rows, key=lambda r: r["model"])
+        figs = [f"{_short(r['model'])} ({_setup_name(setup_of(r))}) {_pct(r['bpb_increase_pct'])}"
+                for r in sorted(rows, key=lambda r: r["model"])
                 if r["config"] == config and r["method"] == "rtn" and r.get("bpb_increase_pct") is not None]
         if figs:
             alone.append(f"{what} (RTN) {', '.join(figs)}")

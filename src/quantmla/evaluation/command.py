@@ -145,8 +145,12 @@ def rows_for(args):
     if clip != 1.0:  # every row's integer content path, baselines included
         from dataclasses import replace
 
+        def clipped(c):  # a MIX config's INT4 layers (mix_high) are part of its content path too
+            c = replace(c, content=replace(c.content, clip=clip))
+            return c if c.mix_high is None else replace(c, mix_high=replace(c.mix_high, clip=clip))
+
         rows = [r if not (r.config.content.quantized and r.config.content.mode != "fp8") else
-                replace(r, config=replace(r.config, content=replace(r.config.content, clip=clip))) for r in rows]
+                replace(r, config=clipped(r.config)) for r in rows]
     return rows
 
 
@@ -325,6 +329,7 @@ def from_json(args) -> int:
             table.check_merge(rows, table.check_same_data(more, path), replace=False, out_dir=f"the files before {path}",
                               new_keys=[table.row_key(r) for r in more])
             rows = table.merge_rows(rows, more)
+        table.check_fingerprints(rows, "the --from-json files")
     target = os.path.abspath(os.path.join(out, "accuracy.json"))
     if os.path.exists(target) and target not in {os.path.abspath(p) for p, _ in sources} and not args.overwrite:
         raise CLIError(f"--out {out} holds an accuracy.json that is not among the --from-json files, and this would "
@@ -393,10 +398,10 @@ def run(args) -> int:
     calib_kwargs = {"progress": True, "verbose": False}  # a progress bar while a row calibrates, no report table
     if args.calib_steps is not None:
         calib_kwargs["steps"] = args.calib_steps
-    if args.calib_device is not None:
-        calib_kwargs["device"] = args.calib_device
     elif args.quick:
         calib_kwargs["steps"] = 20
+    if args.calib_device is not None:
+        calib_kwargs["device"] = args.calib_device
     names = {m: os.path.basename(os.path.normpath(m)) for m in models}
     if len(set(names.values())) < len(names):
         dup = next(n for n in names.values() if list(names.values()).count(n) > 1)
@@ -416,9 +421,11 @@ def run(args) -> int:
                 **({"rope_block": r.rope_page} if r.method in ROPE_CHANNEL and r.rope_page != DEFAULT_PAGE_SIZE else {}),
                 **({"kivi_block": r.kivi_block}  # absent: the RoPE group's tokens (equal bytes), as rows made before
                    if r.method == "kivi" and r.kivi_block != r.config.rope.group_size else {}),
-                "fp_window": r.fp_window, "calib_rows": preset["calib_n"],
-                **({"calib_len": preset["calib_len"]} if preset["calib_len"] != preset["seq_len"] else {}),
-                "calib_steps": calib_kwargs.get("steps", "default")}
+                "fp_window": r.fp_window,
+                **({"calib_rows": preset["calib_n"],  # only rows that read calibration data (a MIX row's bits too)
+                    **({"calib_len": preset["calib_len"]} if preset["calib_len"] != preset["seq_len"] else {}),
+                    "calib_steps": calib_kwargs.get("steps", "default")}
+                   if r.method in CALIBRATED or r.config.mix else {})}
 
     # the output: checked writable and mergeable before any weights are read
     check_output_dir(out)
@@ -436,7 +443,7 @@ def run(args) -> int:
             _log(f"{name}: all rows done")
             continue
         model, tok = load_model(mdir, device=args.device)
-        need_calib = any(r.method in CALIBRATED for r in todo)
+        need_calib = any(r.method in CALIBRATED or r.config.mix for r in todo)  # a MIX row's bits come from calib rows
         ev = load_eval_data(tok, heldout_root=args.heldout, seq_len=preset["seq_len"], ppl_chunks=preset["ppl_chunks"],
                             retrieval_n=preset["retrieval_n"], lengths=preset["lengths"],
                             calib_n=preset["calib_n"] if need_calib else 0, calib_len=preset["calib_len"],

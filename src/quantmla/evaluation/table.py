@@ -74,6 +74,11 @@ def setup_of(r: dict) -> dict:
         if k not in s and k in (r.get("data") or {}):
             s[k] = r["data"][k]
     s.setdefault("fp_window", 0)
+    from quantmla.evaluation.harness import CALIBRATED
+
+    if r["method"] not in CALIBRATED and not r["config"].startswith("MIX"):  # read no calibration data
+        for k in ("calib_rows", "calib_len", "calib_steps"):
+            s.pop(k, None)
     content, _, rope = r["config"].partition("/")
     for path, key in ((content, "content_group"), (rope, "rope_group")):
         if path == "BF16" and key in s:  # an unquantized path has no groups
@@ -149,6 +154,17 @@ def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_ke
             raise ResultMergeError(
                 f"{out_dir}/accuracy.json already has {len(clash)} of these rows ({names}); pass --replace-rows to "
                 "replace them, --resume to keep them and compute the rest, or give another --out")
+
+
+def check_fingerprints(rows: list[dict], where: str) -> None:
+    """ResultMergeError where rows of one model name (or of the held-out set) carry different fingerprints."""
+    seen: dict[tuple, str] = {}
+    for r in rows:
+        p = r.get("provenance") or {}
+        for key, fp in ((("held-out set",), p.get("heldout")), (("model", r["model"]), p.get("model"))):
+            if fp and seen.setdefault(key, fp) != fp:
+                raise ResultMergeError(f"{where} hold rows of the {' '.join(key)} measured on different files "
+                                       f"(fingerprint {seen[key]} vs {fp}): they cannot share one table")
 
 
 def check_provenance(old: list[dict], provenance: dict, out_dir: str) -> None:
@@ -238,6 +254,7 @@ def _setup_name(s: dict) -> str:
     g = "/".join(f"g{s[k]}" if s.get(k) else "—" for k in ("content_group", "rope_group"))
     return (g + (f", clip {s['content_clip']:g}" if s.get("content_clip") else "")
             + (f", RoPE ch/{s['rope_block']}" if s.get("rope_block") else "")
+            + (f", KIVI block {s['kivi_block']}" if s.get("kivi_block") else "")
             + (f", {s['fp_window']} fp" if s.get("fp_window") else "")
             + (f", calib {s['calib_rows']} x {s['calib_len']}" if s.get("calib_len") else ""))
 
