@@ -3,7 +3,7 @@ reads (every query as a decode step reads the cache, ``quantmla.evaluation.decod
 readings differ: a full-precision window, and RoPE keys per channel over blocks of tokens (KIVI-style).
 
     python -m quantmla_lab.bench.eval_reads models/qmla-ref-deepseek-v3 --rows INT4/INT4:kivi:32/16 \\
-        INT4/INT4:rtn:64/32 --windows 0 64 --ppl-chunks 16 --seq-len 512 --out lab/results/eval/reads.json
+        INT4/INT4:rtn:64/32 --windows 0 64 --ppl-chunks 16 --seq-len 512 --out lab/results/eval/reads_deepseek_v3.json
 
 Methods that need no calibration only (bf16, rtn, kivi, hadamard); Δ is against BF16 on the same chunks.
 """
