@@ -247,3 +247,23 @@ def test_quantization_config_survives_save_and_from_pretrained(tmp_path):
         a = model(ids, past_key_values=QuantMLACache(model, cfg), use_cache=True).logits
         b = loaded(ids, past_key_values=cache, use_cache=True).logits
     assert torch.equal(a, b)
+
+
+def test_a_store_read_back_piece_by_piece_equals_one_read_of_every_token():
+    """A store dequantizes only the tokens appended since its last read: every read, after crops and batch reorders
+    too, equals dequantizing all stored codes at once."""
+    from quantmla.cache.hf_cache import _PathStore
+    from quantmla.quant.groupwise import Quantized, dequantize
+
+    fmt = PathFormat(4, 16)
+    store = _PathStore(fmt, 32)
+    torch.manual_seed(0)
+    for step, n in enumerate((5, 1, 1, 3, 1)):
+        store.append(torch.randn(2, n, 32))
+        if step == 3:
+            store.crop(6)
+        if step == 4:
+            store.index_batch(lambda t: t[[1, 0]])
+        for dtype in (torch.float32, torch.bfloat16):
+            full = dequantize(Quantized(store.codes, store.meta), fmt, 32, dtype)
+            assert torch.equal(store.read(dtype), full), (step, dtype)

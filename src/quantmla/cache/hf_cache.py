@@ -38,6 +38,7 @@ class _PathStore:
         self.fmt, self.dim = fmt, dim
         self.codes: torch.Tensor | None = None  # [B, T, code_bytes] uint8, or raw [B, T, dim]
         self.meta: torch.Tensor | None = None  # [B, T, G, fields]
+        self._read_back: torch.Tensor | None = None  # the first tokens dequantized, extended as tokens are appended
 
     def append(self, x: torch.Tensor) -> None:
         """x: [B, T, dim]."""
@@ -55,7 +56,15 @@ class _PathStore:
             return None
         if not self.fmt.quantized:
             return self.codes.to(dtype)
-        return dequantize(Quantized(self.codes, self.meta), self.fmt, self.dim, dtype)
+        done = self._read_back
+        if done is None or done.dtype != dtype or done.shape[1] > self.codes.shape[1]:
+            done = self.codes[:, :0].new_empty((self.codes.shape[0], 0, self.dim), dtype=dtype)
+        m = done.shape[1]
+        if m < self.codes.shape[1]:  # each token's codes stand alone: only the new ones are dequantized
+            new = dequantize(Quantized(self.codes[:, m:], self.meta[:, m:]), self.fmt, self.dim, dtype)
+            done = torch.cat([done, new], dim=1) if m else new
+        self._read_back = done
+        return done
 
     @property
     def length(self) -> int:
@@ -67,11 +76,13 @@ class _PathStore:
     def index_batch(self, fn) -> None:
         self.codes = None if self.codes is None else fn(self.codes)
         self.meta = None if self.meta is None else fn(self.meta)
+        self._read_back = None
 
     def crop(self, keep: int) -> None:
         if self.codes is not None:
             self.codes = self.codes[:, :keep]
             self.meta = None if self.meta is None else self.meta[:, :keep]
+        self._read_back = None
 
 
 class QuantMLALayer(CacheLayerMixin):
