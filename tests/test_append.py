@@ -105,7 +105,8 @@ def test_append_rounds_symmetric_scales_up_as_the_reference_writer(meta):
     g = torch.Generator().manual_seed(11)
     mags = torch.tensor([1e-2, 1e-4, 2.5e-5, 3e-6, 1.0, 7.0, 0.3, 5e-5])[:, None]
     slots = torch.randperm(2 * PAGE, generator=g)[:8]
-    _append_equals_writer(fmt, 2, slots, torch.randn(8, D_C, generator=g) * mags, torch.randn(8, D_R, generator=g) * mags)
+    x, r = torch.randn(8, D_C, generator=g) * mags, torch.randn(8, D_R, generator=g) * mags
+    _append_equals_writer(fmt, 2, slots, x, r)
 
 
 def _append_equals_writer(fmt: CacheFormat, pages: int, slots, x, r) -> None:

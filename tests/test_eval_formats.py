@@ -175,3 +175,26 @@ class _OneByteTokens:
 
     def get_vocab(self):
         return {f"t{i}": i for i in range(128)}
+
+
+def test_retrieval_decodes_samples_of_other_lengths_together_as_each_alone():
+    """Where the cache is read a forward a token, retrieval decodes its samples together, right-padded: each sample's
+    answer margins equal its own token-by-token decode's."""
+    from quantmla.evaluation.retrieval import retrieval_accuracy
+
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3").eval()
+    factory = RowSpec(named_config("INT2/INT4", 16, 8), "kivi", kivi_block=8).cache_factory()
+    samples = [{"prompt_ids": torch.randint(3, 128, (n,)).tolist(), "answer_ids": torch.randint(3, 128, (k,)).tolist()}
+               for n, k in ((13, 3), (20, 2), (9, 4))]
+    got = retrieval_accuracy(model, None, samples, cache_factory=factory)["min_margin"]
+    for s, margin in zip(samples, got):
+        p, a = s["prompt_ids"], s["answer_ids"]
+        ids = torch.tensor([p + a])
+        with torch.no_grad():
+            cache = factory(model)
+            logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                                for t in range(ids.shape[1])], 1)[0, len(p) - 1 : len(p) - 1 + len(a)]
+        target = torch.tensor(a)
+        other = logits.scatter(-1, target[:, None], float("-inf")).max(-1).values
+        assert abs(float((logits.gather(-1, target[:, None])[:, 0] - other).min()) - margin) < 1e-4

@@ -82,4 +82,5 @@ def test_the_fit_runs_on_the_device_asked_for(extra, device):
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert _options(p.parse_args(["MODEL", "--out", "OUT", "--device", "cuda:1", *extra]))["fit_kwargs"].device == device
+    args = p.parse_args(["MODEL", "--out", "OUT", "--device", "cuda:1", *extra])
+    assert _options(args)["fit_kwargs"].device == device

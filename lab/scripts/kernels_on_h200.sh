@@ -144,8 +144,8 @@
 #                 saved, and the 8-bit builds on a tile stored pre-transposed (the bound of a token-interleaved
 #                 cache layout)  -> kernels/output_phase_{128_registers,two_ctas,pretransposed}_h200.json
 # combine-rule    whole calls in graphs of 8 layers (decode_in_graph) with the combine's blocks as the API chooses them
-#                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16 (the baseline every run times): 16 heads
-#                 at 1 x 131072, the long job's 4, 7 and 13 x 20480 and 32 x 16384; 128 heads at 1 x 32768 and 8 x 8192
+#                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16 (the baseline every run times):
+#                 16 heads at 1 x 131072, the long job's 4, 7 and 13 x 20480 and 32 x 16384; 128 heads at 1 x 32768 and 8 x 8192
 #                                            -> kernels/decode_in_graph_combine_rule_{16h,128h}_h200.json
 # combine-128-repeats whole calls at 128 heads with few splits a sequence (4 x 16384, 8, 16 and 32 x 8192), INT4/INT4
 #                 and BF16, the API's combine blocks beside 4x32, 2x32, 8x32 and 4x64, in two processes

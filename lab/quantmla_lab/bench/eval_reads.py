@@ -63,8 +63,8 @@ def main(argv=None) -> int:
             for reads in ("prefill", "decode"):
                 t0 = time.perf_counter()
                 bpb = bits_per_byte(model, tok, chunks, cache_factory=spec.cache_factory(), reads=reads, **kw)
-                res[reads] = {"bits_per_byte": bpb["bits_per_byte"], "delta_pct": 100 * (bpb["bits_per_byte"] / base - 1),
-                              "seconds": time.perf_counter() - t0}
+                res[reads] = {"bits_per_byte": bpb["bits_per_byte"],
+                              "delta_pct": 100 * (bpb["bits_per_byte"] / base - 1), "seconds": time.perf_counter() - t0}
             out["rows"].append(res)
             print(f"{config} {method} {c}/{r} window {w}: Δ {res['prefill']['delta_pct']:+.3f} % one forward a chunk, "
                   f"{res['decode']['delta_pct']:+.3f} % as decode steps read", flush=True)

@@ -20,18 +20,32 @@ from __future__ import annotations
 import torch
 
 
+def _mla_layers(cache) -> list:
+    return cache.mla_layers() if hasattr(cache, "mla_layers") else []
+
+
+DECODE_BATCH = 16  # sequences decoded together where a cache is read a forward a token (their cost is the steps')
+
+
+def reads_by_steps(cache) -> bool:
+    """Whether one forward over a long sequence would read `cache` otherwise than decode steps (a window, or RoPE
+    blocks quantized over several tokens): decode_logits then takes a forward a token."""
+    return any(layer.exact_prefill() is not None for layer in _mla_layers(cache))
+
+
 def exact_prefill(cache, n_tokens: int) -> int:
     """How many of `n_tokens` leading tokens one forward reads through `cache` as decode steps would (all of them for
     no cache, a 16-bit one or per-token codes without a window; at least 1)."""
-    layers = cache.mla_layers() if hasattr(cache, "mla_layers") else []
-    limits = [n for n in (layer.exact_prefill() for layer in layers) if n is not None]
+    limits = [n for n in (layer.exact_prefill() for layer in _mla_layers(cache)) if n is not None]
     return max(1, min([n_tokens, *limits]))
 
 
 @torch.no_grad()
 def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0) -> torch.Tensor:
     """Logits [B, T − first, V] (float32) of the queries at positions first..T−1 of ids [B, T], each as a decode step
-    reading `cache` gives it: one forward over the first ``exact_prefill(cache, T)`` tokens, then one a token."""
+    reading `cache` gives it: one forward over the first ``exact_prefill(cache, T)`` tokens, then one a token.
+    Rows of a batch may be right-padded: a padded position is later than every real one, so no real query reads
+    it."""
     T = ids.shape[1]
     if not 0 <= first < T:
         raise ValueError(f"first query {first} is outside a sequence of {T} tokens")

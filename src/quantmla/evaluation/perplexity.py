@@ -33,7 +33,7 @@ import torch
 
 from quantmla.corpus.chunks import token_chunks
 from quantmla.errors import QuantMLAError
-from quantmla.evaluation.decode_reads import decode_logits
+from quantmla.evaluation.decode_reads import DECODE_BATCH, decode_logits, reads_by_steps
 from quantmla.evaluation.tokens import token_byte_lengths
 
 _BYTE_LENGTHS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -103,6 +103,8 @@ def bits_per_byte(
     by_len: dict[int, list[torch.Tensor]] = {}
     for c in chunks:
         by_len.setdefault(len(c), []).append(c)
+    if reads == "decode" and cache_factory is not None and reads_by_steps(cache_factory(model)):
+        batch_size = max(batch_size, DECODE_BATCH)  # a forward a token: decode steps cost the same for several chunks
     for L, group in sorted(by_len.items()):
         for i in range(0, len(group), batch_size):
             ids = torch.stack(group[i : i + batch_size]).to(device)

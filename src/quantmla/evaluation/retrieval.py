@@ -24,7 +24,28 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from quantmla.evaluation.decode_reads import decode_logits
+from quantmla.evaluation.decode_reads import DECODE_BATCH, decode_logits, reads_by_steps
+
+
+def _answer_logits(model, pairs: list[tuple[list[int], list[int]]], cache_factory, device):
+    """Per (prompt ids, answer ids) pair, the logits [len(answer), V] (float32) that predict the answer's tokens: the
+    logits at position t predict token t + 1, so the answer's sit at len(prompt) - 1 .. len(prompt) + len(answer) - 2.
+    A pair a forward; where the cache is read a forward a token (decode_reads.reads_by_steps), DECODE_BATCH pairs
+    together, right-padded (decode steps cost the same for one sequence or several)."""
+    batch = 1
+    if cache_factory is not None and reads_by_steps(cache_factory(model)):
+        batch = DECODE_BATCH
+    for i in range(0, len(pairs), batch):
+        group = pairs[i : i + batch]
+        T = max(len(p) + len(a) for p, a in group)
+        ids = torch.zeros(len(group), T, dtype=torch.long, device=device)
+        for j, (p, a) in enumerate(group):
+            ids[j, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.long)
+        first = min(len(p) for p, _ in group) - 1
+        cache = cache_factory(model) if cache_factory is not None else None
+        logits = decode_logits(model, ids, cache, first=first)
+        for j, (p, a) in enumerate(group):
+            yield logits[j, len(p) - 1 - first : len(p) - 1 - first + len(a)]
 
 
 def _ids(tokenizer, sample: dict) -> tuple[list[int], list[int]]:
@@ -49,12 +70,8 @@ def retrieval_accuracy(
     was_training = model.training
     model.eval()
     per_sample, margins, logprobs, lengths = [], [], [], []
-    for s in samples:
-        p, a = _ids(tokenizer, s)
-        ids = torch.tensor([p + a], dtype=torch.long, device=device)
-        cache = cache_factory(model) if cache_factory is not None else None
-        # logits at position t predict token t+1: answer tokens sit at len(p)..len(p)+len(a)-1
-        logits = decode_logits(model, ids, cache, first=len(p) - 1)[0, : len(a)]
+    pairs = [_ids(tokenizer, s) for s in samples]
+    for (p, a), logits in zip(pairs, _answer_logits(model, pairs, cache_factory, device)):
         target = torch.tensor(a, device=device)
         tgt_logit = logits.gather(-1, target[:, None]).squeeze(-1)
         other = logits.scatter(-1, target[:, None], float("-inf")).max(-1).values

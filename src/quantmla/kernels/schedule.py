@@ -455,8 +455,8 @@ BF16 54.2 and 55.9 to 50.6) and 65.1 to 64.1 at 4 x 16384 (16 splits); at 4 and 
 def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_step: bool = True) -> tuple[int, int, int]:
     """(rows, channels, splits) per step of a combine program. Sequences of at least COMBINE_ROWS_FIRST_SPLITS splits:
     a row's whole 64 (or 32) channels a program. Fewer: narrower channel blocks, then row blocks, until about two
-    programs per SM run; with many rows and 8 or more splits, at most COMBINE_MANY_ROWS_BLOCK. As many splits are read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32
-    holds, so a lone sequence's hundreds of splits merge in a few wide steps rather than many dependent narrow ones.
+    programs per SM run; with many rows and 8 or more splits, at most COMBINE_MANY_ROWS_BLOCK. As many splits are
+    read per step as a [splits, rows, channels] tile of COMBINE_TILE fp32 holds, so a lone sequence's hundreds of splits merge in a few wide steps rather than many dependent narrow ones.
     Where every split fits a tile of COMBINE_ONE_STEP_TILE, the splits are one step (``combine_one_step``), unless
     ``one_step`` is False (the two-pass loop's blocks, which benchmarks time beside it)."""
     widest = min(64, d_c & -d_c)  # the widest power-of-two block of channels that divides d_c

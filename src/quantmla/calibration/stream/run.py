@@ -93,8 +93,8 @@ class Streamer:
             for k, mine in (("method", method), ("seed", int(seed))):
                 theirs = fit_kwargs.pop(k)
                 if theirs != mine:
-                    raise QuantMLAError(f"fit_kwargs (CalibrationOptions) has {k}={theirs!r} but the streamed run's {k} "
-                                        f"is {mine!r}: pass {k}= to calibrate_streamed, or the same value in both")
+                    raise QuantMLAError(f"fit_kwargs (CalibrationOptions) has {k}={theirs!r} but the streamed run's "
+                                        f"{k} is {mine!r}: pass {k}= to calibrate_streamed, or the same value in both")
         self.fit_kwargs = dict(fit_kwargs or {})
         if fit_fn is None or (isinstance(fit_fn, type) and issubclass(fit_fn, ProjectFitter)):
             self.fit_kwargs.setdefault("batch_size", self.batch_size)  # calibrate's one batch_size
@@ -107,8 +107,8 @@ class Streamer:
         if vocab is not None and self.calib_ids.numel():
             lo, hi = int(self.calib_ids.min()), int(self.calib_ids.max())
             if lo < 0 or hi >= vocab:  # before anything is written to the output
-                raise QuantMLAError(f"calibration token ids span {lo}..{hi}, outside the model's vocabulary [0, {vocab}): "
-                                    "tokenize the calibration text with this checkpoint's tokenizer")
+                raise QuantMLAError(f"calibration token ids span {lo}..{hi}, outside the model's vocabulary "
+                                    f"[0, {vocab}): tokenize the calibration text with this checkpoint's tokenizer")
         self.fitter = make_fitter(self.spec, tuple(self.calib_ids.shape), quant, method, self.seed, self.fit_kwargs, fit_fn)
         # decoder layers of the model class (longcat_flash: num_layers, each with two MLA blocks)
         self.L = self.ckpt.num_layers = len(self.skel.base.layers)
