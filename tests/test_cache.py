@@ -250,13 +250,15 @@ def test_quantization_config_survives_save_and_from_pretrained(tmp_path):
 
 
 def test_a_store_read_back_piece_by_piece_equals_one_read_of_every_token():
-    """A store dequantizes only the tokens appended since its last read: every read, after crops and batch reorders
-    too, equals dequantizing all stored codes at once."""
+    """A store that keeps its read-back (decode reads a forward a token) dequantizes only the tokens appended since its
+    last read: every read, after crops and batch reorders too, equals dequantizing all stored codes at once. A store
+    keeps nothing by default (no dequantized copy of the history beside the codes)."""
     from quantmla.cache.hf_cache import _PathStore
     from quantmla.quant.groupwise import Quantized, dequantize
 
     fmt = PathFormat(4, 16)
     store = _PathStore(fmt, 32)
+    store.keep_read_back = True
     torch.manual_seed(0)
     for step, n in enumerate((5, 1, 1, 3, 1)):
         store.append(torch.randn(2, n, 32))
@@ -267,3 +269,7 @@ def test_a_store_read_back_piece_by_piece_equals_one_read_of_every_token():
         for dtype in (torch.float32, torch.bfloat16):
             full = dequantize(Quantized(store.codes, store.meta), fmt, 32, dtype)
             assert torch.equal(store.read(dtype), full), (step, dtype)
+    plain = _PathStore(fmt, 32)
+    plain.append(torch.randn(2, 4, 32))
+    plain.read(torch.float32)
+    assert plain._read_back is None

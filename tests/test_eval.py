@@ -493,7 +493,7 @@ def test_eval_command_errors(tmp_path, capsys):
 
 def test_from_json_regenerates_and_merges(tmp_path, capsys):
     """`eval --from-json` rewrites the table from the JSON; several files of one data setting merge into --out,
-    files of other data or with the same row are refused."""
+    files of other data or with the same row at other figures are refused."""
     from quantmla.cli import main
 
     a, b, c = (str(tmp_path / n) for n in "abc")
@@ -504,8 +504,12 @@ def test_from_json_regenerates_and_merges(tmp_path, capsys):
     assert "| INT4/INT4 | g16/g8 | rtn | 40 | 2.2000 | +10.00% |" in Path(a, "accuracy.md").read_text()
     assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 0
     assert {r["model"] for r in table.load(c)} == {"m", "n"}
-    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{a}/accuracy.json", "--out", c]) == 2
-    assert "already has 2 of these rows" in capsys.readouterr().err
+    # rows that read no calibration data and repeat one with the same figures merge into one; other figures refuse
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{a}/accuracy.json", "--out", f"{c}2"]) == 0
+    assert len(table.load(f"{c}2")) == 2
+    table.write([_row("m", "INT4/INT4", "rtn", 2.3, 0.5, 40)], f"{a}3")
+    assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{a}3/accuracy.json", "--out", c]) == 2
+    assert "already has 1 of these rows" in capsys.readouterr().err
     table.write([_row("n", "BF16", "bf16", 3.0, 0.8, 96, data=dict(DATA, seq_len=128))], b, )
     assert main(["eval", "--from-json", f"{a}/accuracy.json", f"{b}/accuracy.json", "--out", c]) == 2
     assert "seq_len 64" in capsys.readouterr().err

@@ -110,3 +110,17 @@ def test_content_clip_reaches_a_mix_rows_int4_layers():
     add_arguments(p)
     (row,) = rows_for(p.parse_args(["m", "--content-clip", "0.875", "--rows", "MIX3/INT4:rtn:16/8"]))
     assert row.config.content.clip == 0.875 and row.config.mix_high.clip == 0.875
+
+
+def test_from_json_merges_runs_that_differ_only_in_calibration_settings(tmp_path):
+    """Two runs with other --calib-n both hold the same rtn row: the merge keeps one of it and both quantmla rows."""
+    from quantmla.cli import main
+
+    for name, n, bpb in (("a", 16, 2.05), ("b", 32, 2.04)):
+        calib = {"content_group": 16, "rope_group": 8, "fp_window": 0, "calib_rows": n, "calib_steps": "default"}
+        table.write([_row("bf16", "BF16", 2.0, "A"), _row("rtn", "INT4/INT4", 2.2, "A", calib),
+                     _row("quantmla", "INT4/INT4", bpb, "A", calib)], str(tmp_path / name))
+    assert main(["eval", "--from-json", str(tmp_path / "a" / "accuracy.json"), str(tmp_path / "b" / "accuracy.json"),
+                 "--out", str(tmp_path / "ab")]) == 0
+    rows = json.loads((tmp_path / "ab" / "accuracy.json").read_text())["rows"]
+    assert sorted(r["method"] for r in rows) == ["bf16", "quantmla", "quantmla", "rtn"]

@@ -5,7 +5,7 @@ readings differ: a full-precision window, and RoPE keys per channel over blocks 
     python -m quantmla_lab.bench.eval_reads models/qmla-ref-deepseek-v3 --rows INT4/INT4:kivi:32/16 \\
         INT4/INT4:rtn:64/32 --windows 0 64 --ppl-chunks 16 --seq-len 512 --out lab/results/eval/reads_deepseek_v3.json
 
-Methods that need no calibration only (bf16, rtn, kivi, hadamard); Δ is against BF16 on the same chunks.
+Rows of rtn and kivi only (nothing fused into the weights); Δ is against BF16 on the same chunks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from quantmla.evaluation.harness import RowSpec
 from quantmla.evaluation.perplexity import bits_per_byte
 from quantmla.model.load import load_model
 
-UNCALIBRATED = ("rtn", "kivi", "hadamard")
+UNCALIBRATED = ("rtn", "kivi")  # rows whose cache needs nothing fused into the weights
 
 
 def _row(text: str) -> tuple[str, str, int, int]:

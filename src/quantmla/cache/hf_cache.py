@@ -38,7 +38,10 @@ class _PathStore:
         self.fmt, self.dim = fmt, dim
         self.codes: torch.Tensor | None = None  # [B, T, code_bytes] uint8, or raw [B, T, dim]
         self.meta: torch.Tensor | None = None  # [B, T, G, fields]
-        self._read_back: torch.Tensor | None = None  # the first tokens dequantized, extended as tokens are appended
+        # keep_read_back: the tokens dequantized so far are kept between reads and extended by the new ones (a
+        # forward a token then dequantizes one token, at the cost of a dequantized copy of the history)
+        self.keep_read_back = False
+        self._read_back: torch.Tensor | None = None
 
     def append(self, x: torch.Tensor) -> None:
         """x: [B, T, dim]."""
@@ -56,6 +59,8 @@ class _PathStore:
             return None
         if not self.fmt.quantized:
             return self.codes.to(dtype)
+        if not self.keep_read_back:
+            return dequantize(Quantized(self.codes, self.meta), self.fmt, self.dim, dtype)
         done = self._read_back
         if done is None or done.dtype != dtype or done.shape[1] > self.codes.shape[1]:
             done = self.codes[:, :0].new_empty((self.codes.shape[0], 0, self.dim), dtype=dtype)
@@ -96,6 +101,13 @@ class QuantMLALayer(CacheLayerMixin):
         rollback cannot bring back from quantized storage once they have left it, and only where each path's store
         can drop tokens alone (not one that quantizes whole blocks of tokens together: ``per_token_codes``)."""
         return self.fp_window == 0 and self.content.per_token_codes and self.rope.per_token_codes
+
+    def keep_read_back(self) -> None:
+        """Keep each path's dequantized history between reads (``_PathStore.keep_read_back``): for reads a forward a
+        token (``evaluation.decode_reads``), which then dequantize the new token only."""
+        for store in (self.content, self.rope):
+            if isinstance(store, _PathStore):
+                store.keep_read_back = True
 
     def exact_prefill(self) -> int | None:
         """How many leading tokens one forward over a sequence reads as token-by-token decode steps read them (None:

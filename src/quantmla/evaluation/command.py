@@ -326,7 +326,9 @@ def from_json(args) -> int:
     if len(sources) > 1:
         rows = []
         for path, more in sources:
-            table.check_merge(rows, table.check_same_data(more, path), replace=False, out_dir=f"the files before {path}",
+            data = table.check_same_data(more, path)
+            more = table.drop_repeated_rows(rows, more)
+            table.check_merge(rows, data, replace=False, out_dir=f"the files before {path}",
                               new_keys=[table.row_key(r) for r in more])
             rows = table.merge_rows(rows, more)
         table.check_fingerprints(rows, "the --from-json files")

@@ -50,6 +50,9 @@ def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0) -> torch
     if not 0 <= first < T:
         raise ValueError(f"first query {first} is outside a sequence of {T} tokens")
     n = exact_prefill(cache, T)
+    if n < T:
+        for layer in _mla_layers(cache):
+            layer.keep_read_back()  # T - n more reads: each dequantizes its new token only
     out = [model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True).logits[:, first:].float()]
     for t in range(n, T):
         step = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits.float()

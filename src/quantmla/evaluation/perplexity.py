@@ -103,12 +103,14 @@ def bits_per_byte(
     by_len: dict[int, list[torch.Tensor]] = {}
     for c in chunks:
         by_len.setdefault(len(c), []).append(c)
-    if reads == "decode" and cache_factory is not None and reads_by_steps(cache_factory(model)):
+    ready = cache_factory(model) if cache_factory is not None else None  # the first batch's, asked what it reads
+    if reads == "decode" and ready is not None and reads_by_steps(ready):
         batch_size = max(batch_size, DECODE_BATCH)  # a forward a token: decode steps cost the same for several chunks
     for L, group in sorted(by_len.items()):
         for i in range(0, len(group), batch_size):
             ids = torch.stack(group[i : i + batch_size]).to(device)
-            cache = cache_factory(model) if cache_factory is not None else None
+            cache = ready if ready is not None else cache_factory(model) if cache_factory is not None else None
+            ready = None
             if reads == "decode":
                 logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window too)
             else:

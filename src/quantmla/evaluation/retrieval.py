@@ -32,9 +32,8 @@ def _answer_logits(model, pairs: list[tuple[list[int], list[int]]], cache_factor
     logits at position t predict token t + 1, so the answer's sit at len(prompt) - 1 .. len(prompt) + len(answer) - 2.
     A pair a forward; where the cache is read a forward a token (decode_reads.reads_by_steps), DECODE_BATCH pairs
     together, right-padded (decode steps cost the same for one sequence or several)."""
-    batch = 1
-    if cache_factory is not None and reads_by_steps(cache_factory(model)):
-        batch = DECODE_BATCH
+    ready = cache_factory(model) if cache_factory is not None and pairs else None  # the first group's
+    batch = DECODE_BATCH if ready is not None and reads_by_steps(ready) else 1
     for i in range(0, len(pairs), batch):
         group = pairs[i : i + batch]
         T = max(len(p) + len(a) for p, a in group)
@@ -42,7 +41,8 @@ def _answer_logits(model, pairs: list[tuple[list[int], list[int]]], cache_factor
         for j, (p, a) in enumerate(group):
             ids[j, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.long)
         first = min(len(p) for p, _ in group) - 1
-        cache = cache_factory(model) if cache_factory is not None else None
+        cache = ready if ready is not None else cache_factory(model) if cache_factory is not None else None
+        ready = None
         logits = decode_logits(model, ids, cache, first=first)
         for j, (p, a) in enumerate(group):
             yield logits[j, len(p) - 1 - first : len(p) - 1 - first + len(a)]

@@ -185,6 +185,23 @@ def check_provenance(old: list[dict], provenance: dict, out_dir: str) -> None:
                 "apart, or --overwrite to replace the file")
 
 
+def drop_repeated_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """`new` without the rows that repeat one of `old`: a row that reads no calibration data (its setup names none),
+    of the same identity and the same bits per byte (within 1e-6) and retrieval, as two runs that differ only in their
+    calibration settings both measure their baselines."""
+    have = {row_key(r): r for r in old}
+
+    def repeated(r) -> bool:
+        o = have.get(row_key(r))
+        if o is None or any(k in setup_of(r) for k in ("calib_rows", "calib_len", "calib_steps")):
+            return False
+        same_bpb = abs(o["bits_per_byte"] - r["bits_per_byte"]) <= 1e-6 * abs(o["bits_per_byte"])
+        acc = lambda x: {L: v.get("accuracy") for L, v in x["retrieval"].items()}  # noqa: E731
+        return same_bpb and acc(o) == acc(r)
+
+    return [r for r in new if not repeated(r)]
+
+
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """Rows of `new` replace rows of `old` with the same identity (row_key); sorted for the table."""
     keyed = {row_key(r): r for r in old}

@@ -472,7 +472,7 @@ def combine_blocks(B: int, R: int, d_c: int, max_splits: int, num_sms: int, one_
             block_d //= 2
         else:
             block_r //= 2
-    if R >= COMBINE_MANY_ROWS and _next_pow2(max_splits) >= 8:
+    if R >= COMBINE_MANY_ROWS and max_splits >= 8:
         block_r, block_d = min(block_r, COMBINE_MANY_ROWS_BLOCK[0]), min(block_d, COMBINE_MANY_ROWS_BLOCK[1])
     return block_r, block_d, combine_step_splits(block_r, block_d, max_splits, one_step)
 

@@ -86,7 +86,8 @@ def group_scales(xg: torch.Tensor, fmt: PathFormat, ste: bool = False) -> tuple[
     """Stored scale (and zero, affine formats) per group of xg [..., G, group_size], as fp32 [..., G, 1] holding
     values of the meta dtype. An affine group's zero is rounded down and its scale up, so the stored grid
     [zero, zero + (2^b - 1)·scale] still spans the group's [min, max] (rounding the zero to nearest would clamp the
-    low values of a group far from 0, by up to half an ulp of the zero); a symmetric scale is rounded to nearest.
+    low values of a group far from 0, by up to half an ulp of the zero); a symmetric integer scale is rounded up, so
+    ±amax stays within the codes, an e4m3 one to nearest.
     ``ste``: the roundings pass gradients straight through (calibration's fake quantizer)."""
     mdt = fmt.torch_meta_dtype
 

@@ -505,7 +505,7 @@ def _time_peer(peer, cache: Cache, q, H, B, L, bf16_bytes, flops, copy, rows: li
     try:
         kv = peer_kv(cache)
         times = {}
-        skipped = [n for n in PEER_SPLITS if not peer_indexes(B, H, n)]
+        skipped = [n for n in PEER_SPLITS if peer[1] == "decode_attention_fwd" and not peer_indexes(B, H, n)]
         for n in PEER_SPLITS:
             if n in skipped:
                 continue
