@@ -12,8 +12,9 @@
   ``past_key_values=cache_factory(model)`` (a fresh cache per forward; ``None`` lets
   transformers make a plain ``DynamicCache``) and ``use_cache=True``: the prefill's
   attention reads the keys/values *after* they went through ``cache.update``. A cache with a
-  full-precision window is read as decode steps read it (``evaluation.decode_reads``): a
-  prefill of the window's length, then a forward a token.
+  full-precision window, or with RoPE keys quantized per channel over blocks of tokens, is read
+  as decode steps read it (``evaluation.decode_reads``): one forward as far as it reads exactly,
+  then a forward a token, 16 chunks together.
 - Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
   token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
   counts its exact UTF-8 bytes (:func:`quantmla.evaluation.tokens.token_byte_lengths`);
