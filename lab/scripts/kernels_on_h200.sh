@@ -76,8 +76,8 @@
 #                 128-byte rows of a partial a program): 16 rows with fp16 partials, 128 rows with fp32
 #                          -> kernels/combine_blocks_16rows_fp16_h200.json, kernels/combine_blocks_128rows_fp32_h200.json
 # peer            `quantmla bench-kernel --no-sweep` against vLLM's Triton BF16 MLA decode (PEER: the path of its
-#                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format
-#                                                                           -> kernels/decode_vs_peer_h200.json (+ .png)
+#                 triton_decode_attention.py, never committed) at the issue's nine shapes, every format, its
+#                 num_kv_splits swept over 1 to 512   -> kernels/${PEER_NAME:-decode_vs_peer}_h200.json (+ .png)
 # scores-refill   the tokens-as-M kernel with the warps apart, its stages refilled by the output warps (SCORES_REFILL=0,
 #                 INT4/INT4's default) and by the scores' warps after (1) or before (2, INT2/INT4's) a tile's scores:
 #                 the tokens-as-M GPU tests (of the default builds), then the three builds' decode calls in one process   -> kernels/scores_refill_gpu_tests_h200.log,
@@ -144,8 +144,8 @@
 #                 saved, and the 8-bit builds on a tile stored pre-transposed (the bound of a token-interleaved
 #                 cache layout)  -> kernels/output_phase_{128_registers,two_ctas,pretransposed}_h200.json
 # combine-rule    whole calls in graphs of 8 layers (decode_in_graph) with the combine's blocks as the API chooses them
-#                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16 (the baseline every run times):
-#                 16 heads at 1 x 131072, the long job's 4, 7 and 13 x 20480 and 32 x 16384; 128 heads at 1 x 32768 and 8 x 8192
+#                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16 (the baseline every run times): 16
+#                 heads at 1 x 131072, 4, 7 and 13 x 20480, 32 x 16384; 128 heads at 1 x 32768, 8 x 8192
 #                                            -> kernels/decode_in_graph_combine_rule_{16h,128h}_h200.json
 # combine-128-repeats whole calls at 128 heads with few splits a sequence (4 x 16384, 8, 16 and 32 x 8192), INT4/INT4
 #                 and BF16, the API's combine blocks beside 4x32, 2x32, 8x32 and 4x64, in two processes
@@ -153,8 +153,6 @@
 # rules-tests     the GPU tests of the API's rules: splits, 16-bit partials, full shapes, the error against fp64,
 #                 the append's metadata rounding, mistral4's query scale, the 64-row kernel
 #                                                                         -> kernels/rules_gpu_tests_h200.log
-# peer-wide       `peer`, the peer's num_kv_splits swept over 1 to 512 (decode_speed.PEER_SPLITS)
-#                                                              -> kernels/decode_vs_peer_wide_sweep_h200.json (+ .png)
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
 # lab/results/.
@@ -375,9 +373,9 @@ partials-128() {
 }
 
 peer() {
-  timeout 300 python3 -m quantmla.cli bench-kernel --no-sweep \
+  timeout 420 python3 -m quantmla.cli bench-kernel --no-sweep \
     --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \
-    --out "$OUT/kernels/decode_vs_peer_h200.json" 2>&1 | grep -v -i warn | tail -40
+    --out "$OUT/kernels/${PEER_NAME:-decode_vs_peer}_h200.json" 2>&1 | grep -v -i warn | tail -40
 }
 
 combine-rule() {
@@ -405,12 +403,6 @@ rules-tests() {
     tests/test_kernels_gpu_tokens_m64.py tests/test_append.py tests/test_spec.py -q -rfs -p no:cacheprovider $xdist \
     -k "append or mistral4 or splits or full_shape or error_within or tm64" 2>&1 | grep -v -i warn > "$log"
   tail -4 "$log"
-}
-
-peer-wide() {
-  timeout 420 python3 -m quantmla.cli bench-kernel --no-sweep \
-    --peer "${PEER:?set PEER to the path of the vLLM file triton_decode_attention.py}" \
-    --out "$OUT/kernels/decode_vs_peer_wide_sweep_h200.json" 2>&1 | grep -v -i warn | tail -40
 }
 
 scores-refill() {
