@@ -23,6 +23,7 @@ from quantmla.evaluation.configs import named_config
 from quantmla.evaluation.harness import RowSpec
 from quantmla.evaluation.perplexity import bits_per_byte
 from quantmla.model.load import load_model
+from quantmla_lab.bench.common import record
 
 UNCALIBRATED = ("rtn", "kivi")  # rows whose cache needs nothing fused into the weights
 
@@ -53,8 +54,8 @@ def main(argv=None) -> int:
     chunks = list(token_chunks(tok, DS.load_texts(args.kind), args.seq_len, args.ppl_chunks))
     kw = dict(seq_len=args.seq_len, max_chunks=args.ppl_chunks)
     base = bits_per_byte(model, tok, chunks, **kw)["bits_per_byte"]
-    out = {"model": os.path.basename(os.path.normpath(args.model)), "kind": args.kind, "chunks": len(chunks),
-           "seq_len": args.seq_len, "bf16_bits_per_byte": base, "rows": []}
+    out = record(model=os.path.basename(os.path.normpath(args.model)), kind=args.kind, chunks=len(chunks),
+                 seq_len=args.seq_len, bf16_bits_per_byte=base, rows=[])  # device, date, command, commit first
     print(f"BF16 {base:.5f} bits/byte, {len(chunks)} chunks of {args.seq_len}")
     for config, method, c, r in rows:
         for w in args.windows:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 BASELINES = ("rtn", "kivi", "hadamard")
-CALIB_KEYS = ("calib_rows", "calib_len", "calib_steps")
 # QuantMLA with RoPE keys per channel per block (one of evaluation.harness.ROPE_CHANNEL), compared with the
 # baselines where it stores their bytes
 RC_METHOD = "quantmla-rope-channel"
@@ -42,7 +41,7 @@ def _index(rows: list[dict], setup: str) -> dict:
     on the perplexity data of the model's QuantMLA rows (the only rows their bits per byte compare with).
     A quantmla-rope-channel row joins the setup of its groups and window (its RoPE block set aside) where it
     stores the KIVI-style row's bytes per token, so that it is compared at equal bytes."""
-    from quantmla.evaluation.table import ppl_data_of, setup_of
+    from quantmla.evaluation.table import CALIB_KEYS, ppl_data_of, setup_of
 
     wanted = json.loads(setup)
 

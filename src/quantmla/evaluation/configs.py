@@ -43,9 +43,10 @@ class CacheConfig:
         return d + (f", content {self.mix_high.describe()} in the layers the error model picks for an average of "
                     f"{self.mix:g} content bits" if self.mix else "")
 
-    def bytes_per_token(self, d_c: int, d_r: int) -> float:
-        """Per token per MLA layer (a mix: nominal, at its average bits)."""
-        return TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope)).bytes_per_token + self.mix_extra_bytes(d_c)
+    def bytes_per_token(self, d_c: int, d_r: int, high_share: float | None = None) -> float:
+        """Per token per MLA layer (a mix: at `high_share`, see mix_extra_bytes)."""
+        layout = TokenLayout(d_c, d_r, CacheFormat(self.content, self.rope))
+        return layout.bytes_per_token + self.mix_extra_bytes(d_c, high_share)
 
     def check_dims(self, d_c: int, where: str = "") -> None:
         """Raise UnsupportedFormatError unless every content format of this config (a mix: both widths)
@@ -57,13 +58,23 @@ class CacheConfig:
             self.mix_high.check_dim(d_c, f"{where}: the content path of the {self.mix_high.describe()} layers "
                                          f"(kv_lora_rank {d_c})")
 
-    def mix_extra_bytes(self, d_c: int) -> float:
-        """Content bytes per token a mix adds over `content` in every layer (codes and metadata, nominal: the
-        share of high-width layers its average bits give); 0 for a uniform config."""
+    def mix_extra_bytes(self, d_c: int, high_share: float | None = None) -> float:
+        """Content bytes per token a mix adds over `content` in every layer (codes and metadata) with `high_share`
+        of its layers at mix_high: the layers allocated (``high_share_of``), or None for the nominal share its
+        average bits give (an allocation rounds to whole layers); 0 for a uniform config."""
         if not self.mix:
             return 0.0
         lo, hi = (f.code_bytes(d_c) + f.meta_bytes(d_c) for f in (self.content, self.mix_high))
-        return (hi - lo) * (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
+        if high_share is None:
+            high_share = (self.mix - self.content.bits) / (self.mix_high.bits - self.content.bits)
+        return (hi - lo) * high_share
+
+    def high_share_of(self, quant, slots) -> float | None:
+        """The share of MLA `slots` whose content `quant` (a QuantCacheConfig) stores at mix_high; None for a
+        uniform config or no quant."""
+        if not self.mix or quant is None or not slots:
+            return None
+        return sum(quant.format_for(s).content != self.content for s in slots) / len(slots)
 
     def overrides(self, model, calib_ids: torch.Tensor, seed: int = 0) -> dict:
         """The layer overrides of a mix for `model` (the error model on calib_ids); {} for a uniform config."""

@@ -141,15 +141,17 @@ class RowSpec:
         r = self.config.rope
         return RopeChannelFormat(r.bits, self.rope_page, r.mode, r.meta_dtype)
 
-    def bytes_per_token(self, spec: MLASpec) -> float:
+    def bytes_per_token(self, spec: MLASpec, quant: QuantCacheConfig | None = None) -> float:
         """Per token per MLA layer: codes + scales + zero points (KIVI: block metadata amortized;
-        ROPE_CHANNEL: page metadata amortized over the page)."""
+        ROPE_CHANNEL: page metadata amortized over the page). A mix counts the layers `quant` allocates to
+        its wider content, or without `quant` the nominal share of its average bits."""
+        share = None if quant is None else self.config.high_share_of(quant, spec.mla_layers)
         if self.method == "kivi":
             return KIVILayout(spec.d_c, spec.d_r, self.kivi_format()).bytes_per_token
         if self.method in ROPE_CHANNEL:
             per_channel = RopeChannelLayout(spec.d_c, spec.d_r, self.config.content, self.rope_channel_format())
-            return per_channel.bytes_per_token + self.config.mix_extra_bytes(spec.d_c)
-        return self.config.bytes_per_token(spec.d_c, spec.d_r)
+            return per_channel.bytes_per_token + self.config.mix_extra_bytes(spec.d_c, share)
+        return self.config.bytes_per_token(spec.d_c, spec.d_r, share)
 
     def cache_factory(self, quant: QuantCacheConfig | None = None) -> Callable | None:
         """model -> a fresh transformers Cache."""
@@ -365,7 +367,7 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
         "perplexity_tokens": ppl.get("tokens"),
         "retrieval": retr,
         **({"retrieval_line": line} if line else {}),
-        "bytes_per_token": row.bytes_per_token(spec) + _mix_actual_extra(row, quant, spec),
+        "bytes_per_token": row.bytes_per_token(spec, quant),
         **({"content_bits_by_slot": {str(s): quant.format_for(s).content.bits for s in spec.mla_layers},
             "content_format_by_slot": {str(s): quant.format_for(s).content.describe() for s in spec.mla_layers}}
            if row.config.mix and quant is not None else {}),
@@ -381,23 +383,12 @@ def evaluate_row(model, tokenizer, row: RowSpec, data: EvalData, *, spec: MLASpe
     elif row.method in ROPE_CHANNEL:
         lay = RopeChannelLayout(spec.d_c, spec.d_r, row.config.content, row.rope_channel_format())
     if lay is not None:
-        extra = row.config.mix_extra_bytes(spec.d_c) + _mix_actual_extra(row, quant, spec)
+        extra = row.config.mix_extra_bytes(spec.d_c, row.config.high_share_of(quant, spec.mla_layers))
         row_out["bytes_per_token_at"] = {str(n): lay.bytes_per_token_at(n) + extra
                                          for n in (data.seq_len, *RETRIEVAL_LENGTHS)}
     if report is not None:
         row_out["calibration"] = _summarize_report(report)
     return row_out
-
-
-def _mix_actual_extra(row: RowSpec, quant, spec: MLASpec) -> float:
-    """A MIX row's bytes as allocated minus its nominal bytes (RowSpec.bytes_per_token counts the requested average
-    bits; allocate_content_bits rounds to whole layers)."""
-    if not row.config.mix or quant is None:
-        return 0.0
-    c, hi, d_c = row.config.content, row.config.mix_high, spec.d_c
-    share = sum(quant.format_for(s).content != c for s in spec.mla_layers) / len(spec.mla_layers)
-    per_layer = (hi.code_bytes(d_c) + hi.meta_bytes(d_c)) - (c.code_bytes(d_c) + c.meta_bytes(d_c))
-    return per_layer * share - row.config.mix_extra_bytes(d_c)
 
 
 def _summarize_report(report) -> dict:

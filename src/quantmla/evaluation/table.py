@@ -35,9 +35,9 @@ METHOD_ORDER = ["bf16", "rtn", "kivi", "hadamard", "quantmla-content", "quantmla
 # what a row's bits per byte were measured on, and what its retrieval was measured on
 PPL_KEYS = ("heldout", "kind", "seq_len", "ppl_chunks", "seed")
 DATA_KEYS = PPL_KEYS + ("retrieval_n", "retrieval_lengths", "retrieval_formats")
+CALIB_KEYS = ("calib_rows", "calib_len", "calib_steps")  # calibration settings: only rows that read calibration data
 # how a row's cache was set up: part of the row's identity (rows with other setups sit side by side)
-SETUP_KEYS = ("content_group", "rope_group", "content_clip", "rope_block", "kivi_block", "fp_window", "calib_rows",
-              "calib_len", "calib_steps")
+SETUP_KEYS = ("content_group", "rope_group", "content_clip", "rope_block", "kivi_block", "fp_window") + CALIB_KEYS
 
 
 class ResultMergeError(QuantMLAError):
@@ -77,7 +77,7 @@ def setup_of(r: dict) -> dict:
     from quantmla.evaluation.harness import CALIBRATED
 
     if r["method"] not in CALIBRATED and not r["config"].startswith("MIX"):  # read no calibration data
-        for k in ("calib_rows", "calib_len", "calib_steps"):
+        for k in CALIB_KEYS:
             s.pop(k, None)
     content, _, rope = r["config"].partition("/")
     for path, key in ((content, "content_group"), (rope, "rope_group")):
@@ -193,7 +193,7 @@ def drop_repeated_rows(old: list[dict], new: list[dict]) -> list[dict]:
 
     def repeated(r) -> bool:
         o = have.get(row_key(r))
-        if o is None or any(k in setup_of(r) for k in ("calib_rows", "calib_len", "calib_steps")):
+        if o is None or any(k in setup_of(r) for k in CALIB_KEYS):
             return False
         same_bpb = abs(o["bits_per_byte"] - r["bits_per_byte"]) <= 1e-6 * abs(o["bits_per_byte"])
         acc = lambda x: {L: v.get("accuracy") for L, v in x["retrieval"].items()}  # noqa: E731
