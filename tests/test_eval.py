@@ -394,6 +394,18 @@ def test_rope_block_rows_and_bytes():
         rows_for(_eval_args("--rope-block", "16", "--rows", "INT4/INT4:kivi:32/16"))
 
 
+def test_kivi_block_needs_a_kivi_row():
+    """--kivi-block without a KIVI-style row would change nothing and leave no trace in the results: refused, as
+    --rope-block is; with one it sets that row's block."""
+    from quantmla.cli import CLIError
+    from quantmla.evaluation.command import rows_for
+
+    with pytest.raises(CLIError, match="--kivi-block 16 sets the KIVI-style baseline's token block; none of these"):
+        rows_for(_eval_args("--kivi-block", "16", "--config", "INT4/INT4", "--method", "rtn", "quantmla"))
+    rows = rows_for(_eval_args("--kivi-block", "16", "--rows", "INT4/INT4:rtn:32/16", "INT4/INT4:kivi:32/16"))
+    assert [(r.method, r.kivi_block) for r in rows if r.method == "kivi"] == [("kivi", 16)]
+
+
 def test_eval_rope_block_recorded(checkpoint, tmp_path):
     """A row with --rope-block is a row of its own (its setup says the block) beside the page-grouped one."""
     from quantmla.cli import main

@@ -124,3 +124,30 @@ def test_from_json_merges_runs_that_differ_only_in_calibration_settings(tmp_path
                  "--out", str(tmp_path / "ab")]) == 0
     rows = json.loads((tmp_path / "ab" / "accuracy.json").read_text())["rows"]
     assert sorted(r["method"] for r in rows) == ["bf16", "quantmla", "quantmla", "rtn"]
+
+
+def test_bf16_bf16_is_the_bf16_reference():
+    """BF16/BF16 quantizes nothing: it is the BF16 reference under its one name, so it runs once beside BF16 and the
+    claims find it (they look the reference up by name)."""
+    from quantmla.evaluation.claims import compare
+    from quantmla.evaluation.command import rows_for
+    from quantmla.evaluation.configs import named_config
+
+    assert named_config("BF16/BF16") == named_config("BF16") and named_config("bf16/bf16").name == "BF16"
+    import argparse
+
+    from quantmla.evaluation.command import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    rows = rows_for(p.parse_args(["m", "--rows", "BF16:bf16", "BF16/BF16:bf16", "INT4/INT4:rtn:16/8"]))
+    assert [(r.config.name, r.method) for r in rows] == [("BF16", "bf16"), ("INT4/INT4", "rtn")]
+    assert named_config("BF16/INT4").name == "BF16/INT4"  # a quantized path keeps its own name
+    setup = {"content_group": 16, "rope_group": 8, "fp_window": 0}
+    ref = _row("bf16", named_config("BF16/BF16").name, 2.0, "A")
+    got = [_row(m, "INT4/INT4", 2.0 * (1 + p / 100), "A", setup) for m, p in
+           (("rtn", 5.0), ("kivi", 4.0), ("hadamard", 6.0), ("quantmla", 1.0))]
+    for r in got:
+        r["bpb_increase_pct"] = (r["bits_per_byte"] / 2.0 - 1) * 100
+    c = compare([ref, *got], json.dumps(setup, sort_keys=True), "m", "INT4/INT4")
+    assert c["missing"] == [] and c["ratio"] == pytest.approx(0.25)

@@ -275,6 +275,41 @@ def test_resume_refuses_different_settings_and_foreign_directories(ds3, tmp_path
         calibrate_streamed(ds3, foreign, ids, QUANT, method="hadamard")
 
 
+def test_a_killed_replacement_resumes_with_or_without_overwrite(ds3, tmp_path):
+    """A streamed run that replaces a finished streamed checkpoint (overwrite) and is killed before its swap resumes
+    from its staging directory when started again, with or without overwrite, and ends as an uninterrupted run."""
+    from quantmla.calibration.outdir import staging_dir
+
+    ids, out, kw = _ids(), tmp_path / "out", dict(method="hadamard")
+    calibrate_streamed(ds3, tmp_path / "ref", ids, QUANT, seed=1, **kw)
+    for again in ({}, {"overwrite": True}):
+        calibrate_streamed(ds3, out, ids, QUANT, seed=0, overwrite=True, **kw)  # a finished run of other settings
+        code, _ = spawn_call(calibrate_streamed, str(ds3), str(out), ids, QUANT, seed=1, overwrite=True,
+                             _fault=KillAt(1), **kw)
+        assert code == -9 and os.path.isdir(staging_dir(out))
+        rep = calibrate_streamed(ds3, out, ids, QUANT, seed=1, **again, **kw)
+        assert rep.skipped == [0], again
+        assert _same_tensors(_tensors(tmp_path / "ref"), _tensors(out)) == [] and not os.path.exists(staging_dir(out))
+
+
+def test_streamed_checkpoint_keeps_the_added_tokens(cli_model, tmp_path):
+    """Tokens added to the source's tokenizer (added_tokens.json) are in the streamed checkpoint's tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model, _ = cli_model
+    src = tmp_path / "src"
+    shutil.copytree(model, src)
+    (src / "added_tokens.json").write_text(json.dumps({"<|extra|>": 300}))
+    text = "x = <|extra|> + 1"
+    want = AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]
+    assert 300 in want
+    calibrate_streamed(src, tmp_path / "out", _ids(n=2, length=16), QUANT, method="hadamard")
+    assert (tmp_path / "out" / "added_tokens.json").exists()
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out"))(text)["input_ids"] == want
+
+
 def test_resume_refuses_a_source_rewritten_under_the_same_names(tmp_path):
     """A run stopped, then resumed after its source checkpoint was rewritten with other weights under the same tensor
     names, is refused (it would mix layers fitted on two models)."""

@@ -79,7 +79,9 @@ def add_arguments(p):
     p.add_argument("--rope-block", type=int, default=None, metavar="TOKENS",
                    help="tokens whose RoPE channels share one scale in the per-channel RoPE methods (default: the page, "
                         "64; 16 stores four blocks a page: at g32/g16 the KIVI-style baseline's 104 B a token)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (calibration, retrieval sampling)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed (calibration, line-recall sampling; key retrieval reads the first --retrieval-n "
+                        "shipped samples)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--resume", action="store_true", help="skip rows already in the output (same data settings)")
     p.add_argument("--replace-rows", action="store_true",
@@ -142,6 +144,9 @@ def rows_for(args):
         if not any(r.method in ROPE_CHANNEL for r in rows):
             raise CLIError(f"--rope-block {args.rope_block} sets the RoPE scales' block of the per-channel RoPE methods "
                            f"({', '.join(ROPE_CHANNEL)}); none of these rows uses one: add such a row or leave it out")
+    if getattr(args, "kivi_block", None) is not None and not any(r.method == "kivi" for r in rows):
+        raise CLIError(f"--kivi-block {args.kivi_block} sets the KIVI-style baseline's token block; none of these rows "
+                       "uses method kivi: add such a row or leave it out")
     if clip != 1.0:  # every row's integer content path, baselines included
         from dataclasses import replace
 

@@ -169,4 +169,6 @@ def named_config(name: str, content_group: int = 64, rope_group: int = 32) -> Ca
         raise QuantMLAError(f"unknown cache config {name!r}: use {', '.join(PRESETS)}, CONTENT/ROPE like INT4/INT4, "
                             "INT2/INT4, BF16/INT4, or MIX<average content bits>/ROPE like MIX3/INT4 (MIX2.5@g64/INT4: "
                             "the INT4 layers' content at group 64)")
+    if bits == [16, 16]:  # nothing quantized: the BF16 reference, under its one name
+        return PRESETS["BF16"](content_group, rope_group)
     return int_config(bits[0], bits[1], content_group, rope_group)

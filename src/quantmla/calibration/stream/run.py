@@ -65,7 +65,7 @@ from quantmla.errors import QuantMLAError
 from quantmla.transforms.fuse import FUSED_INTO
 
 _NON_WEIGHT_FILES = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template.*|vocab\..*|merges\.txt|"
+    r"^(tokenizer.*|added_tokens\.json|special_tokens_map\.json|generation_config\.json|chat_template.*|vocab\..*|merges\.txt|"
     r".*\.tiktoken|.*\.model|.*\.py|preprocessor_config\.json|README\.md|LICENSE.*)$"
 )
 
@@ -113,9 +113,6 @@ class Streamer:
         # decoder layers of the model class (longcat_flash: num_layers, each with two MLA blocks)
         self.L = self.ckpt.num_layers = len(self.skel.base.layers)
         self.final = os.path.abspath(os.fspath(output))
-        if work_dir is None:
-            work_dir = choose_work_dir(self.final, overwrite) if prepare else self.final
-        self.state = RunState(work_dir)  # the final directory, or a staging one swapped in by finalize
         self.manifest = {
             "format_version": FORMAT_VERSION,
             "source_index": self.ckpt.index_digest(),
@@ -130,6 +127,9 @@ class Streamer:
             "fit_kwargs": json.loads(json.dumps(self.fit_kwargs, default=str)),
             "fitter": type(self.fitter).__name__ + (f"({getattr(fit_fn, '__name__', type(fit_fn).__name__)})" if fit_fn else ""),
         }
+        if work_dir is None:
+            work_dir = choose_work_dir(self.final, overwrite, self.manifest) if prepare else self.final
+        self.state = RunState(work_dir)  # the final directory, or a staging one swapped in by finalize
         if prepare:
             self.state.prepare(self.manifest, overwrite)
         self.report = StreamReport(

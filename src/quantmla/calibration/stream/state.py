@@ -83,12 +83,32 @@ def _layer_unit(i: int) -> str:
     return f"layer-{i:05d}"
 
 
-def choose_work_dir(output: str, overwrite: bool) -> str:
+def _manifest_diff(old: dict, manifest: dict) -> list[str]:
+    """The settings in which a stored run manifest differs from `manifest` (empty: the same run)."""
+    old = dict(old)
+    old.setdefault("source_weights", manifest.get("source_weights"))  # a run begun before the digest
+    return sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
+
+
+def holds_run(directory: str, manifest: dict) -> bool:
+    """Whether `directory` holds the state of a streamed run with exactly these settings."""
+    try:
+        with open(os.path.join(directory, STATE_DIR, "run.json")) as f:
+            return not _manifest_diff(json.load(f), manifest)
+    except (OSError, ValueError):
+        return False
+
+
+def choose_work_dir(output: str, overwrite: bool, manifest: dict | None = None) -> str:
     """Where a streamed run into `output` writes: `output` itself (a new run, or resuming one),
     or, when `overwrite` replaces a checkpoint already there, a fresh staging directory beside it
-    (calibration/outdir.py) that finalize swaps in. A run killed while staging resumes there
-    when started again without `overwrite`."""
+    (calibration/outdir.py) that finalize swaps in. A staging directory that holds a run is a replacement killed
+    before its swap (finalize renames a finished one away): a run with the same settings (`manifest`) resumes there,
+    with or without `overwrite`, ahead of any finished run in `output`; without `overwrite` a staged run with other
+    settings is resumed only where `output` holds no run (RunState.prepare then names the settings that differ)."""
     staged = staging_dir(output)
+    if manifest is not None and holds_run(staged, manifest):
+        return staged
     if overwrite:
         return fresh_staging(output) if holds_checkpoint(output) else output
     if os.path.isfile(os.path.join(output, STATE_DIR, "run.json")):
@@ -112,13 +132,11 @@ class RunState:
     def prepare(self, manifest: dict, overwrite: bool) -> None:
         os.makedirs(self.output, exist_ok=True)
         run = os.path.join(self.dir, "run.json")
-        if overwrite and os.path.isdir(self.dir):
-            shutil.rmtree(self.dir)
+        if overwrite and os.path.isdir(self.dir) and not holds_run(self.output, manifest):
+            shutil.rmtree(self.dir)  # (the same run's state is kept: a killed replacement resumes)
         if os.path.isfile(run):
             with open(run) as f:
-                old = json.load(f)
-            old.setdefault("source_weights", manifest.get("source_weights"))  # a run begun before the digest
-            diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
+                diff = _manifest_diff(json.load(f), manifest)
             if diff:
                 raise QuantMLAError(
                     f"{self.output} holds a streamed calibration with different {', '.join(diff)}; "
