@@ -341,9 +341,9 @@ def test_eval_rows_end_to_end(checkpoint, tmp_path):
 
     out = tmp_path / "res"
     base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--seq-len", "64",
-            "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024", "--calib-n", "4", "--out", str(out)]
-    assert main(base + ["--calib-device", "cpu", "--rows", "INT4/INT4:rtn:16/8", "BF16:bf16", "INT4/INT4:kivi:32/16",
-                        "INT4/INT4:hadamard:16/8"]) == 0
+            "--ppl-chunks", "2", "--retrieval-n", "1", "--lengths", "1024", "--out", str(out)]
+    assert main(base + ["--calib-n", "4", "--calib-device", "cpu", "--rows", "INT4/INT4:rtn:16/8", "BF16:bf16",
+                        "INT4/INT4:kivi:32/16", "INT4/INT4:hadamard:16/8"]) == 0
     doc = json.loads((out / "accuracy.json").read_text())
     assert {(r["config"], r["method"], r["setup"].get("content_group")) for r in doc["rows"]} == {
         ("INT4/INT4", "rtn", 16), ("BF16", "bf16", None), ("INT4/INT4", "kivi", 32), ("INT4/INT4", "hadamard", 16)}
@@ -465,7 +465,7 @@ def test_eval_refuses_bad_sizes_up_front(checkpoint, tmp_path, monkeypatch, caps
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     base = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--config", "INT4/INT4",
-            "--method", "rtn", "--content-group", "16", "--rope-group", "8", "--seq-len", "64"]
+            "--method", "quantmla", "--content-group", "16", "--rope-group", "8", "--seq-len", "64"]
     for extra, msg in ((["--ppl-chunks", "0"], "--ppl-chunks 0: must be at least 1"),
                        (["--retrieval-n", "0"], "--retrieval-n 0: must be at least 1"),
                        (["--lengths", "8192"], "has max_position_embeddings 2048; ask for at most 2048 tokens"),

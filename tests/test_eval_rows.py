@@ -79,6 +79,22 @@ def test_calibration_steps_asked_for_are_the_steps_run(checkpoint, tmp_path, mon
     assert seen[-1].get("steps") == steps
 
 
+def test_calibration_options_without_a_calibrated_row_are_refused(checkpoint, tmp_path, capsys):
+    """--calib-n, --calib-len, --calib-steps and --calib-device would change nothing where no row reads calibration
+    data: refused before any weights are read (and nothing written); a MIX row reads them."""
+    from quantmla.cli import main
+
+    argv = ["eval", str(checkpoint / "tiny"), "--heldout", str(checkpoint / "heldout"), "--seq-len", "64",
+            "--ppl-chunks", "1", "--retrieval-n", "1", "--lengths", "1024", "--out", str(tmp_path / "o")]
+    assert main(argv + ["--rows", "INT4/INT4:rtn:16/8", "BF16:bf16", "--calib-n", "4", "--calib-steps", "3"]) == 2
+    assert "--calib-n, --calib-steps set the calibration of rows that read" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main(argv + ["--rows", "INT4/INT4:kivi:16/8", "--calib-device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--calib-device set" in err and "leave it out" in err
+    assert main(argv + ["--rows", "MIX3/INT4:rtn:16/8", "--calib-n", "2"]) == 0
+
+
 @pytest.mark.parametrize("config", ["MIX3/INT4", "MIX2.5/INT4"])
 def test_a_mix_row_without_calibration_method_runs_and_counts_the_bytes_it_stores(checkpoint, tmp_path, config):
     """MIX3/INT4 under rtn loads calibration rows for its per-layer bits (it failed after loading the model), and its
