@@ -5,13 +5,19 @@ latent [B, 1, T, d_c] and k_rope [B, 1, T, d_r]. Each MLA layer here quantizes t
 (per its ``CacheFormat``), stores packed codes and group metadata, and returns the *dequantized*
 history including the new tokens — so every attention read, prefill included, sees the quantized
 cache. With per-token codes and no full-precision window a prefill reads it as token-by-token decode steps
-would; with a window, or RoPE blocks quantized over several tokens (kivi, rope_channel), one forward reads
-otherwise, and the evaluation decodes such caches a token a forward (``evaluation.decode_reads``,
-``QuantMLALayer.exact_prefill``). Non-MLA layers (e.g. kimi_linear's linear attention) get
-transformers' own layer classes.
+would. With a window of W tokens a decode query at position t reads tokens (t − W, t] unquantized and the older
+ones quantized; one forward hands every query the same history, so ``QuantMLALayer.doubled_reads()`` (a context
+manager, per-token codes only) makes an update of an empty layer return every token twice, quantized then
+unquantized, [B, 1, 2T, ·], for a forward whose attention mask picks each query's own reading
+(``evaluation.decode_reads``). RoPE blocks quantized over several tokens (kivi, rope_channel) are read as decode
+steps a forward a token (``QuantMLALayer.exact_prefill``). Non-MLA layers (e.g. kimi_linear's linear attention)
+get transformers' own layer classes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import (
@@ -110,13 +116,38 @@ class QuantMLALayer(CacheLayerMixin):
                 store.keep_read_back = True
 
     def exact_prefill(self) -> int | None:
-        """How many leading tokens one forward over a sequence reads as token-by-token decode steps read them (None:
-        any number): every token with per-token codes and no window; the window's length with one, since a decode
-        query reads its own newest tokens unquantized; 1 where a store quantizes blocks of tokens together (a block
-        is quantized over its tokens so far in a decode, over all of them in one forward)."""
+        """How many leading tokens one plain forward over a sequence reads as token-by-token decode steps read them
+        (None: any number): every token with per-token codes and no window; the window's length with one, since a
+        decode query reads its own newest tokens unquantized (``doubled_reads`` reads a window in one forward all the
+        same); 1 where a store quantizes blocks of tokens together (a block is quantized over its tokens so far in a
+        decode, over all of them in one forward)."""
         if not (self.content.per_token_codes and self.rope.per_token_codes):
             return 1
         return self.fp_window or None
+
+    @property
+    def can_read_doubled(self) -> bool:
+        """Whether ``doubled_reads`` applies: per-token codes on both paths and a full-precision window."""
+        return self.fp_window > 0 and self.content.per_token_codes and self.rope.per_token_codes
+
+    @contextmanager
+    def doubled_reads(self) -> Iterator[QuantMLALayer]:
+        """Within it, an update of T tokens into the empty layer stores them as ever (the oldest T − W quantized, the
+        newest W in the window) but returns every token twice along the token axis: latent [B, 1, 2T, d_c] and RoPE
+        key [B, 1, 2T, d_r], token j quantized at j and unquantized at T + j. Each token's codes stand alone, so its
+        quantized value is the one every decode step reads once it has left the window. Slots T − W .. T − 1 of the
+        quantized half hold the window's tokens unquantized: a decode query i reads token j quantized only where
+        j ≤ i − W ≤ T − 1 − W. The forward's attention mask picks each query's reading
+        (``evaluation.decode_reads.doubled_mask``). Per-token codes and a window only (``can_read_doubled``); the mode
+        ends on exit, on error too."""
+        if not self.can_read_doubled:
+            raise QuantMLAError(f"cache layer {self.layer_idx}: doubled reads need per-token codes on both paths and a "
+                                "full-precision window")
+        self._doubled = True
+        try:
+            yield self
+        finally:
+            self._doubled = False
 
     def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None,
                  rope_offset: torch.Tensor | None = None):
@@ -129,6 +160,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.rope = _PathStore(fmt.rope, d_r)
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None  # raw recent (latent, k_rope) [B, W, ·]
         self.cumulative_length = 0
+        self._doubled = False  # doubled_reads
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -137,19 +169,23 @@ class QuantMLALayer(CacheLayerMixin):
     def _check(self, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         if latent.dim() != 4 or latent.shape[1] != 1 or latent.shape[-1] != self.d_c or k_rope.shape[-1] != self.d_r:
             raise QuantMLAError(
-                f"cache layer {self.layer_idx} was set up for latent [B, 1, T, {self.d_c}] and RoPE key [B, 1, T, {self.d_r}] "
-                f"but got {tuple(latent.shape)} and {tuple(k_rope.shape)}: the quantization config does not match this model "
-                "(build the cache from the model it is used with)"
+                f"cache layer {self.layer_idx} was set up for latent [B, 1, T, {self.d_c}] and RoPE key "
+                f"[B, 1, T, {self.d_r}] but got {tuple(latent.shape)} and {tuple(k_rope.shape)}: the quantization "
+                "config does not match this model (build the cache from the model it is used with)"
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states = latent [B, 1, T, d_c], value_states = k_rope [B, 1, T, d_r] (MLA's update call)."""
+        """key_states = latent [B, 1, T, d_c], value_states = k_rope [B, 1, T, d_r] (MLA's update call) -> the history
+        latent [B, 1, T', d_c] and RoPE key [B, 1, T', d_r] (T' tokens so far; 2T within ``doubled_reads``)."""
         latent, k_rope = key_states, value_states
         self._check(latent, k_rope)
         if not self.is_initialized:
             self.lazy_initialization(latent, k_rope)
         check_finite(latent, f"content latents of layer {self.layer_idx}")
         check_finite(k_rope, f"RoPE keys of layer {self.layer_idx}")
+        if self._doubled and self.cumulative_length:
+            raise QuantMLAError(f"cache layer {self.layer_idx} holds {self.cumulative_length} tokens: doubled reads "
+                                "start from an empty layer")
         self.cumulative_length += latent.shape[2]
         new_c, new_r = latent[:, 0], k_rope[:, 0]  # [B, T, ·]
         new_r = centre_rope_keys(new_r, self.rope_offset)
@@ -161,11 +197,18 @@ class QuantMLALayer(CacheLayerMixin):
             self.content.append(new_c[:, :n_quant])
             self.rope.append(new_r[:, :n_quant])
         self.window = (new_c[:, n_quant:], new_r[:, n_quant:]) if self.fp_window else None
-        return self._read(latent.dtype)
+        c, r = self._read(latent.dtype)
+        if self._doubled:  # [quantized (the window's slots unquantized) ; unquantized]
+            c = torch.cat([c, new_c.to(latent.dtype).unsqueeze(1)], dim=2)
+            r = torch.cat([r, new_r.to(latent.dtype).unsqueeze(1)], dim=2)
+        return c, r
 
     def _read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        parts_c = [p for p in (self.content.read(dtype), None if self.window is None else self.window[0].to(dtype)) if p is not None]
-        parts_r = [p for p in (self.rope.read(dtype), None if self.window is None else self.window[1].to(dtype)) if p is not None]
+        """The history in `dtype`: latent [B, 1, T, d_c] and RoPE key [B, 1, T, d_r], stored tokens dequantized, then
+        the window's."""
+        w_c, w_r = (None, None) if self.window is None else (self.window[0].to(dtype), self.window[1].to(dtype))
+        parts_c = [p for p in (self.content.read(dtype), w_c) if p is not None]
+        parts_r = [p for p in (self.rope.read(dtype), w_r) if p is not None]
         c = torch.cat(parts_c, dim=1) if len(parts_c) > 1 else parts_c[0]
         r = torch.cat(parts_r, dim=1) if len(parts_r) > 1 else parts_r[0]
         return c.unsqueeze(1), r.unsqueeze(1)
@@ -251,8 +294,8 @@ class QuantMLACache(Cache):
             quant = stored
             if quant is None:
                 raise QuantMLAError(
-                    "no cache quantization given and the model config has no quantization_config of `quantmla calibrate`; "
-                    "pass QuantCacheConfig(...) or load a checkpoint written by `quantmla calibrate`"
+                    "no cache quantization given and the model config has no quantization_config of `quantmla "
+                    "calibrate`; pass QuantCacheConfig(...) or load a checkpoint written by `quantmla calibrate`"
                 )
         elif stored is not None and quant.quantizes:
             quant = reconcile(stored, quant)

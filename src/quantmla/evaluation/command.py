@@ -392,8 +392,9 @@ def run(args) -> int:
         raise CLIError("--resume, --replace-rows and --overwrite exclude each other: pick one")
     specs = {m: check_model_dir(m) for m in models}  # fail early on a bad path or a non-MLA model
     rows = rows_for(args)
-    given = [f for f, v in (("--calib-n", args.calib_n), ("--calib-len", args.calib_len),
-                            ("--calib-steps", args.calib_steps), ("--calib-device", args.calib_device)) if v is not None]
+    calib_flags = (("--calib-n", args.calib_n), ("--calib-len", args.calib_len), ("--calib-steps", args.calib_steps),
+                   ("--calib-device", args.calib_device))
+    given = [f for f, v in calib_flags if v is not None]
     if given and not any(r.method in CALIBRATED or r.config.mix for r in rows):
         raise CLIError(f"{', '.join(given)} set the calibration of rows that read calibration data (methods "
                        f"{', '.join(sorted(CALIBRATED))}, or MIX configs); none of these rows does: add one or leave "

@@ -13,8 +13,8 @@
   transformers make a plain ``DynamicCache``) and ``use_cache=True``: the prefill's
   attention reads the keys/values *after* they went through ``cache.update``. A cache with a
   full-precision window, or with RoPE keys quantized per channel over blocks of tokens, is read
-  as decode steps read it (``evaluation.decode_reads``): one forward as far as it reads exactly,
-  then a forward a token, 16 chunks together.
+  as decode steps read it (``evaluation.decode_reads``): a window in one forward over doubled keys,
+  blocked RoPE keys a forward a token after the first (16 chunks together).
 - Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
   token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
   counts its exact UTF-8 bytes (:func:`quantmla.evaluation.tokens.token_byte_lengths`);
@@ -105,7 +105,7 @@ def bits_per_byte(
     for c in chunks:
         by_len.setdefault(len(c), []).append(c)
     ready = cache_factory(model) if cache_factory is not None else None  # the first batch's, asked what it reads
-    if reads == "decode" and ready is not None and reads_by_steps(ready):
+    if reads == "decode" and ready is not None and reads_by_steps(ready, model):
         batch_size = max(batch_size, DECODE_BATCH)  # a forward a token: decode steps cost the same for several chunks
     for L, group in sorted(by_len.items()):
         for i in range(0, len(group), batch_size):
@@ -113,7 +113,7 @@ def bits_per_byte(
             cache = ready if ready is not None else cache_factory(model) if cache_factory is not None else None
             ready = None
             if reads == "decode":
-                logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window too)
+                logits = decode_logits(model, ids, cache)[:, :-1]  # as decode steps read the cache (a window, blocks)
             else:
                 with torch.no_grad():
                     logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, :-1].float()

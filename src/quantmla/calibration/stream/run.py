@@ -65,8 +65,8 @@ from quantmla.errors import QuantMLAError
 from quantmla.transforms.fuse import FUSED_INTO
 
 _NON_WEIGHT_FILES = re.compile(
-    r"^(tokenizer.*|added_tokens\.json|special_tokens_map\.json|generation_config\.json|chat_template.*|vocab\..*|merges\.txt|"
-    r".*\.tiktoken|.*\.model|.*\.py|preprocessor_config\.json|README\.md|LICENSE.*)$"
+    r"^(tokenizer.*|added_tokens\.json|special_tokens_map\.json|generation_config\.json|chat_template.*|vocab\..*|"
+    r"merges\.txt|.*\.tiktoken|.*\.model|.*\.py|preprocessor_config\.json|README\.md|LICENSE.*)$"
 )
 
 
