@@ -24,6 +24,32 @@ def test_rows_are_the_stream_cut_with_eos_between_documents():
     assert token_rows(CharTokenizer(), ["abcdefghij"], seq_len=2, max_rows=3).shape == (3, 2)
 
 
+def test_one_string_is_not_a_list_of_documents():
+    """One string would be tokenized a character a document, EOS between: refused by the chunker and perplexity."""
+    from quantmla.evaluation.perplexity import bits_per_byte
+
+    with pytest.raises(QuantMLAError, match=r"texts is one string: pass a list of documents, e.g. \[text\]"):
+        token_chunks(CharTokenizer(), "abcdefgh", 4)
+    with pytest.raises(QuantMLAError, match="texts_or_token_chunks is one string"):
+        bits_per_byte(None, CharTokenizer(), "abcdefgh", seq_len=4)
+    assert token_chunks(CharTokenizer(), ["abcdefgh"], 4).shape == (2, 4)
+
+
+def test_calibration_text_needs_the_held_out_set_it_is_given(tmp_path):
+    """A held-out directory without its manifest and code set is refused (nothing could be left out); the shipped
+    one leaves its packages out."""
+    import json
+
+    from quantmla.corpus import datasets as DS
+    from quantmla.corpus.calibration_text import calibration_texts
+
+    with pytest.raises(QuantMLAError, match="no manifest.json or code.jsonl under the held-out set"):
+        calibration_texts(max_bytes=1000, heldout_root=str(tmp_path))
+    root = DS.heldout_root()
+    held = json.loads((root / "manifest.json").read_text())["heldout_packages"]
+    assert held and calibration_texts(max_bytes=20_000, heldout_root=str(root))
+
+
 def test_a_stream_shorter_than_a_chunk_is_one_partial_chunk_for_evaluation():
     assert torch.equal(token_chunks(CharTokenizer(), ["ab"], 8), torch.tensor([[97, 98]]))
 

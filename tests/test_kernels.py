@@ -95,6 +95,12 @@ def test_non_causal_and_three_dim_queries():
     qr = torch.randn(2, 3, D_R, generator=g).to(DEV, torch.bfloat16)
     o, l = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.2, causal=False)
     assert o.shape == (2, 3, D_C) and l.shape == (2, 3)
+    one = [torch.empty(2, 1, D_C, dtype=torch.bfloat16, device=DEV), torch.empty(2, 1, device=DEV)]
+    o1, l1 = mla_decode_with_kvcache(qc[:, :1].contiguous(), qr[:, :1].contiguous(), pool.layer(0), bt, sl, lay, 0.2,
+                                     causal=False, out=one[0], lse=one[1])
+    assert o1.shape == (2, 1, D_C) and l1.shape == (2, 1)  # one head stays a dimension, as without out and lse
+    assert o1.data_ptr() == one[0].data_ptr()
+    torch.testing.assert_close(o1.float(), o[:, :1].float(), atol=2e-2, rtol=2e-2)
     c, k = gather_sequences(pool.layer(0), lay, bt, sl)
     ro, rl = absorbed_attention(qc[:, None].double(), qr[:, None].double(), c.double(), k.double(), 0.2, sl, causal=False)
     check(o[:, None], l[:, None], ro, rl)
@@ -112,6 +118,14 @@ def test_cpu_fallback_matches_kernel(monkeypatch):
     fo, fl = mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125)
     torch.testing.assert_close(fo.float(), o.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fl, l, atol=1e-3, rtol=1e-3)
+    # the reference checks its inputs as the kernels do: stale metadata, another head count, a narrow block table
+    md = get_mla_metadata(torch.tensor([5, 30], dtype=torch.int32), 2, 2, lay)
+    with pytest.raises(QuantMLAError, match=re.escape("made for sequence lengths [5, 30], not [7, 30]")):
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=md)
+    with pytest.raises(QuantMLAError, match="metadata was made for 4 heads"):
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, sl, lay, 0.125, metadata=get_mla_metadata(sl, 4, 2, lay))
+    with pytest.raises(QuantMLAError, match="needs more than the 1 pages of its block-table row"):
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt[:, :1], sl, lay, 0.125)
 
 
 # -- schedule and errors -----------------------------------------------------------------------------
@@ -149,6 +163,13 @@ def test_metadata_for_other_lengths_is_refused():
     mine[0] = 24  # in place: the version counter moves
     with pytest.raises(QuantMLAError, match=re.escape("not [24, 50]")):
         mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, mine, lay, 0.125, metadata=md)
+    with torch.inference_mode():  # an inference tensor keeps no version counter: it is read at every call
+        inf = sl.clone()
+        md = get_mla_metadata(inf, 4, 1, lay)
+        mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, inf, lay, 0.125, metadata=md)
+        inf[0] = 24
+        with pytest.raises(QuantMLAError, match=re.escape("made for sequence lengths [40, 50], not [24, 50]")):
+            mla_decode_with_kvcache(qc, qr, pool.layer(0), bt, inf, lay, 0.125, metadata=md)
 
 
 def test_a_config_beside_metadata_must_be_the_metadatas():

@@ -131,6 +131,18 @@ def test_request_that_never_fits_fails_clearly_others_complete(v3):
     assert eng.stats.failed == 1 and eng.stats.completed == 2
 
 
+def test_auto_backend_says_why_it_is_not_the_kernels(v3):
+    """backend="auto" on a format the kernels cannot run takes the torch backend and keeps the reason (warned on
+    CUDA, printed by quantmla serve); on one they run, no reason."""
+    from quantmla.cache.config import QuantCacheConfig
+
+    eng = Engine(v3, EngineConfig(quant=QuantCacheConfig.of_bits(3, 4, 32, 16), num_pages=8, page_size=16,
+                                  backend="auto"))
+    eng.close()
+    assert eng.backend.name == "torch" and "3-bit" in eng.backend.fallback_reason
+    assert Engine(v3, EngineConfig(num_pages=8, page_size=16, backend="torch")).backend.fallback_reason is None
+
+
 def test_requests_that_cannot_run_fail_alone(v3):
     """Empty prompts, token ids outside the vocabulary and max_new_tokens < 1 fail with the reason,
     before reaching the model; the other requests complete."""
@@ -140,15 +152,23 @@ def test_requests_that_cannot_run_fail_alone(v3):
             Request("empty", [], SamplingParams(max_new_tokens=3)),
             Request("oov", [5, vocab], SamplingParams(max_new_tokens=3)),
             Request("neg", [-1, 5], SamplingParams(max_new_tokens=3)),
-            Request("none", [5], SamplingParams(max_new_tokens=0))]
+            Request("none", [5], SamplingParams(max_new_tokens=0)),
+            Request("text", "def f(x):", SamplingParams(max_new_tokens=3)),
+            Request("half", [5, 6], SamplingParams(max_new_tokens=2.5)),
+            Request("long", [5] * 40, SamplingParams(max_new_tokens=v3.config.max_position_embeddings))]
     outs = eng.generate(reqs)
-    eng.close()
-    assert outs[0].ok and len(outs[0].output_ids) == 3
     why = {o.request_id: o.error for o in outs[1:]}
+    assert outs[0].ok and len(outs[0].output_ids) == 3
     assert all(o.finish_reason == "error" and o.output_ids == [] for o in outs[1:])
     assert "prompt is empty" in why["empty"] and f"[0, {vocab}); this prompt has {vocab}" in why["oov"]
-    assert "has -1" in why["neg"] and "max_new_tokens must be at least 1" in why["none"]
-    assert eng.stats.failed == 4 and eng.stats.completed == 1
+    assert "has -1" in why["neg"] and "max_new_tokens must be a whole number, at least 1, got 0" in why["none"]
+    assert "must be token ids (ints); tokenize text first" in why["text"] and "got 2.5" in why["half"]
+    assert f"but the model has max_position_embeddings {v3.config.max_position_embeddings}" in why["long"]
+    assert eng.stats.failed == 7 and eng.stats.completed == 1
+    # a generator of token-id lists with params is read once, whole; one-element integer tensors are token ids
+    outs = eng.generate((p for p in ([5, 6], torch.tensor([7, 8]))), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    eng.close()
+    assert [len(o.output_ids) for o in outs] == [2, 2] and all(o.ok for o in outs)
 
 
 def test_cached_prefix_starts_at_its_position_and_reads_the_pages_as_they_are(v3):
@@ -177,8 +197,9 @@ def test_engine_stops_at_eos_and_restores_the_model(v3):
     eng = Engine(v3, EngineConfig(num_pages=20, page_size=16, backend="torch"))
     free = eng.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))[0].output_ids
     eos = free[3]
-    out = eng.generate(prompts, SamplingParams(max_new_tokens=10, eos_token_id=eos))[0]
-    assert out.finish_reason == "eos" and out.output_ids == free[: free.index(eos) + 1]
+    for e in (eos, [eos], torch.tensor(eos), torch.tensor([eos])):  # an id, a list, tensors (they hash by identity)
+        out = eng.generate(prompts, SamplingParams(max_new_tokens=10, eos_token_id=e))[0]
+        assert out.finish_reason == "eos" and out.output_ids == free[: free.index(eos) + 1], e
     eng.close()
     ids = torch.tensor([prompts[0]])
     with torch.no_grad():
@@ -228,6 +249,9 @@ def test_engine_refuses_hybrid_models_and_bad_budgets():
     ("graph_buckets", (), r"graph_buckets = \(\): the decode graphs' rows"),
     ("graph_buckets", (0, 2), r"graph_buckets = \(0, 2\)"),
     ("page_size", 0, "page_size = 0"),
+    ("cuda_graphs", "emulated", "cuda_graphs = 'emulated': True, False or 'emulate'"),
+    ("prefill_graph_max", 2.5, "prefill_graph_max = 2.5: it takes a whole number"),
+    ("kv_budget_bytes", 1 << 20, "num_pages 4 and kv_budget_bytes 1048576 both size the pool; give one"),
 ])
 def test_engine_config_out_of_range_is_refused_before_anything_is_built(field, value, match):
     """A setting out of its range: a QuantMLAError naming it when the engine is made (not a traceback from inside a

@@ -6,11 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
+from quantmla.errors import QuantMLAError
+
 
 def token_chunks(tokenizer, texts: Sequence[str], seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
     """``LongTensor [n, seq_len]``: the documents' token stream (no special tokens, EOS between documents) cut
     into consecutive chunks; a last partial chunk is dropped unless it is the only one (then ``[1, tokens]``).
-    Tokenizing stops once ``max_chunks`` chunks are full."""
+    Tokenizing stops once ``max_chunks`` chunks are full. One string is refused: it would be a document a character."""
+    if isinstance(texts, str):
+        raise QuantMLAError("texts is one string: pass a list of documents, e.g. [text]")
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for i, t in enumerate(texts):

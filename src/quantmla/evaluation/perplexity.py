@@ -88,6 +88,8 @@ def bits_per_byte(
         raise QuantMLAError(f"reads {reads!r}: 'decode' or 'prefill'")
     if seq_len < 2:
         raise QuantMLAError(f"seq_len {seq_len}: a chunk predicts its tokens after the first, so it needs at least 2")
+    if isinstance(texts_or_token_chunks, str):
+        raise QuantMLAError("texts_or_token_chunks is one string: pass a list of documents, e.g. [text]")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     blen = _byte_lengths(tokenizer).to(device)
     specials = torch.zeros_like(blen, dtype=torch.bool)

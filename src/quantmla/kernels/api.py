@@ -118,11 +118,44 @@ def mla_decode_with_kvcache(
     pages, pc16, pr16 = page_views(kv_pages, layout)
     out_dtype = q_latent.dtype if q_latent.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
-    if not _use_triton(kv_pages):  # CPU: the torch reference of the same computation
+    device = kv_pages.device
+    for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != device:
+            raise QuantMLAError(f"{name} is on {t.device}, the cache on {device}: the kernels read every input on the "
+                                f"cache's device (move it with .to({str(device)!r}))")
+
+    def shaped(o: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (o.reshape(B, H, DC), l.reshape(B, H)) if squeeze else (o, l)  # (keeps H where it is 1)
+
+    if B == 0:
+        o = out if out is not None else torch.empty((0, SQ, H, DC), dtype=out_dtype, device=device)
+        l = lse if lse is not None else torch.empty((0, SQ, H), dtype=torch.float32, device=device)
+        return shaped(o, l)
+    if metadata is not None and config is not None and config != metadata.config:
+        raise QuantMLAError(f"config {config.describe()} differs from the metadata's {metadata.config.describe()}: "
+                            "a metadata's units are cut for its own config; pass config to get_mla_metadata instead")
+    if metadata is not None:  # checked on every path, the CPU reference's too
+        if metadata.num_heads != H or metadata.q_len != SQ or len(metadata.seq_lens) != B:
+            raise QuantMLAError(
+                f"metadata was made for {metadata.num_heads} heads × {metadata.q_len} query tokens and "
+                f"{len(metadata.seq_lens)} sequences, not {H} × {SQ} and {B}"
+            )
+        if metadata.units.device != device:
+            raise QuantMLAError(f"metadata was made on {metadata.units.device}, the cache is on {device}: make it "
+                                "from seq_lens on the cache's device")
+        metadata.check_lengths(seq_lens)
+    triton = _use_triton(kv_pages)
+    if triton and metadata is None:
+        metadata = get_mla_metadata(seq_lens, H, SQ, layout, config=config)
+    need = max(metadata.seq_lens + [0]) if metadata is not None else int(seq_lens.max())
+    if need > block_table.shape[1] * layout.page_size:
+        raise QuantMLAError(f"a sequence of {need} tokens needs more than the {block_table.shape[1]} pages of its "
+                            "block-table row")
+
+    if not triton:  # CPU: the torch reference of the same computation
         lat, kr = gather_sequences(pages, layout, block_table, seq_lens.reshape(-1))
-        o, l = absorbed_attention(
-            q_latent.float(), q_rope.float(), lat, kr, softmax_scale, seq_lens.reshape(-1).to(lat.device), causal, torch.float32
-        )
+        o, l = absorbed_attention(q_latent.float(), q_rope.float(), lat, kr, softmax_scale,
+                                  seq_lens.reshape(-1).to(lat.device), causal, torch.float32)
         o = o.to(out_dtype)
         if out is not None:
             out.copy_(o.reshape(out.shape))
@@ -130,34 +163,7 @@ def mla_decode_with_kvcache(
         if lse is not None:
             lse.copy_(l.reshape(lse.shape))
             l = lse
-        return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
-
-    device = kv_pages.device
-    for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.device != device:
-            raise QuantMLAError(f"{name} is on {t.device}, the cache on {device}: the kernels read every input on the "
-                                f"cache's device (move it with .to({str(device)!r}))")
-    if B == 0:
-        o = out if out is not None else torch.empty((0, SQ, H, DC), dtype=out_dtype, device=device)
-        l = lse if lse is not None else torch.empty((0, SQ, H), dtype=torch.float32, device=device)
-        return (o.squeeze(1), l.squeeze(1)) if squeeze else (o, l)
-    if metadata is not None and config is not None and config != metadata.config:
-        raise QuantMLAError(f"config {config.describe()} differs from the metadata's {metadata.config.describe()}: "
-                            "a metadata's units are cut for its own config; pass config to get_mla_metadata instead")
-    if metadata is None:
-        metadata = get_mla_metadata(seq_lens, H, SQ, layout, config=config)
-    elif metadata.num_heads != H or metadata.q_len != SQ or len(metadata.seq_lens) != B:
-        raise QuantMLAError(
-            f"metadata was made for {metadata.num_heads} heads × {metadata.q_len} query tokens and "
-            f"{len(metadata.seq_lens)} sequences, not {H} × {SQ} and {B}"
-        )
-    if metadata.units.device != device:
-        raise QuantMLAError(f"metadata was made on {metadata.units.device}, the cache is on {device}: make it from "
-                            "seq_lens on the cache's device")
-    metadata.check_lengths(seq_lens)
-    need = max(metadata.seq_lens + [0])
-    if need > block_table.shape[1] * layout.page_size:
-        raise QuantMLAError(f"a sequence of {need} tokens needs more than the {block_table.shape[1]} pages of its block-table row")
+        return shaped(o, l)
     cfg = metadata.config
     qc = q_latent.to(torch.bfloat16).contiguous()
     qr = q_rope.to(torch.bfloat16).contiguous()
@@ -187,7 +193,7 @@ def mla_decode_with_kvcache(
             po, plse, metadata.seq_info, out, lse, R, D_C=DC, BLOCK_R=c.block_r, BLOCK_D=c.block_d, BLOCK_S=c.block_s,
             ONE_STEP=c.one_step, num_warps=4, num_stages=2,
         )
-    return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+    return shaped(out, lse)
 
 
 def _check_outputs(out, lse, shape: tuple[int, int, int, int], squeeze: bool, device: torch.device) -> None:

@@ -229,13 +229,20 @@ class MLAMetadata:
 
     def check_lengths(self, seq_lens: torch.Tensor) -> None:
         """QuantMLAError unless `seq_lens` holds the lengths these units were cut for: the tensor they were cut from,
-        unchanged since (its version counter, where it keeps one: inference-mode tensors do not), needs no check;
-        any other is read on the host once (a sync; refused inside a CUDA-graph capture) and remembered if it holds
-        the same values. Stale units would drop tokens past their ends, or read slots never written."""
-        if self.lengths is None or any(ref() is seq_lens and v == _version(seq_lens) for ref, v in self.lengths):
+        unchanged since (its version counter), needs no check; any other is read on the host once (a sync; refused
+        inside a CUDA-graph capture) and remembered if it holds the same values. An inference-mode tensor keeps no
+        version counter, so it is read on the host at every call, except inside a capture, where the tensor the units
+        were cut from passes unread (nothing can be read there). Writes torch does not count (through `.data`, a
+        numpy view, a kernel's stores) are not seen. Stale units would drop tokens past their ends, or read slots
+        never written. An owner that deals units out to the lengths itself sets ``lengths`` to None: no check."""
+        if self.lengths is None:
+            return
+        capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        now_v = _version(seq_lens)
+        if any(ref() is seq_lens and (v == now_v if v is not None else capturing) for ref, v in self.lengths):
             return
         how = "make the metadata with get_mla_metadata for these lengths"
-        if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             raise QuantMLAError(f"metadata was made from another seq_lens tensor, or this one changed since: {how}, "
                                 "and pass the tensor it read, unchanged, to every call in the capture")
         now = [int(x) for x in seq_lens.reshape(-1).tolist()]

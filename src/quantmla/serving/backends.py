@@ -87,6 +87,7 @@ class AttentionBackend:
 
     name = "base"
     graph_safe = False  # its write/attend can be captured in a CUDA graph
+    fallback_reason: str | None = None  # why backend="auto" took this one instead of the Triton kernels
 
     def __init__(self, spec: MLASpec, formats: dict[int, CacheFormat], num_pages: int, page_size: int,
                  device: torch.device | str, dtype: torch.dtype, stage_rows: int = 0):

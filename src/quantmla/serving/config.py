@@ -94,6 +94,12 @@ class EngineConfig:
         v = self.kv_budget_bytes
         if v is not None and (not isinstance(v, Real) or isinstance(v, bool) or v < 1):
             raise QuantMLAError(f"EngineConfig.kv_budget_bytes = {v!r}: give the KV budget in bytes, at least 1")
+        if self.num_pages is not None and self.kv_budget_bytes is not None:
+            raise QuantMLAError(f"EngineConfig: num_pages {self.num_pages} and kv_budget_bytes {self.kv_budget_bytes} "
+                                "both size the pool; give one")
+        if self.cuda_graphs not in (True, False, "emulate"):
+            raise QuantMLAError(f"EngineConfig.cuda_graphs = {self.cuda_graphs!r}: True, False or 'emulate'")
+        whole("prefill_graph_max", 1)
         if not 0.0 <= self.watermark < 1.0:
             raise QuantMLAError(f"EngineConfig.watermark = {self.watermark!r}: the fraction of pages admission leaves "
                                 "free, at least 0 and below 1")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from numbers import Integral
 
 import torch
 
@@ -76,8 +77,19 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, 
                                       stage_rows=stage_rows, graph_units=graph_units)
         if name == "triton":
             raise QuantMLAError(f"the Triton attention backend cannot run here: {why}")
-        return TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
+        if device.type == "cuda":  # no CUDA graphs, a Python loop a decode row: slow enough to say so
+            warnings.warn(f"the Triton attention backend cannot run here ({why}); the torch backend runs instead")
+        backend = TorchPagedBackend(spec, formats, num_pages, page_size, device, dtype, stage_rows)
+        backend.fallback_reason = why
+        return backend
     raise QuantMLAError(f"unknown attention backend {name!r}; use auto, torch or triton")
+
+
+def _is_token_id(t) -> bool:
+    """An int (numpy's too) or a one-element integer tensor; not a bool, a float or a string."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() == 1 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    return isinstance(t, Integral) and not isinstance(t, bool)
 
 
 class Engine:
@@ -160,7 +172,8 @@ class Engine:
         # slot -> (weight, eps) of a latent RMSNorm that runs in the RoPE kernel's launch (the same arithmetic)
         self.latent_norms = fused_rope.latent_norms(self._patched, spec, self) if self.rope == "fused" else {}
         self.eos = self._eos_ids()
-        width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size)
+        width_tokens = min(config.max_model_len or pool_pages * config.page_size, pool_pages * config.page_size,
+                           spec.max_positions or pool_pages * config.page_size)  # no wider than the model's context
         self.max_pages_per_seq = -(-width_tokens // config.page_size)
         self._graphs: DecodeGraphs | None = None
         self._prefill: PrefillGraphs | None = None
@@ -416,8 +429,11 @@ class Engine:
         """Why a request cannot run at all (empty prompt, token ids outside the vocabulary), or None."""
         if s.prompt_len == 0:
             return "the prompt is empty; give at least one token"
-        if s.req.params.max_new_tokens < 1:
-            return f"max_new_tokens must be at least 1, got {s.req.params.max_new_tokens}"
+        if not all(_is_token_id(t) for t in s.req.prompt):
+            return "the prompt must be token ids (ints); tokenize text first"
+        n = s.req.params.max_new_tokens
+        if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
+            return f"max_new_tokens must be a whole number, at least 1, got {n!r}"
         lo, hi = min(s.req.prompt), max(s.req.prompt)
         if lo < 0 or (vocab is not None and hi >= vocab):
             return f"token ids must lie in [0, {vocab}); this prompt has {lo if lo < 0 else hi}"
@@ -429,6 +445,7 @@ class Engine:
         ``requests``: Request objects, or token-id lists (with ``params`` for all of them). A request that can
         never fit in the KV budget returns ``finish_reason="error"`` with the reason; the others go on.
         ``on_step(finished, total)``: called after every step with the number of requests done (progress)."""
+        requests = list(requests)  # (a generator is read once)
         if params is not None and any(isinstance(r, Request) for r in requests):
             raise QuantMLAError("generate(requests, params): params are for token-id lists; a Request carries its "
                                 "own SamplingParams (Request(id, prompt, params))")
@@ -438,8 +455,9 @@ class Engine:
         sched = Scheduler(self.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.watermark)
         seqs = []
         for i, r in enumerate(reqs):
-            eos = self.eos if r.params.eos_token_id is None else (
-                set(r.params.eos_token_id) if isinstance(r.params.eos_token_id, (list, tuple)) else {r.params.eos_token_id})
+            e = r.params.eos_token_id
+            e = e.reshape(-1).tolist() if isinstance(e, torch.Tensor) else e  # (a tensor hashes by identity)
+            eos = self.eos if e is None else {int(x) for x in e} if isinstance(e, (list, tuple, set)) else {int(e)}
             seqs.append(Sequence(r, i, eos))
         width = self.max_pages_per_seq * cfg.page_size
         vocab = getattr(self.model.config, "vocab_size", None)
@@ -448,6 +466,10 @@ class Engine:
             bad = self._bad_request(s, vocab)
             if bad is not None:  # fails alone, before any token of it reaches the model
                 sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
+            elif self.spec.max_positions and need > self.spec.max_positions:
+                sched._fail(s, QuantMLAError(
+                    f"request {s.req.request_id!r} needs {need} positions but the model has max_position_embeddings "
+                    f"{self.spec.max_positions}: shorten the prompt or max_new_tokens"))
             elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
                 sched._fail(s, QuantMLAError(
                     f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "

@@ -149,6 +149,8 @@ def run(args) -> int:
         print(f"serving {args.model}: {quant.describe()}, {engine.num_pages} pages of {cfg.page_size} tokens "
               f"({engine.bytes_per_token:.0f} B/token over {len(engine.formats)} layers), backend {engine.backend.name}, "
               f"{len(reqs)} requests", file=sys.stderr)
+        if engine.backend.fallback_reason:
+            print(f"  (the Triton kernels cannot run this: {engine.backend.fallback_reason})", file=sys.stderr)
         with tqdm(total=len(reqs), desc="requests", unit="req", disable=args.no_progress, leave=False) as bar:
             outs = engine.generate(reqs, on_step=lambda done, total: bar.update(done - bar.n))
         st = engine.stats

@@ -240,6 +240,7 @@ class TritonPagedBackend(AttentionBackend):
             combine = None if meta.graph_buckets is None else self.graph_combine(*meta.graph_buckets)[kind]
             cache[kind] = _kernels().get_mla_metadata(meta.seq_lens, H, 1, layout, config=cfg, combine=combine,
                                                       follow_units=follows_units(own))
+            cache[kind].lengths = None  # cut from this step's own seq_lens (an inference tensor): no host read a layer
         return cache[kind]
 
     def decode(self, slot, q_lat, q_rope, meta):
