@@ -140,7 +140,8 @@ def test_auto_backend_says_why_it_is_not_the_kernels(v3):
                                   backend="auto"))
     eng.close()
     assert eng.backend.name == "torch" and "3-bit" in eng.backend.fallback_reason
-    assert Engine(v3, EngineConfig(num_pages=8, page_size=16, backend="torch")).backend.fallback_reason is None
+    with Engine(v3, EngineConfig(num_pages=8, page_size=16, backend="torch")) as chosen:
+        assert chosen.backend.fallback_reason is None
 
 
 def test_requests_that_cannot_run_fail_alone(v3):
