@@ -36,14 +36,14 @@ def test_one_string_is_not_a_list_of_documents():
 
 
 def test_calibration_text_needs_the_held_out_set_it_is_given(tmp_path):
-    """A held-out directory without its manifest and code set is refused (nothing could be left out); the shipped
-    one leaves its packages out."""
+    """A held-out directory without its code set is refused (nothing could be left out); the shipped one leaves its
+    packages and documents out."""
     import json
 
     from quantmla.corpus import datasets as DS
     from quantmla.corpus.calibration_text import calibration_texts
 
-    with pytest.raises(QuantMLAError, match="no manifest.json or code.jsonl under the held-out set"):
+    with pytest.raises(QuantMLAError, match="no code.jsonl under the held-out set"):
         calibration_texts(max_bytes=1000, heldout_root=str(tmp_path))
     root = DS.heldout_root()
     held = json.loads((root / "manifest.json").read_text())["heldout_packages"]

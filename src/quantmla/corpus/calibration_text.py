@@ -15,15 +15,14 @@ from quantmla.errors import QuantMLAError
 def calibration_texts(max_bytes: int = 400_000, heldout_root: str | None = None, seed: str = "quantmla-calib") -> list[str]:
     """Documents of at least `max_bytes` in all (whole files), from the standard library of the running Python,
     leaving out the packages and documents of the held-out set at `heldout_root` (default: the shipped one, where
-    there is one); their order is fixed by `seed`. A `heldout_root` given without its manifest.json and code.jsonl
-    is refused: nothing could be left out."""
+    there is one; its manifest.json names whole packages to leave out, where it has one); their order is fixed by
+    `seed`. A `heldout_root` given without its code.jsonl is refused: no held-out document could be left out."""
     held: set[str] = set()
     held_docs: set[str] = set()
     root = DS.heldout_root(heldout_root)
-    missing = [f for f in ("manifest.json", "code.jsonl") if not (root / f).exists()]
-    if heldout_root is not None and missing:
-        raise QuantMLAError(f"no {' or '.join(missing)} under the held-out set {root}: the calibration text leaves the "
-                            "held-out packages and documents out; give the directory that holds them")
+    if heldout_root is not None and not (root / "code.jsonl").exists():
+        raise QuantMLAError(f"no code.jsonl under the held-out set {root}: the calibration text leaves the held-out "
+                            "documents out; give the directory that holds them")
     man = root / "manifest.json"
     if man.exists():
         held = set(json.loads(man.read_text()).get("heldout_packages", []))
