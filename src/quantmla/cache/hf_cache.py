@@ -5,19 +5,20 @@ latent [B, 1, T, d_c] and k_rope [B, 1, T, d_r]. Each MLA layer here quantizes t
 (per its ``CacheFormat``), stores packed codes and group metadata, and returns the *dequantized*
 history including the new tokens — so every attention read, prefill included, sees the quantized
 cache. With per-token codes and no full-precision window a prefill reads it as token-by-token decode steps
-would. With a window of W tokens a decode query at position t reads tokens (t − W, t] unquantized and the older
-ones quantized; one forward hands every query the same history, so ``QuantMLALayer.doubled_reads()`` (a context
-manager, per-token codes only) makes an update of an empty layer return every token twice, quantized then
-unquantized, [B, 1, 2T, ·], for a forward whose attention mask picks each query's own reading
-(``evaluation.decode_reads``). RoPE blocks quantized over several tokens (kivi, rope_channel) are read as decode
-steps a forward a token (``QuantMLALayer.exact_prefill``). Non-MLA layers (e.g. kimi_linear's linear attention)
-get transformers' own layer classes.
+would. Two caches give a decode query a history of its own: a window of W tokens (query t reads tokens (t − W, t]
+unquantized, the older ones quantized) and RoPE keys quantized per channel over blocks of tokens (kivi,
+rope_channel: a block not yet complete is read quantized over the tokens it holds so far). Within
+``QuantMLALayer.expanded_reads()`` (a context manager) an update returns every version of a token some new query
+reads — the history after the update, the unquantized tokens, each incomplete block's prefixes — laid out by
+``expanded_keys``, for a forward whose attention mask picks each query's own reading (``evaluation.decode_reads``).
+Non-MLA layers (e.g. kimi_linear's linear attention) get transformers' own layer classes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
@@ -35,10 +36,76 @@ from quantmla.quant.format import PathFormat
 from quantmla.quant.groupwise import Quantized, check_finite, dequantize, quantize
 
 
+@dataclass(frozen=True)
+class ExpandedKeys:
+    """The keys an update of tokens start .. end − 1 returns within ``QuantMLALayer.expanded_reads()`` and the queries
+    that read each. A decode query i (s = i − W its newest stored token, W the window) reads token j unquantized where
+    i − W < j ≤ i; an older token's RoPE key quantized over its whole block of `block` tokens where the block is
+    complete by s, else over the block's tokens up to s (or unquantized: KIVI's fp_residual), its content latent
+    quantized per token. The keys come in three runs:
+
+    - the history after the update (`end` keys, token j at j): what decode query end − 1 reads;
+    - `n_raw` unquantized tokens end − n_raw .. end − 1: the window before the update and the new tokens (none
+      without a window);
+    - for each query i in start .. end − 2 whose block k = s // block is incomplete (p = s − k·block + 1 < block
+      tokens stored), the block's first p tokens read as query i reads them (prefix keys, read by query i alone).
+
+    tokens, lo, hi: [K] int64, each key's token and the first and last query reading it (lo > hi: none);
+    prefix_first, prefix_len: [n] int64, each prefix's first token and length, in key order."""
+
+    start: int
+    end: int
+    n_raw: int
+    tokens: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    prefix_first: torch.Tensor
+    prefix_len: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
+def _prefix_total(n_queries: int, block: int) -> int:
+    """Σ over s = 0 .. n_queries − 1 of (s + 1) mod block: the prefix keys of queries whose newest stored tokens are
+    0 .. n_queries − 1."""
+    full, rest = divmod(max(n_queries, 0), block)
+    return full * block * (block - 1) // 2 + rest * (rest + 1) // 2
+
+
+def expanded_key_count(start: int, end: int, window: int, block: int) -> int:
+    """len(expanded_keys(start, end, window, block)), in closed form."""
+    n_raw = end - max(0, start - window) if window else 0
+    return end + n_raw + _prefix_total(end - 1 - window, block) - _prefix_total(start - window, block)
+
+
+def expanded_keys(start: int, end: int, window: int, block: int) -> ExpandedKeys:
+    """The key layout of an update of tokens start .. end − 1 into a layer holding `start` tokens as decode steps
+    leave them (`window`: full-precision window; `block`: tokens quantized together, 1 for per-token codes)."""
+    j = torch.arange(end)
+    newest = end - 1 - window  # the newest stored token after the update (< 0: none)
+    done = (j // block + 1) * block  # the tokens stored once j's block is complete
+    lo = torch.where(done <= newest + 1, done - 1 + window, torch.where(j <= newest, end - 1, end))
+    hi = torch.full_like(j, end - 1)
+    n_raw = end - max(0, start - window) if window else 0
+    raw = torch.arange(end - n_raw, end)
+    queries = torch.arange(start, end - 1)
+    stored = queries - window
+    p = (stored + 1) % block
+    queries, stored, p = (t[(stored >= 0) & (p > 0)] for t in (queries, stored, p))
+    first = stored - p + 1
+    offset = torch.arange(int(p.sum())) - torch.repeat_interleave(torch.cumsum(p, 0) - p, p)
+    reader = torch.repeat_interleave(queries, p)
+    return ExpandedKeys(start, end, n_raw, torch.cat([j, raw, torch.repeat_interleave(first, p) + offset]),
+                        torch.cat([lo, raw, reader]), torch.cat([hi, (raw + window - 1).clamp(max=end - 1), reader]),
+                        first, p)
+
+
 class _PathStore:
     """The stored tokens of one path of one layer: packed codes + metadata, or raw values (16-bit)."""
 
     per_token_codes = True  # every token's codes stand alone: dropping or adding tokens leaves the others' codes
+    block = 1  # tokens quantized together
 
     def __init__(self, fmt: PathFormat, dim: int):
         self.fmt, self.dim = fmt, dim
@@ -118,36 +185,43 @@ class QuantMLALayer(CacheLayerMixin):
     def exact_prefill(self) -> int | None:
         """How many leading tokens one plain forward over a sequence reads as token-by-token decode steps read them
         (None: any number): every token with per-token codes and no window; the window's length with one, since a
-        decode query reads its own newest tokens unquantized (``doubled_reads`` reads a window in one forward all the
-        same); 1 where a store quantizes blocks of tokens together (a block is quantized over its tokens so far in a
-        decode, over all of them in one forward)."""
+        decode query reads its own newest tokens unquantized; 1 where a store quantizes blocks of tokens together (a
+        block is quantized over its tokens so far in a decode, over all of them in one forward). Within
+        ``expanded_reads`` a forward reads every token as decode steps do all the same."""
         if not (self.content.per_token_codes and self.rope.per_token_codes):
             return 1
         return self.fp_window or None
 
     @property
-    def can_read_doubled(self) -> bool:
-        """Whether ``doubled_reads`` applies: per-token codes on both paths and a full-precision window."""
-        return self.fp_window > 0 and self.content.per_token_codes and self.rope.per_token_codes
+    def can_read_expanded(self) -> bool:
+        """Whether ``expanded_reads`` applies: per-token content codes, and a full-precision window or RoPE keys
+        quantized over blocks of tokens (without either a plain forward reads as decode steps do)."""
+        return self.content.block == 1 and (self.fp_window > 0 or self.rope.block > 1)
+
+    def expanded_keys(self, n_new: int) -> ExpandedKeys:
+        """The keys an update of `n_new` tokens returns within ``expanded_reads`` (``expanded_keys`` from the tokens
+        held now)."""
+        n = self.cumulative_length
+        return expanded_keys(n, n + n_new, self.fp_window, self.rope.block)
 
     @contextmanager
-    def doubled_reads(self) -> Iterator[QuantMLALayer]:
-        """Within it, an update of T tokens into the empty layer stores them as ever (the oldest T − W quantized, the
-        newest W in the window) but returns every token twice along the token axis: latent [B, 1, 2T, d_c] and RoPE
-        key [B, 1, 2T, d_r], token j quantized at j and unquantized at T + j. Each token's codes stand alone, so its
-        quantized value is the one every decode step reads once it has left the window. Slots T − W .. T − 1 of the
-        quantized half hold the window's tokens unquantized: a decode query i reads token j quantized only where
-        j ≤ i − W ≤ T − 1 − W. The forward's attention mask picks each query's reading
-        (``evaluation.decode_reads.doubled_mask``). Per-token codes and a window only (``can_read_doubled``); the mode
-        ends on exit, on error too."""
-        if not self.can_read_doubled:
-            raise QuantMLAError(f"cache layer {self.layer_idx}: doubled reads need per-token codes on both paths and a "
-                                "full-precision window")
-        self._doubled = True
+    def expanded_reads(self) -> Iterator[QuantMLALayer]:
+        """Within it, an update of T tokens stores them as ever (the layer ends as decode steps leave it) but returns
+        along the token axis every version of a token that one of the T new queries reads, laid out by
+        ``expanded_keys``: the history after the update, the window and the new tokens unquantized, and the prefixes
+        of blocks read before they are complete; latent [B, 1, K, d_c] and RoPE key [B, 1, K, d_r]. A key's content
+        latent is its token's as the decode reads it (quantized once the token is stored, whatever the RoPE version)
+        and its RoPE key is the stored one, rotated at its token's own position. The forward's attention mask picks
+        each query's reading (``evaluation.decode_reads.expanded_mask``). Per-token content codes, and a window or
+        RoPE blocks (``can_read_expanded``); the mode ends on exit, on error too."""
+        if not self.can_read_expanded:
+            raise QuantMLAError(f"cache layer {self.layer_idx}: expanded reads need per-token content codes and a "
+                                "full-precision window or RoPE keys quantized over blocks of tokens")
+        self._expanded = True
         try:
             yield self
         finally:
-            self._doubled = False
+            self._expanded = False
 
     def __init__(self, fmt: CacheFormat, d_c: int, d_r: int, fp_window: int = 0, layer_idx: int | None = None,
                  rope_offset: torch.Tensor | None = None):
@@ -160,7 +234,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.rope = _PathStore(fmt.rope, d_r)
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None  # raw recent (latent, k_rope) [B, W, ·]
         self.cumulative_length = 0
-        self._doubled = False  # doubled_reads
+        self._expanded = False  # expanded_reads
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -176,16 +250,15 @@ class QuantMLALayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states = latent [B, 1, T, d_c], value_states = k_rope [B, 1, T, d_r] (MLA's update call) -> the history
-        latent [B, 1, T', d_c] and RoPE key [B, 1, T', d_r] (T' tokens so far; 2T within ``doubled_reads``)."""
+        latent [B, 1, T', d_c] and RoPE key [B, 1, T', d_r] (T' tokens so far; within ``expanded_reads`` the K keys of
+        ``expanded_keys``)."""
         latent, k_rope = key_states, value_states
         self._check(latent, k_rope)
         if not self.is_initialized:
             self.lazy_initialization(latent, k_rope)
         check_finite(latent, f"content latents of layer {self.layer_idx}")
         check_finite(k_rope, f"RoPE keys of layer {self.layer_idx}")
-        if self._doubled and self.cumulative_length:
-            raise QuantMLAError(f"cache layer {self.layer_idx} holds {self.cumulative_length} tokens: doubled reads "
-                                "start from an empty layer")
+        keys = self._expansion(latent.shape[2]) if self._expanded else None
         self.cumulative_length += latent.shape[2]
         new_c, new_r = latent[:, 0], k_rope[:, 0]  # [B, T, ·]
         new_r = centre_rope_keys(new_r, self.rope_offset)
@@ -193,15 +266,33 @@ class QuantMLALayer(CacheLayerMixin):
             new_c = torch.cat([self.window[0], new_c], dim=1)
             new_r = torch.cat([self.window[1], new_r], dim=1)
         n_quant = max(0, new_c.shape[1] - self.fp_window)
+        prefixes = None
+        if keys is not None and len(keys.prefix_len):  # read before the blocks they begin are completed
+            prefixes = self.rope.prefix_reads(new_r[:, :n_quant], keys.prefix_first, keys.prefix_len, latent.dtype)
         if n_quant:
             self.content.append(new_c[:, :n_quant])
             self.rope.append(new_r[:, :n_quant])
         self.window = (new_c[:, n_quant:], new_r[:, n_quant:]) if self.fp_window else None
         c, r = self._read(latent.dtype)
-        if self._doubled:  # [quantized (the window's slots unquantized) ; unquantized]
-            c = torch.cat([c, new_c.to(latent.dtype).unsqueeze(1)], dim=2)
-            r = torch.cat([r, new_r.to(latent.dtype).unsqueeze(1)], dim=2)
-        return c, r
+        if keys is None:
+            return c, r
+        parts_c, parts_r = [c], [r]
+        if keys.n_raw:  # the window before the update and the new tokens, unquantized
+            parts_c.append(new_c.to(c.dtype).unsqueeze(1))
+            parts_r.append(new_r.to(r.dtype).unsqueeze(1))
+        if prefixes is not None:  # each prefix key with its stored token's content
+            parts_c.append(c[:, :, keys.tokens[c.shape[2] + keys.n_raw :].to(c.device)])
+            parts_r.append(prefixes.unsqueeze(1))
+        return torch.cat(parts_c, dim=2), torch.cat(parts_r, dim=2)
+
+    def _expansion(self, n_new: int) -> ExpandedKeys:
+        """The key layout of an update of `n_new` tokens within ``expanded_reads``, for a layer as decode steps leave
+        it (its window holding its newest tokens up to the window's length)."""
+        held = 0 if self.window is None else self.window[0].shape[1]
+        if held != min(self.cumulative_length, self.fp_window):
+            raise QuantMLAError(f"cache layer {self.layer_idx}: expanded reads need the newest "
+                                f"{min(self.cumulative_length, self.fp_window)} tokens in the window, it holds {held}")
+        return self.expanded_keys(n_new)
 
     def _read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The history in `dtype`: latent [B, 1, T, d_c] and RoPE key [B, 1, T, d_r], stored tokens dequantized, then

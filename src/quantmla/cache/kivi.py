@@ -13,7 +13,9 @@ Reads. A completed block is stored as codes and read dequantized by every later 
 the reads of a prefill that completed it (so a prefill's queries inside a block see its quantized
 keys — stricter than a token-by-token decode, where they would still sit in the residual). The
 residual's at most ``block − 1`` most recent RoPE keys are read at full precision with
-``fp_residual``, else quantized over the partial block.
+``fp_residual``, else quantized over the partial block. Within ``QuantMLALayer.expanded_reads`` an
+update also returns each block's prefixes as earlier decode steps read them
+(``_ChannelBlockStore.prefix_reads``), so a forward over them gives each query its decode reading.
 
 Bytes per token (per layer), stated honestly:
 
@@ -173,9 +175,27 @@ class _ChannelBlockStore:
         block by repeating its last token (which leaves each channel's range unchanged)."""
         r = self.residual
         pad = r[:, -1:].expand(-1, self.block - r.shape[1], -1)
-        x = torch.cat([r, pad], dim=1).transpose(1, 2).unsqueeze(1).contiguous()  # [B, 1, D, block]
-        deq = dequantize(quantize(x, self.qfmt), self.qfmt, self.block, dtype)
-        return deq[:, 0].transpose(1, 2)[:, : r.shape[1]]
+        return self._round_trip(torch.cat([r, pad], dim=1).unsqueeze(1), dtype)[:, 0, : r.shape[1]]
+
+    def _round_trip(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks x [B, n, block, dim] quantized per channel over each block's tokens, read back in `dtype`."""
+        q = quantize(x.transpose(2, 3).contiguous(), self.qfmt)  # [B, n, dim, block]: one group per channel
+        return dequantize(q, self.qfmt, self.block, dtype).transpose(2, 3)
+
+    def prefix_reads(self, new: torch.Tensor, first: torch.Tensor, length: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """Blocks read before they are complete: for each n the tokens first[n] .. first[n] + length[n] − 1 of a block
+        beginning at first[n], as a read holding only those of it reads them (quantized per channel over them as
+        ``_read_partial`` quantizes the residual, or unquantized with fp_residual) -> [B, Σ length, dim] in `dtype`.
+        The tokens lie in the residual or among `new` [B, N, dim], the tokens about to be appended: call it before
+        ``append``. first, length: [n] int64, first[n] a block boundary at or after the completed blocks."""
+        held = new if self.residual is None else torch.cat([self.residual, new], dim=1)
+        pos = torch.arange(self.block)
+        last = (length - 1)[:, None]
+        idx = first[:, None] - self.quantized_length + torch.minimum(pos[None], last)  # [n, block], last token repeated
+        x = held[:, idx.to(held.device)]  # [B, n, block, dim]
+        x = x.to(dtype) if self.fmt.fp_residual else self._round_trip(x, dtype)
+        return x[:, (pos[None] <= last).to(x.device)]
 
     @property
     def quantized_length(self) -> int:

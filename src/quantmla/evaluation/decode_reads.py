@@ -7,22 +7,31 @@ logits. Two caches differ:
 - a full-precision window of W tokens: a decode query at position t reads tokens (t − W, t] unquantized and the
   older ones quantized, a history of its own; one plain forward over T > W tokens keeps only the last W of all T
   unquantized, so its earlier queries would read their own recent tokens quantized;
-- RoPE keys quantized per channel over blocks of tokens (KIVI-style, per page): a decode reads a block quantized
+- RoPE keys quantized per channel over blocks of B tokens (KIVI-style, per page): a decode reads a block quantized
   over the tokens it has so far; one forward would read it quantized over all of them, later tokens included.
 
-A window over per-token codes is read in one forward over doubled keys: within ``QuantMLALayer.doubled_reads()``
-each layer of an empty cache returns every token twice, quantized then unquantized ([B, 1, 2T, ·]; the newest W,
-which no query reads quantized, stand unquantized in both halves), and the forward's 4D additive attention mask
-(``doubled_mask``, [B, 1, T, 2T]) lets query i read token j quantized where j ≤ i − W and unquantized where
-i − W < j ≤ i: each query's decode reading, with RoPE positions 0..T − 1 as usual. The layers store the tokens as
-ever, so the cache ends as decode steps leave it. transformers hands a 4D mask to the attention
-as it is; eager and sdpa attention add it to the scores (deepseek_v2, deepseek_v3, minicpm3, glm4_moe_lite,
-longcat_flash, youtu alike).
+Both are read in forwards over expanded keys: within ``QuantMLALayer.expanded_reads()`` an update returns every
+version of a token that one of its queries reads (``cache.hf_cache.expanded_keys``): the history after the update
+(completed blocks quantized over the block, the last one as the last query reads it, the window unquantized), the
+window and the new tokens unquantized, and for each query whose newest stored token s sits in an incomplete block the
+block's first p = s mod B + 1 tokens quantized over those p (prefix keys, each read by that query alone). The
+forward's 4D additive attention mask (``expanded_mask``, [batch, 1, T, K]) lets each query read exactly its decode
+step's keys, with RoPE positions as usual: the cache stores RoPE keys rotated, so every version of a token carries its
+own position's rotation. K is T, plus T with a window (a window over per-token codes doubles the keys), plus about
+T·(B − 1)/2 prefix keys with blocks. The layers store the tokens as ever, so the cache ends as decode steps leave it.
+transformers hands a 4D mask to the attention as it is; eager and sdpa attention add it to the scores (deepseek_v2,
+deepseek_v3, minicpm3, glm4_moe_lite, longcat_flash, youtu alike).
 
-Other caches (blocked RoPE keys, a non-MLA layer, a cache already holding tokens, an attention that takes no
-additive mask) say how many leading tokens one forward reads exactly (``QuantMLALayer.exact_prefill``): a sequence
-is prefilled that far in one forward and decoded a token a forward after, so the later positions' hidden states, and
-with them the keys of the layers above, are the decode's too.
+A forward's attention scores grow as queries × keys, and most of them are masked: over all T queries at once the
+prefix keys alone number about T·(B − 1)/2. So the queries are read in consecutive spans of at most ``MAX_SCORES``
+scores (per sequence and head; ``expanded_spans``), each one forward whose update starts from the cache as the
+previous span left it (decode steps' state), so a span scores only its own prefix keys besides the history. Where
+the budget leaves one query a forward (a decode step) the rest is decoded a token a forward.
+
+Other caches (a non-MLA layer, a cache already holding tokens, an attention that takes no additive mask, or
+``expanded=False``) say how many leading tokens one forward reads exactly (``QuantMLALayer.exact_prefill``): a
+sequence is prefilled that far in one forward and decoded a token a forward after, so the later positions' hidden
+states, and with them the keys of the layers above, are the decode's too.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 import torch
+
+from quantmla.cache.hf_cache import ExpandedKeys, expanded_key_count
 
 
 def _mla_layers(cache) -> list:
@@ -40,25 +51,30 @@ DECODE_BATCH = 16  # sequences decoded together where a cache is read a forward 
 
 MASKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a 4D float mask to the scores
 
+# attention scores (queries × keys) of one expanded forward, per sequence and head: 0.5 MiB in fp32. On 2 CPU threads
+# (qmla-ref-deepseek-v3, blocks of 32 and 64) 2^17 is within 10 % of the fastest budget at 512 and at 4096 tokens:
+# smaller spans re-read the history more often, larger ones score more keys their queries do not read.
+MAX_SCORES = 1 << 17
 
-def reads_doubled(cache, model=None) -> bool:
-    """Whether decode_logits reads `cache` in one forward over doubled keys: every layer an empty QuantMLALayer with
-    per-token codes and one full-precision window (``QuantMLALayer.can_read_doubled``), and, given `model`, an
-    attention implementation that adds a 4D mask to the scores (``MASKED_ATTENTION``)."""
+
+def reads_expanded(cache, model=None) -> bool:
+    """Whether decode_logits reads `cache` over expanded keys: every layer an empty QuantMLALayer with per-token
+    content codes and a full-precision window or blocked RoPE keys (``QuantMLALayer.can_read_expanded``), all with
+    one window and one block, and, given `model`, an attention implementation that adds a 4D mask to the scores
+    (``MASKED_ATTENTION``)."""
     layers = _mla_layers(cache)
     if not layers or len(layers) != len(getattr(cache, "layers", ())):
         return False
     if model is not None and getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTION:
         return False
-    return (all(getattr(layer, "can_read_doubled", False) and layer.get_seq_length() == 0 for layer in layers)
-            and len({layer.fp_window for layer in layers}) == 1)
+    return (all(getattr(layer, "can_read_expanded", False) and layer.get_seq_length() == 0 for layer in layers)
+            and len({(layer.fp_window, layer.rope.block) for layer in layers}) == 1)
 
 
 def reads_by_steps(cache, model=None) -> bool:
-    """Whether decode_logits reads `cache` a forward a token (RoPE blocks quantized over several tokens, or a window
-    that cannot be read over doubled keys, `model`'s attention given): callers then decode several sequences
-    together (DECODE_BATCH)."""
-    return not reads_doubled(cache, model) and any(layer.exact_prefill() is not None for layer in _mla_layers(cache))
+    """Whether decode_logits reads `cache` a forward a token (a window or RoPE blocks that cannot be read over
+    expanded keys, `model`'s attention given): callers then decode several sequences together (DECODE_BATCH)."""
+    return not reads_expanded(cache, model) and any(layer.exact_prefill() is not None for layer in _mla_layers(cache))
 
 
 def exact_prefill(cache, n_tokens: int) -> int:
@@ -68,42 +84,72 @@ def exact_prefill(cache, n_tokens: int) -> int:
     return max(1, min([n_tokens, *limits]))
 
 
-def doubled_mask(batch: int, n_tokens: int, window: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """The additive attention mask [batch, 1, T, 2T] of a forward over doubled keys (T = n_tokens): 0 where query i
-    may read key k, the dtype's lowest value elsewhere. Keys 0..T − 1 are the tokens quantized, T..2T − 1 the same
-    tokens unquantized: query i reads token j quantized where j ≤ i − window, unquantized where i − window < j ≤ i."""
-    pos = torch.arange(n_tokens, device=device)
-    back = pos[:, None] - pos[None, :]  # i − j [T, T]
-    allowed = torch.cat([back >= window, (back >= 0) & (back < window)], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, n_tokens, 2 * n_tokens)
+def expanded_mask(keys: ExpandedKeys, batch: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The additive attention mask [batch, 1, T, K] of a forward over expanded keys (T = keys.end − keys.start
+    queries, K = len(keys)): 0 where query i reads key k (keys.lo[k] ≤ i ≤ keys.hi[k]), the dtype's lowest value
+    elsewhere."""
+    queries = torch.arange(keys.start, keys.end)[:, None]
+    allowed = (queries >= keys.lo[None]) & (queries <= keys.hi[None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed.to(device),
+                                                                             torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, *allowed.shape)
+
+
+def expanded_spans(n_tokens: int, window: int, block: int, max_scores: int = MAX_SCORES) -> list[tuple[int, int]]:
+    """Consecutive spans [a, b) of query positions from 0, each read in one forward over expanded keys with at most
+    `max_scores` scores (b − a queries × ``expanded_key_count(a, b, window, block)`` keys), each as long as that
+    allows; they end where the budget leaves a single query (the rest is decoded a token a forward) or at
+    `n_tokens`."""
+    spans: list[tuple[int, int]] = []
+    a = 0
+    while a < n_tokens:
+        lo, hi = a + 1, n_tokens  # the longest span from a within the budget: b in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (mid - a) * expanded_key_count(a, mid, window, block) <= max_scores:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo - a < 2 and lo < n_tokens:
+            break
+        spans.append((a, lo))
+        a = lo
+    return spans
 
 
 @torch.no_grad()
-def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, doubled: bool = True) -> torch.Tensor:
+def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, expanded: bool = True,
+                  max_scores: int = MAX_SCORES) -> torch.Tensor:
     """Logits [B, T − first, V] (float32) of the queries at positions first..T−1 of ids [B, T], each as a decode step
-    reading `cache` gives it: one forward over doubled keys where the cache reads so (``reads_doubled``) and
-    `doubled` allows it, else one forward over the first ``exact_prefill(cache, T)`` tokens and then one a token
-    (``doubled=False``: that way for a window too, to compare). Rows of a batch may be right-padded: a padded position
-    is later than every real one, so no real query reads it."""
+    reading `cache` gives it: forwards over expanded keys where the cache reads so (``reads_expanded``) and `expanded`
+    allows it, in spans of at most `max_scores` scores per sequence and head (``expanded_spans``), else one forward
+    over the first ``exact_prefill(cache, T)`` tokens; then one a token for the rest (``expanded=False``: that way
+    for every cache, to compare). Rows of a batch may be right-padded: a padded position is later than every real
+    one, so no real query reads it."""
     B, T = ids.shape
     if not 0 <= first < T:
         raise ValueError(f"first query {first} is outside a sequence of {T} tokens")
-    if doubled and reads_doubled(cache, model):
-        layers = _mla_layers(cache)
-        mask = doubled_mask(B, T, layers[0].fp_window, model.dtype, ids.device)
-        with ExitStack() as stack:
-            for layer in layers:
-                stack.enter_context(layer.doubled_reads())
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                        logits_to_keep=T - first)
-        return out.logits.float()
-    n = exact_prefill(cache, T)
-    if n < T:
-        for layer in _mla_layers(cache):
-            layer.keep_read_back()  # T - n more reads: each dequantizes its new token only
-    out = [model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True).logits[:, first:].float()]
-    for t in range(n, T):
+    layers = _mla_layers(cache)
+    out, done = [], 0
+    if expanded and reads_expanded(cache, model):
+        for a, b in expanded_spans(T, layers[0].fp_window, layers[0].rope.block, max_scores):
+            mask = expanded_mask(layers[0].expanded_keys(b - a), B, model.dtype, ids.device)
+            keep = b - max(a, first)
+            with ExitStack() as stack:
+                for layer in layers:
+                    stack.enter_context(layer.expanded_reads())
+                logits = model(input_ids=ids[:, a:b], attention_mask=mask, past_key_values=cache, use_cache=True,
+                               logits_to_keep=max(keep, 1)).logits
+            if keep > 0:
+                out.append(logits.float())
+            done = b
+    if not done:
+        done = exact_prefill(cache, T)
+        out.append(model(input_ids=ids[:, :done], past_key_values=cache, use_cache=True).logits[:, first:].float())
+    if done < T:
+        for layer in layers:
+            layer.keep_read_back()  # T - done more reads: each dequantizes its new token only
+    for t in range(done, T):
         step = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits.float()
         if t >= first:
             out.append(step)

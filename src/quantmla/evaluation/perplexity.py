@@ -13,8 +13,8 @@
   transformers make a plain ``DynamicCache``) and ``use_cache=True``: the prefill's
   attention reads the keys/values *after* they went through ``cache.update``. A cache with a
   full-precision window, or with RoPE keys quantized per channel over blocks of tokens, is read
-  as decode steps read it (``evaluation.decode_reads``): a window in one forward over doubled keys,
-  blocked RoPE keys a forward a token after the first (16 chunks together).
+  as decode steps read it (``evaluation.decode_reads``): in a few forwards over expanded keys, or,
+  with an attention that takes no additive mask, a forward a token (then 16 chunks together).
 - Token ``t`` of a chunk is predicted from tokens ``< t`` of the same chunk (the first
   token of a chunk is context only). Units: ``bits = -log2 p(token)``; each predicted token
   counts its exact UTF-8 bytes (:func:`quantmla.evaluation.tokens.token_byte_lengths`);

@@ -9,9 +9,8 @@ forward over ``prompt + answer`` (``[1, n_tokens]``, ``past_key_values=cache_fac
 a fresh cache per sample, ``use_cache=True``); the sample is correct when, at every answer
 position, the answer token is the argmax of the logits — exactly what greedy decoding of
 the answer would produce. (The prefill attends through the cache: keys/values are read
-back from ``cache.update``; with a full-precision window each query reads its own window, in one
-forward over doubled keys, and with RoPE keys blocked per channel the answer's queries are decoded
-a token a forward: ``evaluation.decode_reads``.)
+back from ``cache.update``; with a full-precision window or RoPE keys blocked per channel each
+query reads the cache as its decode step would, over expanded keys: ``evaluation.decode_reads``.)
 
 Returns a dict: ``accuracy`` (fraction correct), ``correct``, ``n``, ``per_sample``
 (list of bools), ``answer_logprob`` (mean log-probability of the answer tokens, nats),
@@ -31,8 +30,9 @@ from quantmla.evaluation.decode_reads import DECODE_BATCH, decode_logits, reads_
 def _answer_logits(model, pairs: list[tuple[list[int], list[int]]], cache_factory, device):
     """Per (prompt ids, answer ids) pair, the logits [len(answer), V] (float32) that predict the answer's tokens: the
     logits at position t predict token t + 1, so the answer's sit at len(prompt) - 1 .. len(prompt) + len(answer) - 2.
-    A pair a forward; where the cache is read a forward a token (decode_reads.reads_by_steps: blocked RoPE keys),
-    DECODE_BATCH pairs together, right-padded (decode steps cost the same for one sequence or several)."""
+    A pair a forward; where the cache is read a forward a token (decode_reads.reads_by_steps: an attention without
+    an additive mask), DECODE_BATCH pairs together, right-padded (decode steps cost the same for one sequence or
+    several)."""
     ready = cache_factory(model) if cache_factory is not None and pairs else None  # the first group's
     batch = DECODE_BATCH if ready is not None and reads_by_steps(ready, model) else 1
     for i in range(0, len(pairs), batch):
