@@ -71,6 +71,12 @@ def test_append_tiling_defaults_and_bad_knobs():
                                ("paths_apart", "no", "paths_apart must be True, False or None, got 'no'")):
             with pytest.raises(QuantMLAError, match=re.escape(msg)):
                 append_to_pages(*args, **{knob: bad})
+    ok = (torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros(1, D_C, device=DEV), torch.zeros(1, D_R, device=DEV))
+    for i, name in enumerate(("slots", "latent", "k_rope")):  # an input on another device: named, before any work
+        moved = list(ok)
+        moved[i] = moved[i].to("meta")
+        with pytest.raises(QuantMLAError, match=f"{name} is on meta, the cache on {DEV}"):
+            append_to_pages(pool.layer(0), lay, *moved)
 
 
 @pytest.mark.parametrize("fmt", [CacheFormat(PathFormat(4, 16, meta_dtype="float32"), PathFormat(4, 16)),

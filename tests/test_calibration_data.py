@@ -33,6 +33,9 @@ def test_one_string_is_not_a_list_of_documents():
     with pytest.raises(QuantMLAError, match="texts_or_token_chunks is one string"):
         bits_per_byte(None, CharTokenizer(), "abcdefgh", seq_len=4)
     assert token_chunks(CharTokenizer(), ["abcdefgh"], 4).shape == (2, 4)
+    for seq_len, most in ((0, None), (4, 0)):
+        with pytest.raises(QuantMLAError, match="give at least 1"):
+            token_chunks(CharTokenizer(), ["abcdefgh"], seq_len, most)
 
 
 def test_calibration_text_needs_the_held_out_set_it_is_given(tmp_path):

@@ -15,6 +15,8 @@ def token_chunks(tokenizer, texts: Sequence[str], seq_len: int, max_chunks: int 
     Tokenizing stops once ``max_chunks`` chunks are full. One string is refused: it would be a document a character."""
     if isinstance(texts, str):
         raise QuantMLAError("texts is one string: pass a list of documents, e.g. [text]")
+    if seq_len < 1 or (max_chunks is not None and max_chunks < 1):
+        raise QuantMLAError(f"seq_len {seq_len} and max_chunks {max_chunks}: give at least 1 (max_chunks None: all)")
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for i, t in enumerate(texts):

@@ -249,6 +249,10 @@ def append_to_pages(
     T = xc.shape[0]
     if xr.shape[0] != T or slots.shape[0] != T:
         raise QuantMLAError(f"latent has {T} tokens, k_rope {xr.shape[0]}, slots {slots.shape[0]}")
+    for name, t in (("latent", latent), ("k_rope", k_rope), ("slots", slots)):
+        if t.device != kv_pages.device:
+            raise QuantMLAError(f"{name} is on {t.device}, the cache on {kv_pages.device}: the append reads every "
+                                f"input on the cache's device (move it with .to({str(kv_pages.device)!r}))")
     pages, pc16, pr16 = page_views(kv_pages, layout)
     block_t, num_warps, paths_apart = append_tiling(layout, T, block_t, num_warps, paths_apart)
     if not _use_triton(kv_pages):
