@@ -55,6 +55,9 @@ MASKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a 4D 
 # (qmla-ref-deepseek-v3, blocks of 32 and 64) 2^17 is within 10 % of the fastest budget at 512 and at 4096 tokens:
 # smaller spans re-read the history more often, larger ones score more keys their queries do not read.
 MAX_SCORES = 1 << 17
+# on a GPU a forward costs more in launches than in scores: 2^25 (128 MiB in fp32) reads a 4096-token sequence with a
+# window over per-token codes in one forward (4096 × 8192 scores), as the doubled keys did (chosen so, not measured)
+MAX_SCORES_CUDA = 1 << 25
 
 
 def reads_expanded(cache, model=None) -> bool:
@@ -119,10 +122,11 @@ def expanded_spans(n_tokens: int, window: int, block: int, max_scores: int = MAX
 
 @torch.no_grad()
 def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, expanded: bool = True,
-                  max_scores: int = MAX_SCORES) -> torch.Tensor:
+                  max_scores: int | None = None) -> torch.Tensor:
     """Logits [B, T − first, V] (float32) of the queries at positions first..T−1 of ids [B, T], each as a decode step
     reading `cache` gives it: forwards over expanded keys where the cache reads so (``reads_expanded``) and `expanded`
-    allows it, in spans of at most `max_scores` scores per sequence and head (``expanded_spans``), else one forward
+    allows it, in spans of at most `max_scores` scores per sequence and head (``expanded_spans``; None:
+    ``MAX_SCORES_CUDA`` for ids on a GPU, ``MAX_SCORES`` elsewhere), else one forward
     over the first ``exact_prefill(cache, T)`` tokens; then one a token for the rest (``expanded=False``: that way
     for every cache, to compare). Rows of a batch may be right-padded: a padded position is later than every real
     one, so no real query reads it."""
@@ -130,6 +134,8 @@ def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, expan
     if not 0 <= first < T:
         raise ValueError(f"first query {first} is outside a sequence of {T} tokens")
     layers = _mla_layers(cache)
+    if max_scores is None:
+        max_scores = MAX_SCORES_CUDA if ids.is_cuda else MAX_SCORES
     out, done = [], 0
     if expanded and reads_expanded(cache, model):
         for a, b in expanded_spans(T, layers[0].fp_window, layers[0].rope.block, max_scores):
