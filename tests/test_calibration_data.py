@@ -33,9 +33,10 @@ def test_one_string_is_not_a_list_of_documents():
     with pytest.raises(QuantMLAError, match="texts_or_token_chunks is one string"):
         bits_per_byte(None, CharTokenizer(), "abcdefgh", seq_len=4)
     assert token_chunks(CharTokenizer(), ["abcdefgh"], 4).shape == (2, 4)
-    for seq_len, most in ((0, None), (4, 0)):
-        with pytest.raises(QuantMLAError, match="give at least 1"):
+    for seq_len, most in ((0, None), (4, -1)):
+        with pytest.raises(QuantMLAError, match="a chunk holds at least 1 token, and max_chunks counts chunks"):
             token_chunks(CharTokenizer(), ["abcdefgh"], seq_len, most)
+    assert token_chunks(CharTokenizer(), ["ab"], 4, 0).shape == (0, 4)  # none asked for: none, even from a short text
 
 
 def test_calibration_text_needs_the_held_out_set_it_is_given(tmp_path):
