@@ -118,6 +118,37 @@ def test_graph_buckets_an_engine_holds(v3):
             eng.decode_graph(5)
 
 
+@pytest.mark.parametrize("replace", ["module", "data"])
+def test_graphs_are_dropped_when_a_weight_is_replaced_between_jobs(replace):
+    """A module swapped at its owner or a weight's storage replaced after a job: the engine holds no graphs (they
+    read the old storage) and the next job captures them again and computes with the new weights, as a fresh
+    engine does. An in-place update keeps them."""
+    prompts, params = _prompts((10, 7), seed=2), SamplingParams(max_new_tokens=5, ignore_eos=True)
+    v3 = tiny_model("deepseek_v3")  # its own: the module's shared model stays as it is
+    attn = v3.model.layers[0].self_attn
+    kept = attn.kv_a_proj_with_mqa
+    with _engine(v3) as eng:
+        eng.generate(prompts, params)
+        held = eng.graph_count
+        assert held > 0
+        with torch.no_grad():
+            kept.weight.mul_(1.0)
+        assert eng.graph_count == held
+        if replace == "module":
+            new = torch.nn.Linear(kept.in_features, kept.out_features, bias=kept.bias is not None)
+            with torch.no_grad():
+                new.weight.copy_(kept.weight.flip(0))
+            attn.kv_a_proj_with_mqa = new
+        else:
+            kept.weight.data = kept.weight.data.flip(0)
+        assert eng.graph_count == 0
+        got = [o.output_ids for o in eng.generate(prompts, params)]
+        assert eng.graph_count > 0
+    with _engine(v3) as fresh:
+        want = [o.output_ids for o in fresh.generate(prompts, params)]
+    assert got == want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_observer_sees_every_capture_on_gpu():

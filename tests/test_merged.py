@@ -57,6 +57,18 @@ def test_a_replaced_weight_makes_the_stack_stale_and_release_restores_storage():
     assert not m.current()
 
 
+def test_a_module_replaced_at_its_owner_makes_the_stack_stale():
+    """A whole module swapped at its owner (attn.q_proj = nn.Linear(...)) leaves the old module's weight a view of
+    the stack, so only the owners' lookup can tell: current() is False and callers run the new module."""
+    owner = nn.Module()
+    owner.a, owner.b = _linears([16, 8])
+    m = MergedLinears([owner.a, owner.b], lambda: [owner.a, owner.b])
+    assert m.current()
+    owner.b = nn.Linear(owner.b.in_features, owner.b.out_features, bias=owner.b.bias is not None)
+    assert not m.current()
+    assert MergedLinears([owner.a, owner.b]).current()  # without owners the swap goes unseen (the lookup is needed)
+
+
 class _HookedLinear(nn.Linear):
     pass
 
@@ -145,6 +157,17 @@ def test_mlp_attach_fuses_inside_steps_only_and_detach_restores():
         n = len(calls)
         torch.testing.assert_close(silu(x), ref, rtol=1e-5, atol=1e-6)
         assert len(calls) == n
+        silu.up_proj.weight.data = silu.__dict__[mlp._KEY]["merged"].weight[silu.gate_proj.out_features:]  # a view again
+        n = len(calls)
+        silu(x)
+        assert len(calls) > n
+        old = silu.up_proj
+        silu.up_proj = nn.Linear(old.in_features, old.out_features, bias=False).to(DEV)
+        n = len(calls)
+        torch.testing.assert_close(silu(x), silu.__dict__[mlp._KEY]["orig"](x), rtol=0, atol=0)  # the new module
+        assert len(calls) == n
+        silu.up_proj = old
+        silu.up_proj.weight.data = silu.up_proj.weight.data.clone()  # stale again
         late = _Engine()  # an engine attaching now is told so
         assert "replaced" in mlp.attach(model, late, lambda: active[0], cpu=True)["silu"]
         mlp.detach(model, late)
@@ -200,6 +223,21 @@ def test_engine_merges_the_query_and_kv_projections_and_falls_back_when_a_weight
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got[0][0], logits_off[0][0], rtol=1e-3, atol=1e-3)  # the replaced weight mattered
+
+    kv_a = attn.kv_a_proj_with_mqa  # the whole module swapped at its owner while the engine is attached
+    new = nn.Linear(kv_a.in_features, kv_a.out_features, bias=kv_a.bias is not None)
+    with torch.no_grad():
+        new.weight.copy_(kv_a.weight.flip(0))
+    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
+                                    keep_logits=True)) as eng:
+        attn.kv_a_proj_with_mqa = new
+        got = [o.logits for o in eng.generate(prompts, sp)]
+    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
+                                    keep_logits=True, merged_projections=False)) as eng:
+        want_new = [o.logits for o in eng.generate(prompts, sp)]
+    for a, b in zip(got, want_new):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want_new[0][0], want[0][0], rtol=1e-3, atol=1e-3)  # the new module mattered
 
 
 def test_engine_keeps_the_mlps_on_the_cpu_and_says_why():

@@ -242,12 +242,25 @@ class Engine:
                 pair = [view.q_in_proj, module.kv_a_proj_with_mqa]  # one GEMM of the hidden states
                 why = merge_reason(pair)
                 if why is None:
-                    reg["merged"] = MergedLinears(pair)
+                    reg["merged"] = MergedLinears(pair, lambda v=view: [v.q_in_proj, v.m.kv_a_proj_with_mqa])
                 else:
                     why_not.append(why)
             self._patched[slot] = module
         self.projections = ("off (EngineConfig.merged_projections)" if not self.config.merged_projections
                             else why_not[0] if why_not else "merged")
+        self._weights_seen = self._weights()
+
+    def _weights(self) -> tuple:
+        """Every parameter's identity and storage, as the graphs were captured over them."""
+        return tuple((id(p), p.data_ptr()) for p in self.model.parameters())
+
+    def _drop_stale_graphs(self) -> None:
+        """Forget the graphs where a module or a weight was replaced since they were captured (``attn.q_proj =
+        ...``, ``weight.data = ...``; between jobs): the next job captures them anew rather than replaying reads of
+        the old storage. In-place updates keep the storage and the graphs."""
+        if self._weights() != self._weights_seen:
+            self._graphs = self._prefill = None
+            self._weights_seen = self._weights()
 
     def close(self) -> None:
         """Unregister from the model; the last engine gives the modules their own forwards (and weights) back."""
@@ -345,7 +358,9 @@ class Engine:
 
     @property
     def graph_count(self) -> int:
-        """Decode and prefill graph buckets this engine holds (captured, or prepared when emulated)."""
+        """Decode and prefill graph buckets this engine holds (captured, or prepared when emulated); none once a
+        module or weight was replaced (they are captured again in the next job)."""
+        self._drop_stale_graphs()
         return sum(len(h.graphs) for h in (self._graphs, self._prefill) if h is not None)
 
     def _decode_graphs(self) -> DecodeGraphs:
@@ -477,6 +492,7 @@ class Engine:
             else:
                 sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))
+        self._drop_stale_graphs()
         if self.stage is not None:
             self.stage.update([])  # sequence indices are the job's: no row stays with an earlier job's
         t0 = time.perf_counter()

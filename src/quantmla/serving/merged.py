@@ -9,12 +9,15 @@ stacked; the MLP's gate and up projections 2 x 15.4 µs apart and 27.2 µs stack
 The stacked weight costs no memory: each module's ``weight`` (and ``bias``) becomes a view of its row block in
 the stacked tensor (the ``Parameter`` objects stay the same), and :meth:`MergedLinears.release` gives each
 module its own storage back. Until then an in-place update of a module's weight updates the stacked one; a
-module whose weight was replaced (``.data`` set anew) is no longer a view of it, and :meth:`MergedLinears.current`
-says so, so callers fall back to the modules' own products rather than a stale copy. Saving the model meanwhile
+module whose weight was replaced (``.data`` set anew) is no longer a view of it, and a module replaced as a whole
+(``attn.q_proj = nn.Linear(...)``) is no longer the one its owner holds (``owners``); :meth:`MergedLinears.current`
+says so in either case, so callers fall back to the modules' own products rather than a stale copy. Saving the model meanwhile
 writes each module's own rows (``save_pretrained`` and safetensors' ``save_file`` take the views as they are).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +49,15 @@ class MergedLinears:
     """``linears`` (plain ``nn.Linear`` of one input width, see :func:`merge_reason`) as one product.
 
     ``weight`` [sum of out_features, in_features] stacks their weights in order; calling it on x [..., in]
-    returns one output per module, [..., out_i] (views of one GEMM's output)."""
+    returns one output per module, [..., out_i] (views of one GEMM's output). ``owners()`` (optional) returns the
+    modules their owners hold now, in the same order (e.g. ``lambda: [mlp.gate_proj, mlp.up_proj]``)."""
 
-    def __init__(self, linears: list[nn.Module]):
+    def __init__(self, linears: list[nn.Module], owners: Callable[[], list[nn.Module]] | None = None):
         why = merge_reason(linears)
         if why:
             raise ValueError(f"cannot merge these linears: {why}")
         self.linears = list(linears)
+        self.owners = owners
         self.sizes = [lin.out_features for lin in linears]
         with torch.no_grad():
             self.weight = torch.cat([lin.weight.detach() for lin in linears])
@@ -70,7 +75,10 @@ class MergedLinears:
                 for lin in self.linears]
 
     def current(self) -> bool:
-        """Whether every module's weight is still the view of its block (not replaced since the merge)."""
+        """Whether every module is still its owner's (``owners``) and its weight still the view of its block (neither
+        replaced since the merge)."""
+        if self.owners is not None and any(a is not b for a, b in zip(self.owners(), self.linears, strict=True)):
+            return False
         return self._pointers() == self._views
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -53,7 +53,7 @@ def probe(module: nn.Module, forward: Callable) -> tuple[MergedLinears | None, s
     x = torch.randn(5, module.gate_proj.in_features, generator=g, device=w.device).to(w.dtype)
     with torch.no_grad():
         ref = forward(x)
-        merged = MergedLinears(lins)
+        merged = MergedLinears(lins, lambda: [module.gate_proj, module.up_proj])
         try:
             got = _fused(module, merged, x)
         except (ValueError, RuntimeError) as e:
