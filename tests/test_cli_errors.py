@@ -429,12 +429,12 @@ def test_checkpoint_without_weights(ckpts, tmp_path, capsys):
 def test_serve_counts_the_positions_a_request_feeds():
     """A prompt of P tokens with N new ones feeds P + N - 1 positions (the last new token is never fed back): it
     fits a model of exactly that many, and one more is refused naming both."""
-    import types
-
     from quantmla.cli import CLIError
+    from quantmla.serving.scheduler import Request, SamplingParams
     from quantmla.serving.serve_command import check_lengths
 
-    req = types.SimpleNamespace(prompt=[1] * 10, params=types.SimpleNamespace(max_new_tokens=7))
+    req = Request(0, [1] * 10, SamplingParams(max_new_tokens=7))
+    assert req.positions == 16
     check_lengths([{"id": 0}], [req], 16)
     with pytest.raises(CLIError, match="needs 16 positions, but the model has max_position_embeddings 15"):
         check_lengths([{"id": 0}], [req], 15)

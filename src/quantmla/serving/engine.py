@@ -477,8 +477,8 @@ class Engine:
         width = self.max_pages_per_seq * cfg.page_size
         vocab = getattr(self.model.config, "vocab_size", None)
         for s in seqs:
-            need = s.prompt_len + s.req.params.max_new_tokens - 1
             bad = self._bad_request(s, vocab)
+            need = s.req.positions if bad is None else 0
             if bad is not None:  # fails alone, before any token of it reaches the model
                 sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
             elif self.spec.max_positions and need > self.spec.max_positions:

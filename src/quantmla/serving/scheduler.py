@@ -62,6 +62,11 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     cached_prefix: int = 0
 
+    @property
+    def positions(self) -> int:
+        """Positions the request reaches: its prompt and every new token but the last (returned, never fed)."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
+
 
 @dataclass
 class RequestOutput:

@@ -86,7 +86,7 @@ def check_lengths(records: list[dict], reqs: list, max_positions: int | None) ->
     if not max_positions:
         return
     for r, q in zip(records, reqs):
-        need = len(q.prompt) + q.params.max_new_tokens - 1  # the last new token is returned, never fed
+        need = q.positions
         if need > max_positions:
             raise CLIError(
                 f"prompt {r['id']!r} has {len(q.prompt)} tokens; with {q.params.max_new_tokens} new tokens it needs "
