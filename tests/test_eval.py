@@ -246,6 +246,37 @@ def test_table_writer(tmp_path):
         table.write([bad], str(tmp_path))
 
 
+def test_table_stores_per_sample_outcomes_as_a_string_and_loads_them_as_booleans(tmp_path):
+    """per_sample lists are a string of 0 and 1 in the file and booleans again after load; the paired interval
+    reads them; a file written with lists loads the same; a string of other characters is refused by name."""
+    outcomes = {"BF16": [True] * 8 + [False, True], "INT2/INT4": [True, False] * 5}
+    rows = []
+    for config, method, bpb in (("BF16", "bf16", 2.0), ("INT2/INT4", "rtn", 2.4)):
+        r = _row("m", config, method, bpb, sum(outcomes[config]) / 10, 32 if method == "rtn" else 96)
+        r["retrieval"]["1024"]["per_sample"] = list(outcomes[config])
+        rows.append(r)
+    jpath, _ = table.write(rows, str(tmp_path))
+    text = Path(jpath).read_text()
+    assert '"per_sample":"1010101010"' in text.replace(" ", "") and "true" not in text
+    back = {r["config"]: r for r in table.load(str(tmp_path))}
+    assert back["INT2/INT4"]["retrieval"]["1024"]["per_sample"] == outcomes["INT2/INT4"]
+    assert back["BF16"]["retrieval"]["1024"]["per_sample"] == outcomes["BF16"]
+    assert rows[1]["retrieval"]["1024"]["per_sample"] == outcomes["INT2/INT4"]  # the caller's rows stay lists
+    assert back["INT2/INT4"]["retrieval_delta_ci"]["1024"][0] < -30 < back["INT2/INT4"]["retrieval_delta_ci"]["1024"][1]
+
+    doc = json.loads(text)  # a file of lists (written before) loads the same
+    for r in doc["rows"]:
+        r["retrieval"]["1024"]["per_sample"] = outcomes[r["config"]]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "accuracy.json").write_text(json.dumps(doc))
+    assert [r["retrieval"]["1024"]["per_sample"] for r in table.load(str(tmp_path / "old"))] == \
+        [outcomes[r["config"]] for r in doc["rows"]]
+    doc["rows"][0]["retrieval"]["1024"]["per_sample"] = "10x1"
+    (tmp_path / "old" / "accuracy.json").write_text(json.dumps(doc))
+    with pytest.raises(QuantMLAError, match="not a string of 0 and 1"):
+        table.load(str(tmp_path / "old"))
+
+
 def test_table_refuses_mixed_data_and_silent_replacement(tmp_path):
     """Rows of other data settings never join a file, and never get a Δ from a BF16 row of other data."""
     out = str(tmp_path)

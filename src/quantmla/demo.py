@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -85,8 +84,9 @@ def run(args) -> int:
                                          "--method", "bf16", "rtn", "kivi", "hadamard", "quantmla",
                                          "quantmla-rope-channel", "--rope-block", "32",
                                          "--out", args.out, "--no-merge", *sizes])
-    with open(os.path.join(args.out, "accuracy.json")) as f:
-        rows = [r for r in json.load(f)["rows"] if r.get("model") == name]
+    from quantmla.evaluation import table
+
+    rows = [r for r in table.load(args.out) if r.get("model") == name]
     with open(os.path.join(args.out, "accuracy.md")) as f:
         table_md = f.read()
 

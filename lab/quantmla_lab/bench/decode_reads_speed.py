@@ -4,7 +4,7 @@ caches whose reading needs them (a full-precision window, RoPE keys per channel 
 
     python -m quantmla_lab.bench.decode_reads_speed models/qmla-ref-deepseek-v3 --rows INT4/INT4:kivi:64/32 \\
         INT4/INT4:quantmla-rope-channel:64/32 INT4/INT4:rtn:64/32 --windows 0 64 --blocks 32 --seq-lens 512 4096 \\
-        --max-scores 15 17 19 --out lab/results/eval/decode_reads_speed_cpu.json
+        --max-scores 15 17 19 --out lab/results/eval/decode_reads_speed_budgets_cpu.json
 
 Held-out code chunks of each length, ``--batch`` sequences a call; every time is the median of ``--reps`` calls, each
 from a fresh cache (the cache is built outside the clock). ``--steps`` also times a forward a token and records the

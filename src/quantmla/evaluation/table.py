@@ -1,10 +1,12 @@
 """Result files of `quantmla eval`: <out>/accuracy.json and the Markdown table <out>/accuracy.md.
 
 JSON: {"eval_mode", "data", "rows": [row, ...]}. A row has model, config, method, format,
-bits_per_byte, retrieval {"1024": {"accuracy", "n"}, ...}, bytes_per_token (per token per MLA layer),
+bits_per_byte, retrieval {"1024": {"accuracy", "n", "per_sample"}, ...}, bytes_per_token (per token per MLA layer),
 eval_mode, `data` (the data settings it was measured on, DATA_KEYS) and `setup` (how the row's cache
 was set up, SETUP_KEYS: group sizes, full-precision window, calibration size). Once a BF16 row of the
-same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points.
+same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points. A retrieval's per_sample outcomes
+are a list of booleans in memory and a string of "1" and "0" in the file (:func:`pack_samples`; files that hold
+lists load as well).
 
 Rules:
 - rows join a file only when they were measured on the same data as the rows there (every key of
@@ -117,8 +119,32 @@ def check_same_data(rows: list[dict], where: str = "the rows") -> dict | None:
     return datas[0] if datas else None
 
 
+def pack_samples(rows: list[dict]) -> list[dict]:
+    """Copies of `rows` whose retrieval per_sample lists of booleans are strings of "1" and "0" (the file's form:
+    a character a sample instead of a JSON boolean)."""
+    def pack(v):
+        ps = v.get("per_sample")
+        return {**v, "per_sample": "".join("1" if x else "0" for x in ps)} if isinstance(ps, list) else v
+    return [{**r, "retrieval": {L: pack(v) for L, v in r["retrieval"].items()}} if isinstance(r.get("retrieval"), dict)
+            else r for r in rows]
+
+
+def unpack_samples(rows: list[dict], where: str) -> list[dict]:
+    """`rows` as read from a file, their per_sample strings turned back into lists of booleans (in place); a string
+    with other characters than "0" and "1" is refused, naming `where`."""
+    for r in rows:
+        for L, v in (r.get("retrieval") or {}).items():
+            ps = v.get("per_sample") if isinstance(v, dict) else None
+            if isinstance(ps, str):
+                if set(ps) - {"0", "1"}:
+                    raise QuantMLAError(f"{where}: row {r.get('model')} {r.get('config')} {r.get('method')} holds "
+                                        f"per_sample {ps[:20]!r} at {L} tokens, which is not a string of 0 and 1")
+                v["per_sample"] = [c == "1" for c in ps]
+    return rows
+
+
 def load(out_dir: str) -> list[dict]:
-    """The rows of <out_dir>/accuracy.json ([] when there is none)."""
+    """The rows of <out_dir>/accuracy.json ([] when there is none), per_sample outcomes as lists of booleans."""
     jpath = os.path.join(out_dir, "accuracy.json")
     if not os.path.exists(jpath):
         return []
@@ -127,7 +153,7 @@ def load(out_dir: str) -> list[dict]:
             doc = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise QuantMLAError(f"{jpath} is not a result file ({e}); give another --out, or --overwrite to replace it") from None
-    return list(doc.get("rows", []))
+    return unpack_samples(list(doc.get("rows", [])), jpath)
 
 
 def check_merge(old: list[dict], data: dict, replace: bool, out_dir: str, new_keys=(),
@@ -366,7 +392,7 @@ def write(rows: list[dict], out_dir: str, base: list[dict] | None = None, claim_
         data = json.loads(datas.pop()) if len(datas) == 1 else None
     os.makedirs(out_dir, exist_ok=True)
     jpath, mpath = os.path.join(out_dir, "accuracy.json"), os.path.join(out_dir, "accuracy.md")
-    doc = {"eval_mode": EVAL_MODE, "data": data, "rows": allrows}
+    doc = {"eval_mode": EVAL_MODE, "data": data, "rows": pack_samples(allrows)}
     for path, text in ((jpath, jsonfile.dumps(jsonfile.strict(doc)) + "\n"), (mpath, markdown(allrows, claim_lines))):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
