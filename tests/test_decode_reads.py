@@ -286,6 +286,29 @@ def test_expanded_spans_fit_the_budget_and_fall_back_to_steps():
     assert expanded_spans(43, 0, 8, whole) == [(0, 43)] and len(expanded_spans(43, 0, 8, whole - 1)) == 2
 
 
+def test_score_budget_grows_with_the_sequence_on_cpu(monkeypatch):
+    """The default budget: 2^7 scores a token and at least 2^17 on CPU, 2^25 on a GPU; decode_logits reads with it
+    (its spans, counted as forwards, are those of score_budget's value, not of the constant)."""
+    from quantmla.evaluation import decode_reads
+
+    assert decode_reads.score_budget(512, cuda=False) == 1 << 17
+    assert decode_reads.score_budget(4096, cuda=False) == 1 << 19
+    assert decode_reads.score_budget(100_000, cuda=True) == decode_reads.MAX_SCORES_CUDA == 1 << 25
+    monkeypatch.setattr(decode_reads, "MAX_SCORES", 1)  # the floor out of the way: 2^7 a token alone
+    monkeypatch.setattr(decode_reads, "SCORES_PER_TOKEN", 25)
+    torch.manual_seed(0)
+    model = _model("deepseek_v3")
+    ids = torch.randint(3, 128, (1, 43))
+    factory = _factory("INT4/INT4", 8, **BLOCKED["kivi8"])
+    spans = expanded_spans(43, 8, 8, 25 * 43)
+    assert 1 < len(spans) < 43
+    cache = factory(model)
+    with _Forwards(model, cache) as seen:
+        decode_logits(model, ids, cache)
+    done = spans[-1][1]
+    assert seen.calls == len(spans) + 43 - done
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_spans_read_as_decode_steps_and_leave_the_steps_cache(attn):
     """A budget that splits 43 queries into several forwards over expanded keys, each update starting from the cache

@@ -24,7 +24,7 @@ import torch
 from quantmla.corpus import datasets as DS
 from quantmla.corpus.chunks import token_chunks
 from quantmla.evaluation.configs import named_config
-from quantmla.evaluation.decode_reads import MAX_SCORES, MAX_SCORES_CUDA, decode_logits, reads_expanded
+from quantmla.evaluation.decode_reads import decode_logits, reads_expanded, score_budget
 from quantmla.evaluation.harness import RowSpec
 from quantmla.model.load import load_model
 from quantmla_lab.bench.common import record, save
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512])
     p.add_argument("--batch", type=int, default=1, help="sequences a call")
     p.add_argument("--max-scores", type=int, nargs="+", default=None, metavar="LOG2",
-                   help="score budgets as powers of two (default: the library's for the device)")
+                   help="score budgets as powers of two (default: the library's, score_budget)")
     p.add_argument("--steps", action="store_true", help="also time a forward a token")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default="cpu")
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
     if args.out and os.path.exists(args.out):
         raise SystemExit(f"{args.out} exists: name another file (results are not overwritten)")
     device = torch.device(args.device)
-    default = MAX_SCORES_CUDA if device.type == "cuda" else MAX_SCORES
-    budgets = [1 << b for b in args.max_scores] if args.max_scores else [default]
+    budgets = [1 << b for b in args.max_scores] if args.max_scores else [None]
     model, tok = load_model(args.model, device=args.device)
     texts = DS.load_texts(args.kind)
     data = {n: token_chunks(tok, texts, n, args.batch).to(device) for n in args.seq_lens}
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
     if short:
         raise SystemExit(f"held-out {args.kind} text gives fewer than {args.batch} chunks of {short} tokens")
     out = record(model=os.path.basename(os.path.normpath(args.model)), kind=args.kind, batch=args.batch,
-                 threads=torch.get_num_threads(), reps=args.reps, default_max_scores=default, runs=[])
+                 threads=torch.get_num_threads(), reps=args.reps, runs=[])
     for config, method, c, r in rows:
         for window in args.windows:
             for block in args.blocks:
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
                     run = {"config": config, "method": method, "groups": f"{c}/{r}", "window": window,
                            "block": block, "seq_len": n, "expanded": []}
                     logits = None
-                    for budget in budgets:
+                    for budget in (b or score_budget(n, device.type == "cuda") for b in budgets):
                         caches = iter([make(model) for _ in range(args.reps)])
                         s, logits = _seconds(lambda: decode_logits(model, ids, next(caches), max_scores=budget),
                                              args.reps, device)

@@ -51,13 +51,23 @@ DECODE_BATCH = 16  # sequences decoded together where a cache is read a forward 
 
 MASKED_ATTENTION = ("eager", "sdpa")  # attention implementations that add a 4D float mask to the scores
 
-# attention scores (queries × keys) of one expanded forward, per sequence and head: 0.5 MiB in fp32. On 2 CPU threads
-# (qmla-ref-deepseek-v3, blocks of 32 and 64) 2^17 is within 10 % of the fastest budget at 512 and at 4096 tokens:
-# smaller spans re-read the history more often, larger ones score more keys their queries do not read.
+# attention scores (queries × keys) of one expanded forward, per sequence and head. Smaller spans re-read the history
+# more often, larger ones score more keys their queries do not read; the first cost grows with the sequence. On 2 CPU
+# threads (qmla-ref-deepseek-v3, KIVI-style and per-channel RoPE blocks of 32, windows 0 and 64; budgets 2^15, 2^17,
+# 2^19; lab/results/eval/decode_reads_speed_budgets_cpu.json) 2^17 is the fastest at 512 tokens and 2^19 at 4096 in
+# three of four caches (2^17 up to 2x slower there): so the budget is 2^7 scores a token, at least 2^17.
 MAX_SCORES = 1 << 17
-# on a GPU a forward costs more in launches than in scores: 2^25 (128 MiB in fp32) reads a 4096-token sequence with a
-# window over per-token codes in one forward (4096 × 8192 scores), as the doubled keys did (chosen so, not measured)
+SCORES_PER_TOKEN = 1 << 7
+# on a GPU a forward costs more in launches than in scores: at 4096 tokens (a window over per-token codes, and
+# KIVI-style blocks of 16 with the window; an H100, lab/results/eval/decode_reads_speed_h100.json) 2^25 is the fastest
+# of 2^21 to 2^27 (2^23: 1.1 to 1.4x its time; 2^27 level, or 1.5x with blocks)
 MAX_SCORES_CUDA = 1 << 25
+
+
+def score_budget(n_tokens: int, cuda: bool) -> int:
+    """The scores (queries × keys, per sequence and head) one expanded forward may take when reading a sequence of
+    `n_tokens`: ``MAX_SCORES_CUDA`` on a GPU, else ``SCORES_PER_TOKEN`` a token and at least ``MAX_SCORES``."""
+    return MAX_SCORES_CUDA if cuda else max(MAX_SCORES, SCORES_PER_TOKEN * n_tokens)
 
 
 def reads_expanded(cache, model=None) -> bool:
@@ -126,7 +136,7 @@ def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, expan
     """Logits [B, T − first, V] (float32) of the queries at positions first..T−1 of ids [B, T], each as a decode step
     reading `cache` gives it: forwards over expanded keys where the cache reads so (``reads_expanded``) and `expanded`
     allows it, in spans of at most `max_scores` scores per sequence and head (``expanded_spans``; None:
-    ``MAX_SCORES_CUDA`` for ids on a GPU, ``MAX_SCORES`` elsewhere), else one forward
+    ``score_budget(T, ids on a GPU)``), else one forward
     over the first ``exact_prefill(cache, T)`` tokens; then one a token for the rest (``expanded=False``: that way
     for every cache, to compare). Rows of a batch may be right-padded: a padded position is later than every real
     one, so no real query reads it."""
@@ -135,7 +145,7 @@ def decode_logits(model, ids: torch.Tensor, cache=None, first: int = 0, *, expan
         raise ValueError(f"first query {first} is outside a sequence of {T} tokens")
     layers = _mla_layers(cache)
     if max_scores is None:
-        max_scores = MAX_SCORES_CUDA if ids.is_cuda else MAX_SCORES
+        max_scores = score_budget(T, ids.is_cuda)
     out, done = [], 0
     if expanded and reads_expanded(cache, model):
         for a, b in expanded_spans(T, layers[0].fp_window, layers[0].rope.block, max_scores):
