@@ -213,30 +213,28 @@ def test_engine_merges_the_query_and_kv_projections_and_falls_back_when_a_weight
     for a, b in zip(logits_on, logits_off):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
-    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
-                                    keep_logits=True)) as eng:
-        first.weight.data = first.weight.data.flip(0)  # new values, no longer held by the stack
-        got = [o.logits for o in eng.generate(prompts, sp)]
-    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
-                                    keep_logits=True, merged_projections=False)) as eng:
-        want = [o.logits for o in eng.generate(prompts, sp)]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(got[0][0], logits_off[0][0], rtol=1e-3, atol=1e-3)  # the replaced weight mattered
+    def changed_while_attached(change):
+        """Logits of an engine attached while `change()` runs, and of an unmerged engine after it."""
+        with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
+                                        keep_logits=True)) as eng:
+            change()
+            got = [o.logits for o in eng.generate(prompts, sp)]
+        _, _, want, _ = run(merged_projections=False)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return want
+
+    def flip_weight():  # new values, no longer held by the stack
+        first.weight.data = first.weight.data.flip(0)
+
+    want = changed_while_attached(flip_weight)
+    assert not torch.allclose(want[0][0], logits_off[0][0], rtol=1e-3, atol=1e-3)  # the replaced weight mattered
 
     kv_a = attn.kv_a_proj_with_mqa  # the whole module swapped at its owner while the engine is attached
     new = nn.Linear(kv_a.in_features, kv_a.out_features, bias=kv_a.bias is not None)
     with torch.no_grad():
         new.weight.copy_(kv_a.weight.flip(0))
-    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
-                                    keep_logits=True)) as eng:
-        attn.kv_a_proj_with_mqa = new
-        got = [o.logits for o in eng.generate(prompts, sp)]
-    with Engine(model, EngineConfig(quant=BF16_CONFIG, num_pages=16, page_size=16, backend="torch",
-                                    keep_logits=True, merged_projections=False)) as eng:
-        want_new = [o.logits for o in eng.generate(prompts, sp)]
-    for a, b in zip(got, want_new):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    want_new = changed_while_attached(lambda: setattr(attn, "kv_a_proj_with_mqa", new))
     assert not torch.allclose(want_new[0][0], want[0][0], rtol=1e-3, atol=1e-3)  # the new module mattered
 
 

@@ -54,6 +54,17 @@ def parse_fresh(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return a
 
 
+def cache_row(text: str, methods: tuple[str, ...]) -> tuple[str, str, int, int]:
+    """A ``--rows`` entry CONFIG:METHOD:C/R (e.g. INT4/INT4:kivi:64/32) as (config, method, content group, RoPE group),
+    METHOD one of `methods`; anything else ends the process naming the form."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[1] not in methods or parts[2].count("/") != 1 or \
+            not all(x.isdigit() for x in parts[2].split("/")):
+        sys.exit(f"--rows {text}: CONFIG:METHOD:C/R with METHOD one of {methods} and C/R the groups, e.g. 64/32")
+    c, r = (int(x) for x in parts[2].split("/"))
+    return parts[0], parts[1], c, r
+
+
 def plain(x):
     """A numpy or torch scalar (0-d) as the Python number it holds (non-finite floats as None); anything else JSON
     cannot hold is refused."""

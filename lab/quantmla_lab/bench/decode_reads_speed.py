@@ -27,17 +27,9 @@ from quantmla.evaluation.configs import named_config
 from quantmla.evaluation.decode_reads import decode_logits, reads_expanded, score_budget
 from quantmla.evaluation.harness import RowSpec
 from quantmla.model.load import load_model
-from quantmla_lab.bench.common import record, save
+from quantmla_lab.bench.common import cache_row, parse_fresh, record, save
 
 METHODS = ("rtn", "kivi", "quantmla-rope-channel")  # rows whose cache needs nothing fused into the weights
-
-
-def _row(text: str) -> tuple[str, str, int, int]:
-    parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in METHODS or parts[2].count("/") != 1:
-        raise SystemExit(f"--rows {text}: CONFIG:METHOD:C/R with METHOD one of {METHODS}")
-    c, r = (int(x) for x in parts[2].split("/"))
-    return parts[0], parts[1], c, r
 
 
 def _seconds(run, reps: int, device: torch.device) -> tuple[float, torch.Tensor]:
@@ -54,7 +46,7 @@ def _seconds(run, reps: int, device: torch.device) -> tuple[float, torch.Tensor]
     return statistics.median(times), out
 
 
-def main(argv=None) -> int:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--rows", nargs="+", required=True, metavar="CONFIG:METHOD:C/R")
@@ -69,10 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--kind", default="code")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    rows = [_row(r) for r in args.rows]
-    if args.out and os.path.exists(args.out):
-        raise SystemExit(f"{args.out} exists: name another file (results are not overwritten)")
+    args = parse_fresh(p)
+    rows = [cache_row(r, METHODS) for r in args.rows]
     device = torch.device(args.device)
     budgets = [1 << b for b in args.max_scores] if args.max_scores else [None]
     model, tok = load_model(args.model, device=args.device)

@@ -23,20 +23,12 @@ from quantmla.evaluation.configs import named_config
 from quantmla.evaluation.harness import RowSpec
 from quantmla.evaluation.perplexity import bits_per_byte
 from quantmla.model.load import load_model
-from quantmla_lab.bench.common import record
+from quantmla_lab.bench.common import cache_row, parse_fresh, record
 
 UNCALIBRATED = ("rtn", "kivi")  # rows whose cache needs nothing fused into the weights
 
 
-def _row(text: str) -> tuple[str, str, int, int]:
-    parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in UNCALIBRATED:
-        raise SystemExit(f"--rows {text}: CONFIG:METHOD:C/R with METHOD one of {UNCALIBRATED}")
-    c, r = (int(x) for x in parts[2].split("/"))
-    return parts[0], parts[1], c, r
-
-
-def main(argv=None) -> int:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--rows", nargs="+", required=True, metavar="CONFIG:METHOD:C/R")
@@ -45,10 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--kind", default="code")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    rows = [_row(r) for r in args.rows]
-    if args.out and os.path.exists(args.out):
-        raise SystemExit(f"{args.out} exists: name another file (results are not overwritten)")
+    args = parse_fresh(p)
+    rows = [cache_row(r, UNCALIBRATED) for r in args.rows]
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     chunks = list(token_chunks(tok, DS.load_texts(args.kind), args.seq_len, args.ppl_chunks))
