@@ -168,3 +168,35 @@ def test_observer_sees_every_capture_on_gpu():
         assert len(caps) == eng.graph_count and {t.size for t in caps if t.graph == "decode"} == {1, 2, 4}
         bucket, graph = eng.decode_graph(3)
         assert bucket == 4 and isinstance(graph, torch.cuda.CUDAGraph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("replace", ["module", "data"])
+def test_graphs_are_captured_again_after_a_weight_swap_on_gpu(replace):
+    """Real CUDA graphs read the storage they were captured over: after a module or a weight's storage is replaced
+    between jobs the engine captures them again (the observer sees new captures) and its tokens are a fresh
+    engine's."""
+    model = tiny_model("deepseek_v3", first_k_dense_replace=2).cuda()
+    prompts, params = _prompts((10, 7), seed=4), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    cfg = EngineConfig(num_pages=12, page_size=16, backend="triton", graph_buckets=(1, 2, 4), max_num_batched_tokens=32)
+    attn = model.model.layers[1].self_attn
+    rec = Recorder()
+    with Engine(model, cfg) as eng:
+        eng.observers.append(rec)
+        eng.generate(prompts, params)
+        first = sum(e[0] == "capture_end" for e in rec.events)
+        assert first > 0 and eng.graph_count > 0
+        old = attn.kv_a_proj_with_mqa
+        if replace == "module":
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None).cuda()
+            with torch.no_grad():
+                new.weight.copy_(old.weight.flip(0))
+            attn.kv_a_proj_with_mqa = new
+        else:
+            old.weight.data = old.weight.data.flip(0).contiguous()
+        got = [o.output_ids for o in eng.generate(prompts, params)]
+        assert sum(e[0] == "capture_end" for e in rec.events) > first
+    with Engine(model, cfg) as fresh:
+        want = [o.output_ids for o in fresh.generate(prompts, params)]
+    assert got == want
