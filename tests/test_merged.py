@@ -157,7 +157,8 @@ def test_mlp_attach_fuses_inside_steps_only_and_detach_restores():
         n = len(calls)
         torch.testing.assert_close(silu(x), ref, rtol=1e-5, atol=1e-6)
         assert len(calls) == n
-        silu.up_proj.weight.data = silu.__dict__[mlp._KEY]["merged"].weight[silu.gate_proj.out_features:]  # a view again
+        stack = silu.__dict__[mlp._KEY]["merged"].weight
+        silu.up_proj.weight.data = stack[silu.gate_proj.out_features:]  # a view of the stack again
         n = len(calls)
         silu(x)
         assert len(calls) > n

@@ -4,9 +4,9 @@ JSON: {"eval_mode", "data", "rows": [row, ...]}. A row has model, config, method
 bits_per_byte, retrieval {"1024": {"accuracy", "n", "per_sample"}, ...}, bytes_per_token (per token per MLA layer),
 eval_mode, `data` (the data settings it was measured on, DATA_KEYS) and `setup` (how the row's cache
 was set up, SETUP_KEYS: group sizes, full-precision window, calibration size). Once a BF16 row of the
-same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points. A retrieval's per_sample outcomes
-are a list of booleans in memory and a string of "1" and "0" in the file (:func:`pack_samples`; files that hold
-lists load as well).
+same model and the same data exists, rows also carry bpb_increase_pct and retrieval_delta_points. A retrieval's
+per_sample outcomes are a list of booleans in memory and a string of "1" and "0" in the file (:func:`pack_samples`;
+files that hold lists load as well).
 
 Rules:
 - rows join a file only when they were measured on the same data as the rows there (every key of

@@ -11,8 +11,8 @@ the stacked tensor (the ``Parameter`` objects stay the same), and :meth:`MergedL
 module its own storage back. Until then an in-place update of a module's weight updates the stacked one; a
 module whose weight was replaced (``.data`` set anew) is no longer a view of it, and a module replaced as a whole
 (``attn.q_proj = nn.Linear(...)``) is no longer the one its owner holds (``owners``); :meth:`MergedLinears.current`
-says so in either case, so callers fall back to the modules' own products rather than a stale copy. Saving the model meanwhile
-writes each module's own rows (``save_pretrained`` and safetensors' ``save_file`` take the views as they are).
+says so in either case, so callers fall back to the modules' own products rather than a stale copy. Saving the model
+meanwhile writes each module's own rows (``save_pretrained`` and safetensors' ``save_file`` take the views as they are).
 """
 
 from __future__ import annotations
