@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from numbers import Integral
 
 import torch
 
@@ -34,6 +33,7 @@ from quantmla.model.spec import load_spec, mla_modules
 from quantmla.model.view import MLAView
 from quantmla.quant.format import BF16
 from quantmla.serving import fused_rope, latent_range, mlp, norms
+from quantmla.serving.admission import as_requests, eos_ids, refusal
 from quantmla.serving.backends import AttentionBackend, AttnMeta, TorchPagedBackend
 from quantmla.serving.config import EngineConfig, JobStats
 from quantmla.serving.eager_step import eager_inputs
@@ -53,7 +53,6 @@ from quantmla.serving.patching import patch, unpatch
 from quantmla.serving.rope_stage import StageRows, page_grouped
 from quantmla.serving.scheduler import (
     FINISHED,
-    Request,
     RequestOutput,
     SamplingParams,
     Scheduler,
@@ -83,13 +82,6 @@ def make_backend(name: str, spec, formats, num_pages, page_size, device, dtype, 
         backend.fallback_reason = why
         return backend
     raise QuantMLAError(f"unknown attention backend {name!r}; use auto, torch or triton")
-
-
-def _is_token_id(t) -> bool:
-    """An int (numpy's too) or a one-element integer tensor; not a bool, a float or a string."""
-    if isinstance(t, torch.Tensor):
-        return t.numel() == 1 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-    return isinstance(t, Integral) and not isinstance(t, bool)
 
 
 class Engine:
@@ -439,56 +431,22 @@ class Engine:
             on_step(len(sched.finished), total)
 
     # -- the job ---------------------------------------------------------------------------------
-    @staticmethod
-    def _bad_request(s: Sequence, vocab: int | None) -> str | None:
-        """Why a request cannot run at all (empty prompt, token ids outside the vocabulary), or None."""
-        if s.prompt_len == 0:
-            return "the prompt is empty; give at least one token"
-        if not all(_is_token_id(t) for t in s.req.prompt):
-            return "the prompt must be token ids (ints); tokenize text first"
-        n = s.req.params.max_new_tokens
-        if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
-            return f"max_new_tokens must be a whole number, at least 1, got {n!r}"
-        lo, hi = min(s.req.prompt), max(s.req.prompt)
-        if lo < 0 or (vocab is not None and hi >= vocab):
-            return f"token ids must lie in [0, {vocab}); this prompt has {lo if lo < 0 else hi}"
-        return None
-
     def generate(self, requests, params: SamplingParams | None = None, on_step=None) -> list[RequestOutput]:
         """Run every request to completion; outputs come back in the order of ``requests``.
 
         ``requests``: Request objects, or token-id lists (with ``params`` for all of them). A request that can
         never fit in the KV budget returns ``finish_reason="error"`` with the reason; the others go on.
         ``on_step(finished, total)``: called after every step with the number of requests done (progress)."""
-        requests = list(requests)  # (a generator is read once)
-        if params is not None and any(isinstance(r, Request) for r in requests):
-            raise QuantMLAError("generate(requests, params): params are for token-id lists; a Request carries its "
-                                "own SamplingParams (Request(id, prompt, params))")
-        reqs = [r if isinstance(r, Request) else Request(i, list(r), params or SamplingParams())
-                for i, r in enumerate(requests)]
+        reqs = as_requests(requests, params)
         cfg = self.config
         sched = Scheduler(self.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.watermark)
-        seqs = []
-        for i, r in enumerate(reqs):
-            e = r.params.eos_token_id
-            e = e.reshape(-1).tolist() if isinstance(e, torch.Tensor) else e  # (a tensor hashes by identity)
-            eos = self.eos if e is None else {int(x) for x in e} if isinstance(e, (list, tuple, set)) else {int(e)}
-            seqs.append(Sequence(r, i, eos))
-        width = self.max_pages_per_seq * cfg.page_size
-        vocab = getattr(self.model.config, "vocab_size", None)
+        seqs = [Sequence(r, i, eos_ids(r, self.eos)) for i, r in enumerate(reqs)]
+        limits = dict(vocab=getattr(self.model.config, "vocab_size", None), max_positions=self.spec.max_positions,
+                      width=self.max_pages_per_seq * cfg.page_size, capacity=self.num_pages * cfg.page_size)
         for s in seqs:
-            bad = self._bad_request(s, vocab)
-            need = s.req.positions if bad is None else 0
-            if bad is not None:  # fails alone, before any token of it reaches the model
-                sched._fail(s, QuantMLAError(f"request {s.req.request_id!r}: {bad}"))
-            elif self.spec.max_positions and need > self.spec.max_positions:
-                sched._fail(s, QuantMLAError(
-                    f"request {s.req.request_id!r} needs {need} positions but the model has max_position_embeddings "
-                    f"{self.spec.max_positions}: shorten the prompt or max_new_tokens"))
-            elif width < need <= self.num_pages * cfg.page_size:  # fits the budget but not the block-table width
-                sched._fail(s, QuantMLAError(
-                    f"request {s.req.request_id!r} needs {need} cached tokens but the engine was built for sequences of "
-                    f"at most {width} (EngineConfig.max_model_len); build it with a larger max_model_len"))
+            why = refusal(s.req, **limits)
+            if why is not None:  # fails alone, before any token of it reaches the model
+                sched._fail(s, QuantMLAError(why))
             else:
                 sched.add(s)  # fails it if it can never fit in the KV budget
         self.stats = JobStats(requests=len(reqs))
