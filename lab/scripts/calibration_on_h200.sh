@@ -37,6 +37,12 @@
 # window-a, window-b  the same rows with a 64-token full-precision window for every method, held-out code
 #                                                   -> window_groups_gpu_a/, window_groups_gpu_b/ (merged the same way
 #                into results/window_groups_gpu/)
+# window-decode-reads  the window rows results/window_decode_reads_gpu lacks (KIVI-style, Hadamard, QuantMLA, and
+#                quantmla-rope-channel at 16-token blocks), read as decode steps read them (each row takes 60 to 110 s a
+#                model): four processes a model, one thread each, 16 on the GPU, merged
+#                                                   -> window_decode_reads_gpu_rest/ (merge it with the committed rows:
+#                quantmla eval --from-json results/window_decode_reads_gpu/accuracy.json
+#                OUT/window_decode_reads_gpu_rest/accuracy.json --out results/window_decode_reads_gpu)
 # default-groups the same rows as window-a and the single-path ablations at the default groups 64/32, no window, 200
 #                retrieval samples per length (quantmla-rope-channel at these groups is rope-block-default's)
 #                                                   -> default_groups_gpu/accuracy.json, accuracy.md
@@ -156,6 +162,31 @@ ROWS_A="BF16:bf16 FP8:rtn INT4/INT4:rtn INT2/INT4:rtn INT4/INT4:kivi INT2/INT4:k
   INT4/INT4:quantmla INT2/INT4:quantmla"
 ROWS_B="INT4/INT4:quantmla-content INT2/INT4:quantmla-content INT4/INT4:quantmla-rope INT2/INT4:quantmla-rope \
   INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel"
+window-decode-reads() {
+  local m g pids=() jsons=() dest="$OUT/window_decode_reads_gpu_rest"
+  declare -A rows=([kivi]="INT4/INT4:kivi INT2/INT4:kivi" [hadamard]="INT4/INT4:hadamard INT2/INT4:hadamard"
+                   [quantmla]="INT4/INT4:quantmla INT2/INT4:quantmla"
+                   [rc]="INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel --rope-block 16")
+  for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite; do
+    for g in kivi hadamard quantmla rc; do
+      local calib=(--calib-device cuda)
+      [ "$g" = kivi ] && calib=()  # reads no calibration data: the flag is refused
+      # shellcheck disable=SC2086  # the rows (and rc's --rope-block) split into arguments
+      OMP_NUM_THREADS=1 timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows ${rows[$g]} \
+        --fp-window 64 --groups 32/16 --retrieval-n "${N:-200}" --device cuda "${calib[@]}" \
+        --out "$WORK/wdr_$g/$m" > "$WORK/wdr_${g}_$m.log" 2>&1 &
+      pids+=($!)
+      jsons+=("$WORK/wdr_$g/$m/accuracy.json")
+    done
+  done
+  wait "${pids[@]}"
+  grep -h "bpb\|rror" "$WORK"/wdr_*.log | tail -40
+  local have=() j
+  for j in "${jsons[@]}"; do [ -f "$j" ] && have+=("$j"); done
+  python3 -m quantmla.cli eval --from-json "${have[@]}" --out "$dest" | tail -3
+  mkdir -p "$dest" && for j in "$WORK"/wdr_*.log; do echo "== $j"; grep -v "it/s\]" "$j"; done > "$dest/eval.log"
+}
+
 prose-a() { DEST=prose_groups_gpu_a MERGE= EXTRA="--kind prose" side_by_side prose_a $ROWS_A; }
 prose-b() { DEST=prose_groups_gpu_b MERGE= EXTRA="--kind prose --rope-block 16" side_by_side prose_b $ROWS_B; }
 window-a() { DEST=window_groups_gpu_a MERGE= EXTRA="--fp-window 64" side_by_side window_a $ROWS_A; }
