@@ -403,3 +403,22 @@ def test_expanded_reads_need_a_window_or_blocks_and_the_steps_window():
     with layer.expanded_reads():
         c, _ = layer.update(torch.randn(1, 1, 3, 32), torch.randn(1, 1, 3, 16))
     assert c.shape[2] == expanded_key_count(7, 10, 4, 1) == 10 + 4 + 3
+
+
+@pytest.mark.parametrize("method,window", [("kivi", 0), ("quantmla-rope-channel", 0), ("kivi", 64)])
+def test_expanded_reads_equal_decode_steps_on_a_shipped_model_in_float64(method, window):
+    """A shipped reference model (qmla-ref-deepseek-v3, d_c 128, d_r 32) in float64: KIVI-style and per-channel RoPE
+    blocks of 32, with and without a 64-token window, read over expanded keys give a forward a token's logits bit for
+    bit (in fp32 rounding can move a code and a logit with it, so the claim is made in float64)."""
+    from quantmla.corpus.datasets import model_path
+    from quantmla.model.load import load_model
+
+    model, _ = load_model(str(model_path("qmla-ref-deepseek-v3")), dtype=torch.float64)
+    model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+    make = RowSpec(named_config("INT4/INT4", 64, 32), method, kivi_block=32, fp_window=window,
+                   rope_page=32).cache_factory()
+    assert reads_expanded(make(model), model)
+    got = decode_logits(model, ids, make(model))
+    want = decode_logits(model, ids, make(model), expanded=False)
+    assert torch.equal(got, want)
