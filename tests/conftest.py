@@ -1,14 +1,15 @@
 import os
 
+import torch
+
 # The test process's one choice of Triton mode, made before any kernel module is imported (Triton reads
-# it when a kernel is defined): interpreted (CPU) unless the caller sets TRITON_INTERPRET=0 (GPU runs).
+# it when a kernel is defined): compiled where a CUDA device is present, interpreted (CPU) otherwise, unless the
+# caller sets TRITON_INTERPRET (a GPU run of pytest that interpreted the kernels failed on the CUDA tensors).
 # Test modules leave the process environment alone at import (tests/test_repository.py checks).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tests never reach the network (lm-eval, datasets)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

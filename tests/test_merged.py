@@ -60,13 +60,16 @@ def test_a_replaced_weight_makes_the_stack_stale_and_release_restores_storage():
 def test_a_module_replaced_at_its_owner_makes_the_stack_stale():
     """A whole module swapped at its owner (attn.q_proj = nn.Linear(...)) leaves the old module's weight a view of
     the stack, so only the owners' lookup can tell: current() is False and callers run the new module."""
-    owner = nn.Module()
+    owner, blind_owner = nn.Module(), nn.Module()
     owner.a, owner.b = _linears([16, 8])
+    blind_owner.a, blind_owner.b = _linears([16, 8])
     m = MergedLinears([owner.a, owner.b], lambda: [owner.a, owner.b])
-    assert m.current()
-    owner.b = nn.Linear(owner.b.in_features, owner.b.out_features, bias=owner.b.bias is not None)
+    blind = MergedLinears([blind_owner.a, blind_owner.b])
+    assert m.current() and blind.current()
+    owner.b = nn.Linear(owner.b.in_features, owner.b.out_features).to(DEV)
+    blind_owner.b = nn.Linear(blind_owner.b.in_features, blind_owner.b.out_features).to(DEV)
     assert not m.current()
-    assert MergedLinears([owner.a, owner.b]).current()  # without owners the swap goes unseen (the lookup is needed)
+    assert blind.current()  # without owners the swap goes unseen: the lookup is what sees it
 
 
 class _HookedLinear(nn.Linear):
