@@ -49,30 +49,51 @@ def test_page_metadata_plan_copies_the_page_section():
     assert "R_PAGE" not in dict(q.macros) and smem(p) - smem(q) == m["STAGES"] * (256 - 128)
 
 
-def test_page_metadata_in_blocks_is_refused_and_falls_back_to_triton(monkeypatch):
-    """A RoPE path with a metadata set per block of tokens (more than one set a page): no built-tile or
-    tokens-as-M plan (they read one set a page), so the default config is Triton's and a call asked for the
-    CUDA kernel warns and runs Triton. A block of the whole page is one set and keeps its plan."""
+def test_page_metadata_in_blocks_plan_copies_the_tiles_sets(monkeypatch):
+    """A RoPE path with a metadata set per block of tokens (several sets a page): the built-tile stage copies the
+    sets its tile's tokens read (two of 256 bytes for a 32-token tile of 16-token blocks, the one set holding a tile
+    for blocks of 64 tokens or more), and the default config at 16 rows is the CUDA kernel's. The tokens-as-M kernel
+    reads per-token metadata only."""
+    from quantmla.kernels.schedule import default_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    page = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page"))
+    blocked = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=16))
+    _, whole = plan(page)
+    lay, p = plan(blocked)
+    m, w = dict(p.macros), dict(whole.macros)
+    assert (m["R_PAGE"], m["R_BLK"], m["PMB_R"], m["BN"]) == (1, 16, 256, 32) and "R_BLK" not in w
+    assert m["PMB_R"] == lay.page_field_bytes["rope_page_meta"] // 4 and w["PMB_R"] == 256
+    assert m["STAGES"] == w["STAGES"] and m["SMEM_EXPECTED"] - w["SMEM_EXPECTED"] == m["STAGES"] * 256
+    _, p64 = plan(blocked, num_warps=16, block_n=64)  # a 64-token tile reads the page's four sets
+    assert dict(p64.macros)["SMEM_EXPECTED"] - dict(plan(page, num_warps=16, block_n=64)[1].macros)[
+        "SMEM_EXPECTED"] == dict(p64.macros)["STAGES"] * 3 * 256
+    _, tm = plan(blocked, tokens_m=True)
+    assert tm is None and "per-token fp16 metadata" in cuda.plan_reason[lay]
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        assert default_config(16, lay, "cuda").kernel == "cuda"
+
+
+def test_page_metadata_the_tile_cannot_read_falls_back_to_triton(monkeypatch):
+    """A RoPE path per page whose metadata the built tile cannot read in its 16-bit type (fp32 sets): no CUDA plan,
+    so the default config is Triton's and a call asked for the CUDA kernel warns and runs Triton."""
     import types
 
     from quantmla.kernels import launch
     from quantmla.kernels.schedule import DecodeConfig, default_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    blocked = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=16))
-    lay, p = plan(blocked)
-    assert p is None and "a metadata set per 16 tokens of the 64-token page" in cuda.plan_reason[lay]
-    _, tm = plan(blocked, tokens_m=True)
-    assert tm is None and "per-token fp16 metadata" in cuda.plan_reason[lay]
-    _, whole = plan(CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=64)))
-    assert whole is not None and dict(whole.macros)["R_PAGE"] == 1
+    f32 = CacheFormat(PathFormat(4, 128), PathFormat(4, 1, meta_dtype="float32", grouping="page", block=16))
+    lay, p = plan(f32)
+    assert p is None and "the tile's 16-bit type" in cuda.plan_reason[lay]
     pages = types.SimpleNamespace(device=CUDA)  # the call's device is all the plan reads of the pages
     out = torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16)
     args = (None, None, pages, None, None, None, None, None, out, None, None, None, 0, 16, 1, 16, 1, 1.0)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         assert default_config(16, lay, "cuda").kernel != "cuda"
-        with pytest.warns(UserWarning, match="metadata set per 16 tokens.*the Triton kernel runs instead"):
+        with pytest.warns(UserWarning, match="16-bit type.*the Triton kernel runs instead"):
             assert launch.launch_cuda((1, 1), args, lay, DecodeConfig(block_m=16, block_n=32, num_warps=8,
                                                                     kernel="cuda")) is None
 
@@ -337,6 +358,13 @@ def test_tokens_m_needs_sm90():
                                                            PathFormat(8, 32, "symmetric")), 128, {"warpgroup": True}),
                                               ("fp8", 128, {"warpgroup": True}),  # one raw stage, bf16 operands
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16, {}),
+                                              (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
+                                                                                          block=16)), 16, {}),
+                                              (CacheFormat(PathFormat(2, 128), PathFormat(4, 1, grouping="page",
+                                                                                          block=16)), 16,
+                                               {"num_warps": 16, "block_n": 64}),
+                                              (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
+                                                                                          block=4)), 64, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
                                                                                           grouping="page")), 64, {})])
 def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):

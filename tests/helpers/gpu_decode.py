@@ -25,6 +25,8 @@ FORMATS = {
 PAGE_FORMATS = {  # the RoPE path grouped per page: written by the reference writer (no append kernel)
     "int4/int4-page": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")),
     "int2/int4-page-sym-g2": CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric", grouping="page")),
+    "int4/int4-page16": CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page", block=16)),
+    "int2/int4-page4-sym-g2": CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric", grouping="page", block=4)),
 }
 LENS = [0, 1, 63, 64, 65, 1023, 4097, 9999]
 

@@ -32,8 +32,11 @@ from quantmla_lab.bench.kernels.peer import load_peer, peer_indexes, peer_kv
 D_C, D_R, PAGE = 512, 64, 64
 METHODS: dict[str, CacheFormat] = {
     **PRESETS, "int4/int4-g64/g32": int_format(4, 4, 64, 32),
-    # the RoPE path per channel per page (one fp16 scale and zero point per channel of a 64-token page)
+    # the RoPE path per channel per page (one fp16 scale and zero point per channel of a 64-token page), or per
+    # 16-token block of it (-page16: four sets a page, the KIVI-style baseline's RoPE bytes)
     **{f"{n}-page": CacheFormat(PRESETS[n].content, page_grouped(PRESETS[n].rope)) for n in ("int4/int4", "int2/int4")},
+    **{f"{n}-page16": CacheFormat(PRESETS[n].content, page_grouped(PRESETS[n].rope, 16))
+       for n in ("int4/int4", "int2/int4")},
 }
 DEFAULT_SHAPES = {16: "1x131072,8x16384,8x65536,32x16384,64x4096,128x2048", 128: "1x32768,32x8192,64x4096"}
 """Batch x context shapes per head count: 16 heads (DeepSeek-V2-Lite) reads up to 512K tokens per call,

@@ -34,6 +34,17 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     return path_codes(fmt, dim)
 
 
+def rope_set_bytes(layout: PageLayout) -> int:
+    """Bytes of one RoPE metadata set of a page grouped per page (its sets are block-major, one per
+    `layout.rope_meta_block` tokens)."""
+    return layout.page_field_bytes["rope_page_meta"] // (layout.page_size // layout.rope_meta_block)
+
+
+def rope_sets(layout: PageLayout, block_n: int) -> int:
+    """The RoPE metadata sets a tile of `block_n` tokens reads (one where a set covers the tile)."""
+    return max(1, block_n // layout.rope_meta_block)
+
+
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
                ws: bool = False, fragments: bool = False) -> int:
     """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
@@ -49,7 +60,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
-    rope_meta = layout.page_field_bytes["rope_page_meta"] if tok.fmt.rope.per_page else bn * fb["rope_meta"]
+    rope_meta = rope_sets(layout, bn) * rope_set_bytes(layout) if tok.fmt.rope.per_page else bn * fb["rope_meta"]
     codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
@@ -124,15 +135,16 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
     # fp16 tile when every quantized path keeps fp16 metadata and none is raw bf16 or e4m3
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
     r_page = tok.fmt.rope.per_page
-    if r_page and layout.rope_meta_block != layout.page_size:
-        return no(f"RoPE path {tok.fmt.rope.describe()}: a metadata set per {layout.rope_meta_block} tokens of the "
-                  f"{layout.page_size}-token page (the kernel reads one set a page)")
+    r_blk = layout.rope_meta_block
+    if r_page and (bn % r_blk if r_blk < bn else r_blk % bn):
+        return no(f"RoPE path {tok.fmt.rope.describe()}: a metadata set per {r_blk} tokens against {bn}-token tiles "
+                  "(a tile covers whole sets or lies in one)")
     if r_page and not ((half and rm == 2) or (not half and rm == 3 and rb <= 4)):
         return no(f"RoPE path {tok.fmt.rope.describe()}: a page's metadata is read in the tile's 16-bit type "
                   "(fp16 metadata with an fp16 tile, or bf16 metadata with codes of at most 4 bits)")
-    pmb = layout.page_field_bytes["rope_page_meta"]
+    pmb = rope_set_bytes(layout) if r_page else 0
     if pmb % 16:
-        return no(f"the RoPE page metadata ({pmb} bytes) is not whole 16-byte chunks")
+        return no(f"a RoPE metadata set of the page ({pmb} bytes) is not whole 16-byte chunks")
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
     block_m = 16 * rm_
     # 16 warps of 32-token tiles at 16 rows: warp-specialized (8 compute, 8 copy and build)
@@ -176,6 +188,8 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
     )
     if r_page:  # absent otherwise: the plans (and their builds) of per-token formats stay as they are
         macros.update(R_PAGE=1, PMB_R=pmb)
+        if r_blk != layout.page_size:
+            macros.update(R_BLK=r_blk)
     if reg:
         macros.update(REG=1)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)

@@ -41,7 +41,8 @@
 //   C_KIND C_BITS C_GS C_MB  R_KIND R_BITS R_GS R_MB   (KIND 0 raw bf16, 1 affine, 2 symmetric, 3 e4m3;
 //                                                       MB: metadata bytes 2 fp16 / 3 bf16 / 4 fp32)
 //   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
-//   R_PAGE PMB_R   (the RoPE path's metadata is the page's: PMB_R bytes at OFF_RM, copied with each tile)
+//   R_PAGE PMB_R   (the RoPE path's metadata is the page's: sets of PMB_R bytes at OFF_RM, one per R_BLK tokens,
+//   R_BLK          the page size unless given; a tile's stage holds the sets its tokens read)
 //   REG            (1: the fragments path above)
 
 #include <cuda_bf16.h>
@@ -86,10 +87,17 @@ constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied s
 #define R_PAGE 0
 #define PMB_R 0
 #endif
+#ifndef R_BLK
+#define R_BLK PS  // tokens one RoPE metadata set of the page serves (R_PAGE)
+#endif
 #ifndef REG
 #define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
 #endif
-constexpr int RM_BYTES = R_PAGE ? PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
+constexpr int RM_SETS = R_BLK < BN ? BN / R_BLK : 1;  // R_PAGE: the metadata sets a tile's tokens read
+static_assert(!R_PAGE || (R_BLK < BN ? BN % R_BLK == 0 : R_BLK % BN == 0), "a tile covers whole sets or lies in one");
+constexpr int RM_BYTES = R_PAGE ? RM_SETS * PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
+// the byte offset in the page of the RoPE metadata of the tile whose first token is the page's token tok0
+__host__ __device__ constexpr int rm_offset(int tok0) { return R_PAGE ? (tok0 / R_BLK) * PMB_R : tok0 * FB_RM; }
 
 // the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
 // apart, an odd number of 16-byte chunks, so that 8 rows' pieces at one column fall in distinct banks
@@ -151,7 +159,8 @@ constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
 template <bool FULL>
 __device__ __forceinline__ void build_tile(const uint8_t* stage, T* tile, int valid, int id) {
   build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL>(stage + RAW_CC, stage + RAW_CM, tile, valid, id);
-  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL>(stage + RAW_RC, stage + RAW_RM, tile, valid, id);
+  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL, RM_SETS == 1 ? 0 : R_BLK, PMB_R>(
+      stage + RAW_RC, stage + RAW_RM, tile, valid, id);
 }
 __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, int valid, int id) {
   if (valid == BN) build_tile<true>(stage, tile, valid, id);

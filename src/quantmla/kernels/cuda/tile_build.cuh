@@ -25,9 +25,11 @@ __device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& 
 // ---------------------------------------------------------------------------------------------------
 // B: build one path of the tile in shared memory (columns [COL0, COL0 + DIM) of the [BN, LDK] tile)
 // ---------------------------------------------------------------------------------------------------
-// PM: the metadata is the page's, [G, F] (groups over the page's tokens), not the token's. FULL: every
+// PM: the metadata is the page's, [G, F] (groups over a set of the page's tokens), not the token's; PMT > 0: the
+// stage holds several sets, PMB bytes each, and token t reads set t / PMT (0: one set for every token). FULL: every
 // token of the tile is in the sequence (no row is checked against `valid`)
-template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false, bool FULL = false>
+template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int COL0, bool PM = false, bool FULL = false,
+          int PMT = 0, int PMB = 0>
 __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* meta, T* tile, int valid, int tid) {
   if constexpr (KIND == 0) {  // raw bf16 values (only with T = bf16)
     constexpr int CH = DIM * 2 / 16;  // 16-byte chunks per token
@@ -94,14 +96,15 @@ __device__ __forceinline__ void build_path(const uint8_t* codes, const uint8_t* 
         for (int k = 0; k < K; ++k) {
           const int ch = 8 * j + k * NB;
           const uint8_t* mp = meta + t * FBM + (ch / GS) * F * MS;
+          const uint8_t* pm = meta + (PMT ? (t / PMT) * PMB : 0);  // PM: the set token t reads
           T2 s2, z2;                                       // scale and zero point, in both halves
           if constexpr (!PM) group_meta<F, MS, FBM % 4 == 0>(mp, s2, z2);  // a page's: per pair, below
           uint32_t o4[4];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e, s2, z2);
+            if constexpr (PM) page_pair_meta<GS, F, MS>(pm, ch + 4 * e, s2, z2);
             o4[2 * e] = expand_pair<BITS, KIND>(lo[e], k * BITS, s2, z2);
-            if constexpr (PM) page_pair_meta<GS, F, MS>(meta, ch + 4 * e + 2, s2, z2);
+            if constexpr (PM) page_pair_meta<GS, F, MS>(pm, ch + 4 * e + 2, s2, z2);
             o4[2 * e + 1] = expand_pair<BITS, KIND>(hi[e], k * BITS, s2, z2);
           }
           *reinterpret_cast<uint4*>(tile + t * LDK + COL0 + ch) = make_uint4(o4[0], o4[1], o4[2], o4[3]);

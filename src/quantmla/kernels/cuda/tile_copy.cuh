@@ -1,6 +1,6 @@
 // A: the tile copy of the CUDA decode kernel: a tile's page sections into a shared-memory stage, as
 // 16-byte cp.async copies by every thread, or (sm_90) as bulk copies by one warp. Included by mla_decode.cu
-// after its tile constants (BN, NTB, LDK, RAW_*, RM_BYTES, DIRECT) and ptx.cuh.
+// after its tile constants (BN, NTB, LDK, RAW_*, RM_BYTES, rm_offset, DIRECT) and ptx.cuh.
 #pragma once
 
 // A: copy BYTES contiguous bytes (a multiple of 16) into shared memory, 16 per cp.async, unrolled
@@ -37,12 +37,12 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
     copy_rows<FB_CC, PCC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
     copy_rows<FB_RC, PRC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
     copy_section<BN * FB_CM>(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, tid);
-    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), tid);
+    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + rm_offset(tok0), tid);
   } else {  // the four sections, each contiguous for the tile's tokens
     copy_section<BN * FB_CC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
     copy_section<BN * FB_RC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
     copy_section<BN * FB_CM>(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, tid);
-    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), tid);
+    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + rm_offset(tok0), tid);
   }
 }
 
@@ -57,6 +57,6 @@ __device__ __forceinline__ void issue_tile_bulk(uint8_t* stage, uint64_t* bar, c
     bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
     bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
     bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
-    bulk_g2s(stage + RAW_RM, pg + OFF_RM + (R_PAGE ? 0 : tok0 * FB_RM), RM_BYTES, bar);
+    bulk_g2s(stage + RAW_RM, pg + OFF_RM + rm_offset(tok0), RM_BYTES, bar);
   }
 }
