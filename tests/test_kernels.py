@@ -565,6 +565,21 @@ def test_fp8_ds_mla_record_is_656_bytes():
     assert tok.bytes_per_token == 656
 
 
+@pytest.mark.parametrize("name", ["int4/int4-page16", "int2/int4-page"])
+def test_bench_candidates_start_from_the_triton_default_that_reads_the_layout(name, monkeypatch):
+    """With the CUDA path off (QUANTMLA_DECODE_KERNEL=triton) a RoPE path per page decodes through the generic
+    Triton kernel: the bench's first candidate is that default, not the fused tiling that cannot read the page's
+    metadata (whose failed check dropped the method from the results)."""
+    from quantmla_lab.bench.kernels import decode_speed as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "triton")
+    layout = PageLayout(TokenLayout(512, 64, bench.METHODS[name]), 64)
+    cfg = api.default_config(16, layout, "cuda")
+    cands = bench.candidates(name, 16)
+    assert cfg.kernel == "generic" and cands[0] == cfg and len(cands) == len(set(cands))
+
+
 def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_path, capsys, monkeypatch):
     """`quantmla bench-kernel --smoke` (interpreter): one row per format with bytes, ratios and config, the
     goals, the commit and a figure beside the JSON; a second run into the same file is refused."""
@@ -582,5 +597,6 @@ def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_pat
     assert set(rows) == {"bf16", "fp8", "int4/int4"}
     assert rows["fp8"]["bytes_read"] < rows["bf16"]["bytes_read"] and rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert all(c["ok"] for c in res["checks"]) and "goals" in res and "commit" in res and res["partials"] == "fp32"
+    assert res["skipped"] == []
     assert out.with_suffix(".png").stat().st_size > 0
     assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err

@@ -77,10 +77,10 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
         # where the API picks between them by the units' lengths (FP8), then the Triton tilings
         built = schedule.cuda_config(rows, layout, "cuda", tokens_m=False) if first.tokens_m and cuda.is_fp8(layout) else None
         return [first, *([built] if built is not None else []), *_triton_candidates(method, rows, quant, C)]
+    # the API's Triton default first (the generic kernel where the fused one cannot read the layout), the CUDA kernel
+    # measured beside it, then the other Triton tilings
     cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
-    if cu is not None:  # the Triton default first, the CUDA kernel measured beside it
-        return [*_triton_candidates(method, rows, quant, C)[:1], cu, *_triton_candidates(method, rows, quant, C)[1:]]
-    return _triton_candidates(method, rows, quant, C)
+    return [first, *([cu] if cu is not None else []), *[c for c in _triton_candidates(method, rows, quant, C) if c != first]]
 
 
 def _triton_candidates(method: str, rows: int, quant: bool, C) -> list[DecodeConfig]:
@@ -361,7 +361,7 @@ def run_bench(args) -> dict:
 
     # -- correctness gate (compiles every candidate; in parallel processes on the GPU) + config sweep
     chosen: dict[tuple, DecodeConfig] = {}
-    res["checks"], res["sweep"] = [], []
+    res["checks"], res["sweep"], res["skipped"] = [], [], []  # skipped: methods asked for that no config could run
     jobs = []
     for H in heads:
         for m in methods:
@@ -383,6 +383,7 @@ def run_bench(args) -> dict:
             ok_cands = [DecodeConfig(**cd) for (mm, hh, _, cd), chk in zip(jobs, results) if mm == m and hh == H and chk["ok"]]
             if not ok_cands:
                 log(f"!! no config of {m} at {H} heads passed the check; skipped", flush=True)
+                res["skipped"].append({"method": m, "heads": H, "why": "no config passed the check (see checks)"})
                 continue
             if len(ok_cands) == 1:
                 chosen[(m, H)] = ok_cands[0]
