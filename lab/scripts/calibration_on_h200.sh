@@ -37,9 +37,10 @@
 # window-a, window-b  the same rows with a 64-token full-precision window for every method, held-out code
 #                                                   -> window_groups_gpu_a/, window_groups_gpu_b/ (merged the same way
 #                into results/window_groups_gpu/)
-# window-decode-reads  the window rows results/window_decode_reads_gpu lacks (KIVI-style, Hadamard, QuantMLA, and
-#                quantmla-rope-channel at 16-token blocks), read as decode steps read them (each row takes 60 to 110 s a
-#                model): four processes a model, one thread each, 16 on the GPU, merged
+# window-decode-reads  window rows read as decode steps read them (KIVI-style, Hadamard, QuantMLA, and
+#                quantmla-rope-channel at 16-token blocks; WDR_GROUPS="kivi2 rc4 rc2": the three rows
+#                results/window_decode_reads_gpu lacks, a row a process): a process a model and group, one thread
+#                each, merged
 #                                                   -> window_decode_reads_gpu_rest/ (merge it with the committed rows:
 #                quantmla eval --from-json results/window_decode_reads_gpu/accuracy.json
 #                OUT/window_decode_reads_gpu_rest/accuracy.json --out results/window_decode_reads_gpu)
@@ -164,13 +165,18 @@ ROWS_B="INT4/INT4:quantmla-content INT2/INT4:quantmla-content INT4/INT4:quantmla
   INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel"
 window-decode-reads() {
   local m g pids=() jsons=() dest="$OUT/window_decode_reads_gpu_rest"
+  # a process a model and group; WDR_GROUPS picks groups (a row alone a process fits where a pair does not: KIVI-style
+  # and quantmla-rope-channel rows take 410 s or more each with 16 processes on an H100)
   declare -A rows=([kivi]="INT4/INT4:kivi INT2/INT4:kivi" [hadamard]="INT4/INT4:hadamard INT2/INT4:hadamard"
                    [quantmla]="INT4/INT4:quantmla INT2/INT4:quantmla"
-                   [rc]="INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel --rope-block 16")
+                   [rc]="INT4/INT4:quantmla-rope-channel INT2/INT4:quantmla-rope-channel --rope-block 16"
+                   [kivi2]="INT2/INT4:kivi" [rc4]="INT4/INT4:quantmla-rope-channel --rope-block 16"
+                   [rc2]="INT2/INT4:quantmla-rope-channel --rope-block 16")
   for m in deepseek-v2 deepseek-v3 minicpm3 glm4-moe-lite; do
-    for g in kivi hadamard quantmla rc; do
+    for g in ${WDR_GROUPS:-kivi hadamard quantmla rc}; do
+      [ -n "${rows[$g]:-}" ] || { echo "WDR_GROUPS: unknown group $g (${!rows[*]})" >&2; return 2; }
       local calib=(--calib-device cuda)
-      [ "$g" = kivi ] && calib=()  # reads no calibration data: the flag is refused
+      [[ "$g" == kivi* ]] && calib=()  # reads no calibration data: the flag is refused
       # shellcheck disable=SC2086  # the rows (and rc's --rope-block) split into arguments
       OMP_NUM_THREADS=1 timeout "${EVAL_TIMEOUT:-470}" python3 -m quantmla.cli eval "qmla-ref-$m" --rows ${rows[$g]} \
         --fp-window 64 --groups 32/16 --retrieval-n "${N:-200}" --device cuda "${calib[@]}" \
