@@ -77,10 +77,11 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
         # where the API picks between them by the units' lengths (FP8), then the Triton tilings
         built = schedule.cuda_config(rows, layout, "cuda", tokens_m=False) if first.tokens_m and cuda.is_fp8(layout) else None
         return [first, *([built] if built is not None else []), *_triton_candidates(method, rows, quant, C)]
-    # the API's Triton default first (the generic kernel where the fused one cannot read the layout), the CUDA kernel
-    # measured beside it, then the other Triton tilings
+    # the API's Triton default first (no device: the GPU's tiling, the generic kernel where the fused one cannot read
+    # the layout), the CUDA kernel measured beside it, then the other Triton tilings
+    tri = schedule.default_config(rows, layout)
     cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
-    return [first, *([cu] if cu is not None else []), *[c for c in _triton_candidates(method, rows, quant, C) if c != first]]
+    return [tri, *([cu] if cu is not None else []), *[c for c in _triton_candidates(method, rows, quant, C) if c != tri]]
 
 
 def _triton_candidates(method: str, rows: int, quant: bool, C) -> list[DecodeConfig]:
