@@ -42,6 +42,17 @@ def test_page_sections_are_aligned_and_disjoint(page_size, rope):
     assert p.page_bytes % ALIGN == 0 and p.page_bytes >= ends[-1][1]
 
 
+@pytest.mark.parametrize("block,sets", [(0, 1), (64, 1), (16, 4), (1, 64)])
+def test_rope_meta_sets_split_the_page_section(block, sets):
+    """A RoPE path per channel per page holds page_size / block metadata sets: one set is the section's share
+    (a fp16 scale and zero point per channel, 64 x 4 bytes), and per-token metadata has none."""
+    p = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
+                                                                                   block=block))), 64)
+    assert p.rope_meta_set_bytes == 64 * 2 * 2 and p.page_field_bytes["rope_page_meta"] == sets * 64 * 2 * 2
+    per_token = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    assert per_token.rope_meta_set_bytes == 0
+
+
 def test_compression_counts_pages_and_tables():
     fmt = CacheFormat(PathFormat(4, 128), PathFormat(4, 64))
     assert compression(512, 64, fmt, 131072) >= 3.59

@@ -174,6 +174,14 @@ class PageLayout:
         rope = self.token.fmt.rope
         return rope.meta_block(self.page_size) if rope.per_page else 0
 
+    @property
+    def rope_meta_set_bytes(self) -> int:
+        """Bytes of one RoPE metadata set of the page (the section holds page_size / rope_meta_block of them,
+        block-major); 0 where the RoPE metadata is per token."""
+        if not self.rope_meta_block:
+            return 0
+        return self.page_field_bytes["rope_page_meta"] // (self.page_size // self.rope_meta_block)
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

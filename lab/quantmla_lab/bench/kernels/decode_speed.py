@@ -81,7 +81,8 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     # the layout), the CUDA kernel measured beside it, then the other Triton tilings
     tri = schedule.default_config(rows, layout)
     cu = schedule.cuda_config(rows, layout, "cuda") if DEV == "cuda" else None
-    return [tri, *([cu] if cu is not None else []), *[c for c in _triton_candidates(method, rows, quant, C) if c != tri]]
+    rest = [c for c in _triton_candidates(method, rows, quant, C) if c != tri]
+    return [tri, *([cu] if cu is not None else []), *rest]
 
 
 def _triton_candidates(method: str, rows: int, quant: bool, C) -> list[DecodeConfig]:

@@ -34,12 +34,6 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     return path_codes(fmt, dim)
 
 
-def rope_set_bytes(layout: PageLayout) -> int:
-    """Bytes of one RoPE metadata set of a page grouped per page (its sets are block-major, one per
-    `layout.rope_meta_block` tokens)."""
-    return layout.page_field_bytes["rope_page_meta"] // (layout.page_size // layout.rope_meta_block)
-
-
 def rope_sets(layout: PageLayout, block_n: int) -> int:
     """The RoPE metadata sets a tile of `block_n` tokens reads (one where a set covers the tile)."""
     return max(1, block_n // layout.rope_meta_block)
@@ -60,7 +54,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
-    rope_meta = rope_sets(layout, bn) * rope_set_bytes(layout) if tok.fmt.rope.per_page else bn * fb["rope_meta"]
+    rope_meta = rope_sets(layout, bn) * layout.rope_meta_set_bytes if tok.fmt.rope.per_page else bn * fb["rope_meta"]
     codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
@@ -142,7 +136,7 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
     if r_page and not ((half and rm == 2) or (not half and rm == 3 and rb <= 4)):
         return no(f"RoPE path {tok.fmt.rope.describe()}: a page's metadata is read in the tile's 16-bit type "
                   "(fp16 metadata with an fp16 tile, or bf16 metadata with codes of at most 4 bits)")
-    pmb = rope_set_bytes(layout) if r_page else 0
+    pmb = layout.rope_meta_set_bytes
     if pmb % 16:
         return no(f"a RoPE metadata set of the page ({pmb} bytes) is not whole 16-byte chunks")
     rm_ = 1 if rows <= 16 else 2 if rows <= 32 else 4
