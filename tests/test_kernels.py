@@ -597,6 +597,11 @@ def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_pat
     assert set(rows) == {"bf16", "fp8", "int4/int4"}
     assert rows["fp8"]["bytes_read"] < rows["bf16"]["bytes_read"] and rows["bf16"]["speedup_vs_bf16"] == 1.0
     assert all(c["ok"] for c in res["checks"]) and "goals" in res and "commit" in res and res["partials"] == "fp32"
-    assert res["skipped"] == []
+    assert res["skipped"] == [] and res["decode_kernel"] == "auto"
+    assert res["command"].startswith("quantmla bench-kernel")
+    from quantmla_lab.bench.kernels.decode_speed import bench_command
+
+    triton_only = bench_command(["quantmla", "bench-kernel", "--heads", "16"], "triton")
+    assert triton_only == "QUANTMLA_DECODE_KERNEL=triton quantmla bench-kernel --heads 16"
     assert out.with_suffix(".png").stat().st_size > 0
     assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err

@@ -275,6 +275,13 @@ def check_config(method: str, fmt: CacheFormat, H: int, q_len: int, cfg: DecodeC
 
 
 # --------------------------------------------------------------------------------------------------
+def bench_command(argv: list[str], kernel_mode: str) -> str:
+    """The command line a result records, with the QUANTMLA_DECODE_KERNEL setting it ran under where that is not the
+    default (a Triton-only run's command alone would rerun the CUDA kernels)."""
+    env = f"QUANTMLA_DECODE_KERNEL={kernel_mode} " if kernel_mode != "auto" else ""
+    return env + "quantmla bench-kernel " + " ".join(argv[2:] if argv[1:2] == ["bench-kernel"] else argv[1:])
+
+
 def parse_methods(text: str) -> list[str]:
     """--methods "a,b,..." -> method names, bf16 (the baseline) first; bits the kernels cannot run
     and unknown names are a clear UnsupportedFormatError."""
@@ -329,9 +336,10 @@ def run_bench(args) -> dict:
         "device": dev.name if dev else "cpu (smoke, TRITON_INTERPRET=1)",
         "sms": dev.multi_processor_count if dev else 0,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "quantmla bench-kernel " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench-kernel"] else sys.argv[1:]),
+        "command": bench_command(sys.argv, cuda.mode()),
         "commit": source_commit(),
         "partials": partials_setting(),
+        "decode_kernel": cuda.mode(),  # QUANTMLA_DECODE_KERNEL: "triton" times the Triton kernels alone
         "host": platform.node(),
         "torch": torch.__version__,
         "triton": triton.__version__,
