@@ -52,8 +52,8 @@ def test_page_metadata_plan_copies_the_page_section():
 def test_page_metadata_in_blocks_plan_copies_the_tiles_sets(monkeypatch):
     """A RoPE path with a metadata set per block of tokens (several sets a page): the built-tile stage copies the
     sets its tile's tokens read (two of 256 bytes for a 32-token tile of 16-token blocks, the one set holding a tile
-    for blocks of 64 tokens or more), and the default config at 16 rows is the CUDA kernel's. The tokens-as-M kernel
-    reads per-token metadata only."""
+    for blocks of 64 tokens or more), and so does the tokens-as-M stage (four for its 64-token tile), which the default
+    config at 16 rows takes."""
     from quantmla.kernels.schedule import default_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -69,10 +69,15 @@ def test_page_metadata_in_blocks_plan_copies_the_tiles_sets(monkeypatch):
     assert dict(p64.macros)["SMEM_EXPECTED"] - dict(plan(page, num_warps=16, block_n=64)[1].macros)[
         "SMEM_EXPECTED"] == dict(p64.macros)["STAGES"] * 3 * 256
     _, tm = plan(blocked, tokens_m=True)
-    assert tm is None and "per-token fp16 metadata" in cuda.plan_reason[lay]
+    _, tm_page = plan(page, tokens_m=True)
+    t, tp = dict(tm.macros), dict(tm_page.macros)
+    assert (t["R_PAGE"], t["R_BLK"], t["PMB_R"], t["FB_RM"], t["OFF_RM"]) == (1, 16, 256, 0, lay.offsets["rope_page_meta"])
+    assert "R_BLK" not in tp and "R_FLD" not in tp and t["STAGES"] == tp["STAGES"]
+    assert t["SMEM_EXPECTED"] - tp["SMEM_EXPECTED"] == t["STAGES"] * 3 * 256
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        assert default_config(16, lay, "cuda").kernel == "cuda"
+        cfg = default_config(16, lay, "cuda")
+        assert cfg.kernel == "cuda" and cfg.tokens_m
 
 
 def test_page_metadata_the_tile_cannot_read_falls_back_to_triton(monkeypatch):
@@ -330,6 +335,44 @@ def test_tokens_m_refused_with_reason(fmt, rows, d_c, why):
     assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
 
 
+@pytest.mark.parametrize("rope,why", [
+    (PathFormat(4, 1, grouping="page", block=4), "16-token block must lie in one set"),
+    (PathFormat(4, 1, grouping="page", block=8), "16-token block must lie in one set"),
+    (PathFormat(4, 4, grouping="page"), "groups of one or two channels"),
+    (PathFormat(4, 1, meta_dtype="float32", grouping="page", block=16), "fp16 metadata"),
+    (PathFormat(8, 1, grouping="page"), "2- or 4-bit"),
+])
+def test_tokens_m_refuses_rope_pages_it_cannot_fold(rope, why):
+    """A RoPE path grouped per page reaches the tokens-as-M kernel only where each warp's 16 tokens read one set of
+    fp16 scales a channel or channel pair; otherwise the plan says why (and the default takes the built tile)."""
+    lay, p = plan(CacheFormat(PathFormat(4, 128), rope), tokens_m=True)
+    assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
+
+
+@pytest.mark.parametrize("rope,fld", [(PathFormat(4, 1, grouping="page"), None),
+                                      (PathFormat(4, 2, "symmetric", grouping="page", block=32), 1),
+                                      (PathFormat(2, 1, grouping="page", block=16), None)])
+def test_tokens_m_rope_page_plans(rope, fld):
+    """The tokens-as-M plans of page formats: the page's sets instead of per-token RoPE metadata (no RoPE group sums
+    in the query block), symmetric codes with one field a group, and every plan of the kernel."""
+    from quantmla.kernels.cuda.tokens_m import smem_bytes_tm
+
+    fmt = CacheFormat(PathFormat(4, 128), rope)
+    tok_lay, _ = plan(CacheFormat(PathFormat(4, 128), PathFormat(rope.bits, 64)), tokens_m=True)
+    for kw in ({}, {"specialized": False}, {"specialized": False, "token_blocks": 1}):
+        lay, p = plan(fmt, tokens_m=True, **kw)
+        m = dict(p.macros)
+        assert m["R_PAGE"] == 1 and m["PMB_R"] == lay.rope_meta_set_bytes and m.get("R_FLD") == fld
+        assert m["R_GS"] == rope.group_size and "S8_QK" not in m
+    extra = lay.tile_rope_meta_bytes(64) - 64 * 4  # a stage's sets against per-token g64 (4 bytes a token)
+    ng = 16 * 4  # one RoPE group sum a query row fewer
+    for stages in (3, 4):
+        assert smem_bytes_tm(lay, stages, specialized=True) - smem_bytes_tm(tok_lay, stages, specialized=True) == \
+            stages * extra - ng
+    _, s8 = plan(fmt, tokens_m=True, specialized=True, s8_scores=True)
+    assert s8 is None and "8-bit warpgroup" in cuda.plan_reason[lay]
+
+
 def test_tokens_m_needs_sm90():
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
@@ -366,7 +409,16 @@ def test_tokens_m_needs_sm90():
                                               (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
                                                                                           block=4)), 64, {}),
                                               (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
-                                                                                          grouping="page")), 64, {})])
+                                                                                          grouping="page")), 64, {}),
+                                              (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
+                                                                                          block=16)), 16,
+                                               {"tokens_m": True}),
+                                              (CacheFormat(PathFormat(2, 128), PathFormat(4, 2, "symmetric",
+                                                                                          grouping="page")), 16,
+                                               {"tokens_m": True, "specialized": False}),
+                                              (CacheFormat(PathFormat(4, 128), PathFormat(2, 1, grouping="page",
+                                                                                          block=32)), 16,
+                                               {"tokens_m": True, "specialized": False, "token_blocks": 2})])
 def test_plans_compile_for_sm90(name, rows, tiling, tmp_path, monkeypatch):
     """The source builds for sm_90a with each plan's constants (its static_asserts include the host's
     shared-memory size), the build is cached, and other constants give another build."""

@@ -37,10 +37,11 @@ def kernels_api():
     return api
 
 
-def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None, page=PAGE):
+def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None, page=PAGE, rope_scale=None):
     """Pages of random bytes holding `lens` tokens of random keys at random pages (`grow`: each token's values times
     1 + grow·position, so that scores rise along a sequence; `every` = (k, f): every k-th token's values times f;
-    `latent_range` = (lo, hi): latent values uniform in [lo, hi) instead of normal; `page`: tokens a page)."""
+    `latent_range` = (lo, hi): latent values uniform in [lo, hi) instead of normal; `page`: tokens a page;
+    `rope_scale`: [D_R] factors, each RoPE channel's values times its own)."""
     api = kernels_api()
     lay = PageLayout(TokenLayout(D_C, D_R, fmt), page)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -62,6 +63,8 @@ def make_cache(fmt, lens, seed, grow=0.0, every=None, latent_range=None, page=PA
                 lo, hi = latent_range
                 x = lo + (hi - lo) * torch.rand(n, D_C, generator=g, device="cuda")
             r = torch.randn(n, D_R, generator=g, device="cuda") * 4
+            if rope_scale is not None:
+                r = r * rope_scale
             if grow:
                 x, r = x * (1 + grow * pos[:, None]), r * (1 + grow * pos[:, None])
             if every:

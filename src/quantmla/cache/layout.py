@@ -182,6 +182,13 @@ class PageLayout:
             return 0
         return self.page_field_bytes["rope_page_meta"] // (self.page_size // self.rope_meta_block)
 
+    def tile_rope_meta_bytes(self, tokens: int) -> int:
+        """RoPE metadata a kernel's tile of `tokens` tokens of one page reads, bytes: the page's sets its tokens read
+        (one where a set covers the tile; per-page formats), or its tokens' own."""
+        if not self.rope_meta_block:
+            return tokens * self.token.field_bytes["rope_meta"]
+        return max(1, tokens // self.rope_meta_block) * self.rope_meta_set_bytes
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -34,11 +34,6 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
     return path_codes(fmt, dim)
 
 
-def rope_sets(layout: PageLayout, block_n: int) -> int:
-    """The RoPE metadata sets a tile of `block_n` tokens reads (one where a set covers the tile)."""
-    return max(1, block_n // layout.rope_meta_block)
-
-
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
                ws: bool = False, fragments: bool = False) -> int:
     """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
@@ -54,7 +49,7 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
 
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
-    rope_meta = rope_sets(layout, bn) * layout.rope_meta_set_bytes if tok.fmt.rope.per_page else bn * fb["rope_meta"]
+    rope_meta = layout.tile_rope_meta_bytes(bn)
     codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw

@@ -119,7 +119,23 @@ constexpr int D = D_C + D_R;
 constexpr int NPC = C_FP8 ? 1 : 8 / C_BITS;  // planes of a content byte
 constexpr int NPR = C_FP8 ? 1 : 8 / R_BITS;  // planes of a RoPE byte (FP8: one plane of bf16 values)
 constexpr int CG = D_C / C_GS;         // content groups
-constexpr int RG = C_FP8 ? 0 : D_R / R_GS;  // RoPE groups (FP8: none, the key is stored as it is)
+// R_PAGE: the RoPE path's metadata is the page's (KIVI's per-channel keys): sets of PMB_R bytes at OFF_RM, an fp16
+// scale (R_FLD 1: symmetric codes) or (scale, zero) (R_FLD 2) per group of R_GS channels, one set per R_BLK tokens
+#ifndef R_PAGE
+#define R_PAGE 0
+#define PMB_R 0
+#endif
+#ifndef R_BLK
+#define R_BLK PS
+#endif
+#ifndef R_FLD
+#define R_FLD 2
+#endif
+constexpr int RM_SETS = R_BLK < BN ? BN / R_BLK : 1;  // R_PAGE: the metadata sets a tile's tokens read
+constexpr int RM_BYTES = R_PAGE ? RM_SETS * PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
+// the offset of tile token tok0's RoPE metadata in its page's section (R_PAGE: its set's)
+__host__ __device__ constexpr int rm_offset(int tok0) { return R_PAGE ? (tok0 / R_BLK) * PMB_R : tok0 * FB_RM; }
+constexpr int RG = C_FP8 || R_PAGE ? 0 : D_R / R_GS;  // per-token RoPE groups (FP8: none, the key is stored as it is)
 constexpr int NG = CG + RG;
 constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
 constexpr int RW = FB_RC / 16;         // RoPE words a thread reads per token
@@ -132,7 +148,10 @@ static_assert(D_C == 512 && D_R == 64, "DeepSeek's cache geometry");
 static_assert(C_FP8 ? C_BITS == 8 && R_BITS == 16 : (C_BITS == 2 || C_BITS == 4) && (R_BITS == 2 || R_BITS == 4),
               "2- or 4-bit codes on both paths, or e4m3 content and a bf16 RoPE key");
 static_assert(C_GS % (C_FP8 ? 128 : 64) == 0, "a 64-channel block of one content plane (a warp's output) lies in one group");
-static_assert(C_FP8 || (R_GS % FB_RC == 0 && D_R % R_GS == 0), "a RoPE plane lies in one group");
+static_assert(C_FP8 || R_PAGE || (R_GS % FB_RC == 0 && D_R % R_GS == 0), "a RoPE plane lies in one group");
+static_assert(!R_PAGE || (!C_FP8 && R_BLK % 16 == 0 && (R_BLK < BN ? BN % R_BLK == 0 : R_BLK % BN == 0) &&
+                          PMB_R == D_R / R_GS * R_FLD * 2 && PMB_R % 16 == 0),
+              "a page's RoPE sets: fp16 metadata, a whole number of a tile's 16-token blocks a set, 16-byte sets");
 static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "per group an fp16 (scale, zero), or an fp32 scale");
 static_assert(!C_FP8 || TPW == 1, "FP8 stages leave no room for the partial scores' exchange");
 static_assert(OMB == 8 && BT % 4 == 0, "a warp's output channels are 8 m16 blocks");
@@ -145,8 +164,8 @@ constexpr int RAW_CC = 0;
 constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
 constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
-constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM + FB_RM);
-constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
+constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM) + RM_BYTES;
+constexpr int RAW_BYTES = align16(RAW_RM + RM_BYTES);
 // WHOLE_PAGE (default 1): where a tile is a whole page whose sections lie where the stage's do (pages of BN tokens),
 // a stage is one bulk copy of the page's first PAGE_COPY bytes; 0, or any other page: four copies, one a section
 #ifndef TM_EPI_SMEM
@@ -155,9 +174,9 @@ constexpr int RAW_BYTES = align16(RAW_RM + BN * FB_RM);
 #ifndef WHOLE_PAGE
 #define WHOLE_PAGE 1
 #endif
-constexpr int PAGE_COPY = FB_RM > 0 ? RAW_RM + BN * FB_RM : RAW_CM + BN * FB_CM;  // the stage's last section's end
+constexpr int PAGE_COPY = RM_BYTES > 0 ? RAW_RM + RM_BYTES : RAW_CM + BN * FB_CM;  // the stage's last section's end
 constexpr bool PAGE_AS_STAGE = WHOLE_PAGE && PS == BN && OFF_CC == RAW_CC && OFF_RC == RAW_RC && OFF_CM == RAW_CM &&
-                               (FB_RM == 0 || OFF_RM == RAW_RM) && PAGE_COPY % 16 == 0 && PAGE_COPY <= PAGE_BYTES;
+                               (RM_BYTES == 0 || OFF_RM == RAW_RM) && PAGE_COPY % 16 == 0 && PAGE_COPY <= PAGE_BYTES;
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;                                  // [BM, LDQ] fp16, channels in the codes' order
@@ -216,7 +235,7 @@ __device__ __forceinline__ void issue_stage(uint8_t* stage, uint64_t* bar, const
     bulk_g2s(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, BN * FB_CC, bar);
     bulk_g2s(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, BN * FB_RC, bar);
     bulk_g2s(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, BN * FB_CM, bar);
-    if constexpr (FB_RM > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + tok0 * FB_RM, BN * FB_RM, bar);
+    if constexpr (RM_BYTES > 0) bulk_g2s(stage + RAW_RM, pg + OFF_RM + rm_offset(tok0), RM_BYTES, bar);
   }
 #endif
 }

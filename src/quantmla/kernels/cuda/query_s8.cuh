@@ -7,8 +7,8 @@
 #ifndef S8_QK
 #define S8_QK 0
 #endif
-static_assert(!S8_QK || (WS && TPW == 1 && !C_FP8 && (C_BITS == 4 || C_BITS == 2) && R_BITS == 4 && C_GS == 128 &&
-                         R_GS == 64 && FB_RC == 32),
+static_assert(!S8_QK || (WS && TPW == 1 && !C_FP8 && !R_PAGE && (C_BITS == 4 || C_BITS == 2) && R_BITS == 4 &&
+                         C_GS == 128 && R_GS == 64 && FB_RC == 32),
               "8-bit warpgroup scores: the warps apart, a block a warp, INT4/INT4 or INT2/INT4 with groups 128/64");
 
 // 16 content k-steps (column blocks x 2 halves x planes: 4 x 2 x 2 at 4 bits, 2 x 2 x 4 at 2 bits), 2 of RoPE

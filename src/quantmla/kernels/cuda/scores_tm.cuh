@@ -1,7 +1,8 @@
 // The tokens-as-M decode kernel's scores (mla_decode_tm.cu): Sᵀ = K·Qᵀ of one tile for a warp's 16 tokens over its
 // share of the 576 channels (all, or half with two token blocks a warp) on mma.sync products, the codes masked in
-// place into the A operand, each group's scale folded in once and the zero points through the query's group sums. Included by mla_decode_tm.cu after its constants and
-// its shared-memory map.
+// place into the A operand, each group's scale folded in once and the zero points through the query's group sums (a
+// RoPE path grouped per page: rope_page_tm.cuh). Included by mla_decode_tm.cu after its constants and its
+// shared-memory map.
 #pragma once
 
 // the (scale, zero) of group grp of a token's metadata row, fp32 (FP8 content: its fp32 scale, zero 0)
@@ -40,6 +41,8 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NP][2][4]) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[p][nb][e] = 0.0f;
 }
+
+#include "rope_page_tm.cuh"  // rope_page_scores
 
 // one word of each of the scores' tokens (xl[i]: tok_lo + 16i, xh[i]: tok_lo + 16i + 8, for the warp's TPW token
 // blocks i) into the products of its NP planes: plane p is k-step kstep0 + p of the query block (its bytes 0, 2
@@ -119,7 +122,9 @@ __device__ __forceinline__ void tile_scores(const uint8_t* st, const T* qa, int 
       }
     }
   }
-  if constexpr (KH == KS - 1) {
+  if constexpr (KH == KS - 1 && R_PAGE) {
+    rope_page_scores(st, qa, tok_lo, t, sc);
+  } else if constexpr (KH == KS - 1) {
     // the RoPE key: RW words a thread at byte 4·RW·t of each row
     uint32_t xl[TPW][RW], xh[TPW][RW];
 #pragma unroll

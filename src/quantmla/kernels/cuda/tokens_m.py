@@ -75,15 +75,36 @@ def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
             return f"content groups of {c.group_size}: a multiple of 128 channels (a warp's output channels)"
         return None if layout.page_size % TM_BLOCK_N == 0 else f"page size {layout.page_size}: a multiple of {TM_BLOCK_N}"
     for f, name in ((c, "content"), (r, "RoPE")):
+        if r.per_page and f is r:
+            continue
         if not f.quantized or f.mode != "affine" or f.bits not in (2, 4) or f.per_page or f.meta_dtype != "float16":
             return (f"{name} path {f.describe()}: 2- or 4-bit affine codes with per-token fp16 metadata (or FP8: "
-                    "e4m3 content with fp32 scales and a bf16 RoPE key)")
+                    "e4m3 content with fp32 scales and a bf16 RoPE key; or a RoPE path grouped per page)")
     if c.group_size % 64:
         return f"content groups of {c.group_size}: a multiple of 64 channels"
-    if r.group_size % (tok.d_r * r.bits // 8) or tok.d_r % r.group_size:
+    if r.per_page:
+        why = rope_page_reason(layout)
+        if why:
+            return f"RoPE path {r.describe()}: {why}"
+    elif r.group_size % (tok.d_r * r.bits // 8) or tok.d_r % r.group_size:
         return f"RoPE groups of {r.group_size}: a whole number of code planes ({tok.d_r * r.bits // 8} channels)"
     if layout.page_size % TM_BLOCK_N:
         return f"page size {layout.page_size}: a multiple of {TM_BLOCK_N}"
+    return None
+
+
+def rope_page_reason(layout: PageLayout) -> str | None:
+    """Why the tokens-as-M kernel cannot read `layout`'s RoPE path grouped per page (rope_page_tm.cuh: a scale, or a
+    scale and zero point, per channel or channel pair, folded into the query of each 16-token block), or None."""
+    r = layout.token.fmt.rope
+    if r.mode not in ("affine", "symmetric") or r.bits not in (2, 4) or r.meta_dtype != "float16":
+        return "2- or 4-bit affine or symmetric codes with fp16 metadata"
+    if r.group_size not in (1, 2):
+        return "groups of one or two channels"
+    blk = layout.rope_meta_block
+    if blk % 16 or (TM_BLOCK_N % blk if blk < TM_BLOCK_N else blk % TM_BLOCK_N):
+        return (f"a metadata set per {blk} tokens: a warp's 16-token block must lie in one set, and a "
+                f"{TM_BLOCK_N}-token tile cover whole sets or lie in one")
     return None
 
 
@@ -96,9 +117,9 @@ def smem_bytes_tm(layout: PageLayout, stages: int, p_buffers: int = TM_P_BUFFERS
     fb = tok.field_bytes
     a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
     bn, bm, cg = TM_BLOCK_N, 16, tok.d_c // tok.fmt.content.group_size
-    ng = cg + (0 if is_fp8(layout) else tok.d_r // tok.fmt.rope.group_size)
+    ng = cg + (0 if is_fp8(layout) or tok.fmt.rope.per_page else tok.d_r // tok.fmt.rope.group_size)
     stage = a16(a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"]) + bn * fb["content_meta"])
-    stage = a16(stage + bn * fb["rope_meta"])
+    stage = a16(stage + layout.tile_rope_meta_bytes(bn))
     head = a16(bm * (tok.d_c + tok.d_r + 8) * 2 + ng * bm * 4 + bm * 4 + p_buffers * cg * bm * (bn + 8) * 2)
     # two warps a token group: the partial scores they hand each other
     exchange = TM_WARPS * 32 * 16 * blocks_per_warp if blocks_per_warp == 2 else 0
@@ -171,7 +192,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         if not specialized or blocks_per_warp != 1:
             return ("the scores on 8-bit warpgroup MMAs: with the scores' and the output's warps apart, one token "
                     "block a warp")
-        if f.content.bits not in (2, 4) or (f.rope.bits, f.content.group_size, f.rope.group_size) != (4, 128, 64):
+        if (f.content.bits not in (2, 4) or f.rope.per_page
+                or (f.rope.bits, f.content.group_size, f.rope.group_size) != (4, 128, 64)):
             return ("the scores on 8-bit warpgroup MMAs read INT4/INT4 or INT2/INT4 with groups 128/64, not "
                     f"{f.content.describe()} + {f.rope.describe()}")
 
@@ -195,7 +217,8 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
     smem = smem_bytes_tm(layout, stages, p_buffers, blocks_per_warp, specialized)
     macros = dict(
         TM=1, D_C=tok.d_c, D_R=tok.d_r, PS=layout.page_size, PAGE_BYTES=layout.page_bytes,
-        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
+        OFF_CC=o["content_codes"], OFF_RC=o["rope_codes"], OFF_CM=o["content_meta"],
+        OFF_RM=o["rope_page_meta"] if tok.fmt.rope.per_page else o["rope_meta"],
         FB_CC=fb["content_codes"], FB_RC=fb["rope_codes"], FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"],
         C_BITS=tok.fmt.content.bits, C_GS=tok.fmt.content.group_size, R_BITS=tok.fmt.rope.bits,
         R_GS=tok.fmt.rope.group_size, HALF=1, NW=TM_WARPS * (2 if specialized else 1), BN=TM_BLOCK_N, STAGES=stages,
@@ -212,6 +235,12 @@ def tokens_m_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, ctas_pe
         macros["WHOLE_PAGE"] = 0   # other 2-bit plans not measured with one copy)
     if is_fp8(layout):
         macros["C_FP8"] = 1
+    if tok.fmt.rope.per_page:  # absent otherwise: the per-token formats' builds stay as they are
+        macros.update(R_PAGE=1, PMB_R=layout.rope_meta_set_bytes)
+        if layout.rope_meta_block != layout.page_size:
+            macros["R_BLK"] = layout.rope_meta_block
+        if tok.fmt.rope.mode == "symmetric":
+            macros["R_FLD"] = 1
     if s8_scores:
         macros["S8_QK"] = 1
     if scale_vote:

@@ -1,0 +1,91 @@
+"""The tokens-as-M kernel on a RoPE path grouped per page (KIVI's per-channel keys: rope_page_tm.cuh folds each
+16-token block's channel scales into the query), on the GPU against the fp32 oracle over the cache's own dequantized
+values: NaN-poisoned outputs, lengths 0, 1, odd and across pages, causal multi-token rows, every plan of the kernel,
+metadata sets per page and per block, affine and symmetric codes, channel scales spanning 2^-12 to 2^12, hundreds of
+splits, and the error against fp64 within 2x the BF16 path's. Skipped without CUDA.
+Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests pytest -v tests/test_kernels_gpu_rope_page.py"""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from helpers.gpu_decode import (  # noqa: E402
+    D_R, FORMATS, LENS, PAGE_FORMATS, check_decode, fp64_error, kernel_config, make_cache, tokens_m_config)
+from quantmla.cache.layout import CacheFormat  # noqa: E402
+from quantmla.quant import PathFormat  # noqa: E402
+
+TM_PAGE_FORMATS = {  # the page formats the tokens-as-M kernel reads (16-token blocks or longer, groups of 1 or 2)
+    **{k: v for k, v in PAGE_FORMATS.items() if v.rope.meta_block(64) % 16 == 0},
+    "int2/int4-page16": CacheFormat(PathFormat(2, 128), PathFormat(4, 1, grouping="page", block=16)),
+    "int4/int2-page32": CacheFormat(PathFormat(4, 128), PathFormat(2, 1, grouping="page", block=32)),
+}
+PLANS = {"t1": {"token_blocks": 1, "specialized": False}, "t2": {"token_blocks": 2, "specialized": False},
+         "ws": {"token_blocks": 1, "specialized": True}}
+
+
+def tm_config(lay, rows, plan):
+    cfg = tokens_m_config(lay, rows, plan)
+    assert cfg.tokens_m
+    return cfg
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("name", list(TM_PAGE_FORMATS))
+@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3), (1, 1)])
+def test_decode_tokens_m_rope_pages(name, plan, H, SQ):
+    lay, pages, bt, sl = make_cache(TM_PAGE_FORMATS[name], LENS, seed=31 * H + SQ + len(name))
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 7 * SQ, config=tm_config(lay, H * SQ, PLANS[plan]))
+    assert md.variant.startswith("cuda/f16/tm/"), md.variant
+
+
+@pytest.mark.parametrize("name", ["int4/int4-page16", "int2/int4-page-sym-g2"])
+def test_decode_tokens_m_rope_pages_wide_channel_scales(name):
+    """Channels whose RoPE values span 2^-12 to 2^12 (scales from fp16's subnormals to 2^10: the set's power of two
+    keeps the scaled query finite and exact enough), with queries spanning 2^-12 to 2^2 and a head of zeros."""
+    ch = 2.0 ** torch.linspace(-12, 12, D_R, device="cuda")
+    lay, pages, bt, sl = make_cache(TM_PAGE_FORMATS[name], [700, 64, 1, 129], seed=41,
+                                    rope_scale=ch[torch.randperm(D_R, device="cuda")])
+    rows = torch.tensor([2.0 ** e for e in range(-12, 3)] + [0.0], device="cuda")
+    for plan in PLANS.values():
+        md = check_decode(lay, pages, bt, sl, 16, 1, seed=3, config=tm_config(lay, 16, plan), row_scale=rows)
+        assert md.variant.startswith("cuda/f16/tm/"), md.variant
+
+
+@pytest.mark.parametrize("plan", ["t2", "ws"])
+def test_decode_tokens_m_rope_pages_splits(plan):
+    """Hundreds of splits a sequence (partials through the combine kernel), and one split (direct write)."""
+    lay, pages, bt, sl = make_cache(TM_PAGE_FORMATS["int4/int4-page16"], [20000, 3, 511], seed=17)
+    cfg = tm_config(lay, 16, PLANS[plan])
+    check_decode(lay, pages, bt, sl, 16, 1, seed=1, config=cfg, chunk_tokens=64)
+    check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
+
+
+def test_default_config_reads_rope_blocks_on_tokens_m():
+    """At 16 rows the API's default config reads 16-token RoPE blocks on the tokens-as-M kernel, and blocks of 4
+    tokens (a warp's block spans four sets) on the built tile, both against the oracle."""
+    from helpers.gpu_decode import kernels_api
+
+    for name, kind in (("int4/int4-page16", "cuda/f16/tm/"), ("int2/int4-page4-sym-g2", "cuda/f16/M16")):
+        lay, pages, bt, sl = make_cache(PAGE_FORMATS[name], LENS, seed=5)
+        md = check_decode(lay, pages, bt, sl, 16, 1, seed=6, config=kernels_api().default_config(16, lay, "cuda"))
+        assert md.variant.startswith(kind), (name, md.variant)
+
+
+def test_decode_tokens_m_rope_pages_error_within_twice_bf16():
+    """Against fp64 over its own dequantized cache, the per-channel formats' tokens-as-M error (each plan) is within
+    2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""
+    errs = {}
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
+    errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
+    for name in ("int4/int4-page16", "int2/int4-page-sym-g2"):
+        lay, pages, bt, sl = make_cache(TM_PAGE_FORMATS[name], [4096] * 8, seed=21)
+        for pid, plan in PLANS.items():
+            errs[f"{name} {pid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tm_config(lay, 16, plan))
+            assert md.variant.startswith("cuda/f16/tm/"), md.variant
+    print("rope pages", {k: f"{v:.2e}" for k, v in errs.items()})
+    for name, e in errs.items():
+        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
