@@ -39,8 +39,8 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// sc[i] += the RoPE key's scores of the warp's token block i (tokens tok_lo + 16i and + 8; tok_lo = 16·TPW·tp + g) for
-// rows 2t, 2t + 1 (+ 8), read from the stage st with the query block's fragments at qa
+// sc[i] += the RoPE key's scores of the warp's token block i (tokens tok_lo + 16i and + 8; tok_lo = 16·TPW·tp + g)
+// for rows 2t, 2t + 1 (+ 8), read from the stage st with the query block's fragments at qa
 __device__ __forceinline__ void rope_page_scores(const uint8_t* st, const T* qa, int tok_lo, int t,
                                                  float (&sc)[TPW][2][4]) {
   constexpr int RKS = RW * NPR;  // the RoPE key's k-steps
@@ -76,7 +76,8 @@ __device__ __forceinline__ void rope_page_scores(const uint8_t* st, const T* qa,
     zero_acc(zacc);
 #pragma unroll
     for (int s = 0; s < (SKIP_QK ? 0 : RW); ++s) {
-      const uint32_t xl = reinterpret_cast<const uint32_t*>(rl)[s], xh = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
+      const uint32_t xl = reinterpret_cast<const uint32_t*>(rl)[s];
+      const uint32_t xh = reinterpret_cast<const uint32_t*>(rl + 8 * FB_RC)[s];
 #pragma unroll
       for (int p = 0; p < NPR; ++p) {
         const int k = s * NPR + p;
