@@ -580,6 +580,24 @@ def test_bench_candidates_start_from_the_triton_default_that_reads_the_layout(na
     assert cfg.kernel == "generic" and cands[0] == cfg and len(cands) == len(set(cands))
 
 
+def test_bench_candidates_time_rope_pages_on_both_cuda_kernels(monkeypatch):
+    """A RoPE path per page decodes on the built tile by default (cuda.tokens_m_by_default), so the bench's sweep
+    times the tokens-as-M kernel beside it; a per-token format's first candidate is already the tokens-as-M kernel."""
+    from unittest import mock
+
+    from quantmla.kernels import cuda
+    from quantmla.kernels.cuda import build
+    from quantmla_lab.bench.kernels import decode_speed as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(bench, "DEV", "cuda")
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        pages, per_token = bench.candidates("int4/int4-page16", 16), bench.candidates("int4/int4", 16)
+    assert pages[0].kernel == "cuda" and not pages[0].tokens_m and pages[1].kernel == "cuda" and pages[1].tokens_m
+    assert per_token[0].tokens_m and all(c.kernel != "cuda" for c in per_token[1:])
+
+
 def test_bench_kernel_smoke_run_writes_rows_figure_and_refuses_overwrite(tmp_path, capsys, monkeypatch):
     """`quantmla bench-kernel --smoke` (interpreter): one row per format with bytes, ratios and config, the
     goals, the commit and a figure beside the JSON; a second run into the same file is refused."""

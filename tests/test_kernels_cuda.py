@@ -52,8 +52,10 @@ def test_page_metadata_plan_copies_the_page_section():
 def test_page_metadata_in_blocks_plan_copies_the_tiles_sets(monkeypatch):
     """A RoPE path with a metadata set per block of tokens (several sets a page): the built-tile stage copies the
     sets its tile's tokens read (two of 256 bytes for a 32-token tile of 16-token blocks, the one set holding a tile
-    for blocks of 64 tokens or more), and so does the tokens-as-M stage (four for its 64-token tile), which the default
-    config at 16 rows takes."""
+    for blocks of 64 tokens or more), and so does the tokens-as-M stage (four for its 64-token tile). The default
+    config at 16 rows takes the tokens-as-M kernel only where TM_ROPE_PAGE_DEFAULT is set, else the built tile."""
+    from quantmla.kernels.cuda import tokens_m
+
     from quantmla.kernels.schedule import default_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -77,8 +79,11 @@ def test_page_metadata_in_blocks_plan_copies_the_tiles_sets(monkeypatch):
     assert t["SMEM_EXPECTED"] - tp["SMEM_EXPECTED"] == t["STAGES"] * 3 * 256
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
-        cfg = default_config(16, lay, "cuda")
-        assert cfg.kernel == "cuda" and cfg.tokens_m
+        for on in (False, True):
+            monkeypatch.setattr(tokens_m, "TM_ROPE_PAGE_DEFAULT", on)
+            cfg = default_config(16, lay, "cuda")
+            assert cfg.kernel == "cuda" and cfg.tokens_m == on
+            assert default_config(16, plan("int4/int4")[0], "cuda").tokens_m  # per-token formats either way
 
 
 def test_page_metadata_the_tile_cannot_read_falls_back_to_triton(monkeypatch):

@@ -64,12 +64,17 @@ def test_decode_tokens_m_rope_pages_splits(plan):
     check_decode(lay, pages, bt, sl, 16, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
 
 
-def test_default_config_reads_rope_blocks_on_tokens_m():
-    """At 16 rows the API's default config reads 16-token RoPE blocks on the tokens-as-M kernel, and blocks of 4
-    tokens (a warp's block spans four sets) on the built tile, both against the oracle."""
+@pytest.mark.parametrize("on", [False, True])
+def test_default_config_reads_rope_blocks_on_tokens_m(on, monkeypatch):
+    """At 16 rows the API's default config reads 16-token RoPE blocks on the tokens-as-M kernel where
+    TM_ROPE_PAGE_DEFAULT is set (else on the built tile), and blocks of 4 tokens (a warp's block spans four sets) on
+    the built tile, each against the oracle."""
     from helpers.gpu_decode import kernels_api
+    from quantmla.kernels.cuda import tokens_m
 
-    for name, kind in (("int4/int4-page16", "cuda/f16/tm/"), ("int2/int4-page4-sym-g2", "cuda/f16/M16")):
+    monkeypatch.setattr(tokens_m, "TM_ROPE_PAGE_DEFAULT", on)
+    for name, kind in (("int4/int4-page16", "cuda/f16/tm/" if on else "cuda/f16/M16"),
+                       ("int2/int4-page4-sym-g2", "cuda/f16/M16")):
         lay, pages, bt, sl = make_cache(PAGE_FORMATS[name], LENS, seed=5)
         md = check_decode(lay, pages, bt, sl, 16, 1, seed=6, config=kernels_api().default_config(16, lay, "cuda"))
         assert md.variant.startswith(kind), (name, md.variant)

@@ -152,18 +152,18 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False,
                 scale_vote: bool = False, tokens_m64: bool = False, seesaw: bool = False) -> DecodeConfig | None:
-    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture);
-    None where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel
-    where it reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512,
-    d_r 64: on the H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in
-    INT4/INT4 at 1 x 131072, where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8
-    ``get_mla_metadata`` takes the built tile where units are short, and for integer codes the 4-warp plan),
-    else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments` ask for a built-tile
-    plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp; `specialized` its scores' and
-    output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup MMAs, `scale_vote` its
-    SCALE_VOTE build), `tokens_m=False` for
-    the built tile only, `warpgroup=True` for the heads-as-M kernel on warpgroup MMAs only (with `tokens_m64=True` the
-    tokens-as-M kernel at 64 rows instead; with `seesaw=True` its warpgroups out of phase, BF16 only)."""
+    """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture); None
+    where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel where it
+    reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512, d_r 64: on the
+    H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4 at 1 x 131072,
+    where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8 ``get_mla_metadata`` takes the
+    built tile where units are short, and for integer codes the 4-warp plan; a RoPE path grouped per page only where
+    ``cuda.tokens_m_by_default``), else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments`
+    ask for a built-tile plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp;
+    `specialized` its scores' and output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup
+    MMAs, `scale_vote` its SCALE_VOTE build), `tokens_m=False` for the built tile only, `warpgroup=True` for the
+    heads-as-M kernel on warpgroup MMAs only (with `tokens_m64=True` the tokens-as-M kernel at 64 rows instead; with
+    `seesaw=True` its warpgroups out of phase, BF16 only)."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -175,7 +175,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     if warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, tokens_m64=tokens_m64,
                                       seesaw=seesaw))
-    elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments):
+    elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments
+                      and cuda.tokens_m_by_default(layout)):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
                                       specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores,
                                       scale_vote=scale_vote))

@@ -28,7 +28,7 @@ from quantmla.kernels.cuda.plan import (  # noqa: F401
 from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_CONTENT_SCALE, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS,
     TM_TWO_BLOCKS_MIN_TOKENS, TM_VOTE_MAX_CONTENT_SCALE, TM_WARPS, TM_WS_2BIT_STAGES, TM_WS_MIN_TOKENS, smem_bytes_tm,
-    tokens_m_default_blocks, tokens_m_plan, tokens_m_reason, tokens_m_ws_min_tokens)
+    tokens_m_by_default, tokens_m_default_blocks, tokens_m_plan, tokens_m_reason, tokens_m_ws_min_tokens)
 from quantmla.kernels.cuda.tokens_m64 import (  # noqa: F401
     TM64_BLOCK_M, TM64_MIN_ROWS, smem_bytes_tm64, tokens_m64_plan, tokens_m64_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401

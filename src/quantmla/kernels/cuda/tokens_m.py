@@ -61,6 +61,21 @@ tokens-as-M build is 13 % slower at 320-token units (4 x 20480) and 3 to 6 % slo
 tokens-as-M kernel"; lab/results/decode_schedule/long_decode_batches_h200.json)."""
 
 
+TM_ROPE_PAGE_DEFAULT = False
+"""Whether the API's default config reads a RoPE path grouped per page on the tokens-as-M kernel
+(`tokens_m_by_default`). Off: its page path (rope_page_tm.cuh) builds for sm_90a without spills and its plans are
+checked on the CPU, but its GPU tests (tests/test_kernels_gpu_rope_page.py) and its timings against the built tile
+(`quantmla bench-kernel --heads 16 --methods int4/int4-page16,...`) are not yet run; until they pass, such layouts
+decode on the built tile by default and on this kernel where a caller asks for it
+(``schedule.cuda_config(..., tokens_m=True)``)."""
+
+
+def tokens_m_by_default(layout: PageLayout) -> bool:
+    """Whether the API's default config tries the tokens-as-M kernel for `layout` first (where it reads it):
+    per-token formats always, a RoPE path grouped per page where TM_ROPE_PAGE_DEFAULT is set."""
+    return TM_ROPE_PAGE_DEFAULT or not layout.token.fmt.rope.per_page
+
+
 def tokens_m_reason(layout: PageLayout, rows: int) -> str | None:
     """Why the tokens-as-M kernel (mla_decode_tm.cu: tokens are the MMA's M dimension, the codes masked in
     place into its A operand) cannot read `layout` for `rows` query rows, or None where it can."""
