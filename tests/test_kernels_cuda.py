@@ -534,3 +534,21 @@ def test_a_build_is_looked_up_once_a_process(monkeypatch):
         monkeypatch.delenv("QUANTMLA_CUDA_LINEINFO")
         build.cubin_for(a, "cuda")
     assert built[2:] == [(a, "sm_90a", ("-lineinfo",)), (a, "sm_80", ())]
+
+
+@pytest.mark.parametrize("bits,gs,symmetric", [(4, 1, False), (4, 2, False), (4, 1, True), (4, 2, True),
+                                               (2, 1, False), (2, 2, True)])
+def test_rope_page_scores_emulated(bits, gs, symmetric, monkeypatch):
+    """The tokens-as-M kernel's RoPE scores on a page's sets (rope_page_tm.cuh), emulated lane by lane in numpy
+    (quantmla_lab.bench.kernels.rope_page_layout): with channel scales spanning 2^-12 to 2^12, the scores of 16
+    tokens x 16 rows are within 2^-10 of Σ|k·q| of the fp64 scores over the same codes and set; a scale paired with the
+    wrong query position is caught."""
+    from quantmla_lab.bench.kernels import rope_page_layout as emu
+
+    for seed in range(2):
+        rel, ok = emu.emulate(bits, gs, symmetric, seed)
+        assert ok and rel > 0, rel
+    real = emu.set_pairs
+    monkeypatch.setattr(emu, "set_pairs", lambda *a: (lambda s02, s13, z02, z13: (s13, s02, z02, z13))(*real(*a)))
+    if gs == 1:  # (a channel pair shares its group's scale: there the swap changes nothing)
+        assert not emu.emulate(bits, gs, symmetric, 0)[1]
