@@ -83,21 +83,10 @@ constexpr int NBUF = WS ? 2 : 1;       // built tiles (WS: one built while the o
 constexpr int LDS = BN + 8;            // fp32 score row pitch (8 rows' float2 fragment stores hit distinct banks)
 constexpr int LDP = BN + 8;            // 16-bit probability row pitch
 constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
-#ifndef R_PAGE
-#define R_PAGE 0
-#define PMB_R 0
-#endif
-#ifndef R_BLK
-#define R_BLK PS  // tokens one RoPE metadata set of the page serves (R_PAGE)
-#endif
 #ifndef REG
 #define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
 #endif
-constexpr int RM_SETS = R_BLK < BN ? BN / R_BLK : 1;  // R_PAGE: the metadata sets a tile's tokens read
-static_assert(!R_PAGE || (R_BLK < BN ? BN % R_BLK == 0 : R_BLK % BN == 0), "a tile covers whole sets or lies in one");
-constexpr int RM_BYTES = R_PAGE ? RM_SETS * PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
-// the byte offset in the page of the RoPE metadata of the tile whose first token is the page's token tok0
-__host__ __device__ constexpr int rm_offset(int tok0) { return R_PAGE ? (tok0 / R_BLK) * PMB_R : tok0 * FB_RM; }
+#include "page_sets.cuh"  // R_PAGE, R_BLK, RM_SETS, RM_BYTES, rm_offset
 
 // the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
 // apart, an odd number of 16-byte chunks, so that 8 rows' pieces at one column fall in distinct banks

@@ -33,6 +33,7 @@
 // Macros (quantmla.kernels.cuda): D_C D_R PS PAGE_BYTES OFF_CC OFF_RC OFF_CM OFF_RM FB_CC FB_RC FB_CM FB_RM
 //   C_BITS C_GS R_BITS R_GS STAGES OUT_KIND SMEM_EXPECTED ONE_BARRIER MIN_CTAS TPW WS WS_REGS S8_QK NW (4, or 8 with WS)
 //   SCORES_REFILL WHOLE_PAGE (who refills a stage with WS, and whether a 64-token page is one copy: below)
+//   R_PAGE PMB_R R_BLK R_FLD (the RoPE path's metadata is the page's sets: page_sets.cuh, rope_page_tm.cuh)
 //   (and TM, BN, HALF: fixed here)
 
 #include <cuda_bf16.h>
@@ -119,22 +120,10 @@ constexpr int D = D_C + D_R;
 constexpr int NPC = C_FP8 ? 1 : 8 / C_BITS;  // planes of a content byte
 constexpr int NPR = C_FP8 ? 1 : 8 / R_BITS;  // planes of a RoPE byte (FP8: one plane of bf16 values)
 constexpr int CG = D_C / C_GS;         // content groups
-// R_PAGE: the RoPE path's metadata is the page's (KIVI's per-channel keys): sets of PMB_R bytes at OFF_RM, an fp16
-// scale (R_FLD 1: symmetric codes) or (scale, zero) (R_FLD 2) per group of R_GS channels, one set per R_BLK tokens
-#ifndef R_PAGE
-#define R_PAGE 0
-#define PMB_R 0
-#endif
-#ifndef R_BLK
-#define R_BLK PS
-#endif
+#include "page_sets.cuh"  // R_PAGE (a set: an fp16 scale, R_FLD 1, or (scale, zero), R_FLD 2, per group of R_GS)
 #ifndef R_FLD
 #define R_FLD 2
 #endif
-constexpr int RM_SETS = R_BLK < BN ? BN / R_BLK : 1;  // R_PAGE: the metadata sets a tile's tokens read
-constexpr int RM_BYTES = R_PAGE ? RM_SETS * PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
-// the offset of tile token tok0's RoPE metadata in its page's section (R_PAGE: its set's)
-__host__ __device__ constexpr int rm_offset(int tok0) { return R_PAGE ? (tok0 / R_BLK) * PMB_R : tok0 * FB_RM; }
 constexpr int RG = C_FP8 || R_PAGE ? 0 : D_R / R_GS;  // per-token RoPE groups (FP8: none, the key is stored as it is)
 constexpr int NG = CG + RG;
 constexpr int CKS = D_C / 16;          // content k-steps of 16 channels
@@ -149,8 +138,7 @@ static_assert(C_FP8 ? C_BITS == 8 && R_BITS == 16 : (C_BITS == 2 || C_BITS == 4)
               "2- or 4-bit codes on both paths, or e4m3 content and a bf16 RoPE key");
 static_assert(C_GS % (C_FP8 ? 128 : 64) == 0, "a 64-channel block of one content plane (a warp's output) lies in one group");
 static_assert(C_FP8 || R_PAGE || (R_GS % FB_RC == 0 && D_R % R_GS == 0), "a RoPE plane lies in one group");
-static_assert(!R_PAGE || (!C_FP8 && R_BLK % 16 == 0 && (R_BLK < BN ? BN % R_BLK == 0 : R_BLK % BN == 0) &&
-                          PMB_R == D_R / R_GS * R_FLD * 2 && PMB_R % 16 == 0),
+static_assert(!R_PAGE || (!C_FP8 && R_BLK % 16 == 0 && PMB_R == D_R / R_GS * R_FLD * 2 && PMB_R % 16 == 0),
               "a page's RoPE sets: fp16 metadata, a whole number of a tile's 16-token blocks a set, 16-byte sets");
 static_assert(FB_CM == CG * 4 && FB_RM == RG * 4, "per group an fp16 (scale, zero), or an fp32 scale");
 static_assert(!C_FP8 || TPW == 1, "FP8 stages leave no room for the partial scores' exchange");
