@@ -22,7 +22,8 @@ from quantmla.cache.layout import PageLayout, TokenLayout
 from quantmla.cache.paged import write_tokens
 from quantmla.kernels import api
 from quantmla_lab.bench.common import parse_fresh, record, save
-from quantmla_lab.bench.kernels.decode_speed import D_C, D_R, METHODS, PAGE, capture_graph
+from quantmla_lab.bench.kernels.decode_speed import D_C, D_R, METHODS, PAGE
+from quantmla_lab.bench.kernels.timing import capture_graph
 
 TILINGS = ("default", "4:0", "1:0", "1:1", "2:0", "2:1", "4:1")  # warps:paths apart; "default": no knob passed
 

@@ -23,7 +23,7 @@ import torch
 
 from quantmla.kernels import schedule
 from quantmla.kernels.decode import _mla_combine_kernel
-from quantmla_lab.bench.kernels import decode_speed
+from quantmla_lab.bench.kernels import decode_speed, timing
 from quantmla_lab.bench.common import save
 
 SHAPES = ((1, 264), (1, 128), (8, 33), (8, 16), (32, 8), (64, 4))
@@ -66,7 +66,7 @@ def main() -> None:
                                                                  BLOCK_D=bd, BLOCK_S=block_s, ONE_STEP=one,
                                                                  num_warps=4, num_stages=2)
 
-            ms, graphed = decode_speed.time_ms(run, 25, 200)
+            ms, graphed = timing.time_ms(run, 25, 200)
             outs[name] = out.clone()
             row = {"batch": B, "splits": S, "variant": name, "us": ms * 1e3, "graph": graphed, "block_r": br,
                    "block_d": bd, "block_s": block_s, "one_step": one, "programs": B * -(-R // br) * (DC // bd),

@@ -21,7 +21,7 @@ import torch
 from quantmla.cache.layout import PageLayout, TokenLayout, preset
 from quantmla.kernels import api
 from quantmla.kernels.partials import partials_setting
-from quantmla_lab.bench.kernels import decode_speed
+from quantmla_lab.bench.kernels import decode_speed, timing
 from quantmla_lab.bench.common import save
 
 
@@ -71,7 +71,7 @@ def main() -> None:
                 api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md,
                                             out=out, lse=lse)
 
-            whole, graph = decode_speed.time_ms(fn, 25, 200)
+            whole, graph = timing.time_ms(fn, 25, 200)
             ks = kernel_times(fn, a.calls)
             dec = sum(v for k, v in ks.items() if "mla_decode" in k and "combine" not in k)
             comb = sum(v for k, v in ks.items() if "combine" in k)

@@ -21,6 +21,7 @@ from quantmla.errors import QuantMLAError
 from quantmla.kernels import api, cuda, schedule
 from quantmla.kernels.partials import partials_setting
 from quantmla_lab.bench.kernels import decode_speed as bench
+from quantmla_lab.bench.kernels import timing
 from quantmla_lab.bench.common import save
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     H, dev = a.heads, torch.device("cuda")
-    bench.FLUSH = a.flush
+    timing.FLUSH = a.flush
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": bench.source_commit(), "partials": partials_setting(),
         "command": " ".join(sys.argv), "flush": a.flush, "rows": []}
@@ -152,7 +153,7 @@ def main() -> None:
                 if ref is None:
                     ref = out.float().clone()
                 diff = float((out.float() - ref).abs().max())
-                return bench.time_ms(run, 25, 100)[0] * 1e3, diff
+                return timing.time_ms(run, 25, 100)[0] * 1e3, diff
 
             def time_decode(vp: cuda.DecodePlan, vmd, outputs: list | None = None) -> float:
                 """The decode kernel of plan vp alone (no combine) over vmd's units, µs; with `outputs`, what one
@@ -167,7 +168,7 @@ def main() -> None:
                     launch()
                     torch.cuda.synchronize()
                     outputs.append((out.float().clone(), po.clone()))
-                t, _ = bench.time_ms(launch, 25, 100)
+                t, _ = timing.time_ms(launch, 25, 100)
                 return t * 1e3
 
             def timeline(plan: cuda.DecodePlan, vmd, phases: bool = False) -> dict:
@@ -181,7 +182,7 @@ def main() -> None:
                 args = (qc, qr, c.pages, None, None, c.block_table, c.seq_lens, vmd.units, out, lse, po, pl,
                         c.block_table.stride(0), H, 1, H, 1, scale * 1.4426950408889634)
                 for _ in range(3):
-                    bench.flush_l2()
+                    timing.flush_l2()
                     cuda.launch_decode(vp, (vmd.num_units, vmd.head_blocks), args, dev)
                 torch.cuda.synchronize()
                 n = len(MARKS)

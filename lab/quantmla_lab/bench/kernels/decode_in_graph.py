@@ -37,10 +37,11 @@ from quantmla.kernels.launch import launch_decode
 from quantmla.kernels.partials import partial_dtype
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.kernels import decode_speed as bench
+from quantmla_lab.bench.kernels import timing
 from quantmla_lab.bench.kernels.decode_cuda_variants import MARKS
 from quantmla_lab.bench.serving.step_overhead import replay_ms
 
-capture = bench.capture_graph  # fn run once on a side stream (its builds and loads), then captured
+capture = timing.capture_graph  # fn run once on a side stream (its builds and loads), then captured
 
 D_N, D_C, D_R, D_V = 128, 512, 64, 128  # DeepSeek's q_nope, latent, RoPE and value widths
 

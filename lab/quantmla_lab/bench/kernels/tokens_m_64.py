@@ -163,7 +163,7 @@ def heads_m_rows() -> list[dict]:
     """The shipped heads-as-M kernel at 128 heads, 32 x 8192 (64 tiles a CTA): BF16 and INT4/INT4 calls, µs a tile."""
     from quantmla.cache.layout import PageLayout, TokenLayout, preset
     from quantmla.kernels import api
-    from quantmla_lab.bench.kernels import decode_speed
+    from quantmla_lab.bench.kernels import decode_speed, timing
 
     rows = []
     for fmt in ("bf16", "int4/int4"):
@@ -177,7 +177,7 @@ def heads_m_rows() -> list[dict]:
         def fn(qc=qc, qr=qr, c=c, lay=lay, md=md, out=out):
             api.mla_decode_with_kvcache(qc, qr, c.pages, c.block_table, c.seq_lens, lay, 0.07, metadata=md, out=out)
 
-        ms, graphed = decode_speed.time_ms(fn, 10, 50)
+        ms, graphed = timing.time_ms(fn, 10, 50)
         tiles = 32 * 8192 // 64 // md.num_units  # tiles a CTA (each of the unit's head blocks reads them all)
         rows.append({"kernel": "heads as M (shipped)", "format": fmt, "variant": str(md.variant), "call_us": ms * 1e3,
                      "tiles_per_cta": tiles, "us_per_tile": ms * 1e3 / tiles, "graph": graphed})

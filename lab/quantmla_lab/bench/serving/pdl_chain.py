@@ -86,7 +86,7 @@ def parse_tiling(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv=None) -> int:
-    from quantmla_lab.bench.kernels.decode_speed import capture_graph
+    from quantmla_lab.bench.kernels.timing import capture_graph
     from quantmla_lab.bench.serving.step_overhead import replay_ms
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
