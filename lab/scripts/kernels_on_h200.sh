@@ -11,32 +11,14 @@
 #                 tokens, 16 heads): FP8, INT4/INT4, INT2/INT4, every tiling at 1 and 2 CTAs an SM, each split as
 #                 get_mla_metadata cuts it (an eager call's; a graph bucket deals its units by length)
 #                                                                -> decode_schedule/long_decode_batches_h200.json
-# tilings         the CUDA kernel's tilings at 16 and 128 heads  -> kernels/decode_cuda_tilings{,_128h}_h200.json
-# phases          the default 16-row plan without its tile build, score products or output products (times only):
-#                 each phase's share of a call              -> kernels/decode_cuda_phases_h200.json
 # page-rope       the RoPE path per channel per page beside per-token groups (16 and 128 heads)
 #                                                                -> kernels/decode_page_rope_h200.json
+# rope-pages-tm   the tokens-as-M kernel on RoPE keys grouped per page (rope_page_tm.cuh; TM_ROPE_PAGE_DEFAULT): its GPU
+#                 tests with the page formats' API and engine tests, then its calls and decode kernel beside the built
+#                 tile's at 16 heads, per-token and per-channel (16-token blocks) INT4/INT4 and INT2/INT4
+#                 -> kernels/rope_pages_tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_rope_pages_h200.json
 # breakdown       a decode call split into the decode kernel, the combine kernel and the rest; fixed cost
 #                 against cost per token                        -> kernels/decode_breakdown_h200.json
-# ncu-sections    Nsight Compute's throughput, memory, scheduler and warp-state sections of one decode call, INT4/INT4
-#                 and BF16 at 16 heads, 32 x 16384      -> kernels/ncu_sections_{int4,bf16}_32x16384_h200.txt
-# ncu-warpgroup   the same sections for the heads-as-M kernel at 128 heads, 32 x 8192 (INT4/INT4 and BF16)
-#                                                  -> kernels/ncu_sections_{int4,bf16}_128h_32x8192_h200.txt
-# ncu-fragments   the same for INT4/INT4's plan that reads the codes straight into the products' operands
-#                                                         -> kernels/ncu_sections_int4_fragments_32x16384_h200.txt
-# sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
-#                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
-# smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
-#                                                         -> kernels/shared_wavefronts_int4_32x16384_h200.txt
-# tokens-m        the tokens-as-M kernel (mla_decode_tm.cu): its GPU tests, then its calls and decode kernel beside
-#                 the default plan's (TM_VARIANTS="MACRO=V ...": other builds timed beside it; NO_NCU=1: no profile)
-#                                        -> kernels/tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_h200.json
-# tokens-m-timeline  each CTA's clocks through one call of it (the prologue's three parts, first tile, tiles,
-#                 epilogue), beside the loop with a second barrier a tile, and thread 0's clocks in the tile loop's
-#                 phases (copy wait, scores, vote, output, P; with and without the products), INT4/INT4 and INT2/INT4
-#                 at 1 x 131072 and 32 x 16384                            -> kernels/decode_tokens_m_timeline_h200.json
-# tokens-m-timeline-short  the same at the short job's contexts, 1 x 2048 and 8 x 2048 (16 units of 128 tokens a
-#                 sequence)                                 -> kernels/decode_tokens_m_timeline_short_h200.json
 # decode-in-graph  the decode call (decode and combine kernels) inside CUDA graphs of layers, between the absorbed
 #                 query's and values' bmm, against the same calls back to back; a cache a layer; four formats at the
 #                 short job's contexts (27 layers, with the tokens-as-M kernel's CTA spans and the gaps between
@@ -57,19 +39,11 @@
 # bf16-partials-repeat  the shapes where bf16 partials moved most (16 heads: 64 x 4096, 32 x 16384, BF16 and FP8;
 #                 128 heads: 1 x 32768, 32 x 8192, BF16), fp16 / bf16 / bf16 / fp16 settings, a process each
 #                 -> kernels/decode_in_graph_partials_repeat_{16h,128h}_{fp16,bf16}_{1..4}_h200.json
-# staged-epilogue the heads-as-M kernels' epilogue from the registers (EPI_SMEM=0) beside the default staged one at
-#                 128 heads, BF16 and INT4/INT4, with fp32 partials (QUANTMLA_PARTIALS=fp32; the files of 6f4d717 and
-#                 before name them auto) and with 16-bit ones (bf16), a process each; its outputs against the default's
-#                                              -> kernels/decode_staged_epilogue_128h_{fp32,bf16}_h200.json
 # partials-128    whole calls at 128 heads (decode_in_graph, graphs of 8 layers) with fp32 partials (fp32; the files of
 #                 6f4d717 name them auto) and 16-bit ones (bf16), BF16 and INT4/INT4, a process each; then the
 #                 combine alone at 128 rows with bf16 partials, the API's blocks beside blocks narrowed rows first
 #                                   -> kernels/decode_in_graph_partials_128h_{fp32,bf16}_staged_h200.json,
 #                                      kernels/combine_blocks_128rows_bf16_h200.json
-# tm-staged-epilogue the tokens-as-M kernel (16 heads) with its epilogue staged in shared memory and stored in whole
-#                 16-byte pieces (TM_EPI_SMEM=1) beside the default, INT4/INT4, INT2/INT4 and FP8 at the issue's shapes,
-#                 its outputs against the default's; then the tokens-as-M GPU tests with it as the source's default
-#                 -> kernels/decode_tokens_m_staged_epilogue_h200.json, kernels/tokens_m_staged_epilogue_gpu_tests_h200.log
 # combine         the combine kernel alone, every split in one step (the API's choice where they fit) against the
 #                 two-pass loop, at the splits the jobs' decode steps make              -> kernels/combine_h200.json
 # combine-blocks  the combine kernel alone at the API's program blocks and at blocks narrowed rows first (whole
@@ -106,43 +80,15 @@
 #                    kernels/decode_warpgroup_lowbit_128h_h200.json, kernels/decode_vs_peer_128h_h200.json
 # append-tilings  the append kernel's tilings (warps, the two paths apart) by format at 1 to 8192 tokens, each append
 #                 a node of a CUDA graph of 27                  -> kernels/append_tilings_h200.json
-# mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 and m16n8k32 (e4m3, s8) against
-#                 wgmma m64n16k16 and m64n32k16 (fp16), m64n32k32 (e4m3, s8) and m64n16k32 (e4m3)
-# e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
-#                 terms: the operand layouts against fp64 products of the same terms   -> kernels/e4m3_scores_h200.json
-#                                                                         -> kernels/mma_rate_h200.json
-# s8-scores       the tokens-as-M kernel's scores on 8-bit warpgroup MMAs (S8_QK): its GPU tests against the oracle
-#                 and fp64, then its decode kernel beside the default, with the layout checks and without output products
-#                 -> kernels/tokens_m_s8_scores_gpu_tests_h200.log, kernels/decode_tokens_m_s8_scores_h200.json
-# tokens-m64      the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu): its GPU tests, then at 128 heads its calls
-#                 and decode kernel beside the heads-as-M kernel's, INT4/INT4 and BF16 (TM64_VARIANTS="MACRO=V ...":
-#                 other builds timed beside it)  -> kernels/tokens_m64_gpu_tests_h200.log,
-#                                                   kernels/decode_tokens_m64_128h_h200.json
-# fp8-one-cta     FP8 on the tokens-as-M kernel (16 heads), whose loop is bound by its copies through two 42 KB stages
-#                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default and
-#                 the built tile (FP8's plan for units under 576 tokens), at the issue's 16-head shapes (FP8_SHAPES)
-#                                                        -> kernels/decode_tokens_m_fp8_one_cta_h200.json
 # combine-calls   whole calls in graphs of 8 layers (decode_in_graph, 16 heads) with the combine's blocks the API's and
 #                 1x64, 1x32, 2x32, 4x16 (rows x channels a program) at COMBINE_SHAPES, COMBINE_METHODS
 #                                                        -> kernels/decode_in_graph_combine_blocks_h200.json
 # fp8-one-cta-calls  FP8 whole calls in graphs of 8 layers (decode_in_graph) with the API's choice beside
 #                 the tokens-as-M kernel at two and at one CTA an SM, and the built tile, at FP8_CALL_SHAPES
 #                                                        -> kernels/decode_in_graph_fp8_one_cta_h200.json
-# seesaw          the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu, BF16): the heads-as-M
-#                 GPU tests of BF16 (both loops), then at 128 heads its decode kernel beside the default loop's, with
-#                 and without products (SEESAW_FORMATS: e.g. bf16,int4/int4 for INT4/INT4's default beside them;
-#                 SEESAW_VARIANTS: other builds)
-#                          -> kernels/seesaw_gpu_tests_h200.log, kernels/decode_seesaw_128h_h200.json
 # short-units     the short job's decode calls (16 heads, 1 to 64 sequences of 1536 or 2048 tokens: units of about two
 #                 tiles), the built tile beside the tokens-as-M kernel for INT4/INT4 and INT2/INT4: whether short units
 #                 read faster on the built tile, as FP8's below FP8_TM_MIN_TOKENS do -> kernels/decode_short_units_h200.json
-# append-one-tile the append kernel before its packed layout (cfb9bb0, prepared here by
-#                 lab/scripts/prepare_append_one_tile.sh; carry .ab) at 4 warps and at one warp
-#                 -> kernels/append_one_tile_a_path_{4warps,1warps}_h200.json
-# output-phase    the tokens-as-M kernel's output phase alone, mma.sync fp16 against 8-bit warpgroup MMAs (e4m3, u8),
-#                 at 128 registers a thread and without the cap, each build checked against fp64, one-hot probes
-#                 saved, and the 8-bit builds on a tile stored pre-transposed (the bound of a token-interleaved
-#                 cache layout)  -> kernels/output_phase_{128_registers,two_ctas,pretransposed}_h200.json
 # combine-rule    whole calls in graphs of 8 layers (decode_in_graph) with the combine's blocks as the API chooses them
 #                 (schedule.combine_blocks) beside fixed blocks, INT4/INT4 and BF16 (the baseline every run times): 16
 #                 heads at 1 x 131072, 4, 7 and 13 x 20480, 32 x 16384; 128 heads at 1 x 32768, 8 x 8192
@@ -159,25 +105,8 @@
 # On a GPU other than an H200 the files a run writes are renamed when it exits (a step's failure or timeout too) to
 # that GPU's tag, h100 for h200 (lab/scripts/device_names.sh); the commands recorded inside them keep the h200 paths.
 set -uo pipefail
-# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
-# git history, whose HEAD would be recorded instead).
-if [ -z "${QUANTMLA_COMMIT:-}" ]; then
-  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
-  exit 2
-fi
-OUT=${OUT:-/tmp/out}
-# shellcheck source=lab/scripts/device_names.sh
-source "$(dirname "$0")/device_names.sh"
-NAME_SINCE=$(mktemp)
-trap name_by_device EXIT
-mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
-export TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests PYTHONUNBUFFERED=1
-EXTRA=()
-STEPS=()
-while [ $# -gt 0 ]; do
-  if [ "$1" = "--" ]; then shift; EXTRA=("$@"); break; fi
-  STEPS+=("$1"); shift
-done
+# shellcheck source=lab/scripts/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh" "$@"
 
 tests() {
   local log="$OUT/kernels/gpu_tests_h200.log"
@@ -209,95 +138,25 @@ schedule-long() {
     --out "$OUT/decode_schedule/long_decode_batches_h200.json" 2>&1 | grep "^== best\|failed" | tail -20
 }
 
-tilings() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8,bf16 \
-    --shapes 1x131072,32x16384,8x16384 --tilings 8x32,16x32,16x64 --out "$OUT/kernels/decode_cuda_tilings_h200.json" 2>&1 | tail -40
-  timeout 100 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
-    --shapes 32x8192 --out "$OUT/kernels/decode_cuda_tilings_128h_h200.json" 2>&1 | tail -10
-}
-
-phases() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,bf16 \
-    --shapes 1x131072,32x16384 --tilings 8x32 --phases --out "$OUT/kernels/decode_cuda_phases_h200.json" 2>&1 | tail -12
-}
-
 page-rope() {
   timeout 240 python3 -m quantmla.cli bench-kernel --no-sweep --methods int4/int4,int4/int4-page,int2/int4,int2/int4-page \
     --out "$OUT/kernels/decode_page_rope_h200.json" 2>&1 | grep -v "^check " | tail -30
 }
 
+rope-pages-tm() {
+  local log="$OUT/kernels/rope_pages_tokens_m_gpu_tests_h200.log"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu_rope_page.py tests/test_page_rope.py \
+    tests/test_kernels_gpu.py::test_decode_page_rope tests/test_kernels_gpu.py::test_decode_page_rope_blocks \
+    -q -rfs -p no:cacheprovider -s 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --tokens-m --tilings 8x32 \
+    --formats int4/int4,int4/int4-page16,int2/int4,int2/int4-page16 --shapes 1x131072,32x16384,64x4096 \
+    --out "$OUT/kernels/decode_tokens_m_rope_pages_h200.json" 2>&1 | tail -40
+}
+
 breakdown() {
   timeout 200 python3 -m quantmla_lab.bench.kernels.decode_breakdown --formats bf16,int4/int4 \
     --shapes 1x131072,8x16384,32x16384,264x32,264x512 --out "$OUT/kernels/decode_breakdown_h200.json" 2>&1 | tail -20
-}
-
-# Nsight Compute's sections of one decode call of INT4/INT4 and BF16: heads, batch, context, file-name suffix
-ncu_pair() {
-  local f path
-  for f in int4/int4 bf16; do
-    path="$OUT/kernels/ncu_sections_${f%%/*}_$4_h200.txt"
-    timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section SchedulerStats \
-      --section WarpStateStats --section InstructionStats --section Occupancy \
-      python3 -m quantmla_lab.bench.kernels.decode_once "$f" "$1" "$2" "$3" 2>&1 | grep -v "^==PROF==" > "$path"
-    grep -i "shared\|throughput\|issue\|duration\|pipe" "$path" | head -24
-  done
-}
-
-ncu-sections() { ncu_pair 16 32 16384 32x16384; }
-
-ncu-warpgroup() { ncu_pair 128 32 8192 128h_32x8192; }
-
-ncu-fragments() {
-  timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section InstructionStats \
-    --section Occupancy python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 --fragments 2>&1 \
-    | grep -v "^==PROF==" > "$OUT/kernels/ncu_sections_int4_fragments_32x16384_h200.txt"
-  grep -i "shared\|throughput\|issue\|duration" "$OUT/kernels/ncu_sections_int4_fragments_32x16384_h200.txt" | head -20
-}
-
-sass-phases() {
-  local rep=/tmp/quantmla_sass_prof
-  QUANTMLA_CUDA_LINEINFO=1 timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section WarpStateStats \
-    --section SourceCounters -f -o "$rep" python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 > /dev/null 2>&1
-  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
-  python3 -m quantmla_lab.bench.kernels.sass_phases "$rep.csv" --tokens 524288 | tee "$OUT/kernels/sass_phases_int4_32x16384_h200.txt"
-}
-
-smem-wavefronts() {
-  local rep=/tmp/quantmla_smem_prof f="$OUT/kernels/shared_wavefronts_int4_32x16384_h200.txt"
-  QUANTMLA_CUDA_LINEINFO=1 timeout 150 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SourceCounters \
-    -f -o "$rep" python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 > /dev/null 2>&1
-  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
-  { echo "$(nvidia-smi --query-gpu=name --format=csv,noheader), $(date -u +%F), commit ${QUANTMLA_COMMIT:-?}, INT4/INT4 16 heads 32 x 16384"
-    python3 -m quantmla_lab.bench.kernels.shared_wavefronts "$rep.csv" --tokens 524288; } | tee "$f"
-}
-
-tokens-m() {
-  local log="$OUT/kernels/tokens_m_gpu_tests_h200.log"
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider -s \
-    -k "tokens_m or (decode_full_shape and cuda and int4 and 16-1)" 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes ${TM_SHAPES:-1x131072,8x16384,32x16384,64x4096} --tilings 8x32 --tokens-m ${TM_VARIANTS:+--variants $TM_VARIANTS} \
-    --out "$OUT/kernels/decode_tokens_m_h200.json" 2>&1 | tail -50
-  [ -n "${NO_NCU:-}" ] && return
-  timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section SchedulerStats \
-    --section WarpStateStats --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 --tokens-m 2>&1 | grep -v "^==PROF==" \
-    > "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt"
-  grep -i "stalled\|duration\|issued warp\|eligible warps\|dram throughput" "$OUT/kernels/ncu_sections_int4_tokens_m_32x16384_h200.txt" | head -40
-}
-
-tokens-m-timeline() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x131072,32x16384 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_h200.json" 2>&1 | tail -12
-}
-
-tokens-m-timeline-short() {
-  timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 \
-    --shapes 1x2048,8x2048 --tilings 8x32 --tokens-m --timeline --out "$OUT/kernels/decode_tokens_m_timeline_short_h200.json" 2>&1 | tail -12
 }
 
 decode-in-graph() {
@@ -348,15 +207,6 @@ bf16-partials-repeat() {  # the shapes where bf16 partials moved most, both sett
     QUANTMLA_PARTIALS=$p timeout 100 python3 -m quantmla_lab.bench.kernels.decode_in_graph --methods bf16 --heads 128 \
       --shapes 1x32768 32x8192 --layers 8 --out "$OUT/kernels/decode_in_graph_partials_repeat_128h_${p}_${n}_h200.json" \
       2>&1 | grep -v -i warn | tail -2
-  done
-}
-
-staged-epilogue() {
-  local p
-  for p in fp32 bf16; do
-    QUANTMLA_PARTIALS=$p timeout 200 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 \
-      --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=0 \
-      --out "$OUT/kernels/decode_staged_epilogue_128h_${p}_h200.json" 2>&1 | grep -v -i warn | grep "warpgroup" | tail -24
   done
 }
 
@@ -470,29 +320,11 @@ combine() {
   timeout 120 python3 -m quantmla_lab.bench.kernels.combine --out "$OUT/kernels/combine_h200.json" 2>&1 | tail -14
 }
 
-tm-staged-epilogue() {
-  local log="$OUT/kernels/tokens_m_staged_epilogue_gpu_tests_h200.log" xdist=""
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 --heads 16 \
-    --shapes ${TM_EPI_SHAPES:-1x131072,8x16384,32x16384,64x4096,128x2048} --tilings "" --tokens-m --variants TM_EPI_SMEM=1 \
-    --out "$OUT/kernels/decode_tokens_m_staged_epilogue_h200.json" 2>&1 | grep -v -i warn | grep "EPI\|tokens_m_decode"
-  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  sed -i 's/^#define TM_EPI_SMEM 0 /#define TM_EPI_SMEM 1 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
-  grep -n "^#define TM_EPI_SMEM" src/quantmla/kernels/cuda/mla_decode_tm.cu >> "$log"
-  timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
-    -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -6 | tee -a "$log"
-  sed -i 's/^#define TM_EPI_SMEM 1 /#define TM_EPI_SMEM 0 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
-}
-
 combine-blocks() {
   timeout 100 python3 -m quantmla_lab.bench.kernels.combine --partials fp16 --blocks 1x64 2x32 1x32 4x16 \
     --out "$OUT/kernels/combine_blocks_16rows_fp16_h200.json" 2>&1 | tail -30
   timeout 100 python3 -m quantmla_lab.bench.kernels.combine --rows 128 --shapes 1x64,8x8,32x2 --blocks 2x64 4x32 1x128 \
     --out "$OUT/kernels/combine_blocks_128rows_fp32_h200.json" 2>&1 | tail -16
-}
-
-e4m3-scores() {
-  timeout 100 python3 -m quantmla_lab.bench.kernels.e4m3_scores --out "$OUT/kernels/e4m3_scores_h200.json" 2>&1 | tail -8
 }
 
 combine-calls() {
@@ -506,31 +338,6 @@ fp8-one-cta-calls() {
     --shapes ${FP8_CALL_SHAPES:-64x4096 128x2048 8x26112 16x26112 7x20480} \
     --configs "" "tokens_m=1,ctas_per_sm=2" "tokens_m=1,ctas_per_sm=1" "tokens_m=0" \
     --out "$OUT/kernels/decode_in_graph_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | tail -30
-}
-
-fp8-one-cta() {
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats fp8 --heads 16 \
-    --shapes ${FP8_SHAPES:-1x131072,8x16384,8x65536,32x16384,64x4096,128x2048} --tilings 8x32 --tokens-m --variants CTAS=1 \
-    --out "$OUT/kernels/decode_tokens_m_fp8_one_cta_h200.json" 2>&1 | grep -v -i warn | grep "tokens_m\|w8_n32" | tail -40
-}
-
-seesaw() {
-  timeout 200 python3 -m pytest -q -x tests/test_kernels_gpu_warpgroup.py -k "not lowbit and not int and not fp8" -s \
-    -p no:cacheprovider 2>&1 | grep -v -i warn > "$OUT/kernels/seesaw_gpu_tests_h200.log"
-  tail -12 "$OUT/kernels/seesaw_gpu_tests_h200.log"
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats ${SEESAW_FORMATS:-bf16} \
-    --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup \
-    --variants SEESAW=1 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
-    --out "$OUT/kernels/decode_seesaw_128h_h200.json" 2>&1 | grep -v -i warn | tail -30
-}
-
-tokens-m64() {
-  timeout 200 python3 -m pytest -q -x tests/test_kernels_gpu_tokens_m64.py -s -p no:cacheprovider 2>&1 | grep -v -i warn \
-    > "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
-  tail -12 "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
-    --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup ${TM64_VARIANTS:+--tm64-variants $TM64_VARIANTS} \
-    --out "$OUT/kernels/decode_tokens_m64_128h_h200.json" 2>&1 | grep -v -i warn | tail -24
 }
 
 warpgroup() {
@@ -547,24 +354,10 @@ warpgroup() {
     --out "$OUT/kernels/decode_vs_peer_128h_h200.json" 2>&1 | tail -8
 }
 
-s8-scores() {
-  timeout 240 python3 -m pytest -q -rfs tests/test_kernels_gpu.py -k "s8 or tokens_m_error" -s 2>&1 | grep -v -i warn \
-    > "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
-  tail -3 "$OUT/kernels/tokens_m_s8_scores_gpu_tests_h200.log"
-  timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 16 \
-    --shapes 32x16384,1x131072,64x4096 --tilings 8x32 --tokens-m --variants S8_QK=1 S8_QK=1,S8_AORDER=1 \
-    S8_QK=1,S8_DESC=1 S8_QK=1,SKIP_PV=1 SKIP_PV=1 --out "$OUT/kernels/decode_tokens_m_s8_scores_h200.json" 2>&1 | tail -20
-}
-
 short-units() {
   timeout 300 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4 --heads 16 \
     --shapes 1x2048,2x1536,8x1536,16x1536,64x1536 --tilings 8x32 --tokens-m \
     --out "$OUT/kernels/decode_short_units_h200.json" 2>&1 | tail -24
-}
-
-mma-rate() {
-  timeout 300 python3 -m quantmla_lab.bench.kernels.mma_rate --chains 2 4 8 --ctas-per-sm 1 2 4 \
-    --out "$OUT/kernels/mma_rate_h200.json" 2>&1 | grep -v SASS | tail -72
 }
 
 append-tilings() {
@@ -572,29 +365,4 @@ append-tilings() {
     --out "$OUT/kernels/append_tilings_h200.json" 2>&1 | grep -v -i warn | tail -140
 }
 
-append-one-tile() {
-  if [ ! -d .ab/src/quantmla ]; then
-    echo "append-one-tile: no .ab/src: run lab/scripts/prepare_append_one_tile.sh locally and carry .ab" >&2
-    return 1
-  fi
-  local w
-  for w in 4 1; do
-    AB_APPEND_WARPS=$w PYTHONPATH=.ab/src:lab timeout 100 python3 -m quantmla_lab.bench.kernels.append_tilings \
-      --tilings default --tokens 1 8 16 128 8192 --out "$OUT/kernels/append_one_tile_a_path_${w}warps_h200.json" 2>&1 \
-      | grep -v -i warn | tail -25
-  done
-}
-
-output-phase() {
-  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:4:1 1:4:1 2:4:1 --ctas-per-sm 2 4 \
-    --out "$OUT/kernels/output_phase_128_registers_h200.json" 2>&1 | tail -5
-  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1 2:2:1 1:2:2 2:2:2 1:2:4 2:2:4 2:2:0 \
-    --ctas-per-sm 2 --probe "$OUT/kernels/output_phase_probe_h200.pt" --out "$OUT/kernels/output_phase_two_ctas_h200.json" 2>&1 | tail -9
-  timeout 250 python3 -m quantmla_lab.bench.kernels.output_phase --builds 0:2:1 1:2:1:T 2:2:1:T 1:2:2:T 2:2:2:T 1:2:4:T 2:2:4:T \
-    2:4:1:T --ctas-per-sm 2 --out "$OUT/kernels/output_phase_pretransposed_h200.json" 2>&1 | tail -9
-}
-
-for s in "${STEPS[@]}"; do
-  echo "== $(date -u +%T) $s"
-  "$s"
-done
+run_steps

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The append kernel before its packed layout (one [tokens, channels] tile a path, the library of cfb9bb0), for the
-# A/B of `kernels_on_h200.sh append-one-tile`: writes cfb9bb0's src/ into .ab/src (ignored: listed in .git/info/exclude)
+# A/B of `kernel_designs_on_h200.sh append-one-tile`: writes cfb9bb0's src/ into .ab/src (ignored: listed in .git/info/exclude)
 # with one change, its `append_to_pages` launching `_append_kernel` with num_warps from $AB_APPEND_WARPS (default 4)
 # instead of 4. Run it here, where the git history is; then carry .ab to the GPU:
 #
 #   bash lab/scripts/prepare_append_one_tile.sh
-#   (GPU, carry .ab) QUANTMLA_COMMIT=... OUT=$OUT bash lab/scripts/kernels_on_h200.sh append-one-tile
+#   (GPU, carry .ab) QUANTMLA_COMMIT=... OUT=$OUT bash lab/scripts/kernel_designs_on_h200.sh append-one-tile
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 rm -rf .ab/src && mkdir -p .ab

@@ -121,7 +121,7 @@ def main() -> None:
     tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",") if t]  # ("": none)
     scale = 0.07
     for name in a.formats.split(","):
-        lay = PageLayout(TokenLayout(512, 64, preset(name)), 64)
+        lay = PageLayout(TokenLayout(512, 64, bench.METHODS[name] if name in bench.METHODS else preset(name)), 64)
         for shape in a.shapes.split(","):
             B, L = (int(x) for x in shape.split("x"))
             c = bench.Cache(lay, [L] * B, seed=B + L)

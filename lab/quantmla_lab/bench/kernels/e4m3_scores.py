@@ -6,7 +6,7 @@ terms: fp32 rounding only, or a layout is wrong) and measures what the query's t
 
     python -m quantmla_lab.bench.kernels.e4m3_scores --out out/e4m3_scores_h200.json
 
-(on the H200: `kernels_on_h200.sh e4m3-scores`).
+(on the H200: `kernel_designs_on_h200.sh e4m3-scores`).
 """
 
 from __future__ import annotations
