@@ -16,8 +16,8 @@ pytestmark = [
 ]
 
 from helpers.gpu_decode import (  # noqa: E402
-    D_C, D_R, FORMATS, LENS, PAGE, PAGE_FORMATS, check_decode, check_variant, fp64_error, kernel_config, make_cache,
-    tokens_m_config, warpgroup_config)
+    D_C, D_R, FORMATS, LENS, PAGE, PAGE_FORMATS, check_decode, check_variant, errors_within_twice_bf16, fp64_error,
+    kernel_config, make_cache, tokens_m_config, warpgroup_config)
 from helpers.gpu_decode import kernels_api as _api  # noqa: E402
 from quantmla.cache.layout import CacheFormat, PageLayout, TokenLayout  # noqa: E402
 from quantmla.cache.paged import write_tokens  # noqa: E402
@@ -257,20 +257,9 @@ def test_decode_cuda_tokens_m_warps_apart_finish_on_empty_units(name):
 def test_decode_cuda_tokens_m_error_within_twice_bf16():
     """Against fp64 over its own dequantized cache, each format's tokens-as-M error (4- and 8-warp CTAs) is within
     2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""
-    errs = {}
-    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
-    errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
-    for name in ("int4/int4", "int2/int4"):
-        lay, pages, bt, sl = make_cache(FORMATS[name], [4096] * 8, seed=21)
-        for w, wid in zip(TM_WARPS + [S8], TM_IDS + ["s8"]):
-            errs[f"{name} {wid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16, w))
-            assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    lay, pages, bt, sl = make_cache(FORMATS["fp8"], [4096] * 8, seed=21)
-    errs["fp8"], md = fp64_error(lay, pages, bt, sl, 16, 22, tokens_m_config(lay, 16))
-    assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    print("tokens_m", {k: f"{v:.2e}" for k, v in errs.items()})
-    for name, e in errs.items():
-        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
+    plans = [lambda lay, w=w: tokens_m_config(lay, 16, w) for w in TM_WARPS + [S8]]
+    errors_within_twice_bf16("tokens_m", [(n, FORMATS[n], plans) for n in ("int4/int4", "int2/int4")]
+                             + [("fp8", FORMATS["fp8"], [lambda lay: tokens_m_config(lay, 16)])])
 
 
 

@@ -14,7 +14,7 @@ pytestmark = [
 ]
 
 from helpers.gpu_decode import (  # noqa: E402
-    D_R, FORMATS, LENS, PAGE_FORMATS, check_decode, fp64_error, kernel_config, make_cache, tokens_m_config)
+    D_R, LENS, PAGE_FORMATS, check_decode, errors_within_twice_bf16, make_cache, tokens_m_config)
 from quantmla.cache.layout import CacheFormat  # noqa: E402
 from quantmla.quant import PathFormat  # noqa: E402
 
@@ -83,14 +83,6 @@ def test_default_config_reads_rope_blocks_on_tokens_m(on, monkeypatch):
 def test_decode_tokens_m_rope_pages_error_within_twice_bf16():
     """Against fp64 over its own dequantized cache, the per-channel formats' tokens-as-M error (each plan) is within
     2x the BF16 path's (the default CUDA kernel on a BF16 cache)."""
-    errs = {}
-    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
-    errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
-    for name in ("int4/int4-page16", "int2/int4-page-sym-g2"):
-        lay, pages, bt, sl = make_cache(TM_PAGE_FORMATS[name], [4096] * 8, seed=21)
-        for pid, plan in PLANS.items():
-            errs[f"{name} {pid}"], md = fp64_error(lay, pages, bt, sl, 16, 22, tm_config(lay, 16, plan))
-            assert md.variant.startswith("cuda/f16/tm/"), md.variant
-    print("rope pages", {k: f"{v:.2e}" for k, v in errs.items()})
-    for name, e in errs.items():
-        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
+    plans = [lambda lay, p=p: tm_config(lay, 16, p) for p in PLANS.values()]
+    errors_within_twice_bf16("rope pages", [(n, TM_PAGE_FORMATS[n], plans)
+                                            for n in ("int4/int4-page16", "int2/int4-page-sym-g2")])

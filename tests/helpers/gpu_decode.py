@@ -189,3 +189,21 @@ def fp64_error(lay, pages, bt, sl, H, seed, config):
         compute_dtype=torch.float64)
     ro = ro.squeeze(1)
     return ((out.double() - ro).norm() / ro.norm()).item(), md
+
+
+def errors_within_twice_bf16(label, runs):
+    """Each run's error against fp64 over its own dequantized cache (8 sequences of 4096 tokens, 16 heads), within 2x
+    the BF16 path's (the default CUDA kernel on a BF16 cache). `runs`: (name, format, [config_of(layout), ...]); each
+    run's decode must take a tokens-as-M plan. Returns the errors by name (a config's index after the name)."""
+    errs = {}
+    lay, pages, bt, sl = make_cache(FORMATS["bf16"], [4096] * 8, seed=21)
+    errs["bf16"], _ = fp64_error(lay, pages, bt, sl, 16, 22, kernel_config("cuda", lay, 16, 1))
+    for name, fmt, configs in runs:
+        lay, pages, bt, sl = make_cache(fmt, [4096] * 8, seed=21)
+        for i, config_of in enumerate(configs):
+            errs[f"{name} {i}"], md = fp64_error(lay, pages, bt, sl, 16, 22, config_of(lay))
+            assert md.variant.startswith("cuda/f16/tm/"), md.variant
+    print(label, {k: f"{v:.2e}" for k, v in errs.items()})
+    for name, e in errs.items():
+        assert e <= 2 * errs["bf16"], (name, e, errs["bf16"])
+    return errs
