@@ -581,8 +581,9 @@ def test_bench_candidates_start_from_the_triton_default_that_reads_the_layout(na
 
 
 def test_bench_candidates_time_rope_pages_on_both_cuda_kernels(monkeypatch):
-    """A RoPE path per page decodes on the built tile by default (cuda.tokens_m_by_default), so the bench's sweep
-    times the tokens-as-M kernel beside it; a per-token format's first candidate is already the tokens-as-M kernel."""
+    """A RoPE path per page decodes on the built tile by default (cuda.tokens_m_by_default, warpgroup_by_default), so
+    the bench's sweep times the tokens-as-M kernel (16 rows) or the heads-as-M kernel (128) beside it; a per-token
+    format's first candidate is already the tokens-as-M kernel."""
     from unittest import mock
 
     from quantmla.kernels import cuda
@@ -594,7 +595,10 @@ def test_bench_candidates_time_rope_pages_on_both_cuda_kernels(monkeypatch):
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         pages, per_token = bench.candidates("int4/int4-page16", 16), bench.candidates("int4/int4", 16)
+        pages128 = bench.candidates("int4/int4-page16", 128)
     assert pages[0].kernel == "cuda" and not pages[0].tokens_m and pages[1].kernel == "cuda" and pages[1].tokens_m
+    assert pages[2].kernel != "cuda"  # (no heads-as-M plan at 16 rows)
+    assert not pages128[0].warpgroup and pages128[1].kernel == "cuda" and pages128[1].warpgroup
     assert per_token[0].tokens_m and all(c.kernel != "cuda" for c in per_token[1:])
 
 

@@ -104,7 +104,9 @@ def test_warpgroup_fp8_plan():
     ("int4/int4", 32, 64, 512, "64 or more"),
     (CacheFormat(PathFormat(8, 128, "fp8", "float32"), PathFormat(4, 64)), 128, 64, 512, "a BF16 RoPE key"),
     (CacheFormat(PathFormat(4, 128), BF16), 128, 64, 512, "both paths BF16, or both integer codes"),
-    (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 128, 64, 512, "per-token groups"),
+    (CacheFormat(PathFormat(4, 128, meta_dtype="bfloat16"), PathFormat(4, 1, grouping="page")), 128, 64, 512,
+     "both paths with fp16 metadata"),
+    (CacheFormat(PathFormat(4, 128), PathFormat(4, 16, "symmetric", grouping="page")), 128, 64, 512, "16-byte sets"),
     (CacheFormat(PathFormat(3, 128), PathFormat(4, 64)), 128, 64, 512, "2-, 4- or 8-bit"),
     ("bf16", 128, 32, 512, "multiple of 64"),
     ("bf16", 128, 64, 256, "DeepSeek's geometry"),
@@ -113,6 +115,47 @@ def test_warpgroup_refused_with_reason(fmt, rows, page, d_c, why):
     """Where the heads-as-M kernel cannot read a layout, asking for it gives no plan and says why."""
     lay, p = plan(fmt, rows, page=page, d_c=d_c, warpgroup=True)
     assert p is None and why in cuda.plan_reason[lay], cuda.plan_reason.get(lay)
+
+
+@pytest.mark.parametrize("rope,sets", [(PathFormat(4, 1, grouping="page"), 1),
+                                       (PathFormat(4, 1, grouping="page", block=16), 4),
+                                       (PathFormat(4, 2, "symmetric", grouping="page", block=4), 16)])
+def test_warpgroup_rope_page_plans(rope, sets, monkeypatch):
+    """A RoPE path grouped per page on the heads-as-M kernel: its raw stages hold the sets a tile's tokens read (the
+    page's metadata section, not per-token rows), and the default config takes the kernel only where
+    WG_ROPE_PAGE_DEFAULT is set (else the built tile)."""
+    from quantmla.kernels.cuda import warpgroup
+    from quantmla.kernels.schedule import default_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lay, p = plan(CacheFormat(PathFormat(4, 128), rope), 128, warpgroup=True)
+    tok_lay, q = plan("int4/int4", 128, warpgroup=True)
+    m = dict(p.macros)
+    assert (m["R_PAGE"], m["PMB_R"], m["FB_RM"], m["OFF_RM"]) == (1, lay.rope_meta_set_bytes, 0,
+                                                                 lay.offsets["rope_page_meta"])
+    assert m.get("R_BLK", lay.page_size) == rope.meta_block(64) and "R_PAGE" not in dict(q.macros)
+    assert p.smem - q.smem == 3 * (sets * lay.rope_meta_set_bytes - 64 * 4)  # three raw stages; per-token g64: 4 B
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
+        for on in (False, True):
+            monkeypatch.setattr(warpgroup, "WG_ROPE_PAGE_DEFAULT", on)
+            assert default_config(128, lay, "cuda").warpgroup == on
+            assert default_config(128, tok_lay, "cuda").warpgroup
+
+
+@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
+def test_warpgroup_rope_page_builds_for_sm90_without_spills(tmp_path):
+    """The page build (wg_build.cuh's PM) compiles for sm_90a, sets per page and per block of 4 tokens, without
+    spills."""
+    import subprocess
+
+    for rope in (PathFormat(4, 1, grouping="page", block=16), PathFormat(4, 2, "symmetric", grouping="page", block=4)):
+        _, p = plan(CacheFormat(PathFormat(2, 128), rope), 128, warpgroup=True)
+        cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+               *[f"-D{k}={v}" for k, v in p.macros], "-o", str(tmp_path / "wg.cubin"), str(build.source_of(p.macros))]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "0 bytes spill stores" in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
 
 
 def test_warpgroup_needs_sm90():

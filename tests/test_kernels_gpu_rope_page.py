@@ -1,8 +1,9 @@
-"""The tokens-as-M kernel on a RoPE path grouped per page (KIVI's per-channel keys: rope_page_tm.cuh folds each
-16-token block's channel scales into the query), on the GPU against the fp32 oracle over the cache's own dequantized
-values: NaN-poisoned outputs, lengths 0, 1, odd and across pages, causal multi-token rows, every plan of the kernel,
-metadata sets per page and per block, affine and symmetric codes, channel scales spanning 2^-12 to 2^12, hundreds of
-splits, and the error against fp64 within 2x the BF16 path's. Skipped without CUDA.
+"""The tokens-as-M kernel on a RoPE path grouped per page (KIVI's per-channel keys: rope_page_tm.cuh folds each 16-token
+block's channel scales into the query), and the heads-as-M kernel's build of such a path (wg_build.cuh's PM), on the GPU
+against the fp32 oracle over the cache's own dequantized values: NaN-poisoned outputs, lengths 0, 1, odd and across
+pages, causal multi-token rows, every plan of the kernel, metadata sets per page and per block, affine and symmetric
+codes, channel scales spanning 2^-12 to 2^12, hundreds of splits, and the error against fp64 within 2x the BF16 path's.
+Skipped without CUDA.
 Run: TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests pytest -v tests/test_kernels_gpu_rope_page.py"""
 
 import pytest
@@ -14,7 +15,7 @@ pytestmark = [
 ]
 
 from helpers.gpu_decode import (  # noqa: E402
-    D_R, LENS, PAGE_FORMATS, check_decode, errors_within_twice_bf16, make_cache, tokens_m_config)
+    D_R, LENS, PAGE_FORMATS, check_decode, errors_within_twice_bf16, make_cache, tokens_m_config, warpgroup_config)
 from quantmla.cache.layout import CacheFormat  # noqa: E402
 from quantmla.quant import PathFormat  # noqa: E402
 
@@ -86,3 +87,40 @@ def test_decode_tokens_m_rope_pages_error_within_twice_bf16():
     plans = [lambda lay, p=p: tm_config(lay, 16, p) for p in PLANS.values()]
     errors_within_twice_bf16("rope pages", [(n, TM_PAGE_FORMATS[n], plans)
                                             for n in ("int4/int4-page16", "int2/int4-page-sym-g2")])
+
+
+ALL_PAGE_FORMATS = {**PAGE_FORMATS, **TM_PAGE_FORMATS}
+
+
+@pytest.mark.parametrize("name", list(ALL_PAGE_FORMATS))
+@pytest.mark.parametrize("H,SQ", [(128, 1), (64, 2), (32, 3)])
+def test_decode_heads_m_rope_pages(name, H, SQ):
+    """The heads-as-M kernel (64 rows a CTA) reading the page's sets: per page, per block of 4 to 32 tokens, affine and
+    symmetric, 2-bit RoPE codes."""
+    lay, pages, bt, sl = make_cache(ALL_PAGE_FORMATS[name], LENS, seed=37 * H + SQ + len(name))
+    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 5 * SQ, config=warpgroup_config(lay, H * SQ))
+    assert md.variant.startswith("cuda/f16/wg/"), md.variant
+
+
+def test_decode_heads_m_rope_pages_scales_and_splits():
+    """At 128 heads: channels whose RoPE values span 2^-12 to 2^12, and hundreds of splits a sequence (and one)."""
+    ch = 2.0 ** torch.linspace(-12, 12, D_R, device="cuda")
+    lay, pages, bt, sl = make_cache(ALL_PAGE_FORMATS["int4/int4-page16"], [20000, 3, 511, 700], seed=43,
+                                    rope_scale=ch[torch.randperm(D_R, device="cuda")])
+    cfg = warpgroup_config(lay, 128)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=1, config=cfg, chunk_tokens=64)
+    check_decode(lay, pages, bt, sl, 128, 1, seed=2, config=cfg, chunk_tokens=1 << 20)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_default_config_reads_rope_pages_on_heads_m(on, monkeypatch):
+    """At 128 rows the API's default config reads RoPE pages on the heads-as-M kernel where WG_ROPE_PAGE_DEFAULT is
+    set, else on the built tile, against the oracle."""
+    from helpers.gpu_decode import kernels_api
+    from quantmla.kernels.cuda import warpgroup
+
+    monkeypatch.setattr(warpgroup, "WG_ROPE_PAGE_DEFAULT", on)
+    lay, pages, bt, sl = make_cache(ALL_PAGE_FORMATS["int4/int4-page16"], LENS, seed=9)
+    md = check_decode(lay, pages, bt, sl, 128, 1, seed=10, config=kernels_api().default_config(128, lay, "cuda"))
+    assert md.variant.startswith("cuda/f16/wg/" if on else "cuda/f16/M"), md.variant
+

@@ -13,10 +13,11 @@
 #                                                                -> decode_schedule/long_decode_batches_h200.json
 # page-rope       the RoPE path per channel per page beside per-token groups (16 and 128 heads)
 #                                                                -> kernels/decode_page_rope_h200.json
-# rope-pages-tm   the tokens-as-M kernel on RoPE keys grouped per page (rope_page_tm.cuh; TM_ROPE_PAGE_DEFAULT): its GPU
-#                 tests with the page formats' API and engine tests, then its calls and decode kernel beside the built
-#                 tile's at 16 heads, per-token and per-channel (16-token blocks) INT4/INT4 and INT2/INT4
-#                 -> kernels/rope_pages_tokens_m_gpu_tests_h200.log, kernels/decode_tokens_m_rope_pages_h200.json
+# rope-pages      RoPE keys grouped per page on the tokens-as-M kernel (rope_page_tm.cuh; TM_ROPE_PAGE_DEFAULT) and the
+#                 heads-as-M kernel (wg_build.cuh's PM; WG_ROPE_PAGE_DEFAULT): their GPU tests with the page formats'
+#                 API and engine tests, then their calls and decode kernels beside the built tile's, per-token and
+#                 per-channel (16-token blocks) INT4/INT4 and INT2/INT4, at 16 heads and at 128
+#                 -> kernels/rope_pages_gpu_tests_h200.log, kernels/decode_rope_pages_{16h,128h}_h200.json
 # breakdown       a decode call split into the decode kernel, the combine kernel and the rest; fixed cost
 #                 against cost per token                        -> kernels/decode_breakdown_h200.json
 # decode-in-graph  the decode call (decode and combine kernels) inside CUDA graphs of layers, between the absorbed
@@ -143,15 +144,17 @@ page-rope() {
     --out "$OUT/kernels/decode_page_rope_h200.json" 2>&1 | grep -v "^check " | tail -30
 }
 
-rope-pages-tm() {
-  local log="$OUT/kernels/rope_pages_tokens_m_gpu_tests_h200.log"
+rope-pages() {
+  local log="$OUT/kernels/rope_pages_gpu_tests_h200.log" f=int4/int4,int4/int4-page16,int2/int4,int2/int4-page16
   { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu_rope_page.py tests/test_page_rope.py \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/test_kernels_gpu_rope_page.py tests/test_page_rope.py \
     tests/test_kernels_gpu.py::test_decode_page_rope tests/test_kernels_gpu.py::test_decode_page_rope_blocks \
     -q -rfs -p no:cacheprovider -s 2>&1 | grep -v "^cuda/\|^$" | tee -a "$log" | tail -25
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --tokens-m --tilings 8x32 \
-    --formats int4/int4,int4/int4-page16,int2/int4,int2/int4-page16 --shapes 1x131072,32x16384,64x4096 \
-    --out "$OUT/kernels/decode_tokens_m_rope_pages_h200.json" 2>&1 | tail -40
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --tokens-m --tilings 8x32 \
+    --formats $f --shapes 1x131072,32x16384,64x4096 --out "$OUT/kernels/decode_rope_pages_16h_h200.json" 2>&1 | tail -30
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --warpgroup --heads 128 \
+    --tilings 16x64 --formats $f --shapes 1x32768,32x8192 --out "$OUT/kernels/decode_rope_pages_128h_h200.json" 2>&1 \
+    | tail -20
 }
 
 breakdown() {

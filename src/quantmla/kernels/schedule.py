@@ -116,7 +116,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
         from quantmla.kernels import cuda
 
         cfg = None
-        if cuda.warpgroup_reason(layout, rows) is None:
+        if cuda.warpgroup_reason(layout, rows) is None and cuda.warpgroup_by_default(layout):
             # BF16, FP8 or integer codes at 64 rows or more: heads as the warpgroup MMAs' M (sm_90; None before
             # Hopper). On the H200 at 128 heads, 32 x 8192: BF16 174 against the Triton kernel's 542 us
             # (lab/results/kernels/decode_warpgroup_128h_h200.json, decode_warpgroup_tma_128h_h200.json); INT4/INT4

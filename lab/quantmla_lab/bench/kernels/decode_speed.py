@@ -76,12 +76,13 @@ def candidates(method: str, rows: int) -> list[DecodeConfig]:
     layout = PageLayout(TokenLayout(D_C, D_R, METHODS[method]), PAGE)
     first = schedule.default_config(rows, layout, "cuda" if DEV == "cuda" else "cpu")
     if first.kernel == "cuda":  # the CUDA kernel (the API default), the built tile beside the tokens-as-M kernel
-        # where the API picks between them by the units' lengths (FP8) or reads RoPE pages on the built tile by default
-        # (cuda.tokens_m_by_default), then the Triton tilings
-        other = (schedule.cuda_config(rows, layout, "cuda", tokens_m=False) if first.tokens_m and cuda.is_fp8(layout)
-                 else None if first.tokens_m or cuda.tokens_m_by_default(layout)
-                 else schedule.cuda_config(rows, layout, "cuda", tokens_m=True))
-        return [first, *([other] if other is not None else []), *_triton_candidates(method, rows, quant, C)]
+        # where the API picks between them by the units' lengths (FP8); RoPE pages, which the API reads on the built
+        # tile by default (cuda.tokens_m_by_default, cuda.warpgroup_by_default), also on the kernels that can read
+        # them when asked; then the Triton tilings
+        other = [schedule.cuda_config(rows, layout, "cuda", tokens_m=False)] if first.tokens_m and cuda.is_fp8(layout) \
+            else [schedule.cuda_config(rows, layout, "cuda", **kw) for kw in ({"tokens_m": True}, {"warpgroup": True})
+                  if not (first.tokens_m or first.warpgroup) and layout.token.fmt.rope.per_page]
+        return [first, *[o for o in other if o is not None], *_triton_candidates(method, rows, quant, C)]
     # the API's Triton default first (no device: the GPU's tiling, the generic kernel where the fused one cannot read
     # the layout), the CUDA kernel measured beside it, then the other Triton tilings
     tri = schedule.default_config(rows, layout)

@@ -32,7 +32,7 @@ from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
 from quantmla.kernels.cuda.tokens_m64 import (  # noqa: F401
     TM64_BLOCK_M, TM64_MIN_ROWS, smem_bytes_tm64, tokens_m64_plan, tokens_m64_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
-    WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_plan, warpgroup_reason)
+    WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_by_default, warpgroup_plan, warpgroup_reason)
 
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,

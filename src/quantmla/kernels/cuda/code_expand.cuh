@@ -20,6 +20,24 @@ __device__ __forceinline__ void group_meta(const uint8_t* mp, T2& s2, T2& z2) {
   }
 }
 
+// the (scale, zero) of the channel pair (c0, c0 + 1) from a page's metadata [G, F] (groups of GS channels
+// over the page's tokens), in T's two halves: one group for both channels when GS >= 2, one each when GS = 1
+template <int GS, int F, int MS>
+__device__ __forceinline__ void page_pair_meta(const uint8_t* meta, int c0, T2& s2, T2& z2) {
+  if constexpr (GS == 1) {  // channel c0's fields, then c0 + 1's: (s0[, z0], s1[, z1])
+    if constexpr (F == 2) {
+      const uint2 w = *reinterpret_cast<const uint2*>(meta + c0 * 2 * MS);
+      s2 = as_t2(__byte_perm(w.x, w.y, 0x5410));
+      z2 = as_t2(__byte_perm(w.x, w.y, 0x7632));
+    } else {
+      s2 = as_t2(*reinterpret_cast<const uint32_t*>(meta + c0 * MS));
+      z2 = as_t2(0u);
+    }
+  } else {
+    group_meta<F, MS, true>(meta + (c0 / GS) * F * MS, s2, z2);
+  }
+}
+
 // one pair of integer codes at bit offset o of each 16-bit half of x (other bits masked off), as the exact
 // values (code - offset)·s2 + z2 in T (offset: 0 affine, 2^(b-1) symmetric). A code at bit offset o reads
 // as an exact float by OR-ing the exponent that makes bit o weigh 1: fp16 2^(10-o) (no shift needed),

@@ -148,7 +148,7 @@ constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
 template <bool FULL>
 __device__ __forceinline__ void build_tile(const uint8_t* stage, T* tile, int valid, int id) {
   build_path<C_KIND, C_BITS, C_GS, C_MB, D_C, FB_CC, FB_CM, 0, false, FULL>(stage + RAW_CC, stage + RAW_CM, tile, valid, id);
-  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL, RM_SETS == 1 ? 0 : R_BLK, PMB_R>(
+  build_path<R_KIND, R_BITS, R_GS, R_MB, D_R, FB_RC, FB_RM, D_C, R_PAGE, FULL, RM_PMT, PMB_R>(
       stage + RAW_RC, stage + RAW_RM, tile, valid, id);
 }
 __device__ __forceinline__ void build_tile_any(const uint8_t* stage, T* tile, int valid, int id) {

@@ -99,8 +99,9 @@ constexpr int CCH = D_C / 64;          // of them the latent's (8)
 constexpr int CHUNK = 64 * 128;        // a chunk of 64 rows, bytes
 constexpr int TILE = NCH * CHUNK;      // the query block, or one stage
 #if LOWBIT  // a raw stage: a tile's four page sections as they are stored (codes, then metadata, of both paths)
+#include "page_sets.cuh"  // R_PAGE (the RoPE path's metadata is the page's sets), RM_BYTES, RM_PMT, rm_offset
 constexpr int RAW_CC = 0, RAW_RC = RAW_CC + BN * FB_CC, RAW_CM = RAW_RC + BN * FB_RC, RAW_RM = RAW_CM + BN * FB_CM;
-constexpr int RAW = RAW_RM + BN * FB_RM;
+constexpr int RAW = RAW_RM + RM_BYTES;
 constexpr int STAGES = RAW_N;          // raw stages (3; FP8: 1, its 656 bytes a token); one built tile
 #else
 constexpr int RAW = 0;
@@ -195,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       bulk_g2s(raw + RAW_CC, pg + OFF_CC + t0 * FB_CC, BN * FB_CC, bar);
       bulk_g2s(raw + RAW_RC, pg + OFF_RC + t0 * FB_RC, BN * FB_RC, bar);
       bulk_g2s(raw + RAW_CM, pg + OFF_CM + t0 * FB_CM, BN * FB_CM, bar);
-      if (FB_RM) bulk_g2s(raw + RAW_RM, pg + OFF_RM + t0 * FB_RM, BN * FB_RM, bar);  // (a BF16 RoPE key has none)
+      if (RM_BYTES) bulk_g2s(raw + RAW_RM, pg + OFF_RM + rm_offset(t0), RM_BYTES, bar);  // (a BF16 RoPE key: none)
     }
     return;
 #else
@@ -263,7 +264,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       if (it == 0) cp_async_wait<0>();  // the query block
       const uint8_t* raw = smem + SM_RAW + (it % STAGES) * RAW;
       build_path_wg<KIND_C, BITS_C, GS_C, MB_C, D_C, FB_CC, FB_CM, 0>(raw + RAW_CC, raw + RAW_CM, st, valid, tid);
-      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH>(raw + RAW_RC, raw + RAW_RM, st, valid, tid);
+      build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, NT, 0, D_R * BITS_R / 64, 0,
+                    (BITS_R < 8 ? 8 / BITS_R : 1), 0, BN, R_PAGE, RM_PMT, PMB_R>(raw + RAW_RC, raw + RAW_RM, st, valid,
+                                                                                 tid);
       fence_proxy_async();  // the built tile, to the warpgroup MMAs; the raw stage, free for the copy engine
     }  // (SPLIT: the warpgroups built their parts after the last tile's output products, and fenced them)
     __syncthreads();
@@ -443,10 +446,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_decode(MLA_DECODE_PARAMS
       mbar_wait(&sBar[it % STAGES], (it / STAGES) & 1);
       constexpr int KR = BITS_R < 8 ? 8 / BITS_R : 1, NBGR = D_R * BITS_R / 64;
       if (wg == 0)
-        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 0, 32>(
+        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 0, 32, R_PAGE, RM_PMT,
+                      PMB_R>(
             raw + RAW_RC, raw + RAW_RM, st, valid, lt);
       else
-        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32>(
+        build_path_wg<KIND_R, BITS_R, GS_R, MB_R, D_R, FB_RC, FB_RM, CCH, 128, 0, NBGR, 0, KR, 32, 32, R_PAGE, RM_PMT,
+                      PMB_R>(
             raw + RAW_RC, raw + RAW_RM, st, valid, lt);
     } else {
       build_chunks(it, raw, st, valid, lt, std::integral_constant<int, 0>(), std::integral_constant<int, BN>());

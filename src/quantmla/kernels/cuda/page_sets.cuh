@@ -14,5 +14,6 @@
 constexpr int RM_SETS = R_BLK < BN ? BN / R_BLK : 1;  // R_PAGE: the metadata sets a tile's tokens read
 static_assert(!R_PAGE || (R_BLK < BN ? BN % R_BLK == 0 : R_BLK % BN == 0), "a tile covers whole sets or lies in one");
 constexpr int RM_BYTES = R_PAGE ? RM_SETS * PMB_R : BN * FB_RM;  // the RoPE metadata a tile's stage holds
+constexpr int RM_PMT = RM_SETS == 1 ? 0 : R_BLK;  // R_PAGE: tokens a set of the stage serves (0: one for the tile)
 // the byte offset in the page's RoPE metadata section of the tile whose first token is the page's token tok0
 __host__ __device__ constexpr int rm_offset(int tok0) { return R_PAGE ? (tok0 / R_BLK) * PMB_R : tok0 * FB_RM; }

@@ -36,13 +36,43 @@ def warpgroup_reason(layout: PageLayout, rows: int) -> str | None:
         return f"{c.describe()} / {r.describe()}: it reads a BF16 cache, integer codes or FP8"
     else:
         for f in (c, r):
-            if f.quantized and (f.mode not in ("affine", "symmetric") or f.bits not in (2, 4, 8) or f.per_page
-                                or f.group_size % 8):
+            if f.quantized and f is r and f.per_page:
+                why = rope_page_reason(layout)
+                if why:
+                    return f"{f.describe()}: {why}"
+            elif f.quantized and (f.mode not in ("affine", "symmetric") or f.bits not in (2, 4, 8) or f.per_page
+                                  or f.group_size % 8):
                 return (f"{f.describe()}: it reads a BF16 cache or 2-, 4- or 8-bit integer codes with per-token groups of "
-                        "8 channels or more")
+                        "8 channels or more, or RoPE keys grouped per page")
     if layout.page_size % WG_BLOCK_N:
         return f"page size {layout.page_size}: a multiple of {WG_BLOCK_N}"
     return None
+
+
+def rope_page_reason(layout: PageLayout) -> str | None:
+    """Why the heads-as-M build cannot read `layout`'s RoPE path grouped per page (wg_build.cuh's PM: a (scale, zero)
+    per channel pair from the set each token reads, in the fp16 tile), or None."""
+    r, blk = layout.token.fmt.rope, layout.rope_meta_block
+    if not half_operands(layout) or r.mode not in ("affine", "symmetric") or r.bits not in (2, 4, 8):
+        return "2-, 4- or 8-bit affine or symmetric codes, both paths with fp16 metadata"
+    if (WG_BLOCK_N % blk if blk < WG_BLOCK_N else blk % WG_BLOCK_N) or layout.rope_meta_set_bytes % 16:
+        return (f"sets of {blk} tokens, {layout.rope_meta_set_bytes} bytes: a tile covers whole 16-byte sets or lies "
+                "in one")
+    return None
+
+
+WG_ROPE_PAGE_DEFAULT = False
+"""Whether the API's default config reads a RoPE path grouped per page on the heads-as-M kernel
+(`warpgroup_by_default`). Off: its page build (wg_build.cuh's PM, the built tile's per-pair metadata) compiles for
+sm_90a and its plans are checked on the CPU, but its GPU tests (tests/test_kernels_gpu_rope_page.py) and its timings
+against the built tile are not yet run; until they pass, such layouts decode on the built tile at 64 rows and more by
+default and on this kernel where a caller asks for it (``schedule.cuda_config(..., warpgroup=True)``)."""
+
+
+def warpgroup_by_default(layout: PageLayout) -> bool:
+    """Whether the API's default config tries the heads-as-M kernel for `layout` first (where it reads it): every
+    per-token format, a RoPE path grouped per page where WG_ROPE_PAGE_DEFAULT is set."""
+    return WG_ROPE_PAGE_DEFAULT or not layout.token.fmt.rope.per_page
 
 
 def smem_bytes_wg(layout: PageLayout | None = None) -> int:
@@ -53,7 +83,10 @@ def smem_bytes_wg(layout: PageLayout | None = None) -> int:
     chunk = 64 * 128
     lowbit = layout is not None and layout.token.fmt.content.quantized
     stages = (WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES) if lowbit else WG_STAGES
-    tiles, raw = (2, stages * WG_BLOCK_N * layout.token.bytes_per_token) if lowbit else (3, 0)
+    fb = layout.token.field_bytes if lowbit else {}
+    tile_bytes = WG_BLOCK_N * (fb["content_codes"] + fb["rope_codes"] + fb["content_meta"]) + \
+        layout.tile_rope_meta_bytes(WG_BLOCK_N) if lowbit else 0
+    tiles, raw = (2, stages * tile_bytes) if lowbit else (3, 0)
     qf = WG_BLOCK_M * 4 if lowbit and half_operands(layout) else 0  # the query rows' factors (fp16 operands)
     bars = 16 * -(-8 * stages // 16)
     return tiles * 9 * chunk + chunk + 4 * WG_BLOCK_M * 4 + 2 * WG_BLOCK_M * 4 + qf + raw + bars + 1024
@@ -89,8 +122,14 @@ def warpgroup_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, seesaw
     stages = WG_STAGES
     if tok.fmt.content.quantized:  # the codes and metadata of both paths through raw stages (no tensor maps)
         stages = WG_FP8_STAGES if is_fp8(layout) else WG_LOWBIT_STAGES
-        macros.update(LOWBIT=1, SPLIT=1, TMA=0, RAW_N=stages, OFF_CM=o["content_meta"], OFF_RM=o["rope_meta"],
-                      FB_CM=fb["content_meta"], FB_RM=fb["rope_meta"])
+        r_page = tok.fmt.rope.per_page
+        macros.update(LOWBIT=1, SPLIT=1, TMA=0, RAW_N=stages, OFF_CM=o["content_meta"],
+                      OFF_RM=o["rope_page_meta"] if r_page else o["rope_meta"], FB_CM=fb["content_meta"],
+                      FB_RM=fb["rope_meta"])
+        if r_page:  # absent otherwise: the per-token formats' builds stay as they are
+            macros.update(R_PAGE=1, PMB_R=layout.rope_meta_set_bytes)
+            if layout.rope_meta_block != layout.page_size:
+                macros["R_BLK"] = layout.rope_meta_block
         for p, (f, dim) in (("C", (tok.fmt.content, tok.d_c)), ("R", (tok.fmt.rope, tok.d_r))):
             macros.update(zip((f"KIND_{p}", f"BITS_{p}", f"GS_{p}", f"MB_{p}"), path_codes(f, dim)))
         macros["HALF"] = int(half_operands(layout))

@@ -33,8 +33,11 @@
 // loads do not wait behind the stores). Where NTH is a multiple of JBN a thread's steps share one byte column and
 // are NTH / JBN tokens apart: its addresses are a base plus a constant a step (the swizzle, which depends on the
 // token mod 8, is the same at every step where that distance is a multiple of 8).
+// PM: the metadata is the page's, [G, F] over a set of its tokens (KIVI's per-channel keys), a (scale, zero) per
+// channel pair (page_pair_meta); PMT > 0: the stage holds several sets, PMB bytes each, and token t reads set t / PMT.
 template <int KIND, int BITS, int GS, int MB, int DIM, int FB, int FBM, int CH0, int NTH = NT, int JB0 = 0,
-          int JBN = DIM * BITS / 64, int K0 = 0, int K1 = (BITS < 8 ? 8 / BITS : 1), int T0 = 0, int TN = BN>
+          int JBN = DIM * BITS / 64, int K0 = 0, int K1 = (BITS < 8 ? 8 / BITS : 1), int T0 = 0, int TN = BN,
+          bool PM = false, int PMT = 0, int PMB = 0>
 __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ meta,
                                               uint8_t* __restrict__ tile, int valid, int ltid) {
   constexpr int NB = DIM * BITS / 8;     // code bytes a token
@@ -47,7 +50,9 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   constexpr float BIAS = 8388608.0f + (KIND == 2 ? (float)(1 << (BITS - 1)) : 0.0f);
   constexpr bool FAST = HALF && MB == 2 && KIND != 0 && KIND != 3;  // fp16 metadata and tile: a pair an HFMA2
-  static_assert(NB % 8 == 0 && (KIND == 0 || GS % 8 == 0) && DIM % 64 == 0, "whole 8-channel pieces, one group each");
+  static_assert(NB % 8 == 0 && (KIND == 0 || PM || GS % 8 == 0) && DIM % 64 == 0,
+                "whole 8-channel pieces, one group each");
+  static_assert(!PM || (FAST && (GS == 1 || GS % 2 == 0)), "a page's metadata: fp16, a (scale, zero) per channel pair");
   static_assert(KIND != 0 || (BITS == 16 && !HALF), "16-bit values: bf16, copied into a bf16 tile as they are");
   // step n's token and byte column (REG: t0 + n·TS and jb0)
   const int jb0 = JB0 + ltid % JBN, t0 = T0 + ltid / JBN;
@@ -64,7 +69,7 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
       const int i = ltid + (n0 + q) * NTH, t = tok(n0 + q), jb = col(n0 + q);
       const bool live = (STEPS % NTH == 0 || i < STEPS) && n0 + q < NS && t < valid;
       raw[q] = live ? *reinterpret_cast<const uint2*>(codes + t * FB + 8 * jb) : make_uint2(0, 0);
-      if constexpr (FAST) {
+      if constexpr (FAST && !PM) {
 #pragma unroll
         for (int k = K0; k < K1; ++k) {
           if (live)
@@ -86,7 +91,16 @@ __device__ __forceinline__ void build_path_wg(const uint8_t* __restrict__ codes,
       for (int k = K0; k < K1; ++k) {
         const int ch = 8 * jb + k * NB;  // the piece's first channel in the path
         uint32_t o4[4] = {0u, 0u, 0u, 0u};
-        if constexpr (KIND == 3) {  // e4m3 values times the group's fp32 scale (one group: GS >= 8)
+        if constexpr (PM) {  // a page's (scale, zero) per channel pair; zeros past `valid` (stale metadata)
+          const uint8_t* pm = meta + (PMT ? (t / PMT) * PMB : 0);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            T2 s2p = as_t2(0u), z2p = as_t2(0u);
+            if (live) page_pair_meta<GS, (KIND == 1 ? 2 : 1), MS>(pm, ch + 2 * e, s2p, z2p);
+            const uint32_t w = e < 2 ? raw[q].x : raw[q].y;
+            o4[e] = expand_pair<BITS, KIND>(__byte_perm(w, 0, (e & 1) ? 0x4342 : 0x4140), k * BITS, s2p, z2p);
+          }
+        } else if constexpr (KIND == 3) {  // e4m3 values times the group's fp32 scale (one group: GS >= 8)
           if (live) e4m3_piece(raw[q], meta_f32<MB>(meta + t * FBM + (ch / GS) * MS), o4);
 #if HALF
         } else if constexpr (FAST && E4M3_EXPAND && KIND == 1 && BITS <= 4) {  // (scales below 2^7 only: unguarded)
