@@ -216,6 +216,7 @@ def test_gpu_default_splits_at_small_batch(name, monkeypatch):
     from quantmla_lab.bench.kernels import decode_speed as bench
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(bench, "DEV", "cuda")  # (the bench's candidates on a GPU)
     layout = PageLayout(TokenLayout(512, 64, bench.METHODS[name]), 64)
     cfg = api.default_config(16, layout, "cuda")
     assert bench.candidates(name, 16)[0] == cfg
@@ -574,6 +575,7 @@ def test_bench_candidates_start_from_the_triton_default_that_reads_the_layout(na
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("QUANTMLA_DECODE_KERNEL", "triton")
+    monkeypatch.setattr(bench, "DEV", "cuda")
     layout = PageLayout(TokenLayout(512, 64, bench.METHODS[name]), 64)
     cfg = api.default_config(16, layout, "cuda")
     cands = bench.candidates(name, 16)

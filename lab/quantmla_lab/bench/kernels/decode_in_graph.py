@@ -245,7 +245,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("decode_in_graph times CUDA graphs: it needs a CUDA device")
     dev, H, L = torch.device("cuda"), a.heads, a.layers
-    bench.DEV = "cuda"
     res = record(heads=H, layers=L, reps=a.reps, groups=5, rows=[])
     g = torch.Generator(device=dev).manual_seed(0)
     w_uk = torch.randn(L, H, D_N, D_C, generator=g, device=dev).mul_(D_N ** -0.5).to(torch.bfloat16)

@@ -169,7 +169,7 @@ class Cache:
                 api.append_to_pages(self.pages, layout, slots, x, r)
 
 
-DEV = "cuda"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the bench's device (the CPU: smoke runs in the interpreter)
 
 
 def check_config(method: str, fmt: CacheFormat, H: int, q_len: int, cfg: DecodeConfig | None, seed: int = 0) -> dict:
@@ -242,11 +242,9 @@ def run_bench(args) -> dict:
     timing.FLUSH = getattr(args, "flush", "write")
     import triton
 
-    global DEV
     methods = parse_methods(args.methods)  # bad input is reported before the device is looked at
     shapes_of = {H: parse_shapes(args.shapes or DEFAULT_SHAPES.get(H, DEFAULT_SHAPES[16]), "--shapes") for H in args.heads}
     sb, sl_ = parse_shapes(args.sweep_shape, "--sweep-shape")[0]
-    DEV = "cuda" if torch.cuda.is_available() else "cpu"
     if DEV != "cuda" and not (getattr(args, "smoke", False) and api.interpreting()):
         raise api.QuantMLAError("bench-kernel needs a CUDA GPU (the kernels are timed on the device); "
                                 "run it on a machine with an NVIDIA GPU")
