@@ -79,3 +79,18 @@ def test_decode_bytes_count_every_byte_of_the_pages_read():
         lay = PageLayout(TokenLayout(512, 64, fmt), 64)
         queries, tables = 16 * (512 + 64) * 2, 2048 * 4 + 4
         assert decode_bytes([131072], lay, 16, 1) == 2048 * lay.page_bytes + queries + tables, fmt
+
+
+def test_a_tile_covers_whole_rope_sets_or_lies_in_one():
+    """The kernels' plans ask the layout whether a tile of their size reads whole metadata sets of a page or lies in
+    one: per-token metadata always; 16-token sets for 16-, 32- and 64-token tiles; a 16-token tile inside a 32-token
+    set or a whole 128-token page's set; never a 24-token tile over 16-token sets (one and a half)."""
+    def lay(block, page=64):
+        return PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page",
+                                                                                           block=block))), page)
+
+    per_token = PageLayout(TokenLayout(512, 64, CacheFormat(PathFormat(4, 128), PathFormat(4, 64))), 64)
+    assert all(per_token.tile_covers_rope_sets(n) for n in (16, 32, 64))
+    assert lay(16).tile_covers_rope_sets(32) and lay(16).tile_covers_rope_sets(64) and lay(16).tile_covers_rope_sets(16)
+    assert lay(32).tile_covers_rope_sets(16) and lay(0, 128).tile_covers_rope_sets(64)
+    assert not lay(16, 48).tile_covers_rope_sets(24)  # a 24-token tile over 16-token sets: one and a half

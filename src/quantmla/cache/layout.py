@@ -189,6 +189,12 @@ class PageLayout:
             return tokens * self.token.field_bytes["rope_meta"]
         return max(1, tokens // self.rope_meta_block) * self.rope_meta_set_bytes
 
+    def tile_covers_rope_sets(self, tokens: int) -> bool:
+        """Whether a kernel's tile of `tokens` tokens (a divisor or multiple of the page size) covers whole RoPE
+        metadata sets of the page or lies inside one (always, where the RoPE metadata is per token)."""
+        blk = self.rope_meta_block
+        return not blk or (tokens % blk == 0 if blk < tokens else blk % tokens == 0)
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -125,7 +125,7 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
     half = all(k in (_KIND["affine"], _KIND["symmetric"]) and m == 2 for k, _, _, m in paths)
     r_page = tok.fmt.rope.per_page
     r_blk = layout.rope_meta_block
-    if r_page and (bn % r_blk if r_blk < bn else r_blk % bn):
+    if not layout.tile_covers_rope_sets(bn):
         return no(f"RoPE path {tok.fmt.rope.describe()}: a metadata set per {r_blk} tokens against {bn}-token tiles "
                   "(a tile covers whole sets or lies in one)")
     if r_page and not ((half and rm == 2) or (not half and rm == 3 and rb <= 4)):

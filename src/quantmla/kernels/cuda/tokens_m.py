@@ -117,7 +117,7 @@ def rope_page_reason(layout: PageLayout) -> str | None:
     if r.group_size not in (1, 2):
         return "groups of one or two channels"
     blk = layout.rope_meta_block
-    if blk % 16 or (TM_BLOCK_N % blk if blk < TM_BLOCK_N else blk % TM_BLOCK_N):
+    if blk % 16 or not layout.tile_covers_rope_sets(TM_BLOCK_N):
         return (f"a metadata set per {blk} tokens: a warp's 16-token block must lie in one set, and a "
                 f"{TM_BLOCK_N}-token tile cover whole sets or lie in one")
     return None

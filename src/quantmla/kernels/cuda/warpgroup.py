@@ -55,7 +55,7 @@ def rope_page_reason(layout: PageLayout) -> str | None:
     r, blk = layout.token.fmt.rope, layout.rope_meta_block
     if not half_operands(layout) or r.mode not in ("affine", "symmetric") or r.bits not in (2, 4, 8):
         return "2-, 4- or 8-bit affine or symmetric codes, both paths with fp16 metadata"
-    if (WG_BLOCK_N % blk if blk < WG_BLOCK_N else blk % WG_BLOCK_N) or layout.rope_meta_set_bytes % 16:
+    if not layout.tile_covers_rope_sets(WG_BLOCK_N) or layout.rope_meta_set_bytes % 16:
         return (f"sets of {blk} tokens, {layout.rope_meta_set_bytes} bytes: a tile covers whole 16-byte sets or lies "
                 "in one")
     return None
