@@ -118,7 +118,7 @@ tests() {
   } 2>&1 | tee "$log"
   local xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py tests/test_kernels_cuda.py tests/test_decode_configs.py tests/test_kernels.py tests/test_append.py -q -rfs -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py tests/test_kernels_cuda.py tests/test_decode_configs.py tests/test_kernels.py tests/test_kernels_prefill.py tests/test_append.py -q -rfs -p no:cacheprovider $xdist 2>&1 | tee -a "$log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$log"
 }
 

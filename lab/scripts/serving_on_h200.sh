@@ -119,7 +119,7 @@ GRP=(--content-group 128 --rope-group 64)
 quiet() { grep -v -i warn | tail -"$1" | tee -a "$LOG"; }
 
 gpu-tests() {
-  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_serving.py tests/test_kernels_gpu.py \
+  timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_kernels_prefill.py tests/test_serving.py tests/test_kernels_gpu.py \
     tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py tests/test_merged.py tests/test_overlap.py \
     tests/test_latent_range.py -k "read_matches or static_graph or on_gpu or prefill or silu_mul or mlp_attach or merge or wide_latents" 2>&1 | tail -5 | tee -a "$LOG"
 }
