@@ -147,6 +147,9 @@ def test_tokens_m_64_query_order_and_swizzle():
     for K, row in enumerate(order):
         groups = {c // 128 for c in row} if K < 32 else {4 if c >= 512 else -1 for c in row}
         assert len(groups) == 1 and -1 not in groups, (K, row)
+    # column k of a content k-step is byte 16t + 4s + (0, 2, 1, 3) of the thread's 16-byte load, plane K % 2
+    assert order[0][:4] == [0, 2, 16, 18] and order[0][8:12] == [1, 3, 17, 19] and order[1][0] == 256
+    assert order[32][:2] == [512, 514] and order[33][0] == 544
     x = torch.arange(2 * 64 * 64, dtype=torch.int16).view(2, 64, 64).view(torch.float16)
     b = tm.swizzled(x).view(torch.int16).view(2, 64 * 64)
     for c, r, col in ((0, 0, 0), (0, 3, 17), (1, 9, 63), (1, 63, 40)):
@@ -170,11 +173,37 @@ def test_tokens_m_64_page_is_the_cache_formats():
     lay = PageLayout(TokenLayout(512, 64, preset("int4/int4")), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         m = dict(cuda.decode_plan(lay, 16, torch.bfloat16, torch.device("cuda"), tokens_m=True).macros)
-    from quantmla.kernels.cuda import build
-
-    src = Path(build.__file__).with_name("tm64_ops.cuh")  # the sections the 64-row kernel and the model both read
+    src = Path(tm.__file__).with_name("tm64_ops.cuh")  # the sections the model reads
     fb = {k: int(v) for k, v in re.findall(r"\b(FB_(?:CC|RC|CM|RM)) = (\d+)", src.read_text())}
     assert fb == {k: m[k] for k in ("FB_CC", "FB_RC", "FB_CM", "FB_RM")}
     offsets = {"OFF_CC": 0, "OFF_RC": 64 * fb["FB_CC"], "OFF_CM": 64 * (fb["FB_CC"] + fb["FB_RC"]),
                "OFF_RM": 64 * (fb["FB_CC"] + fb["FB_RC"] + fb["FB_CM"])}  # the .cu's RAW_* offsets
     assert offsets == {k: m[k] for k in offsets} and tm.RAW_BYTES == m["PAGE_BYTES"] == 64 * lay.token.bytes_per_token
+
+
+def test_tokens_m_64_query_channel_twins_agree(tmp_path):
+    """tm64_ops.cuh's query_channel (constexpr, host and device) equals the Python twin at all 576 columns, and its
+    query_position (where the model's prologue writes a channel) is the inverse: nvcc compiles a static_assert of
+    each, and fails on a wrong one."""
+    from quantmla.kernels.cuda import build
+    from quantmla_lab.bench.kernels import tokens_m_64 as tm
+
+    if build.nvcc() is None:
+        pytest.skip("needs nvcc")
+    checks = "\n".join(f"static_assert(query_channel({K}, {k}) == {c}, \"{K} {k}\");\n"
+                       f"static_assert(query_position({c}) == {16 * K + k}, \"{c}\");"
+                       for K in range(36) for k in range(16) for c in [tm.query_channel(K, k)])
+    src = tmp_path / "twins.cu"
+    head = ('#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <stdint.h>\ntypedef __half T;\n'
+            'typedef __half2 T2;\n#define MMA_TYPE "f16"\n#define WG_AB "f16"\n'
+            '#include "ptx.cuh"\n#include "wgmma.cuh"\n#include "tm64_ops.cuh"\n')
+
+    def compiles(text: str) -> subprocess.CompletedProcess:
+        src.write_text(text)
+        return subprocess.run([build.nvcc(), "-c", "-std=c++17", f"-I{build.SOURCE.parent}",
+                               f"-I{Path(tm.__file__).parent}", "-arch=sm_90a", "-o", str(tmp_path / "twins.o"),
+                               str(src)], capture_output=True, text=True, check=False)
+
+    r = compiles(head + checks + "\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert compiles(head + checks.replace("== 0,", "== 1,", 1) + "\n").returncode != 0  # channel 0 is not 1

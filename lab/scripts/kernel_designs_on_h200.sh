@@ -44,10 +44,6 @@
 # s8-scores       the tokens-as-M kernel's scores on 8-bit warpgroup MMAs (S8_QK): its GPU tests against the oracle
 #                 and fp64, then its decode kernel beside the default, with the layout checks and without output products
 #                 -> kernels/tokens_m_s8_scores_gpu_tests_h200.log, kernels/decode_tokens_m_s8_scores_h200.json
-# tokens-m64      the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu): its GPU tests, then at 128 heads its calls
-#                 and decode kernel beside the heads-as-M kernel's, INT4/INT4 and BF16 (TM64_VARIANTS="MACRO=V ...":
-#                 other builds timed beside it)  -> kernels/tokens_m64_gpu_tests_h200.log,
-#                                                   kernels/decode_tokens_m64_128h_h200.json
 # fp8-one-cta     FP8 on the tokens-as-M kernel (16 heads), whose loop is bound by its copies through two 42 KB stages
 #                 at two CTAs an SM: the plan at one CTA an SM with the stages that fit there, beside the default and
 #                 the built tile (FP8's plan for units under 576 tokens), at the issue's 16-head shapes (FP8_SHAPES)
@@ -194,15 +190,6 @@ seesaw() {
     --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup \
     --variants SEESAW=1 SEESAW=1,SKIP_QK=1,SKIP_PV=1 SKIP_QK=1,SKIP_PV=1 ${SEESAW_VARIANTS:-} \
     --out "$OUT/kernels/decode_seesaw_128h_h200.json" 2>&1 | grep -v -i warn | tail -30
-}
-
-tokens-m64() {
-  timeout 200 python3 -m pytest -q -x tests/test_kernels_gpu_tokens_m64.py -s -p no:cacheprovider 2>&1 | grep -v -i warn \
-    > "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
-  tail -12 "$OUT/kernels/tokens_m64_gpu_tests_h200.log"
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --heads 128 --formats int4/int4,bf16 \
-    --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup ${TM64_VARIANTS:+--tm64-variants $TM64_VARIANTS} \
-    --out "$OUT/kernels/decode_tokens_m64_128h_h200.json" 2>&1 | grep -v -i warn | tail -24
 }
 
 s8-scores() {

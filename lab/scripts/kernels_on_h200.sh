@@ -98,7 +98,7 @@
 #                 and BF16, the API's combine blocks beside 4x32, 2x32, 8x32 and 4x64, in two processes
 #                                       -> kernels/decode_in_graph_combine_128h_few_splits_{1,2}_h200.json
 # rules-tests     the GPU tests of the API's rules: splits, 16-bit partials, full shapes, the error against fp64,
-#                 the append's metadata rounding, mistral4's query scale, the 64-row kernel
+#                 the append's metadata rounding, mistral4's query scale
 #                                                                         -> kernels/rules_gpu_tests_h200.log
 #
 # Files go under $OUT/kernels/ (schedule-long's under $OUT/decode_schedule/; default OUT=/tmp/out), named as in
@@ -253,8 +253,8 @@ rules-tests() {
   local log="$OUT/kernels/rules_gpu_tests_h200.log" xdist=""
   python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
   timeout 240 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_gpu_warpgroup.py \
-    tests/test_kernels_gpu_tokens_m64.py tests/test_append.py tests/test_spec.py -q -rfs -p no:cacheprovider $xdist \
-    -k "append or mistral4 or splits or full_shape or error_within or tm64" 2>&1 | grep -v -i warn > "$log"
+    tests/test_append.py tests/test_spec.py -q -rfs -p no:cacheprovider $xdist \
+    -k "append or mistral4 or splits or full_shape or error_within" 2>&1 | grep -v -i warn > "$log"
   tail -4 "$log"
 }
 

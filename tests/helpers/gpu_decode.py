@@ -161,18 +161,6 @@ def warpgroup_config(lay, rows, seesaw=False):
     return cfg
 
 
-def tokens_m64_config(lay, rows):
-    """The 64-row tokens-as-M kernel's config (mla_decode_tm64.cu: tokens as the M of warpgroup MMAs, rows as N)."""
-    from quantmla.kernels.cuda.build import nvcc
-    from quantmla.kernels.schedule import cuda_config
-
-    if nvcc() is None:
-        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    cfg = cuda_config(rows, lay, "cuda", warpgroup=True, tokens_m64=True)
-    assert cfg is not None and cfg.tokens_m64, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    return cfg
-
-
 def fp64_error(lay, pages, bt, sl, H, seed, config):
     """Relative error of the decode output against fp64 attention over the same dequantized cache."""
     api = kernels_api()

@@ -75,7 +75,7 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
     plan = cuda.decode_plan(layout, R, out.dtype, device, num_warps=cfg.num_warps, block_n=cfg.block_n,
                             fragments=cfg.fragments, tokens_m=cfg.tokens_m, token_blocks=cfg.token_blocks,
                             warpgroup=cfg.warpgroup, specialized=cfg.specialized, s8_scores=cfg.s8_scores,
-                            scale_vote=cfg.scale_vote, tokens_m64=cfg.tokens_m64, seesaw=cfg.seesaw,
+                            scale_vote=cfg.scale_vote, seesaw=cfg.seesaw,
                             ctas_per_sm=cfg.ctas_per_sm if cfg.tokens_m else None)
     if plan is None:
         why = cuda.plan_reason.get(layout, "no plan")

@@ -60,9 +60,6 @@ class DecodeConfig:
     BF16 caches at 64 rows or more, 64 rows a CTA);
     seesaw: (implies warpgroup) the heads-as-M kernel with its two warpgroups out of phase, each taking a whole
     tile's scores in turn (kernels/cuda/mla_decode_seesaw.cu; BF16 caches, 64 rows or more; not the default);
-    tokens_m64: (implies warpgroup) the tokens as the M of the warpgroup MMAs and 64 query rows as their N, the codes
-    dequantized into their register operands, no tile built (kernels/cuda/mla_decode_tm64.cu; INT4/INT4 with groups
-    128/64, 64 rows or more);
     specialized: with tokens_m, 8 warps a CTA: 4 take a tile's scores, softmax and P, the other 4 its output
     products a tile behind (WS in mla_decode_tm.cu; ctas_per_sm 1 or 2); False: 4 warps that take both; None: the
     kernel's default for the layout (kernels.cuda.tokens_m_plan);
@@ -88,17 +85,16 @@ class DecodeConfig:
     specialized: bool | None = None
     s8_scores: bool = False
     scale_vote: bool = False
-    tokens_m64: bool = False
     seesaw: bool = False
 
     def __post_init__(self):
-        if (self.tokens_m64 or self.seesaw) and not self.warpgroup:  # both take the heads-as-M launch shape
+        if self.seesaw and not self.warpgroup:  # it takes the heads-as-M launch shape
             object.__setattr__(self, "warpgroup", True)
 
     def describe(self) -> str:
         tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "") + (
             "v" if self.scale_vote else "")
-        wg = "cuda/tm64" if self.tokens_m64 else "cuda/ss" if self.seesaw else "cuda/wg"
+        wg = "cuda/ss" if self.seesaw else "cuda/wg"
         cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
@@ -151,7 +147,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
                 block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False,
-                scale_vote: bool = False, tokens_m64: bool = False, seesaw: bool = False) -> DecodeConfig | None:
+                scale_vote: bool = False, seesaw: bool = False) -> DecodeConfig | None:
     """The CUDA kernel's config for `rows` query rows, built and loaded now (not inside a later graph capture); None
     where it cannot run here (the reason in ``kernels.cuda.plan_reason``). By default the tokens-as-M kernel where it
     reads the layout (up to 16 rows of 2- or 4-bit affine codes with fp16 metadata, or FP8, at d_c 512, d_r 64: on the
@@ -162,8 +158,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     ask for a built-tile plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp;
     `specialized` its scores' and output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup
     MMAs, `scale_vote` its SCALE_VOTE build), `tokens_m=False` for the built tile only, `warpgroup=True` for the
-    heads-as-M kernel on warpgroup MMAs only (with `tokens_m64=True` the tokens-as-M kernel at 64 rows instead; with
-    `seesaw=True` its warpgroups out of phase, BF16 only)."""
+    heads-as-M kernel on warpgroup MMAs only (with `seesaw=True` its warpgroups out of phase, BF16 only)."""
     from quantmla.kernels import cuda
     from quantmla.kernels.cuda.build import nvcc
 
@@ -171,10 +166,9 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     if nvcc() is None:
         return None
     plans = []  # in order of preference: a failed build falls back to the next (the default: the built tile)
-    warpgroup = warpgroup or tokens_m64 or seesaw  # (both take the heads-as-M launch shape)
+    warpgroup = warpgroup or seesaw  # (it takes the heads-as-M launch shape)
     if warpgroup:
-        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, tokens_m64=tokens_m64,
-                                      seesaw=seesaw))
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, seesaw=seesaw))
     elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments
                       and cuda.tokens_m_by_default(layout)):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
@@ -198,8 +192,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
                         ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
                         tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None,
-                        warpgroup=bool(dict(plan.macros).get("WG") or dict(plan.macros).get("TM64")),
-                        tokens_m64=bool(dict(plan.macros).get("TM64")), seesaw=bool(dict(plan.macros).get("SEESAW")),
+                        warpgroup=bool(dict(plan.macros).get("WG")), seesaw=bool(dict(plan.macros).get("SEESAW")),
                         specialized=bool(dict(plan.macros).get("WS")),
                         s8_scores=bool(dict(plan.macros).get("S8_QK")),
                         scale_vote=bool(dict(plan.macros).get("SCALE_VOTE")))

@@ -101,9 +101,6 @@ def main() -> None:
                     help="also the tokens-as-M kernel (mla_decode_tm.cu): the whole call and its decode kernel alone")
     ap.add_argument("--warpgroup", action="store_true",
                     help="first the API's default kernel, then the heads-as-M kernel on warpgroup MMAs (BF16, 64+ rows)")
-    ap.add_argument("--tm64-variants", nargs="*", default=[], metavar="MACRO=V[,MACRO=V]",
-                    help="with --warpgroup: other builds of the 64-row tokens-as-M plan (e.g. REGS_S=144, SKIP_QK=1), timed "
-                         "beside it (not STAGES: its shared-memory map is the plan's)")
     ap.add_argument("--timeline", action="store_true",
                     help="with --tokens-m: each CTA's clocks through one call (prologue, first tile, tiles, epilogue)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
@@ -239,33 +236,6 @@ def main() -> None:
                         rel = max(float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30))
                                   for x, y in zip(got[0], base[0]))  # fp32: the partials may be fp16
                         row(f"warpgroup_{spec}_decode", us, vp, decode_only=True, units=md.num_units,
-                            max_rel_diff_vs_default=rel, tflops=tflop / us * 1e6)
-                # the tokens as the M of the warpgroup MMAs, 64 query rows as their N (mla_decode_tm64.cu): the whole
-                # call, its output against the API default's, then its decode kernel alone and its other builds
-                cfg = schedule.cuda_config(H, lay, dev, warpgroup=True, tokens_m64=True)
-                if cfg is None:
-                    row("tokens_m64", None, None, skipped=cuda.plan_reason.get(lay))
-                else:
-                    plan = cuda.decode_plan(lay, H, torch.bfloat16, dev, warpgroup=True, tokens_m64=True)
-                    md = api.get_mla_metadata(c.seq_lens, H, 1, lay, config=cfg)
-                    us, diff = time_call(md)
-                    row("tokens_m64", us, plan, units=md.num_units, max_abs_diff_vs_first=diff, variant_ran=md.variant,
-                        tflops=tflop / us * 1e6)
-                    base = []
-                    us = time_decode(plan, md, base)
-                    row("tokens_m64_decode", us, plan, decode_only=True, units=md.num_units, tflops=tflop / us * 1e6)
-                    for spec in a.tm64_variants:
-                        kw = {k: int(v) for k, v in (x.split("=") for x in spec.split(","))}
-                        vp = dataclasses.replace(plan, macros=tuple(sorted({**dict(plan.macros), **kw}.items())))
-                        got = []
-                        try:
-                            us = time_decode(vp, md, got)
-                        except QuantMLAError as e:
-                            row(f"tokens_m64_{spec}_decode", None, vp, skipped=str(e).splitlines()[-1][:200])
-                            continue
-                        rel = max(float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30))
-                                  for x, y in zip(got[0], base[0]))
-                        row(f"tokens_m64_{spec}_decode", us, vp, decode_only=True, units=md.num_units,
                             max_rel_diff_vs_default=rel, tflops=tflop / us * 1e6)
             for nw, bn in tilings:
                 cfg = schedule.cuda_config(H, lay, dev, num_warps=nw, block_n=bn)

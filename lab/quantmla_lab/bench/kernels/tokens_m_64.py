@@ -34,11 +34,22 @@ from pathlib import Path
 import torch
 
 from quantmla.kernels.cuda import build, driver
-from quantmla.kernels.cuda.tokens_m64 import query_channel
 from quantmla_lab.bench.common import launch_ms, parse_fresh, record, save
 
 SOURCE = Path(__file__).with_name("tokens_m_64.cu")
 RAW_BYTES, CHUNK, NT = 19712, 8192, 384  # the .cu's page, chunk and threads
+
+
+def query_channel(K: int, k: int) -> int:
+    """The latent (0-511) or RoPE (512-575) channel that column k (0-15) of the scores' k-step K (0-35) holds in the
+    query block, as the A operands take a token's codes (tm64_ops.cuh's query_channel, its twin): content k-step K is
+    plane K % 2 of word (K // 2) % 4 of 16-byte load K // 8 (of the thread's t), k 2t, 2t + 1 its bytes 0 and 2,
+    k 2t + 8, 2t + 9 its bytes 1 and 3; byte c's plane p is channel c + 256p (RoPE: 8 bytes a thread, channel
+    512 + c + 32p)."""
+    t, e, odd = (k & 7) >> 1, k & 1, k >> 3
+    if K < 32:
+        return 16 * (4 * (K >> 3) + t) + 4 * ((K >> 1) & 3) + odd + 2 * e + 256 * (K & 1)
+    return 512 + 8 * t + 4 * ((K - 32) >> 1) + odd + 2 * e + 32 * (K & 1)
 
 
 def smem_bytes(dqa: int = 0) -> int:

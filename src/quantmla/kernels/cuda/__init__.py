@@ -1,8 +1,8 @@
-"""The CUDA C++ decode path: four kernels, one build per cache layout and plan, cached on disk, launched on
+"""The CUDA C++ decode path: three kernels, one build per cache layout and plan, cached on disk, launched on
 torch's current stream (so CUDA graphs capture it). ``tokens_m.py`` plans the tokens-as-M kernel
 (``mla_decode_tm.cu``), ``built_tile.py`` the built-tile kernel (``mla_decode.cu``), ``warpgroup.py`` the heads-as-M
-kernel on warpgroup MMAs (``mla_decode_wg.cu``, 64 rows or more), ``tokens_m64.py`` the tokens-as-M kernel at 64 rows
-(``mla_decode_tm64.cu``, INT4/INT4 with no built tile), ``plan.py`` holds what they share.
+kernel on warpgroup MMAs (``mla_decode_wg.cu``, 64 rows or more; ``mla_decode_seesaw.cu`` its warpgroups out of
+phase), ``plan.py`` holds what they share.
 
     plan = decode_plan(layout, rows, out_dtype, device)   # None (with plan_reason) where it cannot run
     launch_decode(plan, grid, args)                        # the same arguments as the Triton kernel
@@ -29,8 +29,6 @@ from quantmla.kernels.cuda.tokens_m import (  # noqa: F401
     FP8_TM_MIN_TOKENS, TM_BLOCK_N, TM_MAX_CONTENT_SCALE, TM_MAX_STAGES, TM_MIN_STAGES, TM_P_BUFFERS,
     TM_TWO_BLOCKS_MIN_TOKENS, TM_VOTE_MAX_CONTENT_SCALE, TM_WARPS, TM_WS_2BIT_STAGES, TM_WS_MIN_TOKENS, smem_bytes_tm,
     tokens_m_by_default, tokens_m_default_blocks, tokens_m_plan, tokens_m_reason, tokens_m_ws_min_tokens)
-from quantmla.kernels.cuda.tokens_m64 import (  # noqa: F401
-    TM64_BLOCK_M, TM64_MIN_ROWS, smem_bytes_tm64, tokens_m64_plan, tokens_m64_reason)
 from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
     WG_BLOCK_M, WG_MIN_ROWS, lowbit, smem_bytes_wg, tensor_maps, warpgroup_by_default, warpgroup_plan, warpgroup_reason)
 
@@ -40,7 +38,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
                 fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False, scale_vote: bool = False,
-                tokens_m64: bool = False, seesaw: bool = False) -> DecodePlan | None:
+                seesaw: bool = False) -> DecodePlan | None:
     """The build that reads `layout` for `rows` query rows per sequence on `device`, or None (the reason
     is kept in ``plan_reason[layout]``): not CUDA, compute capability below 8.0, or a layout it cannot read.
     `num_warps` (8 or 16), `block_n` (tokens per tile, 32 or 64) and `ksplit` (warps sharing one score
@@ -51,18 +49,16 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     `fragments=True` takes the path without a built tile (None where it cannot read the layout); `tokens_m=True` the
     tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
-    `warpgroup_reason`); `tokens_m64=True` the tokens-as-M kernel at 64 rows (mla_decode_tm64.cu, the heads-as-M launch
-    shape; None where it cannot, the reason from `tokens_m64_reason`); `seesaw=True` the heads-as-M kernel with its
-    warpgroups out of phase (mla_decode_seesaw.cu, BF16). Fragments are not the default: on the H200 it is
-    slower than building the tile (INT4/INT4 at 32 x 16384: 161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
+    `warpgroup_reason`); `seesaw=True` the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu,
+    BF16). Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32 x 16384:
+    161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
     Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
     per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
     lab/results/kernels/decode_cuda_tilings_128h_h200.json).
     """
-    warpgroup = warpgroup or tokens_m64 or seesaw  # (both take the heads-as-M launch shape)
+    warpgroup = warpgroup or seesaw  # (it takes the heads-as-M launch shape)
     why = device_reason(device, (9, 0) if tokens_m or warpgroup else (8, 0),
                         "tokens as M: needs compute capability 9.0 (bulk copies)" if tokens_m
-                        else "tokens as M at 64 rows: needs compute capability 9.0 (warpgroup MMAs)" if tokens_m64
                         else "heads as M: needs compute capability 9.0 (warpgroup MMAs)" if warpgroup
                         else "needs compute capability 8.0 or later (mma.sync bf16, cp.async)")
     if why is None and out_dtype not in _OUT:
@@ -71,13 +67,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
         plan_reason[layout] = why
         return None
     key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-           specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64, seesaw,
+           specialized, ctas_per_sm, s8_scores, scale_vote, seesaw,
            partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
-                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, tokens_m64,
-                                   seesaw)
+                                   token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, seesaw)
     if isinstance(plan, str):
         plan_reason[layout] = plan
         return None
@@ -88,11 +83,8 @@ _PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' 
 
 
 def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
-          specialized, ctas_per_sm, s8_scores, scale_vote=False, tokens_m64=False, seesaw=False) -> DecodePlan | str:
+          specialized, ctas_per_sm, s8_scores, scale_vote=False, seesaw=False) -> DecodePlan | str:
     """decode_plan on a device that can run the kernels: the plan, or why there is none."""
-    if warpgroup and tokens_m64:
-        plan = tokens_m64_plan(layout, rows, out_dtype)
-        return f"tokens as M at 64 rows: {plan}" if isinstance(plan, str) else plan
     if warpgroup:
         plan = warpgroup_plan(layout, rows, out_dtype, seesaw=seesaw)
         return f"heads as M: {plan}" if isinstance(plan, str) else plan
@@ -114,8 +106,8 @@ def prepare(plan: DecodePlan, device: torch.device) -> None:
 
 
 def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: torch.device) -> None:
-    """Run the build of `plan` over grid (units, head blocks) on the current stream (the heads-as-M and 64-row
-    tokens-as-M kernels' grid is (head blocks, units): a unit's head blocks run side by side and share its tiles in L2). `args` are the
+    """Run the build of `plan` over grid (units, head blocks) on the current stream (the heads-as-M kernel's grid is
+    (head blocks, units): a unit's head blocks run side by side and share its tiles in L2). `args` are the
     Triton decode kernel's: (qc, qr, pages, pc16, pr16, bt, seq_lens, units, out, lse, po, plse,
     stride_bt, H, S_q, R, causal, qk_scale·log2 e)."""
     from quantmla.kernels.cuda import driver
@@ -128,9 +120,9 @@ def launch_decode(plan: DecodePlan, grid: tuple[int, int], args: tuple, device: 
                          "kernels.partials.partial_dtype(layout) gives")
     fn = driver.function(cubin_for(plan.macros, device), "mla_decode", plan.smem, device)
     extra = []
-    if dict(plan.macros).get("WG") or dict(plan.macros).get("TM64"):
+    if dict(plan.macros).get("WG"):
         grid = (grid[1], grid[0])
-        extra = [] if dict(plan.macros).get("TM64") or lowbit(plan) else [("s", m) for m in tensor_maps(pages, plan)]
+        extra = [] if lowbit(plan) else [("s", m) for m in tensor_maps(pages, plan)]
     # the kernel reads the queries and (heads-as-M, rows staged) writes the output in 16-byte pieces: a view that
     # starts off a 16-byte boundary is read from a copy, or written through one
     qc, qr = (q if q.data_ptr() % 16 == 0 else q.clone() for q in (qc, qr))

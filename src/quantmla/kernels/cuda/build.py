@@ -22,7 +22,6 @@ from quantmla.errors import QuantMLAError
 SOURCE = Path(__file__).with_name("mla_decode.cu")
 SOURCE_TM = Path(__file__).with_name("mla_decode_tm.cu")  # tokens as the MMA's M dimension (plans with TM=1)
 SOURCE_WG = Path(__file__).with_name("mla_decode_wg.cu")  # heads as M on warpgroup MMAs (plans with WG=1)
-SOURCE_TM64 = Path(__file__).with_name("mla_decode_tm64.cu")  # tokens as M at 64 query rows (plans with TM64=1)
 SOURCE_SEESAW = Path(__file__).with_name("mla_decode_seesaw.cu")  # heads as M, warpgroups out of phase (WG=1, SEESAW=1)
 # the headers the sources include (every .cuh beside them): part of every build's cache key
 HEADERS = tuple(sorted(p.name for p in SOURCE.parent.glob("*.cuh")))
@@ -30,11 +29,11 @@ HEADERS = tuple(sorted(p.name for p in SOURCE.parent.glob("*.cuh")))
 
 def source_of(macros: tuple[tuple[str, int], ...]) -> Path:
     """The kernel source a plan's constants build: mla_decode_tm.cu where TM=1, mla_decode_wg.cu where WG=1
-    (mla_decode_seesaw.cu where SEESAW=1 too), mla_decode_tm64.cu where TM64=1, else mla_decode.cu."""
+    (mla_decode_seesaw.cu where SEESAW=1 too), else mla_decode.cu."""
     m = dict(macros)
     if m.get("WG"):
         return SOURCE_SEESAW if m.get("SEESAW") else SOURCE_WG
-    return SOURCE_TM if m.get("TM") else SOURCE_TM64 if m.get("TM64") else SOURCE
+    return SOURCE_TM if m.get("TM") else SOURCE
 
 
 def cache_dir() -> Path:

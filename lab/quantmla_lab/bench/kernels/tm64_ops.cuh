@@ -1,6 +1,6 @@
-// The pieces of the tokens-as-M kernel at 64 query rows (mla_decode_tm64.cu; the lab's timing model tokens_m_64.cu
-// includes them too): the warpgroup MMA with its A operand in registers, codes dequantized into that operand, and a
-// row's maximum or sum over a tile's 64 tokens. Included after ptx.cuh and wgmma.cuh, with fp16 operands.
+// The pieces of the tokens-as-M tile loop at 64 query rows (the lab's timing model, tokens_m_64.cu): the warpgroup
+// MMA with its A operand in registers, codes dequantized into that operand, and a row's maximum or sum over a tile's
+// 64 tokens. Included after ptx.cuh and wgmma.cuh, with fp16 operands.
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
