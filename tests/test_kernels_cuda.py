@@ -109,37 +109,6 @@ def test_page_metadata_the_tile_cannot_read_falls_back_to_triton(monkeypatch):
                                                                     kernel="cuda")) is None
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", CacheFormat(PathFormat(4, 64), PathFormat(4, 32)),
-                                  CacheFormat(PathFormat(2, 128, "symmetric"), PathFormat(4, 64, "symmetric"))])
-def test_fragments_plan_has_no_built_tile(name):
-    """Asked for, 2- and 4-bit codes with fp16 metadata at 16 rows read the stage's codes straight into
-    the mma fragments: no built tile in shared memory, code rows padded to an odd number of 16-byte chunks.
-    The default builds the tile."""
-    lay, p = plan(name, fragments=True)
-    _, q = plan(name)
-    m = dict(p.macros)
-    assert m["REG"] == 1 and "REG" not in dict(q.macros) and "/frag/" in p.describe()
-    assert (m["NW"], m["BN"], m["KSPLIT"], m["RM"]) == (8, 32, 4, 1)
-    fb = lay.token.field_bytes
-    pad = sum(32 * 16 for k in ("content_codes", "rope_codes") if (fb[k] // 16) % 2 == 0)
-    tile = 32 * (512 + 64 + 8) * 2
-    assert p.smem == q.smem - tile + p.stages * pad if p.stages == q.stages else p.smem < q.smem
-
-
-@pytest.mark.parametrize("name,rows,why", [("int4/int8", 16, "2- or 4-bit"), ("bf16", 16, "2- or 4-bit"),
-                                           ("fp8", 16, "2- or 4-bit"), ("int4/int4", 32, "16-row plan"),
-                                           (CacheFormat(PathFormat(2, 64, "symmetric", "bfloat16"),
-                                                        PathFormat(4, 32, "symmetric")), 16, "fp16 metadata"),
-                                           (CacheFormat(PathFormat(4, 128), PathFormat(4, 1, grouping="page")), 16,
-                                            "per-token metadata")])
-def test_fragments_refused_with_reason(name, rows, why):
-    """Where the fragments path cannot read a layout, asking for it says why (the default builds the tile)."""
-    lay, p = plan(name, rows)
-    assert p is not None and "REG" not in dict(p.macros)
-    _, f = plan(name, rows, fragments=True)
-    assert f is None and why in cuda.plan_reason[lay]
-
-
 @pytest.mark.parametrize("name,half", [("int4/int4", 1), ("int2/int4", 1), ("int8/int8", 1), ("bf16", 0), ("fp8", 0)])
 def test_tile_type(name, half):
     """fp16 tiles only where every quantized path stores fp16 metadata and nothing is raw bf16 or e4m3."""
@@ -160,7 +129,7 @@ def test_shared_memory_fits(name, rows):
     assert 2 <= p.stages <= 4 and p.smem <= cuda.SMEM_PER_CTA
     assert p.ctas_per_sm * (p.smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM
     m = dict(p.macros)
-    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], p.block_n, fragments=bool(m.get("REG")))
+    assert p.smem == cuda.smem_bytes(lay, p.block_m, p.stages, m["KSPLIT"], p.block_n)
 
 
 @pytest.mark.parametrize("nw,bn,rows", [(16, 32, 16), (16, 64, 16), (8, 64, 16), (16, 32, 64), (16, 64, 128)])
@@ -392,7 +361,6 @@ def test_tokens_m_needs_sm90():
                                                            PathFormat(8, 32, "symmetric")), 32, {}),
                                               ("int4/int4", 16, {"num_warps": 16, "block_n": 64}),
                                               ("int2/int4", 16, {"num_warps": 16, "block_n": 32}),
-                                              ("int2/int4", 16, {"fragments": True}),
                                               ("int4/int4", 16, {"tokens_m": True}),
                                               ("int2/int4", 4, {"tokens_m": True}),
                                               (CacheFormat(PathFormat(4, 64), PathFormat(4, 32)), 16, {"tokens_m": True}),

@@ -105,24 +105,6 @@ def test_decode_cuda_tilings(tiling, name, H, SQ):
     assert ("ws" in md.variant) == (tiling == (16, 32) and name != "bf16" and H * SQ <= 16), md.variant
 
 
-@pytest.mark.parametrize("name", ["int4/int4", "int2/int4", "int4/int4-g64/g32", "int2/int4-sym"])
-@pytest.mark.parametrize("H,SQ", [(16, 1), (8, 2), (5, 3)])
-def test_decode_cuda_fragments(name, H, SQ):
-    """The codes read straight into the products' operands (no built tile) against the same fp64 oracle;
-    the garbage bytes past a partial last tile (the pages start random) never reach the output."""
-    from quantmla.kernels.cuda.build import nvcc
-    from quantmla.kernels.schedule import cuda_config
-
-    if nvcc() is None:
-        pytest.skip("no nvcc: the CUDA kernel cannot be built here")
-    lay, pages, bt, sl = make_cache(FORMATS[name], LENS, seed=11 * H + SQ)
-    cfg = cuda_config(H * SQ, lay, "cuda", fragments=True)
-    assert cfg is not None and cfg.fragments, __import__("quantmla.kernels.cuda", fromlist=["x"]).plan_reason.get(lay)
-    md = check_decode(lay, pages, bt, sl, H, SQ, seed=H + 5 * SQ, config=cfg)
-    assert md.variant.startswith("cuda/f16/frag/"), md.variant
-
-
-
 # the tokens-as-M plans: a warp's scores over one block of 16 tokens, or two warps' over two blocks; and the
 # scores' and output's warps apart (8 warps), two CTAs an SM (128 registers) or one
 TM_WARPS = [{"token_blocks": 1, "specialized": False}, {"token_blocks": 2, "specialized": False},

@@ -13,8 +13,6 @@
 #                 and BF16 at 16 heads, 32 x 16384      -> kernels/ncu_sections_{int4,bf16}_32x16384_h200.txt
 # ncu-warpgroup   the same sections for the heads-as-M kernel at 128 heads, 32 x 8192 (INT4/INT4 and BF16)
 #                                                  -> kernels/ncu_sections_{int4,bf16}_128h_32x8192_h200.txt
-# ncu-fragments   the same for INT4/INT4's plan that reads the codes straight into the products' operands
-#                                                         -> kernels/ncu_sections_int4_fragments_32x16384_h200.txt
 # sass-phases     Nsight Compute's SASS page of INT4/INT4 at 32 x 16384, split into the tile loop's phases
 #                                                                -> kernels/sass_phases_int4_32x16384_h200.txt
 # smem-wavefronts the same call's shared-memory wavefronts per token by instruction kind
@@ -96,14 +94,6 @@ ncu_pair() {
 ncu-sections() { ncu_pair 16 32 16384 32x16384; }
 
 ncu-warpgroup() { ncu_pair 128 32 8192 128h_32x8192; }
-
-ncu-fragments() {
-  timeout 120 ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section InstructionStats \
-    --section Occupancy python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384 --fragments 2>&1 \
-    | grep -v "^==PROF==" > "$OUT/kernels/ncu_sections_int4_fragments_32x16384_h200.txt"
-  grep -i "shared\|throughput\|issue\|duration" "$OUT/kernels/ncu_sections_int4_fragments_32x16384_h200.txt" | head -20
-}
 
 sass-phases() {
   local rep=/tmp/quantmla_sass_prof

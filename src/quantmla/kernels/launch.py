@@ -73,7 +73,7 @@ def launch_cuda(grid, args, layout: PageLayout, cfg: DecodeConfig) -> str | None
 
     R, out, device = args[15], args[8], args[2].device
     plan = cuda.decode_plan(layout, R, out.dtype, device, num_warps=cfg.num_warps, block_n=cfg.block_n,
-                            fragments=cfg.fragments, tokens_m=cfg.tokens_m, token_blocks=cfg.token_blocks,
+                            tokens_m=cfg.tokens_m, token_blocks=cfg.token_blocks,
                             warpgroup=cfg.warpgroup, specialized=cfg.specialized, s8_scores=cfg.s8_scores,
                             scale_vote=cfg.scale_vote, seesaw=cfg.seesaw,
                             ctas_per_sm=cfg.ctas_per_sm if cfg.tokens_m else None)

@@ -50,8 +50,6 @@ class DecodeConfig:
     orient: "heads" (rows are the MMA M dimension) or "tokens" (the transposed problem: tokens and
     channels are M, so 16 heads still fill Hopper's 64-row wgmma);
     deq: the generic kernel's tile rebuild (0: shifts + one reshape; 1: per-channel indexing);
-    fragments: the CUDA kernel reads the codes straight into the products' operands, with no built tile
-    (kernels/cuda/tile_frag.cuh; the 16-row plan with 2- or 4-bit codes and fp16 metadata);
     tokens_m: the CUDA kernel with tokens as the MMA's M dimension (kernels/cuda/mla_decode_tm.cu; up to 16 rows,
     2- or 4-bit affine codes with fp16 metadata or FP8 (fp8_ds_mla), d_c 512 and d_r 64);
     token_blocks: with tokens_m, the blocks of 16 tokens whose scores one warp takes (1 or 2; None: the default for
@@ -78,7 +76,6 @@ class DecodeConfig:
     unpack: str = "asm"
     orient: str = "heads"
     deq: int = 0
-    fragments: bool = False
     tokens_m: bool = False
     token_blocks: int | None = None
     warpgroup: bool = False
@@ -95,7 +92,7 @@ class DecodeConfig:
         tm = ("cuda/tm/ws" if self.specialized else "cuda/tm") + ("q" if self.s8_scores else "") + (
             "v" if self.scale_vote else "")
         wg = "cuda/ss" if self.seesaw else "cuda/wg"
-        cuda = "cuda/frag" if self.fragments else tm if self.tokens_m else wg if self.warpgroup else "cuda"
+        cuda = tm if self.tokens_m else wg if self.warpgroup else "cuda"
         k = {"fused": f"fused/{self.unpack}/{self.orient[0]}", "cuda": cuda}.get(self.kernel, f"generic/d{self.deq}")
         return f"{k} M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages} c{self.ctas_per_sm} k{self.min_chunk}"
 
@@ -144,7 +141,7 @@ def default_config(rows: int, layout: PageLayout | None = None, device: torch.de
 
 
 def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, num_warps: int | None = None,
-                block_n: int | None = None, fragments: bool = False, tokens_m: bool | None = None,
+                block_n: int | None = None, tokens_m: bool | None = None,
                 token_blocks: int | None = None, warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False,
                 scale_vote: bool = False, seesaw: bool = False) -> DecodeConfig | None:
@@ -154,8 +151,8 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     H200 1.24x and 1.38x the built tile at 32 x 16384 in INT4/INT4 and INT2/INT4, and 0.96x in INT4/INT4 at 1 x 131072,
     where a unit has 8 tiles; lab/results/kernels/decode_tokens_m_h200.json; for FP8 ``get_mla_metadata`` takes the
     built tile where units are short, and for integer codes the 4-warp plan; a RoPE path grouped per page only where
-    ``cuda.tokens_m_by_default``), else the built-tile kernel's default tiling; `num_warps` x `block_n` or `fragments`
-    ask for a built-tile plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp;
+    ``cuda.tokens_m_by_default``), else the built-tile kernel's default tiling; `num_warps` x `block_n` ask for a
+    built-tile plan, `tokens_m=True` for the tokens-as-M kernel only (`token_blocks` 1 or 2 a warp;
     `specialized` its scores' and output's warps apart, `ctas_per_sm` of them, `s8_scores` its scores on 8-bit warpgroup
     MMAs, `scale_vote` its SCALE_VOTE build), `tokens_m=False` for the built tile only, `warpgroup=True` for the
     heads-as-M kernel on warpgroup MMAs only (with `seesaw=True` its warpgroups out of phase, BF16 only)."""
@@ -169,14 +166,13 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     warpgroup = warpgroup or seesaw  # (it takes the heads-as-M launch shape)
     if warpgroup:
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, warpgroup=True, seesaw=seesaw))
-    elif tokens_m or (tokens_m is None and num_warps is None and block_n is None and not fragments
+    elif tokens_m or (tokens_m is None and num_warps is None and block_n is None
                       and cuda.tokens_m_by_default(layout)):
         plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, tokens_m=True, token_blocks=token_blocks,
                                       specialized=specialized, ctas_per_sm=ctas_per_sm, s8_scores=s8_scores,
                                       scale_vote=scale_vote))
     if not tokens_m and not warpgroup:
-        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n,
-                                      fragments=fragments))
+        plans.append(cuda.decode_plan(layout, rows, torch.bfloat16, dev, num_warps=num_warps, block_n=block_n))
     plan = None
     for p in plans:
         if p is None:
@@ -190,7 +186,7 @@ def cuda_config(rows: int, layout: PageLayout, device: torch.device | str, *, nu
     if plan is None:
         return None
     return DecodeConfig(block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.stages,
-                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda", fragments=fragments,
+                        ctas_per_sm=plan.ctas_per_sm, min_chunk=128, kernel="cuda",
                         tokens_m=bool(dict(plan.macros).get("TM")), token_blocks=dict(plan.macros).get("TPW", 1) if dict(plan.macros).get("TM") else None,
                         warpgroup=bool(dict(plan.macros).get("WG")), seesaw=bool(dict(plan.macros).get("SEESAW")),
                         specialized=bool(dict(plan.macros).get("WS")),

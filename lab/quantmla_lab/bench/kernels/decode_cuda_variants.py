@@ -30,24 +30,20 @@ TILINGS = ((8, 32), (16, 32), (16, 64), (8, 64))  # (warps per CTA, tokens per t
 
 def knob_variants(plan: cuda.DecodePlan, layout: PageLayout, phases: bool = False) -> dict[str, cuda.DecodePlan]:
     """The default plan with one build-time knob changed: score-loop unrolling or cp.async stages; with
-    `phases`, instead the plan with the tile build, the score products or the output products left out.
-    Where the layout allows it, also the plan that reads the codes straight into the products' fragments."""
+    `phases`, instead the plan with the tile build, the score products or the output products left out."""
     m = dict(plan.macros)
 
     def with_(**kw) -> cuda.DecodePlan:
         return dataclasses.replace(plan, macros=tuple(sorted({**m, **kw}.items())))
 
     out = {"qk_unroll_6": with_(QK_UNROLL=6), "qk_unroll_2": with_(QK_UNROLL=2)}
-    frag = cuda.decode_plan(layout, plan.block_m, torch.bfloat16, torch.device("cuda"), fragments=True)
-    if frag is not None:  # the built tile (the default) beside the codes read into the fragments, decode kernels alone
-        out = {"built_tile": plan, "fragments": frag, **out}
     if phases:  # timing only (wrong results): a phase's share of a call is the default's time less these
-        return {**{k: out[k] for k in ("built_tile", "fragments") if k in out}, "no_build": with_(SKIP_BUILD=1),
+        return {"no_build": with_(SKIP_BUILD=1),
                 "no_scores": with_(SKIP_QK=1), "no_output": with_(SKIP_PV=1),
                 "no_build_scores_output": with_(SKIP_BUILD=1, SKIP_QK=1, SKIP_PV=1)}
     for st in (2, 3, 4):
         if st != plan.stages:
-            smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n, fragments=bool(m.get("REG")))
+            smem = cuda.smem_bytes(layout, plan.block_m, st, m["KSPLIT"], plan.block_n)
             if plan.ctas_per_sm * (smem + cuda.SMEM_RESERVED) <= cuda.SMEM_PER_SM:
                 out[f"stages_{st}"] = dataclasses.replace(with_(STAGES=st, SMEM_EXPECTED=smem), stages=st, smem=smem)
     return out

@@ -3,9 +3,8 @@
     ncu --clock-control none -k regex:mla_decode -c 1 -s 2 --section WarpStateStats \\
         python3 -m quantmla_lab.bench.kernels.decode_once int4/int4 16 32 16384
 
-Arguments: cache format, heads, batch, context; `--fragments` runs the CUDA kernel's plan that reads the
-codes straight into the products' operands instead, `--tokens-m` the kernel with tokens as the MMA's M dimension (`--specialized`: its scores' and output's warps
-apart). Three calls run (the profiler skips two with -s 2);
+Arguments: cache format, heads, batch, context; `--tokens-m` runs the kernel with tokens as the MMA's M dimension
+(`--specialized`: its scores' and output's warps apart). Three calls run (the profiler skips two with -s 2);
 the pages are in random order and written by the append kernel, as in decode_speed.
 """
 
@@ -26,7 +25,6 @@ def main() -> None:
     ap.add_argument("heads", type=int)
     ap.add_argument("batch", type=int)
     ap.add_argument("context", type=int)
-    ap.add_argument("--fragments", action="store_true", help="the CUDA plan without a built tile")
     ap.add_argument("--tokens-m", action="store_true", help="the CUDA kernel with tokens as the MMA's M dimension")
     ap.add_argument("--specialized", action="store_true", help="with --tokens-m: its scores' and output's warps apart")
     a = ap.parse_args()
@@ -37,12 +35,6 @@ def main() -> None:
     qc = torch.randn(a.batch, a.heads, 512, device="cuda").to(torch.bfloat16)
     qr = torch.randn(a.batch, a.heads, 64, device="cuda").to(torch.bfloat16)
     cfg = None
-    if a.fragments:
-        from quantmla.kernels.schedule import cuda_config
-
-        cfg = cuda_config(a.heads, lay, "cuda", fragments=True)
-        if cfg is None:
-            raise SystemExit(f"no fragments plan for {a.format} at {a.heads} heads")
     if a.tokens_m:
         from quantmla.kernels.schedule import cuda_config
 

@@ -13,9 +13,8 @@ along the path a warp takes where the loop has one barrier a tile (`loop_*`, `lo
 `--set MACRO=V` compiles the plan with a macro replaced or added (e.g. `--set MIN_CTAS=4`: registers capped for
 four CTAs an SM; `stack_bytes` then shows what spills).
 
-`--fragments` takes the plan that reads the codes straight into the products' operands, `--warpgroup` the heads-as-M
-kernel's (with `--rows` 64 or more). `--dump DIR`
-writes each plan's instructions (`DIR/<format>_<rows>[_fragments].sass`, without their encodings), so
+`--warpgroup` takes the heads-as-M kernel's plan (with `--rows` 64 or more). `--dump DIR`
+writes each plan's instructions (`DIR/<format>_<rows>[_tokens_m|_warpgroup].sass`, without their encodings), so
 that two source trees' builds can be compared with `diff -r`. A format is a preset name or a
 `CacheFormat` JSON string, e.g. '{"content": {"bits": 2, "group_size": 64, "mode": "symmetric",
 "meta_dtype": "bfloat16"}, "rope": {"bits": 8, "group_size": 32, "mode": "symmetric"}}'.
@@ -133,14 +132,13 @@ def _format(name: str) -> CacheFormat:
     return CacheFormat.from_dict(json.loads(name)) if name.lstrip().startswith("{") else preset(name)
 
 
-def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool = False,
+def count(name: str, rows: int, d_c: int = 512, d_r: int = 64,
           dump: Path | None = None, tokens_m: bool = False, overrides: dict | None = None,
           token_blocks: int | None = None, specialized: bool = False, warpgroup: bool = False) -> dict:
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
-        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), fragments=fragments or None,
-                                tokens_m=tokens_m or None, warpgroup=warpgroup,
-                                token_blocks=token_blocks, specialized=specialized if tokens_m else None)
+        plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), tokens_m=tokens_m or None,
+                                warpgroup=warpgroup, token_blocks=token_blocks, specialized=specialized if tokens_m else None)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))
@@ -151,7 +149,7 @@ def count(name: str, rows: int, d_c: int = 512, d_r: int = 64, fragments: bool =
         dump.mkdir(parents=True, exist_ok=True)
         tag = re.sub(r"[^A-Za-z0-9]+", "_", layout.token.fmt.describe()).strip("_")
         lines = [ln.split(";")[0].strip() for ln in sass.splitlines() if re.match(r"^\s+/\*[0-9a-f]{4,}\*/", ln)]
-        kind = "_fragments" if fragments else "_tokens_m" if tokens_m else "_warpgroup" if warpgroup else ""
+        kind = "_tokens_m" if tokens_m else "_warpgroup" if warpgroup else ""
         (dump / f"{tag}_{rows}{kind}.sass").write_text("\n".join(lines) + "\n")
     lines = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass, re.M)]
     ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
@@ -170,7 +168,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("formats", nargs="+", help="named formats (cache.layout.PRESETS)")
     p.add_argument("--rows", type=int, default=16, help="query rows per sequence (heads x query tokens)")
-    p.add_argument("--fragments", action="store_true", help="the plan without a built tile")
     p.add_argument("--tokens-m", action="store_true", help="the tokens-as-M kernel, with its scores phase's counts")
     p.add_argument("--token-blocks", type=int, help="the tokens-as-M kernel: 16-token blocks a warp's scores take")
     p.add_argument("--specialized", action="store_true", help="the tokens-as-M kernel with its warps apart")
@@ -185,7 +182,7 @@ def main(argv=None) -> int:
             p.error(f"--set {kv}: give MACRO=INTEGER, e.g. MIN_CTAS=4")
         overrides[k] = int(v)
     for name in a.formats:
-        r = count(name, a.rows, fragments=a.fragments, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides,
+        r = count(name, a.rows, dump=a.dump, tokens_m=a.tokens_m, overrides=overrides,
                   token_blocks=a.token_blocks, specialized=a.specialized, warpgroup=a.warpgroup)
         if overrides:
             r = {**r, "set": " ".join(a.set)}

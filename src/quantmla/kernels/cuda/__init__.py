@@ -21,7 +21,7 @@ import torch
 from quantmla.cache.layout import PageLayout
 from quantmla.kernels.partials import partial_dtype
 from quantmla.kernels.cuda.built_tile import (  # noqa: F401 (the package's names)
-    BLOCK_N, NUM_WARPS, built_tile_plan, chosen, fragments_reason, smem_bytes)
+    BLOCK_N, NUM_WARPS, built_tile_plan, chosen, smem_bytes)
 from quantmla.kernels.cuda.plan import (  # noqa: F401
     _OUT, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED, DecodePlan, _assume_cuda, device_reason, is_fp8, mode, partial_kind,
     plan_reason)
@@ -35,7 +35,7 @@ from quantmla.kernels.cuda.warpgroup import (  # noqa: F401
 
 def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: torch.device, *,
                 num_warps: int | None = None, block_n: int | None = None, ksplit: int | None = None,
-                fragments: bool | None = None, tokens_m: bool | None = None, token_blocks: int | None = None,
+                tokens_m: bool | None = None, token_blocks: int | None = None,
                 warpgroup: bool = False, specialized: bool | None = None,
                 ctas_per_sm: int | None = None, s8_scores: bool = False, scale_vote: bool = False,
                 seesaw: bool = False) -> DecodePlan | None:
@@ -46,13 +46,10 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     for the tokens-as-M kernel; None: its default for the layout; `specialized` its scores' and output's warps apart
     or not, None its default; `ctas_per_sm` of them, default 2; `s8_scores` its scores on 8-bit warpgroup MMAs;
     `scale_vote` its SCALE_VOTE build, for content scales past TM_MAX_CONTENT_SCALE);
-    `fragments=True` takes the path without a built tile (None where it cannot read the layout); `tokens_m=True` the
-    tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
+    `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
     `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
     `warpgroup_reason`); `seesaw=True` the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu,
-    BF16). Fragments are not the default: on the H200 it is slower than building the tile (INT4/INT4 at 32 x 16384:
-    161.4 against 140.1 us for the decode kernel, lab/results/kernels/decode_cuda_fragments_h200.json).
-    Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
+    BF16). Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
     per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
     lab/results/kernels/decode_cuda_tilings_128h_h200.json).
     """
@@ -66,12 +63,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     if why:
         plan_reason[layout] = why
         return None
-    key = (layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
+    key = (layout, rows, out_dtype, num_warps, block_n, ksplit, tokens_m, token_blocks, warpgroup,
            specialized, ctas_per_sm, s8_scores, scale_vote, seesaw,
            partial_dtype(layout))  # (QUANTMLA_PARTIALS may change it)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m,
+        plan = _PLANS[key] = _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, tokens_m,
                                    token_blocks, warpgroup, specialized, ctas_per_sm, s8_scores, scale_vote, seesaw)
     if isinstance(plan, str):
         plan_reason[layout] = plan
@@ -82,7 +79,7 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
 _PLANS: dict = {}  # decode_plan's arguments past the device, and the partials' dtype -> its plan, or why there is none
 
 
-def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens_m, token_blocks, warpgroup,
+def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, tokens_m, token_blocks, warpgroup,
           specialized, ctas_per_sm, s8_scores, scale_vote=False, seesaw=False) -> DecodePlan | str:
     """decode_plan on a device that can run the kernels: the plan, or why there is none."""
     if warpgroup:
@@ -92,8 +89,7 @@ def _plan(layout, rows, out_dtype, num_warps, block_n, ksplit, fragments, tokens
         plan = tokens_m_plan(layout, rows, out_dtype, ctas_per_sm=ctas_per_sm or 2, blocks_per_warp=token_blocks,
                              specialized=specialized, s8_scores=s8_scores, scale_vote=scale_vote)
         return f"tokens as M: {plan}" if isinstance(plan, str) else plan
-    plan = built_tile_plan(layout, rows, out_dtype, num_warps=num_warps, block_n=block_n, ksplit=ksplit,
-                           fragments=fragments)
+    plan = built_tile_plan(layout, rows, out_dtype, num_warps=num_warps, block_n=block_n, ksplit=ksplit)
     return plan if plan is not None else plan_reason.get(layout, "no built-tile plan")
 
 

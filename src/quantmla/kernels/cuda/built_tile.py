@@ -35,7 +35,7 @@ def _path(fmt: PathFormat, dim: int) -> tuple[int, int, int, int] | str:
 
 
 def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block_n: int = BLOCK_N,
-               ws: bool = False, fragments: bool = False) -> int:
+               ws: bool = False) -> int:
     """Dynamic shared memory of one CTA, bytes: the same map as mla_decode.cu (which asserts they agree)."""
     tok = layout.token
     fb = tok.field_bytes
@@ -44,17 +44,14 @@ def smem_bytes(layout: PageLayout, block_m: int, stages: int, ksplit: int, block
     def a16(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    def pitch(n: int) -> int:  # fragments: code rows an odd number of 16-byte chunks apart
-        return n if not fragments or (n // 16) % 2 else n + 16
-
     direct = not tok.fmt.content.quantized and not tok.fmt.rope.quantized
     bn = block_n
     rope_meta = layout.tile_rope_meta_bytes(bn)
-    codes = a16(a16(bn * pitch(fb["content_codes"])) + bn * pitch(fb["rope_codes"]))
+    codes = a16(a16(bn * fb["content_codes"]) + bn * fb["rope_codes"])
     raw = a16(a16(codes + bn * fb["content_meta"]) + rope_meta)
     raw = bn * ldk * 2 if direct else raw
     q = block_m * ldk * 2
-    kv = 0 if direct or fragments else (2 if ws else 1) * bn * ldk * 2
+    kv = 0 if direct else (2 if ws else 1) * bn * ldk * 2
     s = ksplit * block_m * (bn + 8) * 4
     p = block_m * (bn + 8) * 2
     return q + kv + stages * raw + s + p + 3 * block_m * 4 + 16 + 8 * stages  # + an mbarrier per stage
@@ -69,36 +66,13 @@ def chosen(layout: PageLayout, rows: int) -> bool:
     return rows <= 16 or (fmt.quantized and fmt.mode != "fp8")
 
 
-def fragments_reason(layout: PageLayout, block_m: int, num_warps: int, block_n: int, ksplit: int,
-                     ws: bool) -> str | None:
-    """Why the fragments path (no built tile: the products expand the codes in registers, tile_frag.cuh)
-    cannot read `layout` in this tiling, or None where it can."""
-    tok = layout.token
-    c, r = tok.fmt.content, tok.fmt.rope
-    fb = tok.field_bytes
-    if (block_m, num_warps, block_n, ksplit, ws) != (16, 8, 32, 4, False):
-        return "the 16-row plan only (8 warps, 32-token tiles, four channel shares)"
-    for f in (c, r):
-        if not f.quantized or f.mode not in ("affine", "symmetric") or f.bits not in (2, 4) or f.per_page:
-            return f"{f.describe()}: 2- or 4-bit integer codes with per-token metadata"
-        if f.meta_dtype != "float16" or f.group_size % 16:
-            return f"{f.describe()}: fp16 metadata and groups of whole 16-channel steps"
-    if tok.d_r != 64 or tok.d_c != 512:
-        return f"d_c {tok.d_c}, d_r {tok.d_r}: 512 and 64 channels"
-    if any(f.mode == "affine" and fb[k] % 4 for f, k in ((c, "content_meta"), (r, "rope_meta"))):
-        return "affine metadata rows of whole (scale, zero) pairs"
-    return None
-
-
 def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, num_warps: int | None = None,
-                    block_n: int | None = None, ksplit: int | None = None,
-                    fragments: bool | None = None) -> DecodePlan | None:
+                    block_n: int | None = None, ksplit: int | None = None) -> DecodePlan | None:
     """The built-tile build for `layout` and `rows` on a device that can run it (decode_plan checks that), or
     None with the reason in ``plan_reason[layout]``; the tiling as decode_plan says."""
     if num_warps is None and block_n is None:
         for nw, bn in ((16, 64), (NUM_WARPS, BLOCK_N)) if rows > 16 else ((NUM_WARPS, BLOCK_N),):
-            plan = built_tile_plan(layout, rows, out_dtype, num_warps=nw, block_n=bn, ksplit=ksplit,
-                                   fragments=fragments)
+            plan = built_tile_plan(layout, rows, out_dtype, num_warps=nw, block_n=bn, ksplit=ksplit)
             if plan is not None:
                 return plan
         return None
@@ -148,14 +122,10 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
             ksplit = 1
     if (ot * ksplit) % nwc or (tok.d_c + tok.d_r) % (16 * ksplit) or (bn // 8) % max(1, ot * ksplit // nwc):
         return no("score tiles do not split over the warps")
-    why_not = fragments_reason(layout, block_m, nw, bn, ksplit, ws)
-    if fragments and why_not:
-        return no(f"fragments: {why_not}")
-    reg = bool(fragments) and why_not is None
     stages = ctas = 0
 
     def size(s: int) -> int:
-        return smem_bytes(layout, block_m, s, ksplit, bn, ws, reg)
+        return smem_bytes(layout, block_m, s, ksplit, bn, ws)
 
     for want in (1,) if ws else (2, 1):  # WS: 16 warps of up to 128 registers, one CTA per SM
         fits = [s for s in (4, 3, 2) if size(s) + SMEM_RESERVED <= SMEM_PER_SM // want and size(s) <= SMEM_PER_CTA]
@@ -179,8 +149,6 @@ def built_tile_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, *, nu
         macros.update(R_PAGE=1, PMB_R=pmb)
         if r_blk != layout.page_size:
             macros.update(R_BLK=r_blk)
-    if reg:
-        macros.update(REG=1)
     return DecodePlan(tuple(sorted(macros.items())), block_m, stages, ctas, smem)
 
 

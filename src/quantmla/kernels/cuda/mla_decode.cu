@@ -20,12 +20,6 @@
 //             its share of a row's sum to the end. P written to shared memory as 16-bit
 //   E  PV     acc += P·c, each warp owning d_c / NWC output channels of every row
 //
-// REG (the 16-row plan with 2- or 4-bit codes and fp16 metadata, built only when asked for): no B, and C and
-// E read the stage's codes, expanding them in registers straight into the mma operands (tile_frag.cuh).
-// Per token the tile's 3.3 KB of shared-memory traffic becomes its codes read twice, at the price of two
-// expansions instead of one: on the H200 it issues 1.6x the instructions and runs slower (docs/decode_designs.md).
-// The stage's code rows are padded, so it is copied by cp.async.
-//
 // WS (warp specialization): the CTA's first NW/2 warps compute (C, D, E) and the others copy and build
 // (A, B) into two tiles in turn, so building tile i + 1 overlaps the products of tile i; named barriers
 // hand each tile over (built: 3 + buf, read: 5 + buf). Without WS every warp does every phase in turn.
@@ -43,7 +37,6 @@
 //   HALF RM NW BN KSPLIT STAGES MIN_CTAS WS OUT_KIND (0 bf16, 1 fp16, 2 fp32) SMEM_EXPECTED
 //   R_PAGE PMB_R   (the RoPE path's metadata is the page's: sets of PMB_R bytes at OFF_RM, one per R_BLK tokens,
 //   R_BLK          the page size unless given; a tile's stage holds the sets its tokens read)
-//   REG            (1: the fragments path above)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -83,27 +76,20 @@ constexpr int NBUF = WS ? 2 : 1;       // built tiles (WS: one built while the o
 constexpr int LDS = BN + 8;            // fp32 score row pitch (8 rows' float2 fragment stores hit distinct banks)
 constexpr int LDP = BN + 8;            // 16-bit probability row pitch
 constexpr bool DIRECT = (C_KIND == 0) && (R_KIND == 0);  // BF16 cache: copied straight into the tile
-#ifndef REG
-#define REG 0  // 1: no built tile; the products expand the stage's codes in registers (tile_frag.cuh)
-#endif
 #include "page_sets.cuh"  // R_PAGE, R_BLK, RM_SETS, RM_BYTES, rm_offset
 
-// the stage of one tile: its four sections, each 16-byte aligned. REG: the code rows are PCC and PRC bytes
-// apart, an odd number of 16-byte chunks, so that 8 rows' pieces at one column fall in distinct banks
+// the stage of one tile: its four sections, each 16-byte aligned
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
-__host__ __device__ constexpr int odd_chunks(int n) { return (n / 16) % 2 ? n : n + 16; }
-constexpr int PCC = REG ? odd_chunks(FB_CC) : FB_CC;
-constexpr int PRC = REG ? odd_chunks(FB_RC) : FB_RC;
 constexpr int RAW_CC = 0;
-constexpr int RAW_RC = align16(RAW_CC + BN * PCC);
-constexpr int RAW_CM = align16(RAW_RC + BN * PRC);
+constexpr int RAW_RC = align16(RAW_CC + BN * FB_CC);
+constexpr int RAW_CM = align16(RAW_RC + BN * FB_RC);
 constexpr int RAW_RM = align16(RAW_CM + BN * FB_CM);
 constexpr int RAW_BYTES = DIRECT ? BN * LDK * 2 : align16(RAW_RM + RM_BYTES);
 
 // shared memory map (bytes)
 constexpr int SM_Q = 0;
 constexpr int SM_KV = SM_Q + BM * LDK * 2;
-constexpr int SM_RAW = SM_KV + (DIRECT || REG ? 0 : NBUF * BN * LDK * 2);
+constexpr int SM_RAW = SM_KV + (DIRECT ? 0 : NBUF * BN * LDK * 2);
 constexpr int SM_S = SM_RAW + STAGES * RAW_BYTES;
 constexpr int SM_P = SM_S + KSPLIT * BM * LDS * 4;
 constexpr int SM_ROW = SM_P + BM * LDP * 2;  // alpha, l, query scale: 3 x BM floats
@@ -130,19 +116,16 @@ static_assert((BN / 8) % TPW == 0, "a warp's score tiles lie in one row block");
 constexpr bool QREG = KSTEPS <= QREG_MAX;         // the query fragments stay in registers (36 of them)
 constexpr int CPW = D_C / NWC;                    // E: output channels a warp owns
 constexpr int NT8 = CPW / 8;                      // E: its m16n8 output tiles
-static_assert(!REG || (FB_CC % 16 == 0 && FB_RC % 16 == 0), "fragments: code rows of whole 16-byte chunks");
 static_assert((BN * FB_CC) % 16 == 0 && (BN * FB_RC) % 16 == 0 && (BN * FB_CM) % 16 == 0 && RM_BYTES % 16 == 0,
               "each section of a tile is whole 16-byte chunks");
 
 #include "ptx.cuh"
 #include "tile_build.cuh"
 #include "tile_copy.cuh"
-#include "tile_frag.cuh"
 #include "query_io.cuh"
 // bulk copies on sm_90 for tiles that are built (a BF16 tile's rows land in the padded tile itself, where
-// 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies; REG's
-// code rows land padded too)
-constexpr bool BULK_TILES = BULK && !DIRECT && !REG;
+// 64 small row copies a tile ran slower on the H200 than every thread's 16-byte cp.async copies)
+constexpr bool BULK_TILES = BULK && !DIRECT;
 
 // B: build tile `tile` from `stage` (FULL: all BN tokens are in the sequence; no row is checked)
 template <bool FULL>
@@ -285,7 +268,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
   for (int it = 0; it < ntiles; ++it) {
     const int n0 = start + it * BN;
     const int valid = min(BN, end - n0);
-    const uint8_t* cur = smem + SM_RAW + (it % STAGES) * RAW_BYTES;  // REG: the stage the products read
     T* tile = nullptr;
     if constexpr (WS) {
       tile = reinterpret_cast<T*>(smem + SM_KV) + (it & 1) * BN * LDK;
@@ -304,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
             *reinterpret_cast<uint4*>(tile + t * LDK + 8 * j) = make_uint4(0, 0, 0, 0);
           }
         }
-      } else if constexpr (!REG) {
+      } else {
         tile = reinterpret_cast<T*>(smem + SM_KV);
         if constexpr (!SKIP_BUILD) build_tile_any(stage, tile, valid, tid);
       }
@@ -313,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         if (nxt < ntiles) issue_tile(smem + SM_RAW + (nxt % STAGES) * RAW_BYTES, pages, page_of(nxt), start + nxt * BN, tid);
         cp_async_commit();
       }
-      if constexpr (!REG) __syncthreads();  // the tile is built (REG: the products read the stage itself)
+      __syncthreads();  // the tile is built
     }
     // ---- C: scores. Warp group g = warp / KSPLIT owns TPW adjacent m16 x n8 score tiles of one row block,
     //      warp g·KSPLIT + ks their channel share ks; the query fragments are read once for all TPW tiles
@@ -327,9 +309,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         for (int h = 0; h < H2; ++h)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[j][h][e] = 0.0f;
-#if REG
-      if constexpr (!SKIP_QK) scores_frag(cur, qf, sacc, ks, nj0, lane);
-#else
       const T* kb = tile + (nj0 * 8 + (lane & 7)) * LDK + (lane >> 3) * 8 + ks * KSTEPS * 16;
       UNROLL(QK_UNROLL)
       for (int kk = 0; kk < (SKIP_QK ? 0 : KSTEPS); kk += 2) {
@@ -352,7 +331,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
           if (kk + 1 < KSTEPS) mma16816(sacc[j][H2 - 1], a1, bb[2], bb[3]);
         }
       }
-#endif
 #pragma unroll
       for (int j = 0; j < TPW; ++j) {
         float* dst = sS + (ks * BM + qmi * 16 + (lane >> 2)) * LDS + (nj0 + j) * 8 + (lane & 3) * 2;
@@ -451,10 +429,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         }
       }
     }
-#if REG
-    if (!SKIP_PV && valid == BN) output_frag<true>(cur, sP, acc, warp, lane, valid);
-    else if (!SKIP_PV) output_frag<false>(cur, sP, acc, warp, lane, valid);
-#else
 #pragma unroll
     for (int k0 = 0; k0 < (SKIP_PV ? 0 : BN); k0 += 16) {
       uint32_t pa[RM][4];
@@ -471,7 +445,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
         }
       }
     }
-#endif
     if constexpr (WS) {
       if (it + 2 < ntiles) bar_arrive(5 + (it & 1), NT);  // the builders may build tile it + 2 here
     }
@@ -507,13 +480,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
 #pragma unroll
       for (int nj = 0; nj < NT8; ++nj) {
-#if REG
-        const int c = out_channel(warp, nj, (lane & 3) * 2);  // the next column's channel is c + BPT
-        constexpr int CS = BPT;
-#else
         const int c = warp * CPW + nj * 8 + (lane & 3) * 2;
         constexpr int CS = 1;
-#endif
         const float o0 = acc[mi][nj][2 * h] * inv, o1 = acc[mi][nj][2 * h + 1] * inv;
         if (nsplit != 1) store_pair<CS>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
         else store_pair<CS>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);

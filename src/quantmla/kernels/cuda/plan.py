@@ -54,7 +54,7 @@ class DecodePlan:
         m = dict(self.macros)
         tile = "f16" if m["HALF"] else "bf16"
         ws = ("ws" if m.get("WS") else "") + ("q" if m.get("S8_QK") else "") + ("v" if m.get("SCALE_VOTE") else "")
-        frag = ("/frag" if m.get("REG") else "/tm" if m.get("TM") else "/ss" if m.get("SEESAW") else "/wg" if m.get("WG")
+        frag = ("/tm" if m.get("TM") else "/ss" if m.get("SEESAW") else "/wg" if m.get("WG")
                 else "")
         tpw = f"t{m['TPW']}" if m.get("TPW", 1) != 1 else ""
         return (f"cuda/{tile}{frag}/M{self.block_m}N{self.block_n}w{self.num_warps}{tpw}{ws}s{self.stages}"

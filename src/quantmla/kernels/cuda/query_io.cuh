@@ -1,5 +1,5 @@
 // The query block in and the output out, for the CUDA decode kernel. Included by mla_decode.cu after its
-// tile constants, ptx.cuh and (with REG) tile_frag.cuh.
+// tile constants and ptx.cuh.
 #pragma once
 
 #include "query_pieces.cuh"
@@ -7,7 +7,7 @@
 // the query block of rows [row0, row0 + BM) of sequence b into sQ [BM, LDK] as T, rows past R zero: every
 // thread loads its 16-byte pieces at once. In fp16 each row is scaled by the power of two that brings its
 // largest |q| below 2^13 (exact); sQs[row] gets the factor that undoes it. sAlpha [BM] must be zero (it
-// holds each row's largest |q| meanwhile). REG: columns in the fragments' order (frag_column)
+// holds each row's largest |q| meanwhile)
 __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict__ qc, const __nv_bfloat16* __restrict__ qr,
                                                  T* sQ, float* sAlpha, float* sQs, int b, int R, int row0, int tid) {
   constexpr int QCH = D / 8, QN = BM * QCH, QPT = (QN + NT - 1) / NT;  // pieces: a row, in all, a thread
@@ -36,13 +36,7 @@ __device__ __forceinline__ void load_query_block(const __nv_bfloat16* __restrict
     const float scale = 1.0f;
     const uint4 v = qv[n];
 #endif
-#if REG  // the columns the fragments read (channel pairs stay adjacent)
-    const uint32_t pr[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) *reinterpret_cast<uint32_t*>(sQ + rr * LDK + frag_column(c + 2 * e)) = pr[e];
-#else
     *reinterpret_cast<uint4*>(sQ + rr * LDK + c) = v;
-#endif
     if (c == 0) sQs[rr] = 1.0f / scale;
   }
 }

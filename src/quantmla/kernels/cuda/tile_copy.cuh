@@ -33,11 +33,6 @@ __device__ __forceinline__ void issue_tile(uint8_t* stage, const uint8_t* __rest
   if constexpr (DIRECT) {  // raw bf16 rows straight into the padded tile layout
     copy_rows<D_C * 2, LDK * 2>(stage, pg + OFF_CC + tok0 * FB_CC, tid);
     copy_rows<D_R * 2, LDK * 2>(stage + D_C * 2, pg + OFF_RC + tok0 * FB_RC, tid);
-  } else if constexpr (REG) {  // code rows PCC and PRC bytes apart (the fragments' reads hit distinct banks)
-    copy_rows<FB_CC, PCC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
-    copy_rows<FB_RC, PRC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
-    copy_section<BN * FB_CM>(stage + RAW_CM, pg + OFF_CM + tok0 * FB_CM, tid);
-    copy_section<RM_BYTES>(stage + RAW_RM, pg + OFF_RM + rm_offset(tok0), tid);
   } else {  // the four sections, each contiguous for the tile's tokens
     copy_section<BN * FB_CC>(stage + RAW_CC, pg + OFF_CC + tok0 * FB_CC, tid);
     copy_section<BN * FB_RC>(stage + RAW_RC, pg + OFF_RC + tok0 * FB_RC, tid);
