@@ -138,7 +138,8 @@ def count(name: str, rows: int, d_c: int = 512, d_r: int = 64,
     layout = PageLayout(TokenLayout(d_c, d_r, _format(name)), 64)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):  # the H200's sm_90; no GPU needed
         plan = cuda.decode_plan(layout, rows, torch.bfloat16, torch.device("cuda"), tokens_m=tokens_m or None,
-                                warpgroup=warpgroup, token_blocks=token_blocks, specialized=specialized if tokens_m else None)
+                                warpgroup=warpgroup, token_blocks=token_blocks,
+                                specialized=specialized if tokens_m else None)
     if plan is None:
         raise SystemExit(f"{name}: no CUDA plan ({cuda.plan_reason.get(layout)})")
     macros = tuple(sorted({**dict(plan.macros), **(overrides or {})}.items()))

@@ -46,11 +46,12 @@ def decode_plan(layout: PageLayout, rows: int, out_dtype: torch.dtype, device: t
     for the tokens-as-M kernel; None: its default for the layout; `specialized` its scores' and output's warps apart
     or not, None its default; `ctas_per_sm` of them, default 2; `s8_scores` its scores on 8-bit warpgroup MMAs;
     `scale_vote` its SCALE_VOTE build, for content scales past TM_MAX_CONTENT_SCALE);
-    `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from `tokens_m_reason`);
-    `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it cannot, the reason from
-    `warpgroup_reason`); `seesaw=True` the heads-as-M kernel with its warpgroups out of phase (mla_decode_seesaw.cu,
-    BF16). Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token tiles where they fit (one build
-    per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against 604 us on the H200,
+    `tokens_m=True` the tokens-as-M kernel (mla_decode_tm.cu; None where it cannot read the layout, the reason from
+    `tokens_m_reason`); `warpgroup=True` the heads-as-M kernel on warpgroup MMAs (mla_decode_wg.cu; None where it
+    cannot, the reason from `warpgroup_reason`); `seesaw=True` the heads-as-M kernel with its warpgroups out of phase
+    (mla_decode_seesaw.cu, BF16). Default: 8 warps and 32-token tiles at 16 rows; beyond 16 rows 16 warps and 64-token
+    tiles where they fit (one build per 64 tokens for twice the rows; INT4/INT4 at 128 heads, 32 x 8192: 443 against
+    604 us on the H200,
     lab/results/kernels/decode_cuda_tilings_128h_h200.json).
     """
     warpgroup = warpgroup or seesaw  # (it takes the heads-as-M launch shape)
