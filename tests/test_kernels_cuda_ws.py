@@ -156,24 +156,3 @@ def test_s8_scores_plan_and_config(monkeypatch):
                                  specialized=cfg.specialized, s8_scores=cfg.s8_scores, ctas_per_sm=cfg.ctas_per_sm)
     assert cfg.s8_scores and cfg.describe().startswith("cuda/tm/wsq ") and again == p
 
-
-@pytest.mark.skipif(build.nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("setting", ["auto", "fp32"])
-def test_tokens_m_staged_epilogue_builds_for_sm90(setting, tmp_path, monkeypatch):
-    """The tokens-as-M kernel's epilogue staged in shared memory (TM_EPI_SMEM=1, not the default) compiles for sm_90a
-    for INT4/INT4 (warps apart and 4 warps), INT2/INT4 and FP8, with 16-bit and fp32 partials, with no stack spills and
-    no warning of its own; its fp32 rows fit below the cross-warp reductions (the kernel's static_assert)."""
-    import subprocess
-
-    monkeypatch.setenv("QUANTMLA_PARTIALS", setting)
-    for fmt, kw in (("int4/int4", {}), ("int4/int4", {"specialized": False}), ("int2/int4", {}), ("fp8", {})):
-        _, p = plan(fmt, **kw)
-        mac = tuple(sorted({**dict(p.macros), "TM_EPI_SMEM": 1}.items()))
-        cmd = [build.nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-               *[f"-D{k}={v}" for k, v in mac], "-o", str(tmp_path / "tm.cubin"), str(build.source_of(mac))]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr[-2000:]
-        own = [line for line in r.stderr.splitlines() if "mla_decode_tm.cu" in line and "warning" in line.lower()]
-        assert not own, own
-

@@ -30,10 +30,6 @@
 #                 128 heads, BF16 and INT4/INT4, with fp32 partials (QUANTMLA_PARTIALS=fp32; the files of 6f4d717 and
 #                 before name them auto) and with 16-bit ones (bf16), a process each; its outputs against the default's
 #                                              -> kernels/decode_staged_epilogue_128h_{fp32,bf16}_h200.json
-# tm-staged-epilogue the tokens-as-M kernel (16 heads) with its epilogue staged in shared memory and stored in whole
-#                 16-byte pieces (TM_EPI_SMEM=1) beside the default, INT4/INT4, INT2/INT4 and FP8 at the shapes,
-#                 its outputs against the default's; then the tokens-as-M GPU tests with it as the source's default
-#                 -> kernels/decode_tokens_m_staged_epilogue_h200.json, kernels/tokens_m_staged_epilogue_gpu_tests_h200.log
 # mma-rate        the tensor pipe's rate at 4 to 16 warps per SM: mma.sync m16n8k16 and m16n8k32 (e4m3, s8) against
 #                 wgmma m64n16k16 and m64n32k16 (fp16), m64n32k32 (e4m3, s8) and m64n16k32 (e4m3)
 # e4m3-scores     a 16-token tile's scores from the packed codes as e4m3 A operands and the query in 1 to 3 e4m3
@@ -146,20 +142,6 @@ staged-epilogue() {
       --formats bf16,int4/int4 --shapes 1x32768,32x8192,64x4096 --tilings "" --warpgroup --variants EPI_SMEM=0 \
       --out "$OUT/kernels/decode_staged_epilogue_128h_${p}_h200.json" 2>&1 | grep -v -i warn | grep "warpgroup" | tail -24
   done
-}
-
-tm-staged-epilogue() {
-  local log="$OUT/kernels/tokens_m_staged_epilogue_gpu_tests_h200.log" xdist=""
-  timeout 240 python3 -m quantmla_lab.bench.kernels.decode_cuda_variants --formats int4/int4,int2/int4,fp8 --heads 16 \
-    --shapes ${TM_EPI_SHAPES:-1x131072,8x16384,32x16384,64x4096,128x2048} --tilings "" --tokens-m --variants TM_EPI_SMEM=1 \
-    --out "$OUT/kernels/decode_tokens_m_staged_epilogue_h200.json" 2>&1 | grep -v -i warn | grep "EPI\|tokens_m_decode"
-  python3 -c "import xdist" 2>/dev/null && xdist="-n ${TEST_WORKERS:-8}"
-  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$log"
-  sed -i 's/^#define TM_EPI_SMEM 0 /#define TM_EPI_SMEM 1 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
-  grep -n "^#define TM_EPI_SMEM" src/quantmla/kernels/cuda/mla_decode_tm.cu >> "$log"
-  timeout 200 python3 -m pytest tests/test_kernels_gpu.py -q -rfs -p no:cacheprovider $xdist \
-    -k "tokens_m or full_shape or many_splits" 2>&1 | grep -v -i warn | tail -6 | tee -a "$log"
-  sed -i 's/^#define TM_EPI_SMEM 1 /#define TM_EPI_SMEM 0 /' src/quantmla/kernels/cuda/mla_decode_tm.cu
 }
 
 e4m3-scores() {

@@ -156,9 +156,6 @@ constexpr int TILE_BYTES = BN * (FB_CC + FB_RC + FB_CM) + RM_BYTES;
 constexpr int RAW_BYTES = align16(RAW_RM + RM_BYTES);
 // WHOLE_PAGE (default 1): where a tile is a whole page whose sections lie where the stage's do (pages of BN tokens),
 // a stage is one bulk copy of the page's first PAGE_COPY bytes; 0, or any other page: four copies, one a section
-#ifndef TM_EPI_SMEM
-#define TM_EPI_SMEM 0  // 1: the epilogue stages the CTA's rows in shared memory and stores whole 16-byte pieces
-#endif
 #ifndef WHOLE_PAGE
 #define WHOLE_PAGE 1
 #endif
@@ -180,26 +177,6 @@ constexpr int SM_A = SM_X + (KS == 2 ? NWR * 32 * TPW * 16 : 0);
 constexpr int SM_BAR = SM_A + (WS ? NPBUF * (BM + 4) * 4 : 0);  // an mbarrier per stage
 constexpr int SMEM_BYTES = SM_BAR + 8 * STAGES;
 static_assert(SMEM_BYTES == SMEM_EXPECTED, "the host's shared-memory size agrees with this map");
-constexpr int EPI_PITCH = D_C + 4;  // TM_EPI_SMEM: fp32 a staged row, rows 16-byte aligned (over the query, P and stages)
-static_assert(!TM_EPI_SMEM || SM_RED >= BM * EPI_PITCH * 4, "the staged rows fit below the cross-warp reductions");
-
-// TM_EPI_SMEM: `nrows` staged fp32 rows (EPI_PITCH apart) times `scale` to dst (nrows x D_C contiguous T), each thread
-// whole 16-byte pieces of a row
-template <typename T>
-__device__ __forceinline__ void store_staged_rows(const float* st, int nrows, T* dst, float scale, int tid) {
-  constexpr int V = 16 / (int)sizeof(T), PIECES = D_C / V;
-  for (int i = tid; i < nrows * PIECES; i += NT) {
-    const int r = i / PIECES, c = (i % PIECES) * V;
-    alignas(16) T v[V];
-#pragma unroll
-    for (int k = 0; k < V; k += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(st + r * EPI_PITCH + c + k);
-      put2(v + k, f.x * scale, f.y * scale);
-      put2(v + k + 2, f.z * scale, f.w * scale);
-    }
-    *reinterpret_cast<uint4*>(dst + (int64_t)r * D_C + c) = *reinterpret_cast<const uint4*>(v);
-  }
-}
 
 #include "query_pieces.cuh"
 #include "query_s8.cuh"
@@ -539,9 +516,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
     const int nb = ri >> 1, e = ri & 1, row = 8 * nb + 2 * t + e, r = row0 + row;
     if (r >= R || (WS && scoring)) continue;
     const float inv = lsum[ri] > 0.0f ? 1.0f / lsum[ri] : 0.0f;
-#if !TM_EPI_SMEM
     const int64_t orow = nsplit == 1 ? (int64_t)b * R + r : (int64_t)u * R + r;
-#endif
 #pragma unroll
     for (int mb = 0; mb < OMB; ++mb) {
       const int p = mb / (BT / 2), z = mb % (BT / 2);
@@ -551,23 +526,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS) mla_decode(MLA_DECODE
       const float zs = zsum(grp, row);
       const float o0 = (oacc[mb][nb][e] * f + zs) * inv;
       const float o1 = (oacc[mb][nb][e + 2] * f + zs) * inv;
-#if TM_EPI_SMEM
-      put2(reinterpret_cast<float*>(smem) + row * EPI_PITCH + c, o0, o1);
-#else
       if (nsplit != 1) store_pair<1>(part_out + orow * D_C + c, o0 * PART_SCALE, o1 * PART_SCALE);
       else store_pair<1>(reinterpret_cast<OutT*>(out) + orow * D_C + c, o0, o1);
-#endif
     }
   }
-#if TM_EPI_SMEM
-  __syncthreads();  // the rows are staged: every thread stores whole 16-byte pieces of them
-  {
-    const int nrows = min(BM, R - row0);
-    const float* st = reinterpret_cast<const float*>(smem);
-    if (nsplit != 1) store_staged_rows(st, nrows, part_out + ((int64_t)u * R + row0) * D_C, PART_SCALE, tid);
-    else store_staged_rows(st, nrows, reinterpret_cast<OutT*>(out) + ((int64_t)b * R + row0) * D_C, 1.0f, tid);
-  }
-#endif
   if constexpr (TIMELINE) {
     __syncthreads();  // every warp's epilogue done (with WS the output warps store after the scores' warps finish)
     mark(tl, NMARK - 1);
