@@ -468,25 +468,34 @@ def test_bench_candidates_start_from_the_triton_default_that_reads_the_layout(na
     assert cfg.kernel == "generic" and cands[0] == cfg and len(cands) == len(set(cands))
 
 
-def test_bench_candidates_time_rope_pages_on_both_cuda_kernels(monkeypatch):
-    """A RoPE path per page decodes on the built tile by default (cuda.tokens_m_by_default, warpgroup_by_default), so
-    the bench's sweep times the tokens-as-M kernel (16 rows) or the heads-as-M kernel (128) beside it; a per-token
-    format's first candidate is already the tokens-as-M kernel."""
+@pytest.mark.parametrize("on", [True, False])
+def test_bench_candidates_time_rope_pages_on_both_cuda_kernels(on, monkeypatch):
+    """A RoPE path per page decodes by default on the tokens-as-M kernel (16 rows) or the heads-as-M kernel (128),
+    as a per-token format does, so the bench's first candidate is that kernel; with the switches off
+    (cuda.tokens_m_by_default, warpgroup_by_default) the default is the built tile, and the sweep times those kernels
+    beside it."""
     from unittest import mock
 
     from quantmla.kernels import cuda
-    from quantmla.kernels.cuda import build
+    from quantmla.kernels.cuda import build, tokens_m, warpgroup
     from quantmla_lab.bench.kernels import decode_speed as bench
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(bench, "DEV", "cuda")
+    monkeypatch.setattr(tokens_m, "TM_ROPE_PAGE_DEFAULT", on)
+    monkeypatch.setattr(warpgroup, "WG_ROPE_PAGE_DEFAULT", on)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch.object(build, "nvcc", return_value="/usr/bin/nvcc"), mock.patch.object(cuda, "prepare"):
         pages, per_token = bench.candidates("int4/int4-page16", 16), bench.candidates("int4/int4", 16)
         pages128 = bench.candidates("int4/int4-page16", 128)
-    assert pages[0].kernel == "cuda" and not pages[0].tokens_m and pages[1].kernel == "cuda" and pages[1].tokens_m
-    assert pages[2].kernel != "cuda"  # (no heads-as-M plan at 16 rows)
-    assert not pages128[0].warpgroup and pages128[1].kernel == "cuda" and pages128[1].warpgroup
+    if on:
+        assert pages[0].kernel == "cuda" and pages[0].tokens_m and all(c.kernel != "cuda" for c in pages[1:])
+        assert pages128[0].kernel == "cuda" and pages128[0].warpgroup
+        assert all(not (c.kernel == "cuda" and c.warpgroup) for c in pages128[1:])
+    else:
+        assert pages[0].kernel == "cuda" and not pages[0].tokens_m and pages[1].kernel == "cuda" and pages[1].tokens_m
+        assert pages[2].kernel != "cuda"  # (no heads-as-M plan at 16 rows)
+        assert not pages128[0].warpgroup and pages128[1].kernel == "cuda" and pages128[1].warpgroup
     assert per_token[0].tokens_m and all(c.kernel != "cuda" for c in per_token[1:])
 
 
