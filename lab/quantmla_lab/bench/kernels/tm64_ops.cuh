@@ -102,6 +102,18 @@ constexpr int RAW_CC = 0, RAW_RC = 64 * FB_CC, RAW_CM = RAW_RC + 64 * FB_RC, RAW
 constexpr int RAW_BYTES = RAW_RM + 64 * FB_RM;  // 19712
 constexpr int CHUNK = 8192;                     // an operand chunk: 64 rows x 128 bytes in the 128-byte swizzle
 
+// the descriptor of the scores' k-step k (0-35) in the query block dq (nine K-major chunks of 4 k-steps)
+__device__ __forceinline__ uint64_t query_kstep(uint64_t dq, int k) { return dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4); }
+
+// the output's A words of k-step kk: the 4 code bytes at col of tokens r0 = 16kk + 2t, r0 + 8, r0 + 1, r0 + 9 (x .. w)
+__device__ __forceinline__ uint4 code_words(const uint8_t* st, int kk, int col, int t) {
+  const int r0 = 16 * kk + 2 * t;
+  return make_uint4(*reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col),
+                    *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col),
+                    *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col),
+                    *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col));
+}
+
 // the scores Sᵀ[64 tokens, 64 rows] of the tile in raw stage st into sc (overwritten), all products done on return:
 // 36 products whose A operands are the dequantized codes of the thread's tokens r_lo and r_lo + 8 (a warp's 16 rows;
 // its t picks 16 bytes of each 64-byte block and 8 RoPE bytes), B the query block (dq: nine K-major chunks in
@@ -117,7 +129,6 @@ __device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, u
                                 : *reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8 * h) * FB_RM);
       s2[h][G] = __byte_perm(sz, sz, 0x1010), z2[h][G] = __byte_perm(sz, sz, 0x3232);
     }
-  auto kstep = [&](int k) { return dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4); };
 #pragma unroll
   for (int m = 0; m < 4; ++m) {  // content: 16-byte load m of each token, 4 words, 2 planes a word
     const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
@@ -140,7 +151,7 @@ __device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, u
       for (int s = s0; s < s0 + WORDS; ++s)
 #pragma unroll
         for (int p = 0; p < 2; ++p)
-          if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[s - s0][p], kstep((m * 4 + s) * 2 + p), m > 0 || s > 0 || p > 0);
+          if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[s - s0][p], query_kstep(dq, (m * 4 + s) * 2 + p), m > 0 || s > 0 || p > 0);
       wgmma_commit();
       wgmma_wait<IN_FLIGHT>();  // the groups before: done, their operand registers free
     }
@@ -159,7 +170,7 @@ __device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, u
     wgmma_fence();
 #pragma unroll
     for (int p = 0; p < 2; ++p)
-      if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], kstep(32 + 2 * s + p), 1);
+      if constexpr (!SKIP_QK) wgmma_m64n64_ra<0>(sc, a[p], query_kstep(dq, 32 + 2 * s + p), 1);
     wgmma_commit();
     wgmma_wait<IN_FLIGHT>();
   }
@@ -194,10 +205,7 @@ __device__ __forceinline__ void write_p(const float (&sc)[32], const float (&ref
 __device__ __forceinline__ void output_dqa_kstep(float (&acc)[4][32], const uint8_t* st, uint64_t dp, int kk, int col,
                                                  int o, int t) {
   const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
-  const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
-  const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
-  const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
-  const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
+  const uint4 w4 = code_words(st, kk, col, t);
   uint32_t sp[2][2], zp[2][2];  // group o + 2p's (scale, zero) pairs of tokens (r0, r0 + 8) [0], (r0 + 1, r0 + 9) [1]
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
@@ -211,7 +219,7 @@ __device__ __forceinline__ void output_dqa_kstep(float (&acc)[4][32], const uint
 #pragma unroll
   for (int z = 0; z < 2; ++z) {
     const uint32_t sel = z ? 0x7632u : 0x5410u;
-    const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
+    const uint32_t zab = __byte_perm(w4.x, w4.y, sel), zcd = __byte_perm(w4.z, w4.w, sel);
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       a[2 * p + z][0] = deq_pair(zab, p, sp[p][0], zp[p][0]), a[2 * p + z][1] = deq_pair(zab >> 8, p, sp[p][0], zp[p][0]);

@@ -34,7 +34,8 @@ typedef __half2 T2;
 #include "ptx.cuh"
 #include "code_planes.cuh"
 #include "wgmma.cuh"
-#include "tm64_ops.cuh"  // wgmma_m64n64_ra, deq_pair, h2f, f2h, over_tokens
+#include "tm64_ops.cuh"     // wgmma_m64n64_ra, the page sections, the DQA operands, over_tokens
+#include "tm64_planes.cuh"  // the codes masked in place (DQA=0)
 
 #ifndef ITERS
 #define ITERS 1024
@@ -136,11 +137,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
     set_max_regs<REGS_S, (REGS_S > REGS_BASE)>();
     const uint64_t dq = sw128_desc(smem + SM_Q, 16, 1024), dqs = sw128_desc(smem + SM_QS, 16, 1024);
     const int r_lo = 16 * w + g;  // the thread's tokens: r_lo and r_lo + 8
-    [[maybe_unused]] auto rope_words = [&](const uint8_t* st, uint32_t (&xl)[2], uint32_t (&xh)[2]) {  // 8 RoPE bytes a token (masked)
-      const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-      const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-      xl[0] = vl.x, xl[1] = vl.y, xh[0] = vh.x, xh[1] = vh.y;
-    };
     float ref[16], zl[32], lsum[16];  // the reference maxima of its 16 rows; Σ P·zero (rows 0-3) and Σ P (row 4)
 #pragma unroll
     for (int i = 0; i < 16; ++i) ref[i] = EXACT ? -INFINITY : 0.0f, lsum[i] = 0.0f;
@@ -152,125 +148,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       const int buf = it % NPBUF;
       const uint8_t* st = smem + SM_RAW + (it % STAGES) * RAW_BYTES;
       if (!SKIP_COPY || it < STAGES) mbar_wait(sBar + it % STAGES, (it / STAGES) & 1);
-#if DQA
-      // ---- DQA: every k-step's A operand the dequantized values; all 36 products on sc ----
+      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;  // token r_lo's content metadata (r_lo + 8: 8 rows on)
       float sc[32];
-      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
-      scores_dqa<SG, SW>(sc, st, dq, r_lo, t);
-      if constexpr (CHECK) {
+      if constexpr (DQA) {  // every k-step's A operand the dequantized values; all 36 products on sc
+        scores_dqa<SG, SW>(sc, st, dq, r_lo, t);
+        if constexpr (CHECK) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) out[((size_t)blockIdx.x * NT + tid) * 128 + i] = sc[i];
-      }
-#else
-      float sc[32], acc[ONE_ACC ? 1 : 2][32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
-      const uint8_t* ml = st + RAW_CM + r_lo * FB_CM;
-      // ---- content: two 64-byte blocks a group pair (group q in plane 0, q + 2 in plane 1); with ONE_ACC a plane at a
-      // time on one set of accumulators (the words read twice), else both planes at once on two ----
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-#pragma unroll
-        for (int pp = 0; pp < (ONE_ACC ? 2 : 1); ++pp) {
-#pragma unroll
-          for (int m = 2 * q; m < 2 * q + 2; ++m) {
-            const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-            const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-            const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-            for (int s0 = 0; s0 < 4; s0 += SG) {  // SG words of each token: their A operands, then their products
-              uint32_t a[SG][2][4];
-#pragma unroll
-              for (int s = s0; s < s0 + SG; ++s)
-#pragma unroll
-                for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
-                  const int pl = ONE_ACC ? pp : p;
-                  a[s - s0][p][0] = plane<4>(xl[s], pl), a[s - s0][p][1] = plane<4>(xh[s], pl);
-                  a[s - s0][p][2] = plane<4>(xl[s] >> 8, pl), a[s - s0][p][3] = plane<4>(xh[s] >> 8, pl);
-                }
-              wgmma_fence();  // the operand registers just written, visible to the products
-#pragma unroll
-              for (int s = s0; s < s0 + SG; ++s)
-#pragma unroll
-                for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
-                  const int k = (m * 4 + s) * 2 + (ONE_ACC ? pp : p);  // k-step of the query block: chunk k / 4
-                  if constexpr (!SKIP_QK)
-                    wgmma_m64n64_ra<0>(acc[p], a[s - s0][p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4),
-                                       m > 2 * q || s > 0);
-                }
-              wgmma_commit();
-              wgmma_wait<1>();  // the group before's products are done: their operand registers are free
-            }
-          }
-          wgmma_wait<0>();
-          fence_regs(acc[0]);
-          if constexpr (!ONE_ACC) fence_regs(acc[1]);
-#pragma unroll
-          for (int p = 0; p < (ONE_ACC ? 1 : 2); ++p) {
-            const int pl = ONE_ACC ? pp : p;
-            const float s_lo = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * (q + 2 * pl))).x * (float)(1 << (24 - 4 * pl));
-            const float s_hi = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * (q + 2 * pl))).x *
-                               (float)(1 << (24 - 4 * pl));
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              sc[4 * j] = fmaf(acc[p][4 * j], s_lo, sc[4 * j]);
-              sc[4 * j + 1] = fmaf(acc[p][4 * j + 1], s_lo, sc[4 * j + 1]);
-              sc[4 * j + 2] = fmaf(acc[p][4 * j + 2], s_hi, sc[4 * j + 2]);
-              sc[4 * j + 3] = fmaf(acc[p][4 * j + 3], s_hi, sc[4 * j + 3]);
-            }
-          }
+          for (int i = 0; i < 32; ++i) out[((size_t)blockIdx.x * NT + tid) * 128 + i] = sc[i];
         }
+      } else {  // the codes masked in place: each group's products apart until its scale folds in; the zero points
+        scores_planes<SG, ONE_ACC>(sc, st, dq, dqs, r_lo, t);
       }
-      // ---- RoPE: 4 k-steps (32 bytes a token), one group ----
-      {
-        uint32_t xl[2], xh[2];
-        rope_words(st, xl, xh);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          uint32_t a[2][4];
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {  // with ONE_ACC plane 1 shifted to plane 0's weight: one group, one sum
-            const uint32_t l = ONE_ACC ? xl[s] >> (4 * p) : xl[s], h = ONE_ACC ? xh[s] >> (4 * p) : xh[s];
-            const int pl = ONE_ACC ? 0 : p;
-            a[p][0] = plane<4>(l, pl), a[p][1] = plane<4>(h, pl);
-            a[p][2] = plane<4>(l >> 8, pl), a[p][3] = plane<4>(h >> 8, pl);
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            const int k = 32 + 2 * s + p;
-            if constexpr (!SKIP_QK)
-              wgmma_m64n64_ra<0>(acc[ONE_ACC ? 0 : p], a[p], dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4),
-                                 s > 0 || (ONE_ACC && p > 0));
-          }
-          wgmma_commit();
-          wgmma_wait<1>();
-        }
-        wgmma_wait<0>();
-        fence_regs(acc[0]);
-        if constexpr (!ONE_ACC) fence_regs(acc[1]);
-        const float r_lo_s = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + r_lo * FB_RM)).x;
-        const float r_hi_s = h2f(*reinterpret_cast<const uint32_t*>(st + RAW_RM + (r_lo + 8) * FB_RM)).x;
-#pragma unroll
-        for (int e = 0; e < 32; ++e)
-          sc[e] = fmaf(acc[0][e] * 16777216.0f + (ONE_ACC ? 0.0f : acc[ONE_ACC ? 0 : 1][e] * 1048576.0f),
-                       (e & 2) ? r_hi_s : r_lo_s, sc[e]);
-      }
-      // ---- the zero points: A a token's 5 zeros (hi and lo terms of the sums: k 2z, 2z + 1), B the group sums ----
-      {
-        auto zeros = [&](int row) {  // fp16 pairs (zero of group 2z', same) for k 2t, 2t + 1 and 2t + 8, 2t + 9
-          const uint8_t* m = st + RAW_CM + row * FB_CM;
-          const uint32_t z0 = *reinterpret_cast<const uint32_t*>(m + 4 * (t & 3)) >> 16;
-          return z0 | (z0 << 16);
-        };
-        const uint32_t a[4] = {zeros(r_lo), zeros(r_lo + 8), t == 0 ? zeros(r_lo) : 0u, t == 0 ? zeros(r_lo + 8) : 0u};
-        wgmma_fence();
-        wgmma_m64n64_ra<0>(sc, a, dqs, 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(sc);
-      }
-#endif
       // ---- the vote: does any row's reference move (by more than 2^8)? ----
       bool up = false;
 #pragma unroll
@@ -307,54 +195,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
                  RAW_BYTES, sBar + s);
       }
       uint8_t* pb = smem + SM_P + buf * PCH * CHUNK;
-      float cs[2][4];  // the content scales of the two tokens
-#pragma unroll
-      for (int G = 0; G < 4; ++G) {
-        cs[0][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 4 * G)).x;
-        cs[1][G] = h2f(*reinterpret_cast<const uint32_t*>(ml + 8 * FB_CM + 4 * G)).x;
-      }
       if constexpr (DQA) {  // P (16-bit) into the buffer's one chunk; each row's Σ P kept by its threads
         write_p<P_NATURAL>(sc, ref, lsum, pb, w, g, t);
       } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(sc[4 * j] - ref[2 * j]), p1 = fast_exp2(sc[4 * j + 1] - ref[2 * j + 1]);
-          const float p2 = fast_exp2(sc[4 * j + 2] - ref[2 * j]), p3 = fast_exp2(sc[4 * j + 3] - ref[2 * j + 1]);
-          const int o_lo = swz(r_lo, j) + 4 * t, o_hi = swz(r_lo + 8, j) + 4 * t;
-#pragma unroll
-          for (int G = 0; G < 4; ++G) {
-            *reinterpret_cast<uint32_t*>(pb + G * CHUNK + o_lo) = f2h(p0 * cs[0][G], p1 * cs[0][G]);
-            *reinterpret_cast<uint32_t*>(pb + G * CHUNK + o_hi) = f2h(p2 * cs[1][G], p3 * cs[1][G]);
-          }
-          *reinterpret_cast<uint32_t*>(pb + 4 * CHUNK + o_lo) = f2h(p0, p1);
-          *reinterpret_cast<uint32_t*>(pb + 4 * CHUNK + o_hi) = f2h(p2, p3);
-        }
+        write_p_scaled(sc, ref, ml, pb, r_lo, t);
       }
       fence_proxy_async();  // P, visible to the products
       bar_sync(BAR_VOTE, 128);
       // ---- Σ P·zero of each group (rows 0-3) and Σ P (row 4) over the tile's tokens: A the zeros, B = P ----
-      if constexpr (ZL && !DQA) {
-        const uint64_t dp = sw128_desc(pb + 4 * CHUNK, CHUNK, 1024);
-        uint32_t a[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
-          if (w == 0 && g < 5) {  // row g: group g's zeros (g < 4) or ones, of tokens 16kk + 2t (+ 1, + 8, + 9)
-            const uint8_t* m = st + RAW_CM + (16 * kk + 2 * t) * FB_CM + 4 * (g & 3) + 2;
-            const uint32_t z0 = *reinterpret_cast<const uint16_t*>(m), z1 = *reinterpret_cast<const uint16_t*>(m + FB_CM);
-            const uint32_t z8 = *reinterpret_cast<const uint16_t*>(m + 8 * FB_CM), z9 = *reinterpret_cast<const uint16_t*>(m + 9 * FB_CM);
-            a[kk][0] = g < 4 ? z0 | (z1 << 16) : 0x3C003C00u;
-            a[kk][2] = g < 4 ? z8 | (z9 << 16) : 0x3C003C00u;
-          }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_m64n64_ra<1>(zl, a[kk], dp + ((kk * 16 * 128) >> 4), 1);
-          wgmma_commit();
-          wgmma_wait<1>();
-        }
-      }
+      if constexpr (ZL && !DQA) zero_sums(zl, st, pb, w, g, t);  // Σ P·zero, Σ P over the tile's tokens
       bar_arrive(BAR_FULL + buf, NT);
       if constexpr (ZL && !DQA) {
         wgmma_wait<0>();
@@ -405,28 +254,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) tokens_m_64(const uint8_t* _
       for (int kk = 0; kk < 4; ++kk) {
         if constexpr (DQA) {
           output_dqa_kstep(acc, st, d0, kk, col, o, t);
-        } else {  // the codes masked in place: m-block 2p + z, byte pair z (channel rows g, g + 8), plane p
-          const int r0 = 16 * kk + 2 * t;  // tokens r0, r0 + 8, r0 + 1, r0 + 9
-          const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + r0 * FB_CC + col);
-          const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (r0 + 8) * FB_CC + col);
-          const uint32_t wc = *reinterpret_cast<const uint32_t*>(st + (r0 + 1) * FB_CC + col);
-          const uint32_t wd = *reinterpret_cast<const uint32_t*>(st + (r0 + 9) * FB_CC + col);
-          uint32_t a[4][4];
-#pragma unroll
-          for (int z = 0; z < 2; ++z) {
-            const uint32_t sel = z ? 0x7632u : 0x5410u;
-            const uint32_t zab = __byte_perm(wa, wb, sel), zcd = __byte_perm(wc, wd, sel);
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              a[2 * p + z][0] = plane<4>(zab, p), a[2 * p + z][1] = plane<4>(zab >> 8, p);
-              a[2 * p + z][2] = plane<4>(zcd, p), a[2 * p + z][3] = plane<4>(zcd >> 8, p);
-            }
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int mb = 0; mb < 4; ++mb)
-            if constexpr (!SKIP_PV) wgmma_m64n64_ra<1>(acc[mb], a[mb], (mb >= 2 ? d1 : d0) + ((kk * 16 * 128) >> 4), 1);
-          wgmma_commit();
+        } else {
+          output_planes_kstep(acc, st, d0, d1, kk, col, t);
         }
         wgmma_wait<OUT_WAIT>();  // the k-steps before are done: their operand registers are free
       }
