@@ -58,3 +58,17 @@ def test_an_h200_run_keeps_its_names(tmp_path):
 def test_without_nvidia_smi_nothing_is_renamed_and_it_says_so(tmp_path):
     files, log = _run(tmp_path, None)
     assert "kernels/append_h200_h200.json" in files and "names no GPU" in log
+
+
+def test_start_run_refuses_a_run_without_its_commit_and_sets_out(tmp_path):
+    """start_run stops the script (exit 2, naming the fix) where QUANTMLA_COMMIT is unset, before any step; with it,
+    OUT defaults to /tmp/out and NAME_SINCE names a file that exists."""
+    env = {k: v for k, v in os.environ.items() if k not in ("QUANTMLA_COMMIT", "OUT")}
+    body = f"source {SCRIPT}; start_run; echo after-start"
+    r = subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "after-start" not in r.stdout
+    assert "QUANTMLA_COMMIT=$(git rev-parse --short HEAD)" in r.stderr
+    body = f"source {SCRIPT}; start_run; echo \"$OUT\"; test -f \"$NAME_SINCE\" && echo since-ok"
+    r = subprocess.run(["bash", "-c", body], env=dict(env, QUANTMLA_COMMIT="abc1234"), capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.split() == ["/tmp/out", "since-ok"]

@@ -54,16 +54,9 @@
 # On a GPU other than an H200 the files a run writes are renamed when it exits (a step's failure or timeout too) to
 # that GPU's tag, h100 for h200 (lab/scripts/device_names.sh); the commands recorded inside them keep the h200 paths.
 set -uo pipefail
-# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
-# git history, whose HEAD would be recorded instead).
-if [ -z "${QUANTMLA_COMMIT:-}" ]; then
-  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
-  exit 2
-fi
-OUT=${OUT:-/tmp/out}
 # shellcheck source=lab/scripts/device_names.sh
 source "$(dirname "$0")/device_names.sh"
-NAME_SINCE=$(mktemp)
+start_run
 trap name_by_device EXIT
 mkdir -p "$OUT/calibration_scaling" "$OUT/accuracy"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab PYTHONUNBUFFERED=1

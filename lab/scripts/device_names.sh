@@ -3,6 +3,18 @@
 # file $NAME_SINCE) to the GPU it ran on (`_h100` on an H100), never over an existing file, so that no file names
 # another device than the one that measured it. The scripts run it on exit (`trap`), a killed step included.
 
+# Every result records the commit of its code: start_run checks that the local one is passed (the device's copy of
+# the tree may carry an older git history, whose HEAD would be recorded instead), sets OUT (default /tmp/out) and
+# marks the run's start for name_by_device (NAME_SINCE).
+start_run() {
+  if [ -z "${QUANTMLA_COMMIT:-}" ]; then
+    echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
+    exit 2
+  fi
+  OUT=${OUT:-/tmp/out}
+  NAME_SINCE=$(mktemp)
+}
+
 # h100, h200, a100, l40s, ... from nvidia-smi's name of GPU 0; empty where nvidia-smi gives none
 device_tag() {
   local name w

@@ -2,16 +2,9 @@
 # kernel_designs_on_h200.sh): checks QUANTMLA_COMMIT, sets OUT (default /tmp/out) and the environment, takes the
 # arguments as STEPS (those after `--` as EXTRA), and renames the files a run writes to the GPU that ran it when the
 # script exits (device_names.sh); `run_steps` then runs each step, in order.
-# Every result records the commit of its code: pass the local one (the device's copy of the tree may carry an older
-# git history, whose HEAD would be recorded instead).
-if [ -z "${QUANTMLA_COMMIT:-}" ]; then
-  echo "set QUANTMLA_COMMIT to the commit of the tree you send: QUANTMLA_COMMIT=\$(git rev-parse --short HEAD), run locally" >&2
-  exit 2
-fi
-OUT=${OUT:-/tmp/out}
 # shellcheck source=lab/scripts/device_names.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_names.sh"
-NAME_SINCE=$(mktemp)
+start_run
 trap name_by_device EXIT
 mkdir -p "$OUT/kernels" "$OUT/decode_schedule"
 export TRITON_INTERPRET=0 PYTHONPATH=src:lab:tests PYTHONUNBUFFERED=1
