@@ -34,14 +34,20 @@ def rms_normed(x, w, N, eps, BF16: tl.constexpr, OUT: tl.constexpr):
     return _round(w * h, BF16, OUT)
 
 
-@triton.jit(do_not_specialize=["stride_x", "stride_y"])
-def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+@triton.jit
+def rms_norm_row(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Row ``program_id(0)`` of X [rows, N] (row stride stride_x) normed by W [N] into Y (row stride stride_y)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, rms_normed(x, w, N, eps, BF16, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_y"])
+def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    rms_norm_row(X, W, Y, stride_x, stride_y, N, eps, BLOCK, BF16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from quantmla.kernels.norm import rms_normed
+from quantmla.kernels.norm import rms_norm_row
 from quantmla_lab.bench.common import parse_fresh, record, save
 from quantmla_lab.bench.serving.skinny_gemm import gdc_launch_dependents, gdc_wait, skinny_linear
 
@@ -46,12 +46,7 @@ def _norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, BF16:
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, rms_normed(x, w, N, eps, BF16, Y.dtype.element_ty), mask=mask)
+    rms_norm_row(X, W, Y, stride_x, stride_y, N, eps, BLOCK, BF16)
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
