@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "6"
+GENERATOR_VERSION = "7"
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def kernel_source(layout: PageLayout, unpack: str = "asm", orient: str = "heads"
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _bf16_rne, _partial
+from quantmla.kernels.decode import _bf16_rne, _partial, work_unit
 
 
 @triton.jit
@@ -329,11 +329,7 @@ def mla_decode_fused(
 ):
     hb = tl.program_id(0)
     u = tl.program_id(1)
-    b = tl.load(UNITS + u * 4)
-    start = tl.load(UNITS + u * 4 + 1)
-    end = tl.load(UNITS + u * 4 + 2)
-    nsplit = tl.load(UNITS + u * 4 + 3)
-    L = tl.load(SEQLENS + b)
+    b, start, end, nsplit, L = work_unit(UNITS, SEQLENS, u)
     rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < R
     limit = L - CAUSAL * (SQ - 1 - rows // H)

@@ -184,6 +184,17 @@ def _path_tile(
     return out
 
 
+@triton.jit
+def work_unit(UNITS, SEQLENS, u):
+    """Work unit u of a schedule (``schedule.py``'s int32 [U, 4] rows: sequence, token start, token end, splits of
+    that sequence) and its sequence's length: (b, start, end, nsplit, L)."""
+    b = tl.load(UNITS + u * 4)
+    start = tl.load(UNITS + u * 4 + 1)
+    end = tl.load(UNITS + u * 4 + 2)
+    nsplit = tl.load(UNITS + u * 4 + 3)
+    return b, start, end, nsplit, tl.load(SEQLENS + b)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])
 def _mla_decode_kernel(
     QC, QR, P8, PC16, PR16, BT, SEQLENS, UNITS, OUT, LSE, PO, PLSE,
@@ -197,11 +208,7 @@ def _mla_decode_kernel(
 ):
     hb = tl.program_id(0)
     u = tl.program_id(1)
-    b = tl.load(UNITS + u * 4)
-    start = tl.load(UNITS + u * 4 + 1)
-    end = tl.load(UNITS + u * 4 + 2)
-    nsplit = tl.load(UNITS + u * 4 + 3)
-    L = tl.load(SEQLENS + b)
+    b, start, end, nsplit, L = work_unit(UNITS, SEQLENS, u)
 
     rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < R
