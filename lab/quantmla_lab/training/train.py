@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -394,9 +392,3 @@ def train_model(family: str, work: str | Path, out_dir: str | Path, opts: TrainO
     }
     card = evaluate_and_card(out_dir, work, family, training, opts, n_params, n_nonemb)
     return card
-
-
-def set_seed_everywhere(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    os.environ.setdefault("PYTHONHASHSEED", str(seed))

@@ -88,7 +88,3 @@ def retrieval_lengths(root: str | Path | None = None, kind: str = "retrieval") -
         if n.isdigit():
             out.append(int(n))
     return sorted(out)
-
-
-def load_card(name: str = DEFAULT_MODEL) -> dict:
-    return json.loads((model_path(name) / "card.json").read_text())

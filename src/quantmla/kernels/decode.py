@@ -31,7 +31,6 @@ import triton.language as tl
 
 from quantmla.kernels.partials import PARTIAL_FP16_SHIFT
 
-LN2 = 0.6931471805599453
 PART_FP16_SCALE = tl.constexpr(2.0**-PARTIAL_FP16_SHIFT)
 PART_FP16_UNSCALE = tl.constexpr(2.0**PARTIAL_FP16_SHIFT)
 

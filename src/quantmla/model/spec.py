@@ -46,8 +46,6 @@ LATENT_CACHING = {
 # (sparse-attention indexers): the spec reads, but a latent cache cannot be attached.
 EXPANDED_CACHING = {"deepseek_v32", "axk2", "glm5_next", "glm_moe_dsa", "hy_v4"}
 
-ROPE_LAYOUTS = ("rotate_half", "interleaved", "none")
-
 
 class ExpandedCacheFamilyError(QuantMLAError):
     """The family has MLA weights but transformers caches expanded keys/values for it."""

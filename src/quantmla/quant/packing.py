@@ -14,10 +14,6 @@ import torch
 from quantmla.errors import UnsupportedFormatError
 
 
-def packed_width(dim: int, bits: int) -> int:
-    return dim * bits // 8
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes: uint8 [..., D] with values < 2**bits -> uint8 [..., D·bits/8]."""
     if codes.dtype != torch.uint8:
