@@ -33,7 +33,7 @@ from quantmla.cache.layout import PageLayout
 from quantmla.quant.format import PathFormat
 
 _MODULES: dict[str, object] = {}
-GENERATOR_VERSION = "7"
+GENERATOR_VERSION = "8"
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def kernel_source(layout: PageLayout, unpack: str = "asm", orient: str = "heads"
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _bf16_rne, _partial, work_unit
+from quantmla.kernels.decode import _bf16_rne, _partial, unit_rows, work_unit
 
 
 @triton.jit
@@ -330,10 +330,7 @@ def mla_decode_fused(
     hb = tl.program_id(0)
     u = tl.program_id(1)
     b, start, end, nsplit, L = work_unit(UNITS, SEQLENS, u)
-    rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < R
-    limit = L - CAUSAL * (SQ - 1 - rows // H)
-    qrow = b.to(tl.int64) * R + rows
+    rows, rmask, limit, qrow = unit_rows(hb, b, L, H, SQ, R, CAUSAL, BLOCK_M)
     prow = u.to(tl.int64) * R + rows
 {block(cp["pro"], "    ")}
 {block(rp["pro"], "    ")}

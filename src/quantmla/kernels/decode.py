@@ -194,6 +194,15 @@ def work_unit(UNITS, SEQLENS, u):
     return b, start, end, nsplit, tl.load(SEQLENS + b)
 
 
+@triton.jit
+def unit_rows(hb, b, L, H, SQ, R, CAUSAL, BLOCK_M: tl.constexpr):
+    """Row block hb of sequence b (length L; R = S_q·H rows, query i = row // H): (rows [BLOCK_M], rows < R, each
+    row's token limit, its row of the query and output). Query i sees tokens t < L − (S_q − 1 − i) (causal) or t < L."""
+    rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
+    limit = L - CAUSAL * (SQ - 1 - rows // H)
+    return rows, rows < R, limit, b.to(tl.int64) * R + rows
+
+
 @triton.jit(do_not_specialize=["stride_bt", "H", "SQ", "R", "CAUSAL"])
 def _mla_decode_kernel(
     QC, QR, P8, PC16, PR16, BT, SEQLENS, UNITS, OUT, LSE, PO, PLSE,
@@ -208,12 +217,7 @@ def _mla_decode_kernel(
     hb = tl.program_id(0)
     u = tl.program_id(1)
     b, start, end, nsplit, L = work_unit(UNITS, SEQLENS, u)
-
-    rows = hb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < R
-    # query i = r // H sees tokens t < L − (S_q − 1 − i) (causal) or t < L
-    limit = L - CAUSAL * (SQ - 1 - rows // H)
-    qrow = b.to(tl.int64) * R + rows
+    rows, rmask, limit, qrow = unit_rows(hb, b, L, H, SQ, R, CAUSAL, BLOCK_M)
     dc = tl.arange(0, D_C)
     dr = tl.arange(0, D_R)
     q_c = tl.load(QC + qrow[:, None] * D_C + dc[None, :], mask=rmask[:, None], other=0.0)
