@@ -5,7 +5,8 @@ compiler accepts them: a layout, reduction or dtype the interpreter takes can st
 Here each kernel the API launches by default is compiled ahead of time for ``GPUTarget("cuda", 90,
 32)`` (Triton's bundled ptxas; nothing is launched), with the argument types and constexprs the API
 passes: the fused decode kernels of the INT4/INT4, INT2/INT4 and BF16 formats at 16 and 128 heads,
-the dequantizing kernel of the FP8 format, the split combine, and the append and read kernels.
+the dequantizing kernel of the FP8 format, the split combine, the append and read kernels, and the
+greedy tokens'.
 Kernels defined under TRITON_INTERPRET=1 cannot be compiled, so the compiles run in one child
 process with TRITON_INTERPRET=0 (this file run as a script), and each test reads its case's result.
 """
@@ -154,6 +155,15 @@ def norm_rope_case(norm: bool) -> None:
                  dict(D=64, MODE=MODES.index("pairs"), TB=1, HB=32, BF16=True, BLOCK_C=512, NORM=norm), 4, 3)
 
 
+def greedy_case() -> None:
+    """The greedy tokens' two kernels (``sampling.greedy_tokens``) over bf16 logits of a 102400-word vocabulary."""
+    from quantmla.kernels.sampling import BLOCK_V, _block_argmax_kernel, _row_argmax_kernel
+
+    b16, f32, i32, i64 = (torch.zeros(4, dtype=d) for d in (torch.bfloat16, torch.float32, torch.int32, torch.int64))
+    compile_sm90(_block_argmax_kernel, (b16, f32, i32, i32, 102400, 102400, 25), dict(BLOCK=BLOCK_V), 8, 3)
+    compile_sm90(_row_argmax_kernel, (f32, i32, i32, i64, 25, -1), dict(NBP=32), 1, 1)
+
+
 CASES = {
     "rms norm, rope": (norm_rope_case, (False,)),
     "rms norm, rope with the latent norm": (norm_rope_case, (True,)),
@@ -166,6 +176,7 @@ CASES = {
     **{f"append+read {n}": (append_read_case, (n,)) for n in ["fp8", "int4/int4", "bf16"]},
     **{f"page rope H{h}": (page_rope_case, (h,)) for h in (16, 128)},
     "page rope blocks of 16 H16": (page_rope_case, (16, 16)),
+    "greedy tokens": (greedy_case, ()),
 }
 
 

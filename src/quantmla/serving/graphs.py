@@ -85,7 +85,12 @@ NONFINITE = -1  # the token a row gets when its logits hold NaN or Inf (the requ
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite."""
+    """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite. On CUDA two Triton
+    kernels (``kernels.sampling.greedy_tokens``), elsewhere torch's ops; the same tokens."""
+    if logits.is_cuda:
+        from quantmla.kernels.sampling import greedy_tokens
+
+        return greedy_tokens(logits, NONFINITE)
     return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
 
 
