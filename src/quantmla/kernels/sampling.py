@@ -2,8 +2,8 @@
 
     where(isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
 
-is five kernels over the [R, V] logits (the test, the row reduction, the argmax, the select and their glue), each a
-full read of the vocabulary's row or a launch of its own. Here the first kernel reads every block of BLOCK
+is about seven kernels over the [R, V] logits on CUDA (the finiteness test as four elementwise kernels, its row
+reduction, the argmax and the select), each a launch of its own. Here the first kernel reads every block of BLOCK_V
 logits of a row once and keeps its largest value, that value's first index and whether the block holds NaN or
 Inf; the second merges a row's blocks. The index is torch's: the first of the row's largest values (every logit
 compared exactly, in fp32, which holds bf16 and fp16 values unrounded).
