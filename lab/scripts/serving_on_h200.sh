@@ -82,6 +82,9 @@
 #                 replays launched ahead                              -> profile/step_grid_full_graphs_h200.json
 # step-grid-2k    graph decode steps at the short job's shape (1 and 8 rows of 2K), four formats, 20 costliest kernels:
 #                 the append and decode calls' share of a step                -> profile/step_grid_2k_h200.json
+# greedy-kernels  the greedy tokens' Triton kernels against torch's tokens on the GPU (tests/test_sampling.py, the engine's
+#                 graph and agreement tests), then the equal-batch step grid (32 x 16K, four formats) with them
+#                 -> serving/greedy_kernels_gpu_tests_h200.log, profile/step_grid_greedy_kernels_h200.json
 # step-anatomy    host against GPU time of each step of a pressured job       -> step_overhead/step_anatomy_h200.json
 # step-overhead   graph decode step wall time against its replay's GPU time -> step_overhead/splits_128_h200.json
 # splits-ab       the same with 256- and 128-token decode split floors, three formats, batches 1-16
@@ -115,6 +118,14 @@ gpu-tests() {
   timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_kernels_prefill.py tests/test_serving.py tests/test_kernels_gpu.py \
     tests/test_engine_observers.py tests/test_norms.py tests/test_fused_rope.py tests/test_merged.py tests/test_overlap.py \
     tests/test_latent_range.py -k "read_matches or static_graph or on_gpu or prefill or silu_mul or mlp_attach or merge or wide_latents" 2>&1 | tail -5 | tee -a "$LOG"
+}
+
+greedy-kernels() {
+  timeout 200 python3 -m pytest -q tests/test_sampling.py tests/test_serving.py tests/test_engine_observers.py \
+    -k "sampling or greedy or tokens or static_graph or on_gpu" -rfs 2>&1 | tail -8 \
+    | tee "$OUT/serving/greedy_kernels_gpu_tests_h200.log" | tee -a "$LOG"
+  timeout 200 python3 -m quantmla_lab.bench.serving.step_grid --batches 32 --contexts 16384 --warm 12 --top 20 \
+    --out "$OUT/profile/step_grid_greedy_kernels_h200.json" 2>&1 | quiet 20
 }
 
 agreement() {
