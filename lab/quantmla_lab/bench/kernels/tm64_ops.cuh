@@ -105,6 +105,20 @@ constexpr int CHUNK = 8192;                     // an operand chunk: 64 rows x 1
 // the descriptor of the scores' k-step k (0-35) in the query block dq (nine K-major chunks of 4 k-steps)
 __device__ __forceinline__ uint64_t query_kstep(uint64_t dq, int k) { return dq + (((k >> 2) * CHUNK + (k & 3) * 32) >> 4); }
 
+// the scores' A words of the thread's tokens r_lo (xl) and r_lo + 8 (xh): content load m (0-3) of 16 bytes (its t's
+// part of each 64-byte block), or the 8 RoPE bytes
+__device__ __forceinline__ void content_words(const uint8_t* st, int r_lo, int t, int m, uint32_t (&xl)[4],
+                                              uint32_t (&xh)[4]) {
+  const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
+  const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
+  xl[0] = vl.x, xl[1] = vl.y, xl[2] = vl.z, xl[3] = vl.w, xh[0] = vh.x, xh[1] = vh.y, xh[2] = vh.z, xh[3] = vh.w;
+}
+__device__ __forceinline__ void rope_words(const uint8_t* st, int r_lo, int t, uint32_t (&xl)[2], uint32_t (&xh)[2]) {
+  const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
+  const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
+  xl[0] = vl.x, xl[1] = vl.y, xh[0] = vh.x, xh[1] = vh.y;
+}
+
 // the output's A words of k-step kk: the 4 code bytes at col of tokens r0 = 16kk + 2t, r0 + 8, r0 + 1, r0 + 9 (x .. w)
 __device__ __forceinline__ uint4 code_words(const uint8_t* st, int kk, int col, int t) {
   const int r0 = 16 * kk + 2 * t;
@@ -131,9 +145,8 @@ __device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, u
     }
 #pragma unroll
   for (int m = 0; m < 4; ++m) {  // content: 16-byte load m of each token, 4 words, 2 planes a word
-    const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-    const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-    const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+    uint32_t xl[4], xh[4];
+    content_words(st, r_lo, t, m, xl, xh);
 #pragma unroll
     for (int s0 = 0; s0 < 4; s0 += WORDS) {  // WORDS words of each token: their operands, then their products
       uint32_t a[WORDS][2][4];
@@ -156,9 +169,8 @@ __device__ __forceinline__ void scores_dqa(float (&sc)[32], const uint8_t* st, u
       wgmma_wait<IN_FLIGHT>();  // the groups before: done, their operand registers free
     }
   }
-  const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);  // RoPE: 8 bytes, 4 k-steps
-  const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-  const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+  uint32_t xl[2], xh[2];  // RoPE: 8 bytes, 4 k-steps
+  rope_words(st, r_lo, t, xl, xh);
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     uint32_t a[2][4];

@@ -22,9 +22,8 @@ __device__ __forceinline__ void scores_planes(float (&sc)[32], const uint8_t* st
     for (int pp = 0; pp < (ONE ? 2 : 1); ++pp) {
 #pragma unroll
       for (int m = 2 * q; m < 2 * q + 2; ++m) {
-        const uint4 vl = *reinterpret_cast<const uint4*>(st + r_lo * FB_CC + 16 * (4 * m + t));
-        const uint4 vh = *reinterpret_cast<const uint4*>(st + (r_lo + 8) * FB_CC + 16 * (4 * m + t));
-        const uint32_t xl[4] = {vl.x, vl.y, vl.z, vl.w}, xh[4] = {vh.x, vh.y, vh.z, vh.w};
+        uint32_t xl[4], xh[4];
+        content_words(st, r_lo, t, m, xl, xh);
 #pragma unroll
         for (int s0 = 0; s0 < 4; s0 += WORDS) {  // WORDS words of each token: their A operands, then their products
           uint32_t a[WORDS][2][4];
@@ -68,9 +67,8 @@ __device__ __forceinline__ void scores_planes(float (&sc)[32], const uint8_t* st
     }
   }
   {  // RoPE: 8 bytes a token (masked), with ONE plane 1 shifted to plane 0's weight: one group, one sum
-    const uint2 vl = *reinterpret_cast<const uint2*>(st + RAW_RC + r_lo * FB_RC + 8 * t);
-    const uint2 vh = *reinterpret_cast<const uint2*>(st + RAW_RC + (r_lo + 8) * FB_RC + 8 * t);
-    const uint32_t xl[2] = {vl.x, vl.y}, xh[2] = {vh.x, vh.y};
+    uint32_t xl[2], xh[2];
+    rope_words(st, r_lo, t, xl, xh);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       uint32_t a[2][4];
