@@ -58,7 +58,14 @@ def test_strided_rows_and_no_rows():
 
 @pytest.mark.parametrize("bad,match", [(torch.zeros(3, dtype=torch.float32), "rows, vocabulary"),
                                        (torch.zeros(2, 3, dtype=torch.int64), "floating-point"),
-                                       (torch.zeros(2, 0), "vocabulary is empty")])
+                                       (torch.zeros(2, 0), "vocabulary is empty"),
+                                       (torch.zeros(2, 3, dtype=torch.float64), "fit fp32 unrounded")])
 def test_bad_logits_are_refused_before_launch(bad, match):
     with pytest.raises(ValueError, match=match):
         sampling.greedy_tokens(bad.to(DEV), NONFINITE)
+
+
+def test_fp64_logits_keep_torchs_tokens():
+    """fp64 logits that fp32 would merge into a tie (or overflow to Inf) take torch's path in ``greedy``."""
+    x = torch.tensor([[1.0, 1.0 + 2.0**-40, 0.0], [1e300, 1e301, 0.0]], dtype=torch.float64, device=DEV)
+    assert greedy(x).tolist() == [1, 1] == _torch_greedy(x).tolist()

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 4096  # logits a program of the first pass reads (102400-word vocabularies: 25 a row)
+EXACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # compared in fp32 without rounding
 
 
 @triton.jit(do_not_specialize=["stride", "V"])
@@ -46,11 +47,14 @@ def _row_argmax_kernel(VAL, IDX, BAD, OUT, NB, NONFINITE, NBP: tl.constexpr):
 
 
 def greedy_tokens(logits: torch.Tensor, nonfinite: int) -> torch.Tensor:
-    """Greedy tokens of logits [R, V] (floating point; rows may be strided, the last dim contiguous) -> int64 [R]:
+    """Greedy tokens of logits [R, V] (bf16, fp16 or fp32; rows may be strided, the last dim contiguous) -> int64 [R]:
     each row's first largest logit, or `nonfinite` for a row that holds NaN or Inf."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"greedy_tokens: logits must be a floating-point [rows, vocabulary] tensor, not "
                          f"{logits.dtype} {tuple(logits.shape)}")
+    if logits.dtype not in EXACT_DTYPES:
+        raise ValueError(f"greedy_tokens: {logits.dtype} logits do not all fit fp32 unrounded (ties and range would "
+                         f"change); take torch's argmax for them, or cast to one of {EXACT_DTYPES}")
     R, V = logits.shape
     if V == 0:
         raise ValueError("greedy_tokens: the vocabulary is empty: no token to choose")

@@ -86,11 +86,13 @@ NONFINITE = -1  # the token a row gets when its logits hold NaN or Inf (the requ
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of logits [R, V] -> int64 [R]; NONFINITE for a row that is not all finite. On CUDA two Triton
-    kernels (``kernels.sampling.greedy_tokens``), elsewhere torch's ops; the same tokens."""
+    kernels (``kernels.sampling.greedy_tokens``) for bf16, fp16 and fp32 logits, elsewhere torch's ops; the same
+    tokens."""
     if logits.is_cuda:
-        from quantmla.kernels.sampling import greedy_tokens
+        from quantmla.kernels.sampling import EXACT_DTYPES, greedy_tokens
 
-        return greedy_tokens(logits, NONFINITE)
+        if logits.dtype in EXACT_DTYPES:
+            return greedy_tokens(logits, NONFINITE)
     return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), NONFINITE)
 
 
